@@ -1,0 +1,128 @@
+// Executors: attention restricted to a selection (DESIGN §5.1-5.6).
+//
+// Arguments follow flash-attn: q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (last dim contiguous,
+// any other strides), out [B, Lq, Hq, D] of q's dtype, optional lse float32 [B, Hq, Lq] holding
+// the natural log of the softmax denominator (scale included; not base 2). GQA is native: query head
+// h uses KV head h / (Hq / Hkv); K and V are never repeated. Causal masks are aligned bottom-right.
+//
+// dtypes: bf16 and f16 on every backend, f32 on the CPU. The CPU backend computes in float32
+// with exact float32 softmax; device tensors go to the CUDA backend, which runs on
+// `options.stream` without host synchronisation or allocation. An operator that has no
+// implementation for the tensors' device throws Error; it never falls back silently.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "sparse_attn/formats.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn {
+
+struct AttentionOptions {
+  std::optional<float> softmax_scale;  // default 1 / sqrt(D)
+  bool causal = false;
+  bool trusted = false;    // skip validation of the selection (the caller produced it)
+  void* stream = nullptr;  // cudaStream_t for device tensors; ignored on the CPU
+};
+
+/// Checks q, k, v, out and lse against each other and returns the problem shape (causal taken
+/// from `options`). Throws Error naming the argument at fault.
+ProblemShape check_attention_args(const std::string& op, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& out,
+                                  const std::optional<TensorView>& lse,
+                                  const AttentionOptions& options);
+
+/// Softmax scale in effect: options.softmax_scale or 1 / sqrt(D). Throws if not finite and > 0.
+float resolve_scale(const std::string& op, const std::optional<float>& scale, std::int64_t D);
+
+/// Dense attention: every visible key.
+void dense(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+           const std::optional<TensorView>& lse = std::nullopt, const AttentionOptions& options = {});
+
+/// Q-centric block-sparse attention over per-tile lists.
+void tile_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TileLists& tiles, const TensorView& out,
+                 const std::optional<TensorView>& lse = std::nullopt,
+                 const AttentionOptions& options = {});
+
+/// Block-sparse attention over per-tile bit sets (walks the set bits).
+void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                 const BlockBits& bits, const TensorView& out,
+                 const std::optional<TensorView>& lse = std::nullopt,
+                 const AttentionOptions& options = {});
+
+enum class PartialPrecision : std::uint8_t { f32, bf16 };
+
+struct QuerySparseOptions : AttentionOptions {
+  PartialPrecision partials = PartialPrecision::f32;  // storage of partial outputs
+};
+
+/// KV-centric attention over per-query block lists: reverse index -> partial outputs and LSE per
+/// (query, head, slot) -> LSE-weighted combine in slot order (deterministic).
+void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const QueryLists& lists, const TensorView& out,
+                  const std::optional<TensorView>& lse = std::nullopt,
+                  const QuerySparseOptions& options = {});
+
+/// Attention over per-query key positions, shared by the heads of a group.
+void token_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TokenLists& tokens, const TensorView& out,
+                  const std::optional<TensorView>& lse = std::nullopt,
+                  const AttentionOptions& options = {});
+
+/// Any selection: dispatches on the alternative held.
+void sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const Selection& selection, const TensorView& out,
+                      const std::optional<TensorView>& lse = std::nullopt,
+                      const AttentionOptions& options = {});
+
+// ---- gated (BSFA, DESIGN §5.5) -----------------------------------------------------------------
+
+struct GatedOptions {
+  std::optional<float> softmax_scale;
+  void* stream = nullptr;
+  /// Optional int32 [B, Hq, Tq] output: blocks kept per (batch, head, Q tile), diagonal included.
+  std::optional<TensorView> kept_per_tile;
+};
+
+struct GatedStats {
+  std::int64_t kept_blocks = 0;       // (b, h, q tile, kv block) visits that ran PV
+  std::int64_t visible_blocks = 0;    // visits that were causally visible (all of them ran QK)
+  std::int64_t gated_candidates = 0;  // visible visits that were off the diagonal (subject to the gate)
+  std::int64_t gated_kept = 0;        // ... of which passed the gate
+  double density() const { return visible_blocks ? double(kept_blocks) / double(visible_blocks) : 0.0; }
+};
+
+/// Causal attention that computes QK for every visible block, takes the block max of the scaled
+/// scores over the whole tile, and skips V, PV and the softmax update where that max is below
+/// thresholds[h][min(q_tile, T - 1)] (float32 [Hq, T], one budget and layer of a ThresholdTable).
+/// Blocks that straddle the causal diagonal are always kept. A threshold of -inf keeps every block.
+GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TensorView& thresholds, const TensorView& out,
+                 const std::optional<TensorView>& lse = std::nullopt, const GatedOptions& options = {});
+
+// ---- entmax (DESIGN §5.6) ----------------------------------------------------------------------
+
+struct EntmaxOptions {
+  float alpha = 1.5f;  // > 1; alpha = 2 is sparsemax
+  std::optional<float> softmax_scale;  // z = scale * q.k
+  bool causal = false;
+  int histogram_bins = 64;  // bins of the threshold bound (>= 2)
+  void* stream = nullptr;
+  /// Optional uint32 [B, Hq, Tq, ceil(Tk / 32)] output: the tiles holding any nonzero weight.
+  std::optional<TensorView> block_bits;
+};
+
+struct EntmaxStats {
+  std::int64_t active_tiles = 0;   // (b, h, q tile, kv block) tiles visited by the output pass
+  std::int64_t visible_tiles = 0;  // causally visible tiles
+  std::int64_t support = 0;        // (query, key) pairs with nonzero weight
+};
+
+/// p = [(alpha - 1) z - tau]_+^(1 / (alpha - 1)) per row, out = p V. Exact: equal to full-context
+/// entmax up to rounding. Fully masked rows (none under causal) give out = 0.
+EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v,
+                   const TensorView& out, const EntmaxOptions& options = {});
+
+}  // namespace sparse_attn

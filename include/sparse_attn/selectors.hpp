@@ -1,0 +1,88 @@
+// Selectors: decide which KV blocks (or keys) each query sees (DESIGN §5.7).
+//
+// Top-k is exact with ties broken by the lower index. Lists come out ascending, so TileLists are
+// valid for tile_sparse as produced. All selectors are deterministic.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "sparse_attn/formats.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn {
+
+struct PooledOptions {
+  int representatives = 1;   // r in {1, 4}: 128 / r consecutive tokens per representative
+  int top_k = 16;            // blocks per (b, group, Q tile); fewer when fewer are visible
+  bool force_local = true;   // always keep the diagonal block(s) of the tile (causal) or the block
+                             // holding the tile's first query's aligned key (non-causal)
+  bool force_block0 = false; // always keep block 0 (attention sink)
+  bool causal = false;       // only blocks visible to some query of the tile are candidates
+  void* stream = nullptr;
+};
+
+/// R1 / R4 pooled selector. q [B, Lq, Hq, D], k [B, Lk, Hkv, D]. Representatives are means of
+/// 128 / r consecutive queries (keys) of a tile (block), partial tiles averaging what they hold;
+/// block score = max over representative pairs and over the query heads of the group of the
+/// representative dot products. out.idx int32 [B, Hkv, Tq, Kmax >= top_k], out.cnt [B, Hkv, Tq].
+void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out,
+                   const PooledOptions& options = {});
+
+enum class IndexPrecision : std::uint8_t {
+  bf16,      // inputs rounded to bf16, products accumulated in float32
+  fp8_e4m3,  // per-tensor scaled e4m3 (saturating, round to nearest even), float32 accumulation
+  fp4_e2m1,  // e2m1 values with an e4m3 scale per 16 consecutive elements (NVFP4 layout)
+};
+
+const char* precision_name(IndexPrecision p);
+
+struct TokenMaxOptions {
+  int top_k = 16;              // blocks per list, the reserved local block included
+  IndexPrecision precision = IndexPrecision::bf16;
+  bool causal = true;
+  bool reserve_local = true;   // the block holding the query's own position (causal diagonal) is
+                               // always selected and counts towards top_k
+  void* stream = nullptr;
+};
+
+/// MSA-style block scores from index vectors: qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
+/// Score of block j for query i = max over visible keys s of block j of qidx_i . kidx_s.
+/// Per-query lists (QueryLists idx [B, Hkv, Lq, Kq >= top_k], -1 padded, ascending).
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
+                      const TokenMaxOptions& options = {});
+/// Per-tile lists: the block score is also maxed over the queries of the tile.
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
+                      const TokenMaxOptions& options = {});
+
+struct LightningOptions {
+  int top_k = 2048;
+  bool causal = true;
+  IndexPrecision precision = IndexPrecision::fp8_e4m3;  // bf16 or fp8_e4m3
+  void* stream = nullptr;
+};
+
+/// DSA lightning indexer: I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
+/// w [B, Lq, HI] (float32), kI [B, Lk, Di]. Top-k keys per query, written to every group of
+/// out.idx [B, G, Lq, Kt >= top_k] (ascending, -1 padded). The [Lq, Lk] score matrix is never stored.
+void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI,
+                      const TokenLists& out, const LightningOptions& options = {});
+/// Same scores max-pooled to KV blocks; top-k blocks per query.
+void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI,
+                      const QueryLists& out, const LightningOptions& options = {});
+
+// ---- low-precision formats (exactly as the hardware defines them) --------------------------------
+
+/// float -> e4m3 (fn: no infinities, max 448, saturating, round to nearest even; NaN -> 0x7f).
+std::uint8_t float_to_e4m3(float f);
+float e4m3_to_float(std::uint8_t b);
+/// float -> e2m1 (max 6, saturating, round to nearest even), 4-bit code in the low nibble.
+std::uint8_t float_to_e2m1(float f);
+float e2m1_to_float(std::uint8_t b);
+
+/// Rounds a row of n values through the given precision in place (fp4: blocks of 16 with an e4m3
+/// scale = amax / 6, then e2m1 values; fp8: x / scale rounded to e4m3, times scale). `tensor_scale`
+/// is the per-tensor scale for fp8 (amax / 448) and the scale-of-scales for fp4.
+void quantize_dequantize(float* row, std::int64_t n, IndexPrecision p, float tensor_scale);
+
+}  // namespace sparse_attn

@@ -1,0 +1,63 @@
+// Calibrated block-max thresholds for the gated executor (DESIGN §3, §5.5), and their calibration.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn {
+
+/// t float32 [n_budgets, n_layers, n_heads, n_qtiles] plus the metadata that makes it meaningful.
+/// Thresholds are only valid for the tile shape and model they were calibrated on.
+struct ThresholdTable {
+  std::vector<std::int64_t> budgets;  // k (off-diagonal blocks kept) of each budget slice
+  std::int64_t n_layers = 0;
+  std::int64_t n_heads = 0;
+  std::int64_t n_qtiles = 0;  // calibrated Q tile positions; later positions reuse the last
+  std::int64_t tile_q = 128;
+  std::int64_t tile_k = 128;
+  std::string model;          // model identity the thresholds belong to
+  std::vector<float> values;  // row-major [budgets.size(), n_layers, n_heads, n_qtiles]
+
+  float at(std::int64_t budget, std::int64_t layer, std::int64_t head, std::int64_t qtile) const;
+  /// float32 [n_heads, n_qtiles] view of one budget and layer, as gated() takes it.
+  TensorView slice(std::int64_t budget, std::int64_t layer) const;
+  /// Index of the slice whose budget equals k; throws if none.
+  std::int64_t budget_index(std::int64_t k) const;
+
+  /// safetensors file: tensor "thresholds" (F32) and "budgets" (I64); metadata keys "tile_q",
+  /// "tile_k", "model", "format" = "sparse_attn.thresholds.v1".
+  void save(const std::string& path) const;
+  static ThresholdTable load(const std::string& path);
+};
+
+/// Accumulates per-sample thresholds and averages them (DESIGN §5.5). For each sample, layer, head
+/// and Q tile: sort the block maxima of the off-diagonal visible blocks and take the k-th largest;
+/// fewer than k candidates gives -inf (and then the average is -inf).
+class Calibrator {
+ public:
+  Calibrator(std::vector<std::int64_t> budgets, std::int64_t n_layers, std::string model = "");
+
+  /// Adds one sample's layer: q [1, L, Hq, D], k [1, L, Hkv, D] (CPU, causal, Lq = Lk).
+  void add(std::int64_t layer, const TensorView& q, const TensorView& k,
+           std::optional<float> softmax_scale = std::nullopt);
+  /// Averages over samples. Q tiles past a sample's length are averaged over the samples that
+  /// reach them; n_qtiles is the longest sample's.
+  ThresholdTable finish() const;
+
+ private:
+  std::vector<std::int64_t> budgets_;
+  std::int64_t n_layers_;
+  std::string model_;
+  std::int64_t n_heads_ = -1;
+  // sums and counts per [budget][layer][head][qtile]; -inf is sticky
+  std::vector<std::vector<double>> sum_;       // [budget * n_layers + layer] -> [head * T + qtile]
+  std::vector<std::vector<std::int64_t>> n_;   // same layout
+  std::vector<std::vector<std::uint8_t>> neg_inf_;
+  std::vector<std::int64_t> qtiles_;           // per layer: longest T seen
+};
+
+}  // namespace sparse_attn

@@ -1,0 +1,37 @@
+// Argument checks shared by every operator. Each throws sparse_attn::Error naming the operator and
+// the argument.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "sparse_attn/error.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn::detail {
+
+inline void require(bool ok, const std::string& op, const std::string& arg, const std::string& message) {
+  if (!ok) throw Error(op, arg, message);
+}
+
+/// "[0, 3, 17]"
+std::string coord_string(std::initializer_list<std::int64_t> c);
+std::string shape_string(const TensorView& t);
+
+/// The tensor is defined, has `ndim` dimensions and one of `dtypes`.
+void check_tensor(const std::string& op, const std::string& name, const TensorView& t, int ndim,
+                  std::initializer_list<DType> dtypes);
+/// Every extent equals `shape` (-1 matches anything).
+void check_shape(const std::string& op, const std::string& name, const TensorView& t,
+                 std::initializer_list<std::int64_t> shape);
+/// The last dimension is contiguous (stride 1).
+void check_last_contiguous(const std::string& op, const std::string& name, const TensorView& t);
+/// `t` is on the same device as `ref`.
+void check_same_device(const std::string& op, const std::string& name, const TensorView& t,
+                       const std::string& ref_name, const TensorView& ref);
+/// Throws the standard "no implementation on this device" error.
+[[noreturn]] void unsupported_device(const std::string& op, const std::string& name, const TensorView& t);
+
+}  // namespace sparse_attn::detail

@@ -1,0 +1,134 @@
+#include "common/testing.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "core/cpu.hpp"
+
+namespace sparse_attn::testing {
+
+HostTensor random_tensor(DType dtype, std::vector<std::int64_t> shape, std::uint64_t seed, float stddev) {
+  HostTensor t(dtype, std::move(shape));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  const TensorView& v = t.view();
+  const std::size_t es = dtype_size(dtype);
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    float x = dist(rng);
+    if (x == 0.0f) x = 1e-3f;
+    detail::store_float(v, static_cast<char*>(v.data) + i * static_cast<std::int64_t>(es), x);
+  }
+  return t;
+}
+
+void poison(HostTensor& t) {
+  const TensorView& v = t.view();
+  const std::size_t es = dtype_size(v.dtype);
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    char* p = static_cast<char*>(v.data) + i * static_cast<std::int64_t>(es);
+    switch (v.dtype) {
+      case DType::i32: *reinterpret_cast<std::int32_t*>(p) = 0x7fffffff; break;
+      case DType::u32: *reinterpret_cast<std::uint32_t*>(p) = 0xffffffffu; break;
+      case DType::u8: *reinterpret_cast<std::uint8_t*>(p) = 0xff; break;
+      default: detail::store_float(v, p, std::numeric_limits<float>::quiet_NaN()); break;
+    }
+  }
+}
+
+double element(const HostTensor& t, std::int64_t i) {
+  const TensorView& v = t.view();
+  const char* p = static_cast<const char*>(v.data) + i * static_cast<std::int64_t>(dtype_size(v.dtype));
+  if (v.dtype == DType::f64) return *reinterpret_cast<const double*>(p);
+  return detail::load_float(v, p);
+}
+
+bool all_finite(const HostTensor& t, bool allow_neg_inf) {
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    const double x = element(t, i);
+    if (std::isnan(x)) return false;
+    if (std::isinf(x) && !(allow_neg_inf && x < 0)) return false;
+  }
+  return true;
+}
+
+Reference reference_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const Selection& selection, const ProblemShape& p, double scale) {
+  Reference r;
+  r.out.assign(static_cast<std::size_t>(p.B * p.Lq * p.Hq * p.D), 0.0);
+  r.lse.assign(static_cast<std::size_t>(p.B * p.Hq * p.Lq), -std::numeric_limits<double>::infinity());
+  const std::int64_t group = p.Hq / p.Hkv;
+  detail::parallel_for(p.B * p.Hq, [&](std::int64_t bh) {
+    const std::int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / group;
+    std::vector<std::uint8_t> row(static_cast<std::size_t>(p.Lk));
+    std::vector<float> qf(static_cast<std::size_t>(p.D)), kf(static_cast<std::size_t>(p.D));
+    std::vector<double> s(static_cast<std::size_t>(p.Lk)), acc(static_cast<std::size_t>(p.D));
+    for (std::int64_t i = 0; i < p.Lq; ++i) {
+      selection_row(selection, p, b, h, i, row.data());
+      detail::load_bhld(q, b, i, h, qf.data());
+      double m = -std::numeric_limits<double>::infinity();
+      for (std::int64_t j = 0; j < p.Lk; ++j) {
+        if (!row[static_cast<std::size_t>(j)]) continue;
+        detail::load_bhld(k, b, j, hk, kf.data());
+        double dot = 0;
+        for (std::int64_t d = 0; d < p.D; ++d) dot += double(qf[static_cast<std::size_t>(d)]) * kf[static_cast<std::size_t>(d)];
+        s[static_cast<std::size_t>(j)] = dot * scale;
+        m = std::max(m, s[static_cast<std::size_t>(j)]);
+      }
+      if (m == -std::numeric_limits<double>::infinity()) continue;  // sees no key: out 0, lse -inf
+      double denom = 0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::int64_t j = 0; j < p.Lk; ++j) {
+        if (!row[static_cast<std::size_t>(j)]) continue;
+        const double w = std::exp(s[static_cast<std::size_t>(j)] - m);
+        denom += w;
+        detail::load_bhld(v, b, j, hk, kf.data());
+        for (std::int64_t d = 0; d < p.D; ++d) acc[static_cast<std::size_t>(d)] += w * kf[static_cast<std::size_t>(d)];
+      }
+      const std::size_t o = static_cast<std::size_t>(((b * p.Lq + i) * p.Hq + h) * p.D);
+      for (std::int64_t d = 0; d < p.D; ++d) r.out[o + static_cast<std::size_t>(d)] = acc[static_cast<std::size_t>(d)] / denom;
+      r.lse[static_cast<std::size_t>((b * p.Hq + h) * p.Lq + i)] = m + std::log(denom);
+    }
+  });
+  return r;
+}
+
+double rel_err(const HostTensor& out, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (std::int64_t i = 0; i < out.numel(); ++i) {
+    const double x = element(out, i);
+    if (std::isnan(x)) return std::numeric_limits<double>::infinity();
+    const double d = x - ref[static_cast<std::size_t>(i)];
+    num += d * d;
+    den += ref[static_cast<std::size_t>(i)] * ref[static_cast<std::size_t>(i)];
+  }
+  if (den == 0) return std::sqrt(num);
+  return std::sqrt(num / den);
+}
+
+double max_abs_err(const HostTensor& out, const std::vector<double>& ref) {
+  double m = 0;
+  for (std::int64_t i = 0; i < out.numel(); ++i) {
+    const double x = element(out, i);
+    if (std::isnan(x)) return std::numeric_limits<double>::infinity();
+    m = std::max(m, std::abs(x - ref[static_cast<std::size_t>(i)]));
+  }
+  return m;
+}
+
+double lse_max_err(const HostTensor& lse, const std::vector<double>& ref) {
+  double m = 0;
+  for (std::int64_t i = 0; i < lse.numel(); ++i) {
+    const double x = element(lse, i), r = ref[static_cast<std::size_t>(i)];
+    if (std::isnan(x)) return std::numeric_limits<double>::infinity();
+    if (std::isinf(r) || std::isinf(x)) {
+      if (x != r) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    m = std::max(m, std::abs(x - r));
+  }
+  return m;
+}
+
+}  // namespace sparse_attn::testing
