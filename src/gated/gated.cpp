@@ -1,0 +1,177 @@
+// gated (BSFA, DESIGN §5.5): causal attention that scores every visible block exactly and runs the
+// value side only for blocks whose scaled block maximum reaches the calibrated threshold.
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/check.hpp"
+#include "core/cpu.hpp"
+#include "gated/tile_kernels.hpp"
+#include "sparse_attn/ops.hpp"
+
+namespace sparse_attn {
+namespace {
+
+constexpr const char* kOp = "gated";
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+float threshold_at(const TensorView& t, std::int64_t h, std::int64_t col) {
+  return *(t.ptr<const float>() + h * t.stride[0] + col * t.stride[1]);
+}
+
+// Counters of one (b, h, q tile) work item; summed after the parallel loop so the totals are exact
+// and independent of scheduling.
+struct TileCounts {
+  std::int64_t kept = 0, visible = 0, candidates = 0, gated_kept = 0;
+};
+
+TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& thresholds, const TensorView& out, const std::optional<TensorView>& lse,
+                          const ProblemShape& p, float scale, std::int64_t b, std::int64_t h, std::int64_t t,
+                          detail::TileScratch& w) {
+  const std::int64_t D = p.D, hk = h / p.group_size();
+  const detail::Span rows = detail::q_tile_rows(p, t);
+  const std::int64_t R = rows.size();
+  const float threshold = threshold_at(thresholds, h, std::min(t, thresholds.shape[1] - 1));
+
+  detail::pack_rows(q, b, h, rows, w.q.data());
+  std::vector<float> m(static_cast<std::size_t>(R), kNegInf), l(static_cast<std::size_t>(R), 0.0f);
+  std::vector<float> acc(static_cast<std::size_t>(R * D), 0.0f);
+  std::vector<std::int64_t> row_end(static_cast<std::size_t>(R));
+  for (std::int64_t r = 0; r < R; ++r) row_end[static_cast<std::size_t>(r)] = detail::visible_key_end(p, rows.begin + r);
+
+  TileCounts counts;
+  const std::int64_t nblocks = detail::visible_blocks(p, rows);
+  for (std::int64_t j = 0; j < nblocks; ++j) {
+    const detail::Span keys = detail::kv_block_keys(p, j);
+    const std::int64_t C = keys.size();
+    const bool diagonal = detail::straddles_diagonal(p, rows, keys);
+    detail::pack_keys_transposed(k, b, hk, keys, w.kt.data(), w.row.data());
+    detail::tile_scores(w.q.data(), R, w.kt.data(), C, D, scale, w.s.data());
+    ++counts.visible;
+
+    if (diagonal) {
+      for (std::int64_t r = 0; r < R; ++r) {
+        const std::int64_t visible = std::clamp<std::int64_t>(row_end[static_cast<std::size_t>(r)] - keys.begin, 0, C);
+        for (std::int64_t c = visible; c < C; ++c) w.s[static_cast<std::size_t>(r * kBlockK + c)] = kNegInf;
+      }
+    } else {
+      // Every pair of an off-diagonal block is visible, so its maximum is over the whole tile.
+      float block_max = kNegInf;
+      for (std::int64_t r = 0; r < R; ++r)
+        for (std::int64_t c = 0; c < C; ++c) block_max = std::max(block_max, w.s[static_cast<std::size_t>(r * kBlockK + c)]);
+      ++counts.candidates;
+      // ">=" as in the BSFA paper's main text: a block whose maximum equals the threshold is kept,
+      // so a threshold of -inf keeps every block.
+      if (!(block_max >= threshold)) continue;
+      ++counts.gated_kept;
+    }
+    ++counts.kept;
+
+    for (std::int64_t c = 0; c < C; ++c) detail::load_bhld(v, b, keys.begin + c, hk, w.v.data() + c * D);
+    for (std::int64_t r = 0; r < R; ++r) {
+      float* sr = w.s.data() + r * kBlockK;
+      float block_row_max = kNegInf;
+      for (std::int64_t c = 0; c < C; ++c) block_row_max = std::max(block_row_max, sr[c]);
+      if (block_row_max == kNegInf) continue;  // this row sees no key of the block
+      float& mr = m[static_cast<std::size_t>(r)];
+      const float m_new = std::max(mr, block_row_max);
+      const float rescale = std::exp(mr - m_new);  // exp(-inf) = 0 for the first block of the row
+      float sum = 0.0f;
+      for (std::int64_t c = 0; c < C; ++c) {
+        sr[c] = std::exp(sr[c] - m_new);
+        sum += sr[c];
+      }
+      float* ar = acc.data() + r * D;
+      if (rescale != 1.0f)
+        for (std::int64_t d = 0; d < D; ++d) ar[d] *= rescale;
+      for (std::int64_t c = 0; c < C; ++c) {
+        const float pc = sr[c];
+        if (pc == 0.0f) continue;
+        const float* vc = w.v.data() + c * D;
+        for (std::int64_t d = 0; d < D; ++d) ar[d] += pc * vc[d];
+      }
+      l[static_cast<std::size_t>(r)] = l[static_cast<std::size_t>(r)] * rescale + sum;
+      mr = m_new;
+    }
+  }
+
+  for (std::int64_t r = 0; r < R; ++r) {
+    float* ar = acc.data() + r * D;
+    const float lr = l[static_cast<std::size_t>(r)];
+    // A row whose kept blocks hold none of its visible keys sees no key: out = 0, lse = -inf.
+    const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+    for (std::int64_t d = 0; d < D; ++d) ar[d] *= inv;
+    detail::store_row(out, detail::addr4(out, b, rows.begin + r, h, 0), D, ar);
+    if (lse) {
+      const float value = lr > 0.0f ? m[static_cast<std::size_t>(r)] + std::log(lr) : kNegInf;
+      *(lse->ptr<float>() + b * lse->stride[0] + h * lse->stride[1] + (rows.begin + r) * lse->stride[2]) = value;
+    }
+  }
+  return counts;
+}
+
+GatedStats gated_cpu(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& thresholds,
+                     const TensorView& out, const std::optional<TensorView>& lse, const GatedOptions& options,
+                     const ProblemShape& p) {
+  for (std::int64_t h = 0; h < thresholds.shape[0]; ++h)
+    for (std::int64_t c = 0; c < thresholds.shape[1]; ++c)
+      detail::require(!std::isnan(threshold_at(thresholds, h, c)), kOp, "thresholds",
+                      "NaN at " + detail::coord_string({h, c}));
+
+  const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
+  const std::int64_t Tq = p.Tq();
+  std::vector<TileCounts> counts(static_cast<std::size_t>(p.B * p.Hq * Tq));
+  detail::parallel_for(p.B * p.Hq * Tq, [&](std::int64_t item) {
+    const std::int64_t t = item % Tq, h = (item / Tq) % p.Hq, b = item / (Tq * p.Hq);
+    detail::TileScratch scratch(p.D);
+    const TileCounts c = gated_tile_cpu(q, k, v, thresholds, out, lse, p, scale, b, h, t, scratch);
+    counts[static_cast<std::size_t>(item)] = c;
+    if (options.kept_per_tile) {
+      const TensorView& kp = *options.kept_per_tile;
+      *(kp.ptr<std::int32_t>() + b * kp.stride[0] + h * kp.stride[1] + t * kp.stride[2]) =
+          static_cast<std::int32_t>(c.kept);
+    }
+  });
+
+  GatedStats stats;
+  for (const TileCounts& c : counts) {
+    stats.kept_blocks += c.kept;
+    stats.visible_blocks += c.visible;
+    stats.gated_candidates += c.candidates;
+    stats.gated_kept += c.gated_kept;
+  }
+  return stats;
+}
+
+}  // namespace
+
+GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& thresholds,
+                 const TensorView& out, const std::optional<TensorView>& lse, const GatedOptions& options) {
+  AttentionOptions attention;
+  attention.softmax_scale = options.softmax_scale;
+  attention.causal = true;  // BSFA is a causal prefill operator
+  attention.stream = options.stream;
+  const ProblemShape p = check_attention_args(kOp, q, k, v, out, lse, attention);
+
+  detail::check_tensor(kOp, "thresholds", thresholds, 2, {DType::f32});
+  detail::check_same_device(kOp, "thresholds", thresholds, "q", q);
+  detail::check_shape(kOp, "thresholds", thresholds, {p.Hq, -1});
+  detail::require(thresholds.shape[1] >= 1, kOp, "thresholds",
+                  "needs at least one Q tile column, got shape " + detail::shape_string(thresholds));
+  if (options.kept_per_tile) {
+    const TensorView& kp = *options.kept_per_tile;
+    detail::check_tensor(kOp, "options.kept_per_tile", kp, 3, {DType::i32});
+    detail::check_same_device(kOp, "options.kept_per_tile", kp, "q", q);
+    detail::check_shape(kOp, "options.kept_per_tile", kp, {p.B, p.Hq, p.Tq()});
+  }
+
+  switch (q.device) {
+    case Device::cpu: return gated_cpu(q, k, v, thresholds, out, lse, options, p);
+    case Device::cuda: break;
+  }
+  detail::unsupported_device(kOp, "q", q);
+}
+
+}  // namespace sparse_attn
