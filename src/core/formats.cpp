@@ -1,0 +1,539 @@
+// Selection formats: shape helpers, validators, conversions between formats and explicit masks.
+//
+// Content checks report the first offending coordinate in row-major order. They run on the CPU
+// backend's threads over contiguous chunks of rows, and the fault of the lowest chunk wins, so the
+// coordinate reported does not depend on the thread count.
+#include "sparse_attn/formats.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <type_traits>
+#include <vector>
+
+#include "core/check.hpp"
+#include "core/cpu.hpp"
+#include "sparse_attn/error.hpp"
+
+namespace sparse_attn {
+
+using detail::coord_string;
+using detail::require;
+
+// ---- ProblemShape ------------------------------------------------------------------------------
+
+std::int64_t ProblemShape::key_end(std::int64_t i) const {
+  if (!causal) return Lk;
+  return std::clamp<std::int64_t>(i + offset() + 1, 0, Lk);
+}
+
+std::int64_t ProblemShape::visible_pairs() const {
+  if (!causal) return Lq * Lk;
+  // key_end(i) = clamp(i + offset + 1, 0, Lk): zero for the first queries when Lq > Lk, then a
+  // ramp, then Lk. Summing the ramp in closed form keeps this O(1) for any length.
+  const std::int64_t off = offset();
+  const std::int64_t first = std::clamp<std::int64_t>(-off, 0, Lq);          // first i with key_end > 0
+  const std::int64_t full = std::clamp<std::int64_t>(Lk - off - 1, 0, Lq);   // first i with key_end == Lk
+  std::int64_t total = 0;
+  if (full > first) {
+    const std::int64_t a = first + off + 1, z = full - 1 + off + 1;  // ramp values at both ends
+    total += (a + z) * (full - first) / 2;
+  }
+  total += (Lq - std::max(full, first)) * Lk;
+  return total;
+}
+
+std::string ProblemShape::describe() const {
+  std::ostringstream os;
+  os << "B=" << B << " Lq=" << Lq << " Lk=" << Lk << " Hq=" << Hq << " Hkv=" << Hkv << " D=" << D
+     << (causal ? " causal" : " non-causal");
+  return os.str();
+}
+
+const char* selection_name(const Selection& s) {
+  switch (s.index()) {
+    case 0: return "dense";
+    case 1: return "TileLists";
+    case 2: return "BlockBits";
+    case 3: return "QueryLists";
+    case 4: return "TokenLists";
+  }
+  return "?";
+}
+
+namespace {
+
+struct Fault {
+  std::string argument;
+  std::string message;
+};
+
+template <class T>
+T load4(const TensorView& t, std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int64_t i3) {
+  T x;
+  std::memcpy(&x, detail::addr4(t, i0, i1, i2, i3), sizeof(T));
+  return x;
+}
+
+std::int32_t load3_i32(const TensorView& t, std::int64_t i0, std::int64_t i1, std::int64_t i2) {
+  const std::int64_t off = i0 * t.stride[0] + i1 * t.stride[1] + i2 * t.stride[2];
+  std::int32_t x;
+  std::memcpy(&x, static_cast<const char*>(t.data) + off * 4, sizeof(x));
+  return x;
+}
+
+void store3_i32(const TensorView& t, std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int32_t x) {
+  const std::int64_t off = i0 * t.stride[0] + i1 * t.stride[1] + i2 * t.stride[2];
+  std::memcpy(static_cast<char*>(t.data) + off * 4, &x, sizeof(x));
+}
+
+/// Runs check(r, scratch) for every row r in [0, n) and throws the fault of the lowest faulty row.
+/// `scratch` is a per-chunk vector the check may use for duplicate stamps.
+template <class Check>
+void scan_rows(const std::string& op, std::int64_t n, Check&& check) {
+  if (n <= 0) return;
+  const std::int64_t chunks = std::min<std::int64_t>(n, std::int64_t(std::max(1, detail::cpu_threads())) * 4);
+  std::vector<std::optional<Fault>> faults(static_cast<std::size_t>(chunks));
+  detail::parallel_for(chunks, [&](std::int64_t c) {
+    const std::int64_t r0 = n / chunks * c + std::min(c, n % chunks);
+    const std::int64_t r1 = r0 + n / chunks + (c < n % chunks ? 1 : 0);
+    std::vector<std::int64_t> scratch;
+    for (std::int64_t r = r0; r < r1; ++r) {
+      if (std::optional<Fault> f = check(r, scratch)) {
+        faults[static_cast<std::size_t>(c)] = std::move(f);
+        return;
+      }
+    }
+  });
+  for (const auto& f : faults)
+    if (f) throw Error(op, f->argument, f->message);
+}
+
+/// Stamp-based duplicate detection: scratch[v] == row means v was already seen in this row.
+bool seen_before(std::vector<std::int64_t>& scratch, std::int64_t extent, std::int64_t row, std::int64_t v) {
+  if (static_cast<std::int64_t>(scratch.size()) != extent) scratch.assign(static_cast<std::size_t>(extent), -1);
+  std::int64_t& s = scratch[static_cast<std::size_t>(v)];
+  if (s == row) return true;
+  s = row;
+  return false;
+}
+
+std::string range_string(std::int64_t hi) { return "[0, " + std::to_string(hi) + ")"; }
+
+void check_problem(const std::string& op, const ProblemShape& p) {
+  require(p.B > 0 && p.Lq > 0 && p.Lk > 0 && p.Hq > 0 && p.Hkv > 0, op, "problem",
+          "every extent must be > 0, got " + p.describe());
+  require(p.Hq % p.Hkv == 0, op, "problem",
+          "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" + std::to_string(p.Hkv) + ")");
+}
+
+std::int64_t check_groups(const std::string& op, const std::string& arg, const TensorView& t, const ProblemShape& p) {
+  const std::int64_t G = t.shape[1];
+  require(G == p.Hkv || G == p.Hq, op, arg,
+          "dimension 1 (groups) is " + std::to_string(G) + " but must be Hkv = " + std::to_string(p.Hkv) +
+              " or Hq = " + std::to_string(p.Hq) + " (shape " + detail::shape_string(t) + ")");
+  return G;
+}
+
+/// Metadata of a TileLists: returns G.
+std::int64_t check_tile_meta(const std::string& op, const std::string& name, const TileLists& s, const ProblemShape& p) {
+  const std::string ai = name + ".idx", ac = name + ".cnt";
+  detail::check_tensor(op, ai, s.idx, 4, {DType::i32});
+  detail::check_tensor(op, ac, s.cnt, 3, {DType::i32});
+  const std::int64_t G = check_groups(op, ai, s.idx, p);
+  detail::check_shape(op, ai, s.idx, {p.B, G, p.Tq(), -1});
+  detail::check_shape(op, ac, s.cnt, {p.B, G, p.Tq()});
+  detail::check_last_contiguous(op, ai, s.idx);
+  detail::check_last_contiguous(op, ac, s.cnt);
+  detail::check_same_device(op, ac, s.cnt, ai, s.idx);
+  return G;
+}
+
+std::int64_t bit_words(const ProblemShape& p) { return ceil_div(p.Tk(), 32); }
+
+std::int64_t check_bits_meta(const std::string& op, const std::string& name, const BlockBits& s, const ProblemShape& p) {
+  const std::string ab = name + ".bits";
+  detail::check_tensor(op, ab, s.bits, 4, {DType::u32});
+  const std::int64_t G = check_groups(op, ab, s.bits, p);
+  detail::check_shape(op, ab, s.bits, {p.B, G, p.Tq(), bit_words(p)});
+  detail::check_last_contiguous(op, ab, s.bits);
+  return G;
+}
+
+void check_list_meta(const std::string& op, const std::string& arg, const TensorView& idx, const ProblemShape& p) {
+  detail::check_tensor(op, arg, idx, 4, {DType::i32});
+  detail::check_shape(op, arg, idx, {p.B, p.Hkv, p.Lq, -1});
+  detail::check_last_contiguous(op, arg, idx);
+}
+
+std::optional<Fault> tile_row_fault(const TileLists& s, const std::string& name, const ProblemShape& p,
+                                    std::int64_t G, std::int64_t r) {
+  const std::int64_t Tq = p.Tq(), Tk = p.Tk(), Kmax = s.idx.shape[3];
+  const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
+  const std::int32_t c = load3_i32(s.cnt, b, g, t);
+  if (c < 0)
+    return Fault{name + ".cnt", "negative count " + std::to_string(c) + " at " + coord_string({b, g, t})};
+  if (c > Kmax)
+    return Fault{name + ".cnt", "count " + std::to_string(c) + " at " + coord_string({b, g, t}) +
+                                    " exceeds the list capacity Kmax = " + std::to_string(Kmax)};
+  std::int32_t prev = -1;
+  for (std::int64_t k = 0; k < c; ++k) {
+    const auto id = load4<std::int32_t>(s.idx, b, g, t, k);
+    const std::string at = coord_string({b, g, t, k});
+    if (id < 0 || id >= Tk)
+      return Fault{name + ".idx", "block id " + std::to_string(id) + " at " + at + " is out of range " + range_string(Tk)};
+    if (k > 0 && id == prev)
+      return Fault{name + ".idx", "duplicate block id " + std::to_string(id) + " at " + at};
+    if (k > 0 && id < prev)
+      return Fault{name + ".idx", "block ids must be strictly ascending: " + std::to_string(id) + " at " + at +
+                                      " follows " + std::to_string(prev)};
+    prev = id;
+  }
+  return std::nullopt;
+}
+
+std::optional<Fault> bits_row_fault(const BlockBits& s, const std::string& name, const ProblemShape& p,
+                                    std::int64_t G, std::int64_t r) {
+  const std::int64_t Tq = p.Tq(), Tk = p.Tk(), W = bit_words(p);
+  if (Tk % 32 == 0) return std::nullopt;
+  const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
+  const auto word = load4<std::uint32_t>(s.bits, b, g, t, W - 1);
+  const std::uint32_t stray = word & ~((std::uint32_t{1} << (Tk % 32)) - 1u);
+  if (stray == 0) return std::nullopt;
+  const int bit = std::countr_zero(stray);
+  return Fault{name + ".bits", "stray bit " + std::to_string(bit) + " (block " + std::to_string((W - 1) * 32 + bit) +
+                                   ") set in the word at " + coord_string({b, g, t, W - 1}) +
+                                   ": bits of blocks at or past Tk = " + std::to_string(Tk) + " must be zero"};
+}
+
+/// One row (b, g, i) of a QueryLists (`tokens` false) or TokenLists: entries >= -1, ids in range,
+/// no duplicates.
+std::optional<Fault> list_row_fault(const TensorView& idx, const std::string& arg, const ProblemShape& p, bool tokens,
+                                    std::int64_t r, std::vector<std::int64_t>& scratch) {
+  const std::int64_t K = idx.shape[3];
+  const std::int64_t extent = tokens ? p.Lk : p.Tk();
+  const char* what = tokens ? "token position " : "block id ";
+  const std::int64_t b = r / (p.Hkv * p.Lq), g = r / p.Lq % p.Hkv, i = r % p.Lq;
+  const auto* row = reinterpret_cast<const std::int32_t*>(detail::addr4(idx, b, g, i, 0));
+  for (std::int64_t k = 0; k < K; ++k) {
+    const std::int32_t v = row[k];
+    if (v == -1) continue;
+    const std::string at = coord_string({b, g, i, k});
+    if (v < -1)
+      return Fault{arg, "invalid value " + std::to_string(v) + " at " + at + " (only -1 may mark an empty slot)"};
+    if (v >= extent)
+      return Fault{arg, what + std::to_string(v) + " at " + at + " is out of range " + range_string(extent)};
+    if (seen_before(scratch, extent, r, v)) return Fault{arg, "duplicate " + (what + std::to_string(v)) + " at " + at};
+  }
+  return std::nullopt;
+}
+
+void require_cpu(const std::string& op, const std::string& arg, const TensorView& t) {
+  if (t.device != Device::cpu) detail::unsupported_device(op, arg, t);
+}
+
+}  // namespace
+
+// ---- validation --------------------------------------------------------------------------------
+
+void validate(const TileLists& s, const ProblemShape& p, const std::string& op, const std::string& name) {
+  check_problem(op, p);
+  const std::int64_t G = check_tile_meta(op, name, s, p);
+  if (s.idx.device != Device::cpu) return;
+  scan_rows(op, p.B * G * p.Tq(),
+            [&](std::int64_t r, std::vector<std::int64_t>&) { return tile_row_fault(s, name, p, G, r); });
+}
+
+void validate(const BlockBits& s, const ProblemShape& p, const std::string& op, const std::string& name) {
+  check_problem(op, p);
+  const std::int64_t G = check_bits_meta(op, name, s, p);
+  if (s.bits.device != Device::cpu) return;
+  scan_rows(op, p.B * G * p.Tq(),
+            [&](std::int64_t r, std::vector<std::int64_t>&) { return bits_row_fault(s, name, p, G, r); });
+}
+
+void validate(const QueryLists& s, const ProblemShape& p, const std::string& op, const std::string& name) {
+  check_problem(op, p);
+  const std::string arg = name + ".idx";
+  check_list_meta(op, arg, s.idx, p);
+  if (s.idx.device != Device::cpu) return;
+  scan_rows(op, p.B * p.Hkv * p.Lq, [&](std::int64_t r, std::vector<std::int64_t>& scratch) {
+    return list_row_fault(s.idx, arg, p, false, r, scratch);
+  });
+}
+
+void validate(const TokenLists& s, const ProblemShape& p, const std::string& op, const std::string& name) {
+  check_problem(op, p);
+  const std::string arg = name + ".idx";
+  check_list_meta(op, arg, s.idx, p);
+  if (s.idx.device != Device::cpu) return;
+  scan_rows(op, p.B * p.Hkv * p.Lq, [&](std::int64_t r, std::vector<std::int64_t>& scratch) {
+    return list_row_fault(s.idx, arg, p, true, r, scratch);
+  });
+}
+
+void validate(const Selection& s, const ProblemShape& p, const std::string& op) {
+  std::visit(
+      [&](const auto& sel) {
+        using T = std::decay_t<decltype(sel)>;
+        if constexpr (std::is_same_v<T, AllBlocks>) {
+          check_problem(op, p);
+        } else {
+          validate(sel, p, op);
+        }
+      },
+      s);
+}
+
+std::int64_t selection_groups(const Selection& s, const ProblemShape& p, const std::string& op) {
+  check_problem(op, p);
+  return std::visit(
+      [&](const auto& sel) -> std::int64_t {
+        using T = std::decay_t<decltype(sel)>;
+        if constexpr (std::is_same_v<T, AllBlocks>) {
+          return p.Hkv;
+        } else if constexpr (std::is_same_v<T, TileLists>) {
+          detail::check_tensor(op, "tiles.idx", sel.idx, 4, {DType::i32});
+          return check_groups(op, "tiles.idx", sel.idx, p);
+        } else if constexpr (std::is_same_v<T, BlockBits>) {
+          detail::check_tensor(op, "bits.bits", sel.bits, 4, {DType::u32});
+          return check_groups(op, "bits.bits", sel.bits, p);
+        } else {
+          // Per-query formats are always per GQA group.
+          const std::string arg = std::is_same_v<T, QueryLists> ? "lists.idx" : "tokens.idx";
+          detail::check_tensor(op, arg, sel.idx, 4, {DType::i32});
+          require(sel.idx.shape[1] == p.Hkv, op, arg,
+                  "dimension 1 (groups) is " + std::to_string(sel.idx.shape[1]) + " but must be Hkv = " +
+                      std::to_string(p.Hkv));
+          return p.Hkv;
+        }
+      },
+      s);
+}
+
+// ---- conversions -------------------------------------------------------------------------------
+
+void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p) {
+  const std::string op = "tile_lists_to_block_bits";
+  require_cpu(op, "in.idx", in.idx);
+  validate(in, p, op, "in");
+  const std::int64_t G = in.idx.shape[1];
+  detail::check_tensor(op, "out.bits", out.bits, 4, {DType::u32});
+  detail::check_shape(op, "out.bits", out.bits, {p.B, G, p.Tq(), bit_words(p)});
+  detail::check_last_contiguous(op, "out.bits", out.bits);
+  require_cpu(op, "out.bits", out.bits);
+  const std::int64_t Tq = p.Tq(), W = bit_words(p);
+  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
+    const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
+    auto* words = reinterpret_cast<std::uint32_t*>(detail::addr4(out.bits, b, g, t, 0));
+    std::fill(words, words + W, 0u);
+    const std::int32_t c = load3_i32(in.cnt, b, g, t);
+    for (std::int64_t k = 0; k < c; ++k) {
+      const auto id = load4<std::int32_t>(in.idx, b, g, t, k);
+      words[id / 32] |= std::uint32_t{1} << (id % 32);
+    }
+  });
+}
+
+namespace {
+
+/// Writes ascending ids of the set bits of `words` into row (b, g, t) of `out`, -1 past the count.
+void write_tile_row(const TileLists& out, std::int64_t b, std::int64_t g, std::int64_t t, const std::uint32_t* words,
+                    std::int64_t W) {
+  const std::int64_t Kmax = out.idx.shape[3];
+  auto* ids = reinterpret_cast<std::int32_t*>(detail::addr4(out.idx, b, g, t, 0));
+  std::int64_t n = 0;
+  for (std::int64_t w = 0; w < W; ++w) {
+    for (std::uint32_t x = words[w]; x != 0; x &= x - 1u)
+      ids[n++] = static_cast<std::int32_t>(w * 32 + std::countr_zero(x));
+  }
+  std::fill(ids + n, ids + Kmax, -1);
+  store3_i32(out.cnt, b, g, t, static_cast<std::int32_t>(n));
+}
+
+void check_tile_output(const std::string& op, const TileLists& out, const ProblemShape& p, std::int64_t G) {
+  detail::check_tensor(op, "out.idx", out.idx, 4, {DType::i32});
+  detail::check_tensor(op, "out.cnt", out.cnt, 3, {DType::i32});
+  detail::check_shape(op, "out.idx", out.idx, {p.B, G, p.Tq(), -1});
+  detail::check_shape(op, "out.cnt", out.cnt, {p.B, G, p.Tq()});
+  detail::check_last_contiguous(op, "out.idx", out.idx);
+  require_cpu(op, "out.idx", out.idx);
+  require_cpu(op, "out.cnt", out.cnt);
+}
+
+/// Throws if any row of `words` ([rows, W]) has more set bits than Kmax, naming the first such tile.
+void check_capacity(const std::string& op, const std::vector<std::uint32_t>& words, std::int64_t W, std::int64_t G,
+                    std::int64_t Tq, std::int64_t Kmax, const char* what) {
+  const std::int64_t rows = W ? static_cast<std::int64_t>(words.size()) / W : 0;
+  scan_rows(op, rows, [&](std::int64_t r, std::vector<std::int64_t>&) -> std::optional<Fault> {
+    std::int64_t n = 0;
+    for (std::int64_t w = 0; w < W; ++w) n += std::popcount(words[static_cast<std::size_t>(r * W + w)]);
+    if (n <= Kmax) return std::nullopt;
+    return Fault{"out.idx", std::string(what) + " of tile " + coord_string({r / (G * Tq), r / Tq % G, r % Tq}) +
+                                " holds " + std::to_string(n) + " blocks but Kmax is " + std::to_string(Kmax)};
+  });
+}
+
+}  // namespace
+
+void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p) {
+  const std::string op = "block_bits_to_tile_lists";
+  require_cpu(op, "in.bits", in.bits);
+  validate(in, p, op, "in");
+  const std::int64_t G = in.bits.shape[1], Tq = p.Tq(), W = bit_words(p);
+  check_tile_output(op, out, p, G);
+  // Gather the words densely first so the capacity check runs before anything is written.
+  std::vector<std::uint32_t> words(static_cast<std::size_t>(p.B * G * Tq * W));
+  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
+    const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
+    const auto* src = reinterpret_cast<const std::uint32_t*>(detail::addr4(in.bits, b, g, t, 0));
+    std::copy(src, src + W, words.begin() + r * W);
+  });
+  check_capacity(op, words, W, G, Tq, out.idx.shape[3], "the bit set");
+  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
+    write_tile_row(out, r / (G * Tq), r / Tq % G, r % Tq, words.data() + r * W, W);
+  });
+}
+
+void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p) {
+  const std::string op = "query_lists_to_tile_lists";
+  require_cpu(op, "in.idx", in.idx);
+  validate(in, p, op, "in");
+  const std::int64_t G = p.Hkv, Tq = p.Tq(), W = bit_words(p), K = in.idx.shape[3];
+  check_tile_output(op, out, p, G);
+  std::vector<std::uint32_t> words(static_cast<std::size_t>(p.B * G * Tq * W), 0u);
+  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
+    const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
+    std::uint32_t* u = words.data() + r * W;
+    const std::int64_t i_end = std::min(p.Lq, (t + 1) * kTileQ);
+    for (std::int64_t i = t * kTileQ; i < i_end; ++i) {
+      const auto* ids = reinterpret_cast<const std::int32_t*>(detail::addr4(in.idx, b, g, i, 0));
+      for (std::int64_t k = 0; k < K; ++k)
+        if (ids[k] >= 0) u[ids[k] / 32] |= std::uint32_t{1} << (ids[k] % 32);
+    }
+  });
+  check_capacity(op, words, W, G, Tq, out.idx.shape[3], "the union");
+  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
+    write_tile_row(out, r / (G * Tq), r / Tq % G, r % Tq, words.data() + r * W, W);
+  });
+}
+
+// ---- masks -------------------------------------------------------------------------------------
+
+namespace {
+
+/// Marks keys [j0, j1) ∩ [0, end) of the row.
+void mark(std::uint8_t* row, std::int64_t j0, std::int64_t j1, std::int64_t end) {
+  j1 = std::min(j1, end);
+  if (j0 < j1) std::fill(row + j0, row + j1, std::uint8_t{1});
+}
+
+void mark_block(std::uint8_t* row, std::int64_t block, const ProblemShape& p, std::int64_t end) {
+  mark(row, block * kBlockK, std::min(p.Lk, (block + 1) * kBlockK), end);
+}
+
+/// Checks the metadata selection_row relies on (shapes, dtypes, CPU), without content checks.
+void check_row_meta(const std::string& op, const Selection& s, const ProblemShape& p) {
+  std::visit(
+      [&](const auto& sel) {
+        using T = std::decay_t<decltype(sel)>;
+        if constexpr (std::is_same_v<T, TileLists>) {
+          check_tile_meta(op, "tiles", sel, p);
+          require_cpu(op, "tiles.idx", sel.idx);
+        } else if constexpr (std::is_same_v<T, BlockBits>) {
+          check_bits_meta(op, "bits", sel, p);
+          require_cpu(op, "bits.bits", sel.bits);
+        } else if constexpr (std::is_same_v<T, QueryLists>) {
+          check_list_meta(op, "lists.idx", sel.idx, p);
+          require_cpu(op, "lists.idx", sel.idx);
+        } else if constexpr (std::is_same_v<T, TokenLists>) {
+          check_list_meta(op, "tokens.idx", sel.idx, p);
+          require_cpu(op, "tokens.idx", sel.idx);
+        }
+      },
+      s);
+}
+
+/// Fills the row; the contents it reads are checked so that a bad selection throws rather than
+/// writing out of bounds (full validation is the caller's choice).
+void fill_row(const std::string& op, const Selection& s, const ProblemShape& p, std::int64_t b, std::int64_t h,
+              std::int64_t i, std::uint8_t* row) {
+  std::fill(row, row + p.Lk, std::uint8_t{0});
+  const std::int64_t end = p.key_end(i);
+  const std::int64_t t = i / kTileQ, hk = h / p.group_size();
+  std::visit(
+      [&](const auto& sel) {
+        using T = std::decay_t<decltype(sel)>;
+        if constexpr (std::is_same_v<T, AllBlocks>) {
+          mark(row, 0, p.Lk, end);
+        } else if constexpr (std::is_same_v<T, TileLists>) {
+          const std::int64_t G = sel.idx.shape[1];
+          const std::int64_t g = G == p.Hq ? h : hk;
+          if (auto f = tile_row_fault(sel, "tiles", p, G, (b * G + g) * p.Tq() + t))
+            throw Error(op, f->argument, f->message);
+          const std::int32_t c = load3_i32(sel.cnt, b, g, t);
+          for (std::int64_t k = 0; k < c; ++k) mark_block(row, load4<std::int32_t>(sel.idx, b, g, t, k), p, end);
+        } else if constexpr (std::is_same_v<T, BlockBits>) {
+          const std::int64_t G = sel.bits.shape[1];
+          const std::int64_t g = G == p.Hq ? h : hk;
+          if (auto f = bits_row_fault(sel, "bits", p, G, (b * G + g) * p.Tq() + t))
+            throw Error(op, f->argument, f->message);
+          const auto* words = reinterpret_cast<const std::uint32_t*>(detail::addr4(sel.bits, b, g, t, 0));
+          for (std::int64_t w = 0; w < bit_words(p); ++w)
+            for (std::uint32_t x = words[w]; x != 0; x &= x - 1u) mark_block(row, w * 32 + std::countr_zero(x), p, end);
+        } else {
+          constexpr bool tokens = std::is_same_v<T, TokenLists>;
+          const std::int64_t K = sel.idx.shape[3];
+          const auto* ids = reinterpret_cast<const std::int32_t*>(detail::addr4(sel.idx, b, hk, i, 0));
+          const std::int64_t extent = tokens ? p.Lk : p.Tk();
+          for (std::int64_t k = 0; k < K; ++k) {
+            const std::int32_t v = ids[k];
+            if (v == -1) continue;
+            if (v < -1 || v >= extent) {
+              std::vector<std::int64_t> scratch;
+              auto f = list_row_fault(sel.idx, tokens ? "tokens.idx" : "lists.idx", p, tokens,
+                                      (b * p.Hkv + hk) * p.Lq + i, scratch);
+              throw Error(op, f->argument, f->message);
+            }
+            if constexpr (tokens) {
+              if (v < end) row[v] = 1;
+            } else {
+              mark_block(row, v, p, end);
+            }
+          }
+        }
+      },
+      s);
+}
+
+}  // namespace
+
+void selection_row(const Selection& s, const ProblemShape& p, std::int64_t b, std::int64_t h, std::int64_t i,
+                   std::uint8_t* row) {
+  const std::string op = "selection_row";
+  check_problem(op, p);
+  require(b >= 0 && b < p.B, op, "b", std::to_string(b) + " is out of range " + range_string(p.B));
+  require(h >= 0 && h < p.Hq, op, "h", std::to_string(h) + " is out of range " + range_string(p.Hq));
+  require(i >= 0 && i < p.Lq, op, "i", std::to_string(i) + " is out of range " + range_string(p.Lq));
+  require(row != nullptr, op, "row", "is null");
+  check_row_meta(op, s, p);
+  fill_row(op, s, p, b, h, i, row);
+}
+
+HostTensor expand_mask(const Selection& s, const ProblemShape& p) {
+  const std::string op = "expand_mask";
+  check_problem(op, p);
+  check_row_meta(op, s, p);
+  validate(s, p, op);
+  HostTensor mask(DType::u8, {p.B, p.Hq, p.Lq, p.Lk});
+  auto* base = mask.data<std::uint8_t>();
+  detail::parallel_for(p.B * p.Hq, [&](std::int64_t bh) {
+    const std::int64_t b = bh / p.Hq, h = bh % p.Hq;
+    for (std::int64_t i = 0; i < p.Lq; ++i) fill_row(op, s, p, b, h, i, base + (bh * p.Lq + i) * p.Lk);
+  });
+  return mask;
+}
+
+}  // namespace sparse_attn
