@@ -1,0 +1,57 @@
+// The mask policy the mainloop asks: which KV blocks a work item visits, and which of them need the
+// element mask. Dense and tile_sparse differ only here (dense lists every block), so both run the
+// same mainloop. The producer and the consumers walk the same sequence, which keeps the K/V ring in
+// step without any communication beyond the mbarriers.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/params.hpp"
+
+namespace sparse_attn::cuda_kernels {
+
+inline constexpr int kTileRows = 128;  // queries per Q tile (DESIGN §2)
+inline constexpr int kBlockKeys = 128;  // keys per KV block
+
+struct BlockPolicy {
+  const std::int32_t* list = nullptr;  // ids of this tile's list (null for dense)
+  int count = 0;                       // entries to walk: cnt, or Tk for dense
+  int Tk = 0;
+  int last_visible_key = 0;            // keys past this are in every row's future (causal); Lk - 1 otherwise
+
+  __device__ __forceinline__ static BlockPolicy make(const TileAttentionParams& p, int b, int q_tile, int head) {
+    BlockPolicy bp;
+    bp.Tk = p.Tk;
+    if (p.dense) {
+      bp.count = p.Tk;
+    } else {
+      const int g = head / p.heads_per_list;
+      bp.list = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + q_tile * p.idx_stride[2];
+      const int c = __ldg(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + q_tile * p.cnt_stride[2]);
+      // Validation rejects counts outside [0, Kmax] unless the caller vouched for them; clamp anyway so
+      // a bad trusted list can never read past its row.
+      bp.count = c < 0 ? 0 : (c > p.Kmax ? p.Kmax : c);
+    }
+    const int last_row = min((q_tile + 1) * kTileRows, p.Lq) - 1;
+    bp.last_visible_key = p.causal ? min(last_row + (p.Lk - p.Lq), p.Lk - 1) : p.Lk - 1;
+    return bp;
+  }
+
+  /// Block id at position i of the walk, or -1 when it is skipped (entirely in the future, or an id
+  /// out of range in a trusted list).
+  __device__ __forceinline__ int block(int i) const {
+    const int j = list ? __ldg(list + i) : i;
+    if (j < 0 || j >= Tk) return -1;
+    return j * kBlockKeys <= last_visible_key ? j : -1;
+  }
+
+  /// Whether block j needs the element mask for rows starting at `first_row` (a consumer's 64 rows):
+  /// it straddles the causal diagonal of those rows or runs past Lk.
+  __device__ __forceinline__ static bool needs_mask(const TileAttentionParams& p, int j, int first_row) {
+    const int key_end = (j + 1) * kBlockKeys;  // exclusive
+    if (key_end > p.Lk) return true;
+    return p.causal && key_end - 1 > first_row + (p.Lk - p.Lq);
+  }
+};
+
+}  // namespace sparse_attn::cuda_kernels

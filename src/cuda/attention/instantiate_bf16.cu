@@ -1,0 +1,8 @@
+// bf16 instantiation of the tile attention kernel (one dtype per file keeps builds parallel).
+#define SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION
+#include "cuda/attention/kernel.cuh"
+
+namespace sparse_attn::cuda_kernels {
+template cudaError_t launch_tile_attention<Bf16Tag>(const TileAttentionParams&, const CUtensorMap&,
+                                                    const CUtensorMap&, const CUtensorMap&, int, cudaStream_t);
+}

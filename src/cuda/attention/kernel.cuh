@@ -1,0 +1,93 @@
+// The Q-centric block-sparse attention kernel (dense = every block): warp roles, register budgets,
+// shared memory, and the host-side launch of one instantiation.
+//
+// 384 threads: warpgroup 0 is the producer (one thread issues every TMA; the others exit), warpgroups
+// 1 and 2 are consumers, 64 query rows each. Registers: 128 * (24 + 2 * 240) = 64512 <= 65536, the
+// budget FA3 uses for two MMA warpgroups fed by TMA; a consumer holds S and O (64 + 64 f32) and P
+// (32 b32) live at once.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "cuda/attention/mainloop.cuh"
+#include "cuda/attention/params.hpp"
+
+namespace sparse_attn::cuda_kernels {
+
+inline constexpr int kKernelThreads = 128 + kConsumerThreads;
+inline constexpr std::uint32_t kProducerRegs = 24;
+inline constexpr std::uint32_t kConsumerRegs = 240;
+// K/V ring depth. A stage is K + V of one block (64 KB); with the 32 KB Q tile, 2 stages use 160 KB
+// and 3 use 224 KB of the 227 KB a CTA may have.
+inline constexpr int kKvStages = 2;
+
+template <class Tag, int kStages>
+__global__ void __launch_bounds__(kKernelThreads, 1)
+    tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
+                          const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
+  using Storage = SharedStorage<typename Tag::Elem, kStages>;
+  extern __shared__ std::uint8_t smem_raw[];
+  const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
+  // The swizzle pattern is applied to absolute address bits: tiles must start 1024-aligned.
+  Storage& sm = *reinterpret_cast<Storage*>(smem_raw + ((1024u - (raw & 1023u)) & 1023u));
+  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  const int thread = static_cast<int>(threadIdx.x) % 128;
+
+  if (threadIdx.x == 0) {
+    tma_prefetch_descriptor(&tm_q);
+    tma_prefetch_descriptor(&tm_k);
+    tma_prefetch_descriptor(&tm_v);
+    sm.q_full.init(1);
+    sm.q_empty.init(kConsumerThreads);
+    for (int s = 0; s < kStages; ++s) {
+      sm.k_full[s].init(1);
+      sm.v_full[s].init(1);
+      sm.kv_empty[s].init(kConsumerThreads);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const StaticPersistentScheduler sched{p.num_items, p.B, p.Hq, p.Tq, p.causal};
+  if (warpgroup == 0) {
+    warpgroup_reg_dealloc<kProducerRegs>();
+    if (thread == 0) producer_loop<typename Tag::Elem, kStages>(p, sched, sm, &tm_q, &tm_k, &tm_v);
+  } else {
+    warpgroup_reg_alloc<kConsumerRegs>();
+    consumer_loop<Tag, kStages>(p, sched, sm, warpgroup - 1, thread);
+  }
+}
+
+template <class Tag, int kStages>
+constexpr std::size_t tile_attention_smem_bytes() {
+  return sizeof(SharedStorage<typename Tag::Elem, kStages>) + 1024;  // + slack for the manual alignment
+}
+
+/// Launches one instantiation on `stream` with a persistent grid of min(items, SMs) CTAs. Returns the
+/// CUDA error of the launch (cudaSuccess on success).
+template <class Tag>
+cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                                  const CUtensorMap& tm_v, int num_sms, cudaStream_t stream);
+
+}  // namespace sparse_attn::cuda_kernels
+
+#if defined(SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION)
+namespace sparse_attn::cuda_kernels {
+
+template <class Tag>
+cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                                  const CUtensorMap& tm_v, int num_sms, cudaStream_t stream) {
+  constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kKvStages>();
+  auto* kernel = &tile_attention_kernel<Tag, kKvStages>;
+  // Setting the attribute is cheap but not free; once per process and instantiation is enough.
+  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(smem));
+  if (attr != cudaSuccess) return attr;
+  const int grid = p.num_items < num_sms ? p.num_items : num_sms;
+  kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse_attn::cuda_kernels
+#endif

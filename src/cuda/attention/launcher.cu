@@ -1,0 +1,204 @@
+// Host side of the Q-centric kernel: argument checks specific to the CUDA backend, device-side
+// validation of TileLists, tensor maps, parameters and the dtype dispatch.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "core/check.hpp"
+#include "cuda/attention/kernel.cuh"
+#include "cuda/attention/params.hpp"
+#include "cuda/backend.hpp"
+#include "cuda/common/tma.hpp"
+
+namespace sparse_attn::cuda_kernels {
+namespace {
+
+// First offending entry found by the validation kernel, as ((position << 2) | code); all ones = none.
+// position orders entries as (b, g, tile, slot) with the count check of a tile before its slots, so
+// the minimum is the first offending coordinate in row-major order.
+__device__ unsigned long long g_first_bad_entry;
+
+enum : unsigned { kBadCount = 1, kBadRange = 2, kBadOrder = 3 };
+
+__global__ void validate_tile_lists_kernel(TileAttentionParams p, int G) {
+  const long long tiles = static_cast<long long>(p.B) * G * p.Tq;
+  for (long long f = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; f < tiles;
+       f += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int t = static_cast<int>(f % p.Tq);
+    const int g = static_cast<int>((f / p.Tq) % G);
+    const int b = static_cast<int>(f / (static_cast<long long>(p.Tq) * G));
+    const unsigned long long base = static_cast<unsigned long long>(f) * (p.Kmax + 1);
+    const int c = p.cnt[b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2]];
+    if (c < 0 || c > p.Kmax) {
+      atomicMin(&g_first_bad_entry, (base << 2) | kBadCount);
+      continue;
+    }
+    const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2];
+    int prev = -1;
+    for (int s = 0; s < c; ++s) {
+      const int j = row[s * p.idx_stride[3]];
+      const unsigned code = (j < 0 || j >= p.Tk) ? kBadRange : (j <= prev ? kBadOrder : 0u);
+      if (code != 0) {
+        atomicMin(&g_first_bad_entry, ((base + 1 + s) << 2) | code);
+        break;
+      }
+      prev = j;
+    }
+  }
+}
+
+void check_cuda(cudaError_t e, const std::string& op, const std::string& what) {
+  if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
+}
+
+int read_int(const std::int32_t* device_ptr, cudaStream_t stream, const std::string& op) {
+  std::int32_t v = 0;
+  check_cuda(cudaMemcpyAsync(&v, device_ptr, sizeof(v), cudaMemcpyDeviceToHost, stream), op, "reading tiles");
+  check_cuda(cudaStreamSynchronize(stream), op, "reading tiles");
+  return v;
+}
+
+void validate_on_device(const std::string& op, const TileAttentionParams& p, int G, cudaStream_t stream) {
+  const unsigned long long none = std::numeric_limits<unsigned long long>::max();
+  check_cuda(cudaMemcpyToSymbolAsync(g_first_bad_entry, &none, sizeof(none), 0, cudaMemcpyHostToDevice, stream), op,
+             "tile list validation");
+  const long long tiles = static_cast<long long>(p.B) * G * p.Tq;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<long long>((tiles + threads - 1) / threads, 4096));
+  validate_tile_lists_kernel<<<blocks, threads, 0, stream>>>(p, G);
+  check_cuda(cudaGetLastError(), op, "tile list validation launch");
+  unsigned long long found = none;
+  check_cuda(cudaMemcpyFromSymbolAsync(&found, g_first_bad_entry, sizeof(found), 0, cudaMemcpyDeviceToHost, stream),
+             op, "tile list validation");
+  check_cuda(cudaStreamSynchronize(stream), op, "tile list validation");
+  if (found == none) return;
+
+  const unsigned code = static_cast<unsigned>(found & 3u);
+  const unsigned long long pos = found >> 2;
+  const long long f = static_cast<long long>(pos / (p.Kmax + 1));
+  const int slot = static_cast<int>(pos % (p.Kmax + 1)) - 1;
+  const int t = static_cast<int>(f % p.Tq);
+  const int g = static_cast<int>((f / p.Tq) % G);
+  const int b = static_cast<int>(f / (static_cast<long long>(p.Tq) * G));
+  if (code == kBadCount) {
+    const int c = read_int(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2], stream, op);
+    throw Error(op, "tiles.cnt", "count " + std::to_string(c) + " at " + detail::coord_string({b, g, t}) +
+                                     " is outside [0, " + std::to_string(p.Kmax) + "]");
+  }
+  const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2];
+  const int j = read_int(row + slot * p.idx_stride[3], stream, op);
+  const std::string at = detail::coord_string({b, g, t, slot});
+  if (code == kBadRange)
+    throw Error(op, "tiles.idx", "block id " + std::to_string(j) + " at " + at + " is out of range [0, " +
+                                     std::to_string(p.Tk) + ")");
+  const int prev = read_int(row + (slot - 1) * p.idx_stride[3], stream, op);
+  throw Error(op, "tiles.idx", "block id " + std::to_string(j) + " at " + at + " does not follow " +
+                                   std::to_string(prev) + ": ids must be distinct and ascending");
+}
+
+struct DeviceGuard {
+  int previous = -1;
+  DeviceGuard(int device, const std::string& op) {
+    check_cuda(cudaGetDevice(&previous), op, "cudaGetDevice");
+    if (previous != device) check_cuda(cudaSetDevice(device), op, "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous) (void)cudaSetDevice(previous);
+  }
+};
+
+void run(const std::string& op, const ProblemShape& s, const TensorView& q, const TensorView& k, const TensorView& v,
+         const TileLists* tiles, const TensorView& out, const std::optional<TensorView>& lse,
+         const AttentionOptions& options) {
+  using detail::require;
+  require(q.device == Device::cuda, op, "q", "the CUDA backend needs device tensors, got " + q.describe());
+  require(s.D == 128, op, "q", "the CUDA backend implements head dim 128, got " + std::to_string(s.D));
+  constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
+  require(s.Lq <= kIntMax && s.Lk <= kIntMax && s.B * s.Hq * ceil_div(s.Lq, kTileQ) <= kIntMax, op, "q",
+          "problem too large for 32-bit tile indices: " + s.describe());
+  const auto out_addr = reinterpret_cast<std::uintptr_t>(out.data);
+  require(out_addr % 4 == 0 && out.stride[0] % 2 == 0 && out.stride[1] % 2 == 0 && out.stride[2] % 2 == 0, op, "out",
+          "needs a 4-byte aligned base and even strides (pairs of elements are stored at once), got " +
+              out.describe());
+  if (lse) detail::check_same_device(op, "lse", *lse, "q", q);
+
+  DeviceGuard guard(q.device_index, op);
+  const auto stream = static_cast<cudaStream_t>(options.stream);
+
+  TileAttentionParams p;
+  p.B = static_cast<int>(s.B);
+  p.Lq = static_cast<int>(s.Lq);
+  p.Lk = static_cast<int>(s.Lk);
+  p.Hq = static_cast<int>(s.Hq);
+  p.Hkv = static_cast<int>(s.Hkv);
+  p.Tq = static_cast<int>(s.Tq());
+  p.Tk = static_cast<int>(s.Tk());
+  p.group_size = static_cast<int>(s.group_size());
+  p.causal = s.causal;
+  p.scale_log2 = resolve_scale(op, options.softmax_scale, s.D) * 1.4426950408889634f;  // * log2(e)
+  p.out = out.data;
+  for (int i = 0; i < 3; ++i) p.out_stride[i] = out.stride[i];
+  if (lse) {
+    p.lse = static_cast<float*>(lse->data);
+    for (int i = 0; i < 3; ++i) p.lse_stride[i] = lse->stride[i];
+  }
+  p.num_items = static_cast<int>(s.B * s.Tq() * s.Hq);
+
+  if (tiles == nullptr) {
+    p.dense = true;
+  } else {
+    const TensorView& idx = tiles->idx;
+    const TensorView& cnt = tiles->cnt;
+    detail::check_tensor(op, "tiles.idx", idx, 4, {DType::i32});
+    detail::check_tensor(op, "tiles.cnt", cnt, 3, {DType::i32});
+    detail::check_same_device(op, "tiles.idx", idx, "q", q);
+    detail::check_same_device(op, "tiles.cnt", cnt, "q", q);
+    const std::int64_t G = idx.shape[1];
+    require(G == s.Hkv || G == s.Hq, op, "tiles.idx",
+            "dim 1 must be Hkv (" + std::to_string(s.Hkv) + ") or Hq (" + std::to_string(s.Hq) + "), got " +
+                std::to_string(G));
+    detail::check_shape(op, "tiles.idx", idx, {s.B, G, s.Tq(), -1});
+    detail::check_shape(op, "tiles.cnt", cnt, {s.B, G, s.Tq()});
+    require(idx.shape[3] <= kIntMax, op, "tiles.idx", "Kmax too large: " + idx.describe());
+    p.idx = static_cast<const std::int32_t*>(idx.data);
+    p.cnt = static_cast<const std::int32_t*>(cnt.data);
+    p.Kmax = static_cast<int>(idx.shape[3]);
+    for (int i = 0; i < 4; ++i) p.idx_stride[i] = idx.stride[i];
+    for (int i = 0; i < 3; ++i) p.cnt_stride[i] = cnt.stride[i];
+    p.heads_per_list = static_cast<int>(s.Hq / G);
+    if (!options.trusted) validate_on_device(op, p, static_cast<int>(G), stream);
+  }
+
+  const CUtensorMap tm_q = make_bhld_tensor_map(op, "q", q);
+  const CUtensorMap tm_k = make_bhld_tensor_map(op, "k", k);
+  const CUtensorMap tm_v = make_bhld_tensor_map(op, "v", v);
+
+  int device = 0, num_sms = 0;
+  check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), op, "device query");
+  const cudaError_t e = q.dtype == DType::bf16 ? launch_tile_attention<Bf16Tag>(p, tm_q, tm_k, tm_v, num_sms, stream)
+                                               : launch_tile_attention<F16Tag>(p, tm_q, tm_k, tm_v, num_sms, stream);
+  check_cuda(e, op, "kernel launch");
+}
+
+}  // namespace
+}  // namespace sparse_attn::cuda_kernels
+
+namespace sparse_attn::cuda_backend {
+
+void dense(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  cuda_kernels::run("dense", p, q, k, v, nullptr, out, lse, options);
+}
+
+void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
+                 const AttentionOptions& options) {
+  cuda_kernels::run("tile_sparse", p, q, k, v, &tiles, out, lse, options);
+}
+
+}  // namespace sparse_attn::cuda_backend

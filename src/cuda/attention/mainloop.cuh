@@ -1,0 +1,153 @@
+// Producer and consumer mainloops of the Q-centric kernel.
+//
+// Producer (one thread of warpgroup 0): per work item, the Q tile (after the consumers released the
+// previous one), then for each block of the walk K and V into the next ring slot, each on its own
+// mbarrier so QK can start while V is still in flight. The block id from the list is the TMA row
+// coordinate; rows past Lk arrive as zeros.
+//
+// Consumers (warpgroups 1 and 2, 64 query rows each of the same 128-row tile): S = Q K^T (SS wgmma),
+// mask if the block straddles the diagonal or Lk, online softmax, O += P V with P from registers (RS
+// wgmma), then release the slot. Both warpgroups read every K/V slot, so each selected block is loaded
+// once for all 128 rows of the tile.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/block_policy.cuh"
+#include "cuda/attention/params.hpp"
+#include "cuda/attention/softmax.cuh"
+#include "cuda/common/scheduler.cuh"
+#include "cuda/common/sync.cuh"
+#include "cuda/common/tma.hpp"
+#include "cuda/common/wgmma.cuh"
+
+namespace sparse_attn::cuda_kernels {
+
+inline constexpr int kConsumerWarpgroups = 2;
+inline constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+inline constexpr int kRowsPerConsumer = kTileRows / kConsumerWarpgroups;  // 64: one m64 wgmma row block
+
+template <class Elem, int kStages>
+struct alignas(1024) SharedStorage {
+  // [half][row][64]: two 64-column halves of the 128-wide head dim, each 1024-aligned (swizzle atom).
+  Elem q[2][kTileRows][64];
+  Elem k[kStages][2][kBlockKeys][64];
+  Elem v[kStages][2][kBlockKeys][64];
+  MBarrier q_full, q_empty;
+  MBarrier k_full[kStages], v_full[kStages], kv_empty[kStages];
+};
+
+inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column half of 128 rows, 16-bit
+inline constexpr std::uint32_t kTileBytes = 2 * kHalfTileBytes;
+
+template <class Elem, int kStages>
+__device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
+                                              SharedStorage<Elem, kStages>& sm, const CUtensorMap* tm_q,
+                                              const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
+  PipelineState<kStages> kv;
+  std::uint32_t q_count = 0;
+  for (int item = sched.first(); sched.valid(item); item = sched.next(item)) {
+    const WorkItem w = sched.decode(item);
+    const int kv_head = w.head / p.group_size;
+    sm.q_empty.wait((q_count & 1u) ^ 1u);
+    sm.q_full.arrive_expect_tx(kTileBytes);
+    for (int half = 0; half < 2; ++half)
+      tma_load_bhld(&sm.q[half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full.word);
+    ++q_count;
+
+    const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
+    for (int i = 0; i < bp.count; ++i) {
+      const int j = bp.block(i);
+      if (j < 0) continue;
+      const int s = kv.stage();
+      sm.kv_empty[s].wait(kv.phase() ^ 1u);
+      sm.k_full[s].arrive_expect_tx(kTileBytes);
+      for (int half = 0; half < 2; ++half)
+        tma_load_bhld(&sm.k[s][half][0][0], tm_k, 64 * half, kv_head, j * kBlockKeys, w.b, &sm.k_full[s].word);
+      sm.v_full[s].arrive_expect_tx(kTileBytes);
+      for (int half = 0; half < 2; ++half)
+        tma_load_bhld(&sm.v[s][half][0][0], tm_v, 64 * half, kv_head, j * kBlockKeys, w.b, &sm.v_full[s].word);
+      kv.advance();
+    }
+  }
+}
+
+template <class Tag, int kStages>
+__device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
+                                              SharedStorage<typename Tag::Elem, kStages>& sm, int consumer,
+                                              int thread);
+
+}  // namespace sparse_attn::cuda_kernels
+
+#include "cuda/attention/epilogue.cuh"
+
+namespace sparse_attn::cuda_kernels {
+
+template <class Tag, int kStages>
+__device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
+                                              SharedStorage<typename Tag::Elem, kStages>& sm, int consumer,
+                                              int thread) {
+  const std::uint32_t s_q = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.q[0][0][0])) +
+                            consumer * kRowsPerConsumer * 128;  // this warpgroup's 64 rows: +8 KB, 1024-aligned
+  PipelineState<kStages> kv;
+  std::uint32_t q_count = 0;
+  float acc_s[64];
+  float acc_o[64];
+  for (int item = sched.first(); sched.valid(item); item = sched.next(item)) {
+    const WorkItem w = sched.decode(item);
+    const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
+    const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
+    OnlineSoftmax softmax;
+    softmax.reset();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc_o[i] = 0.0f;
+    sm.q_full.wait(q_count & 1u);
+
+    for (int i = 0; i < bp.count; ++i) {
+      const int j = bp.block(i);
+      if (j < 0) continue;
+      const int s = kv.stage();
+      const std::uint32_t s_k = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[s][0][0][0]));
+      const std::uint32_t s_v = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[s][0][0][0]));
+      sm.k_full[s].wait(kv.phase());
+
+      // S = Q K^T: k-step kk covers head-dim columns [16kk, 16kk + 16): half kk / 4, +32 B inside it.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        wgmma_ss<Tag>(acc_s, make_desc_sw128(s_q + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024),
+                      make_desc_sw128(s_k + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(acc_s);
+
+      if (BlockPolicy::needs_mask(p, j, first_row))
+        OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+      softmax.update(acc_s, acc_o, p.scale_log2);
+
+      // P as A fragments: accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment.
+      std::uint32_t pa[8][4];
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+
+      sm.v_full[s].wait(kv.phase());
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        wgmma_rs_tb<Tag>(acc_o, pa[kk], make_desc_sw128(s_v + kk * 16 * 128, kHalfTileBytes, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(acc_o);
+      sm.kv_empty[s].arrive();
+      kv.advance();
+    }
+    sm.q_empty.arrive();
+    ++q_count;
+    softmax.finish();
+    store_output<Tag>(p, acc_o, softmax, thread, w.b, w.head, first_row);
+  }
+}
+
+}  // namespace sparse_attn::cuda_kernels

@@ -1,0 +1,34 @@
+// Plain parameter struct of the Q-centric block-sparse attention kernel (passed by value as a
+// __grid_constant__ argument together with the TMA maps).
+#pragma once
+
+#include <cstdint>
+
+namespace sparse_attn::cuda_kernels {
+
+struct TileAttentionParams {
+  int B = 0, Lq = 0, Lk = 0, Hq = 0, Hkv = 0;
+  int Tq = 0, Tk = 0;
+  int group_size = 1;      // Hq / Hkv: query heads per KV head
+  int heads_per_list = 1;  // Hq / G: query heads sharing one list (group_size for G = Hkv, 1 for G = Hq)
+  bool causal = false;
+  bool dense = false;  // every block of every tile; idx and cnt are unused
+  float scale_log2 = 0.0f;  // softmax scale * log2(e): scores go through exp2
+
+  // TileLists: idx [B, G, Tq, Kmax], cnt [B, G, Tq], strides in elements.
+  const std::int32_t* idx = nullptr;
+  const std::int32_t* cnt = nullptr;
+  int Kmax = 0;
+  std::int64_t idx_stride[4] = {0, 0, 0, 0};
+  std::int64_t cnt_stride[3] = {0, 0, 0};
+
+  // out [B, Lq, Hq, D] (D contiguous), lse [B, Hq, Lq] float32 or null; strides in elements.
+  void* out = nullptr;
+  std::int64_t out_stride[3] = {0, 0, 0};
+  float* lse = nullptr;
+  std::int64_t lse_stride[3] = {0, 0, 0};
+
+  int num_items = 0;  // B * Tq * Hq
+};
+
+}  // namespace sparse_attn::cuda_kernels

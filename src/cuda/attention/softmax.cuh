@@ -1,0 +1,100 @@
+// Online softmax over the m64n128 score fragment of one consumer warpgroup, in the log2 domain:
+// t = s * scale * log2(e), p = 2^(t - m). Each thread owns two rows (g and g + 8 of its warp's 16-row
+// slab), and a row lives in the 4 lanes of a quad, so row reductions are two xor-shuffles.
+//
+// Lazy rescaling: the running max m is raised only when a new row max exceeds it by more than
+// kRescaleThreshold (log2 units). Until then p may reach 2^8, which fp32 sums and the 16-bit P
+// operand hold without loss of range, and the 64 multiplies of the O rescale are skipped.
+#pragma once
+
+#include <cmath>
+
+namespace sparse_attn::cuda_kernels {
+
+inline constexpr float kRescaleThreshold = 8.0f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct OnlineSoftmax {
+  float m[2];  // running max of t per owned row (-inf before any visible key)
+  float l[2];  // this thread's partial sums of p per owned row (quad-reduced at the end)
+
+  __device__ __forceinline__ void reset() {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+  }
+
+  /// Sets element (row, col) of the fragment to -inf where key col of block j is not visible to that
+  /// row: past Lk, or in the row's causal future.
+  __device__ __forceinline__ static void apply_mask(float (&s)[64], int thread, int first_row, int key0, int Lk,
+                                                    bool causal, int causal_offset) {
+    const int w = thread / 32, g = (thread % 32) / 4, q = thread % 4;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int row = first_row + 16 * w + g + 8 * (j / 2);
+        const int key = key0 + 8 * i + 2 * q + (j % 2);
+        const int key_end = causal ? min(Lk, row + causal_offset + 1) : Lk;
+        if (key >= key_end) s[4 * i + j] = -INFINITY;
+      }
+  }
+
+  /// Turns scores s into p (in place), updates m and l, and rescales o when m moves.
+  __device__ __forceinline__ void update(float (&s)[64], float (&o)[64], float scale_log2) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float t_max = mx[r] * scale_log2;  // scale > 0, so the max commutes with the scaling
+      if (t_max > m[r] + kRescaleThreshold) {
+        // First visible key of the row (m = -inf): the factor is 0 and o, l are still 0.
+        const float factor = fast_exp2(m[r] - t_max);
+        l[r] *= factor;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          o[4 * i + 2 * r] *= factor;
+          o[4 * i + 2 * r + 1] *= factor;
+        }
+        m[r] = t_max;
+      }
+      // A row that has seen no visible key yet keeps m = -inf; subtracting 0 makes its p exactly 0
+      // (2^-inf) instead of NaN (-inf - -inf).
+      m_use[r] = m[r] == -INFINITY ? 0.0f : m[r];
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = j / 2;
+        const float p = fast_exp2(fmaf(s[4 * i + j], scale_log2, -m_use[r]));
+        s[4 * i + j] = p;
+        l[r] += p;
+      }
+  }
+
+  /// Quad-reduces l; afterwards every lane of a quad holds the full row sums.
+  __device__ __forceinline__ void finish() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+  }
+};
+
+}  // namespace sparse_attn::cuda_kernels

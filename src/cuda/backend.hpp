@@ -1,0 +1,24 @@
+// Entry points of the CUDA backend used by the operator front ends (src/attention). Arguments have
+// already passed check_attention_args; these check what only the CUDA backend requires (head dim,
+// TMA alignment, selection contents on the device) and launch on `options.stream`.
+#pragma once
+
+#include <optional>
+
+#include "sparse_attn/formats.hpp"
+#include "sparse_attn/ops.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn::cuda_backend {
+
+/// Dense attention on the GPU: the tile_sparse kernel walking every block.
+void dense(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options);
+
+/// Q-centric block-sparse attention over TileLists on the GPU. Unless options.trusted, the lists are
+/// validated on the device first (one small kernel and a host synchronisation).
+void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
+                 const AttentionOptions& options);
+
+}  // namespace sparse_attn::cuda_backend

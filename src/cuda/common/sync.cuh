@@ -1,0 +1,80 @@
+// Hopper synchronisation primitives: mbarriers (TMA completion and stage release), named barriers,
+// register reallocation between warpgroups, and the async-proxy fences.
+#pragma once
+
+#include <cuda/ptx>
+
+#include <cstdint>
+
+namespace sparse_attn::cuda_kernels {
+
+namespace ptx = ::cuda::ptx;
+
+/// Named barrier ids. Id 0 is __syncthreads; every subset barrier of the library is listed here so two
+/// roles never share an id by accident.
+enum class NamedBarrier : std::uint32_t {
+  kSync = 0,         // whole CTA (__syncthreads)
+  kConsumerWG0 = 1,  // the 128 threads of consumer warpgroup 0
+  kConsumerWG1 = 2,  // the 128 threads of consumer warpgroup 1
+  kConsumers = 3,    // both consumer warpgroups (256 threads)
+};
+
+__device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<std::uint32_t>(id)), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(NamedBarrier id, std::uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(static_cast<std::uint32_t>(id)), "r"(threads) : "memory");
+}
+
+/// setmaxnreg needs an immediate; every warp of the warpgroup must execute the same instruction.
+template <std::uint32_t kRegs>
+__device__ __forceinline__ void warpgroup_reg_dealloc() {
+  static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg takes 24..256 in steps of 8");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+template <std::uint32_t kRegs>
+__device__ __forceinline__ void warpgroup_reg_alloc() {
+  static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg takes 24..256 in steps of 8");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+/// A 64-bit mbarrier in shared memory. Phases alternate parity 0, 1, 0, ...; the waiter names the
+/// parity of the phase it waits for.
+struct MBarrier {
+  std::uint64_t word;
+
+  __device__ __forceinline__ void init(std::uint32_t arrivals) { ptx::mbarrier_init(&word, arrivals); }
+
+  __device__ __forceinline__ void arrive() { (void)ptx::mbarrier_arrive(&word); }
+
+  /// One arrival that also announces `bytes` of TMA traffic completing on this barrier.
+  __device__ __forceinline__ void arrive_expect_tx(std::uint32_t bytes) {
+    (void)ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &word, bytes);
+  }
+
+  __device__ __forceinline__ void wait(std::uint32_t parity) {
+    while (!ptx::mbarrier_try_wait_parity(&word, parity)) {
+    }
+  }
+};
+
+/// Makes mbarrier initialisation visible to the async proxy (TMA) before the CTA-wide barrier.
+__device__ __forceinline__ void fence_barrier_init() {
+  ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+}
+
+/// Generic-proxy shared-memory writes -> visible to TMA / wgmma reads.
+__device__ __forceinline__ void fence_async_shared() { ptx::fence_proxy_async(ptx::space_shared); }
+
+/// Ring position of a stage-cycled pipeline: which slot, and the parity of its current phase.
+template <int kStages>
+struct PipelineState {
+  std::uint32_t count = 0;
+  __device__ __forceinline__ int stage() const { return static_cast<int>(count % kStages); }
+  __device__ __forceinline__ std::uint32_t phase() const { return (count / kStages) & 1u; }
+  __device__ __forceinline__ void advance() { ++count; }
+};
+
+}  // namespace sparse_attn::cuda_kernels

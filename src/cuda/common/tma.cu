@@ -1,0 +1,46 @@
+#include "cuda/common/tma.hpp"
+
+#include <cstdint>
+#include <string>
+
+#include "core/check.hpp"
+
+namespace sparse_attn::cuda_kernels {
+
+CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t) {
+  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
+  detail::require(elem == 2, op, name, std::string("TMA maps here take 16-bit elements, got ") + dtype_name(t.dtype));
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data);
+  detail::require(base % 16 == 0, op, name,
+                  "data pointer must be 16-byte aligned for TMA, got address " + std::to_string(base));
+  // Map dims innermost first: {D, H, L, B}. Strides of dims 1..3 in bytes, multiples of 16, nonzero.
+  const char* dim_names[3] = {"h", "l", "b"};
+  const std::int64_t strides[3] = {t.stride[2], t.stride[1], t.stride[0]};
+  for (int i = 0; i < 3; ++i) {
+    const std::int64_t bytes = strides[i] * elem;
+    detail::require(bytes > 0 && bytes % 16 == 0 && bytes < (std::int64_t(1) << 40), op, name,
+                    std::string("stride of dim ") + dim_names[i] + " must be a positive multiple of 8 elements "
+                    "for TMA, got " + std::to_string(strides[i]));
+  }
+  CUtensorMap map;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.shape[3]), static_cast<cuuint64_t>(t.shape[2]),
+                              static_cast<cuuint64_t>(t.shape[1]), static_cast<cuuint64_t>(t.shape[0])};
+  const cuuint64_t gstrides[3] = {static_cast<cuuint64_t>(strides[0] * elem), static_cast<cuuint64_t>(strides[1] * elem),
+                                  static_cast<cuuint64_t>(strides[2] * elem)};
+  const cuuint32_t box[4] = {kTmaBoxCols, 1, kTmaBoxRows, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dtype =
+      t.dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = cuTensorMapEncodeTiled(&map, dtype, 4, t.data, dims, gstrides, box, elem_strides,
+                                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    const char* msg = nullptr;
+    cuGetErrorString(r, &msg);
+    throw Error(op, name, std::string("cuTensorMapEncodeTiled failed for ") + t.describe() + ": " +
+                              (msg ? msg : "unknown error"));
+  }
+  return map;
+}
+
+}  // namespace sparse_attn::cuda_kernels

@@ -1,0 +1,119 @@
+// wgmma (warpgroup matrix multiply) wrappers for m64n128k16 with f32 accumulators, bf16 or f16
+// inputs, and the shared-memory matrix descriptors for 128-byte swizzled tiles.
+//
+// Layout facts (verified on the H200 by shared/hopper/wgmma_tma_example.cu):
+//  - a 128-wide tile is stored as two 64-column halves [half][rows][64], each 1024-byte aligned; one
+//    half-row is one 128 B swizzle row, which is what TMA SWIZZLE_128B writes;
+//  - K-major operands (Q, K): SBO = 1024 (next 8-row group), LBO unused; a k16 step adds 32 B;
+//  - MN-major operand (V in O = P V): LBO = distance between the two 64-column halves, SBO = 1024,
+//    a k16 step is 16 rows = 2048 B;
+//  - accumulator d[4i + j] of thread t (w = t / 32, g = (t % 32) / 4, q = t % 4) holds
+//    row 16w + g + 8(j / 2), column 8i + 2q + (j % 2).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace sparse_attn::cuda_kernels {
+
+/// 64-bit wgmma matrix descriptor for a 128B-swizzled tile whose pattern starts 1024-aligned.
+__device__ __forceinline__ std::uint64_t make_desc_sw128(std::uint32_t smem_addr, std::uint32_t lbo,
+                                                         std::uint32_t sbo) {
+  return static_cast<std::uint64_t>((smem_addr & 0x3FFFF) >> 4) |
+         (static_cast<std::uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<std::uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+/// Compiler-only fence on accumulator registers: nothing that reads them may move above the
+/// preceding (volatile) wait, and nothing that writes them below the following wgmma.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define SA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+#define SA_D64 SA_D8(0), SA_D8(8), SA_D8(16), SA_D8(24), SA_D8(32), SA_D8(40), SA_D8(48), SA_D8(56)
+#define SA_DREGS                                                                                         \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"             \
+  "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"  \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+
+/// Input element type tags: the PTX type suffix differs, the fragment layout does not.
+struct Bf16Tag {
+  using Elem = __nv_bfloat16;
+  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<std::uint32_t*>(&v);
+  }
+};
+struct F16Tag {
+  using Elem = __half;
+  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<std::uint32_t*>(&v);
+  }
+};
+
+/// d (+)= A(64x16, smem, K-major) * B(16x128, smem, K-major). `accumulate` = 0 ignores the old d.
+template <class Tag>
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b, int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_ss<Bf16Tag>(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                  int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SA_DREGS ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : SA_D64
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<F16Tag>(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                 int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SA_DREGS ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : SA_D64
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+/// d (+)= A(64x16, registers) * B(16x128, smem, MN-major: imm-trans-b = 1).
+template <class Tag>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t desc_b,
+                                            int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<Bf16Tag>(float (&d)[64], const std::uint32_t (&a)[4],
+                                                     std::uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SA_DREGS
+               ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+               : SA_D64
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<F16Tag>(float (&d)[64], const std::uint32_t (&a)[4],
+                                                    std::uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SA_DREGS
+               ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+               : SA_D64
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+#undef SA_D8
+#undef SA_D64
+#undef SA_DREGS
+
+}  // namespace sparse_attn::cuda_kernels
