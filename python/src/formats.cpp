@@ -1,0 +1,156 @@
+// Problem shapes, selection validation, conversions, explicit masks and selection quality.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "binding.hpp"
+
+namespace sparse_attn::python {
+
+using namespace nb::literals;
+
+namespace {
+
+nb::dict quality_dict(const QualityReport& r) {
+  nb::dict d;
+  d["kept_mass_mean"] = r.kept_mass_mean;
+  d["kept_mass_min"] = r.kept_mass_min;
+  d["kept_mass_mean_per_head"] = r.kept_mass_mean_per_head;
+  d["kept_mass_min_per_head"] = r.kept_mass_min_per_head;
+  d["out_rel_err"] = r.out_rel_err;
+  d["out_rel_err_per_head"] = r.out_rel_err_per_head;
+  d["token_sparsity"] = r.token_sparsity;
+  d["block_sparsity"] = r.block_sparsity;
+  d["selected_pairs"] = r.selected_pairs;
+  d["visible_pairs"] = r.visible_pairs;
+  return d;
+}
+
+}  // namespace
+
+void bind_formats(nb::module_& m) {
+  m.attr("TILE_Q") = kTileQ;
+  m.attr("BLOCK_K") = kBlockK;
+
+  nb::class_<ProblemShape>(m, "ProblemShape", "Problem extents and the causal flag (DESIGN §2).")
+      .def(
+          "__init__",
+          [](ProblemShape* p, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
+             std::int64_t D, bool causal) {
+            new (p) ProblemShape{B, Lq, Lk, Hq, Hkv, D, causal};
+          },
+          "B"_a, "Lq"_a, "Lk"_a, "Hq"_a, "Hkv"_a, "D"_a = 128, "causal"_a = false)
+      .def_rw("B", &ProblemShape::B)
+      .def_rw("Lq", &ProblemShape::Lq)
+      .def_rw("Lk", &ProblemShape::Lk)
+      .def_rw("Hq", &ProblemShape::Hq)
+      .def_rw("Hkv", &ProblemShape::Hkv)
+      .def_rw("D", &ProblemShape::D)
+      .def_rw("causal", &ProblemShape::causal)
+      .def_prop_ro("Tq", &ProblemShape::Tq)
+      .def_prop_ro("Tk", &ProblemShape::Tk)
+      .def_prop_ro("group_size", &ProblemShape::group_size)
+      .def_prop_ro("offset", &ProblemShape::offset)
+      .def("visible", &ProblemShape::visible, "i"_a, "j"_a)
+      .def("key_end", &ProblemShape::key_end, "i"_a)
+      .def("visible_pairs", &ProblemShape::visible_pairs)
+      .def("describe", &ProblemShape::describe)
+      .def("__repr__", [](const ProblemShape& p) { return "ProblemShape(" + p.describe() + ")"; });
+
+  m.def(
+      "validate",
+      [](const std::string& kind, nb::handle a, nb::handle b, const ProblemShape& p, const std::string& op) {
+        Imports im(op);
+        const Selection sel = make_selection(im, kind, a, b);
+        nb::gil_scoped_release release;
+        sparse_attn::validate(sel, p, op);
+      },
+      "kind"_a, "a"_a.none(), "b"_a.none(), "shape"_a, "op"_a = "validate",
+      "Checks a selection against a problem shape; raises Error naming the first offending coordinate.");
+
+  m.def(
+      "selection_groups",
+      [](const std::string& kind, nb::handle a, nb::handle b, const ProblemShape& p) {
+        Imports im("selection_groups");
+        const Selection sel = make_selection(im, kind, a, b);
+        return sparse_attn::selection_groups(sel, p, "selection_groups");
+      },
+      "kind"_a, "a"_a.none(), "b"_a.none(), "shape"_a);
+
+  m.def(
+      "tile_lists_to_block_bits",
+      [](nb::handle idx, nb::handle cnt, nb::handle bits, const ProblemShape& p) {
+        Imports im("tile_lists_to_block_bits");
+        const TileLists in{im.in(idx, "tiles.idx"), im.in(cnt, "tiles.cnt")};
+        const BlockBits out{im.out(bits, "bits.bits")};
+        nb::gil_scoped_release release;
+        sparse_attn::tile_lists_to_block_bits(in, out, p);
+      },
+      "idx"_a, "cnt"_a, "bits"_a, "shape"_a);
+
+  m.def(
+      "block_bits_to_tile_lists",
+      [](nb::handle bits, nb::handle idx, nb::handle cnt, const ProblemShape& p) {
+        Imports im("block_bits_to_tile_lists");
+        const BlockBits in{im.in(bits, "bits.bits")};
+        const TileLists out{im.out(idx, "tiles.idx"), im.out(cnt, "tiles.cnt")};
+        nb::gil_scoped_release release;
+        sparse_attn::block_bits_to_tile_lists(in, out, p);
+      },
+      "bits"_a, "idx"_a, "cnt"_a, "shape"_a);
+
+  m.def(
+      "query_lists_to_tile_lists",
+      [](nb::handle lists, nb::handle idx, nb::handle cnt, const ProblemShape& p) {
+        Imports im("query_lists_to_tile_lists");
+        const QueryLists in{im.in(lists, "lists.idx")};
+        const TileLists out{im.out(idx, "tiles.idx"), im.out(cnt, "tiles.cnt")};
+        nb::gil_scoped_release release;
+        sparse_attn::query_lists_to_tile_lists(in, out, p);
+      },
+      "lists"_a, "idx"_a, "cnt"_a, "shape"_a);
+
+  m.def(
+      "expand_mask",
+      [](const std::string& kind, nb::handle a, nb::handle b, const ProblemShape& p) {
+        Imports im("expand_mask");
+        const Selection sel = make_selection(im, kind, a, b);
+        HostTensor mask;
+        {
+          nb::gil_scoped_release release;
+          mask = sparse_attn::expand_mask(sel, p);
+        }
+        std::vector<std::uint8_t> bytes(static_cast<std::size_t>(mask.numel()));
+        if (!bytes.empty()) std::memcpy(bytes.data(), mask.data<std::uint8_t>(), bytes.size());
+        std::vector<std::size_t> shape;
+        for (auto s : mask.shape()) shape.push_back(static_cast<std::size_t>(s));
+        return numpy_array(std::move(bytes), shape);
+      },
+      "kind"_a, "a"_a.none(), "b"_a.none(), "shape"_a,
+      "The explicit mask u8 [B, Hq, Lq, Lk] of a selection (selected and visible).");
+
+  m.def(
+      "evaluate_selection",
+      [](nb::handle q, nb::handle k, nb::handle v, const std::string& kind, nb::handle a, nb::handle b,
+         std::optional<float> scale, bool causal) {
+        Imports im("evaluate_selection");
+        const TensorView qv = im.in(q, "q"), kv = im.in(k, "k"), vv = im.in(v, "v");
+        const Selection sel = make_selection(im, kind, a, b);
+        QualityOptions o;
+        o.softmax_scale = scale;
+        o.causal = causal;
+        QualityReport r;
+        {
+          nb::gil_scoped_release release;
+          r = sparse_attn::evaluate_selection(qv, kv, vv, sel, o);
+        }
+        return quality_dict(r);
+      },
+      "q"_a, "k"_a, "v"_a, "kind"_a, "a"_a.none() = nb::none(), "b"_a.none() = nb::none(),
+      "softmax_scale"_a.none() = nb::none(), "causal"_a = false,
+      "Selection quality against dense attention, computed in float64 on the CPU.");
+}
+
+}  // namespace sparse_attn::python

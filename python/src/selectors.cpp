@@ -1,0 +1,88 @@
+// Selectors: the caller passes the list tensors to fill.
+#include <nanobind/stl/string.h>
+
+#include "binding.hpp"
+
+namespace sparse_attn::python {
+
+using namespace nb::literals;
+
+void bind_selectors(nb::module_& m) {
+  m.def(
+      "pooled_select",
+      [](nb::handle q, nb::handle k, nb::handle idx, nb::handle cnt, int representatives, int top_k,
+         bool force_local, bool force_block0, bool causal, std::uintptr_t stream) {
+        Imports im("pooled_select");
+        const TensorView qv = im.in(q, "q"), kv = im.in(k, "k");
+        const TileLists out{im.out(idx, "out.idx"), im.out(cnt, "out.cnt")};
+        PooledOptions o;
+        o.representatives = representatives;
+        o.top_k = top_k;
+        o.force_local = force_local;
+        o.force_block0 = force_block0;
+        o.causal = causal;
+        o.stream = stream_ptr(stream);
+        nb::gil_scoped_release release;
+        sparse_attn::pooled_select(qv, kv, out, o);
+      },
+      "q"_a, "k"_a, "idx"_a, "cnt"_a, "representatives"_a = 1, "top_k"_a = 16, "force_local"_a = true,
+      "force_block0"_a = false, "causal"_a = false, "stream"_a = 0,
+      "R1 / R4 pooled selector into TileLists idx [B, Hkv, Tq, Kmax], cnt [B, Hkv, Tq].");
+
+  m.def(
+      "token_max_select",
+      [](nb::handle qidx, nb::handle kidx, nb::handle idx, nb::handle cnt, int top_k, const std::string& precision,
+         bool causal, bool reserve_local, std::uintptr_t stream) {
+        Imports im("token_max_select");
+        const TensorView qv = im.in(qidx, "qidx"), kv = im.in(kidx, "kidx");
+        TokenMaxOptions o;
+        o.top_k = top_k;
+        o.precision = parse_precision("token_max_select", precision);
+        o.causal = causal;
+        o.reserve_local = reserve_local;
+        o.stream = stream_ptr(stream);
+        if (cnt.is_none()) {
+          const QueryLists out{im.out(idx, "out.idx")};
+          nb::gil_scoped_release release;
+          sparse_attn::token_max_select(qv, kv, out, o);
+        } else {
+          const TileLists out{im.out(idx, "out.idx"), im.out(cnt, "out.cnt")};
+          nb::gil_scoped_release release;
+          sparse_attn::token_max_select(qv, kv, out, o);
+        }
+      },
+      "qidx"_a, "kidx"_a, "idx"_a, "cnt"_a.none() = nb::none(), "top_k"_a = 16, "precision"_a = "bf16",
+      "causal"_a = true, "reserve_local"_a = true, "stream"_a = 0,
+      "MSA token-max selector: QueryLists into idx [B, Hkv, Lq, Kq] when cnt is None, else TileLists.");
+
+  m.def(
+      "lightning_select",
+      [](nb::handle qI, nb::handle w, nb::handle kI, nb::handle idx, bool blocks, int top_k, bool causal,
+         const std::string& precision, std::uintptr_t stream) {
+        Imports im("lightning_select");
+        const TensorView qv = im.in(qI, "qI"), wv = im.in(w, "w"), kv = im.in(kI, "kI");
+        LightningOptions o;
+        o.top_k = top_k;
+        o.causal = causal;
+        o.precision = parse_precision("lightning_select", precision);
+        o.stream = stream_ptr(stream);
+        if (blocks) {
+          const QueryLists out{im.out(idx, "out.idx")};
+          nb::gil_scoped_release release;
+          sparse_attn::lightning_select(qv, wv, kv, out, o);
+        } else {
+          const TokenLists out{im.out(idx, "out.idx")};
+          nb::gil_scoped_release release;
+          sparse_attn::lightning_select(qv, wv, kv, out, o);
+        }
+      },
+      "qI"_a, "w"_a, "kI"_a, "idx"_a, "blocks"_a = false, "top_k"_a = 2048, "causal"_a = true,
+      "precision"_a = "fp8_e4m3", "stream"_a = 0,
+      "DSA lightning indexer: top-k keys per query (TokenLists), or blocks (QueryLists) when blocks=True.");
+
+  m.def("precision_name", [](const std::string& p) {
+    return std::string(sparse_attn::precision_name(parse_precision("precision_name", p)));
+  });
+}
+
+}  // namespace sparse_attn::python
