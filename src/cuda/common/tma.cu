@@ -1,11 +1,35 @@
 #include "cuda/common/tma.hpp"
 
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
 #include <cstdint>
 #include <string>
 
 #include "core/check.hpp"
 
 namespace sparse_attn::cuda_kernels {
+namespace {
+
+// The encoder is a driver entry point. Reaching it through the runtime keeps libcuda out of the link,
+// so programs built with the CUDA backend still start (and run on the CPU) where no driver exists.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(const std::string& op) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  detail::require(fn != nullptr, op, "", "the CUDA driver does not provide cuTensorMapEncodeTiled (driver too old?)");
+  return fn;
+}
+
+}  // namespace
 
 CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t) {
   const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
@@ -31,15 +55,12 @@ CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name,
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUtensorMapDataType dtype =
       t.dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = cuTensorMapEncodeTiled(&map, dtype, 4, t.data, dims, gstrides, box, elem_strides,
+  const CUresult r = tensor_map_encoder(op)(&map, dtype, 4, t.data, dims, gstrides, box, elem_strides,
                                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    const char* msg = nullptr;
-    cuGetErrorString(r, &msg);
-    throw Error(op, name, std::string("cuTensorMapEncodeTiled failed for ") + t.describe() + ": " +
-                              (msg ? msg : "unknown error"));
-  }
+  detail::require(r == CUDA_SUCCESS, op, name,
+                  "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)) + " for " +
+                      t.describe());
   return map;
 }
 

@@ -1,0 +1,359 @@
+// GPU tests of the Hopper Q-centric kernel behind dense and tile_sparse: every result against the
+// float64 CPU reference with the selection applied as an explicit mask (DESIGN §6), on awkward shapes,
+// with poisoned outputs, both dtypes, causal and not, per-group and per-head lists, strided inputs,
+// and the device-side validation of TileLists.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "cuda/backend.hpp"
+#include "sparse_attn/sparse_attn.hpp"
+
+namespace sa = sparse_attn;
+namespace st = sparse_attn::testing;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                                   \
+  do {                                                                                       \
+    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped"; \
+  } while (0)
+
+void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
+
+// A device copy of a host tensor; the view keeps the host shape (dense strides) unless replaced.
+struct DeviceTensor {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  sa::TensorView view;
+  DeviceTensor() = default;
+  explicit DeviceTensor(const sa::HostTensor& h) {
+    bytes = static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype());
+    cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc");
+    cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
+    view = sa::TensorView::contiguous(ptr, h.dtype(), h.shape(), sa::Device::cuda, 0);
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  ~DeviceTensor() {
+    if (ptr) cudaFree(ptr);
+  }
+  void download(sa::HostTensor& h) const {
+    cuda_ok(cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost), "download");
+  }
+};
+
+struct Case {
+  std::string name;
+  sa::DType dtype = sa::DType::bf16;
+  std::int64_t B = 1, Lq = 128, Lk = 128, Hq = 1, Hkv = 1;
+  bool causal = false;
+  bool dense = false;
+  bool per_head = false;  // G = Hq instead of Hkv
+  int kmax = 4;           // list capacity per tile
+  float scale = 0.0f;     // 0: default 1 / sqrt(D)
+};
+
+constexpr std::int64_t kD = 128;
+
+// The backend entry points, behind the same argument checks the public operators run. The public
+// dispatch itself is covered by PublicOperatorsDispatchToCuda.
+void gpu_dense(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v, const sa::TensorView& out,
+               const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {}) {
+  const sa::ProblemShape p = sa::check_attention_args("dense", q, k, v, out, lse, opt);
+  sa::cuda_backend::dense(p, q, k, v, out, lse, opt);
+}
+
+void gpu_tile_sparse(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v,
+                     const sa::TileLists& tiles, const sa::TensorView& out,
+                     const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {}) {
+  const sa::ProblemShape p = sa::check_attention_args("tile_sparse", q, k, v, out, lse, opt);
+  sa::cuda_backend::tile_sparse(p, q, k, v, tiles, out, lse, opt);
+}
+
+// Random ascending distinct lists; every batch gets different lists and tile 1 (when present) of
+// every (b, g) is left empty.
+void make_lists(const Case& c, const sa::ProblemShape& p, std::uint64_t seed, sa::HostTensor& idx, sa::HostTensor& cnt) {
+  const std::int64_t G = c.per_head ? p.Hq : p.Hkv;
+  idx = sa::HostTensor(sa::DType::i32, {p.B, G, p.Tq(), c.kmax});
+  cnt = sa::HostTensor(sa::DType::i32, {p.B, G, p.Tq()});
+  std::mt19937_64 rng(seed);
+  std::vector<int> all(static_cast<std::size_t>(p.Tk()));
+  std::iota(all.begin(), all.end(), 0);
+  auto* ip = idx.data<std::int32_t>();
+  auto* cp = cnt.data<std::int32_t>();
+  std::fill(ip, ip + idx.numel(), -1);
+  for (std::int64_t row = 0; row < p.B * G * p.Tq(); ++row) {
+    const std::int64_t t = row % p.Tq();
+    const int cap = static_cast<int>(std::min<std::int64_t>(c.kmax, p.Tk()));
+    int n = t == 1 ? 0 : 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(cap));
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int> pick(all.begin(), all.begin() + n);
+    std::sort(pick.begin(), pick.end());
+    cp[row] = n;
+    for (int s = 0; s < n; ++s) ip[row * c.kmax + s] = pick[static_cast<std::size_t>(s)];
+  }
+}
+
+struct Tolerance {
+  double rel, max_abs_frac, lse_abs;
+};
+
+// A plain same-precision implementation lands near 3e-3 (bf16) / 4e-4 (f16) relative error: the P
+// operand and the output are rounded to the 16-bit type. The bounds allow 2x that plus a small
+// absolute term, and bound the worst element to a few units in the last place of the largest output.
+Tolerance tolerance(sa::DType d) {
+  if (d == sa::DType::bf16) return {2 * 3e-3 + 1e-4, 4 * std::ldexp(1.0, -8), 1e-3};
+  return {2 * 4e-4 + 1e-5, 4 * std::ldexp(1.0, -11), 1e-3};
+}
+
+void check_against_reference(const Case& c, const sa::HostTensor& q, const sa::HostTensor& k, const sa::HostTensor& v,
+                             const sa::Selection& sel, const sa::ProblemShape& p, const sa::HostTensor& out,
+                             const sa::HostTensor& lse, double scale) {
+  const st::Reference ref = st::reference_attention(q.view(), k.view(), v.view(), sel, p, scale);
+  const Tolerance tol = tolerance(c.dtype);
+  EXPECT_TRUE(st::all_finite(out)) << c.name << ": out holds NaN/inf (unwritten or broken)";
+  const double rel = st::rel_err(out, ref.out);
+  double ref_max = 1.0;
+  for (double x : ref.out) ref_max = std::max(ref_max, std::abs(x));
+  const double max_abs = st::max_abs_err(out, ref.out);
+  const double lse_err = st::lse_max_err(lse, ref.lse);
+  EXPECT_LE(rel, tol.rel) << c.name << ": relative error";
+  EXPECT_LE(max_abs, tol.max_abs_frac * ref_max) << c.name << ": max element error (max |ref| " << ref_max << ")";
+  EXPECT_LE(lse_err, tol.lse_abs) << c.name << ": lse error";
+  // Queries that see nothing: exactly 0 and -inf.
+  for (std::int64_t i = 0; i < lse.numel(); ++i)
+    if (std::isinf(ref.lse[static_cast<std::size_t>(i)])) {
+      ASSERT_TRUE(std::isinf(st::element(lse, i)) && st::element(lse, i) < 0) << c.name << ": lse[" << i << "]";
+    }
+  std::printf("[ %-34s ] relerr %.3e  max_abs %.3e  lse_err %.3e\n", c.name.c_str(), rel, max_abs, lse_err);
+}
+
+void run_case(const Case& c, std::uint64_t seed) {
+  sa::ProblemShape p;
+  p.B = c.B, p.Lq = c.Lq, p.Lk = c.Lk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.D = kD, p.causal = c.causal;
+  const sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, kD}, seed);
+  const sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, kD}, seed + 1);
+  const sa::HostTensor v = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, kD}, seed + 2);
+  sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, kD});
+  sa::HostTensor lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
+  st::poison(out);
+  st::poison(lse);
+  DeviceTensor dq(q), dk(k), dv(v), dout(out), dlse(lse);
+
+  sa::AttentionOptions opt;
+  opt.causal = c.causal;
+  if (c.scale > 0) opt.softmax_scale = c.scale;
+  const double scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(kD));
+
+  sa::HostTensor idx, cnt;
+  sa::Selection sel = sa::AllBlocks{};
+  if (c.dense) {
+    gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, opt);
+  } else {
+    make_lists(c, p, seed + 3, idx, cnt);
+    DeviceTensor didx(idx), dcnt(cnt);
+    gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, dout.view, dlse.view, opt);
+    sel = sa::TileLists{idx.view(), cnt.view()};
+    cuda_ok(cudaDeviceSynchronize(), "kernel");
+  }
+  cuda_ok(cudaDeviceSynchronize(), "kernel");
+  dout.download(out);
+  dlse.download(lse);
+  check_against_reference(c, q, k, v, sel, p, out, lse, scale);
+}
+
+}  // namespace
+
+TEST(TileAttentionGpu, SparseShapes) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 1000;
+  // Lq = 1013 / 17 / 1: partial last Q tile; Lk = 1500: partial last KV block (Tk = 12).
+  run_case({"bf16 gqa1 lists per group", sa::DType::bf16, 2, 1013, 1500, 2, 2, false, false, false, 5}, seed += 10);
+  run_case({"bf16 causal per-head Hq=2Hkv", sa::DType::bf16, 2, 1013, 1500, 4, 2, true, false, true, 6}, seed += 10);
+  run_case({"bf16 causal Lq=1 Hq=16Hkv", sa::DType::bf16, 1, 1, 700, 16, 1, true, false, false, 3}, seed += 10);
+  run_case({"f16 Lq=17 Hq=16Hkv scale=0.05", sa::DType::f16, 2, 17, 260, 16, 1, false, false, false, 3, 0.05f},
+           seed += 10);
+  run_case({"f16 causal Lq>Lk per group", sa::DType::f16, 2, 400, 333, 4, 1, true, false, false, 3}, seed += 10);
+}
+
+TEST(TileAttentionGpu, DenseShapes) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 2000;
+  run_case({"dense bf16 causal Lq=Lk=1013", sa::DType::bf16, 2, 1013, 1013, 2, 1, true, true}, seed += 10);
+  run_case({"dense f16 Lq=300 Lk=1100", sa::DType::f16, 1, 300, 1100, 2, 2, false, true}, seed += 10);
+  // Bottom-right causal with Lq > Lk: the first Lq - Lk queries see no key (out 0, lse -inf).
+  run_case({"dense bf16 causal Lq=400 Lk=200", sa::DType::bf16, 2, 400, 200, 2, 2, true, true}, seed += 10);
+  run_case({"dense bf16 Lq=1 Lk=129", sa::DType::bf16, 1, 1, 129, 16, 1, false, true}, seed += 10);
+}
+
+// A small case for the compute-sanitizer runs (memcheck, racecheck, synccheck).
+TEST(TileAttentionGpu, SanitizerSmall) {
+  SKIP_WITHOUT_GPU();
+  run_case({"small causal lists", sa::DType::bf16, 2, 300, 520, 2, 1, true, false, false, 3}, 3000);
+  run_case({"small dense", sa::DType::f16, 1, 200, 200, 1, 1, false, true}, 3010);
+}
+
+// q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV
+// projection produces them.
+TEST(TileAttentionGpu, PackedQkvStrides) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t B = 2, L = 517, H = 2;
+  const sa::HostTensor qkv = st::random_tensor(sa::DType::bf16, {B, L, 3, H, kD}, 4000);
+  sa::HostTensor q(sa::DType::bf16, {B, L, H, kD}), k(q), v(q);
+  const auto* src = qkv.data<std::uint16_t>();
+  for (std::int64_t bl = 0; bl < B * L; ++bl)
+    for (int part = 0; part < 3; ++part) {
+      sa::HostTensor& dst = part == 0 ? q : (part == 1 ? k : v);
+      std::memcpy(dst.data<std::uint16_t>() + bl * H * kD, src + (bl * 3 + part) * H * kD, H * kD * 2);
+    }
+  DeviceTensor dqkv(qkv);
+  auto part_view = [&](int part) {
+    sa::TensorView t = sa::TensorView::contiguous(static_cast<std::uint16_t*>(dqkv.ptr) + part * H * kD,
+                                                  sa::DType::bf16, {B, L, H, kD}, sa::Device::cuda, 0);
+    t.stride = {L * 3 * H * kD, 3 * H * kD, kD, 1};
+    return t;
+  };
+  sa::HostTensor out(sa::DType::bf16, {B, L, H, kD}), lse(sa::DType::f32, {B, H, L});
+  st::poison(out);
+  st::poison(lse);
+  DeviceTensor dout(out), dlse(lse);
+  Case c{"packed qkv causal lists", sa::DType::bf16, B, L, L, H, H, true, false, false, 3};
+  sa::ProblemShape p;
+  p.B = B, p.Lq = L, p.Lk = L, p.Hq = H, p.Hkv = H, p.D = kD, p.causal = true;
+  sa::HostTensor idx, cnt;
+  make_lists(c, p, 4001, idx, cnt);
+  DeviceTensor didx(idx), dcnt(cnt);
+  sa::AttentionOptions opt;
+  opt.causal = true;
+  gpu_tile_sparse(part_view(0), part_view(1), part_view(2), sa::TileLists{didx.view, dcnt.view}, dout.view, dlse.view,
+                  opt);
+  cuda_ok(cudaDeviceSynchronize(), "kernel");
+  dout.download(out);
+  dlse.download(lse);
+  check_against_reference(c, q, k, v, sa::TileLists{idx.view(), cnt.view()}, p, out, lse, 1.0 / std::sqrt(double(kD)));
+}
+
+// tile_sparse with every block listed walks the same blocks in the same order as dense: the outputs
+// must be identical, and two runs of the persistent kernel must agree bit for bit (a race would not).
+TEST(TileAttentionGpu, AllBlocksEqualsDenseAndIsDeterministic) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t B = 2, L = 1900, Hq = 8, Hkv = 2;
+  sa::ProblemShape p;
+  p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = kD, p.causal = true;
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, Hq, kD}, 5000);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 5001);
+  const sa::HostTensor v = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 5002);
+  const std::int64_t Tq = p.Tq(), Tk = p.Tk();
+  sa::HostTensor idx(sa::DType::i32, {B, Hkv, Tq, Tk}), cnt(sa::DType::i32, {B, Hkv, Tq});
+  for (std::int64_t r = 0; r < B * Hkv * Tq; ++r) {
+    cnt.data<std::int32_t>()[r] = static_cast<std::int32_t>(Tk);
+    for (std::int64_t j = 0; j < Tk; ++j) idx.data<std::int32_t>()[r * Tk + j] = static_cast<std::int32_t>(j);
+  }
+  sa::HostTensor out_a(sa::DType::bf16, {B, L, Hq, kD}), out_b(out_a), out_c(out_a);
+  st::poison(out_a);
+  DeviceTensor dq(q), dk(k), dv(v), didx(idx), dcnt(cnt), da(out_a), db(out_a), dc(out_a);
+  sa::AttentionOptions opt;
+  opt.causal = true;
+  gpu_dense(dq.view, dk.view, dv.view, da.view, std::nullopt, opt);
+  gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, db.view, std::nullopt, opt);
+  gpu_dense(dq.view, dk.view, dv.view, dc.view, std::nullopt, opt);
+  cuda_ok(cudaDeviceSynchronize(), "kernel");
+  da.download(out_a);
+  db.download(out_b);
+  dc.download(out_c);
+  ASSERT_TRUE(st::all_finite(out_a));
+  EXPECT_EQ(0, std::memcmp(out_a.view().data, out_b.view().data, da.bytes)) << "dense and all-blocks tile_sparse differ";
+  EXPECT_EQ(0, std::memcmp(out_a.view().data, out_c.view().data, da.bytes)) << "two dense runs differ";
+}
+
+// Bad lists are rejected on the device with the first offending coordinate; nothing is launched.
+TEST(TileAttentionGpu, ValidationReportsFirstBadEntry) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t B = 2, L = 600, H = 2;  // Tq = Tk = 5
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, H, kD}, 6000);
+  sa::HostTensor out(sa::DType::bf16, {B, L, H, kD});
+  DeviceTensor dq(q), dout(out);
+  auto expect_error = [&](const std::string& what, auto mutate, const std::string& arg, const std::string& needle) {
+    sa::HostTensor idx(sa::DType::i32, {B, H, 5, 3}), cnt(sa::DType::i32, {B, H, 5});
+    for (std::int64_t r = 0; r < B * H * 5; ++r) {
+      cnt.data<std::int32_t>()[r] = 2;
+      idx.data<std::int32_t>()[r * 3 + 0] = 0;
+      idx.data<std::int32_t>()[r * 3 + 1] = 3;
+      idx.data<std::int32_t>()[r * 3 + 2] = -1;
+    }
+    mutate(idx.data<std::int32_t>(), cnt.data<std::int32_t>());
+    DeviceTensor didx(idx), dcnt(cnt);
+    try {
+      gpu_tile_sparse(dq.view, dq.view, dq.view, sa::TileLists{didx.view, dcnt.view}, dout.view);
+      ADD_FAILURE() << what << ": no error";
+    } catch (const sa::Error& e) {
+      EXPECT_EQ(e.argument(), arg) << what;
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  // Row (b=1, g=0, t=2) is flat row 1*10 + 0*5 + 2 = 12.
+  expect_error("id out of range", [](std::int32_t* i, std::int32_t*) { i[12 * 3 + 1] = 5; }, "tiles.idx",
+               "block id 5 at [1, 0, 2, 1] is out of range [0, 5)");
+  expect_error("not ascending", [](std::int32_t* i, std::int32_t*) { i[12 * 3 + 1] = 0; }, "tiles.idx",
+               "at [1, 0, 2, 1]");
+  expect_error("count over capacity", [](std::int32_t*, std::int32_t* c) { c[12] = 4; c[17] = -1; }, "tiles.cnt",
+               "count 4 at [1, 0, 2]");
+}
+
+TEST(TileAttentionGpu, RejectsUnsupportedHeadDim) {
+  SKIP_WITHOUT_GPU();
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 64, 1, 64}, 7000);
+  sa::HostTensor out(sa::DType::bf16, {1, 64, 1, 64});
+  DeviceTensor dq(q), dout(out);
+  try {
+    gpu_dense(dq.view, dq.view, dq.view, dout.view);
+    ADD_FAILURE() << "D = 64 accepted";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "q");
+    EXPECT_NE(std::string(e.what()).find("head dim"), std::string::npos) << e.what();
+  }
+}
+
+// The public operators route device tensors to this backend.
+TEST(TileAttentionGpu, PublicOperatorsDispatchToCuda) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t B = 1, L = 300, H = 2;
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, H, kD}, 8000);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, H, kD}, 8001);
+  const sa::HostTensor v = st::random_tensor(sa::DType::bf16, {B, L, H, kD}, 8002);
+  sa::HostTensor idx(sa::DType::i32, {B, H, 3, 2}), cnt(sa::DType::i32, {B, H, 3});
+  for (std::int64_t r = 0; r < B * H * 3; ++r) {
+    cnt.data<std::int32_t>()[r] = 2;
+    idx.data<std::int32_t>()[r * 2] = 0;
+    idx.data<std::int32_t>()[r * 2 + 1] = 2;
+  }
+  sa::HostTensor a(sa::DType::bf16, {B, L, H, kD}), b(a), c(a), d(a);
+  st::poison(a);
+  DeviceTensor dq(q), dk(k), dv(v), didx(idx), dcnt(cnt), da(a), db(a), dc(a), dd(a);
+  sa::AttentionOptions opt;
+  opt.causal = true;
+  const sa::TileLists tiles{didx.view, dcnt.view};
+  sa::dense(dq.view, dk.view, dv.view, da.view, std::nullopt, opt);
+  gpu_dense(dq.view, dk.view, dv.view, db.view, std::nullopt, opt);
+  sa::tile_sparse(dq.view, dk.view, dv.view, tiles, dc.view, std::nullopt, opt);
+  gpu_tile_sparse(dq.view, dk.view, dv.view, tiles, dd.view, std::nullopt, opt);
+  cuda_ok(cudaDeviceSynchronize(), "kernel");
+  da.download(a);
+  db.download(b);
+  dc.download(c);
+  dd.download(d);
+  ASSERT_TRUE(st::all_finite(a) && st::all_finite(c));
+  EXPECT_EQ(0, std::memcmp(a.view().data, b.view().data, da.bytes)) << "sparse_attn::dense";
+  EXPECT_EQ(0, std::memcmp(c.view().data, d.view().data, da.bytes)) << "sparse_attn::tile_sparse";
+}
