@@ -1,0 +1,637 @@
+// Each case: fresh random bf16 inputs and selection -> one poisoned run checked in full for finite
+// values and on sampled rows against a float64 reference -> `repeat` timed runs. A case whose check
+// fails is not timed, and the program exits non-zero.
+//
+// The full DESIGN §7 shapes are sized for an H200. On the CPU, --scale s (default 16) divides the
+// batch (at least 1), the lengths and the per-tile / per-query block counts (at least 1) by s, which
+// keeps each workload's density while cutting its work by about s^2.
+#include "bench.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <optional>
+#include <stdexcept>
+
+#include "common.hpp"
+#include "core/cpu.hpp"
+
+namespace sparse_attn::cli {
+
+void add_bench_options(CLI::App& app, BenchConfig& c) {
+  app.add_option("workload", c.workload, "tile16, dense, query16of32, query-long, gated or entmax")
+      ->required()
+      ->check(CLI::IsMember({"tile16", "dense", "query16of32", "query-long", "gated", "entmax"}));
+  app.add_option("--pattern", c.pattern, "tile16: 'independent' lists, or 'pairs' of Q tiles sharing one list")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"independent", "pairs"}));
+  app.add_option("--lk", c.lk, "Key lengths at full scale (tile16: Lk; other workloads: L), e.g. --lk 4096 16384")
+      ->check(CLI::Range(std::int64_t{128}, std::int64_t{1} << 22));
+  app.add_option("--repeat", c.repeat, "Timed runs per case (default: 5 on the GPU, 2 on the CPU)")
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--scale", c.scale, "Divide batch, lengths and block counts by this (default: 1 on the GPU, 16 on the CPU)")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--density", c.density, "gated: target block density of the gated case")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--verify-rows", c.verify_rows, "Sampled (batch, query, head) rows checked per case")
+      ->capture_default_str()
+      ->check(CLI::Range(8, 100000));
+  app.add_option("--seed", c.seed, "Seed of the random inputs and selections")->capture_default_str();
+  app.add_option("--device", c.device, "auto, cpu or cuda")->capture_default_str()->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--json", c.json, "Write the results as JSON to this file");
+}
+
+namespace {
+
+// bf16 outputs: rounding alone gives a relative error near 2^-9; twice a plain bf16 implementation's
+// error plus headroom.
+constexpr double kRelErrBound = 8e-3;
+constexpr double kMaxAbsBound = 3e-2;
+// A gated block whose max lies this close to its threshold may go either way between implementations.
+constexpr double kGateAmbiguity = 1e-3;
+
+HostTensor random_bf16(std::vector<std::int64_t> shape, Rng& rng) {
+  HostTensor t(DType::bf16, std::move(shape));
+  auto* p = t.data<std::uint16_t>();
+  for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = float_to_bf16(static_cast<float>(rng.normal()));
+  return t;
+}
+
+std::vector<float> row_of(const TensorView& t, std::int64_t b, std::int64_t l, std::int64_t h) {
+  std::vector<float> r(static_cast<std::size_t>(t.shape[3]));
+  detail::load_bhld(t, b, l, h, r.data());
+  return r;
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0.0;
+  for (std::size_t d = 0; d < a.size(); ++d) s += double(a[d]) * double(b[d]);
+  return s;
+}
+
+struct Inputs {
+  ProblemShape p;
+  Mirrored q, k, v, out;
+};
+
+Inputs make_inputs(const ProblemShape& p, const Placement& where, Rng& rng) {
+  return Inputs{p, Mirrored(random_bf16({p.B, p.Lq, p.Hq, p.D}, rng), where),
+                Mirrored(random_bf16({p.B, p.Lk, p.Hkv, p.D}, rng), where),
+                Mirrored(random_bf16({p.B, p.Lk, p.Hkv, p.D}, rng), where),
+                Mirrored(DType::bf16, {p.B, p.Lq, p.Hq, p.D}, where)};
+}
+
+/// Output row of attention with weights w over keys (already normalised), in float64.
+std::vector<double> weighted_sum(const Inputs& in, std::int64_t b, std::int64_t g, const std::vector<double>& w) {
+  std::vector<double> out(static_cast<std::size_t>(in.p.D), 0.0);
+  for (std::int64_t j = 0; j < in.p.Lk; ++j) {
+    if (w[static_cast<std::size_t>(j)] == 0.0) continue;
+    const auto vr = row_of(in.v.host().view(), b, j, g);
+    for (std::int64_t d = 0; d < in.p.D; ++d) out[d] += w[static_cast<std::size_t>(j)] * vr[d];
+  }
+  return out;
+}
+
+std::vector<double> scaled_scores(const Inputs& in, std::int64_t b, std::int64_t i, std::int64_t h) {
+  const auto& p = in.p;
+  const double scale = 1.0 / std::sqrt(double(p.D));
+  const auto qr = row_of(in.q.host().view(), b, i, h);
+  std::vector<double> z(static_cast<std::size_t>(p.Lk));
+  for (std::int64_t j = 0; j < p.Lk; ++j) z[j] = scale * dot(qr, row_of(in.k.host().view(), b, j, h / p.group_size()));
+  return z;
+}
+
+/// Softmax attention of one query row over the keys where mask[j] != 0.
+std::vector<double> softmax_row(const Inputs& in, std::int64_t b, std::int64_t i, std::int64_t h,
+                                const std::vector<std::uint8_t>& mask) {
+  const auto z = scaled_scores(in, b, i, h);
+  double m = -INFINITY;
+  for (std::size_t j = 0; j < z.size(); ++j)
+    if (mask[j]) m = std::max(m, z[j]);
+  std::vector<double> w(z.size(), 0.0);
+  if (m == -INFINITY) return std::vector<double>(static_cast<std::size_t>(in.p.D), 0.0);
+  double den = 0.0;
+  for (std::size_t j = 0; j < z.size(); ++j)
+    if (mask[j]) den += (w[j] = std::exp(z[j] - m));
+  for (auto& x : w) x /= den;
+  return weighted_sum(in, b, h / in.p.group_size(), w);
+}
+
+using RowReference = std::function<std::optional<std::vector<double>>(std::int64_t b, std::int64_t i, std::int64_t h)>;
+
+RowReference selection_reference(const Inputs& in, Selection sel) {
+  return [&in, sel](std::int64_t b, std::int64_t i, std::int64_t h) -> std::optional<std::vector<double>> {
+    std::vector<std::uint8_t> mask(static_cast<std::size_t>(in.p.Lk));
+    selection_row(sel, in.p, b, h, i, mask.data());
+    return softmax_row(in, b, i, h, mask);
+  };
+}
+
+/// Useful (query head, query, key) triples of a block selection: selected and visible.
+double selected_pairs(const Selection& sel, const ProblemShape& p) {
+  double total = 0.0;
+  std::vector<std::uint8_t> row(static_cast<std::size_t>(p.Lk));
+  // Rows of one group share their selection except for causal visibility; count per query.
+  for (std::int64_t b = 0; b < p.B; ++b)
+    for (std::int64_t h = 0; h < p.Hq; ++h) {
+      if (std::holds_alternative<QueryLists>(sel) || std::holds_alternative<TokenLists>(sel) || p.causal ||
+          std::holds_alternative<AllBlocks>(sel)) {
+        if (std::holds_alternative<AllBlocks>(sel)) {
+          total += double(p.visible_pairs());
+          continue;
+        }
+        for (std::int64_t i = 0; i < p.Lq; ++i) {
+          selection_row(sel, p, b, h, i, row.data());
+          total += double(std::count(row.begin(), row.end(), std::uint8_t{1}));
+        }
+      } else {
+        for (std::int64_t t = 0; t < p.Tq(); ++t) {
+          selection_row(sel, p, b, h, t * kTileQ, row.data());
+          const std::int64_t rows = std::min(kTileQ, p.Lq - t * kTileQ);
+          total += double(rows) * double(std::count(row.begin(), row.end(), std::uint8_t{1}));
+        }
+      }
+    }
+  return total;
+}
+
+struct CaseResult {
+  std::string status = "ok";
+  std::string ran_on;
+  std::vector<double> ms;
+  double pairs = 0.0;
+  double rel_err = 0.0, max_abs = 0.0;
+  std::int64_t rows_checked = 0, rows_skipped = 0;
+  nlohmann::json extra = nlohmann::json::object();
+};
+
+class Bench {
+ public:
+  Bench(const BenchConfig& c)
+      : cfg_(c),
+        where_(Placement::choose(c.device)),
+        scale_(c.scale ? c.scale : (where_.cuda ? 1 : 16)),
+        repeat_(c.repeat ? c.repeat : (where_.cuda ? 5 : 2)),
+        rng_(c.seed * 0x2545f4914f6cdd1dull + 7) {}
+
+  int run();
+
+ private:
+  std::int64_t scaled(std::int64_t full, std::int64_t floor) const { return std::max(floor, full / scale_); }
+  std::vector<std::int64_t> lengths(std::vector<std::int64_t> defaults) const {
+    return cfg_.lk.empty() ? defaults : cfg_.lk;
+  }
+  std::int64_t length(std::int64_t full) const {
+    // Lengths stay multiples of 128 only when the full-scale length was one; odd lengths stay odd.
+    return std::max<std::int64_t>(1, full / scale_);
+  }
+
+  /// Verifies one executor call, then times it. `op(device)` runs the executor into in.out.
+  CaseResult measure(Inputs& in, const std::function<void(bool)>& op, const RowReference& ref,
+                     const std::function<void(CaseResult&)>& after_verify);
+  void record(const std::string& name, const ProblemShape& p, nlohmann::json params, CaseResult r);
+
+  void tile16();
+  void dense_workload();
+  void query(bool long_variant);
+  void gated_workload();
+  void entmax_workload();
+
+  const BenchConfig& cfg_;
+  Placement where_;
+  int scale_;
+  int repeat_;
+  Rng rng_;
+  nlohmann::json cases_ = nlohmann::json::array();
+  int failures_ = 0;
+  int skipped_ = 0;
+};
+
+CaseResult Bench::measure(Inputs& in, const std::function<void(bool)>& op, const RowReference& ref,
+                          const std::function<void(CaseResult&)>& after_verify) {
+  CaseResult r;
+  bool dev = where_.cuda;
+  in.out.poison();
+  try {
+    if (dev) {
+      op(true);
+      device_synchronize();
+      in.out.download();
+    } else {
+      op(false);
+    }
+  } catch (const Error& e) {
+    if (!dev || !is_missing_implementation(e)) throw;
+    // At GPU shapes the CPU would take hours: report instead of falling back.
+    r.status = "skipped (no cuda implementation yet)";
+    r.ran_on = "-";
+    return r;
+  }
+  r.ran_on = dev ? "cuda" : "cpu";
+  const auto& p = in.p;
+  const TensorView out = in.out.host().view();
+  if (!all_finite(out)) {
+    r.status = "FAILED: output holds NaN or inf (unwritten or overflowed)";
+    return r;
+  }
+  // Sampled rows: the first and last query, then groups of rows sharing a (batch, head, Q tile), so
+  // that per-tile work of a reference (the gated block maxima) is shared.
+  std::vector<std::array<std::int64_t, 3>> rows{{0, 0, 0}, {p.B - 1, p.Lq - 1, p.Hq - 1}};
+  while (static_cast<int>(rows.size()) < cfg_.verify_rows) {
+    const std::int64_t b = rng_.below(p.B), h = rng_.below(p.Hq), t = rng_.below(p.Tq());
+    const std::int64_t n = std::min<std::int64_t>({8, cfg_.verify_rows - static_cast<std::int64_t>(rows.size())});
+    for (std::int64_t s = 0; s < n; ++s)
+      rows.push_back({b, std::min(p.Lq - 1, t * kTileQ + rng_.below(kTileQ)), h});
+  }
+  double num = 0.0, den = 0.0;
+  for (const auto& [b, i, h] : rows) {
+    const auto expect = ref(b, i, h);
+    if (!expect) {
+      ++r.rows_skipped;
+      continue;
+    }
+    ++r.rows_checked;
+    const auto got = row_of(out, b, i, h);
+    for (std::int64_t d = 0; d < p.D; ++d) {
+      const double e = got[d] - (*expect)[d];
+      num += e * e;
+      den += (*expect)[d] * (*expect)[d];
+      r.max_abs = std::max(r.max_abs, std::abs(e));
+    }
+  }
+  r.rel_err = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+  if (after_verify) after_verify(r);
+  if (r.status != "ok") return r;
+  if (r.rows_checked == 0) {
+    r.status = "FAILED: no row could be checked";
+    return r;
+  }
+  if (!(r.rel_err <= kRelErrBound) || !(r.max_abs <= kMaxAbsBound)) {
+    r.status = fmt::format("FAILED: relerr {:.2e} (bound {:.0e}), max abs err {:.2e} (bound {:.0e})", r.rel_err,
+                           kRelErrBound, r.max_abs, kMaxAbsBound);
+    return r;
+  }
+  for (int rep = 0; rep < repeat_; ++rep) r.ms.push_back(time_ms(dev, [&] { op(dev); }));
+  return r;
+}
+
+void Bench::record(const std::string& name, const ProblemShape& p, nlohmann::json params, CaseResult r) {
+  const bool ok = r.status == "ok";
+  if (r.status.rfind("FAILED", 0) == 0) ++failures_;
+  if (r.status.rfind("skipped", 0) == 0) ++skipped_;
+  const double flops = 4.0 * double(p.D) * r.pairs;
+  nlohmann::json j = {{"case", name},
+                      {"shape", {{"B", p.B}, {"Lq", p.Lq}, {"Lk", p.Lk}, {"Hq", p.Hq}, {"Hkv", p.Hkv}, {"D", p.D}, {"causal", p.causal}}},
+                      {"dtype", "bf16"},
+                      {"params", params},
+                      {"status", r.status},
+                      {"ran_on", r.ran_on},
+                      {"verify", {{"rows_checked", r.rows_checked}, {"rows_skipped", r.rows_skipped}, {"rel_err", r.rel_err},
+                                  {"max_abs_err", r.max_abs}, {"rel_err_bound", kRelErrBound}, {"max_abs_bound", kMaxAbsBound}}},
+                      {"useful_pairs", r.pairs},
+                      {"useful_flops", flops}};
+  std::string timing = "-";
+  if (ok && !r.ms.empty()) {
+    const double med = median(r.ms), mn = *std::min_element(r.ms.begin(), r.ms.end());
+    j["time_ms"] = {{"median", med}, {"min", mn}, {"all", r.ms}};
+    j["useful_tflops"] = flops / (med * 1e-3) / 1e12;
+    timing = fmt::format("{:10.3f} {:10.3f} {:9.3f}", med, mn, flops / (med * 1e-3) / 1e12);
+  } else {
+    timing = fmt::format("{:>10} {:>10} {:>9}", "-", "-", "-");
+  }
+  for (auto& [key, value] : r.extra.items()) j[key] = value;
+  std::string extra;
+  if (r.extra.contains("density")) extra += fmt::format(" density {:.3f}", r.extra["density"].get<double>());
+  if (r.extra.contains("support_fraction"))
+    extra += fmt::format(" support {:.3f}", r.extra["support_fraction"].get<double>());
+  fmt::print("{:<34} {} {:>9} {:>5}  {}{}\n", name, timing,
+             r.rows_checked ? fmt::format("{:.1e}", r.rel_err) : std::string("-"), r.ran_on,
+             ok ? "ok" : r.status, extra);
+  std::fflush(stdout);
+  cases_.push_back(std::move(j));
+}
+
+// ---- tile16: Q-centric lists, 16 blocks per Q tile, independent or shared by neighbouring tiles
+void Bench::tile16() {
+  for (std::int64_t full_lk : lengths({4096, 8192, 16384, 32768, 65536})) {
+    ProblemShape p{scaled(2, 1), length(4096), length(full_lk), 16, 1, 128, false};
+    const std::int64_t blocks = std::min(p.Tk(), scaled(16, 1));
+    progress("tile16 {} Lk={}: inputs and lists", cfg_.pattern, p.Lk);
+    Inputs in = make_inputs(p, where_, rng_);
+    Mirrored idx(DType::i32, {p.B, p.Hkv, p.Tq(), blocks}, where_), cnt(DType::i32, {p.B, p.Hkv, p.Tq()}, where_);
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(p.Tk()));
+    for (std::int64_t b = 0; b < p.B; ++b)
+      for (std::int64_t t = 0; t < p.Tq(); ++t) {
+        auto* list = idx.host().data<std::int32_t>() + (b * p.Tq() + t) * blocks;
+        cnt.host().data<std::int32_t>()[b * p.Tq() + t] = static_cast<std::int32_t>(blocks);
+        if (cfg_.pattern == "pairs" && t % 2 == 1) {
+          std::copy(list - blocks, list, list);
+          continue;
+        }
+        for (std::size_t j = 0; j < perm.size(); ++j) perm[j] = static_cast<std::int32_t>(j);
+        for (std::int64_t s = 0; s < blocks; ++s)
+          std::swap(perm[static_cast<std::size_t>(s)], perm[static_cast<std::size_t>(s + rng_.below(p.Tk() - s))]);
+        std::sort(perm.begin(), perm.begin() + blocks);
+        std::copy(perm.begin(), perm.begin() + blocks, list);
+      }
+    const Selection host_sel = TileLists{idx.host().view(), cnt.host().view()};
+    progress("tile16 {} Lk={}: verify, then {} timed runs", cfg_.pattern, p.Lk, repeat_);
+    auto r = measure(
+        in,
+        [&](bool d) {
+          tile_sparse(in.q.view(d), in.k.view(d), in.v.view(d), TileLists{idx.view(d), cnt.view(d)}, in.out.view(d));
+        },
+        selection_reference(in, host_sel), nullptr);
+    r.pairs = selected_pairs(host_sel, p);
+    record(fmt::format("tile16 {} Lk={}", cfg_.pattern, p.Lk), p, {{"blocks_per_tile", blocks}, {"pattern", cfg_.pattern}},
+           std::move(r));
+  }
+}
+
+// ---- dense: MHA, causal and not
+void Bench::dense_workload() {
+  for (std::int64_t full_l : lengths({4096, 16384}))
+    for (bool causal : {false, true}) {
+      ProblemShape p{scaled(2, 1), length(full_l), length(full_l), 16, 16, 128, causal};
+      progress("dense L={} {}: verify, then {} timed runs", p.Lq, causal ? "causal" : "full", repeat_);
+      Inputs in = make_inputs(p, where_, rng_);
+      AttentionOptions o;
+      o.causal = causal;
+      auto r = measure(
+          in, [&](bool d) { dense(in.q.view(d), in.k.view(d), in.v.view(d), in.out.view(d), std::nullopt, o); },
+          selection_reference(in, AllBlocks{}), nullptr);
+      r.pairs = double(p.B * p.Hq) * double(p.visible_pairs());
+      record(fmt::format("dense L={} {}", p.Lq, causal ? "causal" : "full"), p, nlohmann::json::object(), std::move(r));
+    }
+}
+
+// ---- query16of32 / query-long: per-query random block lists, KV-centric executor
+void Bench::query(bool long_variant) {
+  for (std::int64_t full_l : lengths({long_variant ? 32768 : 4096})) {
+    ProblemShape p = long_variant ? ProblemShape{1, length(full_l), length(full_l), 32, 8, 128, false}
+                                  : ProblemShape{scaled(8, 1), length(full_l), length(full_l), 16, 1, 128, false};
+    const std::int64_t blocks = std::min(p.Tk(), scaled(16, 1));
+    const std::string name = fmt::format("{} L={}", long_variant ? "query-long" : "query16of32", p.Lq);
+    progress("{}: inputs and {} random blocks per query", name, blocks);
+    Inputs in = make_inputs(p, where_, rng_);
+    Mirrored lists(DType::i32, {p.B, p.Hkv, p.Lq, blocks}, where_);
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(p.Tk()));
+    for (std::int64_t r = 0; r < p.B * p.Hkv * p.Lq; ++r) {
+      for (std::size_t j = 0; j < perm.size(); ++j) perm[j] = static_cast<std::int32_t>(j);
+      for (std::int64_t s = 0; s < blocks; ++s)
+        std::swap(perm[static_cast<std::size_t>(s)], perm[static_cast<std::size_t>(s + rng_.below(p.Tk() - s))]);
+      std::copy(perm.begin(), perm.begin() + blocks, lists.host().data<std::int32_t>() + r * blocks);
+    }
+    const Selection host_sel = QueryLists{lists.host().view()};
+    progress("{}: verify, then {} timed runs", name, repeat_);
+    auto r = measure(
+        in,
+        [&](bool d) { query_sparse(in.q.view(d), in.k.view(d), in.v.view(d), QueryLists{lists.view(d)}, in.out.view(d)); },
+        selection_reference(in, host_sel), nullptr);
+    r.pairs = selected_pairs(host_sel, p);
+    record(name, p, {{"blocks_per_query", blocks}}, std::move(r));
+  }
+}
+
+// ---- gated: dense causal baseline, the gate at -inf (density 1), and a gate at a target density
+void Bench::gated_workload() {
+  for (std::int64_t full_l : lengths({8192, 32768, 65536})) {
+    ProblemShape p{1, length(full_l), length(full_l), 32, 8, 128, true};
+    const std::string base = fmt::format("gated L={}", p.Lq);
+    progress("{}: inputs", base);
+    Inputs in = make_inputs(p, where_, rng_);
+    const double scale = 1.0 / std::sqrt(double(p.D));
+
+    // Thresholds from an independent sample of the same distribution: the quantile of off-diagonal
+    // block maxima that keeps the target density (diagonal blocks always run).
+    const std::int64_t Tq = p.Tq();
+    double visible_blocks = 0.0, diag_blocks = 0.0;
+    for (std::int64_t t = 0; t < Tq; ++t) {
+      const std::int64_t last_key = std::min(p.Lq - 1, t * kTileQ + kTileQ - 1) + p.offset();
+      const std::int64_t first_key_all = t * kTileQ + p.offset();  // keys up to here are seen by every query
+      for (std::int64_t j = 0; j * kBlockK <= last_key && j < p.Tk(); ++j) {
+        visible_blocks += 1.0;
+        if (std::min(p.Lk, (j + 1) * kBlockK) - 1 > first_key_all) diag_blocks += 1.0;
+      }
+    }
+    const double off_fraction = visible_blocks > diag_blocks
+                                    ? std::clamp((cfg_.density * visible_blocks - diag_blocks) / (visible_blocks - diag_blocks), 0.0, 1.0)
+                                    : 1.0;
+    Rng cal_rng(cfg_.seed + 977);
+    std::vector<double> maxima;
+    {
+      const std::int64_t Lc = std::min<std::int64_t>(p.Lq, 1024);
+      const auto cq = random_bf16({1, Lc, 1, p.D}, cal_rng), ck = random_bf16({1, Lc, 1, p.D}, cal_rng);
+      for (std::int64_t t = 1; t < ceil_div(Lc, kTileQ); ++t)
+        for (std::int64_t j = 0; j < t; ++j) {
+          double m = -INFINITY;
+          for (std::int64_t i = t * kTileQ; i < std::min(Lc, (t + 1) * kTileQ); ++i) {
+            const auto qr = row_of(cq.view(), 0, i, 0);
+            for (std::int64_t s = j * kBlockK; s < (j + 1) * kBlockK; ++s) m = std::max(m, scale * dot(qr, row_of(ck.view(), 0, s, 0)));
+          }
+          maxima.push_back(m);
+        }
+    }
+    std::sort(maxima.begin(), maxima.end());
+    float threshold = -INFINITY;
+    if (!maxima.empty() && off_fraction < 1.0) {
+      const auto pos = std::min(maxima.size() - 1, static_cast<std::size_t>((1.0 - off_fraction) * double(maxima.size())));
+      threshold = off_fraction <= 0.0 ? static_cast<float>(maxima.back() + 1e3) : static_cast<float>(maxima[pos]);
+    }
+
+    {
+      progress("{} dense causal: verify, then {} timed runs", base, repeat_);
+      AttentionOptions o;
+      o.causal = true;
+      auto r = measure(
+          in, [&](bool d) { dense(in.q.view(d), in.k.view(d), in.v.view(d), in.out.view(d), std::nullopt, o); },
+          selection_reference(in, AllBlocks{}), nullptr);
+      r.pairs = double(p.B * p.Hq) * double(p.visible_pairs());
+      record(base + " dense causal", p, nlohmann::json::object(), std::move(r));
+    }
+    for (const float t : {-INFINITY, threshold}) {
+      const bool open = std::isinf(t) && t < 0;
+      if (open && &t != nullptr && t == threshold && !std::isinf(threshold)) continue;
+      const std::string name = base + (open ? " gate off (-inf)" : fmt::format(" gate {:.2f}", t));
+      progress("{}: verify, then {} timed runs", name, repeat_);
+      Mirrored thresholds(DType::f32, {p.Hq, 1}, where_), kept(DType::i32, {p.B, p.Hq, Tq}, where_);
+      std::fill_n(thresholds.host().data<float>(), p.Hq, t);
+      GatedStats stats;
+      // Block decisions of each sampled (b, h, Q tile): 1 kept, 0 skipped, -1 too close to call.
+      std::map<std::array<std::int64_t, 3>, std::vector<int>> decisions;
+      auto decide = [&](std::int64_t b, std::int64_t h, std::int64_t tile) -> const std::vector<int>& {
+        auto it = decisions.find({b, h, tile});
+        if (it != decisions.end()) return it->second;
+        const std::int64_t q0 = tile * kTileQ, q1 = std::min(p.Lq, q0 + kTileQ);
+        std::vector<int> dec(static_cast<std::size_t>(p.Tk()), 0);
+        std::vector<std::vector<float>> qs;
+        for (std::int64_t i = q0; i < q1; ++i) qs.push_back(row_of(in.q.host().view(), b, i, h));
+        for (std::int64_t j = 0; j < p.Tk(); ++j) {
+          const std::int64_t k0 = j * kBlockK, k1 = std::min(p.Lk, k0 + kBlockK);
+          if (k0 > q1 - 1 + p.offset()) break;                 // entirely in the future
+          if (k1 - 1 > q0 + p.offset()) { dec[j] = 1; continue; }  // straddles the diagonal: always kept
+          double m = -INFINITY;
+          for (std::int64_t s = k0; s < k1; ++s) {
+            const auto kr = row_of(in.k.host().view(), b, s, h / p.group_size());
+            for (const auto& qr : qs) m = std::max(m, scale * dot(qr, kr));
+          }
+          dec[j] = std::abs(m - double(t)) < kGateAmbiguity ? -1 : (m >= double(t) ? 1 : 0);
+        }
+        return decisions.emplace(std::array<std::int64_t, 3>{b, h, tile}, std::move(dec)).first->second;
+      };
+      RowReference ref = [&](std::int64_t b, std::int64_t i, std::int64_t h) -> std::optional<std::vector<double>> {
+        const auto& dec = decide(b, h, i / kTileQ);
+        std::vector<std::uint8_t> mask(static_cast<std::size_t>(p.Lk), 0);
+        for (std::int64_t j = 0; j <= std::min(p.Lk - 1, i + p.offset()); ++j) {
+          const int d = dec[static_cast<std::size_t>(j / kBlockK)];
+          if (d < 0) return std::nullopt;
+          mask[static_cast<std::size_t>(j)] = static_cast<std::uint8_t>(d);
+        }
+        return softmax_row(in, b, i, h, mask);
+      };
+      auto r = measure(
+          in,
+          [&](bool d) {
+            GatedOptions o;
+            o.kept_per_tile = kept.view(d);
+            stats = gated(in.q.view(d), in.k.view(d), in.v.view(d), thresholds.view(d), in.out.view(d), std::nullopt, o);
+          },
+          ref,
+          [&](CaseResult& cr) {
+            if (where_.cuda) kept.download();
+            // Kept blocks: every kept off-diagonal block is full; the diagonal one is partly visible.
+            double pairs = 0.0, kept_total = 0.0;
+            for (std::int64_t b = 0; b < p.B; ++b)
+              for (std::int64_t h = 0; h < p.Hq; ++h)
+                for (std::int64_t tile = 0; tile < Tq; ++tile) {
+                  const std::int64_t n = kept.host().data<std::int32_t>()[(b * p.Hq + h) * Tq + tile];
+                  const std::int64_t q0 = tile * kTileQ, q1 = std::min(p.Lq, q0 + kTileQ);
+                  std::int64_t diag = 0, diag_pairs = 0;
+                  for (std::int64_t j = 0; j < p.Tk(); ++j) {
+                    const std::int64_t k0 = j * kBlockK, k1 = std::min(p.Lk, k0 + kBlockK);
+                    if (k0 > q1 - 1 + p.offset() || k1 - 1 <= q0 + p.offset()) continue;
+                    ++diag;
+                    for (std::int64_t i = q0; i < q1; ++i)
+                      diag_pairs += std::clamp<std::int64_t>(i + p.offset() + 1 - k0, 0, k1 - k0);
+                  }
+                  pairs += double(n - diag) * double(q1 - q0) * double(kBlockK) + double(diag_pairs);
+                  kept_total += double(n);
+                  // Sampled tiles whose decisions are all clear must keep exactly the blocks counted here.
+                  auto it = decisions.find({b, h, tile});
+                  if (it != decisions.end() && cr.status == "ok" &&
+                      std::find(it->second.begin(), it->second.end(), -1) == it->second.end()) {
+                    const auto expect = std::count(it->second.begin(), it->second.end(), 1);
+                    if (expect != n)
+                      cr.status = fmt::format("FAILED: kept_per_tile[{}, {}, {}] = {}, the reference keeps {}", b, h, tile, n, expect);
+                  }
+                }
+            cr.pairs = pairs;
+            cr.extra["density"] = kept_total / (double(p.B * p.Hq) * visible_blocks);
+            cr.extra["threshold"] = open ? nlohmann::json("-inf") : nlohmann::json(t);
+            cr.extra["stats"] = {{"kept_blocks", stats.kept_blocks}, {"visible_blocks", stats.visible_blocks},
+                                 {"gated_candidates", stats.gated_candidates}, {"gated_kept", stats.gated_kept}};
+          });
+      record(name, p, {{"target_density", open ? 1.0 : cfg_.density}}, std::move(r));
+      if (std::isinf(threshold)) break;  // the target asks for every block: the gated case is the open one
+    }
+  }
+}
+
+// ---- entmax: alpha = 1.5, causal
+void Bench::entmax_workload() {
+  constexpr float kAlpha = 1.5f;
+  for (std::int64_t full_l : lengths({4096, 8192, 16384, 32768})) {
+    ProblemShape p{1, length(full_l), length(full_l), 32, 8, 128, true};
+    const std::string name = fmt::format("entmax L={} alpha=1.5", p.Lq);
+    progress("{}: verify, then {} timed runs", name, repeat_);
+    Inputs in = make_inputs(p, where_, rng_);
+    EntmaxStats stats;
+    RowReference ref = [&](std::int64_t b, std::int64_t i, std::int64_t h) -> std::optional<std::vector<double>> {
+      const auto z = scaled_scores(in, b, i, h);
+      const std::int64_t end = std::min(p.Lk, i + p.offset() + 1);
+      const double a1 = kAlpha - 1.0;
+      double hi = -INFINITY;
+      for (std::int64_t j = 0; j < end; ++j) hi = std::max(hi, a1 * z[j]);
+      // sum_j [(alpha-1) z_j - tau]_+^(1/(alpha-1)) decreases in tau; it is >= 1 at max - 1 and 0 at max.
+      double lo = hi - 1.0;
+      auto mass = [&](double tau) {
+        double s = 0.0;
+        for (std::int64_t j = 0; j < end; ++j) s += std::pow(std::max(0.0, a1 * z[j] - tau), 1.0 / a1);
+        return s;
+      };
+      for (int it = 0; it < 200; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        (mass(mid) >= 1.0 ? lo : hi) = mid;
+      }
+      std::vector<double> w(static_cast<std::size_t>(p.Lk), 0.0);
+      double total = 0.0;
+      for (std::int64_t j = 0; j < end; ++j) total += (w[j] = std::pow(std::max(0.0, a1 * z[j] - lo), 1.0 / a1));
+      for (auto& x : w) x /= total;
+      return weighted_sum(in, b, h / p.group_size(), w);
+    };
+    auto r = measure(
+        in,
+        [&](bool d) {
+          EntmaxOptions o;
+          o.alpha = kAlpha;
+          o.causal = true;
+          stats = entmax(in.q.view(d), in.k.view(d), in.v.view(d), in.out.view(d), o);
+        },
+        ref,
+        [&](CaseResult& cr) {
+          const double visible = double(p.B * p.Hq) * double(p.visible_pairs());
+          cr.pairs = double(stats.support);
+          cr.extra["support_fraction"] = double(stats.support) / visible;
+          cr.extra["active_tiles"] = stats.active_tiles;
+          cr.extra["visible_tiles"] = stats.visible_tiles;
+        });
+    record(name, p, {{"alpha", kAlpha}}, std::move(r));
+  }
+}
+
+int Bench::run() {
+  fmt::print("{}\n", where_.banner());
+  fmt::print("workload {}: scale 1/{}{}, {} timed runs per case, each verified first on {} sampled rows\n", cfg_.workload,
+             scale_, scale_ > 1 ? " (batch, lengths and block counts divided; see docs/cli.md)" : "", repeat_,
+             cfg_.verify_rows);
+  fmt::print("\n{:<34} {:>10} {:>10} {:>9} {:>9} {:>5}  {}\n", "case", "median ms", "min ms", "TFLOP/s", "relerr", "on",
+             "check");
+  if (cfg_.workload == "tile16") tile16();
+  else if (cfg_.workload == "dense") dense_workload();
+  else if (cfg_.workload == "query16of32") query(false);
+  else if (cfg_.workload == "query-long") query(true);
+  else if (cfg_.workload == "gated") gated_workload();
+  else if (cfg_.workload == "entmax") entmax_workload();
+  else throw std::runtime_error("unknown workload '" + cfg_.workload + "'");
+  fmt::print("\nTFLOP/s: useful FLOPs (4 * D * selected visible (head, query, key) triples) / median time.\n");
+
+  if (!cfg_.json.empty()) {
+    nlohmann::json j = build_json(where_);
+    j["command"] = "bench";
+    j["workload"] = cfg_.workload;
+    j["scale"] = scale_;
+    j["repeat"] = repeat_;
+    j["seed"] = cfg_.seed;
+    j["cases"] = cases_;
+    write_json(cfg_.json, j);
+    progress("wrote {}", cfg_.json);
+  }
+  if (failures_) {
+    fmt::print(stderr, "error: {} case(s) failed verification\n", failures_);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_bench(const BenchConfig& config) {
+  Bench bench(config);
+  return bench.run();
+}
+
+}  // namespace sparse_attn::cli

@@ -1,0 +1,31 @@
+// `sparse-attn bench <workload>`: the DESIGN §7 workloads, each case verified against a float64
+// reference before it is timed, with useful FLOPs counted from the pairs actually selected.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace sparse_attn::cli {
+
+struct BenchConfig {
+  std::string workload;                 // tile16, dense, query16of32, query-long, gated, entmax
+  std::string pattern = "independent";  // tile16: independent lists, or pairs of tiles sharing one
+  std::vector<std::int64_t> lk;         // full-scale lengths; empty: the workload's defaults
+  int repeat = 0;                       // timed runs per case; 0: 5 on the GPU, 2 on the CPU
+  int scale = 0;                        // divides B, L and block counts; 0: 1 on the GPU, 16 on the CPU
+  double density = 0.36;                // gated: target block density of the gated case
+  int verify_rows = 48;                 // sampled (batch, query, head) rows checked per case
+  std::uint64_t seed = 1;
+  std::string device = "auto";
+  std::string json;
+};
+
+void add_bench_options(CLI::App& app, BenchConfig& config);
+int run_bench(const BenchConfig& config);
+
+}  // namespace sparse_attn::cli
