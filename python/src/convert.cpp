@@ -1,3 +1,5 @@
+#include <nanobind/stl/string.h>
+
 #include <string>
 
 #include "binding.hpp"
@@ -7,14 +9,15 @@ namespace sparse_attn::python {
 namespace {
 
 std::string python_type_name(nb::handle h) {
-  return nb::cast<std::string>(nb::str(h.type().attr("__module__"))) + "." +
-         nb::cast<std::string>(nb::str(h.type().attr("__qualname__")));
+  return nb::cast<std::string>(h.type().attr("__module__")) + "." +
+         nb::cast<std::string>(h.type().attr("__qualname__"));
 }
 
 bool is_numpy_bfloat16(nb::handle h) {
   if (!nb::hasattr(h, "dtype") || !nb::hasattr(h, "view")) return false;
-  if (nb::cast<std::string>(nb::str(h.type().attr("__module__"))) != "numpy") return false;
-  return nb::cast<std::string>(nb::str(h.attr("dtype"))) == "bfloat16";
+  if (nb::cast<std::string>(h.type().attr("__module__")) != "numpy") return false;
+  nb::object dtype = h.attr("dtype");
+  return nb::hasattr(dtype, "name") && nb::cast<std::string>(dtype.attr("name")) == "bfloat16";
 }
 
 std::string dlpack_dtype_name(const nb::dlpack::dtype& t) {

@@ -1,0 +1,402 @@
+"""sparse_attn: input-dependent sparse attention for long-context prefill.
+
+Conventions follow flash-attn: ``q`` is ``(B, Lq, Hq, D)``, ``k`` and ``v`` are ``(B, Lk, Hkv, D)``
+with ``Hq % Hkv == 0`` (GQA is native: K and V are never repeated), the last dimension must be
+contiguous and every other stride is free. ``causal=True`` is aligned to the bottom right (query
+``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), so chunked prefill with ``Lq < Lk`` works.
+``return_lse=True`` also returns ``lse``, float32 ``(B, Hq, Lq)``: the NATURAL log of the softmax
+denominator, scale included (not base 2, unlike FlashInfer's MLA kernels). A query that sees no key
+gets ``out = 0`` and ``lse = -inf``.
+
+Arrays may be numpy arrays (CPU; float32, float16, or ml_dtypes.bfloat16) or torch tensors (CPU or
+CUDA); outputs are allocated with the same library and on the same device as ``q``, or written into
+``out=``. For CUDA tensors the operators run on the current torch stream. Bad input raises
+:class:`Error` (a ``ValueError``) whose message names the operator, the argument and the offending
+value or coordinate.
+
+Selections (int32 index tensors, on q's device):
+
+* TileLists ``(idx [B, G, Tq, Kmax], cnt [B, G, Tq])``: per 128-query tile, ``cnt`` ascending
+  128-key block ids; ``G = Hkv`` (shared by the group) or ``G = Hq``.
+* BlockBits ``bits uint32 [B, G, Tq, ceil(Tk / 32)]``.
+* QueryLists ``idx [B, Hkv, Lq, Kq]``: per query, block ids, ``-1`` = empty slot.
+* TokenLists ``idx [B, Hkv, Lq, Kt]``: per query, key positions, ``-1`` = empty slot.
+
+Importing this package does not import torch; :mod:`sparse_attn.torch` holds the torch.library
+custom ops and the Hugging Face attention registration.
+"""
+
+from __future__ import annotations
+
+import sys as _sys
+
+import numpy as _np
+
+from . import _ext
+from ._ext import (
+    BLOCK_K,
+    TILE_Q,
+    Calibrator,
+    Error,
+    ProblemShape,
+    ThresholdTable,
+    build_info,
+    cuda_available,
+    cuda_devices,
+    e2m1_to_float,
+    e4m3_to_float,
+    float_to_e2m1,
+    float_to_e4m3,
+    precision_name,
+    quantize_dequantize,
+)
+
+__version__ = _ext.build_info()["version"]
+
+__all__ = [
+    "BLOCK_K", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
+    "bits_sparse", "block_bits_to_tile_lists", "build_info", "cuda_available", "cuda_devices",
+    "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
+    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "pooled_select",
+    "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
+    "query_sparse", "sparse_attention", "tile_lists_to_block_bits", "tile_sparse",
+    "token_max_select", "token_sparse", "validate",
+]
+
+
+# ---- array plumbing ---------------------------------------------------------------------------
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.partition(".")[0] == "torch"
+
+
+def _torch():
+    # Only reached for torch tensors, so torch is already imported by the caller.
+    return _sys.modules["torch"]
+
+
+def _dl(x):
+    """What the extension gets for an array: numpy arrays and CPU tensors as they are, CUDA tensors
+    as a DLPack capsule exported with stream=-1 (no producer-side synchronisation: the operator
+    itself runs on the current stream, which is the stream the tensors are ordered on)."""
+    if x is None or not _is_torch(x):
+        return x
+    x = x.detach()
+    if x.device.type == "cuda":
+        return x.__dlpack__(stream=-1)
+    return x
+
+
+def _stream(q) -> int:
+    if _is_torch(q) and q.device.type == "cuda":
+        return _torch().cuda.current_stream(q.device).cuda_stream
+    return 0
+
+
+def _empty(like, shape, dtype=None):
+    """Uninitialised array of the same library and device as `like`. dtype: a numpy-style name
+    ("float32", "int32", "uint32") or None for like's dtype."""
+    shape = tuple(int(s) for s in shape)
+    if _is_torch(like):
+        torch = _torch()
+        dt = like.dtype if dtype is None else getattr(torch, dtype)
+        return torch.empty(shape, dtype=dt, device=like.device)
+    if not hasattr(like, "dtype"):
+        raise Error(f"expected a numpy array or torch tensor, got {type(like).__module__}.{type(like).__qualname__}")
+    return _np.empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+def _full(like, shape, value, dtype):
+    a = _empty(like, shape, dtype)
+    if _is_torch(a):
+        a.fill_(value)
+    else:
+        a.fill(value)
+    return a
+
+
+def _shape(x, op, name, ndim):
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise Error(f"{op}: argument '{name}': expected an array (numpy.ndarray or torch.Tensor), "
+                    f"got {type(x).__module__}.{type(x).__qualname__}")
+    if len(shape) != ndim:
+        raise Error(f"{op}: argument '{name}': expected {ndim} dimensions, got shape {list(shape)}")
+    return tuple(int(s) for s in shape)
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _scale(softmax_scale):
+    return None if softmax_scale is None else float(softmax_scale)
+
+
+def _outputs(op, q, out, return_lse):
+    _shape(q, op, "q", 4)
+    if out is None:
+        out = _empty(q, q.shape)
+    lse = None
+    if return_lse:
+        B, Lq, Hq, _ = q.shape
+        lse = _empty(q, (B, Hq, Lq), "float32")
+    return out, lse
+
+
+def _result(out, lse, return_lse):
+    return (out, lse) if return_lse else out
+
+
+# ---- executors --------------------------------------------------------------------------------
+
+def dense(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, out=None):
+    """Dense attention over every visible key. Returns out, or (out, lse) with return_lse."""
+    out, lse = _outputs("dense", q, out, return_lse)
+    _ext.dense(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), softmax_scale=_scale(softmax_scale),
+               causal=bool(causal), stream=_stream(q))
+    return _result(out, lse, return_lse)
+
+
+def tile_sparse(q, k, v, idx, cnt, *, softmax_scale=None, causal=False, return_lse=False, out=None,
+                trusted=False):
+    """Q-centric block-sparse attention over TileLists (idx [B, G, Tq, Kmax], cnt [B, G, Tq]).
+    trusted=True skips validation of the lists (the caller produced them)."""
+    out, lse = _outputs("tile_sparse", q, out, return_lse)
+    _ext.tile_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(cnt), _dl(out), _dl(lse),
+                     softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
+                     stream=_stream(q))
+    return _result(out, lse, return_lse)
+
+
+def bits_sparse(q, k, v, bits, *, softmax_scale=None, causal=False, return_lse=False, out=None,
+                trusted=False):
+    """Block-sparse attention over BlockBits (uint32 [B, G, Tq, ceil(Tk / 32)])."""
+    out, lse = _outputs("bits_sparse", q, out, return_lse)
+    _ext.bits_sparse(_dl(q), _dl(k), _dl(v), _dl(bits), _dl(out), _dl(lse),
+                     softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
+                     stream=_stream(q))
+    return _result(out, lse, return_lse)
+
+
+def query_sparse(q, k, v, idx, *, partials="f32", softmax_scale=None, causal=False, return_lse=False,
+                 out=None, trusted=False):
+    """KV-centric attention over QueryLists (idx [B, Hkv, Lq, Kq], -1 = empty slot). partials:
+    storage of the per-slot partial outputs, "f32" or "bf16"."""
+    out, lse = _outputs("query_sparse", q, out, return_lse)
+    _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
+                      softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
+                      partials=str(partials), stream=_stream(q))
+    return _result(out, lse, return_lse)
+
+
+def token_sparse(q, k, v, idx, *, softmax_scale=None, causal=False, return_lse=False, out=None,
+                 trusted=False):
+    """Attention over TokenLists (idx [B, Hkv, Lq, Kt] key positions, -1 = empty slot), shared by
+    the query heads of each group."""
+    out, lse = _outputs("token_sparse", q, out, return_lse)
+    _ext.token_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
+                      softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
+                      stream=_stream(q))
+    return _result(out, lse, return_lse)
+
+
+def _selection(op, tiles, bits, query_lists, token_lists):
+    given = [(n, s) for n, s in (("tiles", tiles), ("bits", bits), ("query_lists", query_lists),
+                                 ("token_lists", token_lists)) if s is not None]
+    if len(given) > 1:
+        raise Error(f"{op}: argument 'selection': give at most one of tiles, bits, query_lists, "
+                    f"token_lists; got {', '.join(n for n, _ in given)}")
+    if not given:
+        return "dense", None, None
+    kind, sel = given[0]
+    if kind == "tiles":
+        if not isinstance(sel, (tuple, list)) or len(sel) != 2:
+            raise Error(f"{op}: argument 'tiles': expected a pair (idx, cnt)")
+        return kind, _dl(sel[0]), _dl(sel[1])
+    return kind, _dl(sel), None
+
+
+def sparse_attention(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=None,
+                     softmax_scale=None, causal=False, return_lse=False, out=None, trusted=False):
+    """Attention over whichever selection is given (none: dense). tiles is a pair (idx, cnt)."""
+    kind, a, b = _selection("sparse_attention", tiles, bits, query_lists, token_lists)
+    out, lse = _outputs("sparse_attention", q, out, return_lse)
+    _ext.sparse_attention(_dl(q), _dl(k), _dl(v), _dl(out), kind, a, b, lse=_dl(lse),
+                          softmax_scale=_scale(softmax_scale), causal=bool(causal),
+                          trusted=bool(trusted), stream=_stream(q))
+    return _result(out, lse, return_lse)
+
+
+def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None,
+          return_kept_per_tile=False):
+    """Causal BSFA-gated attention. thresholds: float32 [Hq, T] (one budget and layer of a
+    ThresholdTable, e.g. ``table.slice(budget, layer)``); Q tiles past T use the last column.
+
+    Returns (out, stats) or (out, lse, stats); stats holds kept_blocks, visible_blocks,
+    gated_candidates, gated_kept, density and, with return_kept_per_tile, "kept_per_tile"
+    (int32 [B, Hq, Tq]: blocks kept per tile, diagonal included)."""
+    out, lse = _outputs("gated", q, out, return_lse)
+    kept = None
+    if return_kept_per_tile:
+        B, Lq, Hq, _ = q.shape
+        kept = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q)), "int32")
+    if _is_torch(q) and not _is_torch(thresholds):
+        thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
+    stats = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
+                       softmax_scale=_scale(softmax_scale), kept_per_tile=_dl(kept), stream=_stream(q))
+    if kept is not None:
+        stats["kept_per_tile"] = kept
+    return (out, lse, stats) if return_lse else (out, stats)
+
+
+def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bins=64,
+           return_block_bits=False, return_stats=False, out=None):
+    """alpha-entmax attention (alpha > 1; 2 is sparsemax): p = [(alpha - 1) z - tau]_+^(1 / (alpha - 1))
+    with z = softmax_scale * q.k, out = p v. Returns out, then block_bits (uint32
+    [B, Hq, Tq, ceil(Tk / 32)]: tiles with any nonzero weight) with return_block_bits, then a stats
+    dict (active_tiles, visible_tiles, support) with return_stats."""
+    _shape(q, "entmax", "q", 4)
+    if out is None:
+        out = _empty(q, q.shape)
+    bits = None
+    if return_block_bits:
+        B, Lq, Hq, _ = q.shape
+        Lk = _shape(k, "entmax", "k", 4)[1]
+        bits = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q), _ceil_div(_ceil_div(Lk, BLOCK_K), 32)), "uint32")
+    stats = _ext.entmax(_dl(q), _dl(k), _dl(v), _dl(out), alpha=float(alpha),
+                        softmax_scale=_scale(softmax_scale), causal=bool(causal),
+                        histogram_bins=int(histogram_bins), block_bits=_dl(bits), stream=_stream(q))
+    result = (out,)
+    if return_block_bits:
+        result += (bits,)
+    if return_stats:
+        result += (stats,)
+    return result[0] if len(result) == 1 else result
+
+
+# ---- selectors --------------------------------------------------------------------------------
+
+def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_block0=False,
+                  causal=False, kmax=None):
+    """R1 / R4 pooled selector. Returns TileLists (idx int32 [B, Hkv, Tq, kmax], cnt int32
+    [B, Hkv, Tq]); kmax defaults to top_k. Slots past cnt hold -1."""
+    B, Lq, _, _ = _shape(q, "pooled_select", "q", 4)
+    Hkv = _shape(k, "pooled_select", "k", 4)[2]
+    Tq = _ceil_div(Lq, TILE_Q)
+    kmax = int(top_k if kmax is None else kmax)
+    idx = _full(q, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+    cnt = _empty(q, (B, Hkv, Tq), "int32")
+    _ext.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=int(representatives),
+                       top_k=int(top_k), force_local=bool(force_local), force_block0=bool(force_block0),
+                       causal=bool(causal), stream=_stream(q))
+    return idx, cnt
+
+
+def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, reserve_local=True,
+                     format="query", kmax=None):
+    """MSA token-max selector on index vectors qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
+    format="query": QueryLists idx [B, Hkv, Lq, kmax] (ascending, -1 padded);
+    format="tile": TileLists (idx [B, Hkv, Tq, kmax], cnt [B, Hkv, Tq]).
+    precision: "bf16", "fp8_e4m3" or "fp4_e2m1"."""
+    B, Lq, Hkv, _ = _shape(qidx, "token_max_select", "qidx", 4)
+    kmax = int(top_k if kmax is None else kmax)
+    if format == "query":
+        idx = _full(qidx, (B, Hkv, Lq, max(kmax, 0)), -1, "int32")
+        _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=int(top_k),
+                              precision=str(precision), causal=bool(causal),
+                              reserve_local=bool(reserve_local), stream=_stream(qidx))
+        return idx
+    if format == "tile":
+        Tq = _ceil_div(Lq, TILE_Q)
+        idx = _full(qidx, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+        cnt = _empty(qidx, (B, Hkv, Tq), "int32")
+        _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=int(top_k),
+                              precision=str(precision), causal=bool(causal),
+                              reserve_local=bool(reserve_local), stream=_stream(qidx))
+        return idx, cnt
+    raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
+
+
+def lightning_select(qI, w, kI, *, top_k=2048, causal=True, precision="fp8_e4m3", groups=1,
+                     format="token", kmax=None):
+    """DSA lightning indexer: I[t, s] = sum_j w[t, j] * relu(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
+    w float32 [B, Lq, HI], kI [B, Lk, Di]. format="token": TokenLists idx [B, groups, Lq, kmax] of
+    key positions; format="query": QueryLists of blocks (scores max-pooled over each block). The
+    same lists are written for each of the `groups` KV groups."""
+    B, Lq, _, _ = _shape(qI, "lightning_select", "qI", 4)
+    if format not in ("token", "query"):
+        raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
+    kmax = int(top_k if kmax is None else kmax)
+    idx = _full(qI, (B, int(groups), Lq, max(kmax, 0)), -1, "int32")
+    _ext.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
+                          top_k=int(top_k), causal=bool(causal), precision=str(precision),
+                          stream=_stream(qI))
+    return idx
+
+
+# ---- formats ----------------------------------------------------------------------------------
+
+def problem_shape(q, k, *, causal=False) -> ProblemShape:
+    """The ProblemShape of q [B, Lq, Hq, D] and k [B, Lk, Hkv, D]."""
+    B, Lq, Hq, D = _shape(q, "problem_shape", "q", 4)
+    _, Lk, Hkv, _ = _shape(k, "problem_shape", "k", 4)
+    return ProblemShape(B, Lq, Lk, Hq, Hkv, D, bool(causal))
+
+
+def validate(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, token_lists=None,
+             op="validate"):
+    """Checks one selection against a problem shape; raises Error naming the first offending
+    coordinate (ids out of range, duplicates, counts over capacity, unsorted lists, stray bits)."""
+    kind, a, b = _selection(op, tiles, bits, query_lists, token_lists)
+    _ext.validate(kind, a, b, shape, op)
+
+
+def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape):
+    """TileLists -> BlockBits uint32 [B, G, Tq, ceil(Tk / 32)] (CPU arrays)."""
+    B, G, Tq, _ = _shape(idx, "tile_lists_to_block_bits", "tiles.idx", 4)
+    bits = _empty(idx, (B, G, Tq, _ceil_div(shape.Tk, 32)), "uint32")
+    _ext.tile_lists_to_block_bits(_dl(idx), _dl(cnt), _dl(bits), shape)
+    return bits
+
+
+def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None):
+    """BlockBits -> TileLists (ascending ids; slots past cnt hold -1). kmax defaults to Tk."""
+    B, G, Tq, _ = _shape(bits, "block_bits_to_tile_lists", "bits.bits", 4)
+    kmax = shape.Tk if kmax is None else int(kmax)
+    idx = _full(bits, (B, G, Tq, kmax), -1, "int32")
+    cnt = _empty(bits, (B, G, Tq), "int32")
+    _ext.block_bits_to_tile_lists(_dl(bits), _dl(idx), _dl(cnt), shape)
+    return idx, cnt
+
+
+def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None):
+    """QueryLists -> TileLists: the union of the lists of each tile's queries, ascending. kmax
+    defaults to Tk."""
+    B, Hkv, _, _ = _shape(lists, "query_lists_to_tile_lists", "lists.idx", 4)
+    kmax = shape.Tk if kmax is None else int(kmax)
+    idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
+    cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
+    _ext.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape)
+    return idx, cnt
+
+
+def expand_mask(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, token_lists=None):
+    """The explicit mask (numpy uint8 [B, Hq, Lq, Lk], 1 = selected and visible) of a selection on
+    CPU arrays; none given: the dense (causal when shape.causal) mask. For tests and small problems."""
+    kind, a, b = _selection("expand_mask", tiles, bits, query_lists, token_lists)
+    return _ext.expand_mask(kind, a, b, shape)
+
+
+def evaluate(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=None,
+             softmax_scale=None, causal=False):
+    """Selection quality (CPU arrays, float64): kept dense softmax mass (mean, min, per head), the
+    output relative error against dense attention, token and block sparsity. Returns a dict."""
+    kind, a, b = _selection("evaluate_selection", tiles, bits, query_lists, token_lists)
+    return _ext.evaluate_selection(_dl(q), _dl(k), _dl(v), kind, a, b,
+                                   softmax_scale=_scale(softmax_scale), causal=bool(causal))
+
+
+def load_thresholds(path) -> ThresholdTable:
+    """Reads a ThresholdTable saved by ThresholdTable.save (safetensors)."""
+    return ThresholdTable.load(str(path))
