@@ -1,0 +1,137 @@
+// Public entry points of the executors: argument checks, selection validation, then the one device
+// dispatch of each operator (the `if (q.device == Device::cuda)` line is where a backend plugs in).
+
+#include <string>
+#include <type_traits>
+#include <variant>
+
+#include "attention/cpu_backend.hpp"
+#include "core/check.hpp"
+#include "sparse_attn/ops.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/backend.hpp"
+#endif
+
+namespace sparse_attn {
+namespace {
+
+using detail::require;
+
+detail::cpu::AttentionArgs make_args(const std::string& op, const TensorView& q, const TensorView& k,
+                                     const TensorView& v, const TensorView& out,
+                                     const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  detail::cpu::AttentionArgs a{q, k, v, out, lse, check_attention_args(op, q, k, v, out, lse, options), 1.0f};
+  a.scale = resolve_scale(op, options.softmax_scale, a.p.D);
+  return a;
+}
+
+// A trusted selection skips the content checks, but its shape still decides which memory the
+// executor reads, so shapes, dtypes and devices are checked in every case (O(1)).
+void check_index(const std::string& op, const std::string& name, const TensorView& t, DType dtype,
+                 std::initializer_list<std::int64_t> shape, const TensorView& q) {
+  detail::check_tensor(op, name, t, static_cast<int>(shape.size()), {dtype});
+  detail::check_shape(op, name, t, shape);
+  detail::check_same_device(op, name, t, "q", q);
+}
+
+void check_structure(const std::string& op, const TileLists& s, const ProblemShape& p, const TensorView& q) {
+  detail::check_tensor(op, "tiles.idx", s.idx, 4, {DType::i32});
+  const std::int64_t G = selection_groups(Selection{s}, p, op);
+  check_index(op, "tiles.idx", s.idx, DType::i32, {p.B, G, p.Tq(), -1}, q);
+  check_index(op, "tiles.cnt", s.cnt, DType::i32, {p.B, G, p.Tq()}, q);
+}
+
+void check_structure(const std::string& op, const BlockBits& s, const ProblemShape& p, const TensorView& q) {
+  detail::check_tensor(op, "bits.bits", s.bits, 4, {DType::u32});
+  const std::int64_t G = selection_groups(Selection{s}, p, op);
+  check_index(op, "bits.bits", s.bits, DType::u32, {p.B, G, p.Tq(), ceil_div(p.Tk(), 32)}, q);
+}
+
+void check_structure(const std::string& op, const QueryLists& s, const ProblemShape& p, const TensorView& q) {
+  check_index(op, "lists.idx", s.idx, DType::i32, {p.B, p.Hkv, p.Lq, -1}, q);
+}
+
+void check_structure(const std::string& op, const TokenLists& s, const ProblemShape& p, const TensorView& q) {
+  check_index(op, "tokens.idx", s.idx, DType::i32, {p.B, p.Hkv, p.Lq, -1}, q);
+}
+
+template <class S>
+void check_selection(const std::string& op, const S& s, const ProblemShape& p, const TensorView& q,
+                     const AttentionOptions& options) {
+  check_structure(op, s, p, q);
+  if (!options.trusted) validate(s, p, op);
+}
+
+}  // namespace
+
+void dense(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+           const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  const auto a = make_args("dense", q, k, v, out, lse, options);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) return cuda_backend::dense(a.p, q, k, v, out, lse, options);
+#endif
+  if (q.device == Device::cuda) detail::unsupported_device("dense", "q", q);
+  detail::cpu::dense(a);
+}
+
+void tile_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const TileLists& tiles,
+                 const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  const auto a = make_args("tile_sparse", q, k, v, out, lse, options);
+  check_selection("tile_sparse", tiles, a.p, q, options);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) return cuda_backend::tile_sparse(a.p, q, k, v, tiles, out, lse, options);
+#endif
+  if (q.device == Device::cuda) detail::unsupported_device("tile_sparse", "q", q);
+  detail::cpu::tile_sparse(a, tiles);
+}
+
+void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const BlockBits& bits,
+                 const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  const auto a = make_args("bits_sparse", q, k, v, out, lse, options);
+  check_selection("bits_sparse", bits, a.p, q, options);
+  if (q.device == Device::cuda) detail::unsupported_device("bits_sparse", "q", q);
+  detail::cpu::bits_sparse(a, bits);
+}
+
+void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const QueryLists& lists,
+                  const TensorView& out, const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
+  const auto a = make_args("query_sparse", q, k, v, out, lse, options);
+  require(options.partials == PartialPrecision::f32 || options.partials == PartialPrecision::bf16, "query_sparse",
+          "options.partials", "unknown partial precision " + std::to_string(static_cast<int>(options.partials)));
+  check_selection("query_sparse", lists, a.p, q, options);
+  if (q.device == Device::cuda) detail::unsupported_device("query_sparse", "q", q);
+  detail::cpu::query_sparse(a, lists, options.partials);
+}
+
+void token_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const TokenLists& tokens,
+                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  const auto a = make_args("token_sparse", q, k, v, out, lse, options);
+  check_selection("token_sparse", tokens, a.p, q, options);
+  if (q.device == Device::cuda) detail::unsupported_device("token_sparse", "q", q);
+  detail::cpu::token_sparse(a, tokens);
+}
+
+void sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const Selection& selection,
+                      const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  std::visit(
+      [&](const auto& s) {
+        using S = std::decay_t<decltype(s)>;
+        if constexpr (std::is_same_v<S, AllBlocks>) {
+          dense(q, k, v, out, lse, options);
+        } else if constexpr (std::is_same_v<S, TileLists>) {
+          tile_sparse(q, k, v, s, out, lse, options);
+        } else if constexpr (std::is_same_v<S, BlockBits>) {
+          bits_sparse(q, k, v, s, out, lse, options);
+        } else if constexpr (std::is_same_v<S, QueryLists>) {
+          QuerySparseOptions qo;
+          static_cast<AttentionOptions&>(qo) = options;
+          query_sparse(q, k, v, s, out, lse, qo);
+        } else {
+          static_assert(std::is_same_v<S, TokenLists>);
+          token_sparse(q, k, v, s, out, lse, options);
+        }
+      },
+      selection);
+}
+
+}  // namespace sparse_attn
