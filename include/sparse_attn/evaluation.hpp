@@ -32,7 +32,11 @@ struct QualityReport {
   std::int64_t visible_pairs = 0;
 };
 
-/// Evaluates `selection` on CPU tensors q, k, v (any of f32/f16/bf16) in float64.
+/// Evaluates `selection` on CPU tensors q, k, v (any of f32/f16/bf16) in float64. The sparse
+/// output renormalises over the selected visible keys. A query that sees no key (causal, Lq > Lk)
+/// is left out of the kept-mass statistics (1 when no query remains); one whose selection holds
+/// no visible key keeps mass 0 and has sparse output 0. A relative error with a zero reference is
+/// 0 for a zero difference, else +inf.
 QualityReport evaluate_selection(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const Selection& selection, const QualityOptions& options = {});
 

@@ -2,6 +2,16 @@
 //
 // Top-k is exact with ties broken by the lower index. Lists come out ascending, so TileLists are
 // valid for tile_sparse as produced. All selectors are deterministic.
+//
+// Shared rules of the CPU implementations:
+// - Candidates are the blocks (keys) holding at least one causally visible key; a list holds
+//   min(top_k, candidates) ids and its unused slots are -1 (a tile or query that sees no key gets
+//   an empty list). Every slot of the output is written.
+// - Forced / reserved blocks rank above every scored block and count towards top_k; if more are
+//   forced than top_k allows, the lower block ids win (the general tie rule).
+// - Scores are float64 dot products of the (dequantised) float32 inputs; products of floats are
+//   exact in float64, so results do not depend on FMA contraction or thread count.
+// - Index inputs holding NaN or infinity are rejected with an Error naming the coordinate.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +36,14 @@ struct PooledOptions {
 /// 128 / r consecutive queries (keys) of a tile (block), partial tiles averaging what they hold;
 /// block score = max over representative pairs and over the query heads of the group of the
 /// representative dot products. out.idx int32 [B, Hkv, Tq, Kmax >= top_k], out.cnt [B, Hkv, Tq].
+///
+/// A representative group holding no token (past Lq or Lk) is absent. Causal: block j is a
+/// candidate iff the tile's last query sees the block's first key, and a representative pair
+/// (query group a, key group c) counts iff the LAST query of group a sees the FIRST key of group
+/// c (for R1 this is the candidate rule itself; every candidate has at least one counted pair).
+/// force_local: causal, the blocks holding keys i + (Lk - Lq) >= 0 for the tile's queries i (one
+/// or two blocks); non-causal, the block holding key min(first query * Lk / Lq, Lk - 1).
+/// force_block0 applies to tiles that see any key.
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out,
                    const PooledOptions& options = {});
 
@@ -49,9 +67,16 @@ struct TokenMaxOptions {
 /// MSA-style block scores from index vectors: qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
 /// Score of block j for query i = max over visible keys s of block j of qidx_i . kidx_s.
 /// Per-query lists (QueryLists idx [B, Hkv, Lq, Kq >= top_k], -1 padded, ascending).
+///
+/// Each of qidx and kidx is rounded through options.precision with its own per-tensor scale
+/// (amax over the whole tensor: amax / 448 for fp8, amax / (448 * 6) for fp4's scale-of-scales).
+/// The local block is the one holding the query's aligned key i + (Lk - Lq): causal, only when
+/// that key exists (>= 0); non-causal, clamped to [0, Lk - 1].
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& options = {});
-/// Per-tile lists: the block score is also maxed over the queries of the tile.
+/// Per-tile lists: the block score is also maxed over the queries of the tile; the reserved blocks
+/// are the local blocks of all the tile's queries (one or two). out.idx [B, Hkv, Tq, Kmax >= top_k],
+/// out.cnt [B, Hkv, Tq].
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
                       const TokenMaxOptions& options = {});
 
@@ -65,6 +90,8 @@ struct LightningOptions {
 /// DSA lightning indexer: I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
 /// w [B, Lq, HI] (float32), kI [B, Lk, Di]. Top-k keys per query, written to every group of
 /// out.idx [B, G, Lq, Kt >= top_k] (ascending, -1 padded). The [Lq, Lk] score matrix is never stored.
+/// qI and kI are rounded through options.precision with per-tensor scales; w stays float32. A query
+/// seeing fewer than top_k keys gets all of them.
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI,
                       const TokenLists& out, const LightningOptions& options = {});
 /// Same scores max-pooled to KV blocks; top-k blocks per query.
@@ -76,13 +103,17 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
 /// float -> e4m3 (fn: no infinities, max 448, saturating, round to nearest even; NaN -> 0x7f).
 std::uint8_t float_to_e4m3(float f);
 float e4m3_to_float(std::uint8_t b);
-/// float -> e2m1 (max 6, saturating, round to nearest even), 4-bit code in the low nibble.
+/// float -> e2m1 (max 6, saturating, round to nearest even), 4-bit code in the low nibble. e2m1
+/// has no NaN: NaN maps to +6.
 std::uint8_t float_to_e2m1(float f);
 float e2m1_to_float(std::uint8_t b);
 
 /// Rounds a row of n values through the given precision in place (fp4: blocks of 16 with an e4m3
 /// scale = amax / 6, then e2m1 values; fp8: x / scale rounded to e4m3, times scale). `tensor_scale`
-/// is the per-tensor scale for fp8 (amax / 448) and the scale-of-scales for fp4.
+/// is the per-tensor scale for fp8 (amax / 448) and the scale-of-scales for fp4. The fp4 block scale
+/// is e4m3(amax_block / 6 / tensor_scale) * tensor_scale; a final block shorter than 16 (n not a
+/// multiple of 16) is scaled over the elements it holds. bf16 ignores `tensor_scale`; otherwise it
+/// must be finite and >= 0, and 0 only for an all-zero row.
 void quantize_dequantize(float* row, std::int64_t n, IndexPrecision p, float tensor_scale);
 
 }  // namespace sparse_attn
