@@ -44,9 +44,9 @@ double val(const HostTensor& t, I64 b, I64 l, I64 h, I64 d) {
   return sa::testing::element(t, ((b * s[1] + l) * s[2] + h) * s[3] + d);
 }
 
-sa::QualityReport brute_force(const Problem& p, const Inputs& in, const Picked& picked) {
+sa::QualityReport brute_force(const Problem& p, const Inputs& in, const Picked& picked, float softmax_scale = 0.0f) {
   // The scale in effect is the float the operators use (1/sqrt(D) rounded to float32).
-  const double scale = 1.0f / std::sqrt(static_cast<float>(p.D));
+  const double scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(p.D));
   const I64 group = p.Hq / p.Hkv, off = p.Lk - p.Lq;
   sa::QualityReport r;
   double kept_sum = 0, err = 0, ref = 0, kept_min = 2;
@@ -244,6 +244,19 @@ TEST(Evaluation, QueryListsMatchBruteForce) {
                   const std::int32_t* row = idx.data<std::int32_t>() + i * Kq;
                   return row[0] == j / 128 || row[1] == j / 128;
                 }));
+}
+
+TEST(Evaluation, HonoursSoftmaxScale) {
+  const Problem p{1, 140, 260, 2, 2, 8, false};
+  const Inputs in = make_inputs(p, 120);
+  HostTensor idx(DType::i32, {1, 2, 2, 1}), cnt(DType::i32, {1, 2, 2});
+  for (int r = 0; r < 4; ++r) idx.data<std::int32_t>()[r] = r % 3, cnt.data<std::int32_t>()[r] = 1;
+  sa::QualityOptions o;
+  o.softmax_scale = 0.9f;
+  const auto r = sa::evaluate_selection(in.q.view(), in.k.view(), in.v.view(), sa::TileLists{idx.view(), cnt.view()}, o);
+  expect_report(r, brute_force(p, in, [&](I64, I64 h, I64 i, I64 j) {
+                  return idx.data<std::int32_t>()[h * 2 + i / 128] == j / 128;
+                }, 0.9f));
 }
 
 TEST(Evaluation, RejectsBadArguments) {

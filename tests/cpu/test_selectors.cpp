@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -324,6 +325,68 @@ TEST(Pooled, RejectsBadArguments) {
   }, "q", "cuda");
 }
 
+// The first H heads of a tensor with 2H heads: same values as `t`, non-contiguous view.
+struct Strided {
+  HostTensor storage;
+  sa::TensorView view;
+};
+
+Strided strided_copy(const HostTensor& t) {
+  const auto& sh = t.shape();
+  Strided s{HostTensor(t.dtype(), {sh[0], sh[1], 2 * sh[2], sh[3]}), {}};
+  const std::size_t es = sa::dtype_size(t.dtype());
+  const auto* src = static_cast<const char*>(t.view().data);
+  auto* dst = static_cast<char*>(s.storage.view().data);
+  for (I64 r = 0; r < sh[0] * sh[1]; ++r)
+    for (I64 h = 0; h < 2 * sh[2]; ++h)
+      for (I64 d = 0; d < sh[3]; ++d) {
+        const I64 from = ((r * sh[2] + (h % sh[2])) * sh[3] + d);
+        std::memcpy(dst + ((r * 2 * sh[2] + h) * sh[3] + d) * es, src + from * es, es);
+      }
+  s.view = s.storage.view();
+  s.view.shape[2] = sh[2];
+  return s;
+}
+
+// Lists written through a view whose rows are padded: the padding must stay untouched.
+struct PaddedOut {
+  HostTensor storage;
+  sa::TensorView view;
+};
+
+PaddedOut padded_out(std::vector<I64> shape) {
+  std::vector<I64> big = shape;
+  big.back() += 3;
+  PaddedOut o{HostTensor(DType::i32, big), {}};
+  std::fill(o.storage.data<std::int32_t>(), o.storage.data<std::int32_t>() + o.storage.numel(), 12345);
+  o.view = o.storage.view();
+  o.view.shape[static_cast<std::size_t>(o.view.ndim - 1)] = shape.back();
+  return o;
+}
+
+void expect_same_rows(const PaddedOut& got, const HostTensor& want) {
+  const auto& sh = want.shape();
+  const I64 width = sh.back(), rows = want.numel() / width;
+  for (I64 r = 0; r < rows; ++r) {
+    for (I64 s = 0; s < width; ++s)
+      ASSERT_EQ(got.storage.data<std::int32_t>()[r * (width + 3) + s], want.data<std::int32_t>()[r * width + s]) << "row " << r;
+    for (I64 s = width; s < width + 3; ++s) ASSERT_EQ(got.storage.data<std::int32_t>()[r * (width + 3) + s], 12345) << "row " << r;
+  }
+}
+
+TEST(Pooled, StridedViewsGiveTheSameLists) {
+  const PooledCase c{2, 300, 700, 4, 2, 16, DType::bf16, pooled_opts(4, 3, true, true, true)};
+  const HostTensor q = sa::testing::random_tensor(c.dtype, {2, 300, 4, 16}, 51);
+  const HostTensor k = sa::testing::random_tensor(c.dtype, {2, 700, 2, 16}, 52);
+  const PooledRun want = run_pooled(c, q, k, 0);
+  const Strided qs = strided_copy(q), ks = strided_copy(k);
+  PaddedOut idx = padded_out({2, 2, 3, 3});
+  HostTensor cnt(DType::i32, {2, 2, 3});
+  sa::pooled_select(qs.view, ks.view, {idx.view, cnt.view()}, c.o);
+  expect_same_rows(idx, want.idx);
+  for (I64 i = 0; i < cnt.numel(); ++i) EXPECT_EQ(cnt.data<std::int32_t>()[i], want.cnt.data<std::int32_t>()[i]);
+}
+
 // ---- token_max ---------------------------------------------------------------------------------
 
 struct TokenCase {
@@ -460,6 +523,20 @@ TEST(TokenMax, TiesAndReservedLocalBlock) {
   for (I64 i = 0; i < 128; ++i) expect_row(r.lists, 0, 0, i, {1, 4}, "query " + std::to_string(i));
   expect_row(r.tiles, 0, 0, 0, {1, 4}, "tile");
   check_token_max(c, qidx, kidx);
+}
+
+TEST(TokenMax, StridedViewsGiveTheSameLists) {
+  const TokenCase c{1, 200, 400, 2, 2, 16, DType::f32, IndexPrecision::fp4_e2m1, true, true, 2};
+  const HostTensor qidx = sa::testing::random_tensor(DType::f32, {1, 200, 2, 16}, 91);
+  const HostTensor kidx = sa::testing::random_tensor(DType::f32, {1, 400, 2, 16}, 92);
+  const TokenRun want = run_token_max(c, qidx, kidx);
+  const Strided qs = strided_copy(qidx), ks = strided_copy(kidx);
+  PaddedOut lists = padded_out({1, 2, 200, 3});
+  sa::TokenMaxOptions o;
+  o.top_k = 2;
+  o.precision = c.precision;
+  sa::token_max_select(qs.view, ks.view, sa::QueryLists{lists.view}, o);
+  expect_same_rows(lists, want.lists);
 }
 
 TEST(TokenMax, RejectsBadArguments) {
