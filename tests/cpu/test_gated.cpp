@@ -211,6 +211,8 @@ TEST_P(GatedShapes, FiniteThresholdsEqualMaskedReference) {
   const Expected e = expected_gate(in, p, scale, T, th);
 
   expect_stats_eq(o.stats, e.stats);
+  // The +inf head alone guarantees skipped blocks wherever the gate has candidates.
+  if (e.stats.gated_candidates > 0) EXPECT_LT(e.stats.gated_kept, e.stats.gated_candidates);
   for (std::int64_t i = 0; i < o.kept.numel(); ++i)
     ASSERT_EQ(o.kept.data<std::int32_t>()[i], e.kept_per_tile[static_cast<std::size_t>(i)]) << "tile entry " << i;
 
@@ -223,11 +225,11 @@ TEST_P(GatedShapes, FiniteThresholdsEqualMaskedReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GatedShapes,
-                         ::testing::Values(Case{2, 1013, 1013, 2, 1, 32},   // partial last tile, B > 1
+                         ::testing::Values(Case{2, 1013, 1013, 2, 1, 16},   // partial last tile, B > 1
                                            Case{1, 17, 17, 1, 1, 16},       // one partial tile
                                            Case{1, 1, 300, 2, 2, 32},       // one query at the end of the keys
                                            Case{1, 300, 1000, 2, 1, 32},    // chunked prefill, Lq < Lk
-                                           Case{2, 520, 700, 16, 1, 16},    // Hq = 16 x Hkv
+                                           Case{1, 260, 450, 16, 1, 16},    // Hq = 16 x Hkv
                                            Case{1, 400, 400, 4, 4, 64},     // Hq = Hkv
                                            Case{1, 300, 200, 2, 1, 16}));   // Lq > Lk: early rows see no key
 
