@@ -4,6 +4,7 @@
 // instead of reading out of bounds.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "sparse_attn/formats.hpp"
@@ -22,7 +23,12 @@ struct AttentionArgs {
 void dense(const AttentionArgs& a);
 void tile_sparse(const AttentionArgs& a, const TileLists& tiles);
 void bits_sparse(const AttentionArgs& a, const BlockBits& bits);
-void query_sparse(const AttentionArgs& a, const QueryLists& lists, PartialPrecision partials);
+/// Bytes of partial outputs held at once: queries are processed in chunks that fit (at least one
+/// query per chunk). The default keeps long problems within memory; tests pass a small value to
+/// exercise the chunking.
+inline constexpr std::int64_t kQuerySparsePartialBudget = std::int64_t(64) << 20;
+void query_sparse(const AttentionArgs& a, const QueryLists& lists, PartialPrecision partials,
+                  std::int64_t partial_budget = kQuerySparsePartialBudget);
 void token_sparse(const AttentionArgs& a, const TokenLists& tokens);
 
 }  // namespace sparse_attn::detail::cpu

@@ -6,7 +6,7 @@
 //   3. combine: per (query, head), LSE-weighted sum of the partials in slot order (deterministic).
 //
 // Partials for a whole problem can be far larger than q itself (Lq * Hq * Kq * D), so the queries of
-// each (batch, group) are processed in chunks whose partial buffer stays within kPartialBudget.
+// each (batch, group) are processed in chunks whose partial buffer stays within a byte budget.
 
 #include <algorithm>
 #include <cmath>
@@ -25,7 +25,6 @@ namespace {
 using attn::KVBlock;
 using attn::RowTile;
 
-inline constexpr std::int64_t kPartialBudget = std::int64_t(64) << 20;  // bytes of partial outputs per chunk
 // Rows (query x head pairs) per attention work item: a popular block is split into several items
 // so that one block does not serialise the phase.
 inline constexpr std::int64_t kRowsPerItem = 128;
@@ -135,14 +134,15 @@ struct WorkItem {
 
 }  // namespace
 
-void query_sparse(const AttentionArgs& a, const QueryLists& lists, PartialPrecision precision) {
+void query_sparse(const AttentionArgs& a, const QueryLists& lists, PartialPrecision precision,
+                  std::int64_t partial_budget) {
   const ProblemShape& p = a.p;
   const std::int64_t group = p.group_size();
   const std::int64_t Kq = lists.idx.shape[3];
   const std::int64_t Tk = p.Tk();
   const std::int64_t per_query_bytes =
       std::max<std::int64_t>(1, Kq * group * p.D * (precision == PartialPrecision::f32 ? 4 : 2));
-  const std::int64_t chunk = std::clamp<std::int64_t>(kPartialBudget / per_query_bytes, 1, p.Lq);
+  const std::int64_t chunk = std::clamp<std::int64_t>(partial_budget / per_query_bytes, 1, p.Lq);
   const std::int64_t entries_per_item = std::max<std::int64_t>(1, kRowsPerItem / group);
 
   Partials partials(chunk, std::max<std::int64_t>(Kq, 1), group, p.D, precision);
