@@ -16,6 +16,7 @@
 
 #include "core/check.hpp"
 #include "core/cpu.hpp"
+#include "selectors/select_common.hpp"
 #include "sparse_attn/evaluation.hpp"
 #include "sparse_attn/ops.hpp"
 
@@ -103,6 +104,8 @@ QualityReport evaluate_selection(const TensorView& q, const TensorView& k, const
     std::vector<std::uint8_t> row(static_cast<std::size_t>(p.Lk));
     std::vector<std::uint8_t> tile_hit(static_cast<std::size_t>(Tk));
     std::vector<float> qf(static_cast<std::size_t>(D));
+    constexpr std::int64_t kChunk = 32;
+    const float* rows[kChunk];
     std::vector<double> s(static_cast<std::size_t>(p.Lk)), dense(static_cast<std::size_t>(D)),
         sparse(static_cast<std::size_t>(D));
     for (std::int64_t t = 0; t < Tq; ++t) {
@@ -118,11 +121,13 @@ QualityReport evaluate_selection(const TensorView& q, const TensorView& k, const
           selection_row(selection, p, b, h, i, row.data());
           detail::load_bhld(q, b, i, h, qf.data());
           double m = -std::numeric_limits<double>::infinity(), ms = m;
+          for (std::int64_t j0 = 0; j0 < end; j0 += kChunk) {
+            const std::int64_t n = std::min(kChunk, end - j0);
+            for (std::int64_t r = 0; r < n; ++r) rows[r] = kb + (j0 + r) * D;
+            detail::dots_f64(qf.data(), rows, n, D, s.data() + j0);
+          }
           for (std::int64_t j = 0; j < end; ++j) {
-            const float* kr = kb + j * D;
-            double dot = 0.0;
-            for (std::int64_t d = 0; d < D; ++d) dot += static_cast<double>(qf[static_cast<std::size_t>(d)]) * kr[d];
-            s[static_cast<std::size_t>(j)] = dot * scale;
+            s[static_cast<std::size_t>(j)] *= scale;
             m = std::max(m, s[static_cast<std::size_t>(j)]);
             if (row[static_cast<std::size_t>(j)]) ms = std::max(ms, s[static_cast<std::size_t>(j)]);
           }

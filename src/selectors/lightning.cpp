@@ -78,15 +78,25 @@ LightningInputs prepare(const std::string& op, const TensorView& qI, const Tenso
   return in;
 }
 
-// I[t, s] for one query row, in float64 with the heads summed in order.
+// I[t, s] for one query row, in float64 with the heads summed in order. `qrows` holds the row's
+// HI index query pointers and `dots` HI doubles of scratch.
 double index_score(const LightningInputs& in, const LightningShape& s, std::int64_t b, std::int64_t t,
-                   std::int64_t key) {
-  const float* k = in.k.row(b, key, 0);
+                   std::int64_t key, const float* const* qrows, double* dots) {
+  detail::dots_f64(in.k.row(b, key, 0), qrows, s.HI, s.Di, dots);
   const double* w = in.w.data() + (b * s.Lq + t) * s.HI;
   double acc = 0.0;
-  for (std::int64_t j = 0; j < s.HI; ++j) acc += w[j] * std::max(0.0, detail::dot_f64(in.q.row(b, t, j), k, s.Di));
+  for (std::int64_t j = 0; j < s.HI; ++j) acc += w[j] * std::max(0.0, dots[j]);
   return detail::sanitize(acc);
 }
+
+struct RowScratch {
+  std::vector<const float*> qrows;
+  std::vector<double> dots;
+  RowScratch(const LightningInputs& in, const LightningShape& s, std::int64_t b, std::int64_t t)
+      : qrows(static_cast<std::size_t>(s.HI)), dots(static_cast<std::size_t>(s.HI)) {
+    for (std::int64_t j = 0; j < s.HI; ++j) qrows[static_cast<std::size_t>(j)] = in.q.row(b, t, j);
+  }
+};
 
 void write_all_groups(const TensorView& idx, std::int64_t b, std::int64_t t, const std::vector<std::int32_t>& ids) {
   for (std::int64_t g = 0; g < idx.shape[1]; ++g)
@@ -106,10 +116,12 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   detail::parallel_for(s.B * s.Lq, [&](std::int64_t bt) {
     const std::int64_t b = bt / s.Lq, t = bt % s.Lq;
     // Heap ordered by ranks_before: its front is the worst of the kept keys.
+    RowScratch scratch(in, s, b, t);
     std::vector<Scored> heap;
     heap.reserve(std::min<std::size_t>(k, static_cast<std::size_t>(s.key_end(t))));
     for (std::int64_t key = 0; key < s.key_end(t); ++key) {
-      const Scored c{index_score(in, s, b, t, key), static_cast<std::int32_t>(key)};
+      const Scored c{index_score(in, s, b, t, key, scratch.qrows.data(), scratch.dots.data()),
+                     static_cast<std::int32_t>(key)};
       if (heap.size() < k) {
         heap.push_back(c);
         std::push_heap(heap.begin(), heap.end(), detail::ranks_before);
@@ -137,10 +149,11 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   detail::parallel_for(s.B * s.Lq, [&](std::int64_t bt) {
     const std::int64_t b = bt / s.Lq, t = bt % s.Lq;
     const std::int64_t end = s.key_end(t);
+    RowScratch scratch(in, s, b, t);
     std::vector<Scored> cand;
     cand.reserve(static_cast<std::size_t>(Tk));
     for (std::int64_t key = 0; key < end; ++key) {
-      const double v = index_score(in, s, b, t, key);
+      const double v = index_score(in, s, b, t, key, scratch.qrows.data(), scratch.dots.data());
       const auto j = static_cast<std::int32_t>(key / kBlockK);
       if (cand.empty() || cand.back().id != j) cand.push_back({v, j});
       else cand.back().score = std::max(cand.back().score, v);

@@ -80,6 +80,25 @@ inline double dot_f64(const float* a, const float* b, std::int64_t n) {
   return s;
 }
 
+/// out[r] = dot_f64(a, rows[r], n) for r < m, bit-identical to it: each sum still runs over d in
+/// order, but four independent sums are interleaved so their additions overlap in the pipeline.
+inline void dots_f64(const float* a, const float* const* rows, std::int64_t m, std::int64_t n, double* out) {
+  std::int64_t r = 0;
+  for (; r + 4 <= m; r += 4) {
+    const float *b0 = rows[r], *b1 = rows[r + 1], *b2 = rows[r + 2], *b3 = rows[r + 3];
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    for (std::int64_t d = 0; d < n; ++d) {
+      const double x = a[d];
+      s0 += x * static_cast<double>(b0[d]);
+      s1 += x * static_cast<double>(b1[d]);
+      s2 += x * static_cast<double>(b2[d]);
+      s3 += x * static_cast<double>(b3[d]);
+    }
+    out[r] = s0, out[r + 1] = s1, out[r + 2] = s2, out[r + 3] = s3;
+  }
+  for (; r < m; ++r) out[r] = dot_f64(a, rows[r], n);
+}
+
 void check_precision(const std::string& op, IndexPrecision p);
 
 }  // namespace sparse_attn::detail

@@ -68,11 +68,18 @@ void check_capacity(const std::string& op, const std::string& name, const Tensor
 // scores[j] = max over visible keys s of block j of q . k_s (kNone for blocks without one).
 void query_block_scores(const float* q, const detail::QuantizedTensor& kq, std::int64_t b, std::int64_t hk,
                         std::int64_t key_end, std::vector<double>& scores) {
+  constexpr std::int64_t kChunk = 32;
+  const float* rows[kChunk];
+  double dots[kChunk];
   std::fill(scores.begin(), scores.end(), kNone);
-  for (std::int64_t s = 0; s < key_end; ++s) {
-    const double v = detail::sanitize(detail::dot_f64(q, kq.row(b, s, hk), kq.D));
-    double& best = scores[static_cast<std::size_t>(s / kBlockK)];
-    best = std::max(best, v);
+  for (std::int64_t s0 = 0; s0 < key_end; s0 += kChunk) {
+    const std::int64_t m = std::min(kChunk, key_end - s0);
+    for (std::int64_t r = 0; r < m; ++r) rows[r] = kq.row(b, s0 + r, hk);
+    detail::dots_f64(q, rows, m, kq.D, dots);
+    for (std::int64_t r = 0; r < m; ++r) {
+      double& best = scores[static_cast<std::size_t>((s0 + r) / kBlockK)];
+      best = std::max(best, detail::sanitize(dots[r]));
+    }
   }
 }
 
