@@ -22,6 +22,8 @@ struct ThresholdTable {
   std::string model;          // model identity the thresholds belong to
   std::vector<float> values;  // row-major [budgets.size(), n_layers, n_heads, n_qtiles]
 
+  /// `budget` is a slice index (see budget_index); qtile past the calibrated range reads the last
+  /// position. Throws Error naming the index that is out of range.
   float at(std::int64_t budget, std::int64_t layer, std::int64_t head, std::int64_t qtile) const;
   /// float32 [n_heads, n_qtiles] view of one budget and layer, as gated() takes it.
   TensorView slice(std::int64_t budget, std::int64_t layer) const;
