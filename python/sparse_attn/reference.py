@@ -216,19 +216,27 @@ def calibrate(samples, budgets, softmax_scale=None):
 def entmax_probs(z, alpha):
     """alpha-entmax of each row of z (float64, -inf = masked): p = [(alpha - 1) z - tau]_+^(1/(alpha-1))
     with sum p = 1. Sorting gives tau exactly for alpha = 2 (sparsemax) and alpha = 1.5; other
-    alphas bisect on tau to float64 precision. Rows without a finite entry give zeros."""
+    alphas bisect on tau (all rows at once) to float64 resolution. Rows without a finite entry give
+    zeros."""
     z = _f64(z)
     shape = z.shape
     rows = z.reshape(-1, shape[-1])
     out = np.zeros_like(rows)
-    for r, row in enumerate(rows):
-        finite = np.isfinite(row)
-        if not finite.any():
-            continue
-        x = (alpha - 1.0) * row[finite]
-        tau = _entmax_tau(x, alpha)
-        p = np.maximum(x - tau, 0.0) ** (1.0 / (alpha - 1.0))
-        out[r, finite] = p
+    live = np.isfinite(rows).any(axis=1)
+    x = (alpha - 1.0) * rows[live]                      # -inf stays -inf and never contributes
+    power = 1.0 / (alpha - 1.0)
+    if alpha in (1.5, 2.0):
+        tau = np.array([_entmax_tau(r[np.isfinite(r)], alpha) for r in x])
+    else:
+        hi = x.max(axis=1)                              # nothing above tau: sum 0
+        lo = hi - 1.0                                   # the top entry alone contributes 1
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            total = (np.maximum(x - mid[:, None], 0.0) ** power).sum(axis=1)
+            lo = np.where(total >= 1.0, mid, lo)
+            hi = np.where(total >= 1.0, hi, mid)
+        tau = 0.5 * (lo + hi)
+    out[live] = np.maximum(x - tau[:, None], 0.0) ** power
     return out.reshape(shape)
 
 
@@ -250,14 +258,7 @@ def _entmax_tau(x, alpha):
         tau = mean - np.sqrt(delta)
         support = int((tau <= xs).sum())
         return tau[support - 1]
-    lo, hi = xs[0] - 1.0, xs[0]  # at lo the top entry alone contributes 1; at hi nothing does
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if (np.maximum(x - mid, 0.0) ** (1.0 / (alpha - 1.0))).sum() >= 1.0:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+    raise ValueError(f"exact sorting solution exists for alpha 1.5 and 2 only, got {alpha}")
 
 
 def entmax_attention(q, k, v, alpha=1.5, softmax_scale=None, causal=False):
