@@ -21,15 +21,17 @@ struct PooledShape {
   std::int64_t B, Lq, Lk, Hq, Hkv, D, Tq, Tk, r, span;  // span = tokens per representative
 };
 
-// Means of `span` consecutive rows of a [B, L, H, D] tensor: reps[((b * H + h) * T + t) * r + a]
-// holds D floats, and count[...] the number of tokens averaged (0: the representative is absent).
+// Means of `span` consecutive rows of a [B, L, H, D] tensor, r per tile of `tile` rows:
+// mean[((b * H + h) * T + t) * r + a] holds D floats, and count[...] the number of tokens averaged
+// (0: the representative is absent).
 struct Representatives {
   std::vector<float> mean;
   std::vector<std::int32_t> count;
 };
 
 Representatives build_representatives(const TensorView& x, std::int64_t B, std::int64_t L, std::int64_t H,
-                                      std::int64_t D, std::int64_t T, std::int64_t r, std::int64_t span) {
+                                      std::int64_t D, std::int64_t tile, std::int64_t r) {
+  const std::int64_t T = ceil_div(L, tile), span = tile / r;
   Representatives reps;
   reps.mean.assign(static_cast<std::size_t>(B * H * T * r * D), 0.0f);
   reps.count.assign(static_cast<std::size_t>(B * H * T * r), 0);
@@ -39,7 +41,7 @@ Representatives build_representatives(const TensorView& x, std::int64_t B, std::
     std::vector<double> acc(static_cast<std::size_t>(D));
     for (std::int64_t h = 0; h < H; ++h) {
       for (std::int64_t a = 0; a < r; ++a) {
-        const std::int64_t l0 = t * kTileQ + a * span;
+        const std::int64_t l0 = t * tile + a * span;
         const std::int64_t l1 = std::min(L, l0 + span);
         const std::int64_t slot = ((b * H + h) * T + t) * r + a;
         if (l1 <= l0) continue;
@@ -96,8 +98,10 @@ void check_pooled_args(const std::string& op, const TensorView& q, const TensorV
 
 void pooled_select_cpu(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o,
                        const PooledShape& s) {
-  const Representatives qr = build_representatives(q, s.B, s.Lq, s.Hq, s.D, s.Tq, s.r, s.span);
-  const Representatives kr = build_representatives(k, s.B, s.Lk, s.Hkv, s.D, s.Tk, s.r, s.span);
+  // The representative span is the same for queries and keys because kTileQ == kBlockK.
+  static_assert(kTileQ == kBlockK);
+  const Representatives qr = build_representatives(q, s.B, s.Lq, s.Hq, s.D, kTileQ, s.r);
+  const Representatives kr = build_representatives(k, s.B, s.Lk, s.Hkv, s.D, kBlockK, s.r);
   const std::int64_t group = s.Hq / s.Hkv;
   const std::int64_t offset = s.Lk - s.Lq;
 
