@@ -18,12 +18,13 @@ ProblemShape check_attention_args(const std::string& op, const TensorView& q, co
                                   const TensorView& v, const TensorView& out,
                                   const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const bool cpu = q.device == Device::cpu;
-  const auto floats = cpu ? std::initializer_list<DType>{DType::bf16, DType::f16, DType::f32}
-                          : std::initializer_list<DType>{DType::bf16, DType::f16};
-  detail::check_tensor(op, "q", q, 4, floats);
-  detail::check_tensor(op, "k", k, 4, floats);
-  detail::check_tensor(op, "v", v, 4, floats);
-  detail::check_tensor(op, "out", out, 4, floats);
+  // float32 is a CPU-only input dtype; the device kernels take 16-bit inputs.
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}) {
+    if (cpu)
+      detail::check_tensor(op, name, *t, 4, {DType::bf16, DType::f16, DType::f32});
+    else
+      detail::check_tensor(op, name, *t, 4, {DType::bf16, DType::f16});
+  }
   require(k.dtype == q.dtype, op, "k", std::string("dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
   require(v.dtype == q.dtype, op, "v", std::string("dtype ") + dtype_name(v.dtype) + " differs from q's " + dtype_name(q.dtype));
   require(out.dtype == q.dtype, op, "out", std::string("dtype ") + dtype_name(out.dtype) + " differs from q's " + dtype_name(q.dtype));
