@@ -259,6 +259,30 @@ TEST(Evaluation, HonoursSoftmaxScale) {
                 }, 0.9f));
 }
 
+// Selector output evaluated end to end: every block kept gives the dense result; two blocks per
+// tile give the block sparsity 1 - 2 / Tk exactly (non-causal: every tile is visible).
+TEST(Evaluation, PooledSelectionEndToEnd) {
+  const Problem p{2, 256, 640, 4, 2, 16, false, DType::bf16};
+  const Inputs in = make_inputs(p, 130);
+  const I64 Tq = 2, Tk = 5;
+  for (int top_k : {5, 2}) {
+    HostTensor idx(DType::i32, {p.B, p.Hkv, Tq, top_k}), cnt(DType::i32, {p.B, p.Hkv, Tq});
+    sa::PooledOptions po;
+    po.top_k = top_k;
+    po.representatives = 4;
+    sa::pooled_select(in.q.view(), in.k.view(), {idx.view(), cnt.view()}, po);
+    const auto r = sa::evaluate_selection(in.q.view(), in.k.view(), in.v.view(), sa::TileLists{idx.view(), cnt.view()});
+    if (top_k == Tk) {
+      expect_full(r, p);
+    } else {
+      EXPECT_DOUBLE_EQ(r.block_sparsity, 1.0 - 2.0 / 5.0);
+      EXPECT_GT(r.kept_mass_mean, 0.0);
+      EXPECT_LT(r.kept_mass_mean, 1.0);
+      EXPECT_GT(r.out_rel_err, 0.0);
+    }
+  }
+}
+
 TEST(Evaluation, RejectsBadArguments) {
   const Problem p{1, 100, 200, 2, 1, 8, false};
   const Inputs in = make_inputs(p, 110);

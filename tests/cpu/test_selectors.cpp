@@ -167,8 +167,17 @@ PooledRun run_pooled(const PooledCase& c, const HostTensor& q, const HostTensor&
   return out;
 }
 
+sa::ProblemShape problem(I64 B, I64 Lq, I64 Lk, I64 Hq, I64 Hkv, I64 D, bool causal) {
+  sa::ProblemShape p;
+  p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = causal;
+  return p;
+}
+
 void check_pooled(const PooledCase& c, const HostTensor& q, const HostTensor& k) {
   const PooledRun out = run_pooled(c, q, k);
+  // Valid for the executors as produced (ascending, distinct, in range, counts within capacity).
+  EXPECT_NO_THROW(sa::validate(sa::TileLists{out.idx.view(), out.cnt.view()},
+                               problem(c.B, c.Lq, c.Lk, c.Hq, c.Hkv, c.D, c.o.causal), "test"));
   const auto qf = as_floats(q), kf = as_floats(k);
   for (I64 b = 0; b < c.B; ++b)
     for (I64 g = 0; g < c.Hkv; ++g)
@@ -439,6 +448,9 @@ TokenRun run_token_max(const TokenCase& c, const HostTensor& qidx, const HostTen
 
 void check_token_max(const TokenCase& c, const HostTensor& qidx, const HostTensor& kidx) {
   const TokenRun r = run_token_max(c, qidx, kidx);
+  const sa::ProblemShape p = problem(c.B, c.Lq, c.Lk, c.Hkv, c.Hkv, c.Di, c.causal);
+  EXPECT_NO_THROW(sa::validate(sa::QueryLists{r.lists.view()}, p, "test"));
+  EXPECT_NO_THROW(sa::validate(sa::TileLists{r.tiles.view(), r.cnt.view()}, p, "test"));
   const auto q = quantized(qidx, c.precision, c.Di), k = quantized(kidx, c.precision, c.Di);
   const I64 Tq = sa::ceil_div(c.Lq, kTileQ), Tk = sa::ceil_div(c.Lk, kBlockK);
   for (I64 b = 0; b < c.B; ++b)
@@ -607,6 +619,9 @@ void check_lightning(const LightningCase& c, const HostTensor& qI, const HostTen
   sa::lightning_select(qI.view(), w.view(), kI.view(), sa::TokenLists{tokens.view()}, o);
   o.top_k = block_k;
   sa::lightning_select(qI.view(), w.view(), kI.view(), sa::QueryLists{blocks.view()}, o);
+  const sa::ProblemShape p = problem(c.B, c.Lq, c.Lk, c.G, c.G, c.Di, c.causal);
+  EXPECT_NO_THROW(sa::validate(sa::TokenLists{tokens.view()}, p, "test"));
+  EXPECT_NO_THROW(sa::validate(sa::QueryLists{blocks.view()}, p, "test"));
 
   const auto q = quantized(qI, c.precision, c.Di), k = quantized(kI, c.precision, c.Di), wf = as_floats(w);
   const I64 Tk = sa::ceil_div(c.Lk, kBlockK);
