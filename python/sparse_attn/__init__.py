@@ -354,7 +354,7 @@ def validate(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, to
 
 def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape):
     """TileLists -> BlockBits uint32 [B, G, Tq, ceil(Tk / 32)] (CPU arrays)."""
-    B, G, Tq, _ = _shape(idx, "tile_lists_to_block_bits", "tiles.idx", 4)
+    B, G, Tq, _ = _shape(idx, "tile_lists_to_block_bits", "in.idx", 4)
     bits = _empty(idx, (B, G, Tq, _ceil_div(shape.Tk, 32)), "uint32")
     _ext.tile_lists_to_block_bits(_dl(idx), _dl(cnt), _dl(bits), shape)
     return bits
@@ -362,7 +362,7 @@ def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape):
 
 def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None):
     """BlockBits -> TileLists (ascending ids; slots past cnt hold -1). kmax defaults to Tk."""
-    B, G, Tq, _ = _shape(bits, "block_bits_to_tile_lists", "bits.bits", 4)
+    B, G, Tq, _ = _shape(bits, "block_bits_to_tile_lists", "in.bits", 4)
     kmax = shape.Tk if kmax is None else int(kmax)
     idx = _full(bits, (B, G, Tq, kmax), -1, "int32")
     cnt = _empty(bits, (B, G, Tq), "int32")
@@ -373,7 +373,7 @@ def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None):
 def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None):
     """QueryLists -> TileLists: the union of the lists of each tile's queries, ascending. kmax
     defaults to Tk."""
-    B, Hkv, _, _ = _shape(lists, "query_lists_to_tile_lists", "lists.idx", 4)
+    B, Hkv, _, _ = _shape(lists, "query_lists_to_tile_lists", "in.idx", 4)
     kmax = shape.Tk if kmax is None else int(kmax)
     idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
     cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")

@@ -83,8 +83,8 @@ void bind_formats(nb::module_& m) {
       "tile_lists_to_block_bits",
       [](nb::handle idx, nb::handle cnt, nb::handle bits, const ProblemShape& p) {
         Imports im("tile_lists_to_block_bits");
-        const TileLists in{im.in(idx, "tiles.idx"), im.in(cnt, "tiles.cnt")};
-        const BlockBits out{im.out(bits, "bits.bits")};
+        const TileLists in{im.in(idx, "in.idx"), im.in(cnt, "in.cnt")};
+        const BlockBits out{im.out(bits, "out.bits")};
         nb::gil_scoped_release release;
         sparse_attn::tile_lists_to_block_bits(in, out, p);
       },
@@ -94,8 +94,8 @@ void bind_formats(nb::module_& m) {
       "block_bits_to_tile_lists",
       [](nb::handle bits, nb::handle idx, nb::handle cnt, const ProblemShape& p) {
         Imports im("block_bits_to_tile_lists");
-        const BlockBits in{im.in(bits, "bits.bits")};
-        const TileLists out{im.out(idx, "tiles.idx"), im.out(cnt, "tiles.cnt")};
+        const BlockBits in{im.in(bits, "in.bits")};
+        const TileLists out{im.out(idx, "out.idx"), im.out(cnt, "out.cnt")};
         nb::gil_scoped_release release;
         sparse_attn::block_bits_to_tile_lists(in, out, p);
       },
@@ -105,8 +105,8 @@ void bind_formats(nb::module_& m) {
       "query_lists_to_tile_lists",
       [](nb::handle lists, nb::handle idx, nb::handle cnt, const ProblemShape& p) {
         Imports im("query_lists_to_tile_lists");
-        const QueryLists in{im.in(lists, "lists.idx")};
-        const TileLists out{im.out(idx, "tiles.idx"), im.out(cnt, "tiles.cnt")};
+        const QueryLists in{im.in(lists, "in.idx")};
+        const TileLists out{im.out(idx, "out.idx"), im.out(cnt, "out.cnt")};
         nb::gil_scoped_release release;
         sparse_attn::query_lists_to_tile_lists(in, out, p);
       },
