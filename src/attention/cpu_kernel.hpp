@@ -228,16 +228,23 @@ inline void softmax_row(RowTile& t, std::int64_t r, std::int64_t n, std::int64_t
     t.alpha[ri] = 1.0f;
     return;
   }
-  float mx = kNegInf;
-#pragma omp simd reduction(max : mx)
-  for (std::int64_t j = 0; j < nv; ++j) mx = std::max(mx, srow[j]);
-  const float m_new = std::max(t.m[ri], mx * scale);
-  const float a = exp_f32(t.m[ri] - m_new);  // m = -inf on the first visible block: a = 0
-  for (std::int64_t j = 0; j < nv; ++j) srow[j] = exp_f32(fmadd(srow[j], scale, -m_new));
-  // Lane-wise partial sums: a plain float reduction does not vectorise in ISO mode.
-  float lanes[kColChunk] = {};
+  // Reductions run lane-wise over whole chunks: GCC in ISO mode vectorises neither a float sum nor
+  // a max written as a single accumulator.
+  float lanes[kColChunk];
+  std::fill(lanes, lanes + kColChunk, kNegInf);
   std::int64_t j = 0;
   for (; j + kColChunk <= nv; j += kColChunk)
+    for (std::int64_t jj = 0; jj < kColChunk; ++jj) lanes[jj] = lanes[jj] > srow[j + jj] ? lanes[jj] : srow[j + jj];
+  float mx = kNegInf;
+  for (; j < nv; ++j) mx = std::max(mx, srow[j]);
+  for (std::int64_t jj = 0; jj < kColChunk; ++jj) mx = std::max(mx, lanes[jj]);
+
+  const float m_new = std::max(t.m[ri], mx * scale);
+  const float a = exp_f32(t.m[ri] - m_new);  // m = -inf on the first visible block: a = 0
+  for (j = 0; j < nv; ++j) srow[j] = exp_f32(fmadd(srow[j], scale, -m_new));
+
+  std::fill(lanes, lanes + kColChunk, 0.0f);
+  for (j = 0; j + kColChunk <= nv; j += kColChunk)
     for (std::int64_t jj = 0; jj < kColChunk; ++jj) lanes[jj] += srow[j + jj];
   float sum = 0.0f;
   for (; j < nv; ++j) sum += srow[j];
