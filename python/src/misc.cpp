@@ -128,7 +128,12 @@ void bind_misc(nb::module_& m) {
       .def_rw("tile_q", &ThresholdTable::tile_q)
       .def_rw("tile_k", &ThresholdTable::tile_k)
       .def_rw("model", &ThresholdTable::model)
-      .def_prop_rw("values", &table_values, &set_table_values,
+      .def_prop_rw(
+          "values",
+          // A fresh array that owns its copy: the default property policy (reference_internal)
+          // does not apply to an array with its own owner.
+          [](const ThresholdTable& t) { return nb::cast(table_values(t), nb::rv_policy::move); },
+          &set_table_values,
                    "float32 [n_budgets, n_layers, n_heads, n_qtiles] (a copy; assign to replace)")
       .def("at", &ThresholdTable::at, "budget"_a, "layer"_a, "head"_a, "qtile"_a)
       .def(
