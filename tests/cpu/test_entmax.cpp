@@ -270,7 +270,6 @@ TEST(Entmax, Bf16Inputs) {
 }
 
 TEST(Entmax, RejectsBadOptions) {
-  const Case c{1, 40, 40, 2, 1, 16, false};
   const HostTensor q = testing::random_tensor(DType::f32, {1, 40, 2, 16}, 1);
   const HostTensor k = testing::random_tensor(DType::f32, {1, 40, 1, 16}, 2);
   HostTensor out(DType::f32, {1, 40, 2, 16});
@@ -298,7 +297,6 @@ TEST(Entmax, RejectsBadOptions) {
   HostTensor bits_i32(DType::i32, {1, 2, 1, 1});
   bad_bits.block_bits = bits_i32.view();
   expect_error(bad_bits, "options.block_bits", "dtype i32");
-  (void)c;
 }
 
 }  // namespace

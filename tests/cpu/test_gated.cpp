@@ -290,7 +290,6 @@ TEST(Gated, RejectsBadThresholdsAndCounters) {
   HostTensor wrong_heads(DType::f32, {3, 2});
   std::fill(wrong_heads.data<float>(), wrong_heads.data<float>() + 6, 0.0f);
   expect_error(wrong_heads.view(), none, "thresholds", "expected shape [2, *]");
-  HostTensor empty(DType::f32, {2, 0});
   expect_error(TensorView::contiguous(wrong_heads.data<float>(), DType::f32, {2, 0}), none, "thresholds", "at least one");
   HostTensor wrong_dtype(DType::f64, {2, 2});
   expect_error(wrong_dtype.view(), none, "thresholds", "dtype f64");
