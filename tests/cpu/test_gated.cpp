@@ -249,6 +249,51 @@ TEST(Gated, Bf16InputsMatchReference) {
   EXPECT_LE(testing::lse_max_err(o.lse, ref.lse), 1e-4);
 }
 
+/// The same values as `t` ([B, L, H, D] contiguous) stored head-major ([B, H, L, D] memory) and
+/// viewed back as [B, L, H, D] with permuted strides.
+struct HeadMajor {
+  HostTensor storage;
+  TensorView view;
+};
+HeadMajor head_major(const HostTensor& t) {
+  const auto& s = t.shape();
+  HeadMajor h{HostTensor(t.dtype(), {s[0], s[2], s[1], s[3]}), {}};
+  const float* src = t.data<float>();
+  float* dst = h.storage.data<float>();
+  for (std::int64_t b = 0; b < s[0]; ++b)
+    for (std::int64_t l = 0; l < s[1]; ++l)
+      for (std::int64_t hh = 0; hh < s[2]; ++hh)
+        for (std::int64_t d = 0; d < s[3]; ++d)
+          dst[((b * s[2] + hh) * s[1] + l) * s[3] + d] = src[((b * s[1] + l) * s[2] + hh) * s[3] + d];
+  h.view = h.storage.view();
+  std::swap(h.view.shape[1], h.view.shape[2]);
+  std::swap(h.view.stride[1], h.view.stride[2]);
+  return h;
+}
+
+TEST(Gated, StridedViewsGiveTheSameBits) {
+  const Case c{2, 300, 400, 4, 2, 32};
+  const ProblemShape p = shape_of(c);
+  const Inputs in = make_inputs(c, 5150);
+  const Thresholds th = pick_thresholds(in, p, 1.0 / std::sqrt(double(c.D)), 2, /*closed_head=*/-1);
+  const Outputs want = run_gated(in, p, th.view);
+  const HeadMajor q = head_major(in.q), k = head_major(in.k), v = head_major(in.v);
+  HostTensor out(DType::f32, {c.B, c.Hq, c.Lq, c.D});
+  testing::poison(out);
+  TensorView out_view = out.view();
+  std::swap(out_view.shape[1], out_view.shape[2]);
+  std::swap(out_view.stride[1], out_view.stride[2]);
+  const GatedStats s = gated(q.view, k.view, v.view, th.view, out_view);
+  EXPECT_EQ(s.kept_blocks, want.stats.kept_blocks);
+  EXPECT_EQ(s.gated_kept, want.stats.gated_kept);
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t l = 0; l < c.Lq; ++l)
+      for (std::int64_t h = 0; h < c.Hq; ++h)
+        for (std::int64_t d = 0; d < c.D; ++d)
+          ASSERT_EQ(out.data<float>()[((b * c.Hq + h) * c.Lq + l) * c.D + d],
+                    want.out.data<float>()[((b * c.Lq + l) * c.Hq + h) * c.D + d]);
+}
+
 TEST(Gated, ThresholdEqualToBlockMaxKeepsTheBlock) {
   // q = k = all ones, D = 4, scale 1: every score is exactly 4, so a threshold of 4 sits on the
   // block maximum; ">=" keeps it, the next float above drops it.
