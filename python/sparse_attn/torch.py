@@ -1,0 +1,477 @@
+"""PyTorch integration: every executor and selector as a ``torch.library`` custom op in the
+``sparse_attn::`` namespace, and an attention function for Hugging Face transformers.
+
+A call into a C extension breaks a torch.compile graph; a custom op with a fake (meta) kernel does
+not. The functional ops allocate their outputs; the ``*_out`` ops write into caller tensors and list
+them in ``mutates_args``. Tensors reach the library through DLPack exported with ``stream=-1`` (no
+producer synchronisation) and the kernels run on the current CUDA stream of q's device, so the ops
+are safe inside CUDA graphs. There is no backward: these are inference (prefill) kernels.
+
+    import sparse_attn.torch as sat
+    out, lse = torch.ops.sparse_attn.dense(q, k, v, None, True)
+    out = sat.tile_sparse(q, k, v, idx, cnt, causal=True)          # same, with flash-attn arguments
+    sat.register_hf_attention()                                     # attn_implementation="sparse_attn"
+"""
+
+import contextlib
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import BLOCK_K, TILE_Q, Error, _dl, _ext, _stream
+
+__all__ = [
+    "bits_sparse", "dense", "entmax", "gated", "lightning_select", "pooled_select", "query_sparse",
+    "register_hf_attention", "tile_sparse", "token_max_select", "token_sparse",
+]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _device(t: Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _out_like(q: Tensor) -> Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _lse_like(q: Tensor) -> Tensor:
+    B, Lq, Hq, _ = q.shape
+    return torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+
+
+def _fake_out_lse(q: Tensor) -> Tuple[Tensor, Tensor]:
+    B, Lq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Lq), dtype=torch.float32)
+
+
+# ---- executors: functional ops --------------------------------------------------------------------
+
+@torch.library.custom_op("sparse_attn::dense", mutates_args=())
+def _dense(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool) -> Tuple[Tensor, Tensor]:
+    out, lse = _out_like(q), _lse_like(q)
+    with _device(q):
+        _ext.dense(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), softmax_scale=softmax_scale, causal=causal,
+                   stream=_stream(q))
+    return out, lse
+
+
+@_dense.register_fake
+def _(q, k, v, softmax_scale, causal):
+    return _fake_out_lse(q)
+
+
+@torch.library.custom_op("sparse_attn::tile_sparse", mutates_args=())
+def _tile_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, softmax_scale: Optional[float],
+                 causal: bool, trusted: bool) -> Tuple[Tensor, Tensor]:
+    out, lse = _out_like(q), _lse_like(q)
+    with _device(q):
+        _ext.tile_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(cnt), _dl(out), _dl(lse),
+                         softmax_scale=softmax_scale, causal=causal, trusted=trusted, stream=_stream(q))
+    return out, lse
+
+
+@_tile_sparse.register_fake
+def _(q, k, v, idx, cnt, softmax_scale, causal, trusted):
+    return _fake_out_lse(q)
+
+
+@torch.library.custom_op("sparse_attn::bits_sparse", mutates_args=())
+def _bits_sparse(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, softmax_scale: Optional[float], causal: bool,
+                 trusted: bool) -> Tuple[Tensor, Tensor]:
+    out, lse = _out_like(q), _lse_like(q)
+    with _device(q):
+        _ext.bits_sparse(_dl(q), _dl(k), _dl(v), _dl(bits), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                         causal=causal, trusted=trusted, stream=_stream(q))
+    return out, lse
+
+
+@_bits_sparse.register_fake
+def _(q, k, v, bits, softmax_scale, causal, trusted):
+    return _fake_out_lse(q)
+
+
+@torch.library.custom_op("sparse_attn::query_sparse", mutates_args=())
+def _query_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, softmax_scale: Optional[float], causal: bool,
+                  trusted: bool, partials: str) -> Tuple[Tensor, Tensor]:
+    out, lse = _out_like(q), _lse_like(q)
+    with _device(q):
+        _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                          causal=causal, trusted=trusted, partials=partials, stream=_stream(q))
+    return out, lse
+
+
+@_query_sparse.register_fake
+def _(q, k, v, idx, softmax_scale, causal, trusted, partials):
+    return _fake_out_lse(q)
+
+
+@torch.library.custom_op("sparse_attn::token_sparse", mutates_args=())
+def _token_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, softmax_scale: Optional[float], causal: bool,
+                  trusted: bool) -> Tuple[Tensor, Tensor]:
+    out, lse = _out_like(q), _lse_like(q)
+    with _device(q):
+        _ext.token_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                          causal=causal, trusted=trusted, stream=_stream(q))
+    return out, lse
+
+
+@_token_sparse.register_fake
+def _(q, k, v, idx, softmax_scale, causal, trusted):
+    return _fake_out_lse(q)
+
+
+@torch.library.custom_op("sparse_attn::gated", mutates_args=())
+def _gated(q: Tensor, k: Tensor, v: Tensor, thresholds: Tensor,
+           softmax_scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
+    out, lse = _out_like(q), _lse_like(q)
+    B, Lq, Hq, _ = q.shape
+    kept = torch.empty((B, Hq, _cdiv(Lq, TILE_Q)), dtype=torch.int32, device=q.device)
+    with _device(q):
+        _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                   kept_per_tile=_dl(kept), stream=_stream(q))
+    return out, lse, kept
+
+
+@_gated.register_fake
+def _(q, k, v, thresholds, softmax_scale):
+    B, Lq, Hq, _ = q.shape
+    out, lse = _fake_out_lse(q)
+    return out, lse, q.new_empty((B, Hq, _cdiv(Lq, TILE_Q)), dtype=torch.int32)
+
+
+@torch.library.custom_op("sparse_attn::entmax", mutates_args=())
+def _entmax(q: Tensor, k: Tensor, v: Tensor, alpha: float, softmax_scale: Optional[float], causal: bool,
+            histogram_bins: int) -> Tuple[Tensor, Tensor]:
+    out = _out_like(q)
+    B, Lq, Hq, _ = q.shape
+    bits = torch.empty((B, Hq, _cdiv(Lq, TILE_Q), _cdiv(_cdiv(k.shape[1], BLOCK_K), 32)), dtype=torch.uint32,
+                       device=q.device)
+    with _device(q):
+        _ext.entmax(_dl(q), _dl(k), _dl(v), _dl(out), alpha=alpha, softmax_scale=softmax_scale, causal=causal,
+                    histogram_bins=histogram_bins, block_bits=_dl(bits), stream=_stream(q))
+    return out, bits
+
+
+@_entmax.register_fake
+def _(q, k, v, alpha, softmax_scale, causal, histogram_bins):
+    B, Lq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, _cdiv(Lq, TILE_Q), _cdiv(_cdiv(k.shape[1], BLOCK_K), 32)),
+                                             dtype=torch.uint32)
+
+
+# ---- executors: ops that write into caller tensors --------------------------------------------------
+
+@torch.library.custom_op("sparse_attn::dense_out", mutates_args=("out", "lse"))
+def _dense_out(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], softmax_scale: Optional[float],
+               causal: bool) -> None:
+    with _device(q):
+        _ext.dense(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), softmax_scale=softmax_scale, causal=causal,
+                   stream=_stream(q))
+
+
+@_dense_out.register_fake
+def _(q, k, v, out, lse, softmax_scale, causal):
+    return None
+
+
+@torch.library.custom_op("sparse_attn::tile_sparse_out", mutates_args=("out", "lse"))
+def _tile_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, out: Tensor, lse: Optional[Tensor],
+                     softmax_scale: Optional[float], causal: bool, trusted: bool) -> None:
+    with _device(q):
+        _ext.tile_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(cnt), _dl(out), _dl(lse),
+                         softmax_scale=softmax_scale, causal=causal, trusted=trusted, stream=_stream(q))
+
+
+@_tile_sparse_out.register_fake
+def _(q, k, v, idx, cnt, out, lse, softmax_scale, causal, trusted):
+    return None
+
+
+@torch.library.custom_op("sparse_attn::bits_sparse_out", mutates_args=("out", "lse"))
+def _bits_sparse_out(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, out: Tensor, lse: Optional[Tensor],
+                     softmax_scale: Optional[float], causal: bool, trusted: bool) -> None:
+    with _device(q):
+        _ext.bits_sparse(_dl(q), _dl(k), _dl(v), _dl(bits), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                         causal=causal, trusted=trusted, stream=_stream(q))
+
+
+@_bits_sparse_out.register_fake
+def _(q, k, v, bits, out, lse, softmax_scale, causal, trusted):
+    return None
+
+
+@torch.library.custom_op("sparse_attn::query_sparse_out", mutates_args=("out", "lse"))
+def _query_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor],
+                      softmax_scale: Optional[float], causal: bool, trusted: bool, partials: str) -> None:
+    with _device(q):
+        _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                          causal=causal, trusted=trusted, partials=partials, stream=_stream(q))
+
+
+@_query_sparse_out.register_fake
+def _(q, k, v, idx, out, lse, softmax_scale, causal, trusted, partials):
+    return None
+
+
+@torch.library.custom_op("sparse_attn::token_sparse_out", mutates_args=("out", "lse"))
+def _token_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor],
+                      softmax_scale: Optional[float], causal: bool, trusted: bool) -> None:
+    with _device(q):
+        _ext.token_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                          causal=causal, trusted=trusted, stream=_stream(q))
+
+
+@_token_sparse_out.register_fake
+def _(q, k, v, idx, out, lse, softmax_scale, causal, trusted):
+    return None
+
+
+# ---- selectors -----------------------------------------------------------------------------------
+
+@torch.library.custom_op("sparse_attn::pooled_select", mutates_args=())
+def _pooled_select(q: Tensor, k: Tensor, top_k: int, kmax: int, representatives: int, force_local: bool,
+                   force_block0: bool, causal: bool) -> Tuple[Tensor, Tensor]:
+    B, Lq = q.shape[0], q.shape[1]
+    Hkv = k.shape[2]
+    idx = torch.full((B, Hkv, _cdiv(Lq, TILE_Q), kmax), -1, dtype=torch.int32, device=q.device)
+    cnt = torch.empty((B, Hkv, _cdiv(Lq, TILE_Q)), dtype=torch.int32, device=q.device)
+    with _device(q):
+        _ext.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=representatives, top_k=top_k,
+                           force_local=force_local, force_block0=force_block0, causal=causal, stream=_stream(q))
+    return idx, cnt
+
+
+@_pooled_select.register_fake
+def _(q, k, top_k, kmax, representatives, force_local, force_block0, causal):
+    B, Lq, Hkv = q.shape[0], q.shape[1], k.shape[2]
+    Tq = _cdiv(Lq, TILE_Q)
+    return q.new_empty((B, Hkv, Tq, kmax), dtype=torch.int32), q.new_empty((B, Hkv, Tq), dtype=torch.int32)
+
+
+@torch.library.custom_op("sparse_attn::token_max_select", mutates_args=())
+def _token_max_select(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, precision: str, causal: bool,
+                      reserve_local: bool) -> Tensor:
+    B, Lq, Hkv, _ = qidx.shape
+    idx = torch.full((B, Hkv, Lq, kmax), -1, dtype=torch.int32, device=qidx.device)
+    with _device(qidx):
+        _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=top_k, precision=precision,
+                              causal=causal, reserve_local=reserve_local, stream=_stream(qidx))
+    return idx
+
+
+@_token_max_select.register_fake
+def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local):
+    B, Lq, Hkv, _ = qidx.shape
+    return qidx.new_empty((B, Hkv, Lq, kmax), dtype=torch.int32)
+
+
+@torch.library.custom_op("sparse_attn::token_max_select_tiles", mutates_args=())
+def _token_max_select_tiles(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, precision: str, causal: bool,
+                            reserve_local: bool) -> Tuple[Tensor, Tensor]:
+    B, Lq, Hkv, _ = qidx.shape
+    Tq = _cdiv(Lq, TILE_Q)
+    idx = torch.full((B, Hkv, Tq, kmax), -1, dtype=torch.int32, device=qidx.device)
+    cnt = torch.empty((B, Hkv, Tq), dtype=torch.int32, device=qidx.device)
+    with _device(qidx):
+        _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=top_k, precision=precision,
+                              causal=causal, reserve_local=reserve_local, stream=_stream(qidx))
+    return idx, cnt
+
+
+@_token_max_select_tiles.register_fake
+def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local):
+    B, Lq, Hkv, _ = qidx.shape
+    Tq = _cdiv(Lq, TILE_Q)
+    return qidx.new_empty((B, Hkv, Tq, kmax), dtype=torch.int32), qidx.new_empty((B, Hkv, Tq), dtype=torch.int32)
+
+
+@torch.library.custom_op("sparse_attn::lightning_select", mutates_args=())
+def _lightning_select(qI: Tensor, w: Tensor, kI: Tensor, top_k: int, kmax: int, groups: int, blocks: bool,
+                      causal: bool, precision: str) -> Tensor:
+    B, Lq = qI.shape[0], qI.shape[1]
+    idx = torch.full((B, groups, Lq, kmax), -1, dtype=torch.int32, device=qI.device)
+    with _device(qI):
+        _ext.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=blocks, top_k=top_k, causal=causal,
+                              precision=precision, stream=_stream(qI))
+    return idx
+
+
+@_lightning_select.register_fake
+def _(qI, w, kI, top_k, kmax, groups, blocks, causal, precision):
+    return qI.new_empty((qI.shape[0], groups, qI.shape[1], kmax), dtype=torch.int32)
+
+
+# ---- flash-attn style wrappers over the ops ---------------------------------------------------------
+
+def _scale(softmax_scale):
+    return None if softmax_scale is None else float(softmax_scale)
+
+
+def _finish(out, lse, return_lse):
+    return (out, lse) if return_lse else out
+
+
+def _lse_for(q, return_lse):
+    return _lse_like(q) if return_lse else None
+
+
+def dense(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, out=None):
+    """Dense attention through torch.ops.sparse_attn.dense (or dense_out with out=)."""
+    if out is None:
+        o, lse = torch.ops.sparse_attn.dense(q, k, v, _scale(softmax_scale), bool(causal))
+        return _finish(o, lse, return_lse)
+    lse = _lse_for(q, return_lse)
+    torch.ops.sparse_attn.dense_out(q, k, v, out, lse, _scale(softmax_scale), bool(causal))
+    return _finish(out, lse, return_lse)
+
+
+def tile_sparse(q, k, v, idx, cnt, *, softmax_scale=None, causal=False, return_lse=False, out=None, trusted=False):
+    if out is None:
+        o, lse = torch.ops.sparse_attn.tile_sparse(q, k, v, idx, cnt, _scale(softmax_scale), bool(causal),
+                                                   bool(trusted))
+        return _finish(o, lse, return_lse)
+    lse = _lse_for(q, return_lse)
+    torch.ops.sparse_attn.tile_sparse_out(q, k, v, idx, cnt, out, lse, _scale(softmax_scale), bool(causal),
+                                          bool(trusted))
+    return _finish(out, lse, return_lse)
+
+
+def bits_sparse(q, k, v, bits, *, softmax_scale=None, causal=False, return_lse=False, out=None, trusted=False):
+    if out is None:
+        o, lse = torch.ops.sparse_attn.bits_sparse(q, k, v, bits, _scale(softmax_scale), bool(causal), bool(trusted))
+        return _finish(o, lse, return_lse)
+    lse = _lse_for(q, return_lse)
+    torch.ops.sparse_attn.bits_sparse_out(q, k, v, bits, out, lse, _scale(softmax_scale), bool(causal),
+                                          bool(trusted))
+    return _finish(out, lse, return_lse)
+
+
+def query_sparse(q, k, v, idx, *, partials="f32", softmax_scale=None, causal=False, return_lse=False, out=None,
+                 trusted=False):
+    if out is None:
+        o, lse = torch.ops.sparse_attn.query_sparse(q, k, v, idx, _scale(softmax_scale), bool(causal),
+                                                    bool(trusted), str(partials))
+        return _finish(o, lse, return_lse)
+    lse = _lse_for(q, return_lse)
+    torch.ops.sparse_attn.query_sparse_out(q, k, v, idx, out, lse, _scale(softmax_scale), bool(causal),
+                                           bool(trusted), str(partials))
+    return _finish(out, lse, return_lse)
+
+
+def token_sparse(q, k, v, idx, *, softmax_scale=None, causal=False, return_lse=False, out=None, trusted=False):
+    if out is None:
+        o, lse = torch.ops.sparse_attn.token_sparse(q, k, v, idx, _scale(softmax_scale), bool(causal), bool(trusted))
+        return _finish(o, lse, return_lse)
+    lse = _lse_for(q, return_lse)
+    torch.ops.sparse_attn.token_sparse_out(q, k, v, idx, out, lse, _scale(softmax_scale), bool(causal),
+                                           bool(trusted))
+    return _finish(out, lse, return_lse)
+
+
+def gated(q, k, v, thresholds, *, softmax_scale=None):
+    """Returns (out, lse, kept_per_tile int32 [B, Hq, Tq]); kept_per_tile.sum() is the number of
+    blocks that ran PV."""
+    return torch.ops.sparse_attn.gated(q, k, v, thresholds, _scale(softmax_scale))
+
+
+def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bins=64, return_block_bits=False):
+    out, bits = torch.ops.sparse_attn.entmax(q, k, v, float(alpha), _scale(softmax_scale), bool(causal),
+                                             int(histogram_bins))
+    return (out, bits) if return_block_bits else out
+
+
+def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_block0=False, causal=False,
+                  kmax=None):
+    return torch.ops.sparse_attn.pooled_select(q, k, int(top_k), int(top_k if kmax is None else kmax),
+                                               int(representatives), bool(force_local), bool(force_block0),
+                                               bool(causal))
+
+
+def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, reserve_local=True, format="query",
+                     kmax=None):
+    kmax = int(top_k if kmax is None else kmax)
+    if format == "query":
+        return torch.ops.sparse_attn.token_max_select(qidx, kidx, int(top_k), kmax, str(precision), bool(causal),
+                                                      bool(reserve_local))
+    if format == "tile":
+        return torch.ops.sparse_attn.token_max_select_tiles(qidx, kidx, int(top_k), kmax, str(precision),
+                                                            bool(causal), bool(reserve_local))
+    raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
+
+
+def lightning_select(qI, w, kI, *, top_k=2048, causal=True, precision="fp8_e4m3", groups=1, format="token",
+                     kmax=None):
+    if format not in ("token", "query"):
+        raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
+    return torch.ops.sparse_attn.lightning_select(qI, w, kI, int(top_k), int(top_k if kmax is None else kmax),
+                                                  int(groups), format == "query", bool(causal), str(precision))
+
+
+# ---- Hugging Face transformers -------------------------------------------------------------------
+
+def _padding_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None,
+                  **kwargs):
+    """AttentionMaskInterface entry: the kernels apply the causal rule themselves, so no 4-d mask is
+    built; a 2-d padding mask is passed on only when it pads something (the attention function
+    then refuses it rather than attending to padding)."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def make_hf_attention(*, mode="dense", top_k=16, representatives=1, min_length=0):
+    """An attention function with the transformers AttentionInterface signature.
+
+    mode="dense": dense attention (causal when the module is). mode="pooled": the R1/R4 pooled
+    selector picks top_k blocks per Q tile (diagonal block and block 0 forced) and tile_sparse runs
+    on them, for prompts of at least min_length keys; shorter ones run dense."""
+    if mode not in ("dense", "pooled"):
+        raise Error(f"register_hf_attention: argument 'mode': expected 'dense' or 'pooled', got {mode!r}")
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if dropout:
+            raise Error(f"sparse_attn attention: argument 'dropout': must be 0 for inference, got {dropout}")
+        if kwargs.get("sliding_window") is not None:
+            raise Error("sparse_attn attention: argument 'sliding_window': sliding-window layers are not supported")
+        if attention_mask is not None:
+            raise Error("sparse_attn attention: argument 'attention_mask': padded batches are not supported "
+                        "(the kernels apply only the causal rule)")
+        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+        # (B, H, L, D) -> (B, L, H, D) views: strides are free as long as D is contiguous.
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if mode == "pooled" and k.shape[1] >= max(min_length, 1) and _cdiv(k.shape[1], BLOCK_K) > top_k:
+            idx, cnt = pooled_select(q, k, top_k=top_k, representatives=representatives, force_local=True,
+                                     force_block0=True, causal=causal)
+            out = tile_sparse(q, k, v, idx, cnt, softmax_scale=scaling, causal=causal, trusted=True)
+        else:
+            out = dense(q, k, v, softmax_scale=scaling, causal=causal)
+        return out, None
+
+    return attention
+
+
+def register_hf_attention(name="sparse_attn", **options):
+    """Registers `name` with transformers' AttentionInterface (the attention function, see
+    make_hf_attention for options) and AttentionMaskInterface (without a mask entry transformers
+    would build no causal mask for an unknown implementation). Returns False when transformers is
+    not importable. Use with ``model = AutoModelForCausalLM.from_pretrained(..., attn_implementation=name)``
+    or ``model.set_attn_implementation(name)``."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
+    AttentionInterface.register(name, make_hf_attention(**options))
+    try:
+        from transformers import AttentionMaskInterface
+    except ImportError:
+        from transformers.masking_utils import AttentionMaskInterface
+    AttentionMaskInterface.register(name, _padding_mask)
+    return True
