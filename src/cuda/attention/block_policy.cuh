@@ -45,6 +45,16 @@ struct BlockPolicy {
     return j * kBlockKeys <= last_visible_key ? j : -1;
   }
 
+  /// Advances i to the next position whose block is visited and returns that block, or -1 (with
+  /// i = count) when the walk is over.
+  __device__ __forceinline__ int next(int& i) const {
+    for (; i < count; ++i) {
+      const int j = block(i);
+      if (j >= 0) return j;
+    }
+    return -1;
+  }
+
   /// Whether block j needs the element mask for rows starting at `first_row` (a consumer's 64 rows):
   /// it straddles the causal diagonal of those rows or runs past Lk.
   __device__ __forceinline__ static bool needs_mask(const TileAttentionParams& p, int j, int first_row) {

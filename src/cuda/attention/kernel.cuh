@@ -18,9 +18,12 @@ namespace sparse_attn::cuda_kernels {
 inline constexpr int kKernelThreads = 128 + kConsumerThreads;
 inline constexpr std::uint32_t kProducerRegs = 24;
 inline constexpr std::uint32_t kConsumerRegs = 240;
-// K/V ring depth. A stage is K + V of one block (64 KB); with the 32 KB Q tile, 2 stages use 160 KB
-// and 3 use 224 KB of the 227 KB a CTA may have.
-inline constexpr int kKvStages = 2;
+// K/V ring depth. A stage is K + V of one block (64 KB); with the 32 KB Q tile, 3 stages use 224 KB of
+// the 227 KB a CTA may have. A slot is released only after its PV, and with the QK of the next block
+// issued before that PV, 2 stages would leave the producer no block of lead: 3 keep one load in
+// flight while two blocks are in use.
+inline constexpr int kKvStages = 3;
+static_assert(sizeof(SharedStorage<Bf16Tag::Elem, kKvStages>) + 1024 <= 227 * 1024, "shared memory over budget");
 
 template <class Tag, int kStages>
 __global__ void __launch_bounds__(kKernelThreads, 1)
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   }
   __syncthreads();
 
-  const StaticPersistentScheduler sched{p.num_items, p.B, p.Hq, p.Tq, p.causal};
+  const StaticPersistentScheduler sched{p.num_items, p.B, p.Hkv, p.group_size, p.Tq, p.causal};
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     if (thread == 0) producer_loop<typename Tag::Elem, kStages>(p, sched, sm, &tm_q, &tm_k, &tm_v);

@@ -83,6 +83,62 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
 
 namespace sparse_attn::cuda_kernels {
 
+// Keeps the P registers (A operand of an in-flight RS wgmma) live until the wait that retires it:
+// without this the compiler may reuse them as soon as the wgmma instruction has been issued.
+__device__ __forceinline__ void keep_live(std::uint32_t (&pa)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[kk][r])::"memory");
+}
+
+template <class Tag>
+__device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
+  // k-step kk covers head-dim columns [16kk, 16kk + 16): half kk / 4, +32 B inside the swizzled row.
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    wgmma_ss<Tag>(acc_s, make_desc_sw128(s_q + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024),
+                  make_desc_sw128(s_k + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024), kk > 0);
+  wgmma_commit();
+}
+
+template <class Tag>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[64], const std::uint32_t (&pa)[8][4], std::uint32_t s_v) {
+  // B = V rows [16kk, 16kk + 16) x 128 head-dim columns, MN-major: LBO = the distance between the two
+  // 64-column halves, a k-step is 16 rows = 2048 B.
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    wgmma_rs_tb<Tag>(acc_o, pa[kk], make_desc_sw128(s_v + kk * 16 * 128, kHalfTileBytes, 1024), 1);
+  wgmma_commit();
+}
+
+template <class Tag>
+__device__ __forceinline__ void scores_to_p(const TileAttentionParams& p, float (&acc_s)[64], OnlineSoftmax& softmax,
+                                            float (&factor)[2], std::uint32_t (&pa)[8][4], int j, int first_row,
+                                            int thread) {
+  if (BlockPolicy::needs_mask(p, j, first_row))
+    OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+  softmax.update(acc_s, p.scale_log2, factor);
+  // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+}
+
+template <class Tag>
+__device__ __forceinline__ void scores_to_p_keep(const TileAttentionParams& p, float (&acc_s)[64],
+                                                 OnlineSoftmax& softmax, float (&factor)[2], int j, int first_row,
+                                                 int thread) {
+  if (BlockPolicy::needs_mask(p, j, first_row))
+    OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+  softmax.update(acc_s, p.scale_log2, factor);
+}
+
+// Intra-warpgroup overlap (FA3): while the tensor cores run O += P_i V_i, the warpgroup already has
+// S_{i+1} = Q K_{i+1} in flight and does the softmax of block i + 1 as soon as that lands; the O
+// rescale waits until PV has retired. A slot is released after its PV, so the producer runs up to
+// kStages - 1 blocks ahead of the block being multiplied.
 template <class Tag, int kStages>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kStages>& sm, int consumer,
@@ -93,6 +149,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   std::uint32_t q_count = 0;
   float acc_s[64];
   float acc_o[64];
+  std::uint32_t pa[8][4];
   for (int item = sched.first(); sched.valid(item); item = sched.next(item)) {
     const WorkItem w = sched.decode(item);
     const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
@@ -103,44 +160,49 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     for (int i = 0; i < 64; ++i) acc_o[i] = 0.0f;
     sm.q_full.wait(q_count & 1u);
 
-    for (int i = 0; i < bp.count; ++i) {
-      const int j = bp.block(i);
-      if (j < 0) continue;
-      const int s = kv.stage();
-      const std::uint32_t s_k = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[s][0][0][0]));
-      const std::uint32_t s_v = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[s][0][0][0]));
-      sm.k_full[s].wait(kv.phase());
-
-      // S = Q K^T: k-step kk covers head-dim columns [16kk, 16kk + 16): half kk / 4, +32 B inside it.
+    int pos = 0;
+    int j = bp.next(pos);
+    if (j >= 0) {
+      float factor[2];
+      int stage = kv.stage();
+      sm.k_full[stage].wait(kv.phase());
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        wgmma_ss<Tag>(acc_s, make_desc_sw128(s_q + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024),
-                      make_desc_sw128(s_k + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024), kk > 0);
-      wgmma_commit();
+      issue_qk<Tag>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[stage][0][0][0])));
       wgmma_wait<0>();
       fence_operands(acc_s);
-
-      if (BlockPolicy::needs_mask(p, j, first_row))
-        OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
-      softmax.update(acc_s, acc_o, p.scale_log2);
-
-      // P as A fragments: accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment.
-      std::uint32_t pa[8][4];
+      scores_to_p<Tag>(p, acc_s, softmax, factor, pa, j, first_row, thread);  // o is 0: no rescale needed
+      // Steady state: one iteration per further block. The last block's PV is peeled off below, so the
+      // commit groups inside the loop are unconditional and wait<1> always retires the QK group.
+      for (int j_next = bp.next(++pos); j_next >= 0; j_next = bp.next(++pos)) {
+        const std::uint32_t phase = kv.phase();
+        kv.advance();
+        const int next_stage = kv.stage();
+        sm.k_full[next_stage].wait(kv.phase());
+        wgmma_fence();
+        issue_qk<Tag>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[next_stage][0][0][0])));
+        sm.v_full[stage].wait(phase);
+        issue_pv<Tag>(acc_o, pa, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[stage][0][0][0])));
+        wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+        fence_operands(acc_s);
+        scores_to_p_keep<Tag>(p, acc_s, softmax, factor, j_next, first_row, thread);
+        wgmma_wait<0>();
+        fence_operands(acc_o);
+        keep_live(pa);
+        sm.kv_empty[stage].arrive();
+        OnlineSoftmax::rescale(acc_o, factor);
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
+        for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-
-      sm.v_full[s].wait(kv.phase());
+          for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+        stage = next_stage;
+      }
+      sm.v_full[stage].wait(kv.phase());
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        wgmma_rs_tb<Tag>(acc_o, pa[kk], make_desc_sw128(s_v + kk * 16 * 128, kHalfTileBytes, 1024), 1);
-      wgmma_commit();
+      issue_pv<Tag>(acc_o, pa, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[stage][0][0][0])));
       wgmma_wait<0>();
       fence_operands(acc_o);
-      sm.kv_empty[s].arrive();
+      keep_live(pa);
+      sm.kv_empty[stage].arrive();
       kv.advance();
     }
     sm.q_empty.arrive();

@@ -44,8 +44,9 @@ struct OnlineSoftmax {
       }
   }
 
-  /// Turns scores s into p (in place), updates m and l, and rescales o when m moves.
-  __device__ __forceinline__ void update(float (&s)[64], float (&o)[64], float scale_log2) {
+  /// Turns scores s into p (in place) and updates m and l. `factor` receives what o must be scaled by
+  /// (1 when m did not move); the caller applies it with rescale() once no wgmma is accumulating into o.
+  __device__ __forceinline__ void update(float (&s)[64], float scale_log2, float (&factor)[2]) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -61,15 +62,11 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float t_max = mx[r] * scale_log2;  // scale > 0, so the max commutes with the scaling
+      factor[r] = 1.0f;
       if (t_max > m[r] + kRescaleThreshold) {
         // First visible key of the row (m = -inf): the factor is 0 and o, l are still 0.
-        const float factor = fast_exp2(m[r] - t_max);
-        l[r] *= factor;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          o[4 * i + 2 * r] *= factor;
-          o[4 * i + 2 * r + 1] *= factor;
-        }
+        factor[r] = fast_exp2(m[r] - t_max);
+        l[r] *= factor[r];
         m[r] = t_max;
       }
       // A row that has seen no visible key yet keeps m = -inf; subtracting 0 makes its p exactly 0
@@ -85,6 +82,14 @@ struct OnlineSoftmax {
         s[4 * i + j] = p;
         l[r] += p;
       }
+  }
+
+  __device__ __forceinline__ static void rescale(float (&o)[64], const float (&factor)[2]) {
+    if (factor[0] == 1.0f && factor[1] == 1.0f) return;  // the common case under lazy rescaling
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[4 * i + j] *= factor[j / 2];
   }
 
   /// Quad-reduces l; afterwards every lane of a quad holds the full row sums.
