@@ -299,13 +299,15 @@ void Bench::record(const std::string& name, const ProblemShape& p, nlohmann::jso
     const double med = median(r.ms), mn = *std::min_element(r.ms.begin(), r.ms.end());
     j["time_ms"] = {{"median", med}, {"min", mn}, {"all", r.ms}};
     j["useful_tflops"] = flops / (med * 1e-3) / 1e12;
-    timing = fmt::format("{:10.3f} {:10.3f} {:9.3f}", med, mn, flops / (med * 1e-3) / 1e12);
+    timing = fmt::format("{:10.3f} {:10.3f} {:9.3g}", med, mn, flops / (med * 1e-3) / 1e12);
   } else {
     timing = fmt::format("{:>10} {:>10} {:>9}", "-", "-", "-");
   }
   for (auto& [key, value] : r.extra.items()) j[key] = value;
   std::string extra;
   if (r.extra.contains("density")) extra += fmt::format(" density {:.3f}", r.extra["density"].get<double>());
+  if (r.extra.contains("threshold") && r.extra["threshold"].is_number())
+    extra += fmt::format(" threshold {:.3f}", r.extra["threshold"].get<double>());
   if (r.extra.contains("support_fraction"))
     extra += fmt::format(" support {:.3f}", r.extra["support_fraction"].get<double>());
   fmt::print("{:<34} {} {:>9} {:>5}  {}{}\n", name, timing,
@@ -440,6 +442,7 @@ void Bench::gated_workload() {
     float threshold = -INFINITY;
     if (!maxima.empty() && off_fraction < 1.0) {
       const auto pos = std::min(maxima.size() - 1, static_cast<std::size_t>((1.0 - off_fraction) * double(maxima.size())));
+      // Above every sampled maximum: only the diagonal blocks run.
       threshold = off_fraction <= 0.0 ? static_cast<float>(maxima.back() + 1e3) : static_cast<float>(maxima[pos]);
     }
 
@@ -455,8 +458,7 @@ void Bench::gated_workload() {
     }
     for (const float t : {-INFINITY, threshold}) {
       const bool open = std::isinf(t) && t < 0;
-      if (open && &t != nullptr && t == threshold && !std::isinf(threshold)) continue;
-      const std::string name = base + (open ? " gate off (-inf)" : fmt::format(" gate {:.2f}", t));
+      const std::string name = base + (open ? " gate off (-inf)" : fmt::format(" gate for density {:.2f}", cfg_.density));
       progress("{}: verify, then {} timed runs", name, repeat_);
       Mirrored thresholds(DType::f32, {p.Hq, 1}, where_), kept(DType::i32, {p.B, p.Hq, Tq}, where_);
       std::fill_n(thresholds.host().data<float>(), p.Hq, t);
@@ -594,6 +596,7 @@ void Bench::entmax_workload() {
 }
 
 int Bench::run() {
+  if (!cfg_.json.empty()) check_writable(cfg_.json);
   fmt::print("{}\n", where_.banner());
   fmt::print("workload {}: scale 1/{}{}, {} timed runs per case, each verified first on {} sampled rows\n", cfg_.workload,
              scale_, scale_ > 1 ? " (batch, lengths and block counts divided; see docs/cli.md)" : "", repeat_,

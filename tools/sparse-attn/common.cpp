@@ -147,6 +147,11 @@ nlohmann::json build_json(const Placement& where) {
   };
 }
 
+void check_writable(const std::string& path) {
+  std::ofstream f(path, std::ios::app);
+  if (!f) throw std::runtime_error("cannot open '" + path + "' for writing");
+}
+
 void write_json(const std::string& path, const nlohmann::json& j) {
   std::ofstream f(path);
   if (!f) throw std::runtime_error("cannot open '" + path + "' for writing");

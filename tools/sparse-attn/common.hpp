@@ -97,6 +97,8 @@ double median(std::vector<double> v);
 std::string iso8601_now();
 /// Library version, compiler and CUDA toolkit, and the device, for JSON results.
 nlohmann::json build_json(const Placement& where);
+/// Throws std::runtime_error unless `path` can be opened for writing (checked before long runs).
+void check_writable(const std::string& path);
 /// Writes `j` (pretty-printed) to `path`; throws std::runtime_error when the file cannot be written.
 void write_json(const std::string& path, const nlohmann::json& j);
 

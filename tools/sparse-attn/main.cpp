@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::Range(1, 8192));
   demo->add_option("--needles", demo_cfg.needles, "Planted needles per (batch, KV head)")
       ->capture_default_str()->check(CLI::Range(0, 1024));
+  demo->add_option("--eval-queries", demo_cfg.eval_queries,
+                   "Evaluate quality in float64 on the last N queries (whole Q tiles); 0: every query")
+      ->capture_default_str()->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 20));
   demo->add_option("--device", demo_cfg.device, "auto, cpu or cuda")
       ->capture_default_str()->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   demo->add_option("--json", demo_cfg.json, "Write the results as JSON to this file");
