@@ -1,0 +1,258 @@
+"""torch tensors through the package (CPU here, CUDA where available), the sparse_attn:: custom ops,
+torch.compile and the Hugging Face attention function."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sparse_attn as sa  # noqa: E402
+import sparse_attn.torch as sat  # noqa: E402
+from sparse_attn import reference as ref  # noqa: E402
+
+from _util import random_query_lists, random_tile_lists, random_token_lists  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA device")
+
+
+def _qkv(B, Lq, Lk, Hq, Hkv, D, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda L, H: torch.randn(B, L, H, D, generator=g).to(dtype=dtype, device=device)  # noqa: E731
+    return mk(Lq, Hq), mk(Lk, Hkv), mk(Lk, Hkv)
+
+
+def _np(t):
+    return t.detach().float().cpu().numpy()
+
+
+def _check(out, expected, dtype):
+    assert torch.isfinite(out.float()).all(), "NaN/inf in the output"
+    err = ref.rel_err(_np(out), expected)
+    assert err <= TOL[dtype], f"relerr {err:.3g}"
+
+
+# ---- the package API with torch CPU tensors ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dense_allocates_torch_outputs(dtype):
+    q, k, v = _qkv(2, 17, 200, 4, 1, 32, dtype)
+    out, lse = sa.dense(q, k, v, causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 17)
+    ref_out, ref_lse = ref.attention(_np(q), _np(k), _np(v), causal=True)
+    _check(out, ref_out, dtype)
+    np.testing.assert_allclose(_np(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_strided_views_and_grad_inputs():
+    # (B, H, L, D) tensors seen as (B, L, H, D): non-contiguous, last dim contiguous.
+    g = torch.Generator().manual_seed(1)
+    qh = torch.randn(1, 4, 17, 32, generator=g, requires_grad=True)
+    kh, vh = torch.randn(1, 2, 150, 32, generator=g), torch.randn(1, 2, 150, 32, generator=g)
+    q, k, v = qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2)
+    out = sa.dense(q, k, v)
+    _check(out, ref.attention(_np(q), _np(k), _np(v))[0], torch.float32)
+
+
+def test_out_argument_and_sparse_executors():
+    B, Lq, Lk, Hq, Hkv, D = 2, 17, 300, 4, 2, 32
+    q, k, v = _qkv(B, Lq, Lk, Hq, Hkv, D)
+    rng = np.random.default_rng(3)
+    qn, kn, vn = _np(q), _np(k), _np(v)
+    idx, cnt = random_tile_lists(rng, B, Hkv, 1, 3, kmax=3)
+    out = torch.full_like(q, float("nan"))
+    res = sa.tile_sparse(q, k, v, torch.from_numpy(idx), torch.from_numpy(cnt), out=out)
+    assert res is out
+    _check(out, ref.attention(qn, kn, vn, ref.mask_from_tile_lists(idx, cnt, Lq, Lk, Hq))[0], torch.float32)
+    ql = random_query_lists(rng, B, Hkv, Lq, 3, kq=2)
+    _check(sa.query_sparse(q, k, v, torch.from_numpy(ql)),
+           ref.attention(qn, kn, vn, ref.mask_from_query_lists(ql, Lk, Hq))[0], torch.float32)
+    tl = random_token_lists(rng, B, Hkv, Lq, Lk, kt=20)
+    _check(sa.token_sparse(q, k, v, torch.from_numpy(tl)),
+           ref.attention(qn, kn, vn, ref.mask_from_token_lists(tl, Lk, Hq))[0], torch.float32)
+
+
+def test_selectors_return_torch_int32():
+    q, k, _ = _qkv(1, 200, 700, 4, 2, 32)
+    idx, cnt = sa.pooled_select(q, k, top_k=3)
+    assert idx.dtype == torch.int32 and idx.shape == (1, 2, 2, 3) and cnt.shape == (1, 2, 2)
+    qi = sa.token_max_select(q[..., :2, :], k, top_k=2)
+    assert qi.dtype == torch.int32 and qi.shape == (1, 2, 200, 2)
+
+
+def test_bad_torch_input_raises_value_error():
+    q, k, v = _qkv(1, 4, 8, 2, 1, 16)
+    with pytest.raises(ValueError, match=r"dense: argument 'q'"):
+        sa.dense(q.double(), k, v)
+    with pytest.raises(ValueError, match=r"dense: argument 'k'"):
+        sa.dense(q, k[..., :8], v)
+
+
+# ---- custom ops ----------------------------------------------------------------------------------
+
+def test_custom_ops_are_registered():
+    for name in ("dense", "tile_sparse", "bits_sparse", "query_sparse", "token_sparse", "gated", "entmax",
+                 "dense_out", "tile_sparse_out", "bits_sparse_out", "query_sparse_out", "token_sparse_out",
+                 "pooled_select", "token_max_select", "token_max_select_tiles", "lightning_select"):
+        assert hasattr(torch.ops.sparse_attn, name), name
+    schema = str(torch.ops.sparse_attn.dense_out.default._schema)
+    assert "Tensor(a" in schema and "!" in schema  # out and lse are declared as written
+
+
+def test_custom_ops_compute_the_reference():
+    B, Lq, Lk, Hq, Hkv, D = 1, 140, 300, 4, 1, 32
+    q, k, v = _qkv(B, Lq, Lk, Hq, Hkv, D)
+    qn, kn, vn = _np(q), _np(k), _np(v)
+    out, lse = torch.ops.sparse_attn.dense(q, k, v, None, True)
+    ref_out, ref_lse = ref.attention(qn, kn, vn, causal=True)
+    _check(out, ref_out, torch.float32)
+    np.testing.assert_allclose(_np(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    out2 = torch.empty_like(q)
+    lse2 = torch.empty(B, Hq, Lq)
+    torch.ops.sparse_attn.dense_out(q, k, v, out2, lse2, None, True)
+    torch.testing.assert_close(out2, out)
+    out3 = sat.dense(q, k, v, causal=True, out=torch.empty_like(q))
+    torch.testing.assert_close(out3, out)
+    thr = torch.full((Hq, 1), float("-inf"))
+    g_out, g_lse, kept = sat.gated(q, k, v, thr)
+    _check(g_out, ref_out, torch.float32)
+    assert kept.dtype == torch.int32 and kept.shape == (1, Hq, 2)
+    e_out, bits = sat.entmax(q, k, v, causal=True, return_block_bits=True)
+    _check(e_out, ref.entmax_attention(qn, kn, vn, causal=True)[0], torch.float32)
+    assert bits.shape == (1, Hq, 2, 1)
+
+
+def test_opcheck_fake_kernels():
+    q, k, v = _qkv(1, 17, 200, 4, 2, 16)
+    rng = np.random.default_rng(5)
+    idx, cnt = (torch.from_numpy(a) for a in random_tile_lists(rng, 1, 2, 1, 2, kmax=2))
+    tests = ("test_schema", "test_faketensor")
+    cases = [
+        (torch.ops.sparse_attn.dense.default, (q, k, v, None, False)),
+        (torch.ops.sparse_attn.tile_sparse.default, (q, k, v, idx, cnt, 0.2, True, False)),
+        (torch.ops.sparse_attn.dense_out.default, (q, k, v, torch.empty_like(q), torch.empty(1, 4, 17), None, True)),
+        (torch.ops.sparse_attn.pooled_select.default, (q, k, 2, 3, 1, True, False, False)),
+        (torch.ops.sparse_attn.entmax.default, (q, k, v, 1.5, None, False, 64)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=tests)
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = _qkv(1, 17, 300, 4, 2, 32)
+
+    def f(q, k, v):
+        idx, cnt = sat.pooled_select(q, k, top_k=2)
+        return sat.tile_sparse(q, k, v, idx, cnt) * 2.0 + sat.dense(q, k, v, causal=True)
+
+    try:
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        got = compiled(q, k, v)
+    except RuntimeError as e:  # torch builds without dynamo support
+        if "not supported" in str(e) or "Dynamo" in str(e):
+            pytest.skip(f"torch.compile unavailable: {e}")
+        raise
+    torch.testing.assert_close(got, f(q, k, v))
+
+
+# ---- Hugging Face --------------------------------------------------------------------------------
+
+def test_hf_attention_function_layout():
+    fn = sat.make_hf_attention()
+
+    class Module:
+        is_causal = True
+
+    g = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 8, 20, 16, generator=g)
+    key, value = torch.randn(2, 2, 20, 16, generator=g), torch.randn(2, 2, 20, 16, generator=g)
+    out, weights = fn(Module(), query, key, value, None, scaling=0.3)
+    assert weights is None and out.shape == (2, 20, 8, 16) and out.is_contiguous()
+    expect, _ = ref.attention(_np(query.transpose(1, 2)), _np(key.transpose(1, 2)), _np(value.transpose(1, 2)),
+                              softmax_scale=0.3, causal=True)
+    _check(out, expect, torch.float32)
+    with pytest.raises(ValueError, match="attention_mask"):
+        fn(Module(), query, key, value, torch.ones(2, 1, 20, 20, dtype=torch.bool))
+
+
+def test_hf_registration_and_tiny_llama_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    assert sat.register_hf_attention("sparse_attn")
+    from transformers import AttentionInterface
+    try:
+        from transformers import AttentionMaskInterface
+    except ImportError:
+        from transformers.masking_utils import AttentionMaskInterface
+    assert "sparse_attn" in AttentionInterface._global_mapping
+    assert "sparse_attn" in AttentionMaskInterface._global_mapping
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (2, 21))
+
+    def use(impl):
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(impl)
+        else:
+            model.config._attn_implementation = impl
+
+    with torch.no_grad():
+        use("eager")
+        expect = model(ids).logits
+        use("sparse_attn")
+        got = model(ids).logits
+    torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_dense_matches_cpu_reference(dtype):
+    q, k, v = _qkv(2, 300, 700, 8, 2, 128, dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # runs on the caller's current stream
+        out, lse = sa.dense(q, k, v, causal=True, return_lse=True)
+    stream.synchronize()
+    assert out.device == q.device and out.dtype == dtype
+    ref_out, ref_lse = ref.attention(_np(q), _np(k), _np(v), causal=True)
+    _check(out, ref_out, dtype)
+    np.testing.assert_allclose(_np(lse), ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_sparse_executors_and_selector():
+    B, Lq, Lk, Hq, Hkv, D = 2, 300, 1000, 8, 2, 128
+    q, k, v = _qkv(B, Lq, Lk, Hq, Hkv, D, torch.bfloat16, device="cuda")
+    qn, kn, vn = _np(q), _np(k), _np(v)
+    rng = np.random.default_rng(7)
+    idx, cnt = random_tile_lists(rng, B, Hkv, 3, 8, kmax=4)
+    out = sat.tile_sparse(q, k, v, torch.from_numpy(idx).cuda(), torch.from_numpy(cnt).cuda(), causal=True)
+    _check(out, ref.attention(qn, kn, vn, ref.mask_from_tile_lists(idx, cnt, Lq, Lk, Hq), causal=True)[0],
+           torch.bfloat16)
+    ql = random_query_lists(rng, B, Hkv, Lq, 8, kq=3)
+    out = sat.query_sparse(q, k, v, torch.from_numpy(ql).cuda())
+    _check(out, ref.attention(qn, kn, vn, ref.mask_from_query_lists(ql, Lk, Hq))[0], torch.bfloat16)
+    gi, gc = sat.pooled_select(q, k, top_k=3, causal=True)
+    ci, cc = sa.pooled_select(q.cpu(), k.cpu(), top_k=3, causal=True)
+    assert gi.is_cuda and torch.equal(gc.cpu(), cc)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_graph_capture_of_a_custom_op():
+    q, k, v = _qkv(1, 256, 512, 4, 1, 128, torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    sat.dense(q, k, v, causal=True, out=out)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sat.dense(q, k, v, causal=True, out=out)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, ref.attention(_np(q), _np(k), _np(v), causal=True)[0], torch.bfloat16)
