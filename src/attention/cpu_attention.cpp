@@ -77,25 +77,34 @@ struct BlockBitsSource {
 
 // K and V as float, converted once per (batch, KV head) for the blocks some tile will visit, and
 // then shared read-only by every work item: converting per item would repeat the work Tq times.
-// The store covers a chunk of (batch, KV head) pairs sized to kStoreBudget.
+// Only visited blocks get storage, so a sparse selection costs memory in proportion to what it
+// touches. Chunks of (batch, KV head) pairs keep even a dense store within kStoreBudget.
 inline constexpr std::int64_t kStoreBudget = std::int64_t(256) << 20;  // bytes
 
 class BlockStore {
  public:
   BlockStore(std::int64_t pairs, std::int64_t Tk, std::int64_t D)
       : Tk_(Tk), D_(D), stride_(attn::kt_floats(D) + attn::v_floats(D)),
-        data_(static_cast<std::size_t>(pairs * Tk * stride_), 0.0f),
-        needed_(static_cast<std::size_t>(pairs * Tk), 0) {}
+        slot_(static_cast<std::size_t>(pairs * Tk), -1) {}
 
-  std::uint8_t& needed(std::int64_t pair, std::int64_t j) { return needed_[static_cast<std::size_t>(pair * Tk_ + j)]; }
-  float* kt(std::int64_t pair, std::int64_t j) { return data_.data() + (pair * Tk_ + j) * stride_; }
-  float* v(std::int64_t pair, std::int64_t j) { return kt(pair, j) + attn::kt_floats(D_); }
-  std::int64_t blocks() const { return static_cast<std::int64_t>(needed_.size()); }
+  void mark(std::int64_t pair, std::int64_t j) { slot_[static_cast<std::size_t>(pair * Tk_ + j)] = 0; }
+  /// Numbers the marked blocks and gives them storage (zeroed: the padding of V rows must be finite).
+  void allocate() {
+    std::int64_t n = 0;
+    for (auto& s : slot_)
+      if (s >= 0) s = n++;
+    data_.assign(static_cast<std::size_t>(n * stride_), 0.0f);
+  }
+  std::int64_t size() const { return static_cast<std::int64_t>(slot_.size()); }
+  bool has(std::int64_t flat) const { return slot_[static_cast<std::size_t>(flat)] >= 0; }
+  float* kt(std::int64_t flat) { return data_.data() + slot_[static_cast<std::size_t>(flat)] * stride_; }
+  float* v(std::int64_t flat) { return kt(flat) + attn::kt_floats(D_); }
+  std::int64_t flat(std::int64_t pair, std::int64_t j) const { return pair * Tk_ + j; }
 
  private:
   std::int64_t Tk_, D_, stride_;
+  std::vector<std::int64_t> slot_;  // per (pair, block): storage slot, or -1 when not visited
   std::vector<float> data_;
-  std::vector<std::uint8_t> needed_;
 };
 
 template <class Source>
@@ -135,16 +144,17 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
       decode(item, pair, b, g, t);
       const std::int64_t hi = tile_limits(t).second;
       src.for_each(b, g, t, [&](std::int64_t j) {
-        if (j * kBlockK <= hi) store.needed(pair, j) = 1;
+        if (j * kBlockK <= hi) store.mark(pair, j);
       });
     }
-    parallel_for(store.blocks(), [&](std::int64_t blk) {
+    store.allocate();
+    parallel_for(store.size(), [&](std::int64_t blk) {
+      if (!store.has(blk)) return;
       const std::int64_t pair = blk / Tk, j = blk % Tk;
-      if (!store.needed(pair, j)) return;
       const std::int64_t b = (pair0 + pair) / p.Hkv, hk = (pair0 + pair) % p.Hkv;
       std::vector<float> row(static_cast<std::size_t>(p.D));
       attn::load_contiguous_block(a.k, a.v, b, j * kBlockK, std::min(kBlockK, p.Lk - j * kBlockK), hk,
-                                  store.kt(pair, j), store.v(pair, j), row.data());
+                                  store.kt(blk), store.v(blk), row.data());
     });
 
     parallel_for(items, [&](std::int64_t item) {
@@ -171,7 +181,8 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
         if (start > hi) return;  // entirely in the future of every row
         const std::int64_t count = std::min(kBlockK, p.Lk - start);
         const bool straddles = start + count - 1 > lo;  // only these pay for the causal prefix
-        const attn::KVView kv{store.kt(pair, j), store.v(pair, j), count, start};
+        const std::int64_t blk = store.flat(pair, j);
+        const attn::KVView kv{store.kt(blk), store.v(blk), count, start};
         for (RowTile& tile : tiles) attn::block_step(tile, kv, a.scale, straddles);
       });
 
