@@ -161,7 +161,8 @@ struct RowTile {
     visible.assign(c, 0);
   }
 
-  /// Starts a fresh softmax over `r` rows (their q rows and limits are filled by the caller).
+  /// Starts a fresh softmax over `r` <= capacity rows (their q rows and limits are filled by the
+  /// caller).
   void reset(std::int64_t r) {
     rows = r;
     std::fill(o.begin(), o.begin() + r * DP, 0.0f);
@@ -171,9 +172,6 @@ struct RowTile {
 
   float* q_row(std::int64_t r) { return q.data() + r * D; }
   const float* o_row(std::int64_t r) const { return o.data() + r * DP; }
-  /// Smallest and largest causal limit (rows are not required to be sorted).
-  std::int64_t min_limit() const { return *std::min_element(limit.begin(), limit.begin() + rows); }
-  std::int64_t max_limit() const { return *std::max_element(limit.begin(), limit.begin() + rows); }
 };
 
 // S[r][0:nc) = Q[r] . K[:, 0:nc) for RB rows starting at q (row stride D). nc is a multiple of
