@@ -414,14 +414,15 @@ def lightning_select(qI, w, kI, *, top_k=2048, causal=True, precision="fp8_e4m3"
 
 # ---- Hugging Face transformers -------------------------------------------------------------------
 
-def _padding_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None,
-                  **kwargs):
+def _padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
     """AttentionMaskInterface entry: the kernels apply the causal rule themselves, so no 4-d mask is
     built; a 2-d padding mask is passed on only when it pads something (the attention function
-    then refuses it rather than attending to padding)."""
+    then refuses it rather than attending to padding). Keyword-only on purpose: the arguments
+    transformers passes differ between releases (cache_position, q_length, q_offset, ...)."""
     if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:]
+    if kv_length is not None:
+        attention_mask = attention_mask[:, -kv_length:]
     return None if bool(attention_mask.all()) else attention_mask
 
 
