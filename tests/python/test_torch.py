@@ -177,6 +177,25 @@ def test_hf_attention_function_layout():
         fn(Module(), query, key, value, torch.ones(2, 1, 20, 20, dtype=torch.bool))
 
 
+def test_hf_attention_pooled_mode_runs_tile_sparse_on_the_pooled_selection():
+    fn = sat.make_hf_attention(mode="pooled", top_k=2)
+
+    class Module:
+        is_causal = True
+
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 4, 600, 16, generator=g)
+    key, value = torch.randn(1, 2, 600, 16, generator=g), torch.randn(1, 2, 600, 16, generator=g)
+    out, _ = fn(Module(), query, key, value, None, scaling=0.25)
+    q, k, v = (_np(t.transpose(1, 2)) for t in (query, key, value))
+    idx, cnt = sa.pooled_select(q, k, top_k=2, force_local=True, force_block0=True, causal=True)
+    mask = ref.mask_from_tile_lists(idx, cnt, 600, 600, 4)
+    _check(out, ref.attention(q, k, v, mask, softmax_scale=0.25, causal=True)[0], torch.float32)
+    assert ref.rel_err(_np(out), ref.attention(q, k, v, softmax_scale=0.25, causal=True)[0]) > 1e-3  # sparse
+    with pytest.raises(ValueError, match="mode"):
+        sat.make_hf_attention(mode="flex")
+
+
 def test_hf_registration_and_tiny_llama_matches_eager():
     transformers = pytest.importorskip("transformers")
     assert sat.register_hf_attention("sparse_attn")
