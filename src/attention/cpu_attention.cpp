@@ -40,14 +40,19 @@ struct TileListSource {
     const std::int64_t kmax = idx.shape[3];
     const auto c = *reinterpret_cast<const std::int32_t*>(
         static_cast<const char*>(cnt.data) + 4 * (b * cnt.stride[0] + g * cnt.stride[1] + t * cnt.stride[2]));
-    require(c >= 0 && c <= kmax, "tile_sparse", "tiles.cnt",
-            "count " + std::to_string(c) + " at " + coord_string({b, g, t}) + " is outside [0, " + std::to_string(kmax) + "]");
+    // Checks on ids are written as if + throw, not require(): require's message would be built
+    // for every id read.
+    if (c < 0 || c > kmax)
+      throw Error("tile_sparse", "tiles.cnt",
+                  "count " + std::to_string(c) + " at " + coord_string({b, g, t}) + " is outside [0, " +
+                      std::to_string(kmax) + "]");
     const auto* row = reinterpret_cast<const std::int32_t*>(addr4(idx, b, g, t, 0));
     for (std::int64_t s = 0; s < c; ++s) {
       const std::int64_t j = row[s * idx.stride[3]];
-      require(j >= 0 && j < Tk, "tile_sparse", "tiles.idx",
-              "block id " + std::to_string(j) + " at " + coord_string({b, g, t, s}) + " is out of range [0, " +
-                  std::to_string(Tk) + ")");
+      if (j < 0 || j >= Tk)
+        throw Error("tile_sparse", "tiles.idx",
+                    "block id " + std::to_string(j) + " at " + coord_string({b, g, t, s}) + " is out of range [0, " +
+                        std::to_string(Tk) + ")");
       f(j);
     }
   }
@@ -66,46 +71,19 @@ struct BlockBitsSource {
       while (word) {
         const std::int64_t j = w * 32 + std::countr_zero(word);
         word &= word - 1;
-        require(j < Tk, "bits_sparse", "bits.bits",
-                "bit for block " + std::to_string(j) + " at " + coord_string({b, g, t, w}) + " is past Tk = " +
-                    std::to_string(Tk));
+        if (j >= Tk)
+          throw Error("bits_sparse", "bits.bits",
+                      "bit for block " + std::to_string(j) + " at " + coord_string({b, g, t, w}) + " is past Tk = " +
+                          std::to_string(Tk));
         f(j);
       }
     }
   }
 };
 
-// K and V as float, converted once per (batch, KV head) for the blocks some tile will visit, and
-// then shared read-only by every work item: converting per item would repeat the work Tq times.
-// Only visited blocks get storage, so a sparse selection costs memory in proportion to what it
-// touches. Chunks of (batch, KV head) pairs keep even a dense store within kStoreBudget.
+// K and V are converted once per pass into a BlockStore; a pass covers as many (batch, KV head)
+// pairs as a dense store of this size holds (at least one).
 inline constexpr std::int64_t kStoreBudget = std::int64_t(256) << 20;  // bytes
-
-class BlockStore {
- public:
-  BlockStore(std::int64_t pairs, std::int64_t Tk, std::int64_t D)
-      : Tk_(Tk), D_(D), stride_(attn::kt_floats(D) + attn::v_floats(D)),
-        slot_(static_cast<std::size_t>(pairs * Tk), -1) {}
-
-  void mark(std::int64_t pair, std::int64_t j) { slot_[static_cast<std::size_t>(pair * Tk_ + j)] = 0; }
-  /// Numbers the marked blocks and gives them storage (zeroed: the padding of V rows must be finite).
-  void allocate() {
-    std::int64_t n = 0;
-    for (auto& s : slot_)
-      if (s >= 0) s = n++;
-    data_.assign(static_cast<std::size_t>(n * stride_), 0.0f);
-  }
-  std::int64_t size() const { return static_cast<std::int64_t>(slot_.size()); }
-  bool has(std::int64_t flat) const { return slot_[static_cast<std::size_t>(flat)] >= 0; }
-  float* kt(std::int64_t flat) { return data_.data() + slot_[static_cast<std::size_t>(flat)] * stride_; }
-  float* v(std::int64_t flat) { return kt(flat) + attn::kt_floats(D_); }
-  std::int64_t flat(std::int64_t pair, std::int64_t j) const { return pair * Tk_ + j; }
-
- private:
-  std::int64_t Tk_, D_, stride_;
-  std::vector<std::int64_t> slot_;  // per (pair, block): storage slot, or -1 when not visited
-  std::vector<float> data_;
-};
 
 template <class Source>
 void run_q_centric(const AttentionArgs& a, const Source& src) {
@@ -127,7 +105,7 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
 
   for (std::int64_t pair0 = 0; pair0 < pairs_total; pair0 += pairs_per_chunk) {
     const std::int64_t pairs = std::min(pairs_per_chunk, pairs_total - pair0);
-    BlockStore store(pairs, Tk, p.D);
+    attn::BlockStore store(pair0, pairs, p.Lk, p.D);
     // Items of this chunk: (pair, selection group within the KV head, Q tile).
     const std::int64_t items = pairs * sel_per_kv * Tq;
     auto decode = [&](std::int64_t item, std::int64_t& pair, std::int64_t& b, std::int64_t& g, std::int64_t& t) {
@@ -147,15 +125,7 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
         if (j * kBlockK <= hi) store.mark(pair, j);
       });
     }
-    store.allocate();
-    parallel_for(store.size(), [&](std::int64_t blk) {
-      if (!store.has(blk)) return;
-      const std::int64_t pair = blk / Tk, j = blk % Tk;
-      const std::int64_t b = (pair0 + pair) / p.Hkv, hk = (pair0 + pair) % p.Hkv;
-      std::vector<float> row(static_cast<std::size_t>(p.D));
-      attn::load_contiguous_block(a.k, a.v, b, j * kBlockK, std::min(kBlockK, p.Lk - j * kBlockK), hk,
-                                  store.kt(blk), store.v(blk), row.data());
-    });
+    store.fill(a.k, a.v);
 
     parallel_for(items, [&](std::int64_t item) {
       std::int64_t pair, b, g, t;
@@ -179,10 +149,8 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
       src.for_each(b, g, t, [&](std::int64_t j) {
         const std::int64_t start = j * kBlockK;
         if (start > hi) return;  // entirely in the future of every row
-        const std::int64_t count = std::min(kBlockK, p.Lk - start);
-        const bool straddles = start + count - 1 > lo;  // only these pay for the causal prefix
-        const std::int64_t blk = store.flat(pair, j);
-        const attn::KVView kv{store.kt(blk), store.v(blk), count, start};
+        const attn::KVView kv = store.view(pair, j);
+        const bool straddles = start + kv.n - 1 > lo;  // only these pay for the causal prefix
         for (RowTile& tile : tiles) attn::block_step(tile, kv, a.scale, straddles);
       });
 

@@ -2,7 +2,8 @@
 // query_sparse, token_sparse).
 //
 // The unit of work is a RowTile (up to a few hundred query rows that share a head dim, each with its
-// own causal limit) meeting one KVBlock (up to kBlockK keys converted to float once). `block_step`
+// own causal limit) meeting one KVView (up to kBlockK keys converted to float once, held by a
+// BlockStore for contiguous blocks or a KVBlock for gathered keys). `block_step`
 // runs S = Q K^T, the online-softmax update and O += P V for that pair; `finalize_row` turns the
 // running state into an output row and its LSE. The drivers only decide which rows go together and
 // which blocks they meet, in what order:
@@ -95,51 +96,110 @@ struct KVView {
 inline std::int64_t kt_floats(std::int64_t D) { return D * kBlockK; }
 inline std::int64_t v_floats(std::int64_t D) { return kBlockK * padded_dim(D); }
 
-/// Writes key/value row `pos` of head hk of batch b as column `j` of kt and row `j` of v.
-/// `row` is D floats of scratch.
-inline void load_key(const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t pos, std::int64_t hk,
-                     std::int64_t j, float* kt, float* vp, float* row) {
-  const std::int64_t D = k.shape[3];
-  load_bhld(k, b, pos, hk, row);
-  for (std::int64_t d = 0; d < D; ++d) kt[d * kBlockK + j] = row[d];
-  load_bhld(v, b, pos, hk, vp + j * padded_dim(D));
+/// kt[d][j] = rows[j][d] for j < n (rows is [n][D], row-major). Blocked so that both sides touch
+/// few cache lines at a time: writing one key straight into its column touches D lines per key.
+inline void transpose_keys(const float* rows, std::int64_t n, std::int64_t D, float* kt) {
+  constexpr std::int64_t kT = 16;
+  for (std::int64_t j0 = 0; j0 < n; j0 += kT) {
+    const std::int64_t j1 = std::min(n, j0 + kT);
+    for (std::int64_t d0 = 0; d0 < D; d0 += kT) {
+      const std::int64_t d1 = std::min(D, d0 + kT);
+      for (std::int64_t d = d0; d < d1; ++d)
+        for (std::int64_t j = j0; j < j1; ++j) kt[d * kBlockK + j] = rows[j * D + d];
+    }
+  }
 }
 
-/// Keys [start, start + count) of head hk into kt / v (the padding of v rows stays as it was: zero
-/// when the buffer was zero-initialised).
+/// Keys [start, start + count) of head hk into kt / v, through `rows` ([kBlockK][D] scratch). The
+/// padding of v rows is left as it was: zero when the buffer was zero-initialised.
 inline void load_contiguous_block(const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t start,
-                                  std::int64_t count, std::int64_t hk, float* kt, float* vp, float* row) {
-  for (std::int64_t j = 0; j < count; ++j) load_key(k, v, b, start + j, hk, j, kt, vp, row);
+                                  std::int64_t count, std::int64_t hk, float* kt, float* vp, float* rows) {
+  const std::int64_t D = k.shape[3], DP = padded_dim(D);
+  for (std::int64_t j = 0; j < count; ++j) {
+    load_bhld(k, b, start + j, hk, rows + j * D);
+    load_bhld(v, b, start + j, hk, vp + j * DP);
+  }
+  transpose_keys(rows, count, D, kt);
 }
 
-/// An owned KVView, for blocks that are gathered or loaded by one work item.
+/// An owned block of gathered keys (token_sparse): keys are appended as rows and transposed once,
+/// by view().
 struct KVBlock {
   std::int64_t D = 0;
   std::int64_t n = 0, start = 0;
-  std::vector<float> kt, v, row;
+  bool pending = false;  // rows appended since the last transpose
+  std::vector<float> kt, v, rows;
 
   explicit KVBlock(std::int64_t d) : D(d) {
     kt.assign(static_cast<std::size_t>(kt_floats(D)), 0.0f);
     v.assign(static_cast<std::size_t>(v_floats(D)), 0.0f);
-    row.assign(static_cast<std::size_t>(D), 0.0f);
+    rows.assign(static_cast<std::size_t>(kBlockK * D), 0.0f);
   }
 
   void begin(std::int64_t key_start) {
     start = key_start;
     n = 0;
+    pending = false;
   }
-  /// Appends key/value row `pos` of head hk of batch b.
+  /// Appends key/value row `pos` of head hk of batch b (at most kBlockK per block).
   void push(const TensorView& k, const TensorView& v_in, std::int64_t b, std::int64_t pos, std::int64_t hk) {
-    load_key(k, v_in, b, pos, hk, n, kt.data(), v.data(), row.data());
+    load_bhld(k, b, pos, hk, rows.data() + n * D);
+    load_bhld(v_in, b, pos, hk, v.data() + n * padded_dim(D));
     ++n;
+    pending = true;
   }
-  void load_contiguous(const TensorView& k, const TensorView& v_in, std::int64_t b, std::int64_t key_start,
-                       std::int64_t count, std::int64_t hk) {
-    begin(key_start);
-    load_contiguous_block(k, v_in, b, key_start, count, hk, kt.data(), v.data(), row.data());
-    n = count;
+  /// The block as the mainloop reads it (transposes the appended keys first).
+  KVView view() {
+    if (pending) transpose_keys(rows.data(), n, D, kt.data());
+    pending = false;
+    return KVView{kt.data(), v.data(), n, start};
   }
-  KVView view() const { return KVView{kt.data(), v.data(), n, start}; }
+};
+
+/// K and V as float for the blocks a pass will visit, converted once and then shared read-only by
+/// every work item of the pass (converting per item would repeat the work for every Q tile, or
+/// every split of a popular block). Covers `pairs` consecutive (batch, KV head) pairs starting at
+/// `pair0` (pair = b * Hkv + hk). Only marked blocks get storage, so a sparse selection costs
+/// memory in proportion to what it touches.
+class BlockStore {
+ public:
+  BlockStore(std::int64_t pair0, std::int64_t pairs, std::int64_t Lk, std::int64_t D)
+      : pair0_(pair0), Lk_(Lk), Tk_(ceil_div(Lk, kBlockK)), D_(D), stride_(kt_floats(D) + v_floats(D)),
+        slot_(static_cast<std::size_t>(pairs * Tk_), -1) {}
+
+  /// Block j of the store's pair `pair` (0-based within the store) will be visited.
+  void mark(std::int64_t pair, std::int64_t j) { slot_[static_cast<std::size_t>(pair * Tk_ + j)] = 0; }
+
+  /// Gives every marked block storage (zeroed: the padding of V rows must be finite) and converts
+  /// it from k and v, in parallel.
+  void fill(const TensorView& k, const TensorView& v) {
+    std::int64_t n = 0;
+    for (auto& s : slot_)
+      if (s >= 0) s = n++;
+    data_.assign(static_cast<std::size_t>(n * stride_), 0.0f);
+    const std::int64_t Hkv = k.shape[2];
+    parallel_for(static_cast<std::int64_t>(slot_.size()), [&](std::int64_t flat) {
+      if (slot_[static_cast<std::size_t>(flat)] < 0) return;
+      const std::int64_t pair = pair0_ + flat / Tk_, j = flat % Tk_;
+      std::vector<float> rows(static_cast<std::size_t>(kBlockK * D_));
+      load_contiguous_block(k, v, pair / Hkv, j * kBlockK, std::min(kBlockK, Lk_ - j * kBlockK), pair % Hkv,
+                            kt(flat), this->v(flat), rows.data());
+    });
+  }
+
+  /// Block j of pair `pair`, which must have been marked before fill().
+  KVView view(std::int64_t pair, std::int64_t j) {
+    const std::int64_t flat = pair * Tk_ + j;
+    return KVView{kt(flat), v(flat), std::min(kBlockK, Lk_ - j * kBlockK), j * kBlockK};
+  }
+
+ private:
+  float* kt(std::int64_t flat) { return data_.data() + slot_[static_cast<std::size_t>(flat)] * stride_; }
+  float* v(std::int64_t flat) { return kt(flat) + kt_floats(D_); }
+
+  std::int64_t pair0_, Lk_, Tk_, D_, stride_;
+  std::vector<std::int64_t> slot_;  // per (pair, block): storage slot, or -1 when not visited
+  std::vector<float> data_;
 };
 
 /// Running state of a set of query rows: Q as float [R][D] (scale not applied), O [R][DP], the

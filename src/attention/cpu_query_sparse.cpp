@@ -1,8 +1,9 @@
 // KV-centric query_sparse on the CPU, in the three phases of the GPU design (DESIGN §5.3), so that
 // the decomposition itself is exercised and tested:
 //   1. reverse index: for each KV block, the CSR list of (query, slot) pairs that chose it;
-//   2. attention: each work item loads one KV block once and runs it against the gathered queries,
-//      every head of the group, writing a partial output and partial LSE per (query, head, slot);
+//   2. attention: each chosen KV block is converted to float once, and each work item runs one
+//      block against the gathered queries that chose it, every head of the group, writing a partial
+//      output and partial LSE per (query, head, slot);
 //   3. combine: per (query, head), LSE-weighted sum of the partials in slot order (deterministic).
 //
 // Partials for a whole problem can be far larger than q itself (Lq * Hq * Kq * D), so the queries of
@@ -22,7 +23,6 @@
 namespace sparse_attn::detail::cpu {
 namespace {
 
-using attn::KVBlock;
 using attn::RowTile;
 
 // Rows (query x head pairs) per attention work item: a popular block is split into several items
@@ -112,9 +112,10 @@ ReverseIndex build_reverse_index(const AttentionArgs& a, const QueryLists& lists
       for (std::int64_t s = 0; s < Kq; ++s) {
         const std::int64_t j = row[s * idx.stride[3]];
         if (j == -1) continue;
-        require(j >= 0 && j < Tk, "query_sparse", "lists.idx",
-                "block id " + std::to_string(j) + " at " + coord_string({b, g, i, s}) + " is out of range [0, " +
-                    std::to_string(Tk) + ") (-1 marks an empty slot)");
+        if (j < 0 || j >= Tk)  // not require(): its message would be built for every entry
+          throw Error("query_sparse", "lists.idx",
+                      "block id " + std::to_string(j) + " at " + coord_string({b, g, i, s}) +
+                          " is out of range [0, " + std::to_string(Tk) + ") (-1 marks an empty slot)");
         if (j * kBlockK > limit) continue;  // entirely in the query's future: the partial stays empty
         if (pass == 0) {
           ++ri.offsets[static_cast<std::size_t>(j + 1)];
@@ -156,18 +157,18 @@ void query_sparse(const AttentionArgs& a, const QueryLists& lists, PartialPrecis
           // ---- 1. reverse index
           const ReverseIndex ri = build_reverse_index(a, lists, b, g, i0, nq);
           std::vector<WorkItem> work;
+          attn::BlockStore store(b * p.Hkv + g, 1, p.Lk, p.D);
           for (std::int64_t j = 0; j < Tk; ++j) {
             const std::int64_t e0 = ri.offsets[static_cast<std::size_t>(j)], e1 = ri.offsets[static_cast<std::size_t>(j + 1)];
+            if (e1 > e0) store.mark(0, j);
             for (std::int64_t e = e0; e < e1; e += entries_per_item) work.push_back({j, e, std::min(e1, e + entries_per_item)});
           }
+          store.fill(a.k, a.v);  // each chosen block converted once, whatever number of items it splits into
 
           // ---- 2. attention: one KV block, its gathered (query, head) rows, a fresh softmax each
           parallel_for(static_cast<std::int64_t>(work.size()), [&](std::int64_t w) {
             const WorkItem& item = work[static_cast<std::size_t>(w)];
-            const std::int64_t start = item.block * kBlockK;
-            const std::int64_t count = std::min(kBlockK, p.Lk - start);
-            KVBlock kv(p.D);
-            kv.load_contiguous(a.k, a.v, b, start, count, g);
+            const attn::KVView kv = store.view(0, item.block);
             const std::int64_t n_entries = item.end - item.begin;
             RowTile tile(p.D, n_entries * group);
             tile.reset(n_entries * group);
@@ -176,14 +177,14 @@ void query_sparse(const AttentionArgs& a, const QueryLists& lists, PartialPrecis
               const Entry& en = ri.entries[static_cast<std::size_t>(item.begin + e)];
               const std::int64_t i = i0 + en.query;
               const std::int64_t limit = p.causal ? i + p.offset() : p.Lk - 1;
-              straddles = straddles || start + count - 1 > limit;
+              straddles = straddles || kv.start + kv.n - 1 > limit;
               for (std::int64_t hh = 0; hh < group; ++hh) {
                 const std::int64_t r = e * group + hh;
                 load_bhld(a.q, b, i, g * group + hh, tile.q_row(r));
                 tile.limit[static_cast<std::size_t>(r)] = limit;
               }
             }
-            attn::block_step(tile, kv.view(), a.scale, straddles);
+            attn::block_step(tile, kv, a.scale, straddles);
             std::vector<float> row(static_cast<std::size_t>(p.D));
             for (std::int64_t e = 0; e < n_entries; ++e) {
               const Entry& en = ri.entries[static_cast<std::size_t>(item.begin + e)];

@@ -42,9 +42,10 @@ void token_sparse(const AttentionArgs& a, const TokenLists& tokens) {
       for (std::int64_t s = 0; s < Kt; ++s) {
         const std::int64_t pos = list[s * idx.stride[3]];
         if (pos == -1) continue;
-        require(pos >= 0 && pos < p.Lk, "token_sparse", "tokens.idx",
-                "key position " + std::to_string(pos) + " at " + coord_string({b, g, i, s}) + " is out of range [0, " +
-                    std::to_string(p.Lk) + ") (-1 marks an empty slot)");
+        if (pos < 0 || pos >= p.Lk)  // not require(): its message would be built for every key
+          throw Error("token_sparse", "tokens.idx",
+                      "key position " + std::to_string(pos) + " at " + coord_string({b, g, i, s}) +
+                          " is out of range [0, " + std::to_string(p.Lk) + ") (-1 marks an empty slot)");
         if (pos > limit) continue;
         kv.push(a.k, a.v, b, pos, g);
         if (kv.n == kBlockK) {
