@@ -1,12 +1,14 @@
-// A C entry point over sparse_attn::dense / tile_sparse for the Python benchmark (ctypes): torch
-// allocates the tensors and passes data pointers, shapes and the current stream. Contiguous
-// [B, L, H, D] tensors; idx == nullptr means dense.
+// A C entry point over the CUDA backend's dense / tile_sparse for the Python benchmark (ctypes):
+// torch allocates the tensors and passes data pointers, shapes and the current stream. Contiguous
+// [B, L, H, D] tensors; idx == nullptr means dense. The shapes come from the caller, who built the
+// tensors from them, so the backend is called directly.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <optional>
 
+#include "cuda/backend.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
@@ -27,13 +29,15 @@ extern "C" int sa_bench_attention(int dtype_code, void* q, void* k, void* v, voi
     opt.causal = causal != 0;
     opt.trusted = trusted != 0;
     opt.stream = stream;
+    sa::ProblemShape p;
+    p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = opt.causal;
     if (idx == nullptr) {
-      sa::dense(qv, kv, vv, ov, lv, opt);
+      sa::cuda_backend::dense(p, qv, kv, vv, ov, lv, opt);
     } else {
       const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
       const sa::TileLists tiles{sa::TensorView::contiguous(idx, sa::DType::i32, {B, G, Tq, Kmax}, sa::Device::cuda),
                                 sa::TensorView::contiguous(cnt, sa::DType::i32, {B, G, Tq}, sa::Device::cuda)};
-      sa::tile_sparse(qv, kv, vv, tiles, ov, lv, opt);
+      sa::cuda_backend::tile_sparse(p, qv, kv, vv, tiles, ov, lv, opt);
     }
     return 0;
   } catch (const std::exception& e) {

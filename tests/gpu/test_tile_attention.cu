@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -66,19 +67,25 @@ struct Case {
 
 constexpr std::int64_t kD = 128;
 
-// The backend entry points, behind the same argument checks the public operators run. The public
-// dispatch itself is covered by PublicOperatorsDispatchToCuda.
+// The backend entry points, called with the problem shape taken from the views. (The public
+// operators derive it through check_attention_args first; PublicOperatorsDispatchToCuda covers that
+// path, so a fault there does not mask the kernel results here.)
+sa::ProblemShape shape_of(const sa::TensorView& q, const sa::TensorView& k, const sa::AttentionOptions& opt) {
+  sa::ProblemShape p;
+  p.B = q.shape[0], p.Lq = q.shape[1], p.Hq = q.shape[2], p.D = q.shape[3];
+  p.Lk = k.shape[1], p.Hkv = k.shape[2], p.causal = opt.causal;
+  return p;
+}
+
 void gpu_dense(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v, const sa::TensorView& out,
                const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {}) {
-  const sa::ProblemShape p = sa::check_attention_args("dense", q, k, v, out, lse, opt);
-  sa::cuda_backend::dense(p, q, k, v, out, lse, opt);
+  sa::cuda_backend::dense(shape_of(q, k, opt), q, k, v, out, lse, opt);
 }
 
 void gpu_tile_sparse(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v,
                      const sa::TileLists& tiles, const sa::TensorView& out,
                      const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {}) {
-  const sa::ProblemShape p = sa::check_attention_args("tile_sparse", q, k, v, out, lse, opt);
-  sa::cuda_backend::tile_sparse(p, q, k, v, tiles, out, lse, opt);
+  sa::cuda_backend::tile_sparse(shape_of(q, k, opt), q, k, v, tiles, out, lse, opt);
 }
 
 // Random ascending distinct lists; every batch gets different lists and tile 1 (when present) of
@@ -268,13 +275,21 @@ TEST(TileAttentionGpu, AllBlocksEqualsDenseAndIsDeterministic) {
   gpu_dense(dq.view, dk.view, dv.view, da.view, std::nullopt, opt);
   gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, db.view, std::nullopt, opt);
   gpu_dense(dq.view, dk.view, dv.view, dc.view, std::nullopt, opt);
+  // The same arithmetic with the consumer warpgroups issuing freely (pingpong off) must agree too.
+  sa::HostTensor out_d(out_a);
+  DeviceTensor dd(out_a);
+  setenv("SPARSE_ATTN_HOPPER_PINGPONG", "0", 1);
+  gpu_dense(dq.view, dk.view, dv.view, dd.view, std::nullopt, opt);
+  unsetenv("SPARSE_ATTN_HOPPER_PINGPONG");
   cuda_ok(cudaDeviceSynchronize(), "kernel");
+  dd.download(out_d);
   da.download(out_a);
   db.download(out_b);
   dc.download(out_c);
   ASSERT_TRUE(st::all_finite(out_a));
   EXPECT_EQ(0, std::memcmp(out_a.view().data, out_b.view().data, da.bytes)) << "dense and all-blocks tile_sparse differ";
   EXPECT_EQ(0, std::memcmp(out_a.view().data, out_c.view().data, da.bytes)) << "two dense runs differ";
+  EXPECT_EQ(0, std::memcmp(out_a.view().data, out_d.view().data, da.bytes)) << "pingpong on and off differ";
 }
 
 // Bad lists are rejected on the device with the first offending coordinate; nothing is launched.

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   }
   __syncthreads();
 
-  const StaticPersistentScheduler sched{p.num_items, p.B, p.Hkv, p.group_size, p.Tq, p.causal};
+  const StaticPersistentScheduler sched{p.num_units, p.B, p.Hkv, p.group_size, p.Tq, p.causal};
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     if (thread == 0) producer_loop<typename Tag::Elem, kStages>(p, sched, sm, &tm_q, &tm_k, &tm_v);
@@ -87,7 +87,7 @@ cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMa
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
-  const int grid = p.num_items < num_sms ? p.num_items : num_sms;
+  const int grid = p.num_units < num_sms ? p.num_units : num_sms;
   kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v);
   return cudaGetLastError();
 }

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -146,7 +147,10 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
     p.lse = static_cast<float*>(lse->data);
     for (int i = 0; i < 3; ++i) p.lse_stride[i] = lse->stride[i];
   }
-  p.num_items = static_cast<int>(s.B * s.Tq() * s.Hq);
+  p.num_units = static_cast<int>(s.B * s.Hq * (s.causal ? (s.Tq() + 1) / 2 : s.Tq()));
+  // Benchmark knob: SPARSE_ATTN_HOPPER_PINGPONG=0 lets both consumer warpgroups issue freely.
+  const char* pp = std::getenv("SPARSE_ATTN_HOPPER_PINGPONG");
+  p.pingpong = !(pp != nullptr && pp[0] == '0');
 
   if (tiles == nullptr) {
     p.dense = true;

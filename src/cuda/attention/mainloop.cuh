@@ -46,8 +46,8 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
   PipelineState<kStages> kv;
   std::uint32_t q_count = 0;
-  for (int item = sched.first(); sched.valid(item); item = sched.next(item)) {
-    const WorkItem w = sched.decode(item);
+  for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
+    const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
     sm.q_empty.wait((q_count & 1u) ^ 1u);
     sm.q_full.arrive_expect_tx(kTileBytes);
@@ -135,6 +135,36 @@ __device__ __forceinline__ void scores_to_p_keep(const TileAttentionParams& p, f
   softmax.update(acc_s, p.scale_log2, factor);
 }
 
+// Pingpong (FA3): the two consumer warpgroups take turns issuing their wgmmas, so the tensor cores run
+// one warpgroup's GEMMs while the other does its softmax, instead of both contending at once and both
+// idling the tensor cores during their softmax. Warpgroup c waits on its own barrier (its 128 threads
+// plus the other warpgroup's 128 arrivals) and, once its wgmmas are issued, arrives on the other's.
+struct MmaTurns {
+  bool enabled;
+  int consumer;
+  __device__ __forceinline__ NamedBarrier mine() const {
+    return consumer == 0 ? NamedBarrier::kMmaTurnWG0 : NamedBarrier::kMmaTurnWG1;
+  }
+  __device__ __forceinline__ NamedBarrier other() const {
+    return consumer == 0 ? NamedBarrier::kMmaTurnWG1 : NamedBarrier::kMmaTurnWG0;
+  }
+  /// Warpgroup 0 takes the first turn: its own arrival stands in for the other's.
+  __device__ __forceinline__ void init() const {
+    if (enabled && consumer == 0) named_barrier_arrive(mine(), kConsumerThreads);
+  }
+  __device__ __forceinline__ void begin() const {
+    if (enabled) named_barrier_sync(mine(), kConsumerThreads);
+  }
+  __device__ __forceinline__ void end() const {
+    if (enabled) named_barrier_arrive(other(), kConsumerThreads);
+  }
+  /// Both warpgroups take the same number of turns; warpgroup 0 consumes the last arrival of
+  /// warpgroup 1 so the barriers end balanced.
+  __device__ __forceinline__ void finish() const {
+    if (enabled && consumer == 0) named_barrier_sync(mine(), kConsumerThreads);
+  }
+};
+
 // Intra-warpgroup overlap (FA3): while the tensor cores run O += P_i V_i, the warpgroup already has
 // S_{i+1} = Q K_{i+1} in flight and does the softmax of block i + 1 as soon as that lands; the O
 // rescale waits until PV has retired. A slot is released after its PV, so the producer runs up to
@@ -150,8 +180,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   float acc_s[64];
   float acc_o[64];
   std::uint32_t pa[8][4];
-  for (int item = sched.first(); sched.valid(item); item = sched.next(item)) {
-    const WorkItem w = sched.decode(item);
+  const MmaTurns turns{p.pingpong, consumer};
+  turns.init();
+  for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
+    const WorkItem w = sched.decode(cur);
     const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
     const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
     OnlineSoftmax softmax;
@@ -166,8 +198,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       float factor[2];
       int stage = kv.stage();
       sm.k_full[stage].wait(kv.phase());
+      turns.begin();
       wgmma_fence();
       issue_qk<Tag>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[stage][0][0][0])));
+      turns.end();
       wgmma_wait<0>();
       fence_operands(acc_s);
       scores_to_p<Tag>(p, acc_s, softmax, factor, pa, j, first_row, thread);  // o is 0: no rescale needed
@@ -178,10 +212,12 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         kv.advance();
         const int next_stage = kv.stage();
         sm.k_full[next_stage].wait(kv.phase());
+        sm.v_full[stage].wait(phase);
+        turns.begin();
         wgmma_fence();
         issue_qk<Tag>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[next_stage][0][0][0])));
-        sm.v_full[stage].wait(phase);
         issue_pv<Tag>(acc_o, pa, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[stage][0][0][0])));
+        turns.end();
         wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
         fence_operands(acc_s);
         scores_to_p_keep<Tag>(p, acc_s, softmax, factor, j_next, first_row, thread);
@@ -197,8 +233,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         stage = next_stage;
       }
       sm.v_full[stage].wait(kv.phase());
+      turns.begin();
       wgmma_fence();
       issue_pv<Tag>(acc_o, pa, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[stage][0][0][0])));
+      turns.end();
       wgmma_wait<0>();
       fence_operands(acc_o);
       keep_live(pa);
@@ -210,6 +248,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     softmax.finish();
     store_output<Tag>(p, acc_o, softmax, thread, w.b, w.head, first_row);
   }
+  turns.finish();
 }
 
 }  // namespace sparse_attn::cuda_kernels

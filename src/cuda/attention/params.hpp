@@ -28,7 +28,8 @@ struct TileAttentionParams {
   float* lse = nullptr;
   std::int64_t lse_stride[3] = {0, 0, 0};
 
-  int num_items = 0;  // B * Tq * Hq
+  int num_units = 0;  // scheduling units: B * Hq * Tq, or B * Hq * ceil(Tq / 2) tile pairs when causal
+  bool pingpong = true;  // consumer warpgroups take turns issuing their wgmmas (see mainloop.cuh)
 };
 
 }  // namespace sparse_attn::cuda_kernels

@@ -13,10 +13,9 @@ namespace ptx = ::cuda::ptx;
 /// Named barrier ids. Id 0 is __syncthreads; every subset barrier of the library is listed here so two
 /// roles never share an id by accident.
 enum class NamedBarrier : std::uint32_t {
-  kSync = 0,         // whole CTA (__syncthreads)
-  kConsumerWG0 = 1,  // the 128 threads of consumer warpgroup 0
-  kConsumerWG1 = 2,  // the 128 threads of consumer warpgroup 1
-  kConsumers = 3,    // both consumer warpgroups (256 threads)
+  kSync = 0,        // whole CTA (__syncthreads)
+  kMmaTurnWG0 = 1,  // consumer warpgroup 0 may issue its wgmmas (pingpong)
+  kMmaTurnWG1 = 2,  // consumer warpgroup 1 may issue its wgmmas
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {
