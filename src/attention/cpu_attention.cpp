@@ -81,10 +81,6 @@ struct BlockBitsSource {
   }
 };
 
-// K and V are converted once per pass into a BlockStore; a pass covers as many (batch, KV head)
-// pairs as a dense store of this size holds (at least one).
-inline constexpr std::int64_t kStoreBudget = std::int64_t(256) << 20;  // bytes
-
 template <class Source>
 void run_q_centric(const AttentionArgs& a, const Source& src) {
   const ProblemShape& p = a.p;
@@ -95,7 +91,9 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
   const std::int64_t Tq = p.Tq(), Tk = p.Tk();
   const std::int64_t pair_bytes = Tk * (attn::kt_floats(p.D) + attn::v_floats(p.D)) * std::int64_t(sizeof(float));
   const std::int64_t pairs_total = p.B * p.Hkv;
-  const std::int64_t pairs_per_chunk = std::clamp<std::int64_t>(kStoreBudget / pair_bytes, 1, pairs_total);
+  // K and V are converted once per pass into a BlockStore; a pass covers as many (batch, KV head)
+  // pairs as a dense store within the budget holds.
+  const std::int64_t pairs_per_chunk = std::clamp<std::int64_t>(a.kv_store_budget / pair_bytes, 1, pairs_total);
 
   // The causal key range of Q tile t: its first row sees up to lo, its last up to hi (inclusive).
   auto tile_limits = [&](std::int64_t t) {

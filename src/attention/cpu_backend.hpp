@@ -13,11 +13,17 @@
 
 namespace sparse_attn::detail::cpu {
 
+/// Bytes of float K/V that the Q-centric executors convert and hold at once: (batch, KV head) pairs
+/// are processed in passes that fit (at least one pair per pass). Tests pass a small value to
+/// exercise the passes.
+inline constexpr std::int64_t kKVStoreBudget = std::int64_t(256) << 20;
+
 struct AttentionArgs {
   TensorView q, k, v, out;
   std::optional<TensorView> lse;
   ProblemShape p;
   float scale = 1.0f;
+  std::int64_t kv_store_budget = kKVStoreBudget;
 };
 
 void dense(const AttentionArgs& a);
