@@ -232,6 +232,9 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
           for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
         stage = next_stage;
       }
+      // Every QK of the item has retired: hand the Q tile back now, so the next item's Q loads under the
+      // last PV and the epilogue instead of after them.
+      sm.q_empty.arrive();
       sm.v_full[stage].wait(kv.phase());
       turns.begin();
       wgmma_fence();
@@ -242,8 +245,9 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       keep_live(pa);
       sm.kv_empty[stage].arrive();
       kv.advance();
+    } else {
+      sm.q_empty.arrive();  // nothing to visit: out = 0, lse = -inf
     }
-    sm.q_empty.arrive();
     ++q_count;
     softmax.finish();
     store_output<Tag>(p, acc_o, softmax, thread, w.b, w.head, first_row);
