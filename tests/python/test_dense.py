@@ -13,6 +13,7 @@ SHAPES = [
     (2, 17, 200, 4, 4, 32, True),      # Hq = Hkv, causal with Lq < Lk (bottom-right)
     (1, 1, 300, 16, 1, 64, True),      # one query (decode), Hq = 16 x Hkv
     (1, 130, 130, 2, 1, 64, True),     # two Q tiles, the second partial
+    (1, 1013, 1100, 2, 1, 16, True),   # eight Q tiles and nine KV blocks, both partial
 ]
 
 
