@@ -10,9 +10,10 @@ try:
 except ImportError:  # bfloat16 numpy arrays need ml_dtypes
     ml_dtypes = None
 
-# fp32 results against float64 references; half precision outputs carry their rounding (2^-11 for
-# f16, 2^-8 for bf16) on top of an fp32 computation.
-TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.2e-2}
+# fp32 results against float64 references. Half precision outputs carry their own rounding (measured
+# on the CPU: about 2e-4 for f16 and 1.7e-3 for bf16 relative error); GPU kernels also round the
+# probabilities before PV, so the bounds allow about twice a plain same-precision implementation.
+TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 6e-3}
 
 
 def dtype_of(name):

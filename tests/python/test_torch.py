@@ -12,7 +12,7 @@ from sparse_attn import reference as ref  # noqa: E402
 
 from _util import random_query_lists, random_tile_lists, random_token_lists  # noqa: E402
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 6e-3}
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA device")
 
