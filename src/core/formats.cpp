@@ -181,15 +181,18 @@ std::optional<Fault> tile_row_fault(const TileLists& s, const std::string& name,
   std::int32_t prev = -1;
   for (std::int64_t k = 0; k < c; ++k) {
     const auto id = load4<std::int32_t>(s.idx, b, g, t, k);
+    const bool ok = id >= 0 && id < Tk && (k == 0 || id > prev);
+    prev = id;
+    if (ok) continue;  // the message (and its coordinate string) is built only for a fault
     const std::string at = coord_string({b, g, t, k});
+    prev = k > 0 ? load4<std::int32_t>(s.idx, b, g, t, k - 1) : -1;
     if (id < 0 || id >= Tk)
       return Fault{name + ".idx", "block id " + std::to_string(id) + " at " + at + " is out of range " + range_string(Tk)};
     if (k > 0 && id == prev)
       return Fault{name + ".idx", "duplicate block id " + std::to_string(id) + " at " + at};
     if (k > 0 && id < prev)
-      return Fault{name + ".idx", "block ids must be strictly ascending: " + std::to_string(id) + " at " + at +
-                                      " follows " + std::to_string(prev)};
-    prev = id;
+    return Fault{name + ".idx", "block ids must be strictly ascending: " + std::to_string(id) + " at " + at +
+                                    " follows " + std::to_string(prev)};
   }
   return std::nullopt;
 }
@@ -220,12 +223,14 @@ std::optional<Fault> list_row_fault(const TensorView& idx, const std::string& ar
   for (std::int64_t k = 0; k < K; ++k) {
     const std::int32_t v = row[k];
     if (v == -1) continue;
+    if (v >= 0 && v < extent && !seen_before(scratch, extent, r, v)) continue;
+    // Fault path only: build the coordinate string now.
     const std::string at = coord_string({b, g, i, k});
     if (v < -1)
       return Fault{arg, "invalid value " + std::to_string(v) + " at " + at + " (only -1 may mark an empty slot)"};
     if (v >= extent)
       return Fault{arg, what + std::to_string(v) + " at " + at + " is out of range " + range_string(extent)};
-    if (seen_before(scratch, extent, r, v)) return Fault{arg, "duplicate " + (what + std::to_string(v)) + " at " + at};
+    return Fault{arg, "duplicate " + (what + std::to_string(v)) + " at " + at};
   }
   return std::nullopt;
 }
