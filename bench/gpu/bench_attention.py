@@ -191,8 +191,8 @@ def main():
         del q, k, v
 
     # ---- dense ----------------------------------------------------------------------------------------
-    B, Hq, Hkv, D = 2, 16, 16, 128
-    for L in [4096, 16384]:
+    B, Hq, Hkv = 2, 16, 16
+    for D, L in [(128, 4096), (128, 16384), (64, 4096)]:
         q = torch.randn(B, L, Hq, D, device=dev, dtype=torch.bfloat16)
         k = torch.randn(B, L, Hkv, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn(B, L, Hkv, D, device=dev, dtype=torch.bfloat16)
@@ -200,7 +200,8 @@ def main():
             ours = Ours(fn, q, k, v, causal)
             pairs = B * Hq * (L * (L + 1) // 2 if causal else L * L)
             useful = 4 * D * pairs
-            row = {"workload": "dense", "causal": causal, "L": L, "B": B, "Hq": Hq, "Hkv": Hkv,
+            row = {"workload": "dense" if D == 128 else "dense64", "causal": causal, "L": L, "B": B, "Hq": Hq,
+                   "Hkv": Hkv, "D": D,
                    "useful_gflop": useful / 1e9}
             t = bench(lambda: ours())
             row["ours_ms"] = t

@@ -63,6 +63,7 @@ struct Case {
   bool per_head = false;  // G = Hq instead of Hkv
   int kmax = 4;           // list capacity per tile
   float scale = 0.0f;     // 0: default 1 / sqrt(D)
+  std::int64_t D = 128;
 };
 
 constexpr std::int64_t kD = 128;
@@ -148,11 +149,11 @@ void check_against_reference(const Case& c, const sa::HostTensor& q, const sa::H
 
 void run_case(const Case& c, std::uint64_t seed) {
   sa::ProblemShape p;
-  p.B = c.B, p.Lq = c.Lq, p.Lk = c.Lk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.D = kD, p.causal = c.causal;
-  const sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, kD}, seed);
-  const sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, kD}, seed + 1);
-  const sa::HostTensor v = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, kD}, seed + 2);
-  sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, kD});
+  p.B = c.B, p.Lq = c.Lq, p.Lk = c.Lk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.D = c.D, p.causal = c.causal;
+  const sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, seed);
+  const sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 1);
+  const sa::HostTensor v = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 2);
+  sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D});
   sa::HostTensor lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
   st::poison(out);
   st::poison(lse);
@@ -161,7 +162,7 @@ void run_case(const Case& c, std::uint64_t seed) {
   sa::AttentionOptions opt;
   opt.causal = c.causal;
   if (c.scale > 0) opt.softmax_scale = c.scale;
-  const double scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(kD));
+  const double scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.D));
 
   sa::HostTensor idx, cnt;
   sa::Selection sel = sa::AllBlocks{};
@@ -192,6 +193,11 @@ TEST(TileAttentionGpu, SparseShapes) {
   run_case({"f16 Lq=17 Hq=16Hkv scale=0.05", sa::DType::f16, 2, 17, 260, 16, 1, false, false, false, 3, 0.05f},
            seed += 10);
   run_case({"f16 causal Lq>Lk per group", sa::DType::f16, 2, 400, 333, 4, 1, true, false, false, 3}, seed += 10);
+  // Head dim 64: one 64-column half per tile, P V on m64n64 wgmmas.
+  run_case({"D=64 bf16 causal per-head", sa::DType::bf16, 2, 1013, 1500, 4, 2, true, false, true, 5, 0.0f, 64},
+           seed += 10);
+  run_case({"D=64 f16 Lq=17 Hq=16Hkv", sa::DType::f16, 1, 17, 700, 16, 1, false, false, false, 3, 0.0f, 64},
+           seed += 10);
 }
 
 TEST(TileAttentionGpu, DenseShapes) {
@@ -202,6 +208,8 @@ TEST(TileAttentionGpu, DenseShapes) {
   // Bottom-right causal with Lq > Lk: the first Lq - Lk queries see no key (out 0, lse -inf).
   run_case({"dense bf16 causal Lq=400 Lk=200", sa::DType::bf16, 2, 400, 200, 2, 2, true, true}, seed += 10);
   run_case({"dense bf16 Lq=1 Lk=129", sa::DType::bf16, 1, 1, 129, 16, 1, false, true}, seed += 10);
+  run_case({"dense D=64 bf16 causal", sa::DType::bf16, 2, 777, 1100, 4, 1, true, true, false, 4, 0.0f, 64},
+           seed += 10);
 }
 
 // A small case for the compute-sanitizer runs (memcheck, racecheck, synccheck).
@@ -209,6 +217,7 @@ TEST(TileAttentionGpu, SanitizerSmall) {
   SKIP_WITHOUT_GPU();
   run_case({"small causal lists", sa::DType::bf16, 2, 300, 520, 2, 1, true, false, false, 3}, 3000);
   run_case({"small dense", sa::DType::f16, 1, 200, 200, 1, 1, false, true}, 3010);
+  run_case({"small D=64 causal lists", sa::DType::bf16, 1, 200, 300, 2, 1, true, false, false, 3, 0.0f, 64}, 3020);
 }
 
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV
@@ -328,12 +337,12 @@ TEST(TileAttentionGpu, ValidationReportsFirstBadEntry) {
 
 TEST(TileAttentionGpu, RejectsUnsupportedHeadDim) {
   SKIP_WITHOUT_GPU();
-  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 64, 1, 64}, 7000);
-  sa::HostTensor out(sa::DType::bf16, {1, 64, 1, 64});
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 64, 1, 96}, 7000);
+  sa::HostTensor out(sa::DType::bf16, {1, 64, 1, 96});
   DeviceTensor dq(q), dout(out);
   try {
     gpu_dense(dq.view, dq.view, dq.view, dout.view);
-    ADD_FAILURE() << "D = 64 accepted";
+    ADD_FAILURE() << "D = 96 accepted";
   } catch (const sa::Error& e) {
     EXPECT_EQ(e.argument(), "q");
     EXPECT_NE(std::string(e.what()).find("head dim"), std::string::npos) << e.what();

@@ -1,4 +1,4 @@
-// Epilogue of one consumer warpgroup: normalise its 64 x 128 output fragment by the row sums and
+// Epilogue of one consumer warpgroup: normalise its 64 x D output fragment (N = D / 2 registers) by the row sums and
 // store it straight from registers (4-byte stores of column pairs; each quad writes 16 contiguous bytes
 // per 8 columns), plus the natural-log LSE. Rows at or past Lq are never stored. A row that saw no
 // visible key has l = 0: it gets out = 0 and lse = -inf, never NaN.
@@ -11,8 +11,8 @@
 
 namespace sparse_attn::cuda_kernels {
 
-template <class Tag>
-__device__ __forceinline__ void store_output(const TileAttentionParams& p, const float (&o)[64],
+template <class Tag, int N>
+__device__ __forceinline__ void store_output(const TileAttentionParams& p, const float (&o)[N],
                                              const OnlineSoftmax& sm, int thread, int b, int head, int first_row) {
   using Elem = typename Tag::Elem;
   const int w = thread / 32, g = (thread % 32) / 4, q = thread % 4;
@@ -25,7 +25,7 @@ __device__ __forceinline__ void store_output(const TileAttentionParams& p, const
     Elem* dst = static_cast<Elem*>(p.out) + b * p.out_stride[0] + static_cast<std::int64_t>(row) * p.out_stride[1] +
                 head * p.out_stride[2];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < N / 4; ++i) {
       const std::uint32_t v = Tag::pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
       *reinterpret_cast<std::uint32_t*>(dst + 8 * i + 2 * q) = v;
     }

@@ -3,6 +3,8 @@
 #include "cuda/attention/kernel.cuh"
 
 namespace sparse_attn::cuda_kernels {
-template cudaError_t launch_tile_attention<F16Tag>(const TileAttentionParams&, const CUtensorMap&,
+template cudaError_t launch_tile_attention<F16Tag, 128>(const TileAttentionParams&, const CUtensorMap&,
                                                    const CUtensorMap&, const CUtensorMap&, int, cudaStream_t);
+template cudaError_t launch_tile_attention<F16Tag, 64>(const TileAttentionParams&, const CUtensorMap&,
+                                                        const CUtensorMap&, const CUtensorMap&, int, cudaStream_t);
 }

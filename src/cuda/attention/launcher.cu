@@ -117,7 +117,7 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
          const AttentionOptions& options) {
   using detail::require;
   require(q.device == Device::cuda, op, "q", "the CUDA backend needs device tensors, got " + q.describe());
-  require(s.D == 128, op, "q", "the CUDA backend implements head dim 128, got " + std::to_string(s.D));
+  require(s.D == 64 || s.D == 128, op, "q", "the CUDA backend implements head dim 64 and 128, got " + std::to_string(s.D));
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   require(s.Lq <= kIntMax && s.Lk <= kIntMax && s.B * s.Hq * ceil_div(s.Lq, kTileQ) <= kIntMax, op, "q",
           "problem too large for 32-bit tile indices: " + s.describe());
@@ -184,8 +184,12 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   int device = 0, num_sms = 0;
   check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), op, "device query");
-  const cudaError_t e = q.dtype == DType::bf16 ? launch_tile_attention<Bf16Tag>(p, tm_q, tm_k, tm_v, num_sms, stream)
-                                               : launch_tile_attention<F16Tag>(p, tm_q, tm_k, tm_v, num_sms, stream);
+  const bool bf16 = q.dtype == DType::bf16;
+  const cudaError_t e =
+      s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, num_sms, stream)
+                         : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, num_sms, stream))
+                 : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, num_sms, stream)
+                         : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, num_sms, stream));
   check_cuda(e, op, "kernel launch");
 }
 

@@ -27,22 +27,25 @@ inline constexpr int kConsumerWarpgroups = 2;
 inline constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 inline constexpr int kRowsPerConsumer = kTileRows / kConsumerWarpgroups;  // 64: one m64 wgmma row block
 
-template <class Elem, int kStages>
+// [half][row][64]: the head dim in 64-column halves (one for D = 64, two for D = 128), each
+// 1024-aligned (the swizzle atom); a half-row is one 128-byte swizzle row.
+template <class Elem, int kStages, int kHeadDim>
 struct alignas(1024) SharedStorage {
-  // [half][row][64]: two 64-column halves of the 128-wide head dim, each 1024-aligned (swizzle atom).
-  Elem q[2][kTileRows][64];
-  Elem k[kStages][2][kBlockKeys][64];
-  Elem v[kStages][2][kBlockKeys][64];
+  static constexpr int kHalves = kHeadDim / 64;
+  Elem q[kHalves][kTileRows][64];
+  Elem k[kStages][kHalves][kBlockKeys][64];
+  Elem v[kStages][kHalves][kBlockKeys][64];
   MBarrier q_full, q_empty;
   MBarrier k_full[kStages], v_full[kStages], kv_empty[kStages];
 };
 
 inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column half of 128 rows, 16-bit
-inline constexpr std::uint32_t kTileBytes = 2 * kHalfTileBytes;
+template <int kHeadDim>
+inline constexpr std::uint32_t kTileBytes = kHeadDim / 64 * kHalfTileBytes;
 
-template <class Elem, int kStages>
+template <class Elem, int kStages, int kHeadDim>
 __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
-                                              SharedStorage<Elem, kStages>& sm, const CUtensorMap* tm_q,
+                                              SharedStorage<Elem, kStages, kHeadDim>& sm, const CUtensorMap* tm_q,
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
   PipelineState<kStages> kv;
   std::uint32_t q_count = 0;
@@ -50,8 +53,9 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
     sm.q_empty.wait((q_count & 1u) ^ 1u);
-    sm.q_full.arrive_expect_tx(kTileBytes);
-    for (int half = 0; half < 2; ++half)
+    constexpr int kHalves = kHeadDim / 64;
+    sm.q_full.arrive_expect_tx(kTileBytes<kHeadDim>);
+    for (int half = 0; half < kHalves; ++half)
       tma_load_bhld(&sm.q[half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full.word);
     ++q_count;
 
@@ -61,20 +65,20 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
       if (j < 0) continue;
       const int s = kv.stage();
       sm.kv_empty[s].wait(kv.phase() ^ 1u);
-      sm.k_full[s].arrive_expect_tx(kTileBytes);
-      for (int half = 0; half < 2; ++half)
+      sm.k_full[s].arrive_expect_tx(kTileBytes<kHeadDim>);
+      for (int half = 0; half < kHalves; ++half)
         tma_load_bhld(&sm.k[s][half][0][0], tm_k, 64 * half, kv_head, j * kBlockKeys, w.b, &sm.k_full[s].word);
-      sm.v_full[s].arrive_expect_tx(kTileBytes);
-      for (int half = 0; half < 2; ++half)
+      sm.v_full[s].arrive_expect_tx(kTileBytes<kHeadDim>);
+      for (int half = 0; half < kHalves; ++half)
         tma_load_bhld(&sm.v[s][half][0][0], tm_v, 64 * half, kv_head, j * kBlockKeys, w.b, &sm.v_full[s].word);
       kv.advance();
     }
   }
 }
 
-template <class Tag, int kStages>
+template <class Tag, int kStages, int kHeadDim>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
-                                              SharedStorage<typename Tag::Elem, kStages>& sm, int consumer,
+                                              SharedStorage<typename Tag::Elem, kStages, kHeadDim>& sm, int consumer,
                                               int thread);
 
 }  // namespace sparse_attn::cuda_kernels
@@ -92,20 +96,20 @@ __device__ __forceinline__ void keep_live(std::uint32_t (&pa)[8][4]) {
     for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[kk][r])::"memory");
 }
 
-template <class Tag>
+template <class Tag, int kHeadDim>
 __device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
   // k-step kk covers head-dim columns [16kk, 16kk + 16): half kk / 4, +32 B inside the swizzled row.
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
+  for (int kk = 0; kk < kHeadDim / 16; ++kk)
     wgmma_ss<Tag>(acc_s, make_desc_sw128(s_q + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024),
                   make_desc_sw128(s_k + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024), kk > 0);
   wgmma_commit();
 }
 
-template <class Tag>
-__device__ __forceinline__ void issue_pv(float (&acc_o)[64], const std::uint32_t (&pa)[8][4], std::uint32_t s_v) {
-  // B = V rows [16kk, 16kk + 16) x 128 head-dim columns, MN-major: LBO = the distance between the two
-  // 64-column halves, a k-step is 16 rows = 2048 B.
+template <class Tag, int N>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t (&pa)[8][4], std::uint32_t s_v) {
+  // B = V rows [16kk, 16kk + 16) x D head-dim columns, MN-major: LBO = the distance between the
+  // 64-column halves (unused for D = 64), a k-step is 16 rows = 2048 B.
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk)
     wgmma_rs_tb<Tag>(acc_o, pa[kk], make_desc_sw128(s_v + kk * 16 * 128, kHalfTileBytes, 1024), 1);
@@ -169,16 +173,16 @@ struct MmaTurns {
 // S_{i+1} = Q K_{i+1} in flight and does the softmax of block i + 1 as soon as that lands; the O
 // rescale waits until PV has retired. A slot is released after its PV, so the producer runs up to
 // kStages - 1 blocks ahead of the block being multiplied.
-template <class Tag, int kStages>
+template <class Tag, int kStages, int kHeadDim>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
-                                              SharedStorage<typename Tag::Elem, kStages>& sm, int consumer,
+                                              SharedStorage<typename Tag::Elem, kStages, kHeadDim>& sm, int consumer,
                                               int thread) {
   const std::uint32_t s_q = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.q[0][0][0])) +
                             consumer * kRowsPerConsumer * 128;  // this warpgroup's 64 rows: +8 KB, 1024-aligned
   PipelineState<kStages> kv;
   std::uint32_t q_count = 0;
   float acc_s[64];
-  float acc_o[64];
+  float acc_o[kHeadDim / 2];  // 64 x D output fragment of this warpgroup
   std::uint32_t pa[8][4];
   const MmaTurns turns{p.pingpong, consumer};
   turns.init();
@@ -189,7 +193,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     OnlineSoftmax softmax;
     softmax.reset();
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc_o[i] = 0.0f;
+    for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
     sm.q_full.wait(q_count & 1u);
 
     int pos = 0;
@@ -200,7 +204,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       sm.k_full[stage].wait(kv.phase());
       turns.begin();
       wgmma_fence();
-      issue_qk<Tag>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[stage][0][0][0])));
+      issue_qk<Tag, kHeadDim>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[stage][0][0][0])));
       turns.end();
       wgmma_wait<0>();
       fence_operands(acc_s);
@@ -215,7 +219,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         sm.v_full[stage].wait(phase);
         turns.begin();
         wgmma_fence();
-        issue_qk<Tag>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[next_stage][0][0][0])));
+        issue_qk<Tag, kHeadDim>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[next_stage][0][0][0])));
         issue_pv<Tag>(acc_o, pa, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[stage][0][0][0])));
         turns.end();
         wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
@@ -250,7 +254,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     }
     ++q_count;
     softmax.finish();
-    store_output<Tag>(p, acc_o, softmax, thread, w.b, w.head, first_row);
+    store_output<Tag, kHeadDim / 2>(p, acc_o, softmax, thread, w.b, w.head, first_row);
   }
   turns.finish();
 }

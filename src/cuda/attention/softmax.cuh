@@ -84,10 +84,11 @@ struct OnlineSoftmax {
       }
   }
 
-  __device__ __forceinline__ static void rescale(float (&o)[64], const float (&factor)[2]) {
+  template <int N>
+  __device__ __forceinline__ static void rescale(float (&o)[N], const float (&factor)[2]) {
     if (factor[0] == 1.0f && factor[1] == 1.0f) return;  // the common case under lazy rescaling
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
+    for (int i = 0; i < N / 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) o[4 * i + j] *= factor[j / 2];
   }

@@ -112,8 +112,39 @@ __device__ __forceinline__ void wgmma_rs_tb<F16Tag>(float (&d)[64], const std::u
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+#define SA_D32 SA_D8(0), SA_D8(8), SA_D8(16), SA_D8(24)
+#define SA_DREGS32 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
+/// d (+)= A(64x16, registers) * B(16x64, smem, MN-major): the P V product for head dim 64.
+template <class Tag>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[32], const std::uint32_t (&a)[4], std::uint64_t desc_b,
+                                            int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<Bf16Tag>(float (&d)[32], const std::uint32_t (&a)[4],
+                                                     std::uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SA_DREGS32
+               ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+               : SA_D32
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<F16Tag>(float (&d)[32], const std::uint32_t (&a)[4],
+                                                    std::uint64_t desc_b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " SA_DREGS32
+               ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+               : SA_D32
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
 #undef SA_D8
+#undef SA_D32
 #undef SA_D64
 #undef SA_DREGS
+#undef SA_DREGS32
 
 }  // namespace sparse_attn::cuda_kernels
