@@ -129,6 +129,9 @@ void check_against_reference(const Case& c, const sa::HostTensor& q, const sa::H
                              const sa::Selection& sel, const sa::ProblemShape& p, const sa::HostTensor& out,
                              const sa::HostTensor& lse, double scale) {
   const st::Reference ref = st::reference_attention(q.view(), k.view(), v.view(), sel, p, scale);
+  // Every case must exercise the kernel: at least one query sees at least one key.
+  ASSERT_TRUE(std::any_of(ref.lse.begin(), ref.lse.end(), [](double x) { return std::isfinite(x); }))
+      << c.name << ": degenerate case, no query sees any key";
   const Tolerance tol = tolerance(c.dtype);
   EXPECT_TRUE(st::all_finite(out)) << c.name << ": out holds NaN/inf (unwritten or broken)";
   const double rel = st::rel_err(out, ref.out);
@@ -217,7 +220,8 @@ TEST(TileAttentionGpu, SanitizerSmall) {
   SKIP_WITHOUT_GPU();
   run_case({"small causal lists", sa::DType::bf16, 2, 300, 520, 2, 1, true, false, false, 3}, 3000);
   run_case({"small dense", sa::DType::f16, 1, 200, 200, 1, 1, false, true}, 3010);
-  run_case({"small D=64 causal lists", sa::DType::bf16, 1, 200, 300, 2, 1, true, false, false, 3, 0.0f, 64}, 3020);
+  // Non-causal, so tile 0's list (never empty) is visible whatever blocks it drew.
+  run_case({"small D=64 lists", sa::DType::bf16, 1, 200, 300, 2, 1, false, false, false, 3, 0.0f, 64}, 3020);
 }
 
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV
