@@ -3,8 +3,8 @@
 //
 // 384 threads: warpgroup 0 is the producer (one thread issues every TMA; the others exit), warpgroups
 // 1 and 2 are consumers, 64 query rows each. Registers: 128 * (24 + 2 * 240) = 64512 <= 65536, the
-// budget FA3 uses for two MMA warpgroups fed by TMA; a consumer holds S and O (64 + 64 f32) and P
-// (32 b32) live at once.
+// budget FA3 uses for two MMA warpgroups fed by TMA; a consumer holds S (64 f32), O (D / 2 f32) and P
+// (32 b32) live at once, with S of the next block in flight while P of the current one is read.
 #pragma once
 
 #include <cuda.h>

@@ -7,8 +7,9 @@
 //
 // Consumers (warpgroups 1 and 2, 64 query rows each of the same 128-row tile): S = Q K^T (SS wgmma),
 // mask if the block straddles the diagonal or Lk, online softmax, O += P V with P from registers (RS
-// wgmma), then release the slot. Both warpgroups read every K/V slot, so each selected block is loaded
-// once for all 128 rows of the tile.
+// wgmma), then release the slot; QK of the next block overlaps PV of the current one, and the two
+// warpgroups take turns issuing (see consumer_loop). Both warpgroups read every K/V slot, so each
+// selected block is loaded once for all 128 rows of the tile.
 #pragma once
 
 #include <cstdint>
