@@ -42,7 +42,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSE_ATTN_C
 if ! cmake --build "$BUILD" -j "$JOBS" --target sparse_attn sparse_attn_gpu_tests > "$OUT/build.log" 2>&1; then
   note "build FAILED"; grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1
 fi
-g++ -O2 -std=c++20 -shared -fPIC -I"$ROOT/include" "$ROOT/bench/gpu/capi.cpp" "$BUILD/libsparse_attn.a" \
+g++ -O2 -std=c++20 -shared -fPIC -I"$ROOT/include" -I"$ROOT/src" "$ROOT/bench/gpu/capi.cpp" "$BUILD/libsparse_attn.a" \
   -L"$CUDA_HOME/lib64" -lcudart_static -ldl -lrt -lpthread -fopenmp -o "$BUILD/libsa_bench.so" \
   > "$OUT/build_capi.log" 2>&1 || { note "bench library build FAILED"; cat "$OUT/build_capi.log"; exit 1; }
 note "$(stamp) build ok"
