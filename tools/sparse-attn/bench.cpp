@@ -22,9 +22,9 @@
 namespace sparse_attn::cli {
 
 void add_bench_options(CLI::App& app, BenchConfig& c) {
-  app.add_option("workload", c.workload, "tile16, dense, query16of32, query-long, gated or entmax")
+  app.add_option("workload", c.workload, "tile16, pipeline, dense, query16of32, query-long, gated or entmax")
       ->required()
-      ->check(CLI::IsMember({"tile16", "dense", "query16of32", "query-long", "gated", "entmax"}));
+      ->check(CLI::IsMember({"tile16", "pipeline", "dense", "query16of32", "query-long", "gated", "entmax"}));
   app.add_option("--pattern", c.pattern, "tile16: 'independent' lists, or 'pairs' of Q tiles sharing one list")
       ->capture_default_str()
       ->check(CLI::IsMember({"independent", "pairs"}));
@@ -205,6 +205,7 @@ class Bench {
   void record(const std::string& name, const ProblemShape& p, nlohmann::json params, CaseResult r);
 
   void tile16();
+  void pipeline();
   void dense_workload();
   void query(bool long_variant);
   void gated_workload();
@@ -317,6 +318,9 @@ void Bench::record(const std::string& name, const ProblemShape& p, nlohmann::jso
   if (r.extra.contains("density")) extra += fmt::format(" density {:.3f}", r.extra["density"].get<double>());
   if (r.extra.contains("threshold") && r.extra["threshold"].is_number())
     extra += fmt::format(" threshold {:.3f}", r.extra["threshold"].get<double>());
+  if (r.extra.contains("selector_ms"))
+    extra += fmt::format(" selector {:.3f} ms, effective {:.3g} TFLOP/s", r.extra["selector_ms"]["median"].get<double>(),
+                         r.extra["effective_tflops"].get<double>());
   if (r.extra.contains("support_fraction"))
     extra += fmt::format(" support {:.3f}", r.extra["support_fraction"].get<double>());
   fmt::print("{:<34} {} {:>9} {:>5}  {}{}\n", name, timing,
@@ -361,6 +365,77 @@ void Bench::tile16() {
     record(fmt::format("tile16 {} Lk={}", cfg_.pattern, p.Lk), p, {{"blocks_per_tile", blocks}, {"pattern", cfg_.pattern}},
            std::move(r));
   }
+}
+
+// ---- pipeline: the tile16 shape with a selector in front of tile_sparse
+void Bench::pipeline() {
+  struct Selector {
+    const char* name;
+    int representatives;  // pooled R1 / R4; 0: token_max fp8 on the first head of the group
+  };
+  for (std::int64_t full_lk : lengths({4096, 16384, 65536}))
+    for (const Selector sel : {Selector{"pooled R1", 1}, Selector{"pooled R4", 4}, Selector{"token_max fp8", 0}}) {
+      ProblemShape p{scaled(2, 1), length(4096), length(full_lk), 16, 1, 128, false};
+      const std::int64_t blocks = std::min(p.Tk(), scaled(16, 1));
+      const std::string name = fmt::format("pipeline {} Lk={}", sel.name, p.Lk);
+      progress("{}: inputs", name);
+      Inputs in = make_inputs(p, where_, rng_);
+      Mirrored idx(DType::i32, {p.B, p.Hkv, p.Tq(), blocks}, where_), cnt(DType::i32, {p.B, p.Hkv, p.Tq()}, where_);
+      auto select = [&](bool d) {
+        const TileLists out{idx.view(d), cnt.view(d)};
+        if (sel.representatives) {
+          PooledOptions o;
+          o.representatives = sel.representatives;
+          o.top_k = static_cast<int>(blocks);
+          pooled_select(in.q.view(d), in.k.view(d), out, o);
+        } else {
+          TokenMaxOptions o;
+          o.top_k = static_cast<int>(blocks);
+          o.precision = IndexPrecision::fp8_e4m3;
+          o.causal = false;
+          TensorView qidx = in.q.view(d);  // the first query head of each group
+          qidx.shape[2] = p.Hkv;
+          qidx.stride[2] *= p.group_size();
+          token_max_select(qidx, in.k.view(d), out, o);
+        }
+      };
+      const bool dev = where_.cuda;
+      idx.poison();
+      cnt.poison();
+      try {
+        select(dev);
+      } catch (const Error& e) {
+        if (!dev || !is_missing_implementation(e)) throw;
+        CaseResult r;
+        r.status = "skipped (no cuda implementation yet)";
+        r.ran_on = "-";
+        record(name, p, {{"selector", sel.name}}, std::move(r));
+        continue;
+      }
+      if (dev) {
+        device_synchronize();
+        idx.download();
+        cnt.download();
+      }
+      const Selection host_sel = TileLists{idx.host().view(), cnt.host().view()};
+      validate(host_sel, p, "pipeline");
+      progress("{}: verify, then {} timed runs of the selector and of the executor", name, repeat_);
+      auto r = measure(
+          in,
+          [&](bool d) {
+            tile_sparse(in.q.view(d), in.k.view(d), in.v.view(d), TileLists{idx.view(d), cnt.view(d)}, in.out.view(d));
+          },
+          selection_reference(in, host_sel), nullptr);
+      r.pairs = selected_pairs(host_sel, p);
+      if (r.status == "ok") {
+        std::vector<double> sel_ms;
+        for (int rep = 0; rep < repeat_; ++rep) sel_ms.push_back(time_ms(dev, [&] { select(dev); }));
+        const double s_med = median(sel_ms), a_med = median(r.ms);
+        r.extra["selector_ms"] = {{"median", s_med}, {"min", *std::min_element(sel_ms.begin(), sel_ms.end())}, {"all", sel_ms}};
+        r.extra["effective_tflops"] = 4.0 * double(p.D) * r.pairs / ((s_med + a_med) * 1e-3) / 1e12;
+      }
+      record(name, p, {{"selector", sel.name}, {"blocks_per_tile", blocks}}, std::move(r));
+    }
 }
 
 // ---- dense: MHA, causal and not
@@ -613,6 +688,7 @@ int Bench::run() {
   fmt::print("\n{:<34} {:>10} {:>10} {:>9} {:>9} {:>5}  {}\n", "case", "median ms", "min ms", "TFLOP/s", "relerr", "on",
              "check");
   if (cfg_.workload == "tile16") tile16();
+  else if (cfg_.workload == "pipeline") pipeline();
   else if (cfg_.workload == "dense") dense_workload();
   else if (cfg_.workload == "query16of32") query(false);
   else if (cfg_.workload == "query-long") query(true);

@@ -13,7 +13,7 @@ class App;
 namespace sparse_attn::cli {
 
 struct BenchConfig {
-  std::string workload;                 // tile16, dense, query16of32, query-long, gated, entmax
+  std::string workload;                 // tile16, pipeline, dense, query16of32, query-long, gated, entmax
   std::string pattern = "independent";  // tile16: independent lists, or pairs of tiles sharing one
   std::vector<std::int64_t> lk;         // full-scale lengths; empty: the workload's defaults
   int repeat = 0;                       // timed runs per case; 0: 5 on the GPU, 2 on the CPU
