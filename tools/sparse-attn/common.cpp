@@ -1,6 +1,7 @@
 #include "common.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -98,13 +99,22 @@ double element(const TensorView& t, std::int64_t i) {
 }  // namespace
 
 double relative_error(const TensorView& a, const TensorView& b) {
-  if (a.numel() != b.numel()) throw std::runtime_error("relative_error: element counts differ");
+  if (a.ndim != b.ndim || a.shape != b.shape) throw std::runtime_error("relative_error: shapes differ");
+  // Walks the coordinates, so strided views (a slice of queries) work.
+  std::array<std::int64_t, kMaxDims> idx{};
+  const std::int64_t n = a.numel();
   double num = 0.0, den = 0.0;
-  for (std::int64_t i = 0; i < a.numel(); ++i) {
-    const double x = element(a, i), y = element(b, i);
+  for (std::int64_t e = 0; e < n; ++e) {
+    std::int64_t oa = 0, ob = 0;
+    for (int d = 0; d < a.ndim; ++d) {
+      oa += idx[d] * a.stride[d];
+      ob += idx[d] * b.stride[d];
+    }
+    const double x = element(a, oa), y = element(b, ob);
     if (std::isnan(x) || std::isnan(y)) return INFINITY;
     num += (x - y) * (x - y);
     den += y * y;
+    for (int d = a.ndim - 1; d >= 0 && ++idx[d] == a.shape[d]; --d) idx[d] = 0;
   }
   return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
 }

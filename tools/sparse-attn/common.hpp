@@ -84,10 +84,10 @@ void progress(fmt::format_string<Args...> f, Args&&... args) {
 /// Milliseconds of one call: CUDA events on the device, the steady clock on the CPU.
 double time_ms(bool device, const std::function<void()>& f);
 
-/// Relative error ||a - b|| / ||b|| in float64 over two host tensors of equal element count
-/// (any floating dtype). NaN anywhere gives +inf.
+/// Relative error ||a - b|| / ||b|| in float64 over two host views of equal shape (any floating
+/// dtype, any strides). NaN anywhere gives +inf.
 double relative_error(const TensorView& a, const TensorView& b);
-/// True when no element of a floating host tensor is NaN or infinite.
+/// True when no element of a densely packed floating host tensor is NaN or infinite.
 bool all_finite(const TensorView& t);
 
 /// Median of a non-empty list.

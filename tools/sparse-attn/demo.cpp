@@ -201,7 +201,13 @@ struct Outcome {
   double out_err = 0.0;   // executor output vs the dense executor's output
   double needles = NAN;
   bool finite = true;
+  // The executor's error against the dense executor must match the float64 error of the selection
+  // itself (evaluate_selection) up to bf16 rounding; otherwise the executor is wrong.
+  bool consistent = true;
 };
+
+// bf16 outputs carry a relative rounding error near 2^-9 on both sides of the comparison.
+constexpr double kConsistencyAbs = 1e-2, kConsistencyRel = 0.05;
 
 /// Runs `op(on_device)` on the device when asked, falling back to the CPU only for operators that
 /// have no CUDA implementation; `before_cpu` moves inputs to the host first. Returns the time of
@@ -416,8 +422,9 @@ int run_demo(const DemoConfig& c) {
     o.quality = evaluate_selection(drop_front(q.view(false), 1, start), k.view(false), v.view(false),
                                    drop_queries(host_sel, start), qopt);
     o.finite = all_finite(out.host().view());
-    o.out_err = relative_error(out.host().view(), dense_out.host().view());
+    o.out_err = relative_error(drop_front(out.host().view(), 1, start), drop_front(dense_out.host().view(), 1, start));
     o.needles = needle_recall(host_sel, w);
+    o.consistent = std::abs(o.out_err - o.quality.out_rel_err) <= kConsistencyAbs + kConsistencyRel * o.quality.out_rel_err;
     results.push_back(std::move(o));
   }
 
@@ -427,18 +434,20 @@ int run_demo(const DemoConfig& c) {
              "ran on (selector / executor)");
   bool all_ok = true;
   for (const auto& o : results) {
-    all_ok = all_ok && o.finite;
-    fmt::print("{:<18} {:<10} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10.2f}  {} / {}{}\n", o.method, o.format,
+    all_ok = all_ok && o.finite && o.consistent;
+    fmt::print("{:<18} {:<10} {:<12} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>10} {:>10.2f}  {} / {}{}{}\n", o.method, o.format,
                o.executor, pct(o.quality.kept_mass_mean), pct(o.quality.kept_mass_min),
                o.method == "dense" ? "-" : fmt::format("{:.2e}", o.out_err), pct(o.quality.token_sparsity),
                pct(o.quality.block_sparsity), pct(o.needles),
                o.method == "dense" ? "-" : fmt::format("{:.2f}", o.select_ms), o.exec_ms, o.selector_on, o.executor_on,
-               o.finite ? "" : "  OUTPUT NOT FINITE");
+               o.finite ? "" : "  OUTPUT NOT FINITE",
+               o.consistent ? "" : fmt::format("  EXECUTOR MISMATCH: float64 error of the selection is {:.2e}", o.quality.out_rel_err));
   }
   fmt::print(
       "\nmass: fraction of each query's dense softmax mass on its selected keys (mean, worst query); out err: "
       "||out - dense|| / ||dense|| of the executor's output; tok sp / blk sp: visible (query, key) pairs / (tile, "
-      "block) tiles left out; needles: planted needle keys selected by their queries.\n");
+      "block) tiles left out{}; needles: planted needle keys selected by their queries.\n",
+      start > 0 ? fmt::format(" (these five over queries {}..{})", start, p.Lq - 1) : std::string());
 
   if (!c.json.empty()) {
     nlohmann::json j = build_json(where);
@@ -465,7 +474,8 @@ int run_demo(const DemoConfig& c) {
                           {"selected_pairs", o.quality.selected_pairs},
                           {"visible_pairs", o.quality.visible_pairs},
                           {"kept_mass_mean_per_head", o.quality.kept_mass_mean_per_head},
-                          {"output_finite", o.finite}};
+                          {"output_finite", o.finite},
+                          {"executor_consistent_with_selection", o.consistent}};
       r["needle_recall"] = std::isnan(o.needles) ? nlohmann::json(nullptr) : nlohmann::json(o.needles);
       j["results"].push_back(std::move(r));
     }
@@ -473,7 +483,7 @@ int run_demo(const DemoConfig& c) {
     progress("wrote {}", c.json);
   }
   if (!all_ok) {
-    fmt::print(stderr, "error: an executor left non-finite values in its output\n");
+    fmt::print(stderr, "error: an executor left non-finite values in its output or disagrees with its selection\n");
     return 1;
   }
   return 0;
