@@ -6,6 +6,9 @@
 #include <vector>
 
 #include "selectors/select_common.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/selectors/backend.hpp"
+#endif
 #include "sparse_attn/selectors.hpp"
 
 namespace sparse_attn {
@@ -171,6 +174,9 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const std::string op = "pooled_select";
   PooledShape s{};
   check_pooled_args(op, q, k, out, options, s);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) return cuda_backend::pooled_select(q, k, out, options);
+#endif
   if (q.device != Device::cpu) detail::unsupported_device(op, "q", q);
   pooled_select_cpu(q, k, out, options, s);
 }

@@ -1,0 +1,27 @@
+// Entry points of the CUDA selectors used by the front ends in src/selectors. Arguments have already
+// passed the front end's checks (shapes, dtypes, capacities, options); these check only what the CUDA
+// backend itself requires and launch on `options.stream`.
+//
+// Scratch: the selectors need a little device memory between their kernels (representatives,
+// per-tensor scales). It comes from the stream-ordered allocator (cudaMallocAsync / cudaFreeAsync on
+// the caller's stream): no host synchronisation, and the calls are capturable in a CUDA graph.
+//
+// Non-finite index inputs: the CPU selectors reject them with an Error; the device path does not
+// synchronise to look, so NaN / inf inputs give lists computed from NaN-sanitised scores (NaN ranks
+// as -inf) instead of an Error.
+#pragma once
+
+#include "sparse_attn/formats.hpp"
+#include "sparse_attn/selectors.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn::cuda_backend {
+
+void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& options);
+
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
+                      const TokenMaxOptions& options);
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
+                      const TokenMaxOptions& options);
+
+}  // namespace sparse_attn::cuda_backend

@@ -1,0 +1,221 @@
+// Device pieces shared by the CUDA selectors: element loads, the index quantisation round trips
+// (bit-identical to src/selectors/quantize.cpp), the exact top-k with the library's tie rule, and the
+// host-side launch helpers.
+//
+// Why the GPU ids equal the CPU ids bit for bit: the CPU scores are float64 sums, over d in order, of
+// products of float32 values. A product of two float32 values is exact in float64, so an FMA
+// (d = fma(x, y, d)) rounds exactly like the CPU's separate multiply and add; every device dot below
+// is therefore one thread summing d = 0, 1, ... in float64, the CPU's order, and returns the same
+// double. The float32 inputs of those dots (means, dequantised values) are produced by the same
+// IEEE-rounded operations in the same order as on the CPU (float division and multiplication are
+// correctly rounded on the device without fast-math; __fmul_rn / __fdiv_rn forbid contraction).
+// The ranking then compares the same doubles with the same strict order (score desc, id asc).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "sparse_attn/error.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn::cuda_backend::sel {
+
+// Input element types, as template parameters of the kernels.
+enum class In : int { f32, f16, bf16 };
+
+template <In T>
+__device__ __forceinline__ float load_elem(const void* base, std::int64_t i) {
+  if constexpr (T == In::f32) return static_cast<const float*>(base)[i];
+  else if constexpr (T == In::f16) return __half2float(static_cast<const __half*>(base)[i]);
+  else return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+}
+
+template <class T>
+__host__ __device__ __forceinline__ T imin(T a, T b) { return a < b ? a : b; }
+template <class T>
+__host__ __device__ __forceinline__ T imax(T a, T b) { return a < b ? b : a; }
+
+// NaN ranks as -inf, as detail::sanitize on the CPU.
+__device__ __forceinline__ double sanitize(double s) { return isnan(s) ? -INFINITY : s; }
+
+// ---- quantisation: device ports of src/selectors/quantize.cpp ------------------------------------
+
+enum class Prec : int { bf16, fp8, fp4 };
+
+__device__ __forceinline__ float round_bf16(float f) {
+  const std::uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return __uint_as_float(((u >> 16) | 0x40u) << 16);
+  const std::uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+  return __uint_as_float(((u + rounding) >> 16) << 16);
+}
+
+// |a| (finite, >= 0, below the format's max) to a magnitude code; see round_magnitude on the CPU.
+__device__ __forceinline__ int round_magnitude(float a, int mant_bits, int bias) {
+  const int min_exp = 1 - bias;
+  int e;
+  frexpf(a, &e);
+  int E = e - 1;
+  const bool subnormal = a == 0.0f || E < min_exp;
+  if (subnormal) E = min_exp;
+  const int m = static_cast<int>(rintf(__fdiv_rn(a, ldexpf(1.0f, E - mant_bits))));
+  return subnormal ? m : (((E + bias) << mant_bits) + (m - (1 << mant_bits)));
+}
+
+__device__ __forceinline__ std::uint8_t float_to_e4m3(float f) {
+  if (isnan(f)) return 0x7f;
+  const std::uint8_t sign = signbit(f) ? 0x80 : 0x00;
+  const float a = fabsf(f);
+  if (a >= 448.0f) return static_cast<std::uint8_t>(sign | 0x7e);
+  return static_cast<std::uint8_t>(sign | round_magnitude(a, 3, 7));
+}
+
+__device__ __forceinline__ float e4m3_to_float(std::uint8_t b) {
+  const bool neg = (b & 0x80) != 0;
+  const int e = (b >> 3) & 0xf;
+  const int m = b & 0x7;
+  if (e == 0xf && m == 0x7) return __int_as_float(0x7fc00000);
+  const float v = e == 0 ? ldexpf(static_cast<float>(m), -9) : ldexpf(static_cast<float>(8 + m), e - 10);
+  return neg ? -v : v;
+}
+
+__device__ __forceinline__ std::uint8_t float_to_e2m1(float f) {
+  if (isnan(f)) return 0x7;
+  const std::uint8_t sign = signbit(f) ? 0x8 : 0x0;
+  const float a = fabsf(f);
+  if (a >= 6.0f) return static_cast<std::uint8_t>(sign | 0x7);
+  return static_cast<std::uint8_t>(sign | round_magnitude(a, 1, 1));
+}
+
+__device__ __forceinline__ float e2m1_to_float(std::uint8_t b) {
+  const bool neg = (b & 0x8) != 0;
+  const int e = (b >> 1) & 0x3;
+  const int m = b & 0x1;
+  const float v = e == 0 ? 0.5f * static_cast<float>(m) : ldexpf(static_cast<float>(2 + m), e - 2);
+  return neg ? -v : v;
+}
+
+constexpr int kFp4Block = 16;
+
+// Rounds row[0, n) (shared memory, one thread per call) through the precision, exactly as
+// quantize_dequantize on the CPU. `tensor_scale` as there (0 only for an all-zero tensor, which
+// is then left as it is).
+template <Prec P>
+__device__ void quantize_row(float* row, int n, float tensor_scale) {
+  if constexpr (P == Prec::bf16) {
+    for (int i = 0; i < n; ++i) row[i] = round_bf16(row[i]);
+  } else {
+    if (tensor_scale == 0.0f) return;
+    if constexpr (P == Prec::fp8) {
+      for (int i = 0; i < n; ++i)
+        row[i] = __fmul_rn(e4m3_to_float(float_to_e4m3(__fdiv_rn(row[i], tensor_scale))), tensor_scale);
+    } else {
+      for (int b0 = 0; b0 < n; b0 += kFp4Block) {
+        const int b1 = imin(n, b0 + kFp4Block);
+        float amax = 0.0f;
+        for (int i = b0; i < b1; ++i) amax = fmaxf(amax, fabsf(row[i]));
+        const float bs =
+            __fmul_rn(e4m3_to_float(float_to_e4m3(__fdiv_rn(__fdiv_rn(amax, 6.0f), tensor_scale))), tensor_scale);
+        for (int i = b0; i < b1; ++i)
+          row[i] = bs == 0.0f ? 0.0f : __fmul_rn(e2m1_to_float(float_to_e2m1(__fdiv_rn(row[i], bs))), bs);
+      }
+    }
+  }
+}
+
+// Per-tensor scale from amax, as detail::precision_tensor_scale.
+template <Prec P>
+__device__ __forceinline__ float tensor_scale_of(float amax) {
+  if constexpr (P == Prec::fp8) return __fdiv_rn(amax, 448.0f);
+  else if constexpr (P == Prec::fp4) return __fdiv_rn(amax, 448.0f * 6.0f);
+  else return 1.0f;
+}
+
+// ---- exact top-k -----------------------------------------------------------------------------------
+
+// Strict "ranks before" of the CPU: higher score first, ties to the lower id.
+__device__ __forceinline__ bool ranks_before(double sa, int ia, double sb, int ib) {
+  return sa > sb || (sa == sb && ia < ib);
+}
+
+// Block-wide: scores[0, n) in shared memory (sanitised), candidate id = index. Writes the best
+// min(k, n) ids ascending to row[s * stride] for s < width, pads with -1, and returns the count (to
+// every thread). `flags` is n bytes of shared scratch and `part` blockDim.x ints of shared scratch.
+// A candidate is kept iff fewer than k candidates rank before it; the set is the CPU's because the
+// order is total (ids are distinct).
+__device__ int top_k_ascending(const double* scores, int n, int k, unsigned char* flags, int* part, std::int32_t* row,
+                               std::int64_t stride, std::int64_t width) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  if (k >= n) {
+    for (int j = tid; j < n; j += nt) flags[j] = 1;
+  } else {
+    for (int j = tid; j < n; j += nt) {
+      const double s = scores[j];
+      int before = 0;
+      for (int o = 0; o < n && before < k; ++o) before += ranks_before(scores[o], o, s, j) ? 1 : 0;
+      flags[j] = before < k ? 1 : 0;
+    }
+  }
+  __syncthreads();
+  // Each thread owns a contiguous chunk of candidates; an exclusive scan of the chunk counts gives the
+  // output position of its first kept id, so the output is ascending.
+  const int chunk = (n + nt - 1) / nt;
+  const int lo = imin(n, tid * chunk), hi = imin(n, lo + chunk);
+  int mine = 0;
+  for (int j = lo; j < hi; ++j) mine += flags[j];
+  part[tid] = mine;
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int t = 0; t < nt; ++t) {
+      const int c = part[t];
+      part[t] = run;
+      run += c;
+    }
+    part[nt] = run;
+  }
+  __syncthreads();
+  int pos = part[tid];
+  for (int j = lo; j < hi; ++j)
+    if (flags[j]) row[static_cast<std::int64_t>(pos++) * stride] = j;
+  const int cnt = part[nt];
+  for (std::int64_t s = cnt + tid; s < width; s += nt) row[s * stride] = -1;
+  __syncthreads();
+  return cnt;
+}
+
+// ---- host helpers ----------------------------------------------------------------------------------
+
+inline void check_cuda(cudaError_t e, const std::string& op, const std::string& what) {
+  if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
+}
+
+inline In in_type(DType d) { return d == DType::f32 ? In::f32 : d == DType::f16 ? In::f16 : In::bf16; }
+
+// Stream-ordered scratch: allocated and freed on the caller's stream (no host synchronisation).
+class StreamScratch {
+ public:
+  StreamScratch(std::size_t bytes, cudaStream_t stream, const std::string& op) : stream_(stream) {
+    check_cuda(cudaMallocAsync(&ptr_, bytes, stream), op, "cudaMallocAsync of " + std::to_string(bytes) + " bytes");
+  }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  ~StreamScratch() {
+    if (ptr_) cudaFreeAsync(ptr_, stream_);
+  }
+  template <class T>
+  T* as(std::size_t byte_offset = 0) const {
+    return reinterpret_cast<T*>(static_cast<char*>(ptr_) + byte_offset);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
+inline std::size_t align_up(std::size_t x, std::size_t a = 256) { return (x + a - 1) / a * a; }
+
+}  // namespace sparse_attn::cuda_backend::sel
