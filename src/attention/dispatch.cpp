@@ -10,6 +10,7 @@
 #include "sparse_attn/ops.hpp"
 #if defined(SPARSE_ATTN_WITH_CUDA)
 #include "cuda/backend.hpp"
+#include "cuda/query_sparse/backend.hpp"
 #endif
 
 namespace sparse_attn {
@@ -99,6 +100,9 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
   require(options.partials == PartialPrecision::f32 || options.partials == PartialPrecision::bf16, "query_sparse",
           "options.partials", "unknown partial precision " + std::to_string(static_cast<int>(options.partials)));
   check_selection("query_sparse", lists, a.p, q, options);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) return cuda_backend::query_sparse(a.p, q, k, v, lists, out, lse, options);
+#endif
   if (q.device == Device::cuda) detail::unsupported_device("query_sparse", "q", q);
   detail::cpu::query_sparse(a, lists, options.partials);
 }

@@ -1,0 +1,52 @@
+// CUDA backend of the KV-centric query_sparse (DESIGN §5.3). Arguments have passed the front end's
+// checks (check_attention_args, the lists' shape); these functions check what only this backend
+// requires (head dim 64 or 128, 16-byte aligned rows of q, k, v, 32-bit index ranges) and launch on
+// options.stream.
+//
+// Pipeline, every kernel on one stream:
+//   plan:    [validate lists -> host]  count (atomics per (b, g, block)) -> scan (one CTA) ->
+//            fill (CSR entries query * Kq + slot) + items (each block's rows cut into <= 128)
+//   attend:  one CTA per work item: K and V of the block once, the gathered (query, head) rows,
+//            QK and PV on mma.sync m16n8k16, partial output (normalised) and partial LSE per
+//            (query, head, slot)
+//   combine: one warp per (query, head): LSE-weighted sum of its slots in slot order
+// The order of entries inside a block's CSR list depends on atomics, but every row's partial is
+// computed by the same instructions wherever it lands in a CTA, and the combine walks slots in a
+// fixed order, so outputs are bitwise identical run to run.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "sparse_attn/formats.hpp"
+#include "sparse_attn/ops.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn::cuda_backend {
+
+/// Workspace bytes of the KV-centric pipeline (see query_sparse_workspace_bytes in plan.hpp).
+std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials);
+
+/// Reverse index of `lists` into `workspace` (device memory of at least the bytes above). Unless
+/// options.trusted, validates the lists on the device first (one host synchronisation).
+void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
+                       const QuerySparseOptions& options);
+
+/// Phase 2: partial outputs and LSE of every (query, head, slot), from a planned workspace.
+void query_sparse_attend(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                         const QueryLists& lists, void* workspace, std::size_t bytes, float scale,
+                         const QuerySparseOptions& options);
+
+/// Phase 3: out and lse from the partials of a workspace that has been through attend.
+void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
+                          const TensorView& out, const std::optional<TensorView>& lse,
+                          const QuerySparseOptions& options);
+
+/// plan + attend + combine with a workspace cached per (device, stream) (plan.hpp describes when it
+/// grows).
+void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                  const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
+                  const QuerySparseOptions& options);
+
+}  // namespace sparse_attn::cuda_backend

@@ -1,0 +1,19 @@
+// Launchers of the query_sparse kernels (one translation unit per phase); each returns the launch
+// status and leaves error reporting to the host code in query_sparse.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/query_sparse/kernels.cuh"
+
+namespace sparse_attn::cuda_kernels::qs {
+
+cudaError_t launch_validate(const Params& p, cudaStream_t stream);
+/// count -> scan -> fill -> items.
+cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream);
+/// One CTA per possible work item (`max_items`, known on the host); CTAs past the real number exit.
+cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, long long max_items,
+                          cudaStream_t stream);
+cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials, cudaStream_t stream);
+
+}  // namespace sparse_attn::cuda_kernels::qs

@@ -1,0 +1,260 @@
+// Host side of the KV-centric query_sparse: the workspace layout, argument checks specific to this
+// backend, device validation of QueryLists, the phase launches and the per-(device, stream)
+// workspace of the one-call entry point.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "core/check.hpp"
+#include "cuda/query_sparse/backend.hpp"
+#include "cuda/query_sparse/launch.hpp"
+
+namespace sparse_attn::cuda_backend {
+namespace {
+
+namespace qs = cuda_kernels::qs;
+using detail::require;
+
+const std::string kOp = "query_sparse";
+
+void check_cuda(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw Error(kOp, "", what + ": " + cudaGetErrorString(e));
+}
+
+struct DeviceGuard {
+  int previous = -1;
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&previous), "cudaGetDevice");
+    if (previous != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous) (void)cudaSetDevice(previous);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
+// Byte offsets of the workspace's arrays; each starts on a 256-byte boundary.
+struct Layout {
+  std::int64_t nblk = 0, slots = 0, rows = 0, max_items = 0;
+  std::size_t counts = 0, offsets = 0, item_offsets = 0, entries = 0, items = 0, bad = 0, lse = 0, part = 0, total = 0;
+};
+
+Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
+  Layout l;
+  l.nblk = p.B * p.Hkv * p.Tk();
+  l.slots = p.B * p.Hkv * p.Lq * Kq;
+  l.rows = l.slots * p.group_size();
+  l.max_items = ceil_div(l.rows, qs::kRowsPerItem) + l.nblk;
+  std::size_t at = 0;
+  auto take = [&](std::int64_t n, std::size_t elem) {
+    const std::size_t start = at;
+    at += (static_cast<std::size_t>(n) * elem + 255) / 256 * 256;
+    return start;
+  };
+  l.counts = take(l.nblk, sizeof(int));
+  l.offsets = take(l.nblk + 1, sizeof(int));
+  l.item_offsets = take(l.nblk + 1, sizeof(int));
+  l.entries = take(l.slots, sizeof(int));
+  l.items = take(l.max_items, sizeof(int2));
+  l.bad = take(1, sizeof(unsigned long long));
+  l.lse = take(l.rows, sizeof(float));
+  l.part = take(l.rows * p.D, prec == PartialPrecision::f32 ? 4 : 2);
+  l.total = at;
+  return l;
+}
+
+void check_shape(const ProblemShape& p, std::int64_t Kq) {
+  require(p.D == 64 || p.D == 128, kOp, "q",
+          "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D));
+  constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
+  const Layout l = layout(p, Kq, PartialPrecision::f32);
+  require(p.Lq <= kIntMax && p.Lk <= kIntMax && p.Lq * Kq <= kIntMax && l.rows <= kIntMax && l.max_items <= kIntMax,
+          kOp, "lists.idx",
+          "problem too large for 32-bit entry indices: " + p.describe() + " with " + std::to_string(Kq) + " slots per query");
+}
+
+qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
+                       PartialPrecision prec) {
+  const std::int64_t Kq = lists.idx.shape[3];
+  check_shape(p, Kq);
+  const Layout l = layout(p, Kq, prec);
+  require(workspace != nullptr || l.total == 0, kOp, "workspace", "is empty; it needs " + std::to_string(l.total) + " bytes");
+  require(bytes >= l.total, kOp, "workspace",
+          "holds " + std::to_string(bytes) + " bytes; this problem needs " + std::to_string(l.total));
+  require(reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0, kOp, "workspace", "must be 16-byte aligned");
+  qs::Params q;
+  q.B = static_cast<int>(p.B);
+  q.Lq = static_cast<int>(p.Lq);
+  q.Lk = static_cast<int>(p.Lk);
+  q.Hq = static_cast<int>(p.Hq);
+  q.Hkv = static_cast<int>(p.Hkv);
+  q.Tk = static_cast<int>(p.Tk());
+  q.Kq = static_cast<int>(Kq);
+  q.group = static_cast<int>(p.group_size());
+  q.offset = p.offset();
+  q.causal = p.causal;
+  q.nblk = l.nblk;
+  q.slots = l.slots;
+  q.idx = static_cast<const std::int32_t*>(lists.idx.data);
+  for (int i = 0; i < 4; ++i) q.idx_stride[i] = lists.idx.stride[i];
+  char* w = static_cast<char*>(workspace);
+  q.counts = reinterpret_cast<int*>(w + l.counts);
+  q.offsets = reinterpret_cast<int*>(w + l.offsets);
+  q.item_offsets = reinterpret_cast<int*>(w + l.item_offsets);
+  q.entries = reinterpret_cast<int*>(w + l.entries);
+  q.items = reinterpret_cast<int2*>(w + l.items);
+  q.bad = reinterpret_cast<unsigned long long*>(w + l.bad);
+  q.lse_part = reinterpret_cast<float*>(w + l.lse);
+  q.part = w + l.part;
+  return q;
+}
+
+// Rows are moved by 16-byte vector loads.
+void check_rows(const std::string& name, const TensorView& t) {
+  require(t.device == Device::cuda, kOp, name, "the CUDA backend needs device tensors, got " + t.describe());
+  require(t.dtype == DType::bf16 || t.dtype == DType::f16, kOp, name,
+          std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(t.dtype));
+  require(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 &&
+              t.stride[2] % 8 == 0,
+          kOp, name, "needs a 16-byte aligned base and strides that are multiples of 8 elements, got " + t.describe());
+}
+
+std::int32_t read_index(const std::int32_t* ptr, cudaStream_t stream) {
+  std::int32_t v = 0;
+  check_cuda(cudaMemcpyAsync(&v, ptr, sizeof(v), cudaMemcpyDeviceToHost, stream), "reading lists");
+  check_cuda(cudaStreamSynchronize(stream), "reading lists");
+  return v;
+}
+
+void validate_on_device(const qs::Params& q, cudaStream_t stream) {
+  const unsigned long long none = std::numeric_limits<unsigned long long>::max();
+  check_cuda(cudaMemcpyAsync(q.bad, &none, sizeof(none), cudaMemcpyHostToDevice, stream), "list validation");
+  check_cuda(qs::launch_validate(q, stream), "list validation launch");
+  unsigned long long found = none;
+  check_cuda(cudaMemcpyAsync(&found, q.bad, sizeof(found), cudaMemcpyDeviceToHost, stream), "list validation");
+  check_cuda(cudaStreamSynchronize(stream), "list validation");
+  if (found == none) return;
+  const unsigned code = static_cast<unsigned>(found & 1u);
+  const long long pos = static_cast<long long>(found >> 1);
+  const int s = static_cast<int>(pos % q.Kq);
+  const long long r = pos / q.Kq;
+  const int i = static_cast<int>(r % q.Lq);
+  const long long bg = r / q.Lq, b = bg / q.Hkv, g = bg % q.Hkv;
+  const std::int32_t* row = q.idx + b * q.idx_stride[0] + g * q.idx_stride[1] + i * q.idx_stride[2];
+  const int j = read_index(row + s * q.idx_stride[3], stream);
+  const std::string at = detail::coord_string({b, g, i, s});
+  if (code == qs::kBadRange)
+    throw Error(kOp, "lists.idx", "block id " + std::to_string(j) + " at " + at + " is out of range [0, " +
+                                      std::to_string(q.Tk) + ") (-1 marks an empty slot)");
+  throw Error(kOp, "lists.idx", "block id " + std::to_string(j) + " at " + at +
+                                    " repeats an earlier slot of the same query: ids must be distinct");
+}
+
+// One workspace per (device, stream), never freed: the one-call entry point reuses it across calls,
+// and freeing at exit could run after the CUDA runtime has shut down.
+struct CachedWorkspace {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+};
+
+std::mutex g_cache_mutex;
+std::map<std::pair<int, void*>, CachedWorkspace>& cache() {
+  static auto* m = new std::map<std::pair<int, void*>, CachedWorkspace>();
+  return *m;
+}
+
+}  // namespace
+
+std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
+  return layout(p, Kq, partials).total;
+}
+
+void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
+                       const QuerySparseOptions& options) {
+  require(lists.idx.device == Device::cuda, kOp, "lists.idx", "must be on the device, got " + lists.idx.describe());
+  DeviceGuard guard(lists.idx.device_index);
+  const auto stream = static_cast<cudaStream_t>(options.stream);
+  const qs::Params q = base_params(p, lists, workspace, bytes, options.partials);
+  if (!options.trusted && q.slots > 0) validate_on_device(q, stream);
+  check_cuda(qs::launch_reverse_index(q, stream), "reverse index launch");
+}
+
+void query_sparse_attend(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                         const QueryLists& lists, void* workspace, std::size_t bytes, float scale,
+                         const QuerySparseOptions& options) {
+  check_rows("q", q);
+  check_rows("k", k);
+  check_rows("v", v);
+  DeviceGuard guard(q.device_index);
+  qs::Params prm = base_params(p, lists, workspace, bytes, options.partials);
+  if (prm.slots == 0) return;
+  prm.q = q.data;
+  prm.k = k.data;
+  prm.v = v.data;
+  for (int i = 0; i < 3; ++i) {
+    prm.q_stride[i] = q.stride[i];
+    prm.k_stride[i] = k.stride[i];
+    prm.v_stride[i] = v.stride[i];
+  }
+  prm.scale = scale;
+  prm.scale_log2 = scale * 1.4426950408889634f;  // log2(e)
+  const Layout l = layout(p, lists.idx.shape[3], options.partials);
+  check_cuda(qs::launch_attend(prm, q.dtype == DType::bf16, static_cast<int>(p.D),
+                               options.partials == PartialPrecision::bf16, l.max_items,
+                               static_cast<cudaStream_t>(options.stream)),
+             "attention launch");
+}
+
+void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
+                          const TensorView& out, const std::optional<TensorView>& lse,
+                          const QuerySparseOptions& options) {
+  require(out.device == Device::cuda, kOp, "out", "the CUDA backend needs device tensors, got " + out.describe());
+  require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
+          std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype));
+  if (lse) require(lse->device == Device::cuda, kOp, "lse", "must be on the device, got " + lse->describe());
+  DeviceGuard guard(out.device_index);
+  qs::Params prm = base_params(p, lists, workspace, bytes, options.partials);
+  prm.out = out.data;
+  for (int i = 0; i < 3; ++i) prm.out_stride[i] = out.stride[i];
+  if (lse) {
+    prm.lse = static_cast<float*>(lse->data);
+    for (int i = 0; i < 3; ++i) prm.lse_stride[i] = lse->stride[i];
+  }
+  check_cuda(qs::launch_combine(prm, out.dtype == DType::bf16, static_cast<int>(p.D),
+                                options.partials == PartialPrecision::bf16, static_cast<cudaStream_t>(options.stream)),
+             "combine launch");
+}
+
+void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                  const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
+                  const QuerySparseOptions& options) {
+  check_rows("q", q);
+  check_shape(p, lists.idx.shape[3]);
+  const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
+  const std::size_t need = query_sparse_workspace_bytes(p, lists.idx.shape[3], options.partials);
+  DeviceGuard guard(q.device_index);
+  // The lock is held through the launches: two host threads sharing a stream must not interleave
+  // their plan and run on one workspace.
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  CachedWorkspace& ws = cache()[{q.device_index, options.stream}];
+  if (ws.bytes < need) {
+    const auto stream = static_cast<cudaStream_t>(options.stream);
+    check_cuda(cudaStreamSynchronize(stream), "workspace growth");  // earlier calls may still read it
+    if (ws.ptr != nullptr) check_cuda(cudaFree(ws.ptr), "workspace growth");
+    ws = CachedWorkspace{};
+    check_cuda(cudaMalloc(&ws.ptr, need), "workspace of " + std::to_string(need) + " bytes");
+    ws.bytes = need;
+  }
+  query_sparse_plan(p, lists, ws.ptr, ws.bytes, options);
+  query_sparse_attend(p, q, k, v, lists, ws.ptr, ws.bytes, scale, options);
+  query_sparse_combine(p, lists, ws.ptr, ws.bytes, out, lse, options);
+}
+
+}  // namespace sparse_attn::cuda_backend
