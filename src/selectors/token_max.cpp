@@ -7,6 +7,9 @@
 #include <vector>
 
 #include "selectors/select_common.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/selectors/backend.hpp"
+#endif
 #include "sparse_attn/selectors.hpp"
 
 namespace sparse_attn {
@@ -101,6 +104,9 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Quer
   detail::check_shape(op, "out.idx", out.idx, {s.B, s.Hkv, s.Lq, -1});
   check_capacity(op, "out.idx", out.idx, options.top_k);
   detail::check_same_device(op, "out.idx", out.idx, "qidx", qidx);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (qidx.device == Device::cuda) return cuda_backend::token_max_select(qidx, kidx, out, options);
+#endif
   if (qidx.device != Device::cpu) detail::unsupported_device(op, "qidx", qidx);
 
   const Prepared in = prepare(op, qidx, kidx, options.precision);
@@ -133,6 +139,9 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Tile
   detail::check_shape(op, "out.cnt", out.cnt, {s.B, s.Hkv, s.Tq});
   detail::check_same_device(op, "out.idx", out.idx, "qidx", qidx);
   detail::check_same_device(op, "out.cnt", out.cnt, "qidx", qidx);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (qidx.device == Device::cuda) return cuda_backend::token_max_select(qidx, kidx, out, options);
+#endif
   if (qidx.device != Device::cpu) detail::unsupported_device(op, "qidx", qidx);
 
   const Prepared in = prepare(op, qidx, kidx, options.precision);
