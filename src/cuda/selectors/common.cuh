@@ -146,7 +146,7 @@ __device__ __forceinline__ bool ranks_before(double sa, int ia, double sb, int i
 // every thread). `flags` is n bytes of shared scratch and `part` blockDim.x ints of shared scratch.
 // A candidate is kept iff fewer than k candidates rank before it; the set is the CPU's because the
 // order is total (ids are distinct).
-__device__ int top_k_ascending(const double* scores, int n, int k, unsigned char* flags, int* part, std::int32_t* row,
+__device__ inline int top_k_ascending(const double* scores, int n, int k, unsigned char* flags, int* part, std::int32_t* row,
                                std::int64_t stride, std::int64_t width) {
   const int tid = threadIdx.x, nt = blockDim.x;
   if (k >= n) {

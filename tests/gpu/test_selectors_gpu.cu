@@ -1,0 +1,258 @@
+// GPU tests of the CUDA selectors: every output element (ids, counts, -1 padding) must equal the CPU
+// reference bit for bit, on random inputs and on planted ones (far-away blocks copied from the
+// queries, and duplicated blocks whose exact ties must go to the lower id), over awkward shapes
+// (Lq = 1, 17, 1013; Lk not a multiple of 128; GQA 1 and 16; B > 1; causal and not). Device outputs
+// are poisoned first, so an unwritten slot cannot match the reference.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "sparse_attn/sparse_attn.hpp"
+
+namespace sa = sparse_attn;
+namespace st = sparse_attn::testing;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                                                  \
+  do {                                                                                                      \
+    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU selector test skipped"; \
+  } while (0)
+
+void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
+
+// A device copy of a host tensor (dense strides), freed on destruction.
+struct Dev {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  sa::TensorView view;
+  explicit Dev(const sa::HostTensor& h) {
+    bytes = static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype());
+    cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc");
+    cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
+    view = sa::TensorView::contiguous(ptr, h.dtype(), h.shape(), sa::Device::cuda, 0);
+  }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  ~Dev() {
+    if (ptr) cudaFree(ptr);
+  }
+  sa::HostTensor download(const sa::HostTensor& like) const {
+    sa::HostTensor h(like.dtype(), like.shape());
+    cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+// A poisoned int32 output on the device (every byte 0x5a: an id no selector produces).
+sa::HostTensor poisoned_i32(const std::vector<std::int64_t>& shape) {
+  sa::HostTensor h(sa::DType::i32, shape);
+  std::memset(h.view().data, 0x5a, static_cast<std::size_t>(h.numel()) * 4);
+  return h;
+}
+
+// Compares two int32 tensors element by element; reports the first few differences with coordinates.
+void expect_equal_i32(const sa::HostTensor& gpu, const sa::HostTensor& cpu, const std::string& what) {
+  ASSERT_EQ(gpu.numel(), cpu.numel());
+  const auto* g = gpu.data<std::int32_t>();
+  const auto* c = cpu.data<std::int32_t>();
+  const auto& shape = cpu.shape();
+  int reported = 0;
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < cpu.numel(); ++i) {
+    if (g[i] == c[i]) continue;
+    ++bad;
+    if (reported++ < 5) {
+      std::string coord;
+      std::int64_t rest = i;
+      for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+        coord = std::to_string(rest % shape[static_cast<std::size_t>(d)]) + (coord.empty() ? "" : ", ") + coord;
+        rest /= shape[static_cast<std::size_t>(d)];
+      }
+      ADD_FAILURE() << what << ": at [" << coord << "] gpu " << g[i] << " != cpu " << c[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << cpu.numel() << " elements differ";
+}
+
+// Copies `n` rows of [B, L, H, D] tensors of one dtype: dst[b, dl + r, dh] = src[b, sl + r, sh].
+void copy_rows(sa::HostTensor& dst, std::int64_t b, std::int64_t dl, std::int64_t dh, const sa::HostTensor& src,
+               std::int64_t sl, std::int64_t sh, std::int64_t n) {
+  const auto es = static_cast<std::int64_t>(sa::dtype_size(dst.dtype()));
+  const auto& ds = dst.shape();
+  const auto& ss = src.shape();
+  const std::int64_t D = ds[3];
+  for (std::int64_t r = 0; r < n && dl + r < ds[1] && sl + r < ss[1]; ++r) {
+    char* d = dst.data<char>() + (((b * ds[1] + dl + r) * ds[2] + dh) * D) * es;
+    const char* s = src.data<const char>() + (((b * ss[1] + sl + r) * ss[2] + sh) * D) * es;
+    std::memcpy(d, s, static_cast<std::size_t>(D * es));
+  }
+}
+
+// Plants structure into k given q (both [B, L, H, D], same dtype): for every batch, a far block takes
+// the keys of a Q tile's queries (a strong match), and two blocks get identical contents (exact ties).
+void plant(const sa::HostTensor& q, sa::HostTensor& k, std::int64_t group) {
+  const std::int64_t B = k.shape()[0], Lq = q.shape()[1], Lk = k.shape()[1], Hk = k.shape()[2];
+  const std::int64_t Tk = sa::ceil_div(Lk, sa::kBlockK), Tq = sa::ceil_div(Lq, sa::kTileQ);
+  if (Tk < 4) return;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t far = 1 + b % 2, t = (Tq - 1) / (1 + b);
+    for (std::int64_t h = 0; h < Hk; ++h) copy_rows(k, b, far * sa::kBlockK, h, q, t * sa::kTileQ, h * group, sa::kBlockK);
+    const std::int64_t twin = Tk - 2 == far ? Tk - 1 : Tk - 2, src = far;
+    for (std::int64_t h = 0; h < Hk; ++h) copy_rows(k, b, twin * sa::kBlockK, h, k, src * sa::kBlockK, h, sa::kBlockK);
+  }
+}
+
+// ---- pooled --------------------------------------------------------------------------------------
+
+struct PooledCase {
+  std::string name;
+  std::int64_t B = 1, Lq = 128, Lk = 128, Hq = 1, Hkv = 1, D = 128;
+  int r = 1, top_k = 4, kmax = 4;
+  bool causal = false, force_local = true, force_block0 = false, planted = false;
+  sa::DType dtype = sa::DType::bf16;
+};
+
+void run_pooled(const PooledCase& c, std::uint64_t seed) {
+  SCOPED_TRACE(c.name);
+  sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, seed);
+  sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 1);
+  if (c.planted) plant(q, k, c.Hq / c.Hkv);
+  const std::int64_t Tq = sa::ceil_div(c.Lq, sa::kTileQ);
+  sa::PooledOptions o;
+  o.representatives = c.r, o.top_k = c.top_k, o.causal = c.causal, o.force_local = c.force_local,
+  o.force_block0 = c.force_block0;
+
+  sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, Tq, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, Tq});
+  sa::pooled_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, o);
+
+  const sa::HostTensor gidx0 = poisoned_i32(idx.shape()), gcnt0 = poisoned_i32(cnt.shape());
+  Dev dq(q), dk(k), didx(gidx0), dcnt(gcnt0);
+  sa::pooled_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+  cuda_ok(cudaDeviceSynchronize(), "pooled_select");
+  expect_equal_i32(dcnt.download(cnt), cnt, "cnt");
+  expect_equal_i32(didx.download(idx), idx, "idx");
+}
+
+TEST(SelectorsGpu, PooledEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  std::vector<PooledCase> cases;
+  for (int r : {1, 4}) {
+    const std::string R = "R" + std::to_string(r) + " ";
+    cases.push_back({R + "Lq=1 causal", 1, 1, 300, 1, 1, 128, r, 3, 4, true});
+    cases.push_back({R + "Lq=17 non-causal GQA16", 1, 17, 1000, 16, 1, 128, r, 4, 6, false});
+    cases.push_back({R + "Lq=1013 causal B=2 GQA2 block0", 2, 1013, 1013, 4, 2, 128, r, 5, 5, true, true, true});
+    cases.push_back({R + "Lq<Lk causal planted", 2, 300, 2000, 16, 1, 128, r, 4, 7, true, true, false, true});
+    cases.push_back({R + "non-causal no forcing planted", 2, 256, 1700, 2, 2, 128, r, 6, 6, false, false, false, true});
+    cases.push_back({R + "Lq>Lk causal (tiles see nothing)", 1, 700, 200, 2, 1, 128, r, 2, 3, true});
+    cases.push_back({R + "top_k above candidates, D=64 f16", 1, 260, 390, 2, 1, 64, r, 16, 16, true, true, true, false,
+                     sa::DType::f16});
+    cases.push_back({R + "f32, D=80", 2, 130, 650, 3, 3, 80, r, 3, 3, false, true, false, true, sa::DType::f32});
+  }
+  std::uint64_t seed = 100;
+  for (const auto& c : cases) run_pooled(c, seed += 10);
+}
+
+// ---- token_max -----------------------------------------------------------------------------------
+
+struct TokenCase {
+  std::string name;
+  std::int64_t B = 1, Lq = 128, Lk = 128, Hkv = 1, Hk = 1, Di = 64;
+  int top_k = 4, kmax = 4;
+  bool causal = true, reserve_local = true, planted = false;
+  sa::DType dtype = sa::DType::bf16;
+};
+
+void run_token_max(const TokenCase& c, sa::IndexPrecision prec, bool tiles, std::uint64_t seed) {
+  SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (tiles ? " TileLists" : " QueryLists"));
+  sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hkv, c.Di}, seed);
+  sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hk, c.Di}, seed + 1);
+  if (c.planted) plant(q, k, c.Hkv / c.Hk);
+  sa::TokenMaxOptions o;
+  o.top_k = c.top_k, o.precision = prec, o.causal = c.causal, o.reserve_local = c.reserve_local;
+  Dev dq(q), dk(k);
+  if (tiles) {
+    const std::int64_t Tq = sa::ceil_div(c.Lq, sa::kTileQ);
+    sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, Tq, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, Tq});
+    sa::token_max_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, o);
+    const sa::HostTensor gidx0 = poisoned_i32(idx.shape()), gcnt0 = poisoned_i32(cnt.shape());
+    Dev didx(gidx0), dcnt(gcnt0);
+    sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+    cuda_ok(cudaDeviceSynchronize(), "token_max_select");
+    expect_equal_i32(dcnt.download(cnt), cnt, "cnt");
+    expect_equal_i32(didx.download(idx), idx, "idx");
+  } else {
+    sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, c.Lq, c.kmax});
+    sa::token_max_select(q.view(), k.view(), sa::QueryLists{idx.view()}, o);
+    const sa::HostTensor gidx0 = poisoned_i32(idx.shape());
+    Dev didx(gidx0);
+    sa::token_max_select(dq.view, dk.view, sa::QueryLists{didx.view}, o);
+    cuda_ok(cudaDeviceSynchronize(), "token_max_select");
+    expect_equal_i32(didx.download(idx), idx, "idx");
+  }
+}
+
+std::vector<TokenCase> token_cases() {
+  return {
+      {"Lq=1 causal", 1, 1, 333, 1, 1, 64, 3, 4, true},
+      {"Lq=17 non-causal Hk=Hkv", 1, 17, 900, 2, 2, 64, 4, 5, false},
+      {"Lq=1013 causal B=2 planted", 2, 1013, 1013, 1, 1, 64, 5, 5, true, true, true},
+      {"Lq<Lk causal Hk=1 of 2, Di=128", 2, 200, 1500, 2, 1, 128, 4, 6, true, true, true},
+      {"non-causal no reserve planted, Di=48 f32", 1, 150, 1100, 1, 1, 48, 3, 3, false, false, true, sa::DType::f32},
+      {"Lq>Lk causal (queries see nothing), f16", 1, 300, 140, 1, 1, 32, 2, 2, true, true, false, sa::DType::f16},
+      {"top_k above candidates, Di=20", 1, 130, 400, 1, 1, 20, 8, 9, true},
+  };
+}
+
+TEST(SelectorsGpu, TokenMaxQueryListsEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 500;
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::fp4_e2m1})
+    for (const auto& c : token_cases()) run_token_max(c, prec, false, seed += 10);
+}
+
+TEST(SelectorsGpu, TokenMaxTileListsEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 900;
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::fp4_e2m1})
+    for (const auto& c : token_cases()) run_token_max(c, prec, true, seed += 10);
+}
+
+// The public functions run on the caller's stream: results on a fresh stream equal the CPU's.
+TEST(SelectorsGpu, RunOnCallerStream) {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t s = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 256, 2, 64}, 77);
+  sa::HostTensor k = st::random_tensor(sa::DType::bf16, {1, 700, 1, 64}, 78);
+  sa::TokenMaxOptions o;
+  o.precision = sa::IndexPrecision::fp8_e4m3;
+  o.top_k = 3;
+  sa::HostTensor idx(sa::DType::i32, {1, 2, 256, 3});
+  sa::token_max_select(q.view(), k.view(), sa::QueryLists{idx.view()}, o);
+  Dev dq(q), dk(k), didx(poisoned_i32(idx.shape()));
+  o.stream = s;
+  sa::token_max_select(dq.view, dk.view, sa::QueryLists{didx.view}, o);
+  cuda_ok(cudaStreamSynchronize(s), "stream");
+  expect_equal_i32(didx.download(idx), idx, "idx");
+  cudaStreamDestroy(s);
+}
+
+// Small enough for compute-sanitizer (scripts/gpu_run.sh runs '*SanitizerSmall*'): every kernel of
+// the pooled (R1, R4) and token_max (three precisions, both formats) selectors once, partial blocks.
+TEST(SelectorsGpu, SanitizerSmall) {
+  SKIP_WITHOUT_GPU();
+  run_pooled({"sanitizer R1", 2, 200, 300, 4, 2, 64, 1, 2, 3, true, true, true, true}, 11);
+  run_pooled({"sanitizer R4", 1, 130, 390, 2, 1, 64, 4, 2, 2, false, true, false, false}, 12);
+  const TokenCase c{"sanitizer token_max", 2, 150, 290, 2, 1, 40, 2, 3, true, true, true};
+  run_token_max(c, sa::IndexPrecision::bf16, false, 13);
+  run_token_max(c, sa::IndexPrecision::fp8_e4m3, true, 14);
+  run_token_max(c, sa::IndexPrecision::fp4_e2m1, false, 15);
+}
+
+}  // namespace
