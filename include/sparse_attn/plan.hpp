@@ -1,0 +1,126 @@
+// Plans: the metadata work of an executor, done once and consumed by many runs (DESIGN §4.1), and the
+// planner that chooses between the Q-centric and the KV-centric schedule for a per-query selection
+// (DESIGN §1, §5.2, §5.3).
+//
+// KV-centric query_sparse in two steps, as FlashInfer's wrappers do:
+//
+//   std::size_t bytes = query_sparse_workspace_bytes(shape, Kq, options.partials);
+//   ... allocate `bytes` of device memory once (any allocator), view it as u8 [bytes] ...
+//   QuerySparsePlan plan = query_sparse_plan(q, k, v, lists, workspace, options);  // reverse index
+//   query_sparse_run(plan, q, k, v, out, lse, options);                             // attention + combine
+//
+// plan() validates the lists (unless options.trusted: validation reads the first fault back to the
+// host, one synchronisation) and builds the reverse index in the workspace on options.stream. run()
+// launches the attention and combine kernels on options.stream; it neither allocates nor
+// synchronises, so it may be captured in a CUDA graph. A plan stays valid while its lists and its
+// workspace stay unchanged; run() may be called any number of times with new q, k, v of the same
+// shape. On the CPU the workspace is not used (pass an empty view): plan() validates and records, and
+// run() executes the three phases of the CPU reference.
+//
+// The one-call query_sparse() (ops.hpp) plans and runs. On the GPU it keeps one workspace per
+// (device, stream), grown when a problem needs more: growing synchronises the stream and reallocates,
+// so a caller who needs allocation-free calls (CUDA graphs) uses plan() and run() with its own buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "sparse_attn/formats.hpp"
+#include "sparse_attn/ops.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn {
+
+// ---- KV-centric plan / run -----------------------------------------------------------------------
+
+/// Device bytes the KV-centric schedule needs for a problem with Kq slots per query: the reverse
+/// index (CSR per (b, group, KV block)), the work items, and the partial outputs (Lq * Hq * Kq * D
+/// per batch, in `partials` precision) and partial LSE (float32). 0 on a problem without queries.
+std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials);
+
+struct QuerySparsePlan {
+  ProblemShape shape;  // causal included
+  std::int64_t Kq = 0;
+  PartialPrecision partials = PartialPrecision::f32;
+  QueryLists lists;      // the lists the reverse index was built from (read again by the combine)
+  TensorView workspace;  // u8 [bytes] on the device of q; empty on the CPU
+  float scale = 1.0f;    // softmax scale in effect
+  Device device = Device::cpu;
+  int device_index = 0;
+  bool planned = false;
+};
+
+/// Checks the arguments, validates the lists (unless options.trusted) and builds the reverse index
+/// in `workspace` (u8, at least query_sparse_workspace_bytes, on q's device) on options.stream.
+QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const QueryLists& lists, const TensorView& workspace,
+                                  const QuerySparseOptions& options = {});
+
+/// Attention and combine of a plan: q, k, v and out must have the plan's shapes and q's device;
+/// options.stream, softmax_scale, causal and partials must match the plan's (Error otherwise).
+void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const TensorView& k,
+                      const TensorView& v, const TensorView& out,
+                      const std::optional<TensorView>& lse = std::nullopt,
+                      const QuerySparseOptions& options = {});
+
+// ---- planner: Q-centric or KV-centric ------------------------------------------------------------
+
+enum class Schedule : std::uint8_t {
+  q_centric,   // query_lists_to_tile_lists, then tile_sparse over each tile's union
+  kv_centric,  // query_sparse
+};
+
+const char* schedule_name(Schedule s);
+
+/// Statistics of a QueryLists selection (CPU tensors), counting only causally visible blocks.
+struct SelectionStats {
+  std::int64_t tiles = 0;            // (b, group, Q tile) triples
+  std::int64_t queries = 0;          // (b, group, query) triples
+  std::int64_t query_blocks = 0;     // selected visible (b, group, query, block) entries
+  std::int64_t tile_union = 0;       // sum over tiles of the size of the union of its queries' lists
+  std::int64_t max_tile_union = 0;   // largest union of one tile
+  std::int64_t selected_pairs = 0;   // selected visible (b, group, query, key) pairs
+  double blocks_per_query = 0.0;     // query_blocks / queries
+  double union_per_tile = 0.0;       // tile_union / tiles
+  /// Mean Jaccard similarity |A ∩ B| / |A ∪ B| of the lists of neighbouring queries i, i + 1 of the
+  /// same tile (pairs where both lists are empty count as 1).
+  double neighbour_overlap = 0.0;
+  /// query_blocks / (tile_union * queries per tile): the fraction of a tile's union that an average
+  /// query uses; 1 when the queries of a tile share one list.
+  double union_utilisation = 0.0;
+};
+
+/// Constants of the cost model, in nanoseconds on one H200 (docs/notes/planner.md records the
+/// measurement behind each one, and which ones are provisional).
+struct CostModel {
+  double q_visit_ns_d128 = 14.6;    // one (query head, Q tile, KV block) visit of tile_sparse, D = 128
+  double q_visit_ns_d64 = 10.1;     // the same at D = 64
+  double q_fixed_us = 10.0;         // conversion to TileLists and launch
+  double kv_row_block_ns = 0.33;    // attention of one (query, head, slot) against one block, D = 128
+  double kv_bytes_per_ns = 4270.0;  // HBM rate for the partials written and read back (4.27 TB/s)
+  double kv_slot_ns = 0.02;         // reverse index work per (query, slot)
+  double kv_fixed_us = 15.0;        // five launches of the KV-centric pipeline
+};
+
+struct PlanEstimate {
+  Schedule schedule = Schedule::q_centric;
+  double q_centric_ms = 0.0;
+  double kv_centric_ms = 0.0;
+  SelectionStats stats;
+  std::string reason;  // one line: the two estimates and what decided
+};
+
+/// Statistics of `lists` (int32 [B, Hkv, Lq, Kq] on the CPU; ids as validate() accepts them).
+SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p);
+
+/// Estimated times of both schedules from `stats` and the chosen one (the smaller estimate).
+PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape& p, PartialPrecision partials,
+                                const CostModel& model = {});
+
+/// selection_stats + estimate_schedules; validates the lists first.
+PlanEstimate plan_schedule(const QueryLists& lists, const ProblemShape& p,
+                           PartialPrecision partials = PartialPrecision::f32, const CostModel& model = {});
+
+}  // namespace sparse_attn

@@ -1,0 +1,116 @@
+// Public plan() / run() of the KV-centric query_sparse (include/sparse_attn/plan.hpp): argument
+// checks, then the CPU reference or the CUDA backend.
+#include <cmath>
+#include <string>
+
+#include "attention/cpu_backend.hpp"
+#include "core/check.hpp"
+#include "sparse_attn/plan.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/query_sparse/backend.hpp"
+#endif
+
+namespace sparse_attn {
+namespace {
+
+using detail::require;
+
+void check_partials(const std::string& op, PartialPrecision prec) {
+  require(prec == PartialPrecision::f32 || prec == PartialPrecision::bf16, op, "options.partials",
+          "unknown partial precision " + std::to_string(static_cast<int>(prec)));
+}
+
+void check_lists(const std::string& op, const QueryLists& lists, const ProblemShape& p, const TensorView& q) {
+  detail::check_tensor(op, "lists.idx", lists.idx, 4, {DType::i32});
+  detail::check_shape(op, "lists.idx", lists.idx, {p.B, p.Hkv, p.Lq, -1});
+  detail::check_same_device(op, "lists.idx", lists.idx, "q", q);
+}
+
+std::string shape_mismatch(const ProblemShape& got, const ProblemShape& planned) {
+  return "problem " + got.describe() + " differs from the planned " + planned.describe();
+}
+
+}  // namespace
+
+std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
+  check_partials("query_sparse_workspace_bytes", partials);
+  require(Kq >= 0, "query_sparse_workspace_bytes", "Kq", "must be >= 0, got " + std::to_string(Kq));
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  return cuda_backend::query_sparse_workspace_bytes(p, Kq, partials);
+#else
+  (void)p;
+  return 0;  // the CPU path keeps its scratch to itself
+#endif
+}
+
+QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const QueryLists& lists, const TensorView& workspace,
+                                  const QuerySparseOptions& options) {
+  const std::string op = "query_sparse_plan";
+  // The plan has no output yet; q stands in for it (same shape and dtype by definition).
+  const ProblemShape p = check_attention_args(op, q, k, v, q, std::nullopt, options);
+  check_partials(op, options.partials);
+  check_lists(op, lists, p, q);
+
+  QuerySparsePlan plan;
+  plan.shape = p;
+  plan.Kq = lists.idx.shape[3];
+  plan.partials = options.partials;
+  plan.lists = lists;
+  plan.scale = resolve_scale(op, options.softmax_scale, p.D);
+  plan.device = q.device;
+  plan.device_index = q.device_index;
+  if (q.device == Device::cpu) {
+    if (!options.trusted) validate(lists, p, op);
+    plan.planned = true;
+    return plan;
+  }
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  detail::check_tensor(op, "workspace", workspace, 1, {DType::u8});
+  detail::check_same_device(op, "workspace", workspace, "q", q);
+  require(workspace.stride[0] == 1, op, "workspace", "must be contiguous, got " + workspace.describe());
+  const std::size_t need = cuda_backend::query_sparse_workspace_bytes(p, plan.Kq, options.partials);
+  require(static_cast<std::size_t>(workspace.shape[0]) >= need, op, "workspace",
+          "holds " + std::to_string(workspace.shape[0]) + " bytes; this problem needs " + std::to_string(need) +
+              " (query_sparse_workspace_bytes)");
+  cuda_backend::query_sparse_plan(p, lists, workspace.data, static_cast<std::size_t>(workspace.shape[0]), options);
+  plan.workspace = workspace;
+  plan.planned = true;
+  return plan;
+#else
+  (void)workspace;
+  detail::unsupported_device(op, "q", q);
+#endif
+}
+
+void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
+  const std::string op = "query_sparse_run";
+  require(plan.planned, op, "plan", "was not made by query_sparse_plan");
+  const ProblemShape p = check_attention_args(op, q, k, v, out, lse, options);
+  const ProblemShape& s = plan.shape;
+  require(p.B == s.B && p.Lq == s.Lq && p.Hq == s.Hq && p.D == s.D, op, "q", shape_mismatch(p, s));
+  require(p.Lk == s.Lk && p.Hkv == s.Hkv, op, "k", shape_mismatch(p, s));
+  require(p.causal == s.causal, op, "options.causal",
+          std::string("is ") + (p.causal ? "true" : "false") + " but the plan was made with " + (s.causal ? "true" : "false"));
+  require(options.partials == plan.partials, op, "options.partials", "differs from the plan's");
+  const float scale = resolve_scale(op, options.softmax_scale, p.D);
+  require(scale == plan.scale, op, "softmax_scale",
+          std::to_string(scale) + " differs from the plan's " + std::to_string(plan.scale));
+  require(q.device == plan.device && q.device_index == plan.device_index, op, "q",
+          "is on " + q.describe() + ", not on the plan's device");
+  if (q.device == Device::cpu) {
+    detail::cpu::AttentionArgs a{q, k, v, out, lse, p, scale};
+    detail::cpu::query_sparse(a, plan.lists, plan.partials);
+    return;
+  }
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  const auto bytes = static_cast<std::size_t>(plan.workspace.shape[0]);
+  cuda_backend::query_sparse_attend(p, q, k, v, plan.lists, plan.workspace.data, bytes, scale, options);
+  cuda_backend::query_sparse_combine(p, plan.lists, plan.workspace.data, bytes, out, lse, options);
+#else
+  detail::unsupported_device(op, "q", q);
+#endif
+}
+
+}  // namespace sparse_attn

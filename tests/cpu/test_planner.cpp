@@ -1,0 +1,297 @@
+// The planner: selection statistics against brute force (sets per tile and per query pair, key
+// pairs counted one by one), decisions on clear-cut selections, the cost model's monotonicity, and
+// the CPU plan()/run() path of query_sparse against the one-call operator.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "sparse_attn/plan.hpp"
+#include "sparse_attn/sparse_attn.hpp"
+
+namespace sa = sparse_attn;
+namespace st = sparse_attn::testing;
+
+namespace {
+
+sa::ProblemShape shape(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
+                       std::int64_t D, bool causal) {
+  sa::ProblemShape p;
+  p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = causal;
+  return p;
+}
+
+// Per query: `per` distinct random blocks; a query keeps each block of its predecessor with
+// probability `keep` (the rest fresh); -1 in random slots; every 11th query empty.
+sa::HostTensor make_lists(const sa::ProblemShape& p, std::int64_t kq, std::int64_t per, double keep,
+                          std::uint64_t seed, bool holes = true) {
+  sa::HostTensor t(sa::DType::i32, {p.B, p.Hkv, p.Lq, kq});
+  auto* d = t.data<std::int32_t>();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const std::int64_t Tk = p.Tk();
+  per = std::min(per, std::min(kq, Tk));
+  for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg) {
+    std::vector<std::int32_t> prev;
+    for (std::int64_t i = 0; i < p.Lq; ++i) {
+      std::int32_t* row = d + (bg * p.Lq + i) * kq;
+      std::fill(row, row + kq, -1);
+      std::vector<std::int32_t> pick;
+      for (std::int32_t j : prev)
+        if (u(rng) < keep && static_cast<std::int64_t>(pick.size()) < per) pick.push_back(j);
+      while (static_cast<std::int64_t>(pick.size()) < per) {
+        const auto j = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(Tk));
+        if (std::find(pick.begin(), pick.end(), j) == pick.end()) pick.push_back(j);
+      }
+      prev = pick;
+      if (holes && i % 11 == 5) continue;
+      std::vector<std::int64_t> slots(static_cast<std::size_t>(kq));
+      std::iota(slots.begin(), slots.end(), 0);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      for (std::size_t s = 0; s < pick.size(); ++s) row[slots[s]] = pick[s];
+    }
+  }
+  return t;
+}
+
+// Straightforward recomputation of every statistic from sets.
+sa::SelectionStats brute_force(const sa::HostTensor& idx, const sa::ProblemShape& p) {
+  const std::int64_t kq = idx.shape()[3];
+  const auto* d = idx.data<std::int32_t>();
+  sa::SelectionStats s;
+  double overlap = 0.0, util_den = 0.0;
+  std::int64_t pairs = 0;
+  auto visible_set = [&](std::int64_t bg, std::int64_t i) {
+    std::set<std::int32_t> out;
+    for (std::int64_t x = 0; x < kq; ++x) {
+      const std::int32_t j = d[(bg * p.Lq + i) * kq + x];
+      if (j < 0) continue;
+      bool any = false;
+      for (std::int64_t key = j * sa::kBlockK; key < std::min(p.Lk, (j + 1) * sa::kBlockK); ++key)
+        any = any || p.visible(i, key);
+      if (any) out.insert(j);
+    }
+    return out;
+  };
+  for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg) {
+    for (std::int64_t t = 0; t < p.Tq(); ++t) {
+      std::set<std::int32_t> uni;
+      const std::int64_t i0 = t * sa::kTileQ, i1 = std::min(p.Lq, i0 + sa::kTileQ);
+      for (std::int64_t i = i0; i < i1; ++i) {
+        const auto cur = visible_set(bg, i);
+        uni.insert(cur.begin(), cur.end());
+        s.query_blocks += static_cast<std::int64_t>(cur.size());
+        for (std::int32_t j : cur)
+          for (std::int64_t key = j * sa::kBlockK; key < std::min(p.Lk, (j + 1) * sa::kBlockK); ++key)
+            s.selected_pairs += p.visible(i, key) ? 1 : 0;
+        if (i > i0) {
+          const auto prev = visible_set(bg, i - 1);
+          std::set<std::int32_t> both = prev, common;
+          both.insert(cur.begin(), cur.end());
+          for (std::int32_t j : cur)
+            if (prev.count(j)) common.insert(j);
+          overlap += both.empty() ? 1.0 : double(common.size()) / double(both.size());
+          ++pairs;
+        }
+      }
+      s.tile_union += static_cast<std::int64_t>(uni.size());
+      s.max_tile_union = std::max<std::int64_t>(s.max_tile_union, static_cast<std::int64_t>(uni.size()));
+      util_den += double(uni.size()) * double(i1 - i0);
+    }
+  }
+  s.neighbour_overlap = pairs ? overlap / double(pairs) : 1.0;
+  s.union_utilisation = util_den > 0 ? double(s.query_blocks) / util_den : 1.0;
+  return s;
+}
+
+void expect_stats_equal(const sa::SelectionStats& got, const sa::SelectionStats& ref, const sa::ProblemShape& p) {
+  EXPECT_EQ(got.tiles, p.B * p.Hkv * p.Tq());
+  EXPECT_EQ(got.queries, p.B * p.Hkv * p.Lq);
+  EXPECT_EQ(got.query_blocks, ref.query_blocks);
+  EXPECT_EQ(got.tile_union, ref.tile_union);
+  EXPECT_EQ(got.max_tile_union, ref.max_tile_union);
+  EXPECT_EQ(got.selected_pairs, ref.selected_pairs);
+  EXPECT_NEAR(got.neighbour_overlap, ref.neighbour_overlap, 1e-12);
+  EXPECT_NEAR(got.union_utilisation, ref.union_utilisation, 1e-12);
+  EXPECT_NEAR(got.blocks_per_query, double(ref.query_blocks) / double(got.queries), 1e-12);
+  EXPECT_NEAR(got.union_per_tile, double(ref.tile_union) / double(got.tiles), 1e-12);
+}
+
+TEST(Planner, StatsMatchBruteForce) {
+  struct C {
+    sa::ProblemShape p;
+    std::int64_t kq, per;
+    double keep;
+  };
+  const std::vector<C> cases = {
+      {shape(2, 1013, 1000, 4, 2, 64, false), 6, 4, 0.5},
+      {shape(2, 1013, 1000, 4, 2, 64, true), 6, 4, 0.5},
+      {shape(1, 17, 2000, 16, 1, 128, true), 5, 5, 0.0},   // Lq < Lk: causal offset
+      {shape(1, 300, 129, 2, 2, 128, true), 3, 2, 0.9},    // Lq > Lk: first queries see nothing
+      {shape(3, 1, 640, 1, 1, 128, false), 4, 3, 0.0},     // one query
+      {shape(1, 256, 1024, 8, 1, 128, false), 8, 8, 1.0},  // identical lists
+  };
+  std::uint64_t seed = 11;
+  for (const C& c : cases) {
+    SCOPED_TRACE(c.p.describe());
+    const auto idx = make_lists(c.p, c.kq, c.per, c.keep, ++seed);
+    const sa::SelectionStats got = sa::selection_stats(sa::QueryLists{idx.view()}, c.p);
+    expect_stats_equal(got, brute_force(idx, c.p), c.p);
+    EXPECT_GT(got.query_blocks, 0);
+  }
+}
+
+TEST(Planner, IdenticalListsInATilePickQCentric) {
+  const auto p = shape(1, 4096, 4096, 16, 1, 128, false);
+  sa::HostTensor idx(sa::DType::i32, {1, 1, p.Lq, 16});
+  std::mt19937_64 rng(3);
+  for (std::int64_t t = 0; t < p.Tq(); ++t) {
+    std::vector<std::int32_t> all(static_cast<std::size_t>(p.Tk()));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (std::int64_t i = t * 128; i < (t + 1) * 128; ++i)
+      std::copy(all.begin(), all.begin() + 16, idx.data<std::int32_t>() + i * 16);
+  }
+  const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
+  EXPECT_EQ(e.schedule, sa::Schedule::q_centric) << e.reason;
+  EXPECT_DOUBLE_EQ(e.stats.union_per_tile, 16.0);
+  EXPECT_GT(e.stats.neighbour_overlap, 0.99);
+  EXPECT_NEAR(e.stats.union_utilisation, 1.0, 1e-12);
+  EXPECT_GT(e.kv_centric_ms, 2.0 * e.q_centric_ms) << e.reason;
+}
+
+TEST(Planner, IndependentListsOverManyBlocksPickKVCentric) {
+  const auto p = shape(1, 4096, 65536, 16, 1, 128, false);
+  const auto idx = make_lists(p, 16, 16, 0.0, 5, false);
+  const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
+  EXPECT_EQ(e.schedule, sa::Schedule::kv_centric) << e.reason;
+  EXPECT_GT(e.stats.union_per_tile, 400.0);  // 128 queries x 16 of 512 blocks: nearly all
+  EXPECT_LT(e.stats.neighbour_overlap, 0.1);
+  EXPECT_GT(e.q_centric_ms, 2.0 * e.kv_centric_ms) << e.reason;
+}
+
+TEST(Planner, CostModelMovesTheRightWay) {
+  const auto p = shape(1, 1024, 16384, 8, 2, 128, false);
+  // More overlap between neighbours shrinks the tile unions: Q-centric gets cheaper, KV-centric
+  // (same blocks per query) stays put.
+  double last_q = 1e300, first_kv = -1.0;
+  for (double keep : {0.0, 0.5, 0.9, 1.0}) {
+    const auto idx = make_lists(p, 8, 8, keep, 21, false);
+    const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
+    EXPECT_LT(e.q_centric_ms, last_q) << "keep " << keep << ": " << e.reason;
+    last_q = e.q_centric_ms;
+    if (first_kv < 0) first_kv = e.kv_centric_ms;
+    EXPECT_NEAR(e.kv_centric_ms, first_kv, 1e-9);
+    // bf16 partials move half the bytes.
+    const sa::PlanEstimate h = sa::estimate_schedules(e.stats, p, sa::PartialPrecision::bf16);
+    EXPECT_LT(h.kv_centric_ms, e.kv_centric_ms);
+    EXPECT_DOUBLE_EQ(h.q_centric_ms, e.q_centric_ms);
+    EXPECT_NE(e.reason.find(sa::schedule_name(e.schedule)), std::string::npos);
+  }
+}
+
+TEST(Planner, RejectsBadLists) {
+  const auto p = shape(1, 200, 300, 2, 1, 64, false);
+  auto idx = make_lists(p, 4, 2, 0.0, 9, false);
+  idx.data<std::int32_t>()[130 * 4 + 2] = 3;  // Tk = 3
+  try {
+    sa::plan_schedule(sa::QueryLists{idx.view()}, p);
+    FAIL() << "out-of-range id accepted";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "lists.idx");
+    EXPECT_NE(std::string(e.what()).find("[0, 0, 130, 2]"), std::string::npos) << e.what();
+  }
+  try {
+    sa::selection_stats(sa::QueryLists{idx.view()}, p);
+    FAIL() << "out-of-range id accepted";
+  } catch (const sa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("3"), std::string::npos) << e.what();
+  }
+  sa::HostTensor wrong(sa::DType::f32, {1, 1, 200, 4});
+  EXPECT_THROW(sa::selection_stats(sa::QueryLists{wrong.view()}, p), sa::Error);
+  sa::HostTensor short_lists(sa::DType::i32, {1, 1, 199, 4});
+  EXPECT_THROW(sa::selection_stats(sa::QueryLists{short_lists.view()}, p), sa::Error);
+}
+
+// plan() + run() on the CPU: the same bits as the one-call operator, reusable for new q, k, v; a run
+// that disagrees with its plan is rejected.
+TEST(QuerySparsePlan, CpuPlanRunMatchesOneCall) {
+  for (bool causal : {false, true}) {
+    const auto p = shape(2, 1013, 1000, 4, 1, 64, causal);
+    const auto idx = make_lists(p, 5, 4, 0.3, causal ? 41 : 42);
+    const sa::QueryLists lists{idx.view()};
+    sa::QuerySparseOptions opt;
+    opt.causal = causal;
+    opt.partials = sa::PartialPrecision::bf16;
+    auto k = st::random_tensor(sa::DType::bf16, {p.B, p.Lk, p.Hkv, p.D}, 2);
+    auto v = st::random_tensor(sa::DType::bf16, {p.B, p.Lk, p.Hkv, p.D}, 3);
+    auto q0 = st::random_tensor(sa::DType::bf16, {p.B, p.Lq, p.Hq, p.D}, 1);
+    const sa::QuerySparsePlan plan = sa::query_sparse_plan(q0.view(), k.view(), v.view(), lists, sa::TensorView{}, opt);
+    ASSERT_TRUE(plan.planned);
+    for (std::uint64_t seed : {101u, 102u}) {
+      auto q = st::random_tensor(sa::DType::bf16, {p.B, p.Lq, p.Hq, p.D}, seed);
+      sa::HostTensor out1(sa::DType::bf16, {p.B, p.Lq, p.Hq, p.D}), out2 = out1;
+      sa::HostTensor lse1(sa::DType::f32, {p.B, p.Hq, p.Lq}), lse2 = lse1;
+      st::poison(out1), st::poison(out2), st::poison(lse1), st::poison(lse2);
+      sa::query_sparse_run(plan, q.view(), k.view(), v.view(), out1.view(), lse1.view(), opt);
+      sa::query_sparse(q.view(), k.view(), v.view(), lists, out2.view(), lse2.view(), opt);
+      EXPECT_TRUE(st::all_finite(out1));
+      EXPECT_EQ(0, std::memcmp(out1.view().data, out2.view().data, static_cast<std::size_t>(out1.numel()) * 2));
+      EXPECT_EQ(0, std::memcmp(lse1.view().data, lse2.view().data, static_cast<std::size_t>(lse1.numel()) * 4));
+      if (seed != 101u) continue;  // one float64 reference per case keeps the suite fast
+      const st::Reference ref = st::reference_attention(q.view(), k.view(), v.view(), sa::Selection{lists}, p,
+                                                        1.0 / std::sqrt(double(p.D)));
+      EXPECT_LT(st::rel_err(out1, ref.out), 1e-2);
+    }
+    // Mismatches with the plan are errors naming the argument.
+    sa::HostTensor out(sa::DType::bf16, {p.B, p.Lq, p.Hq, p.D});
+    sa::QuerySparseOptions other = opt;
+    other.causal = !causal;
+    try {
+      sa::query_sparse_run(plan, q0.view(), k.view(), v.view(), out.view(), std::nullopt, other);
+      FAIL() << "causal mismatch accepted";
+    } catch (const sa::Error& e) {
+      EXPECT_EQ(e.argument(), "options.causal");
+    }
+    other = opt;
+    other.partials = sa::PartialPrecision::f32;
+    EXPECT_THROW(sa::query_sparse_run(plan, q0.view(), k.view(), v.view(), out.view(), std::nullopt, other), sa::Error);
+    other = opt;
+    other.softmax_scale = 0.5f;
+    EXPECT_THROW(sa::query_sparse_run(plan, q0.view(), k.view(), v.view(), out.view(), std::nullopt, other), sa::Error);
+    auto k2 = st::random_tensor(sa::DType::bf16, {p.B, p.Lk + 1, p.Hkv, p.D}, 7);
+    EXPECT_THROW(sa::query_sparse_run(plan, q0.view(), k2.view(), k2.view(), out.view(), std::nullopt, opt), sa::Error);
+    EXPECT_THROW(sa::query_sparse_run(sa::QuerySparsePlan{}, q0.view(), k.view(), v.view(), out.view(), std::nullopt, opt),
+                 sa::Error);
+  }
+}
+
+TEST(QuerySparsePlan, CpuPlanValidatesLists) {
+  const auto p = shape(1, 130, 256, 2, 1, 64, false);
+  auto idx = make_lists(p, 3, 2, 0.0, 5, false);
+  auto* d = idx.data<std::int32_t>();
+  d[129 * 3 + 1] = d[129 * 3 + 0] >= 0 ? d[129 * 3 + 0] : 0;
+  d[129 * 3 + 0] = d[129 * 3 + 1];  // a duplicate in the last query's row
+  auto q = st::random_tensor(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}, 1);
+  auto k = st::random_tensor(sa::DType::f32, {p.B, p.Lk, p.Hkv, p.D}, 2);
+  try {
+    sa::query_sparse_plan(q.view(), k.view(), k.view(), sa::QueryLists{idx.view()}, sa::TensorView{});
+    FAIL() << "duplicate accepted";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "lists.idx");
+    EXPECT_NE(std::string(e.what()).find("129"), std::string::npos) << e.what();
+  }
+  sa::HostTensor wrong(sa::DType::i32, {1, 2, p.Lq, 3});
+  EXPECT_THROW(sa::query_sparse_plan(q.view(), k.view(), k.view(), sa::QueryLists{wrong.view()}, sa::TensorView{}),
+               sa::Error);
+}
+
+}  // namespace
