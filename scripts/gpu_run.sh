@@ -3,8 +3,8 @@
 # (memcheck, racecheck, synccheck) on a small GPU test, then the benchmark against peers. Logs and
 # JSON go to $OUT; a short table is printed last.
 #
-# Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench]
-# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT seconds) so a hung
+# Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-selector-bench]
+# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT seconds) so a hung
 # kernel costs one stage, not the whole session.
 # Build dependencies that the machine lacks (GoogleTest, nlohmann_json) are taken from .gpu/usr, a
 # git-ignored copy of the Debian packages' headers, libraries and CMake configs.
@@ -14,7 +14,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu-out}"
 BUILD="${BUILD:-$ROOT/build-gpu}"
 JOBS="${JOBS:-$(nproc)}"
-PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1
+PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1 SELBENCH=1
 for arg in "$@"; do
   case "$arg" in
     --no-peers) PEERS=0 ;;
@@ -22,6 +22,7 @@ for arg in "$@"; do
     --no-tests) TESTS=0 ;;
     --no-sanitizer) SANITIZER=0 ;;
     --no-bench) BENCH=0 ;;
+    --no-selector-bench) SELBENCH=0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -42,7 +43,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSPARSE_ATTN_C
 if ! cmake --build "$BUILD" -j "$JOBS" --target sparse_attn sparse_attn_gpu_tests > "$OUT/build.log" 2>&1; then
   note "build FAILED"; grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1
 fi
-g++ -O2 -std=c++20 -shared -fPIC -I"$ROOT/include" -I"$ROOT/src" "$ROOT/bench/gpu/capi.cpp" "$BUILD/libsparse_attn.a" \
+g++ -O2 -std=c++20 -shared -fPIC -I"$ROOT/include" -I"$ROOT/src" -I"$CUDA_HOME/include" "$ROOT/bench/gpu/capi.cpp" "$BUILD/libsparse_attn.a" \
   -L"$CUDA_HOME/lib64" -lcudart_static -ldl -lrt -lpthread -fopenmp -o "$BUILD/libsa_bench.so" \
   > "$OUT/build_capi.log" 2>&1 || { note "bench library build FAILED"; cat "$OUT/build_capi.log"; exit 1; }
 note "$(stamp) build ok"
@@ -76,6 +77,28 @@ if [ "$BENCH" = 1 ]; then
   [ "$QUICK" = 1 ] && BENCH_ARGS+=(--quick)
   if ! timeout "${BENCH_TIMEOUT:-400}" python3 "$ROOT/bench/gpu/bench_attention.py" "${BENCH_ARGS[@]}" > "$OUT/bench.log" 2>&1; then
     note "benchmark FAILED"; tail -30 "$OUT/bench.log"; STATUS=1
+  fi
+fi
+
+# ---- selector timings (optional): the tile16 shape at Lk = 16K, top-16, one line per selector ----------
+if [ "$SELBENCH" = 1 ]; then
+  if ! timeout "${SELECTOR_TIMEOUT:-300}" python3 - "$BUILD/libsa_bench.so" > "$OUT/selector_bench.log" 2>&1 <<'PY'
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+i64 = ctypes.c_int64
+lib.sa_bench_selectors.argtypes = [i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int,
+                                   ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int]
+times = (ctypes.c_double * 5)()
+err = ctypes.create_string_buffer(512)
+if lib.sa_bench_selectors(2, 4096, 16384, 16, 1, 128, 16, 20, times, err, 512) != 0:
+    sys.exit("selector benchmark failed: " + err.value.decode())
+names = ["pooled R1", "pooled R4", "token_max bf16", "token_max fp8", "token_max fp4"]
+targets = [10.0, 20.0, None, 40.0, None]
+for n, t, goal in zip(names, times, targets):
+    print(f"selector {n:15s} tile16 Lk=16384 top-16: {t:9.1f} us" + (f" (target <= {goal:.0f} us)" if goal else ""))
+PY
+  then note "selector benchmark FAILED"; tail -5 "$OUT/selector_bench.log"; STATUS=1
+  else grep '^selector ' "$OUT/selector_bench.log" | while read -r line; do note "$line"; done
   fi
 fi
 

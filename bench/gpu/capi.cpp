@@ -49,3 +49,125 @@ extern "C" int sa_bench_attention(int dtype_code, void* q, void* k, void* v, voi
     return 1;
   }
 }
+
+// ---- selectors ---------------------------------------------------------------------------------------
+// Times the CUDA selectors through the public functions on one shape (the `tile16` one at a given Lk):
+// q [B, Lq, Hq, D] and k [B, Lk, Hkv, D] bf16 of fresh normal values; token_max reads index vectors
+// qidx [B, Lq, Hkv, D], kidx [B, Lk, 1, D] and writes TileLists. times_us receives, in order: pooled
+// R1, pooled R4, token_max bf16, token_max fp8 e4m3, token_max fp4 e2m1 (mean over `iters` runs after
+// one warm-up, CUDA events on a private stream). Before timing, pooled R1 on this input is checked
+// against the CPU selector (ids and counts equal); token_max is checked by the GPU tests.
+#include <cuda_runtime.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sparse_attn/dtype.hpp"
+
+namespace {
+
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(std::size_t bytes) {
+    if (cudaMalloc(&p, bytes) != cudaSuccess) throw std::runtime_error("cudaMalloc of " + std::to_string(bytes) + " bytes failed");
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+};
+
+std::vector<std::uint16_t> random_bf16(std::int64_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<std::uint16_t> h(static_cast<std::size_t>(n));
+  for (auto& x : h) x = sa::float_to_bf16(dist(rng));
+  return h;
+}
+
+void check_cuda_bench(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+extern "C" int sa_bench_selectors(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
+                                  std::int64_t D, int top_k, int iters, double* times_us, char* err, int err_len) {
+  try {
+    const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
+    const auto hq = random_bf16(B * Lq * Hq * D, 1), hk = random_bf16(B * Lk * Hkv * D, 2);
+    const auto hqi = random_bf16(B * Lq * Hkv * D, 3), hki = random_bf16(B * Lk * D, 4);
+    DevBuf q(hq.size() * 2), k(hk.size() * 2), qi(hqi.size() * 2), ki(hki.size() * 2);
+    DevBuf idx(static_cast<std::size_t>(B * Hkv * Tq * top_k) * 4), cnt(static_cast<std::size_t>(B * Hkv * Tq) * 4);
+    check_cuda_bench(cudaMemcpy(q.p, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice), "upload");
+    check_cuda_bench(cudaMemcpy(k.p, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice), "upload");
+    check_cuda_bench(cudaMemcpy(qi.p, hqi.data(), hqi.size() * 2, cudaMemcpyHostToDevice), "upload");
+    check_cuda_bench(cudaMemcpy(ki.p, hki.data(), hki.size() * 2, cudaMemcpyHostToDevice), "upload");
+    const auto dev = sa::Device::cuda;
+    const auto qv = sa::TensorView::contiguous(q.p, sa::DType::bf16, {B, Lq, Hq, D}, dev);
+    const auto kv = sa::TensorView::contiguous(k.p, sa::DType::bf16, {B, Lk, Hkv, D}, dev);
+    const auto qiv = sa::TensorView::contiguous(qi.p, sa::DType::bf16, {B, Lq, Hkv, D}, dev);
+    const auto kiv = sa::TensorView::contiguous(ki.p, sa::DType::bf16, {B, Lk, 1, D}, dev);
+    const sa::TileLists tiles{sa::TensorView::contiguous(idx.p, sa::DType::i32, {B, Hkv, Tq, top_k}, dev),
+                              sa::TensorView::contiguous(cnt.p, sa::DType::i32, {B, Hkv, Tq}, dev)};
+    cudaStream_t stream = nullptr;
+    check_cuda_bench(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    sa::PooledOptions po;
+    po.top_k = top_k, po.causal = false, po.stream = stream;
+    sa::TokenMaxOptions to;
+    to.top_k = top_k, to.causal = false, to.stream = stream;
+
+    {  // verify R1 against the CPU selector
+      sa::pooled_select(qv, kv, tiles, po);
+      check_cuda_bench(cudaStreamSynchronize(stream), "pooled R1");
+      std::vector<std::int32_t> gi(static_cast<std::size_t>(B * Hkv * Tq * top_k)), gc(static_cast<std::size_t>(B * Hkv * Tq));
+      check_cuda_bench(cudaMemcpy(gi.data(), idx.p, gi.size() * 4, cudaMemcpyDeviceToHost), "download");
+      check_cuda_bench(cudaMemcpy(gc.data(), cnt.p, gc.size() * 4, cudaMemcpyDeviceToHost), "download");
+      sa::HostTensor cq(sa::DType::bf16, {B, Lq, Hq, D}), ck(sa::DType::bf16, {B, Lk, Hkv, D});
+      std::memcpy(cq.data<std::uint16_t>(), hq.data(), hq.size() * 2);
+      std::memcpy(ck.data<std::uint16_t>(), hk.data(), hk.size() * 2);
+      sa::HostTensor ci(sa::DType::i32, {B, Hkv, Tq, top_k}), cc(sa::DType::i32, {B, Hkv, Tq});
+      sa::PooledOptions cpo = po;
+      cpo.stream = nullptr;
+      sa::pooled_select(cq.view(), ck.view(), sa::TileLists{ci.view(), cc.view()}, cpo);
+      if (std::memcmp(gi.data(), ci.data<std::int32_t>(), gi.size() * 4) != 0 ||
+          std::memcmp(gc.data(), cc.data<std::int32_t>(), gc.size() * 4) != 0)
+        throw std::runtime_error("pooled R1 on the GPU differs from the CPU selector");
+    }
+
+    cudaEvent_t e0, e1;
+    check_cuda_bench(cudaEventCreate(&e0), "cudaEventCreate");
+    check_cuda_bench(cudaEventCreate(&e1), "cudaEventCreate");
+    auto time = [&](auto&& fn) {
+      fn();
+      check_cuda_bench(cudaStreamSynchronize(stream), "warm-up");
+      check_cuda_bench(cudaEventRecord(e0, stream), "cudaEventRecord");
+      for (int i = 0; i < iters; ++i) fn();
+      check_cuda_bench(cudaEventRecord(e1, stream), "cudaEventRecord");
+      check_cuda_bench(cudaEventSynchronize(e1), "cudaEventSynchronize");
+      float ms = 0.0f;
+      check_cuda_bench(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+      return 1000.0 * ms / iters;
+    };
+    int slot = 0;
+    for (int r : {1, 4}) {
+      po.representatives = r;
+      times_us[slot++] = time([&] { sa::pooled_select(qv, kv, tiles, po); });
+    }
+    for (auto p : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::fp4_e2m1}) {
+      to.precision = p;
+      times_us[slot++] = time([&] { sa::token_max_select(qiv, kiv, tiles, to); });
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaStreamDestroy(stream);
+    return 0;
+  } catch (const std::exception& e) {
+    if (err && err_len > 0) {
+      const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
+      std::memcpy(err, e.what(), n);
+      err[n] = '\0';
+    }
+    return 1;
+  }
+}
