@@ -2,6 +2,7 @@
 //   info   build configuration and CUDA devices
 //   demo   selectors -> executors on a synthetic workload with planted structure
 //   bench  the DESIGN §7 workloads, verified before they are timed
+//   eval   selection quality of every selector against dense attention and an oracle
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
@@ -10,6 +11,7 @@
 #include "bench.hpp"
 #include "common.hpp"
 #include "demo.hpp"
+#include "eval.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace {
@@ -65,11 +67,15 @@ int main(int argc, char** argv) {
   auto* bench = app.add_subcommand("bench", "Benchmark a DESIGN §7 workload; every case is verified before it is timed");
   sparse_attn::cli::add_bench_options(*bench, bench_cfg);
 
+  sparse_attn::cli::EvalConfig eval_cfg;
+  auto* eval = sparse_attn::cli::add_eval_subcommand(app, eval_cfg);
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (info->parsed()) return run_info();
     if (demo->parsed()) return sparse_attn::cli::run_demo(demo_cfg);
     if (bench->parsed()) return sparse_attn::cli::run_bench(bench_cfg);
+    if (eval->parsed()) return sparse_attn::cli::run_eval(eval_cfg);
   } catch (const sparse_attn::Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 2;
