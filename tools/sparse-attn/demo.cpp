@@ -1,10 +1,6 @@
-// The demo workload is built so that a good selector has something to find:
-//  - attention sinks: the first keys carry a direction every query shares;
-//  - local bands: queries and keys carry a slowly rotating positional direction (sums of rotations
-//    at several frequencies, as rotary embeddings do), so q_i . k_j peaks near j = i;
-//  - needles: a run of 16 keys in one block far in the past carries a direction that every query
-//    of one later Q tile (all heads of the group) shares, strongly enough to dominate those queries.
-// Everything is a sum of orthonormal directions scaled to a target logit, plus noise, in bf16.
+// The demo runs every selector in front of the executor its format suits, on the structured
+// synthetic workload of workload.hpp (sinks, local bands, planted needles), and measures quality
+// against dense attention on a tail of the queries.
 #include "demo.hpp"
 
 #include <algorithm>
@@ -13,184 +9,21 @@
 #include <stdexcept>
 
 #include "common.hpp"
+#include "workload.hpp"
 
 namespace sparse_attn::cli {
 
 namespace {
 
-constexpr std::int64_t kDim = 128;
-constexpr int kFrequencies = 8;       // rotation frequencies of the positional direction
-constexpr std::int64_t kSinkKeys = 4;
-constexpr std::int64_t kNeedleKeys = 16;
-constexpr std::int64_t kNeedleMinGap = 4;  // blocks between a needle and the tile that looks for it
-// Target logits (scaled scores) of each structure; the needle beats the band so that a missed
-// needle costs its queries most of their attention mass.
-constexpr double kSinkLogit = 5.0, kLocalLogit = 6.0, kNeedleLogit = 8.0, kNoise = 0.5;
-
-struct Needle {
-  std::int64_t b, g, tile, block, key_begin, key_end;
-};
-
-struct Workload {
-  ProblemShape p;
-  HostTensor q, k, v;
-  std::vector<Needle> needles;
-};
-
-std::vector<std::vector<double>> orthonormal_basis(int count, std::int64_t dim, Rng& rng) {
-  std::vector<std::vector<double>> basis;
-  while (static_cast<int>(basis.size()) < count) {
-    std::vector<double> x(static_cast<std::size_t>(dim));
-    for (auto& e : x) e = rng.normal();
-    for (const auto& u : basis) {
-      double d = 0.0;
-      for (std::int64_t i = 0; i < dim; ++i) d += x[i] * u[i];
-      for (std::int64_t i = 0; i < dim; ++i) x[i] -= d * u[i];
-    }
-    double n = 0.0;
-    for (double e : x) n += e * e;
-    n = std::sqrt(n);
-    if (n < 1e-6) continue;
-    for (auto& e : x) e /= n;
-    basis.push_back(std::move(x));
-  }
-  return basis;
-}
+constexpr std::int64_t kDim = kSyntheticDim;
 
 /// First query of the evaluated tail: a Q tile boundary, so tile-indexed selections slice cleanly.
-std::int64_t eval_start(const DemoConfig& c) {
-  if (c.eval_queries <= 0 || c.eval_queries >= c.len) return 0;
-  return (c.len - c.eval_queries) / kTileQ * kTileQ;
-}
+std::int64_t eval_start(const DemoConfig& c) { return tail_start(c.len, c.eval_queries); }
 
-/// The view without its first `start` entries along `dim`.
-TensorView drop_front(TensorView t, int dim, std::int64_t start) {
-  t.data = static_cast<char*>(t.data) + start * t.stride[dim] * static_cast<std::int64_t>(dtype_size(t.dtype));
-  t.shape[dim] -= start;
-  return t;
-}
-
-/// The selection restricted to queries [start, Lq) (start on a Q tile boundary).
-Selection drop_queries(const Selection& s, std::int64_t start) {
-  struct Visitor {
-    std::int64_t start;
-    Selection operator()(const AllBlocks& a) const { return a; }
-    Selection operator()(const TileLists& t) const {
-      return TileLists{drop_front(t.idx, 2, start / kTileQ), drop_front(t.cnt, 2, start / kTileQ)};
-    }
-    Selection operator()(const BlockBits& b) const { return BlockBits{drop_front(b.bits, 2, start / kTileQ)}; }
-    Selection operator()(const QueryLists& q) const { return QueryLists{drop_front(q.idx, 2, start)}; }
-    Selection operator()(const TokenLists& t) const { return TokenLists{drop_front(t.idx, 2, start)}; }
-  };
-  return std::visit(Visitor{start}, s);
-}
-
-Workload make_workload(const DemoConfig& c) {
-  Workload w;
-  w.p = ProblemShape{c.batch, c.len, c.len, c.heads, c.kv_heads, kDim, true};
-  const auto& p = w.p;
-  Rng rng(c.seed * 0x9e3779b97f4a7c15ull + 1);
-
-  // Needles first, so their directions can be counted.
-  const std::int64_t Tq = p.Tq();
+SyntheticWorkload make_workload(const DemoConfig& c) {
   // Needles go into the Q tiles whose quality is evaluated (the tail), so that a missed needle
   // shows in the kept mass as well as in the needle recall.
-  const std::int64_t first_tile = std::max<std::int64_t>(kNeedleMinGap + 2, eval_start(c) / kTileQ);
-  for (std::int64_t b = 0; b < p.B; ++b)
-    for (std::int64_t g = 0; g < p.Hkv; ++g) {
-      std::vector<std::int64_t> tiles;
-      for (std::int64_t t = first_tile; t < Tq; ++t) tiles.push_back(t);
-      std::vector<std::int64_t> used_blocks;
-      for (int n = 0; n < c.needles && !tiles.empty(); ++n) {
-        const auto ti = rng.below(static_cast<std::int64_t>(tiles.size()));
-        const std::int64_t tile = tiles[static_cast<std::size_t>(ti)];
-        tiles.erase(tiles.begin() + ti);
-        std::int64_t block = 0;
-        for (int attempt = 0; attempt < 64 && (block == 0 || std::count(used_blocks.begin(), used_blocks.end(), block)); ++attempt)
-          block = 1 + rng.below(tile - kNeedleMinGap);
-        if (block == 0 || std::count(used_blocks.begin(), used_blocks.end(), block)) continue;
-        used_blocks.push_back(block);
-        const std::int64_t begin = block * kBlockK + kNeedleKeys * rng.below(kBlockK / kNeedleKeys);
-        w.needles.push_back({b, g, tile, block, begin, begin + kNeedleKeys});
-      }
-    }
-
-  // Directions: sink, 2 per frequency, then needles (reused cyclically if D runs out).
-  const int fixed = 1 + 2 * kFrequencies;
-  const int needle_dirs = std::min<int>(static_cast<int>(w.needles.size()), static_cast<int>(kDim) - fixed);
-  const auto basis = orthonormal_basis(fixed + needle_dirs, kDim, rng);
-  const double scale = 1.0 / std::sqrt(double(kDim));
-  const double sink_amp = std::sqrt(kSinkLogit / scale);
-  const double local_amp = std::sqrt(kLocalLogit / (kFrequencies * scale));
-  const double needle_amp = std::sqrt(kNeedleLogit / scale);
-  std::vector<double> omega(kFrequencies);
-  for (int f = 0; f < kFrequencies; ++f)
-    omega[f] = 2.0 * M_PI / (64.0 * std::pow(2048.0 / 64.0, double(f) / (kFrequencies - 1)));
-  std::vector<double> head_amp(static_cast<std::size_t>(p.Hq));
-  for (auto& a : head_amp) a = 0.8 + 0.4 * rng.uniform();
-
-  auto positional = [&](std::int64_t pos, double amp, std::vector<double>& x) {
-    for (int f = 0; f < kFrequencies; ++f) {
-      const double cs = amp * std::cos(omega[f] * double(pos)), sn = amp * std::sin(omega[f] * double(pos));
-      for (std::int64_t d = 0; d < kDim; ++d) x[d] += cs * basis[1 + 2 * f][d] + sn * basis[2 + 2 * f][d];
-    }
-  };
-  auto add = [&](std::vector<double>& x, int dir, double amp) {
-    for (std::int64_t d = 0; d < kDim; ++d) x[d] += amp * basis[static_cast<std::size_t>(dir)][d];
-  };
-  auto store = [](HostTensor& t, std::int64_t offset, const std::vector<double>& x) {
-    auto* dst = t.data<std::uint16_t>() + offset;
-    for (std::size_t d = 0; d < x.size(); ++d) dst[d] = float_to_bf16(static_cast<float>(x[d]));
-  };
-  auto needle_dir = [&](std::size_t n) { return fixed + static_cast<int>(n % static_cast<std::size_t>(needle_dirs)); };
-
-  w.q = HostTensor(DType::bf16, {p.B, p.Lq, p.Hq, kDim});
-  w.k = HostTensor(DType::bf16, {p.B, p.Lk, p.Hkv, kDim});
-  w.v = HostTensor(DType::bf16, {p.B, p.Lk, p.Hkv, kDim});
-  std::vector<double> x(static_cast<std::size_t>(kDim));
-  for (std::int64_t b = 0; b < p.B; ++b)
-    for (std::int64_t i = 0; i < p.Lq; ++i)
-      for (std::int64_t h = 0; h < p.Hq; ++h) {
-        for (auto& e : x) e = kNoise * rng.normal();
-        add(x, 0, sink_amp);
-        positional(i, local_amp * head_amp[h], x);
-        for (std::size_t n = 0; n < w.needles.size(); ++n) {
-          const auto& nd = w.needles[n];
-          if (nd.b == b && nd.g == h / p.group_size() && i / kTileQ == nd.tile) add(x, needle_dir(n), needle_amp);
-        }
-        store(w.q, ((b * p.Lq + i) * p.Hq + h) * kDim, x);
-      }
-  for (std::int64_t b = 0; b < p.B; ++b)
-    for (std::int64_t j = 0; j < p.Lk; ++j)
-      for (std::int64_t g = 0; g < p.Hkv; ++g) {
-        for (auto& e : x) e = kNoise * rng.normal();
-        if (j < kSinkKeys) add(x, 0, sink_amp);
-        positional(j, local_amp, x);
-        for (std::size_t n = 0; n < w.needles.size(); ++n) {
-          const auto& nd = w.needles[n];
-          if (nd.b == b && nd.g == g && j >= nd.key_begin && j < nd.key_end) add(x, needle_dir(n), needle_amp);
-        }
-        store(w.k, ((b * p.Lk + j) * p.Hkv + g) * kDim, x);
-        for (auto& e : x) e = rng.normal();
-        store(w.v, ((b * p.Lk + j) * p.Hkv + g) * kDim, x);
-      }
-  return w;
-}
-
-/// Fraction of (needle query head, query, planted key) triples the selection keeps.
-double needle_recall(const Selection& s, const Workload& w) {
-  if (w.needles.empty()) return NAN;
-  const auto& p = w.p;
-  std::vector<std::uint8_t> row(static_cast<std::size_t>(p.Lk));
-  std::int64_t kept = 0, total = 0;
-  for (const auto& nd : w.needles)
-    for (std::int64_t h = nd.g * p.group_size(); h < (nd.g + 1) * p.group_size(); ++h)
-      for (std::int64_t i = nd.tile * kTileQ; i < std::min(p.Lq, (nd.tile + 1) * kTileQ); ++i) {
-        selection_row(s, p, nd.b, h, i, row.data());
-        for (std::int64_t j = nd.key_begin; j < nd.key_end; ++j) kept += row[static_cast<std::size_t>(j)];
-        total += nd.key_end - nd.key_begin;
-      }
-  return double(kept) / double(total);
+  return make_synthetic_workload({c.seed, c.batch, c.len, c.heads, c.kv_heads, c.needles, eval_start(c)});
 }
 
 struct Outcome {
@@ -246,10 +79,10 @@ int run_demo(const DemoConfig& c) {
 
   progress("building the workload (B={}, Hq={}, Hkv={}, L={}, D={}, causal, bf16, seed {})", c.batch, c.heads,
            c.kv_heads, c.len, kDim, c.seed);
-  Workload w = make_workload(c);
+  SyntheticWorkload w = make_workload(c);
   const auto& p = w.p;
   fmt::print("workload: {} with {} attention sinks, local bands and {} planted needles; budget {} blocks per tile\n",
-             p.describe(), kSinkKeys, w.needles.size(), c.budget);
+             p.describe(), kSyntheticSinkKeys, w.needles.size(), c.budget);
 
   Mirrored q(w.q, where), k(w.k, where), v(w.v, where);
   const std::vector<std::int64_t> out_shape{p.B, p.Lq, p.Hq, p.D};
@@ -312,15 +145,8 @@ int run_demo(const DemoConfig& c) {
   Mirrored tokens(DType::i32, {p.B, p.Hkv, p.Lq, top_tokens}, where);
   // Lightning scores every query head against one index key per position: the mean of the KV
   // heads, with equal head weights.
-  Mirrored light_w(DType::f32, {p.B, p.Lq, p.Hq}, where), light_k(DType::bf16, {p.B, p.Lk, p.D}, where);
+  Mirrored light_w(DType::f32, {p.B, p.Lq, p.Hq}, where), light_k(mean_kv_heads(w.k.view()), where);
   std::fill_n(light_w.host().data<float>(), light_w.host().numel(), 1.0f / float(p.Hq));
-  for (std::int64_t b = 0; b < p.B; ++b)
-    for (std::int64_t j = 0; j < p.Lk; ++j)
-      for (std::int64_t d = 0; d < p.D; ++d) {
-        double s = 0.0;
-        for (std::int64_t g = 0; g < p.Hkv; ++g) s += bf16_to_float(w.k.data<std::uint16_t>()[((b * p.Lk + j) * p.Hkv + g) * p.D + d]);
-        light_k.host().data<std::uint16_t>()[(b * p.Lk + j) * p.D + d] = float_to_bf16(float(s / double(p.Hkv)));
-      }
 
   // The closures below hold buffers by pointer: they outlive the helper calls that create them.
   auto tile_exec = [&](Mirrored* idx, Mirrored* cnt) {
@@ -423,7 +249,7 @@ int run_demo(const DemoConfig& c) {
                                    drop_queries(host_sel, start), qopt);
     o.finite = all_finite(out.host().view());
     o.out_err = relative_error(drop_front(out.host().view(), 1, start), drop_front(dense_out.host().view(), 1, start));
-    o.needles = needle_recall(host_sel, w);
+    o.needles = needle_recall(host_sel, p, w.needles);
     o.consistent = std::abs(o.out_err - o.quality.out_rel_err) <= kConsistencyAbs + kConsistencyRel * o.quality.out_rel_err;
     results.push_back(std::move(o));
   }
