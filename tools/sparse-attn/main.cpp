@@ -11,6 +11,7 @@
 #include "bench.hpp"
 #include "common.hpp"
 #include "demo.hpp"
+#include "plan.hpp"
 #include "eval.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -66,6 +67,7 @@ int main(int argc, char** argv) {
   sparse_attn::cli::BenchConfig bench_cfg;
   auto* bench = app.add_subcommand("bench", "Benchmark a DESIGN §7 workload; every case is verified before it is timed");
   sparse_attn::cli::add_bench_options(*bench, bench_cfg);
+  sparse_attn::cli::add_plan_command(app);
 
   sparse_attn::cli::EvalConfig eval_cfg;
   auto* eval = sparse_attn::cli::add_eval_subcommand(app, eval_cfg);
