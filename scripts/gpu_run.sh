@@ -3,8 +3,8 @@
 # (memcheck, racecheck, synccheck) on a small GPU test, then the benchmark against peers. Logs and
 # JSON go to $OUT; a short table is printed last.
 #
-# Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-selector-bench]
-# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT seconds) so a hung
+# Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-selector-bench] [--no-query-bench]
+# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT, QUERY_TIMEOUT seconds) so a hung
 # kernel costs one stage, not the whole session.
 # Build dependencies that the machine lacks (GoogleTest, nlohmann_json) are taken from .gpu/usr, a
 # git-ignored copy of the Debian packages' headers, libraries and CMake configs.
@@ -14,7 +14,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu-out}"
 BUILD="${BUILD:-$ROOT/build-gpu}"
 JOBS="${JOBS:-$(nproc)}"
-PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1 SELBENCH=1
+PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1 SELBENCH=1 QBENCH=1
 for arg in "$@"; do
   case "$arg" in
     --no-peers) PEERS=0 ;;
@@ -23,6 +23,7 @@ for arg in "$@"; do
     --no-sanitizer) SANITIZER=0 ;;
     --no-bench) BENCH=0 ;;
     --no-selector-bench) SELBENCH=0 ;;
+    --no-query-bench) QBENCH=0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -99,6 +100,50 @@ for n, t, goal in zip(names, times, targets):
 PY
   then note "selector benchmark FAILED"; tail -5 "$OUT/selector_bench.log"; STATUS=1
   else grep '^selector ' "$OUT/selector_bench.log" | while read -r line; do note "$line"; done
+  fi
+fi
+
+# ---- KV-centric query_sparse (optional): query16of32 with its breakdown, and dense SDPA cuDNN -------
+if [ "$QBENCH" = 1 ]; then
+  if ! timeout "${QUERY_TIMEOUT:-300}" python3 - "$BUILD/libsa_bench.so" > "$OUT/query_bench.log" 2>&1 <<'PY'
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+i64 = ctypes.c_int64
+f = lib.sa_bench_query_sparse
+f.argtypes = [i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+              ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int]
+B, L, Hq, Hkv, D, K = 8, 4096, 16, 1, 128, 16
+for name, bf16 in (("f32", 0), ("bf16", 1)):
+    times = (ctypes.c_double * 4)()
+    rel = ctypes.c_double(0.0)
+    err = ctypes.create_string_buffer(1024)
+    if f(B, L, Hq, Hkv, D, K, 0, bf16, 20, times, ctypes.byref(rel), err, 1024) != 0:
+        sys.exit("query_sparse benchmark failed: " + err.value.decode())
+    print(f"query16of32 kv-centric {name:4s} partials: reverse index {times[0]:.3f} ms, attention {times[1]:.3f} ms, "
+          f"combine {times[2]:.3f} ms, one call {times[3]:.3f} ms (target <= 1.2 ms); relerr vs CPU (batch 0) {rel.value:.2e}")
+try:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, Hq, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, Hq, L, D, device="cuda", dtype=torch.bfloat16, generator=g)  # K/V repeated to Hq heads
+    v = torch.randn(B, Hq, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        sdpa()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            sdpa()
+        e1.record()
+        torch.cuda.synchronize()
+    print(f"query16of32 dense SDPA cuDNN (same shape, all keys): {e0.elapsed_time(e1) / 20:.3f} ms")
+except Exception as exc:  # the KV-centric lines above stand on their own
+    print(f"query16of32 dense SDPA cuDNN: unavailable ({exc})")
+PY
+  then note "query_sparse benchmark FAILED"; tail -5 "$OUT/query_bench.log"; STATUS=1
+  else grep '^query16of32 ' "$OUT/query_bench.log" | while read -r line; do note "$line"; done
   fi
 fi
 

@@ -171,3 +171,120 @@ extern "C" int sa_bench_selectors(std::int64_t B, std::int64_t Lq, std::int64_t 
     return 1;
   }
 }
+
+// ---- KV-centric query_sparse ---------------------------------------------------------------------------
+// Times the KV-centric pipeline on one shape (query16of32: B=8, Hq=16, Hkv=1, Lq=Lk=4096, K=16) with
+// fresh normal bf16 q, k, v and K distinct uniformly random blocks per query. times_ms receives, in
+// order: reverse index (plan, trusted lists), attention (partials), combine, and the one-call public
+// query_sparse (plan + run with its cached workspace, lists validated on the device): means over
+// `iters` runs after one warm-up, CUDA events on a private stream. Before timing, batch 0 of the
+// one-call output is compared with the CPU query_sparse on the same inputs; *relerr receives
+// ||gpu - cpu|| / ||cpu||.
+#include <cmath>
+
+#include "cuda/query_sparse/backend.hpp"
+#include "sparse_attn/plan.hpp"
+
+extern "C" int sa_bench_query_sparse(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hkv, std::int64_t D,
+                                     std::int64_t K, int causal, int bf16_partials, int iters, double* times_ms,
+                                     double* relerr, char* err, int err_len) {
+  try {
+    sa::ProblemShape p;
+    p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = causal != 0;
+    const std::int64_t Tk = p.Tk();
+    if (K > Tk) throw std::runtime_error("K = " + std::to_string(K) + " exceeds the " + std::to_string(Tk) + " blocks");
+    const auto hq = random_bf16(B * L * Hq * D, 11), hk = random_bf16(B * L * Hkv * D, 12),
+               hv = random_bf16(B * L * Hkv * D, 13);
+    std::vector<std::int32_t> hidx(static_cast<std::size_t>(B * Hkv * L * K));
+    std::mt19937_64 rng(14);
+    std::vector<std::int32_t> all(static_cast<std::size_t>(Tk));
+    for (std::int64_t r = 0; r < B * Hkv * L; ++r) {
+      for (std::int64_t j = 0; j < Tk; ++j) all[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(j);
+      for (std::int64_t s = 0; s < K; ++s) {  // partial Fisher-Yates: K distinct ids
+        std::swap(all[static_cast<std::size_t>(s)], all[static_cast<std::size_t>(s + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(Tk - s)))]);
+        hidx[static_cast<std::size_t>(r * K + s)] = all[static_cast<std::size_t>(s)];
+      }
+    }
+    DevBuf q(hq.size() * 2), k(hk.size() * 2), v(hv.size() * 2), idx(hidx.size() * 4), out(hq.size() * 2),
+        lse(static_cast<std::size_t>(B * Hq * L) * 4);
+    check_cuda_bench(cudaMemcpy(q.p, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice), "upload");
+    check_cuda_bench(cudaMemcpy(k.p, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice), "upload");
+    check_cuda_bench(cudaMemcpy(v.p, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice), "upload");
+    check_cuda_bench(cudaMemcpy(idx.p, hidx.data(), hidx.size() * 4, cudaMemcpyHostToDevice), "upload");
+    const auto dt = sa::DType::bf16;
+    const auto qv = sa::TensorView::contiguous(q.p, dt, {B, L, Hq, D}, sa::Device::cuda);
+    const auto kv = sa::TensorView::contiguous(k.p, dt, {B, L, Hkv, D}, sa::Device::cuda);
+    const auto vv = sa::TensorView::contiguous(v.p, dt, {B, L, Hkv, D}, sa::Device::cuda);
+    const auto ov = sa::TensorView::contiguous(out.p, dt, {B, L, Hq, D}, sa::Device::cuda);
+    const auto lv = sa::TensorView::contiguous(lse.p, sa::DType::f32, {B, Hq, L}, sa::Device::cuda);
+    const sa::QueryLists lists{sa::TensorView::contiguous(idx.p, sa::DType::i32, {B, Hkv, L, K}, sa::Device::cuda)};
+
+    cudaStream_t stream;
+    check_cuda_bench(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    sa::QuerySparseOptions opt;
+    opt.causal = p.causal;
+    opt.partials = bf16_partials ? sa::PartialPrecision::bf16 : sa::PartialPrecision::f32;
+    opt.stream = stream;
+
+    // Verify batch 0 of the one-call result against the CPU executor.
+    sa::query_sparse(qv, kv, vv, lists, ov, lv, opt);
+    check_cuda_bench(cudaStreamSynchronize(stream), "query_sparse");
+    {
+      const std::int64_t n = L * Hq * D;
+      std::vector<std::uint16_t> got(static_cast<std::size_t>(n));
+      check_cuda_bench(cudaMemcpy(got.data(), out.p, got.size() * 2, cudaMemcpyDeviceToHost), "download");
+      sa::HostTensor cq(dt, {1, L, Hq, D}), ck(dt, {1, L, Hkv, D}), cv(dt, {1, L, Hkv, D}), co(dt, {1, L, Hq, D});
+      sa::HostTensor ci(sa::DType::i32, {1, Hkv, L, K});
+      std::memcpy(cq.data<std::uint16_t>(), hq.data(), static_cast<std::size_t>(n) * 2);
+      std::memcpy(ck.data<std::uint16_t>(), hk.data(), static_cast<std::size_t>(L * Hkv * D) * 2);
+      std::memcpy(cv.data<std::uint16_t>(), hv.data(), static_cast<std::size_t>(L * Hkv * D) * 2);
+      std::memcpy(ci.data<std::int32_t>(), hidx.data(), static_cast<std::size_t>(Hkv * L * K) * 4);
+      sa::QuerySparseOptions copt;
+      copt.causal = p.causal;
+      sa::query_sparse(cq.view(), ck.view(), cv.view(), sa::QueryLists{ci.view()}, co.view(), std::nullopt, copt);
+      double num = 0.0, den = 0.0;
+      for (std::int64_t e = 0; e < n; ++e) {
+        const double r = sa::bf16_to_float(co.data<std::uint16_t>()[e]);
+        const double g = sa::bf16_to_float(got[static_cast<std::size_t>(e)]);
+        num += (g - r) * (g - r);
+        den += r * r;
+      }
+      *relerr = std::isfinite(num) && den > 0.0 ? std::sqrt(num / den) : INFINITY;
+    }
+
+    const std::size_t bytes = sa::query_sparse_workspace_bytes(p, K, opt.partials);
+    DevBuf ws(bytes);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    sa::QuerySparseOptions topt = opt;
+    topt.trusted = true;
+    cudaEvent_t e0, e1;
+    check_cuda_bench(cudaEventCreate(&e0), "cudaEventCreate");
+    check_cuda_bench(cudaEventCreate(&e1), "cudaEventCreate");
+    auto time = [&](auto&& fn) {
+      fn();
+      check_cuda_bench(cudaStreamSynchronize(stream), "warm-up");
+      check_cuda_bench(cudaEventRecord(e0, stream), "cudaEventRecord");
+      for (int i = 0; i < iters; ++i) fn();
+      check_cuda_bench(cudaEventRecord(e1, stream), "cudaEventRecord");
+      check_cuda_bench(cudaEventSynchronize(e1), "cudaEventSynchronize");
+      float ms = 0.0f;
+      check_cuda_bench(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+      return double(ms) / iters;
+    };
+    times_ms[0] = time([&] { sa::cuda_backend::query_sparse_plan(p, lists, ws.p, bytes, topt); });
+    times_ms[1] = time([&] { sa::cuda_backend::query_sparse_attend(p, qv, kv, vv, lists, ws.p, bytes, scale, topt); });
+    times_ms[2] = time([&] { sa::cuda_backend::query_sparse_combine(p, lists, ws.p, bytes, ov, lv, topt); });
+    times_ms[3] = time([&] { sa::query_sparse(qv, kv, vv, lists, ov, lv, opt); });
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaStreamDestroy(stream);
+    return 0;
+  } catch (const std::exception& e) {
+    if (err && err_len > 0) {
+      const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
+      std::memcpy(err, e.what(), n);
+      err[n] = '\0';
+    }
+    return 1;
+  }
+}
