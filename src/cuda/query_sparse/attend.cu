@@ -29,7 +29,6 @@ struct Bf16 {
     memcpy(&u, &v, 4);
     return u;
   }
-  __device__ static float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
   __device__ static void store(void* p, float x) { *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(x); }
   __device__ static void mma(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
     asm volatile(
@@ -47,7 +46,6 @@ struct F16 {
     memcpy(&u, &v, 4);
     return u;
   }
-  __device__ static float round(float x) { return __half2float(__float2half_rn(x)); }
   __device__ static void store(void* p, float x) { *static_cast<__half*>(p) = __float2half_rn(x); }
   __device__ static void mma(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
     asm volatile(
@@ -207,10 +205,10 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
   for (int nt = 0; nt < kKeys / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      // The sum uses the probabilities as PV sees them (rounded to the 16-bit type), so numerator
-      // and denominator weigh each key alike.
-      s[nt][e] = T::round(exp2f(fmaf(s[nt][e], p.scale_log2, -base_a)));
-      s[nt][2 + e] = T::round(exp2f(fmaf(s[nt][2 + e], p.scale_log2, -base_b)));
+      // The row sum (and so the LSE) uses the float32 probabilities; PV sees them rounded to the
+      // 16-bit type, as in FlashAttention.
+      s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -base_a));
+      s[nt][2 + e] = exp2f(fmaf(s[nt][2 + e], p.scale_log2, -base_b));
       l_a += s[nt][e];
       l_b += s[nt][2 + e];
     }
