@@ -40,6 +40,8 @@ __global__ void representatives_kernel(const RepParams p) {
   for (std::int64_t d = threadIdx.x; d < p.D; d += blockDim.x) {
     double acc = 0.0;
     const std::int64_t base = b * p.sb + h * p.sh + d;
+    // Unrolled so the loads of several tokens are in flight; the additions stay in token order.
+#pragma unroll 8
     for (std::int64_t l = l0; l < l1; ++l) acc += static_cast<double>(load_elem<T>(p.x, base + l * p.sl));
     // An absent representative (n = 0) is skipped by its count; its mean is only kept defined.
     p.mean[slot * p.D + d] = n > 0 ? static_cast<float>(acc / static_cast<double>(n)) : 0.0f;
@@ -60,26 +62,40 @@ struct ScoreParams {
   bool force_local, force_block0, causal;
 };
 
-__device__ __forceinline__ double dot_f64(const float* a, const float* b, std::int64_t n) {
-  double s = 0.0;
+// Two float64 dots, each over d in order (the CPU's order), interleaved so their dependent FMA chains
+// overlap. With D % 4 == 0 the rows are read as float4 (the means are 16-byte aligned rows).
+__device__ __forceinline__ void dot2_f64(const float* a0, const float* b0, const float* a1, const float* b1,
+                                         std::int64_t n, double& s0, double& s1) {
+  s0 = 0.0, s1 = 0.0;
   if ((n & 3) == 0) {
-    const float4* a4 = reinterpret_cast<const float4*>(a);
-    const float4* b4 = reinterpret_cast<const float4*>(b);
+    const auto* a04 = reinterpret_cast<const float4*>(a0);
+    const auto* b04 = reinterpret_cast<const float4*>(b0);
+    const auto* a14 = reinterpret_cast<const float4*>(a1);
+    const auto* b14 = reinterpret_cast<const float4*>(b1);
     for (std::int64_t d = 0; d < n / 4; ++d) {
-      const float4 x = __ldg(a4 + d), y = __ldg(b4 + d);
-      s = fma(static_cast<double>(x.x), static_cast<double>(y.x), s);
-      s = fma(static_cast<double>(x.y), static_cast<double>(y.y), s);
-      s = fma(static_cast<double>(x.z), static_cast<double>(y.z), s);
-      s = fma(static_cast<double>(x.w), static_cast<double>(y.w), s);
+      const float4 x0 = __ldg(a04 + d), y0 = __ldg(b04 + d), x1 = __ldg(a14 + d), y1 = __ldg(b14 + d);
+      s0 = fma(static_cast<double>(x0.x), static_cast<double>(y0.x), s0);
+      s1 = fma(static_cast<double>(x1.x), static_cast<double>(y1.x), s1);
+      s0 = fma(static_cast<double>(x0.y), static_cast<double>(y0.y), s0);
+      s1 = fma(static_cast<double>(x1.y), static_cast<double>(y1.y), s1);
+      s0 = fma(static_cast<double>(x0.z), static_cast<double>(y0.z), s0);
+      s1 = fma(static_cast<double>(x1.z), static_cast<double>(y1.z), s1);
+      s0 = fma(static_cast<double>(x0.w), static_cast<double>(y0.w), s0);
+      s1 = fma(static_cast<double>(x1.w), static_cast<double>(y1.w), s1);
     }
   } else {
-    for (std::int64_t d = 0; d < n; ++d) s = fma(static_cast<double>(__ldg(a + d)), static_cast<double>(__ldg(b + d)), s);
+    for (std::int64_t d = 0; d < n; ++d) {
+      s0 = fma(static_cast<double>(__ldg(a0 + d)), static_cast<double>(__ldg(b0 + d)), s0);
+      s1 = fma(static_cast<double>(__ldg(a1 + d)), static_cast<double>(__ldg(b1 + d)), s1);
+    }
   }
-  return s;
 }
 
+// 16 warps: one candidate block per warp at a time (a Tk = 128 list takes 8 rounds).
+constexpr int kScoreThreads = 512;
+
 // grid: B * Hkv * Tq; dynamic shared memory: Tk doubles, Tk flags, blockDim + 1 ints.
-__global__ void pooled_score_topk_kernel(const ScoreParams p) {
+__global__ void __launch_bounds__(kScoreThreads) pooled_score_topk_kernel(const ScoreParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   double* scores = reinterpret_cast<double*>(smem);
   int* part = reinterpret_cast<int*>(scores + p.Tk);
@@ -112,6 +128,11 @@ __global__ void pooled_score_topk_kernel(const ScoreParams p) {
     const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
     double best = -INFINITY;
     if (!forced) {
+      // Lane `lane` scores pairs lane, lane + 32, ...; two at a time. A pair that does not count (absent
+      // representative, or causally invisible) is replaced by the other one of its step or dropped.
+      const float* qrow[2];
+      const float* krow[2];
+      int held = 0;
       for (std::int64_t e = lane; e < pairs; e += 32) {
         const std::int64_t h = e % group, c = (e / group) % p.r, a = e / (group * p.r);
         const std::int64_t qa0 = ((b * p.Hq + g * group) * p.Tq + t) * p.r + a;
@@ -122,7 +143,19 @@ __global__ void pooled_score_topk_kernel(const ScoreParams p) {
         const std::int64_t q_last = i_first + a * p.span + qn - 1;
         if (p.causal && j * kBlockK + c * p.span > q_last + offset) continue;
         const std::int64_t qa = ((b * p.Hq + g * group + h) * p.Tq + t) * p.r + a;
-        best = fmax(best, sanitize(dot_f64(p.qmean + qa * p.D, p.kmean + kc * p.D, p.D)));
+        qrow[held] = p.qmean + qa * p.D;
+        krow[held] = p.kmean + kc * p.D;
+        if (++held == 2) {
+          double s0, s1;
+          dot2_f64(qrow[0], krow[0], qrow[1], krow[1], p.D, s0, s1);
+          best = fmax(best, fmax(sanitize(s0), sanitize(s1)));
+          held = 0;
+        }
+      }
+      if (held == 1) {
+        double s0, s1;
+        dot2_f64(qrow[0], krow[0], qrow[0], krow[0], p.D, s0, s1);
+        best = fmax(best, sanitize(s0));
       }
       for (int o = 16; o > 0; o >>= 1) best = fmax(best, __shfl_xor_sync(0xffffffffu, best, o));
     }
@@ -155,7 +188,6 @@ void reps(const TensorView& x, std::int64_t r, float* mean, std::int32_t* count,
   }
 }
 
-constexpr int kScoreThreads = 256;
 
 }  // namespace
 
