@@ -138,12 +138,20 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
   for (int c = tid; c < kKeys * kChunks; c += kThreads) {
     const int kk = c / kChunks, cc = c % kChunks;
     const long long key = key0 + kk;
-    uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-    if (key < p.Lk) {
+    uint4 kv = make_uint4(0, 0, 0, 0);
+    if (key < p.Lk)
       kv = *reinterpret_cast<const uint4*>(k + b * p.k_stride[0] + key * p.k_stride[1] + g * p.k_stride[2] + cc * 8);
-      vv = *reinterpret_cast<const uint4*>(v + b * p.v_stride[0] + key * p.v_stride[1] + g * p.v_stride[2] + cc * 8);
-    }
     *reinterpret_cast<uint4*>(Ks + kk * S::kStrideQK + cc * 8) = kv;
+  }
+  // V goes in transposed, one half at a time: consecutive lanes take consecutive keys of one column
+  // chunk so that their 16-bit stores hit consecutive addresses (a lane per column chunk would put
+  // all 32 lanes' stores in one bank).
+  for (int c = tid; c < kKeys * kChunks; c += kThreads) {
+    const int kk = c % kKeys, cc = c / kKeys;
+    const long long key = key0 + kk;
+    uint4 vv = make_uint4(0, 0, 0, 0);
+    if (key < p.Lk)
+      vv = *reinterpret_cast<const uint4*>(v + b * p.v_stride[0] + key * p.v_stride[1] + g * p.v_stride[2] + cc * 8);
     std::uint16_t hv[8];
     memcpy(hv, &vv, 16);
 #pragma unroll
