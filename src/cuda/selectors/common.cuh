@@ -193,6 +193,25 @@ inline void check_cuda(cudaError_t e, const std::string& op, const std::string& 
   if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
 }
 
+// The tensor's device must be usable by this process; otherwise the Error names the argument (as the
+// CPU-only build's unsupported-device Error does) and the runtime's reason. Returns the largest
+// dynamic shared memory a block may opt in to.
+inline int usable_device_smem(const std::string& op, const std::string& name, const TensorView& t) {
+  int dev = -1, count = 0, max_smem = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e == cudaSuccess && t.device_index >= count) e = cudaErrorInvalidDevice;
+  if (e == cudaSuccess) e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && dev != t.device_index) {
+    throw Error(op, name, "tensor " + t.describe() + " is not on the current CUDA device " + std::to_string(dev));
+  }
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // the failure is reported here; do not leave it for the caller's next check
+    throw Error(op, name, "no usable cuda device for tensor " + t.describe() + ": " + cudaGetErrorString(e));
+  }
+  return max_smem;
+}
+
 inline In in_type(DType d) { return d == DType::f32 ? In::f32 : d == DType::f16 ? In::f16 : In::bf16; }
 
 // Stream-ordered scratch: allocated and freed on the caller's stream (no host synchronisation).

@@ -199,9 +199,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
   const std::size_t smem = static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kScoreThreads + 1) * sizeof(int);
-  int dev = 0, max_smem = 0;
-  check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), op, "device attribute");
+  const int max_smem = usable_device_smem(op, "q", q);
   if (smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "k", "Lk = " + std::to_string(Lk) + " gives " + std::to_string(Tk) +
                              " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");

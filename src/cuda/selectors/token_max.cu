@@ -274,9 +274,7 @@ void run_token_max(const std::string& op, const TensorView& qidx, const TensorVi
 
   const std::size_t score_smem =
       (static_cast<std::size_t>(kBlockK * (Di + 1) + kQueries * Di + 1)) * sizeof(float) + 8 * kRowsPerThread * sizeof(double);
-  int dev = 0, max_smem = 0;
-  check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), op, "device attribute");
+  const int max_smem = usable_device_smem(op, "qidx", qidx);
   if (score_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "qidx", "index dim Di = " + std::to_string(Di) + " is too large for the CUDA token_max selector");
   if (rank_smem_bytes > static_cast<std::size_t>(max_smem))
