@@ -37,7 +37,8 @@ namespace sparse_attn {
 
 /// Device bytes the KV-centric schedule needs for a problem with Kq slots per query: the reverse
 /// index (CSR per (b, group, KV block)), the work items, and the partial outputs (Lq * Hq * Kq * D
-/// per batch, in `partials` precision) and partial LSE (float32). 0 on a problem without queries.
+/// per batch, in `partials` precision) and partial LSE (float32). 0 in a build without the CUDA
+/// backend: the CPU path keeps its scratch to itself.
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials);
 
 struct QuerySparsePlan {
