@@ -3,7 +3,8 @@
 // not a multiple of 128; Lq > Lk under causal; a Q tile with no selected block; a block chosen by
 // every query, split into many work items; Hq = Hkv and Hq = 16 x Hkv; B > 1 with different lists),
 // poisoned outputs, both dtypes, f32 and bf16 partials, bitwise-identical repeated runs, the
-// plan()/run() path with a caller-owned workspace, and device-side validation of the lists.
+// plan()/run() path with a caller-owned workspace, strided (packed QKV) inputs, and device-side
+// validation of the lists.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -264,6 +265,44 @@ TEST(QuerySparseGpu, PlanOnceRunMany) {
   // A workspace one byte short is refused before anything is launched.
   DeviceBuffer small(bytes - 1);
   EXPECT_THROW(sa::query_sparse_plan(q0.view, k.view, v.view, sa::QueryLists{idx.view}, small.view, opt), sa::Error);
+}
+
+// q, k, v as views into one packed [B, L, 3, H, D] buffer (a fused QKV projection): the gathers
+// follow the strides, and the result equals the contiguous run bit for bit.
+TEST(QuerySparseGpu, PackedQkvStrides) {
+  QS_SKIP_WITHOUT_GPU();
+  const Case c{"qs packed qkv", sa::DType::bf16, sa::PartialPrecision::f32, 2, 300, 300, 4, 4, 128, true, 3};
+  const Inputs in = make_inputs(c, 31);
+  const Result ref = run_gpu(c, in);
+  const std::int64_t B = c.B, L = c.Lq, H = c.Hq, D = c.D;
+  sa::HostTensor packed(c.dtype, {B, L, 3, H, D});
+  auto* dst = packed.data<std::uint16_t>();
+  const sa::HostTensor* parts[3] = {&in.q, &in.k, &in.v};
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t l = 0; l < L; ++l)
+      for (int w = 0; w < 3; ++w)
+        std::memcpy(dst + (((b * L + l) * 3 + w) * H) * D, parts[w]->data<std::uint16_t>() + ((b * L + l) * H) * D,
+                    static_cast<std::size_t>(H * D) * 2);
+  DeviceBuffer dpacked(packed), idx(in.idx);
+  sa::TensorView views[3];
+  for (int w = 0; w < 3; ++w) {
+    views[w] = sa::TensorView::contiguous(static_cast<std::uint16_t*>(dpacked.ptr) + w * H * D, c.dtype, {B, L, H, D},
+                                          sa::Device::cuda, 0);
+    views[w].stride = {L * 3 * H * D, 3 * H * D, D, 1};
+  }
+  sa::HostTensor out(c.dtype, {B, L, H, D}), lse(sa::DType::f32, {B, H, L});
+  st::poison(out);
+  st::poison(lse);
+  DeviceBuffer dout(out), dlse(lse);
+  sa::QuerySparseOptions opt;
+  opt.causal = c.causal;
+  sa::query_sparse(views[0], views[1], views[2], sa::QueryLists{idx.view}, dout.view, dlse.view, opt);
+  cuda_ok(cudaDeviceSynchronize(), "packed run");
+  dout.download(out);
+  dlse.download(lse);
+  EXPECT_TRUE(st::all_finite(out));
+  EXPECT_EQ(0, std::memcmp(out.view().data, ref.out.view().data, static_cast<std::size_t>(out.numel()) * 2));
+  EXPECT_EQ(0, std::memcmp(lse.view().data, ref.lse.view().data, static_cast<std::size_t>(lse.numel()) * 4));
 }
 
 TEST(QuerySparseGpu, ValidationReportsFirstBadEntry) {
