@@ -9,6 +9,7 @@
 #include "sparse_attn/evaluation.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/ops.hpp"
+#include "sparse_attn/plan.hpp"
 #include "sparse_attn/selectors.hpp"
 #include "sparse_attn/tensor.hpp"
 #include "sparse_attn/thresholds.hpp"
