@@ -462,7 +462,7 @@ CLI::App* add_eval_subcommand(CLI::App& app, EvalConfig& c) {
   input->excludes(synthetic)->excludes(save);
   synthetic->excludes(save);
   sub->add_option("--save-tensors", c.save_tensors, "With --save-synthetic: which tensors to write (default all)")
-      ->delimiter(',');
+      ->delimiter(',')->needs(save);
   sub->add_option("--selector", c.selectors,
                   "all, pooled-r1, pooled-r4, token-max, token-max-bf16, token-max-fp8, token-max-fp4, lightning, oracle "
                   "(repeatable, comma-separated)")
@@ -473,17 +473,17 @@ CLI::App* add_eval_subcommand(CLI::App& app, EvalConfig& c) {
   sub->add_option("--eval-queries", c.eval_queries,
                   "Measure on the last N queries (whole Q tiles); 0: every query; default 512 for --synthetic, all for --input")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
-  sub->add_flag("--non-causal", c.non_causal, "--input only: every query sees every key");
+  sub->add_flag("--non-causal", c.non_causal, "--input only: every query sees every key")->needs(input);
   sub->add_option("--softmax-scale", c.softmax_scale, "Softmax scale (default 1/sqrt(D))");
-  sub->add_option("--seed", c.seed, "Synthetic: seed")->capture_default_str();
+  sub->add_option("--seed", c.seed, "Synthetic: seed")->capture_default_str()->excludes(input);
   sub->add_option("--len", c.len, "Synthetic: sequence length (queries = keys, causal)")
-      ->capture_default_str()->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
-  sub->add_option("--batch", c.batch, "Synthetic: batch size")->capture_default_str()->check(CLI::Range(1, 64));
-  sub->add_option("--heads", c.heads, "Synthetic: query heads")->capture_default_str()->check(CLI::Range(1, 256));
+      ->capture_default_str()->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20))->excludes(input);
+  sub->add_option("--batch", c.batch, "Synthetic: batch size")->capture_default_str()->check(CLI::Range(1, 64))->excludes(input);
+  sub->add_option("--heads", c.heads, "Synthetic: query heads")->capture_default_str()->check(CLI::Range(1, 256))->excludes(input);
   sub->add_option("--kv-heads", c.kv_heads, "Synthetic: KV heads (divides --heads)")
-      ->capture_default_str()->check(CLI::Range(1, 256));
+      ->capture_default_str()->check(CLI::Range(1, 256))->excludes(input);
   sub->add_option("--needles", c.needles, "Synthetic: planted needles per (batch, KV head)")
-      ->capture_default_str()->check(CLI::Range(0, 1024));
+      ->capture_default_str()->check(CLI::Range(0, 1024))->excludes(input);
   sub->add_option("--json", c.json, "Write every metric (overall and per head) as JSON to this file");
   return sub;
 }
@@ -500,7 +500,6 @@ int run_eval(const EvalConfig& c) {
     save_synthetic(c);
     return 0;
   }
-  if (c.non_causal && c.synthetic) throw std::runtime_error("--non-causal applies to --input only (the synthetic workload is causal)");
   const std::vector<Variant> variants = variants_for(c.selectors);
   if (!c.json.empty()) check_writable(c.json);
   const Placement where = Placement::choose("cpu");
@@ -542,9 +541,10 @@ int run_eval(const EvalConfig& c) {
   fmt::print("\n");
 
   std::vector<OracleLists> oracle;
+  double oracle_ms = NAN;
   if (std::any_of(variants.begin(), variants.end(), [](const Variant& v) { return is_oracle(v.kind); })) {
     progress("oracle: float64 dense attention over the evaluated queries, top blocks and keys by mass");
-    oracle = oracle_select(q_tail, in.k.view(), pt, scale, c.budgets);
+    oracle_ms = time_ms(false, [&] { oracle = oracle_select(q_tail, in.k.view(), pt, scale, c.budgets); });
   }
 
   QualityOptions qopt;
@@ -663,8 +663,9 @@ int run_eval(const EvalConfig& c) {
       "(TokenLists: budget x 128). mass: fraction of each query's dense softmax mass on its selected keys (mean, worst "
       "query). out err: ||out - dense|| / ||dense|| of the renormalised sparse output (float64). tok sp / blk sp: "
       "visible (query, key) pairs / (Q tile, KV block) tiles left out. needles: {}. select ms: one CPU call of the "
-      "selector (whole problem); the oracle is one shared float64 dense pass.\n",
-      any_needles ? "planted needle keys selected by their queries (per head)" : "no planted needles in this input");
+      "selector (whole problem); the oracle is one shared float64 dense pass{}.\n",
+      any_needles ? "planted needle keys selected by their queries (per head)" : "no planted needles in this input",
+      std::isnan(oracle_ms) ? std::string() : fmt::format(" ({:.0f} ms for every budget)", oracle_ms));
 
   for (int table = 0; table < 2; ++table) {
     fmt::print("\nper head: {}\n{:<19} {:<10} {:>6}", table == 0 ? "kept mass mean" : "output relative error", "selector",
@@ -738,6 +739,7 @@ int run_eval(const EvalConfig& c) {
                                 {"kept_mass_min", q.kept_mass_min_per_head},
                                 {"out_rel_err", q.out_rel_err_per_head}}}});
     }
+    j["oracle_ms"] = number_or_null(oracle_ms);
     j["oracle_bound"] = {{"checked", bound_checked}, {"holds", violations.empty()}, {"violations", violations}};
     write_json(c.json, j);
     progress("wrote {}", c.json);
