@@ -8,6 +8,9 @@
 #include <vector>
 
 #include "selectors/select_common.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/selectors/backend.hpp"
+#endif
 #include "sparse_attn/selectors.hpp"
 
 namespace sparse_attn {
@@ -85,7 +88,9 @@ double index_score(const LightningInputs& in, const LightningShape& s, std::int6
   detail::dots_f64(in.k.row(b, key, 0), qrows, s.HI, s.Di, dots);
   const double* w = in.w.data() + (b * s.Lq + t) * s.HI;
   double acc = 0.0;
-  for (std::int64_t j = 0; j < s.HI; ++j) acc += w[j] * std::max(0.0, dots[j]);
+  // An explicit fma: w * ReLU(dot) is not exact in float64, so whether a compiler contracts the
+  // multiply-add would change the rounding; the CUDA indexer evaluates the same fma chain.
+  for (std::int64_t j = 0; j < s.HI; ++j) acc = std::fma(w[j], std::max(0.0, dots[j]), acc);
   return detail::sanitize(acc);
 }
 
@@ -142,6 +147,9 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
                       const LightningOptions& options) {
   const std::string op = "lightning_select";
   const LightningShape s = check_lightning_args(op, qI, w, kI, out.idx, options);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (qI.device == Device::cuda) return cuda_backend::lightning_select(qI, w, kI, out, options);
+#endif
   if (qI.device != Device::cpu) detail::unsupported_device(op, "qI", qI);
 
   const LightningInputs in = prepare(op, qI, w, kI, s, options.precision);

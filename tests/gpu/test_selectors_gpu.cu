@@ -1,4 +1,4 @@
-// GPU tests of the CUDA selectors: every output element (ids, counts, -1 padding) must equal the CPU
+// GPU tests of the CUDA selectors (pooled, token_max, lightning blocks): every output element (ids, counts, -1 padding) must equal the CPU
 // reference bit for bit, on random inputs and on planted ones (far-away blocks copied from the
 // queries, and duplicated blocks whose exact ties must go to the lower id), over awkward shapes
 // (Lq = 1, 17, 1013; Lk not a multiple of 128; GQA 1 and 16; B > 1; causal and not). Device outputs
@@ -223,6 +223,62 @@ TEST(SelectorsGpu, TokenMaxTileListsEqualsCpu) {
     for (const auto& c : token_cases()) run_token_max(c, prec, true, seed += 10);
 }
 
+// ---- lightning (block form) --------------------------------------------------------------------
+
+struct LightningCase {
+  std::string name;
+  std::int64_t B = 1, Lq = 128, Lk = 128, HI = 4, Di = 32, G = 1;
+  int top_k = 2;
+  bool causal = true;
+  sa::DType dtype = sa::DType::bf16;
+};
+
+void run_lightning(const LightningCase& c, sa::IndexPrecision prec, std::uint64_t seed) {
+  SCOPED_TRACE(c.name + " " + sa::precision_name(prec));
+  const sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.HI, c.Di}, seed);
+  const sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Di}, seed + 1);
+  const sa::HostTensor w = st::random_tensor(sa::DType::f32, {c.B, c.Lq, c.HI}, seed + 2);
+  sa::LightningOptions o;
+  o.top_k = c.top_k, o.causal = c.causal, o.precision = prec;
+  sa::HostTensor idx(sa::DType::i32, {c.B, c.G, c.Lq, c.top_k + 1});
+  sa::lightning_select(q.view(), w.view(), k.view(), sa::QueryLists{idx.view()}, o);
+  Dev dq(q), dk(k), dw(w), didx(poisoned_i32(idx.shape()));
+  sa::lightning_select(dq.view, dw.view, dk.view, sa::QueryLists{didx.view}, o);
+  cuda_ok(cudaDeviceSynchronize(), "lightning_select");
+  expect_equal_i32(didx.download(idx), idx, "idx");
+}
+
+TEST(SelectorsGpu, LightningBlocksEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  const LightningCase cases[] = {
+      {"Lq=1 causal", 1, 1, 300, 4, 32, 1, 2, true},
+      {"Lq=17 non-causal G=2 B=2", 2, 17, 700, 3, 24, 2, 3, false},
+      {"Lq=1013 causal, 8 heads of 64", 1, 1013, 1013, 8, 64, 1, 4, true},
+      {"Lq<Lk causal f32", 2, 150, 900, 2, 16, 1, 2, true, sa::DType::f32},
+      {"Lq>Lk causal f16 (queries see nothing)", 1, 300, 140, 2, 16, 1, 2, true, sa::DType::f16},
+  };
+  std::uint64_t seed = 1300;
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
+    for (const auto& c : cases) run_lightning(c, prec, seed += 10);
+}
+
+// The token form has no CUDA implementation: device tensors get an Error naming qI, not a crash.
+TEST(SelectorsGpu, LightningTokensReportUnsupported) {
+  SKIP_WITHOUT_GPU();
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 16, 2, 16}, 5);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {1, 40, 16}, 6);
+  const sa::HostTensor w = st::random_tensor(sa::DType::f32, {1, 16, 2}, 7);
+  Dev dq(q), dk(k), dw(w), didx(poisoned_i32({1, 1, 16, 4}));
+  sa::LightningOptions o;
+  o.top_k = 4;
+  try {
+    sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o);
+    ADD_FAILURE() << "no Error for CUDA TokenLists";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "qI") << e.what();
+  }
+}
+
 // The public functions run on the caller's stream: results on a fresh stream equal the CPU's.
 TEST(SelectorsGpu, RunOnCallerStream) {
   SKIP_WITHOUT_GPU();
@@ -244,7 +300,8 @@ TEST(SelectorsGpu, RunOnCallerStream) {
 }
 
 // Small enough for compute-sanitizer (scripts/gpu_run.sh runs '*SanitizerSmall*'): every kernel of
-// the pooled (R1, R4) and token_max (three precisions, both formats) selectors once, partial blocks.
+// the pooled (R1, R4), token_max (three precisions, both formats) and lightning (blocks) selectors once,
+// with partial blocks.
 TEST(SelectorsGpu, SanitizerSmall) {
   SKIP_WITHOUT_GPU();
   run_pooled({"sanitizer R1", 2, 200, 300, 4, 2, 64, 1, 2, 3, true, true, true, true}, 11);
@@ -253,6 +310,7 @@ TEST(SelectorsGpu, SanitizerSmall) {
   run_token_max(c, sa::IndexPrecision::bf16, false, 13);
   run_token_max(c, sa::IndexPrecision::fp8_e4m3, true, 14);
   run_token_max(c, sa::IndexPrecision::fp4_e2m1, false, 15);
+  run_lightning({"sanitizer lightning", 2, 150, 290, 3, 24, 2, 2, true}, sa::IndexPrecision::fp8_e4m3, 16);
 }
 
 }  // namespace

@@ -24,4 +24,9 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Quer
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
                       const TokenMaxOptions& options);
 
+/// Block form of the lightning indexer (QueryLists). The token form (TokenLists) has no CUDA
+/// implementation yet; its front end reports CUDA tensors as unsupported.
+void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const QueryLists& out,
+                      const LightningOptions& options);
+
 }  // namespace sparse_attn::cuda_backend
