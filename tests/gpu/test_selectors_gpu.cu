@@ -279,6 +279,34 @@ TEST(SelectorsGpu, LightningTokensReportUnsupported) {
   }
 }
 
+// Host memory labelled cuda is an Error naming the tensor, before any kernel could fault on it.
+TEST(SelectorsGpu, HostMemoryLabelledCudaIsRejected) {
+  SKIP_WITHOUT_GPU();
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 130, 2, 64}, 8);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {1, 300, 1, 64}, 9);
+  sa::HostTensor idx(sa::DType::i32, {1, 1, 2, 2}), cnt(sa::DType::i32, {1, 1, 2});
+  Dev dq(q), dk(k), didx(idx), dcnt(cnt);
+  sa::TensorView hq = q.view();
+  hq.device = sa::Device::cuda;
+  sa::PooledOptions o;
+  o.top_k = 2;
+  try {
+    sa::pooled_select(hq, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+    ADD_FAILURE() << "no Error for a host pointer labelled cuda";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "q") << e.what();
+  }
+  sa::TensorView hidx = idx.view();
+  hidx.device = sa::Device::cuda;
+  try {
+    sa::pooled_select(dq.view, dk.view, sa::TileLists{hidx, dcnt.view}, o);
+    ADD_FAILURE() << "no Error for a host output labelled cuda";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "out.idx") << e.what();
+  }
+  cuda_ok(cudaDeviceSynchronize(), "no kernel ran on host memory");
+}
+
 // The public functions run on the caller's stream: results on a fresh stream equal the CPU's.
 TEST(SelectorsGpu, RunOnCallerStream) {
   SKIP_WITHOUT_GPU();

@@ -212,6 +212,16 @@ inline int usable_device_smem(const std::string& op, const std::string& name, co
   return max_smem;
 }
 
+// A view labelled cuda must point at device (or managed) memory: a host pointer would fault inside a
+// kernel, asynchronously, instead of giving an Error. The query does not synchronise.
+inline void check_device_memory(const std::string& op, const std::string& name, const TensorView& t) {
+  cudaPointerAttributes a{};
+  const cudaError_t e = cudaPointerGetAttributes(&a, t.data);
+  if (e != cudaSuccess) cudaGetLastError();
+  if (e != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged))
+    throw Error(op, name, "tensor " + t.describe() + " is labelled cuda but its memory is not CUDA device memory");
+}
+
 inline In in_type(DType d) { return d == DType::f32 ? In::f32 : d == DType::f16 ? In::f16 : In::bf16; }
 
 // Stream-ordered scratch: allocated and freed on the caller's stream (no host synchronisation).

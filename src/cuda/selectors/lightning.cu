@@ -197,6 +197,10 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   const std::int64_t Lk = kI.shape[1], Tk = ceil_div(Lk, kBlockK);
   const auto stream = static_cast<cudaStream_t>(o.stream);
   const int max_smem = usable_device_smem(op, "qI", qI);
+  check_device_memory(op, "qI", qI);
+  check_device_memory(op, "w", w);
+  check_device_memory(op, "kI", kI);
+  check_device_memory(op, "out.idx", out.idx);
   const std::size_t score_smem = static_cast<std::size_t>(kLQueries * HI + 4 * kLQueries) * sizeof(double) +
                                  static_cast<std::size_t>(kBlockK * (Di + 1) + kLQueries * HI * Di) * sizeof(float);
   const std::size_t rank_smem = static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kLRankThreads + 1) * sizeof(int);

@@ -200,6 +200,10 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
 
   const std::size_t smem = static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kScoreThreads + 1) * sizeof(int);
   const int max_smem = usable_device_smem(op, "q", q);
+  check_device_memory(op, "q", q);
+  check_device_memory(op, "k", k);
+  check_device_memory(op, "out.idx", out.idx);
+  check_device_memory(op, "out.cnt", out.cnt);
   if (smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "k", "Lk = " + std::to_string(Lk) + " gives " + std::to_string(Tk) +
                              " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");

@@ -275,6 +275,8 @@ void run_token_max(const std::string& op, const TensorView& qidx, const TensorVi
   const std::size_t score_smem =
       (static_cast<std::size_t>(kBlockK * (Di + 1) + kQueries * Di + 1)) * sizeof(float) + 8 * kRowsPerThread * sizeof(double);
   const int max_smem = usable_device_smem(op, "qidx", qidx);
+  check_device_memory(op, "qidx", qidx);
+  check_device_memory(op, "kidx", kidx);
   if (score_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "qidx", "index dim Di = " + std::to_string(Di) + " is too large for the CUDA token_max selector");
   if (rank_smem_bytes > static_cast<std::size_t>(max_smem))
@@ -322,6 +324,8 @@ TopParams top_params(const TensorView& qidx, const TensorView& kidx, const Tenso
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& o) {
+  usable_device_smem("token_max_select", "qidx", qidx);
+  check_device_memory("token_max_select", "out.idx", out.idx);
   TopParams t = top_params(qidx, kidx, out.idx, o);
   const std::size_t smem = rank_smem(t.Tk, kRankThreads);
   const auto stream = static_cast<cudaStream_t>(o.stream);
@@ -335,6 +339,9 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Quer
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
                       const TokenMaxOptions& o) {
+  usable_device_smem("token_max_select", "qidx", qidx);
+  check_device_memory("token_max_select", "out.idx", out.idx);
+  check_device_memory("token_max_select", "out.cnt", out.cnt);
   TopParams t = top_params(qidx, kidx, out.idx, o);
   t.cnt = out.cnt.ptr<std::int32_t>();
   t.cs0 = out.cnt.stride[0], t.cs1 = out.cnt.stride[1], t.cs2 = out.cnt.stride[2];
