@@ -201,6 +201,8 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   check_device_memory(op, "w", w);
   check_device_memory(op, "kI", kI);
   check_device_memory(op, "out.idx", out.idx);
+  if (B > 65535)  // the scoring grid's y extent
+    throw Error(op, "qI", "batch " + std::to_string(B) + " exceeds the CUDA selector's limit of 65535");
   const std::size_t score_smem = static_cast<std::size_t>(kLQueries * HI + 4 * kLQueries) * sizeof(double) +
                                  static_cast<std::size_t>(kBlockK * (Di + 1) + kLQueries * HI * Di) * sizeof(float);
   const std::size_t rank_smem = static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kLRankThreads + 1) * sizeof(int);

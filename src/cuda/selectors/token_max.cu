@@ -277,6 +277,8 @@ void run_token_max(const std::string& op, const TensorView& qidx, const TensorVi
   const int max_smem = usable_device_smem(op, "qidx", qidx);
   check_device_memory(op, "qidx", qidx);
   check_device_memory(op, "kidx", kidx);
+  if (B * Hkv > 65535)  // the scoring grid's y extent
+    throw Error(op, "qidx", "B x Hkv = " + std::to_string(B * Hkv) + " exceeds the CUDA selector's limit of 65535");
   if (score_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "qidx", "index dim Di = " + std::to_string(Di) + " is too large for the CUDA token_max selector");
   if (rank_smem_bytes > static_cast<std::size_t>(max_smem))
