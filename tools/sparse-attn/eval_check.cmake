@@ -1,10 +1,12 @@
 # Checks a `sparse-attn eval --json` file independently of the program's own check:
-#   cmake -DJSON_FILE=<path> [-DMIN_NEEDLE_RECALL=<x>] -P eval_check.cmake
+#   cmake -DJSON_FILE=<path> [-DMIN_NEEDLE_RECALL=<x>] [-DCOMPARE_JSON=<path>] -P eval_check.cmake
 # - the oracle bound: at every budget, the oracle of each granularity keeps at least the mean mass
 #   of every selection of that granularity or a coarser one (TileLists < QueryLists < TokenLists);
 # - every kept mass and sparsity lies in [0, 1];
 # - with MIN_NEEDLE_RECALL, the oracle TokenLists at the largest budget find at least that fraction
-#   of the planted needles.
+#   of the planted needles;
+# - with COMPARE_JSON=<path>, the other file holds the same rows with identical metrics (an input
+#   read back from a file against the same input built in memory).
 cmake_minimum_required(VERSION 3.24)
 
 if(NOT EXISTS "${JSON_FILE}")
@@ -130,4 +132,23 @@ if(DEFINED MIN_NEEDLE_RECALL)
       message("oracle TokenLists at budget ${budget}: needle recall ${recall}")
     endif()
   endforeach()
+endif()
+
+if(DEFINED COMPARE_JSON)
+  file(READ "${COMPARE_JSON}" other)
+  string(JSON m ERROR_VARIABLE err LENGTH "${other}" results)
+  if(err OR NOT m EQUAL n)
+    message(FATAL_ERROR "${COMPARE_JSON}: ${m} results, ${JSON_FILE}: ${n} (${err})")
+  endif()
+  foreach(i RANGE ${last})
+    foreach(key selector selection budget kept_mass_mean kept_mass_min out_rel_err token_sparsity block_sparsity
+                selected_pairs visible_pairs needle_recall)
+      string(JSON a GET "${json}" results ${i} ${key})
+      string(JSON b GET "${other}" results ${i} ${key})
+      if(NOT a STREQUAL b)
+        message(FATAL_ERROR "results[${i}].${key}: ${a} in ${JSON_FILE}, ${b} in ${COMPARE_JSON}")
+      endif()
+    endforeach()
+  endforeach()
+  message("${n} results identical to ${COMPARE_JSON}")
 endif()
