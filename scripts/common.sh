@@ -30,7 +30,8 @@ install_system_packages() {
 }
 
 # Python build and test dependencies go into the active python3. Debian's own python3 refuses
-# `pip install` outside a virtual environment (PEP 668), so there a venv under .venv is used.
+# `pip install` outside a virtual environment (PEP 668), so there a venv inside the (ignored) build
+# directory is used.
 PYTHON_PACKAGES=(pip nanobind scikit-build-core numpy ml_dtypes pytest safetensors)
 
 setup_python() {
@@ -41,12 +42,13 @@ sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNA
 PY
   then
     install_system_packages python3-venv python3-pip
-    if [ ! -x "$REPO_ROOT/.venv/bin/python" ]; then
-      log "creating a virtual environment in $REPO_ROOT/.venv (the system python3 is externally managed)"
-      "$py" -m venv "$REPO_ROOT/.venv"
+    local venv="$BUILD_DIR/python-venv"
+    if [ ! -x "$venv/bin/python" ]; then
+      log "creating a virtual environment in $venv (the system python3 is externally managed)"
+      "$py" -m venv "$venv"
     fi
     # shellcheck disable=SC1091
-    source "$REPO_ROOT/.venv/bin/activate"
+    source "$venv/bin/activate"
   fi
   if ! python3 -m pip --version >/dev/null 2>&1; then
     python3 -m ensurepip --upgrade
