@@ -313,7 +313,7 @@ std::vector<OracleLists> oracle_select(const TensorView& qt, const TensorView& k
 
   detail::parallel_for(pt.B * pt.Hkv * Tq, [&](std::int64_t job) {
     const std::int64_t t = job % Tq, bg = job / Tq, b = bg / pt.Hkv, g = bg % pt.Hkv;
-    const float* kb = kf.data() + bg * pt.Lk * D;
+    const float* krows = kf.data() + bg * pt.Lk * D;
     std::vector<double> tile_mass(static_cast<std::size_t>(Tk), 0.0), query_mass(static_cast<std::size_t>(Tk));
     std::vector<double> token_mass(static_cast<std::size_t>(pt.Lk)), s(static_cast<std::size_t>(pt.Lk));
     std::vector<float> qf(static_cast<std::size_t>(D));
@@ -344,7 +344,7 @@ std::vector<OracleLists> oracle_select(const TensorView& qt, const TensorView& k
         detail::load_bhld(qt, b, i, h, qf.data());
         for (std::int64_t j0 = 0; j0 < end; j0 += kChunk) {
           const std::int64_t n = std::min(kChunk, end - j0);
-          for (std::int64_t r = 0; r < n; ++r) rows[r] = kb + (j0 + r) * D;
+          for (std::int64_t r = 0; r < n; ++r) rows[r] = krows + (j0 + r) * D;
           detail::dots_f64(qf.data(), rows, n, D, s.data() + j0);
         }
         double m = -std::numeric_limits<double>::infinity(), z = 0.0;
@@ -544,7 +544,9 @@ int run_eval(const EvalConfig& c) {
   double oracle_ms = NAN;
   if (std::any_of(variants.begin(), variants.end(), [](const Variant& v) { return is_oracle(v.kind); })) {
     progress("oracle: float64 dense attention over the evaluated queries, top blocks and keys by mass");
-    oracle_ms = time_ms(false, [&] { oracle = oracle_select(q_tail, in.k.view(), pt, scale, c.budgets); });
+    std::vector<int> clamped;
+    for (int b : c.budgets) clamped.push_back(static_cast<int>(std::min<std::int64_t>(b, p.Tk())));
+    oracle_ms = time_ms(false, [&] { oracle = oracle_select(q_tail, in.k.view(), pt, scale, clamped); });
   }
 
   QualityOptions qopt;
@@ -553,14 +555,16 @@ int run_eval(const EvalConfig& c) {
   std::vector<Row> rows;
   const std::size_t total = variants.size() * c.budgets.size();
   for (std::size_t bi = 0; bi < c.budgets.size(); ++bi) {
-    const int kb = c.budgets[bi];
+    // A budget past the number of blocks selects what a budget of Tk does; clamping keeps the
+    // list buffers small for any --budget.
+    const int kb = static_cast<int>(std::min<std::int64_t>(c.budgets[bi], p.Tk()));
     const std::int64_t kt = std::min<std::int64_t>(std::int64_t(kb) * kBlockK, p.Lk);
     for (const auto& v : variants) {
-      progress("[{}/{}] {} {} budget {}", rows.size() + 1, total, v.name, v.format, kb);
+      progress("[{}/{}] {} {} budget {}", rows.size() + 1, total, v.name, v.format, c.budgets[bi]);
       Row row;
       row.variant = &v;
-      row.budget = kb;
-      row.keys_per_query = v.format == "TokenLists" ? kt : std::min<std::int64_t>(std::int64_t(kb) * kBlockK, p.Lk);
+      row.budget = c.budgets[bi];
+      row.keys_per_query = kt;
       std::vector<HostTensor> buffers;
       Selection full;  // over every query (selectors); the oracle is built over the tail only
       Selection tail;
