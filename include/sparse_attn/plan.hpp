@@ -99,9 +99,9 @@ struct CostModel {
   double q_visit_ns_d128 = 14.6;    // one (query head, Q tile, KV block) visit of tile_sparse, D = 128
   double q_visit_ns_d64 = 10.1;     // the same at D = 64
   double q_fixed_us = 10.0;         // conversion to TileLists and launch
-  double kv_row_block_ns = 0.33;    // attention of one (query, head, slot) against one block, D = 128
+  double kv_row_block_ns = 0.846;   // attention of one (query, head, slot) against one block, D = 128
   double kv_bytes_per_ns = 4270.0;  // HBM rate for the partials written and read back (4.27 TB/s)
-  double kv_slot_ns = 0.02;         // reverse index work per (query, slot)
+  double kv_slot_ns = 0.37;         // reverse index work per (query, slot)
   double kv_fixed_us = 15.0;        // five launches of the KV-centric pipeline
 };
 

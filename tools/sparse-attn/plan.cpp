@@ -62,7 +62,7 @@ int run_plan(const PlanConfig& c) {
   ProblemShape p;
   p.B = c.batch, p.Lq = c.lq, p.Lk = c.lk, p.Hq = c.heads, p.Hkv = c.kv_heads, p.D = c.dim, p.causal = c.causal;
   const PartialPrecision prec = c.partials == "bf16" ? PartialPrecision::bf16 : PartialPrecision::f32;
-  fmt::print("plan {} blocks/query={} partials={} (cost model: docs/notes/planner.md; KV-centric constants provisional)\n",
+  fmt::print("plan {} blocks/query={} partials={} (cost model and the data behind its constants: docs/notes/planner.md)\n",
              p.describe(), c.blocks, c.partials);
   nlohmann::json rows = nlohmann::json::array();
   for (double keep : c.overlap) {
