@@ -9,10 +9,10 @@ namespace sparse_attn::cli {
 struct DemoConfig {
   std::uint64_t seed = 1;
   std::int64_t batch = 1;
-  std::int64_t len = 2048;
+  std::int64_t len = 4096;
   std::int64_t heads = 8;
   std::int64_t kv_heads = 2;
-  int budget = 4;       // KV blocks per Q tile (or per query); lightning keeps budget * 128 keys
+  int budget = 8;       // KV blocks per Q tile (or per query); lightning keeps budget * 128 keys
   int needles = 4;      // planted needles per (batch, KV head)
   // Quality (kept mass, error, sparsity) is evaluated in float64 on the last eval_queries queries,
   // rounded up to whole Q tiles; 0 evaluates every query.
