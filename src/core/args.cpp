@@ -14,23 +14,15 @@ float resolve_scale(const std::string& op, const std::optional<float>& scale, st
   return *scale;
 }
 
-ProblemShape check_attention_args(const std::string& op, const TensorView& q, const TensorView& k,
-                                  const TensorView& v, const TensorView& out,
-                                  const std::optional<TensorView>& lse, const AttentionOptions& options) {
-  const bool cpu = q.device == Device::cpu;
-  // float32 is a CPU-only input dtype; the device kernels take 16-bit inputs.
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}}) {
-    if (cpu)
-      detail::check_tensor(op, name, *t, 4, {DType::bf16, DType::f16, DType::f32});
-    else
-      detail::check_tensor(op, name, *t, 4, {DType::bf16, DType::f16});
-  }
-  require(k.dtype == q.dtype, op, "k", std::string("dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
-  require(v.dtype == q.dtype, op, "v", std::string("dtype ") + dtype_name(v.dtype) + " differs from q's " + dtype_name(q.dtype));
-  require(out.dtype == q.dtype, op, "out", std::string("dtype ") + dtype_name(out.dtype) + " differs from q's " + dtype_name(q.dtype));
-  detail::check_same_device(op, "k", k, "q", q);
-  detail::check_same_device(op, "v", v, "q", q);
-  detail::check_same_device(op, "out", out, "q", q);
+namespace detail {
+
+ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
+                       std::initializer_list<DType> dtypes, bool causal, const std::optional<float>& scale) {
+  check_tensor(op, "q", q, 4, dtypes);
+  check_tensor(op, "k", k, 4, dtypes);
+  check_tensor(op, "v", v, 4, dtypes);
+  check_same_device(op, "k", k, "q", q);
+  check_same_device(op, "v", v, "q", q);
 
   ProblemShape p;
   p.B = q.shape[0];
@@ -39,23 +31,45 @@ ProblemShape check_attention_args(const std::string& op, const TensorView& q, co
   p.D = q.shape[3];
   p.Lk = k.shape[1];
   p.Hkv = k.shape[2];
-  p.causal = options.causal;
-  require(p.B > 0 && p.Lq > 0 && p.Hq > 0 && p.D > 0, op, "q", "every extent must be > 0, got " + detail::shape_string(q));
-  require(p.Lk > 0 && p.Hkv > 0, op, "k", "every extent must be > 0, got " + detail::shape_string(k));
-  detail::check_shape(op, "k", k, {p.B, -1, -1, p.D});
-  detail::check_shape(op, "v", v, {p.B, p.Lk, p.Hkv, p.D});
-  detail::check_shape(op, "out", out, {p.B, p.Lq, p.Hq, p.D});
+  p.causal = causal;
+  require(p.B > 0 && p.Lq > 0 && p.Hq > 0 && p.D > 0, op, "q", "every extent must be > 0, got " + shape_string(q));
+  require(p.Lk > 0 && p.Hkv > 0, op, "k", "every extent must be > 0, got " + shape_string(k));
+  check_shape(op, "k", k, {p.B, -1, -1, p.D});
+  check_shape(op, "v", v, {p.B, p.Lk, p.Hkv, p.D});
   require(p.Hq % p.Hkv == 0, op, "k",
           "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" + std::to_string(p.Hkv) + ")");
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}})
+    check_last_contiguous(op, name, *t);
+  resolve_scale(op, scale, p.D);
+  return p;
+}
+
+}  // namespace detail
+
+ProblemShape check_attention_args(const std::string& op, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& out,
+                                  const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  // float32 is a CPU-only input dtype; the device kernels take 16-bit inputs.
+  const bool cpu = q.device == Device::cpu;
+  const ProblemShape p =
+      cpu ? detail::check_qkv(op, q, k, v, {DType::bf16, DType::f16, DType::f32}, options.causal, options.softmax_scale)
+          : detail::check_qkv(op, q, k, v, {DType::bf16, DType::f16}, options.causal, options.softmax_scale);
+  if (cpu)
+    detail::check_tensor(op, "out", out, 4, {DType::bf16, DType::f16, DType::f32});
+  else
+    detail::check_tensor(op, "out", out, 4, {DType::bf16, DType::f16});
+  require(k.dtype == q.dtype, op, "k", std::string("dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
+  require(v.dtype == q.dtype, op, "v", std::string("dtype ") + dtype_name(v.dtype) + " differs from q's " + dtype_name(q.dtype));
+  require(out.dtype == q.dtype, op, "out", std::string("dtype ") + dtype_name(out.dtype) + " differs from q's " + dtype_name(q.dtype));
+  detail::check_same_device(op, "out", out, "q", q);
+  detail::check_shape(op, "out", out, {p.B, p.Lq, p.Hq, p.D});
   if (!cpu) require(p.D == 64 || p.D == 128, op, "q", "head dim must be 64 or 128 on the GPU, got " + std::to_string(p.D));
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}})
-    detail::check_last_contiguous(op, name, *t);
+  detail::check_last_contiguous(op, "out", out);
   if (lse) {
     detail::check_tensor(op, "lse", *lse, 3, {DType::f32});
     detail::check_shape(op, "lse", *lse, {p.B, p.Hq, p.Lq});
     detail::check_same_device(op, "lse", *lse, "q", q);
   }
-  resolve_scale(op, options.softmax_scale, p.D);
   return p;
 }
 

@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "sparse_attn/error.hpp"
+#include "sparse_attn/formats.hpp"
 #include "sparse_attn/tensor.hpp"
 
 namespace sparse_attn::detail {
@@ -31,6 +33,10 @@ void check_last_contiguous(const std::string& op, const std::string& name, const
 /// `t` is on the same device as `ref`.
 void check_same_device(const std::string& op, const std::string& name, const TensorView& t,
                        const std::string& ref_name, const TensorView& ref);
+/// q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D]: ranks, dtypes among `dtypes` (each tensor on its own),
+/// devices, extents, GQA divisibility, contiguous last dims and the softmax scale. Returns the shape.
+ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
+                       std::initializer_list<DType> dtypes, bool causal, const std::optional<float>& scale);
 /// Throws the standard "no implementation on this device" error.
 [[noreturn]] void unsupported_device(const std::string& op, const std::string& name, const TensorView& t);
 

@@ -43,34 +43,6 @@ double relative(double err_sq, double ref_sq) {
   return err_sq == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
 }
 
-ProblemShape check_eval_args(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
-                             const QualityOptions& options) {
-  const auto floats = {DType::bf16, DType::f16, DType::f32};
-  detail::check_tensor(op, "q", q, 4, floats);
-  detail::check_tensor(op, "k", k, 4, floats);
-  detail::check_tensor(op, "v", v, 4, floats);
-  detail::check_same_device(op, "k", k, "q", q);
-  detail::check_same_device(op, "v", v, "q", q);
-  ProblemShape p;
-  p.B = q.shape[0];
-  p.Lq = q.shape[1];
-  p.Hq = q.shape[2];
-  p.D = q.shape[3];
-  p.Lk = k.shape[1];
-  p.Hkv = k.shape[2];
-  p.causal = options.causal;
-  require(p.B > 0 && p.Lq > 0 && p.Hq > 0 && p.D > 0, op, "q", "every extent must be > 0, got " + detail::shape_string(q));
-  require(p.Lk > 0 && p.Hkv > 0, op, "k", "every extent must be > 0, got " + detail::shape_string(k));
-  detail::check_shape(op, "k", k, {p.B, -1, -1, p.D});
-  detail::check_shape(op, "v", v, {p.B, p.Lk, p.Hkv, p.D});
-  require(p.Hq % p.Hkv == 0, op, "k",
-          "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" + std::to_string(p.Hkv) + ")");
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}})
-    detail::check_last_contiguous(op, name, *t);
-  resolve_scale(op, options.softmax_scale, p.D);
-  return p;
-}
-
 // k or v of every (batch, KV head) as float [B, Hkv, Lk, D]: every supported dtype converts to
 // float exactly, and the contiguous layout keeps the row loops streaming.
 std::vector<float> gather_kv(const TensorView& t, const ProblemShape& p) {
@@ -87,7 +59,8 @@ std::vector<float> gather_kv(const TensorView& t, const ProblemShape& p) {
 QualityReport evaluate_selection(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const Selection& selection, const QualityOptions& options) {
   const std::string op = "evaluate_selection";
-  const ProblemShape p = check_eval_args(op, q, k, v, options);
+  const ProblemShape p =
+      detail::check_qkv(op, q, k, v, {DType::bf16, DType::f16, DType::f32}, options.causal, options.softmax_scale);
   if (q.device != Device::cpu) detail::unsupported_device(op, "q", q);
   validate(selection, p, op);
   const double scale = resolve_scale(op, options.softmax_scale, p.D);
