@@ -1,7 +1,7 @@
 // DSA lightning indexer on the GPU, block form (QueryLists): I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s])
 // max-pooled over the visible keys of each KV block, then the exact top-k blocks per query, written to
 // every group. Kernels on the caller's stream:
-//  1. (fp8) amax of qI and kI; 2. dequantise both to dense float32 (common.cuh, identical to the CPU);
+//  1. (fp8) amax of qI and kI; 2. dequantise both to dense float32 (prepare.cu, identical to the CPU);
 //  3. a CTA holds kLQueries query rows (all index heads) and streams KV blocks through shared memory;
 //     each thread owns one key: per head a float64 dot in d order, then acc = fma(w, ReLU(dot), acc)
 //     over the heads in order, exactly the CPU's index_score; the block maximum goes to [B, Lq, Tk];
@@ -18,41 +18,6 @@ namespace sparse_attn::cuda_backend {
 namespace {
 
 using namespace sel;
-
-struct Src {
-  const void* x;
-  std::int64_t sb, sl, sh;
-  std::int64_t B, L, H, D;
-};
-
-__device__ __forceinline__ std::int64_t row_offset(const Src& s, std::int64_t row) {
-  const std::int64_t h = row % s.H, l = (row / s.H) % s.L, b = row / (s.H * s.L);
-  return b * s.sb + l * s.sl + h * s.sh;
-}
-
-template <In T>
-__global__ void lightning_amax_kernel(const Src s, unsigned int* amax_bits) {
-  const std::int64_t rows = s.B * s.L * s.H;
-  float m = 0.0f;
-  for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const std::int64_t off = row_offset(s, row);
-    for (std::int64_t d = threadIdx.x; d < s.D; d += blockDim.x) m = fmaxf(m, fabsf(load_elem<T>(s.x, off + d)));
-  }
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (threadIdx.x % 32 == 0) atomicMax(amax_bits, __float_as_uint(m));
-}
-
-template <In T, Prec P>
-__global__ void lightning_dequantize_kernel(const Src s, const unsigned int* amax_bits, float* dst) {
-  const std::int64_t n = s.B * s.L * s.H * s.D;
-  const float scale = P == Prec::bf16 ? 1.0f : tensor_scale_of<P>(__uint_as_float(*amax_bits));
-  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < n;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    float v = load_elem<T>(s.x, row_offset(s, e / s.D) + e % s.D);
-    quantize_row<P>(&v, 1, scale);
-    dst[e] = v;
-  }
-}
 
 constexpr int kLQueries = 2;         // query rows per CTA (each with all HI index heads in shared memory)
 constexpr int kLThreads = kBlockK;   // one key per thread
@@ -162,32 +127,6 @@ __global__ void lightning_topk_kernel(const LTopParams p) {
                     p.width);
 }
 
-Src src_of(const TensorView& t) {
-  if (t.ndim == 3) return {t.data, t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]};
-  return {t.data, t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2], t.shape[3]};
-}
-
-template <In T>
-void prepare_tensor(const Src& s, IndexPrecision prec, unsigned int* amax, float* dst, cudaStream_t stream) {
-  const std::int64_t n = s.B * s.L * s.H * s.D;
-  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((n + 255) / 256, 65536));
-  if (prec == IndexPrecision::fp8_e4m3) {
-    lightning_amax_kernel<T><<<static_cast<unsigned>(std::min<std::int64_t>(s.B * s.L * s.H, 1024)), 128, 0, stream>>>(s, amax);
-    lightning_dequantize_kernel<T, Prec::fp8><<<blocks, 256, 0, stream>>>(s, amax, dst);
-  } else {
-    lightning_dequantize_kernel<T, Prec::bf16><<<blocks, 256, 0, stream>>>(s, amax, dst);
-  }
-}
-
-void prepare(const TensorView& t, IndexPrecision prec, unsigned int* amax, float* dst, cudaStream_t stream) {
-  const Src s = src_of(t);
-  switch (in_type(t.dtype)) {
-    case In::f32: return prepare_tensor<In::f32>(s, prec, amax, dst, stream);
-    case In::f16: return prepare_tensor<In::f16>(s, prec, amax, dst, stream);
-    case In::bf16: return prepare_tensor<In::bf16>(s, prec, amax, dst, stream);
-  }
-}
-
 }  // namespace
 
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const QueryLists& out,
@@ -228,8 +167,8 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   double* scores = scratch.as<double>(a_bytes + q_bytes + k_bytes);
   if (o.precision != IndexPrecision::bf16)
     check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
-  prepare(qI, o.precision, amax, qd, stream);
-  prepare(kI, o.precision, amax + 1, kd, stream);
+  prepare_index_tensor(qI, o.precision, amax, qd, stream);
+  prepare_index_tensor(kI, o.precision, amax + 1, kd, stream);
 
   LScoreParams p{};
   p.q = qd, p.w = w.ptr<float>(), p.ws0 = w.stride[0], p.ws1 = w.stride[1], p.ws2 = w.stride[2];
