@@ -108,7 +108,7 @@ struct EntmaxOptions {
   float alpha = 1.5f;  // > 1; alpha = 2 is sparsemax
   std::optional<float> softmax_scale;  // z = scale * q.k
   bool causal = false;
-  int histogram_bins = 64;  // bins of the threshold bound (>= 2)
+  int histogram_bins = 64;  // bins of the threshold bound, 2 to 4096 (held per row of a tile)
   void* stream = nullptr;
   /// Optional uint32 [B, Hq, Tq, ceil(Tk / 32)] output: the tiles holding any nonzero weight.
   std::optional<TensorView> block_bits;
@@ -121,7 +121,7 @@ struct EntmaxStats {
 };
 
 /// p = [(alpha - 1) z - tau]_+^(1 / (alpha - 1)) per row, out = p V. Exact: equal to full-context
-/// entmax up to rounding. Fully masked rows (none under causal) give out = 0.
+/// entmax up to rounding. Rows that see no key (causal with Lq > Lk) give out = 0.
 EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v,
                    const TensorView& out, const EntmaxOptions& options = {});
 
