@@ -22,16 +22,8 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
-struct Shape {
-  std::int64_t B, Lq, Lk, Hq, Hkv, D;
-  bool causal;
-};
-
-std::string describe(const Shape& s) {
-  return "B=" + std::to_string(s.B) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
-         " Hq=" + std::to_string(s.Hq) + " Hkv=" + std::to_string(s.Hkv) + " D=" + std::to_string(s.D) +
-         (s.causal ? " causal" : " non-causal");
-}
+// Test shapes are the library's own problem shape: {B, Lq, Lk, Hq, Hkv, D, causal}.
+using Shape = sa::ProblemShape;
 
 // Fresh random inputs, poisoned outputs, and the problem shape as the library sees it.
 struct Problem {
@@ -69,7 +61,7 @@ struct Problem {
 double out_bound(sa::DType dt) { return dt == sa::DType::f32 ? 1e-5 : dt == sa::DType::f16 ? 2e-3 : 8e-3; }
 
 void expect_matches(const Problem& pr, const st::Reference& ref, const std::string& what, double lse_bound = 1e-5) {
-  SCOPED_TRACE(what + " " + describe(pr.s) + " " + sa::dtype_name(pr.dtype));
+  SCOPED_TRACE(what + " " + pr.s.describe() + " " + sa::dtype_name(pr.dtype));
   ASSERT_TRUE(st::all_finite(pr.out)) << "output has NaN (unwritten or invalid)";
   ASSERT_TRUE(st::all_finite(pr.lse, /*allow_neg_inf=*/true)) << "lse has NaN or +inf";
   EXPECT_LE(st::rel_err(pr.out, ref.out), out_bound(pr.dtype));
@@ -346,8 +338,8 @@ TEST(TileSparse, EveryBlockSelectedEqualsDenseBitwise) {
     st::poison(lse2);
     const TileSel t = full_tiles(pr.p, s.Hkv);
     sa::tile_sparse(pr.q.view(), pr.k.view(), pr.v.view(), t.lists(), out2.view(), lse2.view(), pr.options());
-    EXPECT_TRUE(bitwise_equal(pr.out, out2)) << describe(s);
-    EXPECT_TRUE(bitwise_equal(pr.lse, lse2)) << describe(s);
+    EXPECT_TRUE(bitwise_equal(pr.out, out2)) << s.describe();
+    EXPECT_TRUE(bitwise_equal(pr.lse, lse2)) << s.describe();
   }
 }
 
@@ -388,8 +380,8 @@ TEST(BitsSparse, EqualsTileSparseOnConvertedSelectionAndReference) {
       st::poison(out2);
       st::poison(lse2);
       sa::tile_sparse(pr.q.view(), pr.k.view(), pr.v.view(), t.lists(), out2.view(), lse2.view(), pr.options());
-      EXPECT_TRUE(bitwise_equal(pr.out, out2)) << describe(s);
-      EXPECT_TRUE(bitwise_equal(pr.lse, lse2)) << describe(s);
+      EXPECT_TRUE(bitwise_equal(pr.out, out2)) << s.describe();
+      EXPECT_TRUE(bitwise_equal(pr.lse, lse2)) << s.describe();
     }
   }
 }

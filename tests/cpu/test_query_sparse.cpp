@@ -25,16 +25,8 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
-struct Shape {
-  std::int64_t B, Lq, Lk, Hq, Hkv, D;
-  bool causal;
-};
-
-std::string describe(const Shape& s) {
-  return "B=" + std::to_string(s.B) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
-         " Hq=" + std::to_string(s.Hq) + " Hkv=" + std::to_string(s.Hkv) + " D=" + std::to_string(s.D) +
-         (s.causal ? " causal" : " non-causal");
-}
+// Test shapes are the library's own problem shape: {B, Lq, Lk, Hq, Hkv, D, causal}.
+using Shape = sa::ProblemShape;
 
 struct Problem {
   Shape s;
@@ -87,7 +79,7 @@ struct Problem {
 };
 
 void expect_matches(const Problem& pr, const st::Reference& ref, double out_bound, const std::string& what) {
-  SCOPED_TRACE(what + " " + describe(pr.s) + " " + sa::dtype_name(pr.dtype));
+  SCOPED_TRACE(what + " " + pr.s.describe() + " " + sa::dtype_name(pr.dtype));
   ASSERT_TRUE(st::all_finite(pr.out)) << "output has NaN (unwritten or invalid)";
   ASSERT_TRUE(st::all_finite(pr.lse, /*allow_neg_inf=*/true)) << "lse has NaN or +inf";
   EXPECT_LE(st::rel_err(pr.out, ref.out), out_bound);
