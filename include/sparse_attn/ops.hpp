@@ -54,8 +54,19 @@ void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
 
 enum class PartialPrecision : std::uint8_t { f32, bf16 };
 
+/// How query_sparse runs on the GPU. Both give the same attention (within DESIGN §6 bounds); the CPU
+/// backend runs its reference for either.
+///  - kv_centric: reverse index -> one partial output + LSE per (query, head, slot) -> combine.
+///  - group_centric: one query's heads of a group are the rows of an MMA tile; a CTA streams the union
+///    of its queries' lists once and each query's rows visit only their own blocks; no partials.
+///    Suited to large GQA groups (Hq / Hkv >= 8) and small KV block counts.
+enum class QuerySchedule : std::uint8_t { kv_centric, group_centric };
+
+const char* query_schedule_name(QuerySchedule s);
+
 struct QuerySparseOptions : AttentionOptions {
-  PartialPrecision partials = PartialPrecision::f32;  // storage of partial outputs
+  PartialPrecision partials = PartialPrecision::f32;  // storage of partial outputs (kv_centric)
+  QuerySchedule schedule = QuerySchedule::kv_centric;
 };
 
 /// KV-centric attention over per-query block lists: reverse index -> partial outputs and LSE per

@@ -235,6 +235,8 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
 void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                   const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
                   const QuerySparseOptions& options) {
+  require(options.schedule == QuerySchedule::kv_centric, kOp, "options.schedule",
+          std::string("the CUDA backend has no ") + query_schedule_name(options.schedule) + " schedule yet");
   check_rows("q", q);
   check_shape(p, lists.idx.shape[3]);
   const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
