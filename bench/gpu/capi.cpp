@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <optional>
 
 #include "cuda/backend.hpp"
@@ -87,6 +88,31 @@ std::vector<std::uint16_t> random_bf16(std::int64_t n, std::uint64_t seed) {
 
 void check_cuda_bench(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Owned so that a library Error thrown between creation and the end of a timing leaks nothing.
+struct OwnedStream {
+  cudaStream_t s = nullptr;
+  OwnedStream() { check_cuda_bench(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
+  ~OwnedStream() { cudaStreamDestroy(s); }
+};
+
+struct OwnedEvent {
+  cudaEvent_t e = nullptr;
+  OwnedEvent() { check_cuda_bench(cudaEventCreate(&e), "cudaEventCreate"); }
+  OwnedEvent(const OwnedEvent&) = delete;
+  OwnedEvent& operator=(const OwnedEvent&) = delete;
+  ~OwnedEvent() { cudaEventDestroy(e); }
+};
+
+void copy_error(const std::exception& e, char* err, int err_len) {
+  if (err && err_len > 0) {
+    const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
+    std::memcpy(err, e.what(), n);
+    err[n] = '\0';
+  }
 }
 
 }  // namespace
@@ -172,23 +198,36 @@ extern "C" int sa_bench_selectors(std::int64_t B, std::int64_t Lq, std::int64_t 
   }
 }
 
-// ---- KV-centric query_sparse ---------------------------------------------------------------------------
-// Times the KV-centric pipeline on one shape (query16of32: B=8, Hq=16, Hkv=1, Lq=Lk=4096, K=16) with
-// fresh normal bf16 q, k, v and K distinct uniformly random blocks per query. times_ms receives, in
-// order: reverse index (plan, trusted lists), attention (partials), combine, and the one-call public
-// query_sparse (plan + run with its cached workspace, lists validated on the device): means over
-// `iters` runs after one warm-up, CUDA events on a private stream. Before timing, batch 0 of the
-// one-call output is compared with the CPU query_sparse on the same inputs; *relerr receives
-// ||gpu - cpu|| / ||cpu||.
+// ---- query_sparse on generated inputs ------------------------------------------------------------------
+// Times one query_sparse schedule on one shape (e.g. query16of32: B=8, Hq=16, Hkv=1, Lq=Lk=4096, K=16) with
+// fresh normal bf16 q, k, v and K distinct uniformly random blocks per query. `schedule` is a
+// QuerySchedule code (0 kv_centric, 1 group_centric); a schedule the backend lacks comes back as the
+// library's Error message. times_ms receives, in order: reverse index (plan, trusted lists), attention
+// (partials), combine -- these three only for kv_centric, NaN otherwise -- and the one-call public
+// query_sparse (lists validated on the device): means over `iters` runs after one warm-up, CUDA
+// events on a private stream. Before timing, batch 0 of the one-call output is compared with the CPU
+// query_sparse on the same inputs; *relerr receives ||gpu - cpu|| / ||cpu||.
 #include <cmath>
 
 #include "cuda/query_sparse/backend.hpp"
 #include "sparse_attn/plan.hpp"
 
-extern "C" int sa_bench_query_sparse(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hkv, std::int64_t D,
-                                     std::int64_t K, int causal, int bf16_partials, int iters, double* times_ms,
-                                     double* relerr, char* err, int err_len) {
+namespace {
+
+sa::QuerySchedule schedule_from_code(const char* op, int code) {
+  // Codes inside the enum's range go to the library unchanged, so its front end names an unknown one.
+  if (code < 0 || code > 255) throw sa::Error(op, "schedule", "schedule code " + std::to_string(code) + " is not a QuerySchedule");
+  return static_cast<sa::QuerySchedule>(code);
+}
+
+}  // namespace
+
+extern "C" int sa_bench_query_sparse_schedule(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hkv,
+                                              std::int64_t D, std::int64_t K, int causal, int bf16_partials,
+                                              int schedule, int iters, double* times_ms, double* relerr, char* err,
+                                              int err_len) {
   try {
+    const sa::QuerySchedule sched = schedule_from_code("sa_bench_query_sparse", schedule);
     sa::ProblemShape p;
     p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = causal != 0;
     const std::int64_t Tk = p.Tk();
@@ -219,11 +258,12 @@ extern "C" int sa_bench_query_sparse(std::int64_t B, std::int64_t L, std::int64_
     const auto lv = sa::TensorView::contiguous(lse.p, sa::DType::f32, {B, Hq, L}, sa::Device::cuda);
     const sa::QueryLists lists{sa::TensorView::contiguous(idx.p, sa::DType::i32, {B, Hkv, L, K}, sa::Device::cuda)};
 
-    cudaStream_t stream;
-    check_cuda_bench(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    OwnedStream owned_stream;
+    const cudaStream_t stream = owned_stream.s;
     sa::QuerySparseOptions opt;
     opt.causal = p.causal;
     opt.partials = bf16_partials ? sa::PartialPrecision::bf16 : sa::PartialPrecision::f32;
+    opt.schedule = sched;
     opt.stream = stream;
 
     // Verify batch 0 of the one-call result against the CPU executor.
@@ -257,34 +297,251 @@ extern "C" int sa_bench_query_sparse(std::int64_t B, std::int64_t L, std::int64_
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     sa::QuerySparseOptions topt = opt;
     topt.trusted = true;
-    cudaEvent_t e0, e1;
-    check_cuda_bench(cudaEventCreate(&e0), "cudaEventCreate");
-    check_cuda_bench(cudaEventCreate(&e1), "cudaEventCreate");
+    OwnedEvent e0, e1;
     auto time = [&](auto&& fn) {
       fn();
       check_cuda_bench(cudaStreamSynchronize(stream), "warm-up");
-      check_cuda_bench(cudaEventRecord(e0, stream), "cudaEventRecord");
+      check_cuda_bench(cudaEventRecord(e0.e, stream), "cudaEventRecord");
       for (int i = 0; i < iters; ++i) fn();
-      check_cuda_bench(cudaEventRecord(e1, stream), "cudaEventRecord");
-      check_cuda_bench(cudaEventSynchronize(e1), "cudaEventSynchronize");
+      check_cuda_bench(cudaEventRecord(e1.e, stream), "cudaEventRecord");
+      check_cuda_bench(cudaEventSynchronize(e1.e), "cudaEventSynchronize");
       float ms = 0.0f;
-      check_cuda_bench(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+      check_cuda_bench(cudaEventElapsedTime(&ms, e0.e, e1.e), "cudaEventElapsedTime");
       return double(ms) / iters;
     };
-    times_ms[0] = time([&] { sa::cuda_backend::query_sparse_plan(p, lists, ws.p, bytes, topt); });
-    times_ms[1] = time([&] { sa::cuda_backend::query_sparse_attend(p, qv, kv, vv, lists, ws.p, bytes, scale, topt); });
-    times_ms[2] = time([&] { sa::cuda_backend::query_sparse_combine(p, lists, ws.p, bytes, ov, lv, topt); });
+    if (sched == sa::QuerySchedule::kv_centric) {
+      times_ms[0] = time([&] { sa::cuda_backend::query_sparse_plan(p, lists, ws.p, bytes, topt); });
+      times_ms[1] = time([&] { sa::cuda_backend::query_sparse_attend(p, qv, kv, vv, lists, ws.p, bytes, scale, topt); });
+      times_ms[2] = time([&] { sa::cuda_backend::query_sparse_combine(p, lists, ws.p, bytes, ov, lv, topt); });
+    } else {
+      times_ms[0] = times_ms[1] = times_ms[2] = NAN;
+    }
     times_ms[3] = time([&] { sa::query_sparse(qv, kv, vv, lists, ov, lv, opt); });
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    cudaStreamDestroy(stream);
     return 0;
   } catch (const std::exception& e) {
-    if (err && err_len > 0) {
-      const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
-      std::memcpy(err, e.what(), n);
-      err[n] = '\0';
+    copy_error(e, err, err_len);
+    return 1;
+  }
+}
+
+/// The KV-centric form of the hook above, as the query stage of scripts/gpu_run.sh calls it.
+extern "C" int sa_bench_query_sparse(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hkv, std::int64_t D,
+                                     std::int64_t K, int causal, int bf16_partials, int iters, double* times_ms,
+                                     double* relerr, char* err, int err_len) {
+  return sa_bench_query_sparse_schedule(B, L, Hq, Hkv, D, K, causal, bf16_partials,
+                                        static_cast<int>(sa::QuerySchedule::kv_centric), iters, times_ms, relerr, err,
+                                        err_len);
+}
+
+// ---- hooks on the caller's tensors (bench/gpu/bench_query.py) ------------------------------------------
+// torch allocates every tensor and times every call with CUDA events on its current stream, so all
+// implementations, ours and the peers, see the same inputs and the same clock. Tensors are contiguous:
+// q, out [B, Lq, Hq, D]; k, v [B, Lk, Hkv, D]; lse float32 [B, Hq, Lq] (may be null); lists int32
+// [B, Hkv, Lq, Kq] on the device (on the host for sa_plan_query). dtype_code: 0 bf16, 1 f16. Every hook
+// returns 0, or 1 with the library's message in `err`.
+
+namespace {
+
+sa::ProblemShape problem(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
+                         std::int64_t D, int causal) {
+  sa::ProblemShape p;
+  p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = causal != 0;
+  return p;
+}
+
+sa::DType dtype_from_code(const char* op, int code) {
+  if (code == 0) return sa::DType::bf16;
+  if (code == 1) return sa::DType::f16;
+  throw sa::Error(op, "dtype_code", "dtype code " + std::to_string(code) + " is neither 0 (bf16) nor 1 (f16)");
+}
+
+struct Operands {
+  sa::TensorView q, k, v, out;
+  std::optional<sa::TensorView> lse;
+};
+
+Operands operands(const sa::ProblemShape& p, sa::DType dt, void* q, void* k, void* v, void* out, float* lse) {
+  const auto dev = sa::Device::cuda;
+  Operands o{sa::TensorView::contiguous(q, dt, {p.B, p.Lq, p.Hq, p.D}, dev),
+             sa::TensorView::contiguous(k, dt, {p.B, p.Lk, p.Hkv, p.D}, dev),
+             sa::TensorView::contiguous(v, dt, {p.B, p.Lk, p.Hkv, p.D}, dev),
+             sa::TensorView::contiguous(out, dt, {p.B, p.Lq, p.Hq, p.D}, dev), std::nullopt};
+  if (lse) o.lse = sa::TensorView::contiguous(lse, sa::DType::f32, {p.B, p.Hq, p.Lq}, dev);
+  return o;
+}
+
+sa::QuerySparseOptions query_options(const sa::ProblemShape& p, int bf16_partials, int schedule, int trusted,
+                                     void* stream) {
+  sa::QuerySparseOptions opt;
+  opt.causal = p.causal;
+  opt.partials = bf16_partials ? sa::PartialPrecision::bf16 : sa::PartialPrecision::f32;
+  opt.schedule = schedule_from_code("sa_query_sparse", schedule);
+  opt.trusted = trusted != 0;
+  opt.stream = stream;
+  return opt;
+}
+
+// The planner reports the estimates of the schedules it knows; one it does not know reads as NaN.
+template <class Estimate>
+double group_centric_estimate(const Estimate& e) {
+  if constexpr (requires { e.group_centric_ms; }) {
+    return static_cast<double>(e.group_centric_ms);
+  } else {
+    return NAN;
+  }
+}
+
+void copy_text(const std::string& text, char* buf, int len) {
+  if (buf && len > 0) {
+    const std::size_t n = std::min<std::size_t>(text.size(), static_cast<std::size_t>(len - 1));
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+}
+
+}  // namespace
+
+/// One call of the public query_sparse with the given schedule (QuerySchedule code) and partials.
+extern "C" int sa_query_sparse(int dtype_code, void* q, void* k, void* v, void* out, float* lse, std::int64_t B,
+                               std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv, std::int64_t D,
+                               int causal, std::int32_t* idx, std::int64_t Kq, int schedule, int bf16_partials,
+                               int trusted, void* stream, char* err, int err_len) {
+  try {
+    const auto p = problem(B, Lq, Lk, Hq, Hkv, D, causal);
+    const auto o = operands(p, dtype_from_code("sa_query_sparse", dtype_code), q, k, v, out, lse);
+    const sa::QueryLists lists{sa::TensorView::contiguous(idx, sa::DType::i32, {B, Hkv, Lq, Kq}, sa::Device::cuda)};
+    sa::query_sparse(o.q, o.k, o.v, lists, o.out, o.lse, query_options(p, bf16_partials, schedule, trusted, stream));
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e, err, err_len);
+    return 1;
+  }
+}
+
+// The three phases of the KV-centric schedule, callable one at a time so that each can be timed:
+// create() validates the lists on the device once and owns a workspace; run(phase) launches phase
+// 0 (reverse index, lists trusted), 1 (attention into the partials) or 2 (combine into out, lse).
+// A phase reads what the earlier ones left in the workspace, so run them in order at least once.
+namespace {
+
+struct KvPhases {
+  sa::ProblemShape p;
+  sa::QueryLists lists;
+  sa::QuerySparseOptions opt;
+  std::size_t bytes = 0;
+  DevBuf ws;
+  KvPhases(const sa::ProblemShape& shape, const sa::QueryLists& l, const sa::QuerySparseOptions& o, std::size_t b)
+      : p(shape), lists(l), opt(o), bytes(b), ws(b) {}
+};
+
+}  // namespace
+
+extern "C" void* sa_kv_phases_create(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq,
+                                     std::int64_t Hkv, std::int64_t D, int causal, std::int32_t* idx, std::int64_t Kq,
+                                     int bf16_partials, void* stream, char* err, int err_len) {
+  try {
+    const auto p = problem(B, Lq, Lk, Hq, Hkv, D, causal);
+    const sa::QueryLists lists{sa::TensorView::contiguous(idx, sa::DType::i32, {B, Hkv, Lq, Kq}, sa::Device::cuda)};
+    auto opt = query_options(p, bf16_partials, static_cast<int>(sa::QuerySchedule::kv_centric), 0, stream);
+    auto* h = new KvPhases(p, lists, opt, sa::cuda_backend::query_sparse_workspace_bytes(p, Kq, opt.partials));
+    try {
+      sa::cuda_backend::query_sparse_plan(p, lists, h->ws.p, h->bytes, opt);  // validates the lists
+    } catch (...) {
+      delete h;
+      throw;
     }
+    h->opt.trusted = true;
+    return h;
+  } catch (const std::exception& e) {
+    copy_error(e, err, err_len);
+    return nullptr;
+  }
+}
+
+extern "C" int sa_kv_phases_run(void* handle, int phase, int dtype_code, void* q, void* k, void* v, void* out,
+                                float* lse, char* err, int err_len) {
+  try {
+    if (handle == nullptr) throw sa::Error("sa_kv_phases_run", "handle", "null handle (create failed?)");
+    auto& h = *static_cast<KvPhases*>(handle);
+    const auto o = operands(h.p, dtype_from_code("sa_kv_phases_run", dtype_code), q, k, v, out, lse);
+    switch (phase) {
+      case 0: sa::cuda_backend::query_sparse_plan(h.p, h.lists, h.ws.p, h.bytes, h.opt); break;
+      case 1:
+        sa::cuda_backend::query_sparse_attend(h.p, o.q, o.k, o.v, h.lists, h.ws.p, h.bytes,
+                                              sa::resolve_scale("sa_kv_phases_run", std::nullopt, h.p.D), h.opt);
+        break;
+      case 2: sa::cuda_backend::query_sparse_combine(h.p, h.lists, h.ws.p, h.bytes, o.out, o.lse, h.opt); break;
+      default: throw sa::Error("sa_kv_phases_run", "phase", "phase " + std::to_string(phase) + " is not 0, 1 or 2");
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e, err, err_len);
+    return 1;
+  }
+}
+
+extern "C" void sa_kv_phases_destroy(void* handle) { delete static_cast<KvPhases*>(handle); }
+
+/// The Q-centric schedule's conversion as the library has it: the lists come to the host,
+/// query_lists_to_tile_lists (validation included) forms each tile's union, and the TileLists go back
+/// to tidx [B, Hkv, Tq, Kmax] and tcnt [B, Hkv, Tq] on the device. Synchronises `stream`.
+extern "C" int sa_query_lists_to_tile_lists(std::int32_t* idx, std::int64_t B, std::int64_t Lq, std::int64_t Lk,
+                                            std::int64_t Hq, std::int64_t Hkv, std::int64_t D, int causal,
+                                            std::int64_t Kq, std::int32_t* tidx, std::int32_t* tcnt, std::int64_t Kmax,
+                                            void* stream, char* err, int err_len) {
+  try {
+    const auto p = problem(B, Lq, Lk, Hq, Hkv, D, causal);
+    const std::int64_t Tq = p.Tq();
+    const auto s = static_cast<cudaStream_t>(stream);
+    sa::HostTensor hl(sa::DType::i32, {B, Hkv, Lq, Kq}), ht(sa::DType::i32, {B, Hkv, Tq, Kmax}),
+        hc(sa::DType::i32, {B, Hkv, Tq});
+    check_cuda_bench(cudaMemcpyAsync(hl.data<std::int32_t>(), idx, static_cast<std::size_t>(B * Hkv * Lq * Kq) * 4,
+                                     cudaMemcpyDeviceToHost, s),
+                     "lists to the host");
+    check_cuda_bench(cudaStreamSynchronize(s), "lists to the host");
+    sa::query_lists_to_tile_lists(sa::QueryLists{hl.view()}, sa::TileLists{ht.view(), hc.view()}, p);
+    check_cuda_bench(cudaMemcpyAsync(tidx, ht.data<std::int32_t>(), static_cast<std::size_t>(B * Hkv * Tq * Kmax) * 4,
+                                     cudaMemcpyHostToDevice, s),
+                     "tile lists to the device");
+    check_cuda_bench(cudaMemcpyAsync(tcnt, hc.data<std::int32_t>(), static_cast<std::size_t>(B * Hkv * Tq) * 4,
+                                     cudaMemcpyHostToDevice, s),
+                     "tile counts to the device");
+    // The host tensors die on return; the copies must have read them by then.
+    check_cuda_bench(cudaStreamSynchronize(s), "tile lists to the device");
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e, err, err_len);
+    return 1;
+  }
+}
+
+/// The planner on host lists. est receives the estimated ms of q_centric, kv_centric and group_centric
+/// (NaN for a schedule the planner does not estimate); stats receives tiles, queries, query_blocks,
+/// tile_union, max_tile_union, selected_pairs, blocks_per_query, union_per_tile, neighbour_overlap,
+/// union_utilisation; choice the chosen schedule's name; reason the planner's one-line reason.
+extern "C" int sa_plan_query(std::int32_t* idx, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq,
+                             std::int64_t Hkv, std::int64_t D, int causal, std::int64_t Kq, int bf16_partials,
+                             double* est, double* stats, char* choice, int choice_len, char* reason, int reason_len,
+                             char* err, int err_len) {
+  try {
+    const auto p = problem(B, Lq, Lk, Hq, Hkv, D, causal);
+    const sa::QueryLists lists{sa::TensorView::contiguous(idx, sa::DType::i32, {B, Hkv, Lq, Kq}, sa::Device::cpu)};
+    const sa::PlanEstimate e =
+        sa::plan_schedule(lists, p, bf16_partials ? sa::PartialPrecision::bf16 : sa::PartialPrecision::f32);
+    est[0] = e.q_centric_ms;
+    est[1] = e.kv_centric_ms;
+    est[2] = group_centric_estimate(e);
+    const sa::SelectionStats& st = e.stats;
+    const double values[] = {double(st.tiles),          double(st.queries),        double(st.query_blocks),
+                             double(st.tile_union),     double(st.max_tile_union), double(st.selected_pairs),
+                             st.blocks_per_query,       st.union_per_tile,         st.neighbour_overlap,
+                             st.union_utilisation};
+    std::copy(std::begin(values), std::end(values), stats);
+    copy_text(sa::schedule_name(e.schedule), choice, choice_len);
+    copy_text(e.reason, reason, reason_len);
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e, err, err_len);
     return 1;
   }
 }
