@@ -4,8 +4,11 @@
 # JSON go to $OUT; a short table is printed last.
 #
 # Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-selector-bench] [--no-query-bench]
-# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT, QUERY_TIMEOUT seconds) so a hung
-# kernel costs one stage, not the whole session.
+# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT, QUERY_TIMEOUT,
+# QSCHED_TIMEOUT seconds) so a hung kernel costs one stage, not the whole session.
+# The query stage also runs bench/gpu/bench_query.py (every query_sparse schedule and the Q-centric one on
+# the same lists, FlexAttention unless --no-peers, dense SDPA, the overlap sweep and the planner check)
+# into $OUT/query_schedules.json; --quick gives it fewer repetitions and sweep points.
 # Build dependencies that the machine lacks (GoogleTest, nlohmann_json) are taken from .gpu/usr, a
 # git-ignored copy of the Debian packages' headers, libraries and CMake configs.
 set -u -o pipefail
@@ -144,6 +147,13 @@ except Exception as exc:  # the KV-centric lines above stand on their own
 PY
   then note "query_sparse benchmark FAILED"; tail -5 "$OUT/query_bench.log"; STATUS=1
   else grep '^query16of32 ' "$OUT/query_bench.log" | while read -r line; do note "$line"; done
+  fi
+  QS_ARGS=(--lib "$BUILD/libsa_bench.so" --json "$OUT/query_schedules.json")
+  [ "$PEERS" = 0 ] && QS_ARGS+=(--no-flex)
+  [ "$QUICK" = 1 ] && QS_ARGS+=(--quick)
+  if ! timeout "${QSCHED_TIMEOUT:-900}" python3 "$ROOT/bench/gpu/bench_query.py" "${QS_ARGS[@]}" > "$OUT/query_schedules.log" 2>&1
+  then note "query schedules benchmark FAILED"; tail -20 "$OUT/query_schedules.log"; STATUS=1
+  else grep -E '^(planner right|crossover|verification)' "$OUT/query_schedules.log" | while read -r line; do note "query schedules: $line"; done
   fi
 fi
 
