@@ -1,14 +1,8 @@
 // Phases 2 and 3 of query_sparse: per-block attention over gathered rows, and the combine.
 //
-// Attention uses mma.sync m16n8k16 (16-bit inputs, f32 accumulators) with fragments loaded from
-// padded shared memory by 32-bit loads. Fragment layouts (PTX ISA, "Matrix Fragments for
-// mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
-//   A 16x16 row-major: a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
-//   B 16x8 (k x n):    b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
-//   C 16x8 f32:        c0, c1 = (g, 2t), (g, 2t+1); c2, c3 = (g+8, 2t), (g+8, 2t+1)
-// so the C fragments of two neighbouring n-tiles of S are exactly the A fragment of P for one
-// 16-key step, and S never leaves registers. V is stored transposed in shared memory so that PV's B
-// fragment (two consecutive keys of one column) is one 32-bit load, like QK's.
+// Attention uses mma.sync m16n8k16 (16-bit inputs, f32 accumulators; fragment layouts in mma.cuh)
+// with fragments loaded from padded shared memory by 32-bit loads. V is stored transposed in shared
+// memory so that PV's B fragment (two consecutive keys of one column) is one 32-bit load, like QK's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,43 +12,10 @@
 
 #include "cuda/query_sparse/kernels.cuh"
 #include "cuda/query_sparse/launch.hpp"
+#include "cuda/query_sparse/mma.cuh"
 
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
-
-struct Bf16 {
-  __device__ static std::uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    std::uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-  }
-  __device__ static void store(void* p, float x) { *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(x); }
-  __device__ static void mma(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-struct F16 {
-  __device__ static std::uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    std::uint32_t u;
-    memcpy(&u, &v, 4);
-    return u;
-  }
-  __device__ static void store(void* p, float x) { *static_cast<__half*>(p) = __float2half_rn(x); }
-  __device__ static void mma(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
 
 template <int D>
 struct Smem {

@@ -3,7 +3,7 @@
 // requires (head dim 64 or 128, 16-byte aligned rows of q, k, v, 32-bit index ranges) and launch on
 // options.stream.
 //
-// Pipeline, every kernel on one stream:
+// KV-centric pipeline, every kernel on one stream:
 //   plan:    [validate lists -> host]  count (atomics per (b, g, block)) -> scan (one CTA) ->
 //            fill (CSR entries query * Kq + slot) + items (each block's rows cut into <= 128)
 //   attend:  one CTA per work item: K and V of the block once, the gathered (query, head) rows,
@@ -43,8 +43,14 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
                           const TensorView& out, const std::optional<TensorView>& lse,
                           const QuerySparseOptions& options);
 
-/// plan + attend + combine with a workspace cached per (device, stream) (plan.hpp describes when it
-/// grows).
+/// options.schedule == kv_centric: plan + attend + combine with a workspace cached per (device,
+/// stream) (plan.hpp describes when it grows).
+/// options.schedule == group_centric: one kernel (group.cu) that writes out and LSE directly; any
+/// group size up to 256 query heads per KV head (ceil(G / 16) m16 tiles per query, rows past G
+/// padded), D 64 and 128, causal or not. Unless options.trusted the lists are validated on the
+/// device first (one synchronisation; the fault word lives in the cached workspace, 256 bytes).
+/// Throws Error naming options.schedule for a group larger than 256, and lists.idx when the union
+/// of a CTA's lists does not fit in shared memory (thousands of slots per query).
 void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                   const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
                   const QuerySparseOptions& options);

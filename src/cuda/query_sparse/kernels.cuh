@@ -78,4 +78,43 @@ __device__ __forceinline__ long long items_of(const Params& p, long long count) 
   return (count * p.group + kRowsPerItem - 1) / kRowsPerItem;
 }
 
+
+// ---- group-centric schedule (group.cu) ----------------------------------------------------------
+//
+// One warp owns one (query, 16-head tile of its group): those heads are the 16 rows of its m16 MMA
+// tile (rows past the group size are zero and never stored). A CTA owns kGroupWarps such units: the
+// head tiles of kGroupWarps / head_tiles consecutive queries of one (b, group). It streams the sorted
+// union of their lists once through a shared-memory ring; each warp runs the online softmax over the
+// streamed blocks its own query selected and writes out and LSE directly.
+//
+// 16 warps: the CTA's union of random lists is nearly every block whatever its size, so the K/V bytes
+// a CTA pulls from L2 are fixed and more queries per CTA divide them over more work. 16 x 32 threads
+// leave 128 registers per thread at one CTA per SM, which holds O (64) and a 64-key half of S (32).
+inline constexpr int kGroupWarps = 16;
+inline constexpr int kGroupThreads = kGroupWarps * 32;
+
+struct GroupParams {
+  int B = 0, Lq = 0, Lk = 0, Hq = 0, Hkv = 0, Tk = 0, Kq = 0, group = 0;
+  int head_tiles = 1;   // ceil(group / 16)
+  int cta_queries = 1;  // kGroupWarps / head_tiles
+  int ctas_per_bg = 0;  // ceil(Lq / cta_queries)
+  int words = 0;        // ceil(Tk / 32): bitmap of the CTA's union
+  int union_cap = 0;    // min(Tk, cta_queries * Kq)
+  long long offset = 0; // Lk - Lq (causal: query i sees key j iff j <= i + offset)
+  bool causal = false;
+
+  const std::int32_t* idx = nullptr;
+  long long idx_stride[4] = {};
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  long long q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {};
+  void* out = nullptr;
+  long long out_stride[3] = {};
+  float* lse = nullptr;
+  long long lse_stride[3] = {};
+  float scale = 1.0f;       // natural-log units
+  float scale_log2 = 1.0f;  // scale * log2(e)
+};
+
 }  // namespace sparse_attn::cuda_kernels::qs

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "cuda/query_sparse/kernels.cuh"
 
 namespace sparse_attn::cuda_kernels::qs {
@@ -15,5 +17,10 @@ cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream);
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, long long max_items,
                           cudaStream_t stream);
 cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials, cudaStream_t stream);
+
+/// Dynamic shared memory of the group-centric kernel for head dim D and the union capacity of `p`.
+std::size_t group_smem_bytes(const GroupParams& p, int D);
+/// The group-centric kernel: B * Hkv * ctas_per_bg CTAs, out and LSE written directly.
+cudaError_t launch_group(const GroupParams& p, bool bf16, int D, cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda_kernels::qs

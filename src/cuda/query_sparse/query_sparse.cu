@@ -1,8 +1,10 @@
-// Host side of the KV-centric query_sparse: the workspace layout, argument checks specific to this
-// backend, device validation of QueryLists, the phase launches and the per-(device, stream)
-// workspace of the one-call entry point.
+// Host side of query_sparse on the GPU: for the KV-centric schedule the workspace layout, argument
+// checks specific to this backend, device validation of QueryLists, the phase launches and the
+// per-(device, stream) workspace of the one-call entry point; for the group-centric schedule its
+// checks and its one launch (no workspace beyond the validation's fault word).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -170,6 +172,118 @@ std::map<std::pair<int, void*>, CachedWorkspace>& cache() {
   return *m;
 }
 
+// The cached workspace of (device, stream), grown to at least `need` bytes. The caller holds
+// g_cache_mutex through its launches: two host threads sharing a stream must not interleave their
+// use of one workspace.
+void* cached_workspace(int device, void* stream, std::size_t need) {
+  CachedWorkspace& ws = cache()[{device, stream}];
+  if (ws.bytes < need) {
+    check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "workspace growth");  // earlier calls may still read it
+    if (ws.ptr != nullptr) check_cuda(cudaFree(ws.ptr), "workspace growth");
+    ws = CachedWorkspace{};
+    check_cuda(cudaMalloc(&ws.ptr, need), "workspace of " + std::to_string(need) + " bytes");
+    ws.bytes = need;
+  }
+  return ws.ptr;
+}
+
+// ---- group-centric ---------------------------------------------------------------------------------
+
+void check_out(const TensorView& out, const std::optional<TensorView>& lse) {
+  require(out.device == Device::cuda, kOp, "out", "the CUDA backend needs device tensors, got " + out.describe());
+  require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
+          std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype));
+  if (lse) require(lse->device == Device::cuda, kOp, "lse", "must be on the device, got " + lse->describe());
+}
+
+qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int device) {
+  constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
+  const std::int64_t Kq = lists.idx.shape[3], G = p.group_size();
+  const std::int64_t head_tiles = ceil_div(G, 16);
+  require(head_tiles <= qs::kGroupWarps, kOp, "options.schedule",
+          "group_centric runs one query's heads of a group in one CTA of " + std::to_string(qs::kGroupWarps) +
+              " x 16 rows: at most " + std::to_string(16 * qs::kGroupWarps) + " query heads per KV head, got " +
+              std::to_string(G) + " (use kv_centric)");
+  qs::GroupParams g;
+  g.B = static_cast<int>(p.B);
+  g.Lq = static_cast<int>(p.Lq);
+  g.Lk = static_cast<int>(p.Lk);
+  g.Hq = static_cast<int>(p.Hq);
+  g.Hkv = static_cast<int>(p.Hkv);
+  g.Tk = static_cast<int>(p.Tk());
+  g.Kq = static_cast<int>(Kq);
+  g.group = static_cast<int>(G);
+  g.head_tiles = static_cast<int>(head_tiles);
+  g.cta_queries = qs::kGroupWarps / g.head_tiles;
+  const std::int64_t per_bg = ceil_div(p.Lq, static_cast<std::int64_t>(g.cta_queries));
+  require(p.Lq <= kIntMax && p.Lk <= kIntMax && Kq * g.cta_queries <= kIntMax && p.B * p.Hkv * per_bg <= kIntMax, kOp,
+          "lists.idx",
+          "problem too large for the group-centric grid: " + p.describe() + " with " + std::to_string(Kq) +
+              " slots per query");
+  g.ctas_per_bg = static_cast<int>(per_bg);
+  g.words = static_cast<int>(ceil_div(p.Tk(), 32));
+  g.union_cap = static_cast<int>(std::min<std::int64_t>(p.Tk(), Kq * g.cta_queries));
+  g.offset = p.offset();
+  g.causal = p.causal;
+  g.idx = static_cast<const std::int32_t*>(lists.idx.data);
+  for (int i = 0; i < 4; ++i) g.idx_stride[i] = lists.idx.stride[i];
+  int optin = 0;
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute");
+  const std::size_t smem = qs::group_smem_bytes(g, static_cast<int>(p.D));
+  require(smem <= static_cast<std::size_t>(optin), kOp, "lists.idx",
+          "group_centric keeps the union of " + std::to_string(g.cta_queries) + " queries' lists (" +
+              std::to_string(Kq) + " slots each, " + std::to_string(p.Tk()) + " KV blocks) in shared memory: " +
+              std::to_string(smem) + " bytes exceed the device's " + std::to_string(optin) + " (use kv_centric)");
+  return g;
+}
+
+void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
+                        const QuerySparseOptions& options) {
+  check_rows("q", q);
+  check_rows("k", k);
+  check_rows("v", v);
+  check_out(out, lse);
+  require(reinterpret_cast<std::uintptr_t>(out.data) % 4 == 0 && out.stride[0] % 2 == 0 && out.stride[1] % 2 == 0 &&
+              out.stride[2] % 2 == 0,
+          kOp, "out", "group_centric writes pairs of elements: it needs a 4-byte aligned base and even strides, got " +
+                          out.describe());
+  require(lists.idx.device == Device::cuda, kOp, "lists.idx", "must be on the device, got " + lists.idx.describe());
+  require(p.D == 64 || p.D == 128, kOp, "q", "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D));
+  DeviceGuard guard(q.device_index);
+  qs::GroupParams g = group_params(p, lists, q.device_index);
+  const auto stream = static_cast<cudaStream_t>(options.stream);
+  const std::int64_t Kq = lists.idx.shape[3];
+  if (!options.trusted && p.B * p.Hkv * p.Lq * Kq > 0) {
+    // Validation needs one device word for the first fault; it lives in the cached workspace.
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    qs::Params vq;
+    vq.B = g.B, vq.Lq = g.Lq, vq.Lk = g.Lk, vq.Hq = g.Hq, vq.Hkv = g.Hkv, vq.Tk = g.Tk, vq.Kq = g.Kq, vq.group = g.group;
+    vq.idx = g.idx;
+    for (int i = 0; i < 4; ++i) vq.idx_stride[i] = g.idx_stride[i];
+    vq.bad = static_cast<unsigned long long*>(cached_workspace(q.device_index, options.stream, 256));
+    validate_on_device(vq, stream);
+  }
+  g.q = q.data;
+  g.k = k.data;
+  g.v = v.data;
+  for (int i = 0; i < 3; ++i) {
+    g.q_stride[i] = q.stride[i];
+    g.k_stride[i] = k.stride[i];
+    g.v_stride[i] = v.stride[i];
+    g.out_stride[i] = out.stride[i];
+  }
+  g.out = out.data;
+  if (lse) {
+    g.lse = static_cast<float*>(lse->data);
+    for (int i = 0; i < 3; ++i) g.lse_stride[i] = lse->stride[i];
+  }
+  g.scale = resolve_scale(kOp, options.softmax_scale, p.D);
+  g.scale_log2 = g.scale * 1.4426950408889634f;  // log2(e)
+  check_cuda(qs::launch_group(g, q.dtype == DType::bf16, static_cast<int>(p.D), stream), "group_centric launch");
+}
+
 }  // namespace
 
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
@@ -235,28 +349,19 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
 void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                   const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
                   const QuerySparseOptions& options) {
+  if (options.schedule == QuerySchedule::group_centric) return query_sparse_group(p, q, k, v, lists, out, lse, options);
   require(options.schedule == QuerySchedule::kv_centric, kOp, "options.schedule",
-          std::string("the CUDA backend has no ") + query_schedule_name(options.schedule) + " schedule yet");
+          "unknown schedule " + std::to_string(static_cast<int>(options.schedule)));
   check_rows("q", q);
   check_shape(p, lists.idx.shape[3]);
   const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
   const std::size_t need = query_sparse_workspace_bytes(p, lists.idx.shape[3], options.partials);
   DeviceGuard guard(q.device_index);
-  // The lock is held through the launches: two host threads sharing a stream must not interleave
-  // their plan and run on one workspace.
   std::lock_guard<std::mutex> lock(g_cache_mutex);
-  CachedWorkspace& ws = cache()[{q.device_index, options.stream}];
-  if (ws.bytes < need) {
-    const auto stream = static_cast<cudaStream_t>(options.stream);
-    check_cuda(cudaStreamSynchronize(stream), "workspace growth");  // earlier calls may still read it
-    if (ws.ptr != nullptr) check_cuda(cudaFree(ws.ptr), "workspace growth");
-    ws = CachedWorkspace{};
-    check_cuda(cudaMalloc(&ws.ptr, need), "workspace of " + std::to_string(need) + " bytes");
-    ws.bytes = need;
-  }
-  query_sparse_plan(p, lists, ws.ptr, ws.bytes, options);
-  query_sparse_attend(p, q, k, v, lists, ws.ptr, ws.bytes, scale, options);
-  query_sparse_combine(p, lists, ws.ptr, ws.bytes, out, lse, options);
+  void* ws = cached_workspace(q.device_index, options.stream, need);
+  query_sparse_plan(p, lists, ws, need, options);
+  query_sparse_attend(p, q, k, v, lists, ws, need, scale, options);
+  query_sparse_combine(p, lists, ws, need, out, lse, options);
 }
 
 }  // namespace sparse_attn::cuda_backend
