@@ -1,282 +1,621 @@
-// MSA-style token-max selector on the GPU (DESIGN §5.7). Kernels on the caller's stream:
-//  1. (fp8, fp4) amax of each index tensor: the per-tensor scales, as the CPU's load_quantized (prepare.cu);
-//  2. dequantise qidx and kidx to dense float32 copies through the precision (common.cuh ports the
-//     CPU round trips operation by operation, so the values are identical);
-//  3. per-query block scores: a CTA holds kQueries query rows and streams KV blocks through shared
-//     memory; each thread owns one key and accumulates float64 dots in d order (common.cuh: equal to
-//     the CPU's dots_f64 bit for bit), the block maximum over visible keys goes to a score matrix
-//     [B, Hkv, Lq, Tk] (-inf where a query sees no key of the block);
-//  4. exact top-k per query (QueryLists) or, for TileLists, the maximum over the tile's queries and the
-//     union of their local blocks, then top-k per tile.
-// Every intermediate lives in stream-ordered scratch (common.cuh).
+// MSA-style token-max selector on the GPU (DESIGN §5.7), version 2: tensor-core screening with an
+// exact float64 decision at the boundary. Kernels on the caller's stream:
+//  1. prepare (tc_index.cuh): per-tensor amax (fp8, fp4); for every index row the CPU's dequantised
+//     float32 values, the bf16 codes (exact: value = code * scale up to rounding), and an upper bound
+//     of the code row's norm, maxed per 128 rows (Q tile, KV block);
+//  2. screen: one CTA per (Q tile, group, range of KV blocks) multiplies the 128 query code rows by
+//     each KV block's 128 key code rows with bf16 mma.sync (float32 accumulation) and keeps, per
+//     visible (query, block), the max over the block's keys; TileLists also max over the tile's
+//     queries. Only these maxima reach memory ([rows, Tk] floats), never the [Lq, Lk] scores;
+//  3. decide: per list, every candidate gets an interval [lo, hi] that provably holds its exact
+//     (CPU) score (tc_index.cuh: score_interval). A block that at most k - 1 others can rank before is
+//     in; one that at least k others certainly rank before is out; the rest are undecided. A list
+//     without undecided blocks is written here;
+//  4. rescore: the undecided (list, block) pairs, queued by (3), get their exact block score: the
+//     float64 dots of the dequantised values in d order (products of floats are exact in float64, so
+//     fma equals the CPU's multiply-add) maxed over the visible keys (and the tile's queries), NaN as
+//     -inf; spread over the grid in 16-query chunks, combined by an atomic max on an order-preserving
+//     integer encoding;
+//  5. finish: lists with undecided blocks rank (class, exact score, id) and are written.
 //
-// Speed: float64 dots keep the ids equal to the CPU reference; they run at the float64 CUDA-core
-// rate, far from a tensor-core path. A faster exact path needs a score whose float32 (or fp8 MMA)
-// evaluation is provably order-independent, which the CPU's dequantised float32 values (fl(e * scale))
-// do not give in general.
+// Why the ids equal the CPU's: let T be the CPU's top-k set under its strict total order (score
+// descending, id ascending; reserved blocks score +inf), and let every candidate's exact score lie in
+// its interval. If fewer than k candidates can possibly rank before j, fewer than k do, so j is in T;
+// if k candidates certainly rank before j, j is not in T. So IN is a subset of T, T is a subset of
+// IN + UNDECIDED, and T minus IN is exactly the best k - |IN| undecided blocks under the exact order,
+// because every member of T ranks before every non-member. Step 5 picks IN first, then the undecided by
+// exact score (ties to the lower id), never an OUT block; when no block is undecided, T = IN.
+// "Can rank before": hi_i > lo_j, or hi_i == lo_j and i < j; "certainly": lo_i > hi_j, or lo_i == hi_j
+// and i < j (equal bounds force equal scores, and the tie goes to the lower id).
 #include <algorithm>
 #include <cmath>
 
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
+#include "cuda/selectors/tc_index.cuh"
+#include "cuda/selectors/tc_mma.cuh"
+#include "cuda/selectors/tc_token_max.cuh"
 
 namespace sparse_attn::cuda_backend {
 
 namespace {
 
-using namespace sel;
+using namespace tc;
+using sel::check_cuda;
+using sel::imax;
+using sel::imin;
 
-constexpr int kQueries = 16;       // query rows per scoring CTA
-constexpr int kScoreThreads = 256;  // 128 keys x 2 halves of the query rows
-constexpr int kRowsPerThread = kQueries / 2;
-static_assert(kScoreThreads == 2 * kBlockK);
+constexpr int kScreenThreads = 256;  // 8 warps: 4 x 32 query rows by 2 x 64 keys of a block
+constexpr int kMaxDp = 256;          // Q tile + two K stages of 128 x (Dp + 8) bf16: 203 KB at 256
+constexpr int kPitchPad = 8;         // row pitch (Dp + 8) * 2 bytes = 16 * odd: ldmatrix rows hit distinct banks
+constexpr int kRankThreads = 128;
+constexpr int kRescoreThreads = 128;  // one key of the block per thread
+constexpr int kChunk = 16;            // queries of a tile per re-scoring work item
+constexpr int kChunksPerTile = kTileQ / kChunk;
 
-struct ScoreParams {
-  const float* q;  // dense [B, Lq, Hkv, Di]
-  const float* k;  // dense [B, Lk, Hk, Di]
-  double* scores;  // [B, Hkv, Lq, Tk]
-  std::int64_t B, Lq, Lk, Hkv, Hk, Di, Tk;
+enum Cls : unsigned char { kOut = 0, kUndecided = 1, kIn = 2 };
+
+unsigned long long* g_stats = nullptr;  // optional device counters, see tc_token_max.cuh
+
+struct Shape {
+  std::int64_t B, Lq, Lk, Hkv, Hk, Di, Dp, Tq, Tk;
   bool causal;
-  __device__ std::int64_t key_end(std::int64_t i) const {
-    return causal ? imax(std::int64_t{0}, imin(i + (Lk - Lq) + 1, Lk)) : Lk;
+  __host__ __device__ std::int64_t key_end(std::int64_t i) const {
+    const std::int64_t e = i + (Lk - Lq) + 1;
+    return causal ? (e < 0 ? 0 : (e > Lk ? Lk : e)) : Lk;
+  }
+  __host__ __device__ std::int64_t aligned(std::int64_t i) const {
+    const std::int64_t a = i + (Lk - Lq);
+    if (causal) return a >= 0 ? a : -1;
+    return a < 0 ? 0 : (a > Lk - 1 ? Lk - 1 : a);
   }
 };
 
-// grid: (ceil(Lq / kQueries), B * Hkv). Shared: the KV block (128 rows of Di + 1 floats: the odd
-// stride puts the 32 keys of a warp in 32 banks), the query rows, and the per-warp maxima.
-__global__ void __launch_bounds__(kScoreThreads) token_scores_kernel(const ScoreParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const std::int64_t ks = p.Di + 1;
-  float* kb = reinterpret_cast<float*>(smem);
-  float* qs = kb + kBlockK * ks;
-  double* red = reinterpret_cast<double*>(qs + kQueries * p.Di + (kQueries * p.Di) % 2);  // [2][4][kRowsPerThread]
+// ---- 2. screening GEMM ---------------------------------------------------------------------------------
 
-  const std::int64_t bg = blockIdx.y, b = bg / p.Hkv, g = bg % p.Hkv, hk = p.Hk == 1 ? 0 : g;
-  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.x) * kQueries;
-  const int tid = threadIdx.x, key = tid % kBlockK, half = tid / kBlockK;
-  const int warp_in_half = key / 32, lane = tid % 32;
+struct ScreenParams {
+  const __nv_bfloat16* qc;  // [B, Lq, Hkv, Dp]
+  const __nv_bfloat16* kc;  // [B, Lk, Hk, Dp]
+  float* out;               // QueryLists [B, Hkv, Lq, Tk]; TileLists [B, Hkv, Tq, Tk]
+  Shape s;
+  std::int64_t per_split;   // KV blocks per CTA
+};
 
-  for (std::int64_t e = tid; e < kQueries * p.Di; e += kScoreThreads) {
-    const std::int64_t qi = i0 + e / p.Di;
-    qs[e] = qi < p.Lq ? p.q[((b * p.Lq + qi) * p.Hkv + g) * p.Di + e % p.Di] : 0.0f;
+std::size_t screen_smem(std::int64_t Dp) {
+  return static_cast<std::size_t>(3 * kTileQ * (Dp + kPitchPad)) * 2 + 2 * kTileQ * sizeof(float);
+}
+
+// grid: (Tq, B * Hkv, splits). The CTA's 128 query code rows stay in shared memory; KV blocks stream
+// through two cp.async stages.
+template <bool kTiles>
+__global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const ScreenParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Shape& s = p.s;
+  const int pitch = static_cast<int>(s.Dp) + kPitchPad;
+  auto* qs = reinterpret_cast<__nv_bfloat16*>(smem);
+  auto* kst = qs + kTileQ * pitch;
+  auto* red = reinterpret_cast<float*>(kst + 2 * kBlockK * pitch);
+
+  const std::int64_t t = blockIdx.x, bg = blockIdx.y, b = bg / s.Hkv, g = bg % s.Hkv;
+  const std::int64_t hk = s.Hk == 1 ? 0 : g;
+  const std::int64_t i0 = t * kTileQ, i_hi = imin(s.Lq, i0 + kTileQ) - 1;
+  const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of the tile sees
+  const std::int64_t j_begin = blockIdx.z * p.per_split, j_end = imin(jmax, j_begin + p.per_split);
+  if (j_begin >= j_end) return;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wm = warp / 2, wn = warp % 2;
+  const int chunks = static_cast<int>(s.Dp) / 8;  // 16-byte pieces of a row
+
+  for (int e = tid; e < kTileQ * chunks; e += kScreenThreads) {
+    const int r = e / chunks, c = e % chunks;
+    const std::int64_t i = i0 + r;
+    const bool valid = i < s.Lq;
+    cp_async16(qs + r * pitch + c * 8, p.qc + ((b * s.Lq + (valid ? i : 0)) * s.Hkv + g) * s.Dp + c * 8, valid);
   }
-  const std::int64_t i_hi = imin(p.Lq, i0 + kQueries) - 1;
-  const std::int64_t last_end = p.key_end(i_hi);  // the chunk's largest visible range
-  double* out = p.scores + ((b * p.Hkv + g) * p.Lq) * p.Tk;
+  auto load_block = [&](std::int64_t j, int stage) {
+    __nv_bfloat16* dst = kst + stage * kBlockK * pitch;
+    for (int e = tid; e < kBlockK * chunks; e += kScreenThreads) {
+      const int r = e / chunks, c = e % chunks;
+      const std::int64_t key = j * kBlockK + r;
+      const bool valid = key < s.Lk;
+      cp_async16(dst + r * pitch + c * 8, p.kc + ((b * s.Lk + (valid ? key : 0)) * s.Hk + hk) * s.Dp + c * 8, valid);
+    }
+  };
+  load_block(j_begin, 0);
+  cp_async_commit();
 
-  for (std::int64_t j = 0; j < p.Tk; ++j) {
+  const int ksteps = static_cast<int>(s.Dp) / 16;
+  for (std::int64_t j = j_begin; j < j_end; ++j) {
+    const int stage = static_cast<int>((j - j_begin) & 1);
+    if (j + 1 < j_end) {
+      load_block(j + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    float acc[2][8][4];
+    for (int mt = 0; mt < 2; ++mt)
+      for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+    const __nv_bfloat16* kb = kst + stage * kBlockK * pitch;
+    for (int ks = 0; ks < ksteps; ++ks) {
+      std::uint32_t a[2][4];
+      for (int mt = 0; mt < 2; ++mt)
+        ldmatrix_x4(a[mt], qs + (wm * 32 + mt * 16 + lane % 16) * pitch + ks * 16 + (lane / 16) * 8);
+      for (int np = 0; np < 4; ++np) {
+        std::uint32_t bb[4];
+        ldmatrix_x4(bb, kb + (wn * 64 + np * 16 + (lane / 16) * 8 + lane % 8) * pitch + ks * 16 + ((lane / 8) % 2) * 8);
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_bf16_16816(acc[mt][2 * np], a[mt], bb[0], bb[1]);
+          mma_bf16_16816(acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+        }
+      }
+    }
+
+    // Max over the visible keys of the block: key k0 + col is visible to query i iff k0 + col < key_end(i)
+    // (key_end <= Lk also drops the zero-filled keys past Lk).
     const std::int64_t k0 = j * kBlockK;
-    if (k0 >= last_end) {
-      // No query of the chunk sees this block.
-      for (std::int64_t e = tid; e < kQueries; e += kScoreThreads)
-        if (i0 + e < p.Lq) out[(i0 + e) * p.Tk + j] = -INFINITY;
-      continue;
-    }
-    __syncthreads();  // the previous block's readers are done with kb (and qs is filled)
-    const std::int64_t nk = imin<std::int64_t>(kBlockK, p.Lk - k0);
-    for (std::int64_t e = tid; e < nk * p.Di; e += kScoreThreads) {
-      const std::int64_t r = e / p.Di, d = e % p.Di;
-      kb[r * ks + d] = p.k[((b * p.Lk + k0 + r) * p.Hk + hk) * p.Di + d];
+    float tile_max = -INFINITY;
+    for (int mt = 0; mt < 2; ++mt)
+      for (int h = 0; h < 2; ++h) {
+        const int r = wm * 32 + mt * 16 + h * 8 + lane / 4;
+        const std::int64_t i = i0 + r;
+        const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
+        float m = -INFINITY;
+        for (int nt = 0; nt < 8; ++nt)
+          for (int e = 0; e < 2; ++e) {
+            const int col = wn * 64 + nt * 8 + 2 * (lane % 4) + e;
+            if (col < lim) m = fmaxf(m, acc[mt][nt][h * 2 + e]);
+          }
+        if constexpr (kTiles) {
+          tile_max = fmaxf(tile_max, m);
+        } else {
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          if (lane % 4 == 0) red[wn * kTileQ + r] = m;
+        }
+      }
+    if constexpr (kTiles) {
+      for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+      if (lane == 0) red[warp] = tile_max;
     }
     __syncthreads();
-    double acc[kRowsPerThread];
-    for (int m = 0; m < kRowsPerThread; ++m) acc[m] = 0.0;
-    if (key < nk) {
-      const float* kr = kb + key * ks;
-      for (std::int64_t d = 0; d < p.Di; ++d) {
-        const double kv = kr[d];
-        for (int m = 0; m < kRowsPerThread; ++m)
-          acc[m] = fma(static_cast<double>(qs[(half + 2 * m) * p.Di + d]), kv, acc[m]);
+    if constexpr (kTiles) {
+      if (tid == 0) {
+        float m = red[0];
+        for (int w = 1; w < kScreenThreads / 32; ++w) m = fmaxf(m, red[w]);
+        p.out[(bg * s.Tq + t) * s.Tk + j] = m;
       }
+    } else {
+      if (tid < kTileQ && i0 + tid < s.Lq) p.out[(bg * s.Lq + i0 + tid) * s.Tk + j] = fmaxf(red[tid], red[kTileQ + tid]);
     }
-    for (int m = 0; m < kRowsPerThread; ++m) {
-      const std::int64_t i = i0 + half + 2 * m;
-      const bool seen = key < nk && i < p.Lq && k0 + key < p.key_end(i);
-      double v = seen ? sanitize(acc[m]) : -INFINITY;
-      for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-      if (lane == 0) red[(half * 4 + warp_in_half) * kRowsPerThread + m] = v;
-    }
-    __syncthreads();
-    if (tid < kQueries) {
-      const int h = tid % 2, m = tid / 2;
-      const std::int64_t i = i0 + h + 2 * m;
-      if (i < p.Lq) {
-        double v = -INFINITY;
-        for (int w = 0; w < 4; ++w) v = fmax(v, red[(h * 4 + w) * kRowsPerThread + m]);
-        out[i * p.Tk + j] = v;
-      }
-    }
+    __syncthreads();  // stage and red are rewritten by the next iteration
   }
 }
 
-struct TopParams {
-  const double* scores;  // [B, Hkv, Lq, Tk]
+// ---- 3.-5. ranking -------------------------------------------------------------------------------------
+
+struct RankParams {
+  const float* m;                 // screened maxima [R, Tk] (code space)
+  const float* qnorm;             // [B, Lq, Hkv] code-norm bounds (QueryLists)
+  const unsigned int* qmax;       // [B, Hkv, Tq] float bits (TileLists)
+  const unsigned int* kmax;       // [B, Hk, Tk] float bits
+  const unsigned int* amax;       // [2]: qidx, kidx
+  int prec;
+  BoundConsts bc;
+  unsigned char* cls;             // [R, Tk]
+  unsigned long long* exact;      // [R, Tk] ordered keys
+  int* pending;                   // [R]
+  unsigned int* count;            // queue length
+  int2* queue;                    // (row, block * kChunksPerTile + chunk)
+  unsigned long long* stats;      // optional: [0] candidates, [1] re-scored blocks
   std::int32_t* idx;
   std::int64_t is0, is1, is2, is3, width;
-  std::int32_t* cnt;  // TileLists only
+  std::int32_t* cnt;              // TileLists only
   std::int64_t cs0, cs1, cs2;
-  std::int64_t Lq, Lk, Hkv, Tq, Tk;
+  Shape s;
   int top_k;
-  bool causal, reserve_local;
-  __device__ std::int64_t key_end(std::int64_t i) const {
-    return causal ? imax(std::int64_t{0}, imin(i + (Lk - Lq) + 1, Lk)) : Lk;
-  }
-  // The query's aligned key, or -1 when it sees none (causal).
-  __device__ std::int64_t aligned(std::int64_t i) const {
-    if (causal) return i + (Lk - Lq) >= 0 ? i + (Lk - Lq) : -1;
-    return imax(std::int64_t{0}, imin(i + (Lk - Lq), Lk - 1));
-  }
+  bool reserve_local;
 };
 
-// Shared layout of the ranking kernels: Tk doubles, blockDim + 1 ints, Tk flags.
-std::size_t rank_smem(std::int64_t Tk, int threads) {
-  return static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (static_cast<std::size_t>(threads) + 1) * sizeof(int);
+// One list: which candidates, which are reserved, where it goes.
+struct ListRow {
+  std::int64_t b, g, hk, pos;  // pos: query i (QueryLists) or tile t (TileLists)
+  std::int64_t n;              // candidates: blocks 0 .. n - 1
+  std::int64_t r_lo, r_hi;     // reserved blocks (empty when r_lo > r_hi)
+  std::int32_t* out;
+};
+
+template <bool kTiles>
+__device__ ListRow list_row(const RankParams& p, std::int64_t row) {
+  const Shape& s = p.s;
+  ListRow L{};
+  const std::int64_t per = kTiles ? s.Tq : s.Lq;
+  L.pos = row % per;
+  L.g = (row / per) % s.Hkv;
+  L.b = row / (per * s.Hkv);
+  L.hk = s.Hk == 1 ? 0 : L.g;
+  L.r_lo = 1, L.r_hi = 0;
+  if constexpr (kTiles) {
+    const std::int64_t i_first = L.pos * kTileQ, i_last = imin(s.Lq, i_first + kTileQ) - 1;
+    L.n = (s.key_end(i_last) + kBlockK - 1) / kBlockK;
+    if (p.reserve_local) {
+      // The aligned key grows with i: the reserved blocks are a contiguous range.
+      std::int64_t first_seen = -1;
+      if (s.aligned(i_last) >= 0) first_seen = s.causal ? imax(i_first, s.Lq - s.Lk) : i_first;
+      if (first_seen >= 0) {
+        L.r_lo = s.aligned(first_seen) / kBlockK;
+        L.r_hi = s.aligned(i_last) / kBlockK;
+      }
+    }
+  } else {
+    L.n = (s.key_end(L.pos) + kBlockK - 1) / kBlockK;
+    if (p.reserve_local && s.aligned(L.pos) >= 0) L.r_lo = L.r_hi = s.aligned(L.pos) / kBlockK;
+  }
+  L.out = p.idx + L.b * p.is0 + L.g * p.is1 + L.pos * p.is2;
+  return L;
 }
 
-// grid: B * Hkv * Lq, one query row each.
-__global__ void query_topk_kernel(const TopParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  double* sc = reinterpret_cast<double*>(smem);
-  int* part = reinterpret_cast<int*>(sc + p.Tk);
-  unsigned char* flags = reinterpret_cast<unsigned char*>(part + blockDim.x + 1);
-  const std::int64_t row = blockIdx.x;
-  const std::int64_t i = row % p.Lq, g = (row / p.Lq) % p.Hkv, b = row / (p.Lq * p.Hkv);
-  const std::int64_t n = (p.key_end(i) + kBlockK - 1) / kBlockK;
-  const std::int64_t local = p.reserve_local && p.aligned(i) >= 0 ? p.aligned(i) / kBlockK : -1;
-  const double* s = p.scores + row * p.Tk;
-  for (std::int64_t j = threadIdx.x; j < n; j += blockDim.x) sc[j] = j == local ? INFINITY : s[j];
+// Writes the flagged ids of [0, n) ascending to out[s * stride], pads to `width` with -1, returns the
+// count (to every thread). `part`: blockDim.x + 1 ints of shared memory.
+__device__ int write_ascending(const unsigned char* flags, int n, int* part, std::int32_t* out, std::int64_t stride,
+                               std::int64_t width) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int chunk = (n + nt - 1) / nt;
+  const int lo = imin(n, tid * chunk), hi = imin(n, lo + chunk);
+  int mine = 0;
+  for (int j = lo; j < hi; ++j) mine += flags[j];
+  part[tid] = mine;
   __syncthreads();
-  top_k_ascending(sc, static_cast<int>(n), p.top_k, flags, part, p.idx + b * p.is0 + g * p.is1 + i * p.is2, p.is3,
-                  p.width);
+  if (tid == 0) {
+    int run = 0;
+    for (int q = 0; q < nt; ++q) {
+      const int c = part[q];
+      part[q] = run;
+      run += c;
+    }
+    part[nt] = run;
+  }
+  __syncthreads();
+  int pos = part[tid];
+  for (int j = lo; j < hi; ++j)
+    if (flags[j]) out[static_cast<std::int64_t>(pos++) * stride] = j;
+  const int cnt = part[nt];
+  for (std::int64_t q = cnt + tid; q < width; q += nt) out[q * stride] = -1;
+  __syncthreads();
+  return cnt;
 }
 
-// grid: B * Hkv * Tq, one Q tile each.
-__global__ void tile_topk_kernel(const TopParams p) {
+std::size_t rank_smem(std::int64_t Tk) {
+  return static_cast<std::size_t>(Tk) * (2 * sizeof(float) + 2) + 16 + (kRankThreads + 1) * sizeof(int);
+}
+std::size_t finish_smem(std::int64_t Tk) {
+  return static_cast<std::size_t>(Tk) * (sizeof(double) + 2) + 16 + (kRankThreads + 1) * sizeof(int);
+}
+
+// grid: R lists.
+template <bool kTiles>
+__global__ void __launch_bounds__(kRankThreads) decide_kernel(const RankParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  double* sc = reinterpret_cast<double*>(smem);
-  int* part = reinterpret_cast<int*>(sc + p.Tk);
-  unsigned char* flags = reinterpret_cast<unsigned char*>(part + blockDim.x + 1);
-  const std::int64_t job = blockIdx.x;
-  const std::int64_t t = job % p.Tq, g = (job / p.Tq) % p.Hkv, b = job / (p.Tq * p.Hkv);
-  const std::int64_t i_first = t * kTileQ, i_last = imin(p.Lq, i_first + kTileQ) - 1;
-  const std::int64_t n = (p.key_end(i_last) + kBlockK - 1) / kBlockK;
-  // The reserved blocks of a tile: the local blocks of its queries, a contiguous range because the
-  // aligned key grows with i.
-  std::int64_t r_lo = 1, r_hi = 0;
-  if (p.reserve_local) {
-    std::int64_t first_seen = -1;
-    for (std::int64_t i = i_first; i <= i_last && first_seen < 0; ++i)
-      if (p.aligned(i) >= 0) first_seen = i;
-    if (first_seen >= 0) {
-      r_lo = p.aligned(first_seen) / kBlockK;
-      r_hi = p.aligned(i_last) / kBlockK;
+  const Shape& s = p.s;
+  float* lo = reinterpret_cast<float*>(smem);
+  float* hi = lo + s.Tk;
+  unsigned char* cls = reinterpret_cast<unsigned char*>(hi + s.Tk);
+  unsigned char* flags = cls + s.Tk;
+  int* part = reinterpret_cast<int*>(smem + ((static_cast<std::size_t>(s.Tk) * 10 + 15) / 16) * 16);
+
+  const std::int64_t row = blockIdx.x;
+  const ListRow L = list_row<kTiles>(p, row);
+  const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
+  const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
+  const float nq = kTiles ? __uint_as_float(p.qmax[(L.b * s.Hkv + L.g) * s.Tq + L.pos])
+                          : p.qnorm[(L.b * s.Lq + L.pos) * s.Hkv + L.g];
+  const float* mrow = p.m + row * s.Tk;
+  for (int j = tid; j < n; j += kRankThreads) {
+    if (j >= L.r_lo && j <= L.r_hi) {
+      lo[j] = hi[j] = INFINITY;
+    } else {
+      const float nk = __uint_as_float(p.kmax[(L.b * s.Hk + L.hk) * s.Tk + j]);
+      score_interval(mrow[j], sq, sk, nq, nk, p.bc, lo[j], hi[j]);
     }
   }
-  const double* s = p.scores + ((b * p.Hkv + g) * p.Lq) * p.Tk;
-  for (std::int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    double v = -INFINITY;
-    for (std::int64_t i = i_first; i <= i_last; ++i) v = fmax(v, s[i * p.Tk + j]);
-    sc[j] = j >= r_lo && j <= r_hi ? INFINITY : v;
+  __syncthreads();
+  int mine_undecided = 0;
+  for (int j = tid; j < n; j += kRankThreads) {
+    unsigned char c = kIn;
+    if (n > k) {
+      int can = 0, sure = 0;
+      const float lj = lo[j], hj = hi[j];
+      for (int i = 0; i < n && (can < k || sure < k); ++i) {
+        if (i == j) continue;
+        can += (hi[i] > lj || (hi[i] == lj && i < j)) ? 1 : 0;
+        sure += (lo[i] > hj || (lo[i] == hj && i < j)) ? 1 : 0;
+      }
+      c = can < k ? kIn : (sure >= k ? kOut : kUndecided);
+    }
+    cls[j] = c;
+    flags[j] = c == kIn ? 1 : 0;
+    mine_undecided += c == kUndecided ? 1 : 0;
+  }
+  const int any_undecided = __syncthreads_count(mine_undecided > 0);
+  if (p.stats != nullptr && tid == 0) atomicAdd(p.stats, static_cast<unsigned long long>(n));
+  if (any_undecided == 0) {
+    if (tid == 0) p.pending[row] = 0;
+    const int c = write_ascending(flags, n, part, L.out, p.is3, p.width);
+    if constexpr (kTiles)
+      if (tid == 0) p.cnt[L.b * p.cs0 + L.g * p.cs1 + L.pos * p.cs2] = c;
+    return;
+  }
+  if (tid == 0) p.pending[row] = 1;
+  for (int j = tid; j < n; j += kRankThreads) {
+    p.cls[row * s.Tk + j] = cls[j];
+    if (cls[j] != kUndecided) continue;
+    const bool reserved = j >= L.r_lo && j <= L.r_hi;
+    p.exact[row * s.Tk + j] = ordered_key(reserved ? INFINITY : -INFINITY);
+    if (reserved) continue;  // reserved blocks score +inf; nothing to compute
+    if (p.stats != nullptr) atomicAdd(p.stats + 1, 1ull);
+    if constexpr (kTiles) {
+      const std::int64_t k0 = static_cast<std::int64_t>(j) * kBlockK;
+      int2 items[kChunksPerTile];
+      int m = 0;
+      for (int c = 0; c < kChunksPerTile; ++c) {
+        const std::int64_t qa = L.pos * kTileQ + c * kChunk;
+        if (qa >= s.Lq) break;
+        if (s.key_end(imin(s.Lq, qa + kChunk) - 1) > k0) items[m++] = make_int2(static_cast<int>(row), j * kChunksPerTile + c);
+      }
+      const unsigned int at = atomicAdd(p.count, static_cast<unsigned int>(m));
+      for (int q = 0; q < m; ++q) p.queue[at + q] = items[q];
+    } else {
+      p.queue[atomicAdd(p.count, 1u)] = make_int2(static_cast<int>(row), j * kChunksPerTile);
+    }
+  }
+}
+
+struct RescoreParams {
+  const float* qv;  // [B, Lq, Hkv, Di] dequantised
+  const float* kv;  // [B, Lk, Hk, Di]
+  unsigned long long* exact;
+  const unsigned int* count;
+  const int2* queue;
+  Shape s;
+};
+
+std::size_t rescore_smem(std::int64_t Di, int qc) {
+  return static_cast<std::size_t>(kBlockK * (Di + 1) + qc * Di) * sizeof(float) + 16 + 4 * sizeof(double);
+}
+
+// grid: any; each CTA walks the queue. QC: queries per item (1 for QueryLists, kChunk for TileLists).
+template <bool kTiles>
+__global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreParams p) {
+  constexpr int QC = kTiles ? kChunk : 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Shape& s = p.s;
+  const std::int64_t ks = s.Di + 1;
+  double* red = reinterpret_cast<double*>(smem);
+  float* kb = reinterpret_cast<float*>(smem + 4 * sizeof(double) + 16);
+  float* qs = kb + kBlockK * ks;
+  const int tid = threadIdx.x;
+  const unsigned int count = *p.count;
+  for (unsigned int item = blockIdx.x; item < count; item += gridDim.x) {
+    const int2 it = p.queue[item];
+    const std::int64_t row = it.x, j = it.y / kChunksPerTile, chunk = it.y % kChunksPerTile;
+    const std::int64_t per = kTiles ? s.Tq : s.Lq;
+    const std::int64_t pos = row % per, g = (row / per) % s.Hkv, b = row / (per * s.Hkv);
+    const std::int64_t hk = s.Hk == 1 ? 0 : g;
+    const std::int64_t qa = kTiles ? pos * kTileQ + chunk * kChunk : pos;
+    const std::int64_t qn = imin<std::int64_t>(QC, s.Lq - qa);
+    const std::int64_t k0 = j * kBlockK, nk = imin<std::int64_t>(kBlockK, s.Lk - k0);
+    __syncthreads();  // the previous item's readers are done with kb and qs
+    for (std::int64_t e = tid; e < nk * s.Di; e += kRescoreThreads) {
+      const std::int64_t r = e / s.Di, d = e % s.Di;
+      kb[r * ks + d] = p.kv[((b * s.Lk + k0 + r) * s.Hk + hk) * s.Di + d];
+    }
+    for (std::int64_t e = tid; e < qn * s.Di; e += kRescoreThreads) {
+      const std::int64_t r = e / s.Di, d = e % s.Di;
+      qs[e] = p.qv[((b * s.Lq + qa + r) * s.Hkv + g) * s.Di + d];
+    }
+    __syncthreads();
+    double best = -INFINITY;
+    if (tid < nk) {
+      double acc[QC];
+      for (int m = 0; m < QC; ++m) acc[m] = 0.0;
+      const float* kr = kb + tid * ks;
+      for (std::int64_t d = 0; d < s.Di; ++d) {
+        const double kd = kr[d];
+        for (int m = 0; m < QC; ++m)
+          if (m < qn) acc[m] = fma(static_cast<double>(qs[m * s.Di + d]), kd, acc[m]);
+      }
+      for (int m = 0; m < QC; ++m)
+        if (m < qn && k0 + tid < s.key_end(qa + m)) best = fmax(best, sel::sanitize(acc[m]));
+    }
+    for (int o = 16; o > 0; o >>= 1) best = fmax(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if (tid % 32 == 0) red[tid / 32] = best;
+    __syncthreads();
+    if (tid == 0) {
+      double v = red[0];
+      for (int w = 1; w < kRescoreThreads / 32; ++w) v = fmax(v, red[w]);
+      atomicMax(p.exact + row * s.Tk + j, ordered_key(v));
+    }
+  }
+}
+
+// grid: R lists; only lists with undecided blocks work.
+template <bool kTiles>
+__global__ void __launch_bounds__(kRankThreads) finish_kernel(const RankParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Shape& s = p.s;
+  const std::int64_t row = blockIdx.x;
+  if (p.pending[row] == 0) return;
+  double* ex = reinterpret_cast<double*>(smem);
+  unsigned char* cls = reinterpret_cast<unsigned char*>(ex + s.Tk);
+  unsigned char* flags = cls + s.Tk;
+  int* part = reinterpret_cast<int*>(smem + ((static_cast<std::size_t>(s.Tk) * 10 + 15) / 16) * 16);
+  const ListRow L = list_row<kTiles>(p, row);
+  const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
+  for (int j = tid; j < n; j += kRankThreads) {
+    cls[j] = p.cls[row * s.Tk + j];
+    ex[j] = cls[j] == kUndecided ? ordered_value(p.exact[row * s.Tk + j]) : 0.0;
   }
   __syncthreads();
-  const int c = top_k_ascending(sc, static_cast<int>(n), p.top_k, flags, part,
-                                p.idx + b * p.is0 + g * p.is1 + t * p.is2, p.is3, p.width);
-  if (threadIdx.x == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
+  for (int j = tid; j < n; j += kRankThreads) {
+    int before = 0;
+    const unsigned char cj = cls[j];
+    const double ej = ex[j];
+    for (int i = 0; i < n && before < k; ++i) {
+      const unsigned char ci = cls[i];
+      const bool b = ci > cj || (ci == cj && (ci == kUndecided ? (ex[i] > ej || (ex[i] == ej && i < j)) : i < j));
+      before += b ? 1 : 0;
+    }
+    flags[j] = before < k ? 1 : 0;
+  }
+  __syncthreads();
+  const int c = write_ascending(flags, n, part, L.out, p.is3, p.width);
+  if constexpr (kTiles)
+    if (tid == 0) p.cnt[L.b * p.cs0 + L.g * p.cs1 + L.pos * p.cs2] = c;
 }
 
-constexpr int kRankThreads = 128;
+// ---- host ----------------------------------------------------------------------------------------------
 
-// Runs kernels 1-3 and then `rank` (kernel 4) while the scratch is alive.
-template <class Rank>
-void run_token_max(const std::string& op, const TensorView& qidx, const TensorView& kidx, const TokenMaxOptions& o,
-                   std::size_t rank_smem_bytes, const void* rank_kernel, Rank&& rank) {
-  const std::int64_t B = qidx.shape[0], Lq = qidx.shape[1], Hkv = qidx.shape[2], Di = qidx.shape[3];
-  const std::int64_t Lk = kidx.shape[1], Hk = kidx.shape[2], Tk = ceil_div(Lk, kBlockK);
+template <bool kTiles>
+void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorView& idx, const TensorView* cnt,
+                   const TokenMaxOptions& o) {
+  const std::string op = "token_max_select";
+  const int max_smem = sel::usable_device_smem(op, "qidx", qidx);
+  sel::check_device_memory(op, "qidx", qidx);
+  sel::check_device_memory(op, "kidx", kidx);
+  sel::check_device_memory(op, "out.idx", idx);
+  if (cnt != nullptr) sel::check_device_memory(op, "out.cnt", *cnt);
+
+  Shape s{};
+  s.B = qidx.shape[0], s.Lq = qidx.shape[1], s.Hkv = qidx.shape[2], s.Di = qidx.shape[3];
+  s.Lk = kidx.shape[1], s.Hk = kidx.shape[2];
+  s.Dp = padded_dim(s.Di), s.Tq = ceil_div(s.Lq, kTileQ), s.Tk = ceil_div(s.Lk, kBlockK);
+  s.causal = o.causal;
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
-  const std::size_t score_smem =
-      (static_cast<std::size_t>(kBlockK * (Di + 1) + kQueries * Di + 1)) * sizeof(float) + 8 * kRowsPerThread * sizeof(double);
-  const int max_smem = usable_device_smem(op, "qidx", qidx);
-  check_device_memory(op, "qidx", qidx);
-  check_device_memory(op, "kidx", kidx);
-  if (B * Hkv > 65535)  // the scoring grid's y extent
-    throw Error(op, "qidx", "B x Hkv = " + std::to_string(B * Hkv) + " exceeds the CUDA selector's limit of 65535");
-  if (score_smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "qidx", "index dim Di = " + std::to_string(Di) + " is too large for the CUDA token_max selector");
-  if (rank_smem_bytes > static_cast<std::size_t>(max_smem))
-    throw Error(op, "kidx", "Lk = " + std::to_string(Lk) + " gives " + std::to_string(Tk) +
+  if (s.Dp > kMaxDp)
+    throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " exceeds the CUDA token_max selector's limit of " +
+                                std::to_string(kMaxDp));
+  if (s.B * s.Hkv > 65535)
+    throw Error(op, "qidx", "B x Hkv = " + std::to_string(s.B * s.Hkv) + " exceeds the CUDA selector's limit of 65535");
+  const std::size_t sc_smem = screen_smem(s.Dp), rk_smem = std::max(rank_smem(s.Tk), finish_smem(s.Tk));
+  const std::size_t rs_smem = rescore_smem(s.Di, kTiles ? kChunk : 1);
+  if (rk_smem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "kidx", "Lk = " + std::to_string(s.Lk) + " gives " + std::to_string(s.Tk) +
                                 " blocks, more than the CUDA selector's shared-memory ranking holds");
-  check_cuda(cudaFuncSetAttribute(token_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(score_smem)), op, "cudaFuncSetAttribute");
-  check_cuda(cudaFuncSetAttribute(rank_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(rank_smem_bytes)), op, "cudaFuncSetAttribute");
+  const std::int64_t R = s.B * s.Hkv * (kTiles ? s.Tq : s.Lq);
+  if (R > 0x7fffffff || s.Tk * kChunksPerTile > 0x7fffffff)
+    throw Error(op, "qidx", "the problem has more lists or blocks than the CUDA token_max selector indexes");
 
-  const std::size_t a_bytes = align_up(2 * sizeof(unsigned int));
-  const std::size_t q_bytes = align_up(static_cast<std::size_t>(B * Lq * Hkv * Di) * sizeof(float));
-  const std::size_t k_bytes = align_up(static_cast<std::size_t>(B * Lk * Hk * Di) * sizeof(float));
-  const std::size_t s_bytes = align_up(static_cast<std::size_t>(B * Hkv * Lq * Tk) * sizeof(double));
-  StreamScratch scratch(a_bytes + q_bytes + k_bytes + s_bytes, stream, op);
-  auto* amax = scratch.as<unsigned int>(0);
-  float* qd = scratch.as<float>(a_bytes);
-  float* kd = scratch.as<float>(a_bytes + q_bytes);
-  double* scores = scratch.as<double>(a_bytes + q_bytes + k_bytes);
-  if (o.precision != IndexPrecision::bf16)
-    check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
-  prepare_index_tensor(qidx, o.precision, amax, qd, stream);
-  prepare_index_tensor(kidx, o.precision, amax + 1, kd, stream);
+  auto attr = [&](const void* f, std::size_t bytes) {
+    check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
+               "cudaFuncSetAttribute");
+  };
+  attr(reinterpret_cast<const void*>(screen_kernel<kTiles>), sc_smem);
+  attr(reinterpret_cast<const void*>(decide_kernel<kTiles>), rk_smem);
+  attr(reinterpret_cast<const void*>(finish_kernel<kTiles>), rk_smem);
+  attr(reinterpret_cast<const void*>(rescore_kernel<kTiles>), rs_smem);
 
-  ScoreParams p{qd, kd, scores, B, Lq, Lk, Hkv, Hk, Di, Tk, o.causal};
-  const dim3 grid(static_cast<unsigned>(ceil_div(Lq, kQueries)), static_cast<unsigned>(B * Hkv));
-  token_scores_kernel<<<grid, kScoreThreads, score_smem, stream>>>(p);
-  rank(scores);
+  // Scratch; the zeroed words (amax, queue length, group maxima) come first so one memset clears them.
+  const std::int64_t q_rows = s.B * s.Lq * s.Hkv, k_rows = s.B * s.Lk * s.Hk;
+  const std::int64_t qgroups = s.B * s.Hkv * s.Tq, kgroups = s.B * s.Hk * s.Tk;
+  const std::int64_t cap = R * s.Tk * (kTiles ? kChunksPerTile : 1);
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off += sel::align_up(bytes);
+    return at;
+  };
+  const std::size_t o_words = take(4 * sizeof(unsigned int));
+  const std::size_t o_kmax = take(static_cast<std::size_t>(kgroups) * 4);
+  const std::size_t o_qmax = take(static_cast<std::size_t>(qgroups) * 4);
+  const std::size_t zero_bytes = off;
+  const std::size_t o_qv = take(static_cast<std::size_t>(q_rows * s.Di) * 4);
+  const std::size_t o_kv = take(static_cast<std::size_t>(k_rows * s.Di) * 4);
+  const std::size_t o_qc = take(static_cast<std::size_t>(q_rows * s.Dp) * 2);
+  const std::size_t o_kc = take(static_cast<std::size_t>(k_rows * s.Dp) * 2);
+  const std::size_t o_qn = take(static_cast<std::size_t>(q_rows) * 4);
+  const std::size_t o_kn = take(static_cast<std::size_t>(k_rows) * 4);
+  const std::size_t o_m = take(static_cast<std::size_t>(R * s.Tk) * 4);
+  const std::size_t o_cls = take(static_cast<std::size_t>(R * s.Tk));
+  const std::size_t o_ex = take(static_cast<std::size_t>(R * s.Tk) * 8);
+  const std::size_t o_pend = take(static_cast<std::size_t>(R) * 4);
+  const std::size_t o_queue = take(static_cast<std::size_t>(cap) * sizeof(int2));
+  sel::StreamScratch scratch(off, stream, op);
+  check_cuda(cudaMemsetAsync(scratch.as<void>(0), 0, zero_bytes, stream), op, "cudaMemsetAsync");
+  auto* words = scratch.as<unsigned int>(o_words);  // [0], [1]: amax of qidx, kidx; [2]: queue length
+
+  launch_prepare(qidx, o.precision, words,
+                 PrepOut{scratch.as<float>(o_qv), scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn),
+                         scratch.as<unsigned int>(o_qmax), s.Dp},
+                 stream);
+  launch_prepare(kidx, o.precision, words + 1,
+                 PrepOut{scratch.as<float>(o_kv), scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn),
+                         scratch.as<unsigned int>(o_kmax), s.Dp},
+                 stream);
+
+  int dev = 0, sms = 0;
+  check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
+  // Enough CTAs for every SM to hold one: split the KV blocks of a Q tile over several CTAs.
+  const std::int64_t tiles = s.Tq * s.B * s.Hkv;
+  const std::int64_t splits = imin<std::int64_t>(imin<std::int64_t>(s.Tk, 65535), imax<std::int64_t>(1, (sms + tiles - 1) / tiles));
+  ScreenParams sp{scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_m), s,
+                  ceil_div(s.Tk, splits)};
+  const dim3 sgrid(static_cast<unsigned>(s.Tq), static_cast<unsigned>(s.B * s.Hkv),
+                   static_cast<unsigned>(ceil_div(s.Tk, sp.per_split)));
+  screen_kernel<kTiles><<<sgrid, kScreenThreads, sc_smem, stream>>>(sp);
+
+  RankParams rp{};
+  rp.m = scratch.as<float>(o_m);
+  rp.qnorm = scratch.as<float>(o_qn);
+  rp.qmax = scratch.as<unsigned int>(o_qmax);
+  rp.kmax = scratch.as<unsigned int>(o_kmax);
+  rp.amax = words;
+  rp.prec = o.precision == IndexPrecision::bf16 ? static_cast<int>(Prec::bf16)
+            : o.precision == IndexPrecision::fp8_e4m3 ? static_cast<int>(Prec::fp8)
+                                                      : static_cast<int>(Prec::fp4);
+  rp.bc = bound_consts(s.Di, s.Dp);
+  rp.cls = scratch.as<unsigned char>(o_cls);
+  rp.exact = scratch.as<unsigned long long>(o_ex);
+  rp.pending = scratch.as<int>(o_pend);
+  rp.count = words + 2;
+  rp.queue = scratch.as<int2>(o_queue);
+  rp.stats = g_stats;
+  rp.idx = idx.ptr<std::int32_t>();
+  rp.is0 = idx.stride[0], rp.is1 = idx.stride[1], rp.is2 = idx.stride[2], rp.is3 = idx.stride[3];
+  rp.width = idx.shape[3];
+  if (cnt != nullptr) {
+    rp.cnt = cnt->ptr<std::int32_t>();
+    rp.cs0 = cnt->stride[0], rp.cs1 = cnt->stride[1], rp.cs2 = cnt->stride[2];
+  }
+  rp.s = s;
+  rp.top_k = o.top_k;
+  rp.reserve_local = o.reserve_local;
+  decide_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
+
+  RescoreParams xp{scratch.as<float>(o_qv), scratch.as<float>(o_kv), rp.exact, rp.count, rp.queue, s};
+  const std::int64_t rgrid = imin<std::int64_t>(2 * static_cast<std::int64_t>(sms), cap);
+  rescore_kernel<kTiles><<<static_cast<unsigned>(imax<std::int64_t>(1, rgrid)), kRescoreThreads, rs_smem, stream>>>(xp);
+  finish_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
   check_cuda(cudaGetLastError(), op, "kernel launch");
-}
-
-TopParams top_params(const TensorView& qidx, const TensorView& kidx, const TensorView& idx, const TokenMaxOptions& o) {
-  TopParams t{};
-  t.idx = idx.ptr<std::int32_t>();
-  t.is0 = idx.stride[0], t.is1 = idx.stride[1], t.is2 = idx.stride[2], t.is3 = idx.stride[3];
-  t.width = idx.shape[3];
-  t.Lq = qidx.shape[1], t.Lk = kidx.shape[1], t.Hkv = qidx.shape[2];
-  t.Tq = ceil_div(t.Lq, kTileQ), t.Tk = ceil_div(t.Lk, kBlockK);
-  t.top_k = o.top_k;
-  t.causal = o.causal, t.reserve_local = o.reserve_local;
-  return t;
 }
 
 }  // namespace
 
+void set_token_max_stats(unsigned long long* device_counters) { g_stats = device_counters; }
+
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& o) {
-  usable_device_smem("token_max_select", "qidx", qidx);
-  check_device_memory("token_max_select", "out.idx", out.idx);
-  TopParams t = top_params(qidx, kidx, out.idx, o);
-  const std::size_t smem = rank_smem(t.Tk, kRankThreads);
-  const auto stream = static_cast<cudaStream_t>(o.stream);
-  const std::int64_t rows = qidx.shape[0] * t.Hkv * t.Lq;
-  run_token_max("token_max_select", qidx, kidx, o, smem, reinterpret_cast<const void*>(query_topk_kernel),
-                [&](const double* scores) {
-                  t.scores = scores;
-                  query_topk_kernel<<<static_cast<unsigned>(rows), kRankThreads, smem, stream>>>(t);
-                });
+  run_token_max<false>(qidx, kidx, out.idx, nullptr, o);
 }
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
                       const TokenMaxOptions& o) {
-  usable_device_smem("token_max_select", "qidx", qidx);
-  check_device_memory("token_max_select", "out.idx", out.idx);
-  check_device_memory("token_max_select", "out.cnt", out.cnt);
-  TopParams t = top_params(qidx, kidx, out.idx, o);
-  t.cnt = out.cnt.ptr<std::int32_t>();
-  t.cs0 = out.cnt.stride[0], t.cs1 = out.cnt.stride[1], t.cs2 = out.cnt.stride[2];
-  const std::size_t smem = rank_smem(t.Tk, kRankThreads);
-  const auto stream = static_cast<cudaStream_t>(o.stream);
-  const std::int64_t tiles = qidx.shape[0] * t.Hkv * t.Tq;
-  run_token_max("token_max_select", qidx, kidx, o, smem, reinterpret_cast<const void*>(tile_topk_kernel),
-                [&](const double* scores) {
-                  t.scores = scores;
-                  tile_topk_kernel<<<static_cast<unsigned>(tiles), kRankThreads, smem, stream>>>(t);
-                });
+  run_token_max<true>(qidx, kidx, out.idx, &out.cnt, o);
 }
 
 }  // namespace sparse_attn::cuda_backend

@@ -1,0 +1,258 @@
+// Index tensors for the tensor-core screening of the index selectors (token_max; lightning can use the
+// same): one pass over an index tensor writes
+//   - vals:  float32 [rows, Di], exactly the CPU's dequantised values (load_quantized; the float64
+//            re-scoring path reads these),
+//   - codes: bf16 [rows, Dp] (Dp = Di rounded up to 16, zero padded), values without the per-tensor
+//            scale: vals = code * scale up to the dequantisation rounding (see below),
+//   - norms: float32 [rows], an upper bound of the 2-norm of the code row (+inf when the row holds a
+//            non-finite code or value), and per group of 128 rows of one (batch, head) their maximum.
+//
+// Why the codes are exact in bf16 (8 significant bits, float32's exponent range):
+//   bf16: the value itself (already rounded to bf16), scale 1;
+//   fp8:  code = e4m3 value (4 significant bits, magnitude in [2^-9, 448]), value = fl(code * ts);
+//   fp4:  code = e2m1 value (2 bits) * the block scale's e4m3 value (4 bits): at most 6 significant
+//         bits, magnitude in [2^-10, 2688]; value = fl(e2m1 * fl(e4m3 * ts)).
+// So value = code * ts * (1 + d1) * (1 + d2) + eta with |d| <= 2^-24 and |eta| <= 2^-147 (the two
+// roundings may underflow: each contributes at most half the smallest subnormal, times 6 for the
+// e2m1 factor), which is what the screening bound (score_interval) charges for.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "cuda/selectors/common.cuh"
+
+namespace sparse_attn::cuda_backend::tc {
+
+using sel::imax;
+using sel::imin;
+using sel::In;
+using sel::Prec;
+
+/// An index tensor as read by the kernels: [B, L, H, D] (or [B, L, D] with H = 1), d contiguous.
+struct IndexSrc {
+  const void* x;
+  std::int64_t sb, sl, sh;
+  std::int64_t B, L, H, D;
+  __device__ std::int64_t offset(std::int64_t row) const {
+    const std::int64_t h = row % H, l = (row / H) % L, b = row / (H * L);
+    return b * sb + l * sl + h * sh;
+  }
+};
+
+inline IndexSrc index_src(const TensorView& t) {
+  if (t.ndim == 3) return {t.data, t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]};
+  return {t.data, t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2], t.shape[3]};
+}
+
+constexpr int kGroup = 16;  // elements per lane step: the fp4 block, and one bf16 MMA k-step
+
+inline std::int64_t padded_dim(std::int64_t Di) { return (Di + kGroup - 1) / kGroup * kGroup; }
+
+/// Largest |x| over the tensor as float bits (non-negative floats order like their bits); NaN is
+/// skipped by fmaxf, as std::fmax does on the CPU.
+template <In T>
+__global__ void amax_kernel(const IndexSrc s, unsigned int* amax_bits) {
+  const std::int64_t rows = s.B * s.L * s.H;
+  float m = 0.0f;
+  for (std::int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const std::int64_t off = s.offset(row);
+    for (std::int64_t d = threadIdx.x; d < s.D; d += blockDim.x) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, off + d)));
+  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) atomicMax(amax_bits, __float_as_uint(m));
+}
+
+/// Per-tensor scale of precision `p` from the amax word (1 for bf16), as the CPU's precision_tensor_scale.
+__device__ __forceinline__ float tensor_scale(int p, const unsigned int* amax_bits) {
+  if (p == static_cast<int>(Prec::bf16)) return 1.0f;
+  const float amax = __uint_as_float(*amax_bits);
+  return p == static_cast<int>(Prec::fp8) ? sel::tensor_scale_of<Prec::fp8>(amax) : sel::tensor_scale_of<Prec::fp4>(amax);
+}
+
+// Rounds x[0, cnt) through the precision exactly as sel::quantize_row (values v) and returns the codes.
+template <Prec P>
+__device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts, float* v, float* code) {
+  if constexpr (P == Prec::bf16) {
+    for (int i = 0; i < cnt; ++i) v[i] = code[i] = sel::round_bf16(x[i]);
+  } else {
+    if (ts == 0.0f) {  // an all-zero tensor (or one whose amax underflows): values stay as they are
+      for (int i = 0; i < cnt; ++i) v[i] = code[i] = x[i];
+      return;
+    }
+    if constexpr (P == Prec::fp8) {
+      for (int i = 0; i < cnt; ++i) {
+        code[i] = sel::e4m3_to_float(sel::float_to_e4m3(__fdiv_rn(x[i], ts)));
+        v[i] = __fmul_rn(code[i], ts);
+      }
+    } else {
+      float amax = 0.0f;
+      for (int i = 0; i < cnt; ++i) amax = fmaxf(amax, fabsf(x[i]));
+      const float bs_code = sel::e4m3_to_float(sel::float_to_e4m3(__fdiv_rn(__fdiv_rn(amax, 6.0f), ts)));
+      const float bs = __fmul_rn(bs_code, ts);
+      for (int i = 0; i < cnt; ++i) {
+        if (bs == 0.0f) {
+          v[i] = code[i] = 0.0f;
+        } else {
+          const float e = sel::e2m1_to_float(sel::float_to_e2m1(__fdiv_rn(x[i], bs)));
+          v[i] = __fmul_rn(e, bs);
+          code[i] = __fmul_rn(e, bs_code);  // exact: at most 6 significant bits
+        }
+      }
+    }
+  }
+}
+
+struct PrepOut {
+  float* vals;             // [rows, D]
+  __nv_bfloat16* codes;    // [rows, Dp]
+  float* norms;            // [rows]
+  unsigned int* group_max; // [B, H, ceil(L / 128)] float bits, zeroed by the caller
+  std::int64_t Dp;
+};
+
+// One warp per row; lane l handles the 16-element groups l, l + 32, ...
+template <In T, Prec P>
+__global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec, const unsigned int* amax_bits,
+                                                      const PrepOut o) {
+  const std::int64_t rows = s.B * s.L * s.H;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  const float ts = tensor_scale(prec, amax_bits);
+  const std::int64_t groups = o.Dp / kGroup;
+  for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32; row < rows;
+       row += warps) {
+    const std::int64_t off = s.offset(row);
+    double sq = 0.0;
+    bool finite = true;
+    for (std::int64_t gi = lane; gi < groups; gi += 32) {
+      const std::int64_t d0 = gi * kGroup;
+      const int cnt = static_cast<int>(imin<std::int64_t>(kGroup, s.D - d0));
+      float x[kGroup], v[kGroup], c[kGroup];
+      for (int i = 0; i < cnt; ++i) x[i] = sel::load_elem<T>(s.x, off + d0 + i);
+      quantize_codes<P>(x, cnt, ts, v, c);
+      __align__(16) __nv_bfloat16 cb[kGroup];
+      for (int i = 0; i < kGroup; ++i) {
+        const float ci = i < cnt ? c[i] : 0.0f;
+        cb[i] = __float2bfloat16_rn(ci);
+        if (i < cnt) {
+          finite = finite && isfinite(ci) && isfinite(v[i]);
+          sq = fma(static_cast<double>(ci), static_cast<double>(ci), sq);
+          o.vals[row * s.D + d0 + i] = v[i];
+        }
+      }
+      auto* dst = reinterpret_cast<uint4*>(o.codes + row * o.Dp + d0);
+      dst[0] = reinterpret_cast<const uint4*>(cb)[0];
+      dst[1] = reinterpret_cast<const uint4*>(cb)[1];
+    }
+    for (int w = 16; w > 0; w >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, w);
+      finite = __shfl_xor_sync(0xffffffffu, finite ? 1 : 0, w) != 0 && finite;
+    }
+    if (lane == 0) {
+      // The double sum and sqrt are within 2^-45 relative of the exact norm (Dp <= 2^10 terms); the
+      // factor and the upward conversion make the float an upper bound.
+      const float n = finite ? __double2float_ru(sqrt(sq) * (1.0 + 0x1p-40)) : INFINITY;
+      o.norms[row] = n;
+      const std::int64_t h = row % s.H, l = (row / s.H) % s.L, b = row / (s.H * s.L);
+      const std::int64_t ng = (s.L + kBlockK - 1) / kBlockK;
+      atomicMax(o.group_max + (b * s.H + h) * ng + l / kBlockK, __float_as_uint(n));
+    }
+  }
+}
+
+/// Launches amax (fp8, fp4) and the preparation of one index tensor on `stream`.
+inline void launch_prepare(const TensorView& t, IndexPrecision prec, unsigned int* amax, const PrepOut& o,
+                           cudaStream_t stream) {
+  const IndexSrc s = index_src(t);
+  const std::int64_t rows = s.B * s.L * s.H;
+  const In in = sel::in_type(t.dtype);
+  if (prec != IndexPrecision::bf16) {
+    const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>(rows, 1024));
+    switch (in) {
+      case In::f32: amax_kernel<In::f32><<<blocks, 128, 0, stream>>>(s, amax); break;
+      case In::f16: amax_kernel<In::f16><<<blocks, 128, 0, stream>>>(s, amax); break;
+      case In::bf16: amax_kernel<In::bf16><<<blocks, 128, 0, stream>>>(s, amax); break;
+    }
+  }
+  const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 65535));
+  const int p = prec == IndexPrecision::bf16 ? static_cast<int>(Prec::bf16)
+                : prec == IndexPrecision::fp8_e4m3 ? static_cast<int>(Prec::fp8)
+                                                   : static_cast<int>(Prec::fp4);
+  auto go = [&](auto kernel) { kernel<<<blocks, 256, 0, stream>>>(s, p, amax, o); };
+#define SA_TC_PREP(T)                                                                         \
+  switch (prec) {                                                                             \
+    case IndexPrecision::bf16: go(prepare_kernel<T, Prec::bf16>); break;                      \
+    case IndexPrecision::fp8_e4m3: go(prepare_kernel<T, Prec::fp8>); break;                   \
+    case IndexPrecision::fp4_e2m1: go(prepare_kernel<T, Prec::fp4>); break;                   \
+  }
+  switch (in) {
+    case In::f32: SA_TC_PREP(In::f32) break;
+    case In::f16: SA_TC_PREP(In::f16) break;
+    case In::bf16: SA_TC_PREP(In::bf16) break;
+  }
+#undef SA_TC_PREP
+}
+
+// ---- the screening bound -----------------------------------------------------------------------------
+//
+// Exact score (the CPU's): s = sum_d vq_d * vk_d in float64, d in order. Screened score:
+// s^ = fl(fl(T^ * sq) * sk), T^ the tensor-core float32 dot of the bf16 codes, sq and sk the per-tensor
+// scales. With S = sum_d |cq_d ck_d| <= |cq| |ck| (Cauchy-Schwarz; |.| the code-row norms bounded
+// above by `norms`), P = sq sk |cq| |ck| and n = Dp / 16 MMA k-steps:
+//  1. tensor cores: each m16n8k16 step adds 16 exact products (8 x 8 bits fit float32) to the
+//     accumulator. Hopper's float32 accumulation is not IEEE: terms are aligned to the largest
+//     exponent and truncated (>= 24 bits kept), then normalised once. Per step the error is at most
+//     17 * 2^-23 * max|term| + 2^-23 |result| <= 2^-18 * (|acc| + sum of the step's |products|), even
+//     if a step is internally two chained k = 8 halves (20 * 2^-23); both are <= S (1 + tiny). Products
+//     or partial sums below 2^-126 may be flushed: <= 17 * 2^-126 < 2^-121 per step. Total:
+//     |T^ - T| <= n 2^-18 S + n 2^-121.
+//  2. scaling: two float32 roundings, 2^-23 relative to |T^ sq sk| plus underflow: 2^-149 (1 + sk).
+//  3. dequantisation (tc_index.cuh header): |vq vk - cq ck sq sk| <= (4 * 2^-24 + tiny) |cq ck| sq sk
+//     plus eta terms: sum |eta_q vk| + |vq eta_k| <= 2^-146 sqrt(Di) (|vq| + |vk|), plus Di 2^-294.
+//  4. the CPU's float64 sum: <= Di 2^-53 sum |vq vk|, below 2^-40 P for Di <= 2^13.
+// Hence |s^ - s| <= (n 2^-18 + 2^-19) P + 2^-146 sqrt(Di) (nq' + nk') + n 2^-121 sq sk
+//                   + 2^-148 (1 + sk) + 2^-140,
+// with nq' = sq |cq| and nk' = sk |ck| (the 2^-19 covers items 2-4 with room to spare). Every term is
+// evaluated in float32 rounded upward, so the computed E is >= the bound. A block (or tile) score is a
+// max over pairs, and |max s^ - max s| <= max E, so the largest query and key norms of the block give
+// its E. When a norm is +inf (a non-finite value), when sq, sk or the score are not finite, or when
+// |cq| |ck| > 2^120 (float32 overflow inside the MMA becomes possible), the interval is everything.
+struct BoundConsts {
+  float rel;     // n 2^-18 + 2^-19
+  float deq;     // 2^-146 sqrt(Di)
+  float tc_abs;  // n 2^-121
+};
+
+inline BoundConsts bound_consts(std::int64_t Di, std::int64_t Dp) {
+  const double n = static_cast<double>(Dp / kGroup);
+  BoundConsts c;
+  c.rel = static_cast<float>(n * 0x1p-18 + 0x1p-19);  // exact in float for n < 2^20
+  c.deq = static_cast<float>(std::ldexp(std::sqrt(static_cast<double>(Di)) * (1.0 + 0x1p-20), -146));
+  c.tc_abs = static_cast<float>(n * 0x1p-121);
+  return c;
+}
+
+/// [lo, hi] holding the exact score for the screened code-space maximum m, scales sq, sk and code
+/// norm bounds nq, nk (see above).
+__device__ __forceinline__ void score_interval(float m, float sq, float sk, float nq, float nk, const BoundConsts& c,
+                                               float& lo, float& hi) {
+  lo = -INFINITY;
+  hi = INFINITY;
+  const float nn = __fmul_ru(nq, nk);
+  if (!(nn <= 0x1p120f) || !isfinite(sq) || !isfinite(sk)) return;
+  const float s = __fmul_rn(__fmul_rn(m, sq), sk);
+  if (!isfinite(s)) return;
+  const float nqr = __fmul_ru(nq, sq), nkr = __fmul_ru(nk, sk);
+  float e = __fmul_ru(c.rel, __fmul_ru(nqr, nkr));
+  e = __fadd_ru(e, __fmul_ru(c.deq, __fadd_ru(nqr, nkr)));
+  e = __fadd_ru(e, __fmul_ru(c.tc_abs, __fmul_ru(sq, sk)));
+  e = __fadd_ru(e, __fmul_ru(0x1p-148f, __fadd_ru(sk, 1.0f)));
+  e = __fadd_ru(e, 0x1p-140f);
+  if (!isfinite(e)) return;
+  lo = __fsub_rd(s, e);
+  hi = __fadd_ru(s, e);
+}
+
+}  // namespace sparse_attn::cuda_backend::tc

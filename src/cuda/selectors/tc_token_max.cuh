@@ -1,0 +1,12 @@
+// Instrumentation of the CUDA token_max selector (tests and timing only; not part of the public API).
+#pragma once
+
+namespace sparse_attn::cuda_backend {
+
+/// While non-null, every token_max_select call on the device adds to device_counters[0] the number of
+/// candidate blocks it ranked and to device_counters[1] the number of (list, block) pairs whose
+/// screened score was too close to the k-th to decide, so they were re-scored in float64. The pointer
+/// must be device memory holding two unsigned long long; pass nullptr to stop counting.
+void set_token_max_stats(unsigned long long* device_counters);
+
+}  // namespace sparse_attn::cuda_backend
