@@ -1,6 +1,6 @@
 // Plans: the metadata work of an executor, done once and consumed by many runs (DESIGN §4.1), and the
-// planner that chooses between the Q-centric and the KV-centric schedule for a per-query selection
-// (DESIGN §1, §5.2, §5.3).
+// planner that chooses between the Q-centric, the KV-centric and the group-centric schedule for a
+// per-query selection (DESIGN §1, §5.2, §5.3).
 //
 // KV-centric query_sparse in two steps, as FlashInfer's wrappers do:
 //
@@ -16,6 +16,12 @@
 // workspace stay unchanged; run() may be called any number of times with new q, k, v of the same
 // shape. On the CPU the workspace is not used (pass an empty view): plan() validates and records, and
 // run() executes the three phases of the CPU reference.
+//
+// The group-centric schedule (QuerySchedule::group_centric) has no plan step, deliberately: its only
+// metadata is each CTA's union of 16 queries' lists, which the kernel builds in shared memory in a
+// few microseconds from the lists themselves, and it needs no workspace. The one reusable piece of
+// work, validating the lists, is skipped by options.trusted. So query_sparse_plan/run stay
+// KV-centric (options.schedule must be kv_centric there); group-centric runs through query_sparse().
 //
 // The one-call query_sparse() (ops.hpp) plans and runs. On the GPU it keeps one workspace per
 // (device, stream), grown when a problem needs more: growing synchronises the stream and reallocates,
@@ -66,12 +72,17 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
                       const std::optional<TensorView>& lse = std::nullopt,
                       const QuerySparseOptions& options = {});
 
-// ---- planner: Q-centric or KV-centric ------------------------------------------------------------
+// ---- planner: Q-centric, KV-centric or group-centric -----------------------------------------------
 
 enum class Schedule : std::uint8_t {
-  q_centric,   // query_lists_to_tile_lists, then tile_sparse over each tile's union
-  kv_centric,  // query_sparse
+  q_centric,      // query_lists_to_tile_lists, then tile_sparse over each tile's union
+  kv_centric,     // query_sparse, QuerySchedule::kv_centric
+  group_centric,  // query_sparse, QuerySchedule::group_centric
 };
+
+/// Consecutive queries of one (b, group) that share a CTA of the group-centric kernel: its 16 warps
+/// each take 16 heads of one query, so 16 / ceil(G / 16) queries (0 where G > 256: not supported).
+std::int64_t group_centric_cta_queries(std::int64_t group_size);
 
 const char* schedule_name(Schedule s);
 
@@ -91,6 +102,11 @@ struct SelectionStats {
   /// query_blocks / (tile_union * queries per tile): the fraction of a tile's union that an average
   /// query uses; 1 when the queries of a tile share one list.
   double union_utilisation = 0.0;
+  /// Group-centric CTAs (runs of group_centric_cta_queries(G) consecutive queries of one (b, group))
+  /// and the sum over them of the size of the union of their visible lists: the blocks they stream.
+  std::int64_t group_ctas = 0;
+  std::int64_t group_cta_union = 0;
+  double union_per_group_cta = 0.0;  // group_cta_union / group_ctas
 };
 
 /// Constants of the cost model, in nanoseconds on one H200 (docs/notes/planner.md records the
@@ -103,20 +119,26 @@ struct CostModel {
   double kv_bytes_per_ns = 4270.0;  // HBM rate for the partials written and read back (4.27 TB/s)
   double kv_slot_ns = 0.37;         // reverse index work per (query, slot)
   double kv_fixed_us = 15.0;        // five launches of the KV-centric pipeline
+  double g_tile_block_ns_d128 = 2.0;   // one (query, 16-head tile, KV block) of the group-centric kernel, D = 128
+  double g_tile_block_ns_d64 = 1.1;    // the same at D = 64
+  double g_l2_bytes_per_ns = 6000.0;   // rate at which CTAs stream K/V blocks from L2 (6 TB/s)
+  double g_fixed_us = 5.0;             // one launch
 };
 
 struct PlanEstimate {
   Schedule schedule = Schedule::q_centric;
   double q_centric_ms = 0.0;
   double kv_centric_ms = 0.0;
+  /// +inf where the group-centric kernel does not run the shape (G > 256).
+  double group_centric_ms = 0.0;
   SelectionStats stats;
-  std::string reason;  // one line: the two estimates and what decided
+  std::string reason;  // one line: the three estimates and what decided
 };
 
 /// Statistics of `lists` (int32 [B, Hkv, Lq, Kq] on the CPU; ids as validate() accepts them).
 SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p);
 
-/// Estimated times of both schedules from `stats` and the chosen one (the smaller estimate).
+/// Estimated times of the three schedules from `stats` and the chosen one (the smallest estimate).
 PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape& p, PartialPrecision partials,
                                 const CostModel& model = {});
 

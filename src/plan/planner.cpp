@@ -1,4 +1,4 @@
-// The planner: statistics of a QueryLists selection and a cost model of the two schedules that can
+// The planner: statistics of a QueryLists selection and a cost model of the three schedules that can
 // execute it (DESIGN §1, §5.2, §5.3). docs/notes/planner.md gives the model and its constants.
 //
 // Q-centric: query_lists_to_tile_lists, then tile_sparse; each query head of a group visits every
@@ -6,10 +6,14 @@
 // KV-centric: each (query, head, slot) row is computed once against its block, and its partial
 // (D values, f32 or bf16, plus the LSE) is written and read back, so the time is rows x (attention
 // of one row against one block + partial bytes / HBM rate) plus the reverse index.
+// Group-centric: each (query, 16-head tile) computes its own blocks (padded rows cost as much as
+// real ones), and each CTA streams the union of its queries' lists from L2 once, so the time is
+// (query blocks x head tiles x cost of one tile-block) + (CTA union blocks x K/V bytes / L2 rate).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -24,8 +28,16 @@ const char* schedule_name(Schedule s) {
   switch (s) {
     case Schedule::q_centric: return "q_centric";
     case Schedule::kv_centric: return "kv_centric";
+    case Schedule::group_centric: return "group_centric";
   }
   return "unknown";
+}
+
+std::int64_t group_centric_cta_queries(std::int64_t group_size) {
+  constexpr std::int64_t kWarps = 16;  // qs::kGroupWarps (src/cuda/query_sparse/kernels.cuh)
+  if (group_size < 1) return 0;
+  const std::int64_t tiles = (group_size + 15) / 16;
+  return tiles > kWarps ? 0 : kWarps / tiles;
 }
 
 SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p) {
@@ -37,8 +49,12 @@ SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p) {
   const std::int64_t Kq = idx.shape[3], Tk = p.Tk();
 
   SelectionStats st;
-  // stamp[j] == tile number marks block j as already in the current tile's union.
+  // stamp[j] == tile number marks block j as already in the current tile's union; cta_stamp[j] the
+  // same for the current group-centric CTA (a run of cta_q queries, numbered across (b, group)).
   std::vector<std::int64_t> stamp(static_cast<std::size_t>(Tk), -1);
+  std::vector<std::int64_t> cta_stamp(static_cast<std::size_t>(Tk), -1);
+  const std::int64_t cta_q = std::max<std::int64_t>(1, group_centric_cta_queries(p.group_size()));
+  const std::int64_t ctas_per_bg = (p.Lq + cta_q - 1) / cta_q;
   std::vector<std::int32_t> cur, prev;
   double overlap_sum = 0.0, util_den = 0.0;
   std::int64_t overlap_pairs = 0, tile_no = 0;
@@ -64,6 +80,11 @@ SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p) {
               stamp[static_cast<std::size_t>(j)] = tile_no;
               ++uni;
             }
+            const std::int64_t cta = (b * p.Hkv + g) * ctas_per_bg + i / cta_q;
+            if (cta_stamp[static_cast<std::size_t>(j)] != cta) {
+              cta_stamp[static_cast<std::size_t>(j)] = cta;
+              ++st.group_cta_union;
+            }
           }
           std::sort(cur.begin(), cur.end());
           st.query_blocks += static_cast<std::int64_t>(cur.size());
@@ -88,6 +109,8 @@ SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p) {
   st.union_per_tile = st.tiles ? double(st.tile_union) / double(st.tiles) : 0.0;
   st.neighbour_overlap = overlap_pairs ? overlap_sum / double(overlap_pairs) : 1.0;
   st.union_utilisation = util_den > 0.0 ? double(st.query_blocks) / util_den : 1.0;
+  st.group_ctas = p.B * p.Hkv * ctas_per_bg;
+  st.union_per_group_cta = st.group_ctas ? double(st.group_cta_union) / double(st.group_ctas) : 0.0;
   return st;
 }
 
@@ -110,17 +133,32 @@ PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape&
   const double kv_ns = model.kv_fixed_us * 1e3 + rows * model.kv_row_block_ns * double(p.D) / 128.0 +
                        rows * row_bytes / model.kv_bytes_per_ns + double(stats.query_blocks) * model.kv_slot_ns;
 
+  // Group-centric: padded m16 tiles of each query against its own blocks, plus the K and V bytes
+  // every CTA pulls from L2 for its union.
+  const std::int64_t head_tiles = (p.group_size() + 15) / 16;
+  const double tile_ns = p.D <= 64 ? model.g_tile_block_ns_d64 * double(p.D) / 64.0
+                                   : model.g_tile_block_ns_d128 * double(p.D) / 128.0;
+  const double block_bytes = 2.0 * double(kBlockK) * double(p.D) * 2.0;  // K and V, 16-bit
+  const double g_ns = model.g_fixed_us * 1e3 + double(stats.query_blocks) * double(head_tiles) * tile_ns +
+                      double(stats.group_cta_union) * block_bytes / model.g_l2_bytes_per_ns;
+  const bool group_runs = group_centric_cta_queries(p.group_size()) > 0;
+
   PlanEstimate e;
   e.stats = stats;
   e.q_centric_ms = q_ns * 1e-6;
   e.kv_centric_ms = kv_ns * 1e-6;
-  e.schedule = e.kv_centric_ms < e.q_centric_ms ? Schedule::kv_centric : Schedule::q_centric;
-  char buf[256];
+  e.group_centric_ms = group_runs ? g_ns * 1e-6 : std::numeric_limits<double>::infinity();
+  e.schedule = Schedule::q_centric;
+  double best = e.q_centric_ms;
+  if (e.kv_centric_ms < best) e.schedule = Schedule::kv_centric, best = e.kv_centric_ms;
+  if (e.group_centric_ms < best) e.schedule = Schedule::group_centric, best = e.group_centric_ms;
+  char buf[384];
   std::snprintf(buf, sizeof(buf),
                 "%s: q_centric %.3f ms (union %.1f blocks per tile) vs kv_centric %.3f ms (%.1f blocks per query, "
-                "tile union used %.0f%%)",
+                "tile union used %.0f%%) vs group_centric %.3f ms (union %.1f blocks per CTA of %lld queries)",
                 schedule_name(e.schedule), e.q_centric_ms, stats.union_per_tile, e.kv_centric_ms,
-                stats.blocks_per_query, 100.0 * stats.union_utilisation);
+                stats.blocks_per_query, 100.0 * stats.union_utilisation, e.group_centric_ms,
+                stats.union_per_group_cta, static_cast<long long>(group_centric_cta_queries(p.group_size())));
   e.reason = buf;
   return e;
 }

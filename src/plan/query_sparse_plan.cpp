@@ -20,6 +20,13 @@ void check_partials(const std::string& op, PartialPrecision prec) {
           "unknown partial precision " + std::to_string(static_cast<int>(prec)));
 }
 
+// plan.hpp says why the group-centric schedule has no plan step.
+void check_schedule(const std::string& op, QuerySchedule s) {
+  require(s == QuerySchedule::kv_centric, op, "options.schedule",
+          std::string("plan() and run() are the KV-centric schedule; ") + query_schedule_name(s) +
+              " has no plan step (call query_sparse with that schedule)");
+}
+
 void check_lists(const std::string& op, const QueryLists& lists, const ProblemShape& p, const TensorView& q) {
   detail::check_tensor(op, "lists.idx", lists.idx, 4, {DType::i32});
   detail::check_shape(op, "lists.idx", lists.idx, {p.B, p.Hkv, p.Lq, -1});
@@ -50,6 +57,7 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
   // The plan has no output yet; q stands in for it (same shape and dtype by definition).
   const ProblemShape p = check_attention_args(op, q, k, v, q, std::nullopt, options);
   check_partials(op, options.partials);
+  check_schedule(op, options.schedule);
   check_lists(op, lists, p, q);
 
   QuerySparsePlan plan;
@@ -94,6 +102,7 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
   require(p.causal == s.causal, op, "options.causal",
           std::string("is ") + (p.causal ? "true" : "false") + " but the plan was made with " + (s.causal ? "true" : "false"));
   require(options.partials == plan.partials, op, "options.partials", "differs from the plan's");
+  check_schedule(op, options.schedule);
   const float scale = resolve_scale(op, options.softmax_scale, p.D);
   require(scale == plan.scale, op, "softmax_scale",
           std::to_string(scale) + " differs from the plan's " + std::to_string(plan.scale));

@@ -1,6 +1,7 @@
-// The planner: selection statistics against brute force (sets per tile and per query pair, key
-// pairs counted one by one), decisions on clear-cut selections, the cost model's monotonicity, and
-// the CPU plan()/run() path of query_sparse against the one-call operator.
+// The planner: selection statistics against brute force (sets per tile, per group-centric CTA and per
+// query pair, key pairs counted one by one), decisions among the three schedules on clear-cut
+// selections, the cost model's monotonicity, and the CPU plan()/run() path of query_sparse against
+// the one-call operator.
 
 #include <gtest/gtest.h>
 
@@ -109,6 +110,18 @@ sa::SelectionStats brute_force(const sa::HostTensor& idx, const sa::ProblemShape
   }
   s.neighbour_overlap = pairs ? overlap / double(pairs) : 1.0;
   s.union_utilisation = util_den > 0 ? double(s.query_blocks) / util_den : 1.0;
+  // Group-centric CTAs: runs of 16 / ceil(G / 16) queries of one (b, group).
+  const std::int64_t cq = 16 / ((p.group_size() + 15) / 16);
+  for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg)
+    for (std::int64_t i0 = 0; i0 < p.Lq; i0 += cq) {
+      std::set<std::int32_t> uni;
+      for (std::int64_t i = i0; i < std::min(p.Lq, i0 + cq); ++i) {
+        const auto cur = visible_set(bg, i);
+        uni.insert(cur.begin(), cur.end());
+      }
+      s.group_cta_union += static_cast<std::int64_t>(uni.size());
+      ++s.group_ctas;
+    }
   return s;
 }
 
@@ -123,6 +136,9 @@ void expect_stats_equal(const sa::SelectionStats& got, const sa::SelectionStats&
   EXPECT_NEAR(got.union_utilisation, ref.union_utilisation, 1e-12);
   EXPECT_NEAR(got.blocks_per_query, double(ref.query_blocks) / double(got.queries), 1e-12);
   EXPECT_NEAR(got.union_per_tile, double(ref.tile_union) / double(got.tiles), 1e-12);
+  EXPECT_EQ(got.group_ctas, ref.group_ctas);
+  EXPECT_EQ(got.group_cta_union, ref.group_cta_union);
+  EXPECT_NEAR(got.union_per_group_cta, double(ref.group_cta_union) / double(ref.group_ctas), 1e-12);
 }
 
 TEST(Planner, StatsMatchBruteForce) {
@@ -138,6 +154,8 @@ TEST(Planner, StatsMatchBruteForce) {
       {shape(1, 300, 129, 2, 2, 128, true), 3, 2, 0.9},    // Lq > Lk: first queries see nothing
       {shape(3, 1, 640, 1, 1, 128, false), 4, 3, 0.0},     // one query
       {shape(1, 256, 1024, 8, 1, 128, false), 8, 8, 1.0},  // identical lists
+      {shape(2, 203, 1500, 32, 1, 64, true), 4, 3, 0.7},   // G = 32: CTAs of 8 queries
+      {shape(1, 77, 900, 48, 1, 128, false), 5, 4, 0.3},   // G = 48: CTAs of 5 queries, the last short
   };
   std::uint64_t seed = 11;
   for (const C& c : cases) {
@@ -169,32 +187,86 @@ TEST(Planner, IdenticalListsInATilePickQCentric) {
 }
 
 TEST(Planner, IndependentListsOverManyBlocksPickKVCentric) {
-  const auto p = shape(1, 4096, 65536, 16, 1, 128, false);
+  // Hq = Hkv: a group-centric tile would be 15/16 padding, and each CTA streams ~250 blocks for 16
+  // queries of 16 blocks each.
+  const auto p = shape(1, 4096, 65536, 4, 4, 128, false);
   const auto idx = make_lists(p, 16, 16, 0.0, 5, false);
   const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
   EXPECT_EQ(e.schedule, sa::Schedule::kv_centric) << e.reason;
   EXPECT_GT(e.stats.union_per_tile, 400.0);  // 128 queries x 16 of 512 blocks: nearly all
+  EXPECT_GT(e.stats.union_per_group_cta, 150.0);
   EXPECT_LT(e.stats.neighbour_overlap, 0.1);
   EXPECT_GT(e.q_centric_ms, 2.0 * e.kv_centric_ms) << e.reason;
+  EXPECT_GT(e.group_centric_ms, 2.0 * e.kv_centric_ms) << e.reason;
+}
+
+// G = 16 and the 16 queries of each group-centric CTA share one list, but the 8 CTAs of a Q tile
+// differ: the tile's union is 8x a query's list (Q-centric visits all of it for every head) while
+// the group-centric kernel computes only each query's own 16 blocks, streamed once per CTA, and
+// KV-centric writes and reads back a partial per (query, head, block).
+TEST(Planner, ListsSharedWithinACtaPickGroupCentric) {
+  const auto p = shape(2, 2048, 65536, 16, 1, 128, false);
+  sa::HostTensor idx(sa::DType::i32, {p.B, 1, p.Lq, 16});
+  std::mt19937_64 rng(8);
+  std::vector<std::int32_t> all(static_cast<std::size_t>(p.Tk()));
+  for (std::int64_t b = 0; b < p.B; ++b)
+    for (std::int64_t c = 0; c < p.Lq / 16; ++c) {
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      for (std::int64_t i = c * 16; i < (c + 1) * 16; ++i)
+        std::copy(all.begin(), all.begin() + 16, idx.data<std::int32_t>() + (b * p.Lq + i) * 16);
+    }
+  const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
+  EXPECT_EQ(e.schedule, sa::Schedule::group_centric) << e.reason;
+  EXPECT_DOUBLE_EQ(e.stats.union_per_group_cta, 16.0);
+  EXPECT_GT(e.stats.union_per_tile, 100.0);  // 8 lists of 16 from 512 blocks overlap a little
+  EXPECT_GT(e.q_centric_ms, 2.0 * e.group_centric_ms) << e.reason;
+  EXPECT_GT(e.kv_centric_ms, 2.0 * e.group_centric_ms) << e.reason;
+  EXPECT_NE(e.reason.find("group_centric"), std::string::npos);
+}
+
+// The group-centric kernel runs up to 256 query heads per KV head: past that it is never chosen.
+TEST(Planner, GroupCentricLimits) {
+  EXPECT_EQ(sa::group_centric_cta_queries(1), 16);
+  EXPECT_EQ(sa::group_centric_cta_queries(16), 16);
+  EXPECT_EQ(sa::group_centric_cta_queries(17), 8);
+  EXPECT_EQ(sa::group_centric_cta_queries(48), 5);
+  EXPECT_EQ(sa::group_centric_cta_queries(256), 1);
+  EXPECT_EQ(sa::group_centric_cta_queries(257), 0);
+  const auto p = shape(1, 64, 1024, 272, 1, 64, false);
+  const auto idx = make_lists(p, 4, 4, 1.0, 3, false);
+  const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
+  EXPECT_TRUE(std::isinf(e.group_centric_ms));
+  EXPECT_NE(e.schedule, sa::Schedule::group_centric);
+  EXPECT_GT(e.stats.group_ctas, 0);
 }
 
 TEST(Planner, CostModelMovesTheRightWay) {
   const auto p = shape(1, 1024, 16384, 8, 2, 128, false);
-  // More overlap between neighbours shrinks the tile unions: Q-centric gets cheaper, KV-centric
-  // (same blocks per query) stays put.
-  double last_q = 1e300, first_kv = -1.0;
+  // More overlap between neighbours shrinks the tile and CTA unions: Q-centric and group-centric get
+  // cheaper, KV-centric (same blocks per query) stays put.
+  double last_q = 1e300, last_g = 1e300, first_kv = -1.0;
   for (double keep : {0.0, 0.5, 0.9, 1.0}) {
     const auto idx = make_lists(p, 8, 8, keep, 21, false);
     const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
     EXPECT_LT(e.q_centric_ms, last_q) << "keep " << keep << ": " << e.reason;
     last_q = e.q_centric_ms;
+    EXPECT_LT(e.group_centric_ms, last_g) << "keep " << keep << ": " << e.reason;
+    last_g = e.group_centric_ms;
     if (first_kv < 0) first_kv = e.kv_centric_ms;
     EXPECT_NEAR(e.kv_centric_ms, first_kv, 1e-9);
     // bf16 partials move half the bytes.
     const sa::PlanEstimate h = sa::estimate_schedules(e.stats, p, sa::PartialPrecision::bf16);
     EXPECT_LT(h.kv_centric_ms, e.kv_centric_ms);
     EXPECT_DOUBLE_EQ(h.q_centric_ms, e.q_centric_ms);
+    EXPECT_DOUBLE_EQ(h.group_centric_ms, e.group_centric_ms);
     EXPECT_NE(e.reason.find(sa::schedule_name(e.schedule)), std::string::npos);
+    // The choice is the smallest of the three estimates.
+    const double best = std::min({e.q_centric_ms, e.kv_centric_ms, e.group_centric_ms});
+    const double chosen = e.schedule == sa::Schedule::q_centric    ? e.q_centric_ms
+                          : e.schedule == sa::Schedule::kv_centric ? e.kv_centric_ms
+                                                                   : e.group_centric_ms;
+    EXPECT_EQ(chosen, best) << e.reason;
   }
 }
 
@@ -271,6 +343,23 @@ TEST(QuerySparsePlan, CpuPlanRunMatchesOneCall) {
     EXPECT_THROW(sa::query_sparse_run(plan, q0.view(), k2.view(), k2.view(), out.view(), std::nullopt, opt), sa::Error);
     EXPECT_THROW(sa::query_sparse_run(sa::QuerySparsePlan{}, q0.view(), k.view(), v.view(), out.view(), std::nullopt, opt),
                  sa::Error);
+  }
+}
+
+// plan() / run() are the KV-centric schedule; the group-centric one has no plan step.
+TEST(QuerySparsePlan, PlanRejectsGroupCentric) {
+  const auto p = shape(1, 40, 300, 4, 1, 64, false);
+  const auto idx = make_lists(p, 3, 2, 0.0, 4, false);
+  const auto q = st::random_tensor(sa::DType::f32, {1, 40, 4, 64}, 1);
+  const auto k = st::random_tensor(sa::DType::f32, {1, 300, 1, 64}, 2);
+  sa::QuerySparseOptions opt;
+  opt.schedule = sa::QuerySchedule::group_centric;
+  try {
+    sa::query_sparse_plan(q.view(), k.view(), k.view(), sa::QueryLists{idx.view()}, sa::TensorView{}, opt);
+    FAIL() << "group_centric plan accepted";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "options.schedule");
+    EXPECT_NE(std::string(e.what()).find("group_centric"), std::string::npos) << e.what();
   }
 }
 

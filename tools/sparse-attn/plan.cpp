@@ -1,12 +1,13 @@
 // sparse-attn plan: builds per-query block lists with a chosen overlap between neighbouring queries,
-// computes the planner's statistics (union per Q tile, blocks per query, neighbour overlap) and
-// prints both schedules' estimated times and the choice, one line per overlap value, so a sweep
-// shows where the crossover lies.
+// computes the planner's statistics (union per Q tile and per group-centric CTA, blocks per query,
+// neighbour overlap) and prints the three schedules' estimated times and the choice, one line per
+// overlap value, so a sweep shows where the crossovers lie.
 #include "plan.hpp"
 
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -69,10 +70,10 @@ int run_plan(const PlanConfig& c) {
     const HostTensor idx = make_lists(c, p, keep);
     const PlanEstimate e = plan_schedule(QueryLists{idx.view()}, p, prec);
     const SelectionStats& s = e.stats;
-    fmt::print("overlap {:.2f}: neighbour jaccard {:.3f}  union/tile {:7.1f}  blocks/query {:5.1f}  "
-               "q_centric {:8.3f} ms  kv_centric {:8.3f} ms  -> {}\n",
-               keep, s.neighbour_overlap, s.union_per_tile, s.blocks_per_query, e.q_centric_ms, e.kv_centric_ms,
-               schedule_name(e.schedule));
+    fmt::print("overlap {:.2f}: neighbour jaccard {:.3f}  union/tile {:7.1f}  union/CTA {:6.1f}  blocks/query {:5.1f}  "
+               "q_centric {:8.3f} ms  kv_centric {:8.3f} ms  group_centric {:8.3f} ms  -> {}\n",
+               keep, s.neighbour_overlap, s.union_per_tile, s.union_per_group_cta, s.blocks_per_query, e.q_centric_ms,
+               e.kv_centric_ms, e.group_centric_ms, schedule_name(e.schedule));
     rows.push_back({{"keep", keep},
                     {"neighbour_overlap", s.neighbour_overlap},
                     {"union_per_tile", s.union_per_tile},
@@ -82,6 +83,9 @@ int run_plan(const PlanConfig& c) {
                     {"selected_pairs", s.selected_pairs},
                     {"q_centric_ms", e.q_centric_ms},
                     {"kv_centric_ms", e.kv_centric_ms},
+                    {"union_per_group_cta", s.union_per_group_cta},
+                    {"group_centric_ms", std::isinf(e.group_centric_ms) ? nlohmann::json(nullptr)
+                                                                        : nlohmann::json(e.group_centric_ms)},
                     {"schedule", schedule_name(e.schedule)}});
   }
   if (!c.json.empty()) {
@@ -99,7 +103,7 @@ int run_plan(const PlanConfig& c) {
 
 void add_plan_command(CLI::App& app) {
   auto cfg = std::make_shared<PlanConfig>();
-  auto* cmd = app.add_subcommand("plan", "Planner: Q-centric or KV-centric for per-query lists, with its estimates");
+  auto* cmd = app.add_subcommand("plan", "Planner: Q-centric, KV-centric or group-centric for per-query lists, with its estimates");
   cmd->add_option("--batch", cfg->batch, "Batch size")->capture_default_str()->check(CLI::Range(1, 64));
   cmd->add_option("--heads", cfg->heads, "Query heads")->capture_default_str()->check(CLI::Range(1, 256));
   cmd->add_option("--kv-heads", cfg->kv_heads, "KV heads (divides --heads)")->capture_default_str()->check(CLI::Range(1, 256));
