@@ -47,6 +47,11 @@ SCHEDULE_CODES = {"kv_centric": 0, "group_centric": 1}
 STAT_NAMES = ["tiles", "queries", "query_blocks", "tile_union", "max_tile_union", "selected_pairs",
               "blocks_per_query", "union_per_tile", "neighbour_overlap", "union_utilisation"]
 ALL_PARTS = ["query16of32", "query-long", "tile16", "sweep16", "sweeplong"]
+DEVICE = "cuda"
+# (name, B, Hq, Hkv, Lq, Lk) of DESIGN §7; the sweeps run on the two query shapes, tile16 at Lk = 16K.
+SHAPES = {"query16of32": ("query16of32", 8, 16, 1, 4096, 4096),
+          "query-long": ("query-long", 1, 32, 8, 32768, 32768),
+          "tile16": ("tile16", 2, 16, 1, 4096, 16384)}
 
 
 # ---- the C library ---------------------------------------------------------------------------------
@@ -540,13 +545,15 @@ def judge(row):
     t = row["times_ms"]
     out = {"label": row["label"], "choice": row["plan"]["choice"], "est_ms": row["plan"]["est_ms"]}
     for variant, qkey in (("library", "q_centric"), ("tile_only", "q_centric_tile_only")):
-        cands = {"q_centric": t.get(qkey), "kv_centric": t.get("kv_centric"), "group_centric": t.get("group_centric")}
-        cands = {k: v for k, v in cands.items() if v is not None}
+        every = {"q_centric": t.get(qkey), "kv_centric": t.get("kv_centric"), "group_centric": t.get("group_centric")}
+        every = {k: v for k, v in every.items() if v is not None}
+        # Judged among the schedules the planner estimates; a faster one it does not know is noted apart.
+        cands = {k: v for k, v in every.items() if k in row["plan"]["est_ms"]}
         if not cands:
             continue
         best = min(cands, key=cands.get)
         chosen_t = cands.get(row["plan"]["choice"])
-        out[variant] = {"measured_ms": cands, "fastest": best,
+        out[variant] = {"measured_ms": every, "fastest": best, "fastest_overall": min(every, key=every.get),
                         "right": row["plan"]["choice"] == best,
                         "cost_of_choice": (chosen_t / cands[best]) if chosen_t else None}
     return out
@@ -623,10 +630,12 @@ def print_summary(res):
                 n[variant][0] += int(j["right"])
                 n[variant][1] += 1
                 cost = f"{j['cost_of_choice']:.2f}" if j["cost_of_choice"] else "-"
-                cells.append(f"{j['fastest']:14s} {'yes' if j['right'] else 'NO':>3s} {cost:>6s}")
+                star = "*" if j["fastest_overall"] != j["fastest"] else ""
+                cells.append(f"{j['fastest'] + star:14s} {'yes' if j['right'] else 'NO':>3s} {cost:>6s}")
             print(f"{c['label'][:34]:34s} {c['choice']:14s} {cells[0]} | {cells[1]}")
         for variant, (a, b) in n.items():
             print(f"planner right ({variant}): {a} of {b}")
+        print("(* a schedule the planner does not estimate was faster still)")
     bad = [(r["label"], k) for r in res["workloads"] + res["sweep"] for k, v in r["verify"].items()
            if isinstance(v, dict) and v.get("ok") is False]
     print(f"\nverification: {'all passed' if not bad else 'FAILED ' + str(bad)}; parts run: {res['parts_done']}; "
@@ -672,10 +681,10 @@ def main():
     if not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention
         ctx.flex = torch.compile(flex_attention, dynamic=False)
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     gen = torch.Generator(device=dev).manual_seed(1234)
     torch.manual_seed(1234)
-    res = {"meta": {"device": torch.cuda.get_device_name(0),
+    res = {"meta": {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else str(dev),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                     "python": platform.python_version(), "command": " ".join(sys.argv),
@@ -700,8 +709,7 @@ def main():
     def record_check(row):
         res["planner_check"].append(judge(row))
 
-    q16 = Problem("query16of32", 8, 16, 1, 4096, 4096)
-    qlong = Problem("query-long", 1, 32, 8, 32768, 32768)
+    q16, qlong = Problem(*SHAPES["query16of32"]), Problem(*SHAPES["query-long"])
     try:
         for part in parts:
             if args.budget_s and time.time() - start > args.budget_s:
@@ -717,17 +725,16 @@ def main():
                 record_check(row)
                 del q, k, v, lists
             elif part == "tile16":
-                pb = Problem("tile16", 2, 16, 1, 4096, 16384)
+                pb = Problem(*SHAPES["tile16"])
                 q, k, v = inputs(pb)
                 for pattern in ("independent", "pairs"):
                     lists = tile_pattern_lists(pb, pattern, gen, dev)
-                    row = run_config(ctx, pb, lists, f"tile16 {pattern} Lk=16384", q, k, v)
+                    row = run_config(ctx, pb, lists, f"tile16 {pattern} Lk={pb.Lk}", q, k, v)
                     res["workloads"].append(row)
                     record_check(row)
                 del q, k, v
             else:
-                pb = Problem(q16.name if part == "sweep16" else qlong.name,
-                             *((8, 16, 1, 4096, 4096) if part == "sweep16" else (1, 32, 8, 32768, 32768)))
+                pb = q16 if part == "sweep16" else qlong
                 q, k, v = inputs(pb)
                 for f in fs:
                     if args.budget_s and time.time() - start > args.budget_s:
