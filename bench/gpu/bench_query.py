@@ -230,12 +230,12 @@ def tile_counts(table, pb):
 
 
 def union_tile_lists(lists, pb):
-    """The tiles' unions as TileLists (idx [B, Hkv, Tq, Tk] ascending, then padding; cnt [B, Hkv, Tq])
-    formed on the lists' device."""
+    """The tiles' unions as TileLists (idx [B, Hkv, Tq, Tk] ascending, then -1 as the library pads;
+    cnt [B, Hkv, Tq]) formed on the lists' device."""
     union = tile_counts(block_table(lists, pb), pb) > 0
     ar = torch.arange(pb.Tk, device=lists.device, dtype=torch.int32)
     keyed = torch.where(union, ar, ar + pb.Tk).sort(dim=3).values
-    idx = torch.where(keyed < pb.Tk, keyed, 0).to(torch.int32).contiguous()
+    idx = torch.where(keyed < pb.Tk, keyed, -1).to(torch.int32).contiguous()
     return idx, union.sum(3, dtype=torch.int32).contiguous()
 
 
@@ -721,6 +721,7 @@ def main():
                 q, k, v = inputs(pb)
                 lists = overlap_lists(pb, 1.0, gen, dev)
                 row = run_config(ctx, pb, lists, pb.name, q, k, v, peers=True, breakdown=True, bf16_partials=True)
+                print(f"  {row['label']}: " + ", ".join(f"{n} {t:.3f}" for n, t in row["times_ms"].items()), flush=True)
                 res["workloads"].append(row)
                 record_check(row)
                 del q, k, v, lists
@@ -802,8 +803,9 @@ def selftest():
             for g in range(pb.Hkv):
                 for t in range(pb.Tq):
                     u = sorted(set(lists[b, g, t * BLOCK:(t + 1) * BLOCK].flatten().tolist()))
-                    ok &= cnt[b, g, t].item() == len(u) and idx[b, g, t, :len(u)].tolist() == u
-        expect(ok, f"f={f}: union per tile equals the set union, ascending")
+                    ok &= cnt[b, g, t].item() == len(u) and idx[b, g, t, :len(u)].tolist() == u \
+                        and bool((idx[b, g, t, len(u):] == -1).all())
+        expect(ok, f"f={f}: union per tile equals the set union, ascending, -1 after")
         union = cnt.float().mean().item()
         expect(union >= prev_union, f"f={f}: mean union {union:.1f} does not shrink as f grows")
         prev_union = union
