@@ -1,0 +1,395 @@
+// GPU tests of the tensor-core token_max selector (screening in float32 on bf16 codes, float64 re-scoring
+// of the blocks within the error bound of the k-th): every id, count and -1 pad must equal the CPU
+// reference bit for bit, for the three precisions and both outputs, on random and planted inputs,
+// awkward shapes, adversarial near-ties (block maxima that differ in their last bits, and exact ties),
+// and non-finite index rows. Device outputs are poisoned first. `TokenMaxGpu.Timing` runs only with
+// SPARSE_ATTN_TIMING=1.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "cuda/selectors/tc_token_max.cuh"
+#include "sparse_attn/sparse_attn.hpp"
+
+namespace sa = sparse_attn;
+namespace st = sparse_attn::testing;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                                                   \
+  do {                                                                                                       \
+    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU token_max test skipped"; \
+  } while (0)
+
+constexpr sa::IndexPrecision kPrecisions[] = {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3,
+                                              sa::IndexPrecision::fp4_e2m1};
+
+void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
+
+struct Dev {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  sa::TensorView view;
+  explicit Dev(const sa::HostTensor& h) {
+    bytes = static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype());
+    cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc");
+    cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
+    view = sa::TensorView::contiguous(ptr, h.dtype(), h.shape(), sa::Device::cuda, 0);
+  }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  ~Dev() {
+    if (ptr) cudaFree(ptr);
+  }
+  sa::HostTensor download(const sa::HostTensor& like) const {
+    sa::HostTensor h(like.dtype(), like.shape());
+    cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+// Device counters of the selector (candidates ranked, pairs re-scored in float64) for one scope.
+struct Stats {
+  unsigned long long* d = nullptr;
+  Stats() {
+    cuda_ok(cudaMalloc(&d, 2 * sizeof(unsigned long long)), "cudaMalloc");
+    cuda_ok(cudaMemset(d, 0, 2 * sizeof(unsigned long long)), "cudaMemset");
+    sa::cuda_backend::set_token_max_stats(d);
+  }
+  Stats(const Stats&) = delete;
+  Stats& operator=(const Stats&) = delete;
+  ~Stats() {
+    sa::cuda_backend::set_token_max_stats(nullptr);
+    cudaFree(d);
+  }
+  void read(unsigned long long& candidates, unsigned long long& rescored) const {
+    unsigned long long h[2] = {0, 0};
+    cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost);
+    candidates = h[0], rescored = h[1];
+  }
+};
+
+sa::HostTensor poisoned_i32(const std::vector<std::int64_t>& shape) {
+  sa::HostTensor h(sa::DType::i32, shape);
+  std::memset(h.view().data, 0x5a, static_cast<std::size_t>(h.numel()) * 4);
+  return h;
+}
+
+void expect_equal_i32(const sa::HostTensor& gpu, const sa::HostTensor& cpu, const std::string& what) {
+  ASSERT_EQ(gpu.numel(), cpu.numel());
+  const auto* g = gpu.data<std::int32_t>();
+  const auto* c = cpu.data<std::int32_t>();
+  const auto& shape = cpu.shape();
+  int reported = 0;
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < cpu.numel(); ++i) {
+    if (g[i] == c[i]) continue;
+    ++bad;
+    if (reported++ < 5) {
+      std::string coord;
+      std::int64_t rest = i;
+      for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+        coord = std::to_string(rest % shape[static_cast<std::size_t>(d)]) + (coord.empty() ? "" : ", ") + coord;
+        rest /= shape[static_cast<std::size_t>(d)];
+      }
+      ADD_FAILURE() << what << ": at [" << coord << "] gpu " << g[i] << " != cpu " << c[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << cpu.numel() << " elements differ";
+}
+
+struct Case {
+  std::string name;
+  std::int64_t B = 1, Lq = 128, Lk = 128, Hkv = 1, Hk = 1, Di = 64;
+  int top_k = 4, kmax = 4;
+  bool causal = true, reserve_local = true;
+};
+
+sa::TokenMaxOptions options_of(const Case& c, sa::IndexPrecision prec) {
+  sa::TokenMaxOptions o;
+  o.top_k = c.top_k, o.precision = prec, o.causal = c.causal, o.reserve_local = c.reserve_local;
+  return o;
+}
+
+// Runs the CPU on (cq, ck) and the GPU on (gq, gk) (the same tensors unless a test maps non-finite GPU
+// inputs to their CPU equivalents) and compares every output element.
+void compare(const Case& c, sa::IndexPrecision prec, bool tiles, const sa::HostTensor& cq, const sa::HostTensor& ck,
+             const sa::HostTensor& gq, const sa::HostTensor& gk) {
+  SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (tiles ? " TileLists" : " QueryLists"));
+  const sa::TokenMaxOptions o = options_of(c, prec);
+  Dev dq(gq), dk(gk);
+  if (tiles) {
+    const std::int64_t Tq = sa::ceil_div(c.Lq, sa::kTileQ);
+    sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, Tq, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, Tq});
+    sa::token_max_select(cq.view(), ck.view(), sa::TileLists{idx.view(), cnt.view()}, o);
+    Dev didx(poisoned_i32(idx.shape())), dcnt(poisoned_i32(cnt.shape()));
+    sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+    cuda_ok(cudaDeviceSynchronize(), "token_max_select");
+    expect_equal_i32(dcnt.download(cnt), cnt, "cnt");
+    expect_equal_i32(didx.download(idx), idx, "idx");
+  } else {
+    sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, c.Lq, c.kmax});
+    sa::token_max_select(cq.view(), ck.view(), sa::QueryLists{idx.view()}, o);
+    Dev didx(poisoned_i32(idx.shape()));
+    sa::token_max_select(dq.view, dk.view, sa::QueryLists{didx.view}, o);
+    cuda_ok(cudaDeviceSynchronize(), "token_max_select");
+    expect_equal_i32(didx.download(idx), idx, "idx");
+  }
+}
+
+void run_random(const Case& c, sa::IndexPrecision prec, bool tiles, std::uint64_t seed,
+                sa::DType dtype = sa::DType::bf16) {
+  const sa::HostTensor q = st::random_tensor(dtype, {c.B, c.Lq, c.Hkv, c.Di}, seed);
+  const sa::HostTensor k = st::random_tensor(dtype, {c.B, c.Lk, c.Hk, c.Di}, seed + 1);
+  compare(c, prec, tiles, q, k, q, k);
+}
+
+float* row_f32(sa::HostTensor& t, std::int64_t b, std::int64_t l, std::int64_t h) {
+  const auto& s = t.shape();
+  return t.data<float>() + ((b * s[1] + l) * s[2] + h) * s[3];
+}
+
+// Structured input (float32): queries near a shared direction u per (batch, KV head) with q[d0] = 1;
+// KV block j holds one key equal to u except k[d0] = step * m_j (m_j in -3..3, repeating, so some blocks
+// tie exactly) and small noise in its other keys. The block maxima then differ by exactly step * m_j:
+// with a small step, in the last bits of the float64 scores, far inside the screening bound.
+void near_tie_inputs(const Case& c, float step, std::uint64_t seed, sa::HostTensor& q, sa::HostTensor& k) {
+  q = sa::HostTensor(sa::DType::f32, {c.B, c.Lq, c.Hkv, c.Di});
+  k = sa::HostTensor(sa::DType::f32, {c.B, c.Lk, c.Hk, c.Di});
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const std::int64_t d0 = c.Di / 3;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t h = 0; h < c.Hk; ++h) {
+      std::vector<float> u(static_cast<std::size_t>(c.Di));
+      for (auto& x : u) x = sa::round_bf16(nd(rng));
+      const std::int64_t groups = c.Hk == 1 ? c.Hkv : 1;
+      for (std::int64_t gg = 0; gg < groups; ++gg) {
+        const std::int64_t g = c.Hk == 1 ? gg : h;
+        for (std::int64_t i = 0; i < c.Lq; ++i) {
+          float* r = row_f32(q, b, i, g);
+          for (std::int64_t d = 0; d < c.Di; ++d) r[d] = sa::round_bf16(u[static_cast<std::size_t>(d)] + 0.01f * nd(rng));
+          r[d0] = 1.0f;
+        }
+      }
+      for (std::int64_t s = 0; s < c.Lk; ++s) {
+        float* r = row_f32(k, b, s, h);
+        const std::int64_t j = s / sa::kBlockK, size = std::min<std::int64_t>(sa::kBlockK, c.Lk - j * sa::kBlockK);
+        if (s % sa::kBlockK == 17 % size) {
+          for (std::int64_t d = 0; d < c.Di; ++d) r[d] = u[static_cast<std::size_t>(d)];
+          r[d0] = step * static_cast<float>(static_cast<int>((j * 5) % 7) - 3);
+        } else {
+          for (std::int64_t d = 0; d < c.Di; ++d) r[d] = sa::round_bf16(0.05f * nd(rng));
+        }
+      }
+    }
+}
+
+// ---- tests ---------------------------------------------------------------------------------------------
+
+std::vector<Case> shapes() {
+  return {
+      {"Lq=1 causal Lk=333", 1, 1, 333, 1, 1, 64, 3, 4, true},
+      {"Lq=17 non-causal Hk=Hkv=2 Lk=900", 1, 17, 900, 2, 2, 64, 4, 5, false},
+      {"Lq=1013 causal B=2 Lk=1013", 2, 1013, 1013, 1, 1, 64, 5, 5, true},
+      {"Hkv=16 Hk=1 Lq<Lk causal Di=128", 1, 140, 1500, 16, 1, 128, 4, 6, true},
+      {"B=3 non-causal no reserve Di=48", 3, 200, 1100, 1, 1, 48, 3, 3, false, false},
+      {"Lq>Lk causal (queries see nothing) Di=32", 1, 300, 140, 1, 1, 32, 2, 2, true},
+      {"top_k above candidates Di=20", 1, 130, 400, 1, 1, 20, 8, 9, true},
+      {"Di=256 non-causal", 1, 129, 700, 1, 1, 256, 3, 3, false},
+  };
+}
+
+TEST(TokenMaxGpu, RandomEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 7000;
+  for (auto prec : kPrecisions)
+    for (bool tiles : {false, true})
+      for (const auto& c : shapes()) run_random(c, prec, tiles, seed += 10);
+}
+
+TEST(TokenMaxGpu, InputDtypesEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  const Case c{"f32 / f16 inputs", 2, 257, 777, 2, 1, 64, 4, 4, true};
+  std::uint64_t seed = 7400;
+  for (auto dtype : {sa::DType::f32, sa::DType::f16})
+    for (auto prec : kPrecisions)
+      for (bool tiles : {false, true}) run_random(c, prec, tiles, seed += 10, dtype);
+}
+
+// Block maxima that differ in their last bits (and exact ties): the screening cannot separate them, so
+// the float64 path decides; the counters show it ran.
+TEST(TokenMaxGpu, NearTiesEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  const Case cases[] = {
+      {"near ties QueryLists-sized", 2, 150, 2000, 2, 2, 64, 5, 6, false},
+      {"near ties causal Hk=1", 1, 300, 1700, 4, 1, 128, 4, 4, true},
+      {"near ties Lq=17 Di=40", 1, 17, 1300, 1, 1, 40, 6, 6, false},
+  };
+  std::uint64_t seed = 7600;
+  for (float step : {0x1p-7f, 0x1p-3f, 0x1p-12f})
+    for (auto prec : kPrecisions)
+      for (bool tiles : {false, true})
+        for (const auto& c : cases) {
+          sa::HostTensor q, k;
+          near_tie_inputs(c, step, seed += 10, q, k);
+          Stats stats;
+          compare(c, prec, tiles, q, k, q, k);
+          unsigned long long cand = 0, rescored = 0;
+          stats.read(cand, rescored);
+          EXPECT_GT(cand, 0u);
+          if (prec == sa::IndexPrecision::bf16 && step == 0x1p-12f)
+            EXPECT_GT(rescored, 0u) << c.name << ": near-ties 2^-12 apart must reach the float64 path";
+        }
+}
+
+// Random inputs: the screening decides nearly everything; the re-scored share stays small.
+TEST(TokenMaxGpu, RescoredShareIsSmallOnRandomInputs) {
+  SKIP_WITHOUT_GPU();
+  const Case c{"random share", 2, 1024, 4096, 1, 1, 128, 16, 16, false};
+  for (auto prec : kPrecisions) {
+    Stats stats;
+    run_random(c, prec, true, 7900 + static_cast<int>(prec));
+    unsigned long long cand = 0, rescored = 0;
+    stats.read(cand, rescored);
+    EXPECT_EQ(cand, 2u * 8u * 32u);
+    EXPECT_LE(rescored * 20, cand) << sa::precision_name(prec) << ": " << rescored << " of " << cand << " re-scored";
+  }
+}
+
+// Non-finite rows: the CPU rejects them with an Error; the device path (which does not synchronise to
+// look) ranks NaN scores as -inf, the CPU's rule for NaN dots. The GPU lists then equal the CPU's on a
+// finite input with the same scores: an all-NaN query row scores -inf everywhere, which ranks like an
+// all-zero row (all ties, lower ids first) in a QueryList and like a duplicate of a neighbour in a tile;
+// an all-NaN key row drops out of its block, like a duplicate of the block's first key. fp4 maps NaN to
+// 0 (an all-NaN 16-block has scale 0), so its CPU equivalent is zero rows.
+TEST(TokenMaxGpu, NonFiniteRowsMatchCpuRule) {
+  SKIP_WITHOUT_GPU();
+  const Case c{"NaN rows", 1, 300, 900, 2, 1, 64, 4, 4, true};
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::uint64_t seed = 8100;
+  for (auto prec : kPrecisions)
+    for (bool tiles : {false, true}) {
+      sa::HostTensor q = st::random_tensor(sa::DType::f32, {c.B, c.Lq, c.Hkv, c.Di}, seed += 10);
+      sa::HostTensor k = st::random_tensor(sa::DType::f32, {c.B, c.Lk, c.Hk, c.Di}, seed += 10);
+      sa::HostTensor gq = q, gk = k;
+      const std::int64_t qi = 137, ks = 3 * sa::kBlockK + 40;
+      std::fill_n(row_f32(gq, 0, qi, 1), c.Di, nan);
+      std::fill_n(row_f32(gk, 0, ks, 0), c.Di, nan);
+      {  // the CPU rejects the non-finite input
+        sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, c.Lq, c.kmax});
+        EXPECT_THROW(sa::token_max_select(gq.view(), gk.view(), sa::QueryLists{idx.view()}, options_of(c, prec)),
+                     sa::Error);
+      }
+      if (prec == sa::IndexPrecision::fp4_e2m1) {
+        std::fill_n(row_f32(q, 0, qi, 1), c.Di, 0.0f);
+        std::fill_n(row_f32(k, 0, ks, 0), c.Di, 0.0f);
+      } else {
+        if (tiles) std::copy_n(row_f32(q, 0, qi - 1, 1), c.Di, row_f32(q, 0, qi, 1));
+        else std::fill_n(row_f32(q, 0, qi, 1), c.Di, 0.0f);
+        std::copy_n(row_f32(k, 0, 3 * sa::kBlockK, 0), c.Di, row_f32(k, 0, ks, 0));
+      }
+      compare(c, prec, tiles, q, k, gq, gk);
+    }
+}
+
+// Every kernel once (prepare, screen, decide, re-score, finish) on a small input with near-ties, for
+// compute-sanitizer.
+TEST(TokenMaxGpu, SanitizerSmall) {
+  SKIP_WITHOUT_GPU();
+  const Case c{"sanitizer", 2, 150, 290, 2, 1, 40, 2, 3, true};
+  std::uint64_t seed = 8500;
+  for (auto prec : kPrecisions) {
+    sa::HostTensor q, k;
+    near_tie_inputs(c, 0x1p-12f, seed += 10, q, k);
+    compare(c, prec, false, q, k, q, k);
+    compare(c, prec, true, q, k, q, k);
+  }
+  run_random({"sanitizer random", 1, 17, 333, 1, 1, 24, 2, 2, false}, sa::IndexPrecision::fp8_e4m3, true, seed + 1);
+}
+
+// Di past the tensor-core path's limit is an Error naming qidx, not a fault.
+TEST(TokenMaxGpu, IndexDimLimitIsAnError) {
+  SKIP_WITHOUT_GPU();
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 16, 1, 272}, 1);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {1, 200, 1, 272}, 2);
+  Dev dq(q), dk(k), didx(poisoned_i32({1, 1, 16, 2}));
+  sa::TokenMaxOptions o;
+  o.top_k = 2;
+  try {
+    sa::token_max_select(dq.view, dk.view, sa::QueryLists{didx.view}, o);
+    ADD_FAILURE() << "no Error for Di = 272";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "qidx") << e.what();
+  }
+}
+
+// tile16 shape (B = 2, Lq = 4096, Hkv = 1, Di = 128, non-causal, top-16 TileLists), Lk 4K / 16K / 32K:
+// median of 25 timed calls after 3 warm-ups, and the share of candidate blocks re-scored in float64.
+TEST(TokenMaxGpu, Timing) {
+  SKIP_WITHOUT_GPU();
+  const char* env = std::getenv("SPARSE_ATTN_TIMING");
+  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time token_max";
+  const std::int64_t B = 2, Lq = 4096, Di = 128;
+  const int top_k = 16, iters = 25;
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t e0, e1;
+  cuda_ok(cudaEventCreate(&e0), "event");
+  cuda_ok(cudaEventCreate(&e1), "event");
+  for (std::int64_t Lk : {4096, 16384, 32768}) {
+    const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 11);
+    const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 12);
+    const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
+    Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, top_k})), dcnt(poisoned_i32({B, 1, Tq}));
+    for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16, sa::IndexPrecision::fp4_e2m1}) {
+      sa::TokenMaxOptions o;
+      o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = stream;
+      const sa::TileLists out{didx.view, dcnt.view};
+      unsigned long long cand = 0, rescored = 0;
+      {
+        Stats stats;
+        sa::token_max_select(dq.view, dk.view, out, o);
+        cuda_ok(cudaStreamSynchronize(stream), "stats run");
+        stats.read(cand, rescored);
+      }
+      if (Lk == 4096 && prec == sa::IndexPrecision::fp8_e4m3) {  // verify before timing
+        sa::HostTensor idx(sa::DType::i32, {B, 1, Tq, top_k}), cnt(sa::DType::i32, {B, 1, Tq});
+        sa::TokenMaxOptions co = o;
+        co.stream = nullptr;
+        sa::token_max_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, co);
+        expect_equal_i32(didx.download(idx), idx, "timing idx");
+      }
+      for (int w = 0; w < 3; ++w) sa::token_max_select(dq.view, dk.view, out, o);
+      std::vector<float> ms(iters);
+      for (int it = 0; it < iters; ++it) {
+        cuda_ok(cudaEventRecord(e0, stream), "record");
+        sa::token_max_select(dq.view, dk.view, out, o);
+        cuda_ok(cudaEventRecord(e1, stream), "record");
+        cuda_ok(cudaEventSynchronize(e1), "sync");
+        cuda_ok(cudaEventElapsedTime(&ms[static_cast<std::size_t>(it)], e0, e1), "elapsed");
+      }
+      std::sort(ms.begin(), ms.end());
+      const double med_us = 1000.0 * ms[iters / 2];
+      const double tflops = 2.0 * B * Lq * Lk * Di / (med_us * 1e-6) / 1e12;
+      std::printf("TIMING token_max %s Lk=%lld median_us=%.1f min_us=%.1f index_tflops=%.0f rescored=%llu/%llu\n",
+                  sa::precision_name(prec), static_cast<long long>(Lk), med_us, 1000.0 * ms[0], tflops, rescored, cand);
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
