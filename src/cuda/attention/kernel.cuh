@@ -18,18 +18,13 @@ namespace sparse_attn::cuda_kernels {
 inline constexpr int kKernelThreads = 128 + kConsumerThreads;
 inline constexpr std::uint32_t kProducerRegs = 24;
 inline constexpr std::uint32_t kConsumerRegs = 240;
-// K/V ring depth. At D = 128 a stage is K + V of one block (64 KB); with the 32 KB Q tile, 3 stages use 224 KB of
-// the 227 KB a CTA may have. A slot is released only after its PV, and with the QK of the next block
-// issued before that PV, 2 stages would leave the producer no block of lead: 3 keep one load in
-// flight while two blocks are in use.
-inline constexpr int kKvStages = 3;
-static_assert(sizeof(SharedStorage<Bf16Tag::Elem, kKvStages, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
+static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
 
-template <class Tag, int kHeadDim, int kStages>
+template <class Tag, int kHeadDim>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
-  using Storage = SharedStorage<typename Tag::Elem, kStages, kHeadDim>;
+  using Storage = SharedStorage<typename Tag::Elem, kHeadDim>;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
   // The swizzle pattern is applied to absolute address bits: tiles must start 1024-aligned.
@@ -41,12 +36,17 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
     tma_prefetch_descriptor(&tm_q);
     tma_prefetch_descriptor(&tm_k);
     tma_prefetch_descriptor(&tm_v);
-    sm.q_full.init(1);
-    sm.q_empty.init(kConsumerThreads);
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kQStages; ++s) {
+      sm.q_full[s].init(1);
+      sm.q_empty[s].init(kConsumerThreads);
+    }
+    for (int s = 0; s < kKStages; ++s) {
       sm.k_full[s].init(1);
+      sm.k_empty[s].init(kConsumerThreads);
+    }
+    for (int s = 0; s < kVStages; ++s) {
       sm.v_full[s].init(1);
-      sm.kv_empty[s].init(kConsumerThreads);
+      sm.v_empty[s].init(kConsumerThreads);
     }
     fence_barrier_init();
   }
@@ -55,16 +55,16 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   const StaticPersistentScheduler sched{p.num_units, p.B, p.Hkv, p.group_size, p.Tq, p.causal};
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
-    if (thread == 0) producer_loop<typename Tag::Elem, kStages, kHeadDim>(p, sched, sm, &tm_q, &tm_k, &tm_v);
+    if (thread == 0) producer_loop<typename Tag::Elem, kHeadDim>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kStages, kHeadDim>(p, sched, sm, warpgroup - 1, thread);
+    consumer_loop<Tag, kHeadDim>(p, sched, sm, warpgroup - 1, thread);
   }
 }
 
-template <class Tag, int kHeadDim, int kStages>
+template <class Tag, int kHeadDim>
 constexpr std::size_t tile_attention_smem_bytes() {
-  return sizeof(SharedStorage<typename Tag::Elem, kStages, kHeadDim>) + 1024;  // + slack for the manual alignment
+  return sizeof(SharedStorage<typename Tag::Elem, kHeadDim>) + 1024;  // + slack for the manual alignment
 }
 
 /// Launches one instantiation on `stream` with a persistent grid of min(items, SMs) CTAs. Returns the
@@ -81,8 +81,8 @@ namespace sparse_attn::cuda_kernels {
 template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, int num_sms, cudaStream_t stream) {
-  constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim, kKvStages>();
-  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kKvStages>;
+  constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
+  auto* kernel = &tile_attention_kernel<Tag, kHeadDim>;
   // Setting the attribute is cheap but not free; once per process and instantiation is enough.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem));

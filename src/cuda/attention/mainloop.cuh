@@ -28,58 +28,82 @@ inline constexpr int kConsumerWarpgroups = 2;
 inline constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
 inline constexpr int kRowsPerConsumer = kTileRows / kConsumerWarpgroups;  // 64: one m64 wgmma row block
 
+// Ring depths. Two Q buffers let the next item's Q tile land while the current item runs, so a work
+// item of 16 blocks (tile16) does not start by waiting for its Q. K and V have rings of their own: a K
+// slot is released as soon as its QK retires and a V slot after its PV, and the producer loads K one
+// block ahead of V, so 3 K slots give QK two blocks of lead and 2 V slots give PV one. At D = 128 this is
+// 2 x 32 + 3 x 32 + 2 x 32 = 224 KB of the 227 KB a CTA may have.
+inline constexpr int kQStages = 2;
+inline constexpr int kKStages = 3;
+inline constexpr int kVStages = 2;
+
 // [half][row][64]: the head dim in 64-column halves (one for D = 64, two for D = 128), each
 // 1024-aligned (the swizzle atom); a half-row is one 128-byte swizzle row.
-template <class Elem, int kStages, int kHeadDim>
+template <class Elem, int kHeadDim>
 struct alignas(1024) SharedStorage {
   static constexpr int kHalves = kHeadDim / 64;
-  Elem q[kHalves][kTileRows][64];
-  Elem k[kStages][kHalves][kBlockKeys][64];
-  Elem v[kStages][kHalves][kBlockKeys][64];
-  MBarrier q_full, q_empty;
-  MBarrier k_full[kStages], v_full[kStages], kv_empty[kStages];
+  Elem q[kQStages][kHalves][kTileRows][64];
+  Elem k[kKStages][kHalves][kBlockKeys][64];
+  Elem v[kVStages][kHalves][kBlockKeys][64];
+  MBarrier q_full[kQStages], q_empty[kQStages];
+  MBarrier k_full[kKStages], k_empty[kKStages];
+  MBarrier v_full[kVStages], v_empty[kVStages];
 };
 
 inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column half of 128 rows, 16-bit
 template <int kHeadDim>
 inline constexpr std::uint32_t kTileBytes = kHeadDim / 64 * kHalfTileBytes;
 
-template <class Elem, int kStages, int kHeadDim>
+template <class Elem, int kHeadDim>
 __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
-                                              SharedStorage<Elem, kStages, kHeadDim>& sm, const CUtensorMap* tm_q,
+                                              SharedStorage<Elem, kHeadDim>& sm, const CUtensorMap* tm_q,
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
-  PipelineState<kStages> kv;
-  std::uint32_t q_count = 0;
+  constexpr int kHalves = kHeadDim / 64;
+  PipelineState<kQStages> qs;
+  PipelineState<kKStages> ks;
+  PipelineState<kVStages> vs;
+  // V of the block whose K went last: it is loaded after the next K (of this item or the next one), so
+  // K runs one block ahead of V in both rings.
+  int pend_j = -1, pend_head = 0, pend_b = 0;
+  const auto load_pending_v = [&]() {
+    const int s = vs.stage();
+    sm.v_empty[s].wait(vs.phase() ^ 1u);
+    sm.v_full[s].arrive_expect_tx(kTileBytes<kHeadDim>);
+    for (int half = 0; half < kHalves; ++half)
+      tma_load_bhld(&sm.v[s][half][0][0], tm_v, 64 * half, pend_head, pend_j * kBlockKeys, pend_b, &sm.v_full[s].word);
+    vs.advance();
+    pend_j = -1;
+  };
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
-    sm.q_empty.wait((q_count & 1u) ^ 1u);
-    constexpr int kHalves = kHeadDim / 64;
-    sm.q_full.arrive_expect_tx(kTileBytes<kHeadDim>);
+    const int qst = qs.stage();
+    sm.q_empty[qst].wait(qs.phase() ^ 1u);
+    sm.q_full[qst].arrive_expect_tx(kTileBytes<kHeadDim>);
     for (int half = 0; half < kHalves; ++half)
-      tma_load_bhld(&sm.q[half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full.word);
-    ++q_count;
+      tma_load_bhld(&sm.q[qst][half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full[qst].word);
+    qs.advance();
 
     const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
     for (int i = 0; i < bp.count; ++i) {
       const int j = bp.block(i);
       if (j < 0) continue;
-      const int s = kv.stage();
-      sm.kv_empty[s].wait(kv.phase() ^ 1u);
+      const int s = ks.stage();
+      sm.k_empty[s].wait(ks.phase() ^ 1u);
       sm.k_full[s].arrive_expect_tx(kTileBytes<kHeadDim>);
       for (int half = 0; half < kHalves; ++half)
         tma_load_bhld(&sm.k[s][half][0][0], tm_k, 64 * half, kv_head, j * kBlockKeys, w.b, &sm.k_full[s].word);
-      sm.v_full[s].arrive_expect_tx(kTileBytes<kHeadDim>);
-      for (int half = 0; half < kHalves; ++half)
-        tma_load_bhld(&sm.v[s][half][0][0], tm_v, 64 * half, kv_head, j * kBlockKeys, w.b, &sm.v_full[s].word);
-      kv.advance();
+      ks.advance();
+      if (pend_j >= 0) load_pending_v();
+      pend_j = j, pend_head = kv_head, pend_b = w.b;
     }
   }
+  if (pend_j >= 0) load_pending_v();
 }
 
-template <class Tag, int kStages, int kHeadDim>
+template <class Tag, int kHeadDim>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
-                                              SharedStorage<typename Tag::Elem, kStages, kHeadDim>& sm, int consumer,
+                                              SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread);
 
 }  // namespace sparse_attn::cuda_kernels
@@ -172,16 +196,17 @@ struct MmaTurns {
 
 // Intra-warpgroup overlap (FA3): while the tensor cores run O += P_i V_i, the warpgroup already has
 // S_{i+1} = Q K_{i+1} in flight and does the softmax of block i + 1 as soon as that lands; the O
-// rescale waits until PV has retired. A slot is released after its PV, so the producer runs up to
-// kStages - 1 blocks ahead of the block being multiplied.
-template <class Tag, int kStages, int kHeadDim>
+// rescale waits until PV has retired. K slots are released when their QK retires, V slots after their
+// PV, and the Q buffer after the item's last QK.
+template <class Tag, int kHeadDim>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
-                                              SharedStorage<typename Tag::Elem, kStages, kHeadDim>& sm, int consumer,
+                                              SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread) {
-  const std::uint32_t s_q = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.q[0][0][0])) +
-                            consumer * kRowsPerConsumer * 128;  // this warpgroup's 64 rows: +8 KB, 1024-aligned
-  PipelineState<kStages> kv;
-  std::uint32_t q_count = 0;
+  PipelineState<kQStages> qs;
+  PipelineState<kKStages> ks;
+  PipelineState<kVStages> vs;
+  const auto k_addr = [&](int s) { return static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[s][0][0][0])); };
+  const auto v_addr = [&](int s) { return static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[s][0][0][0])); };
   float acc_s[64];
   float acc_o[kHeadDim / 2];  // 64 x D output fragment of this warpgroup
   std::uint32_t pa[8][4];
@@ -195,65 +220,68 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     softmax.reset();
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
-    sm.q_full.wait(q_count & 1u);
+    const int qst = qs.stage();
+    // This warpgroup's 64 rows of the Q buffer: +8 KB inside each 16 KB half, 1024-aligned.
+    const std::uint32_t s_q = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.q[qst][0][0][0])) +
+                              consumer * kRowsPerConsumer * 128;
+    sm.q_full[qst].wait(qs.phase());
 
     int pos = 0;
     int j = bp.next(pos);
     if (j >= 0) {
       float factor[2];
-      int stage = kv.stage();
-      sm.k_full[stage].wait(kv.phase());
+      sm.k_full[ks.stage()].wait(ks.phase());
       turns.begin();
       wgmma_fence();
-      issue_qk<Tag, kHeadDim>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[stage][0][0][0])));
+      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
       turns.end();
       wgmma_wait<0>();
       fence_operands(acc_s);
+      sm.k_empty[ks.stage()].arrive();
+      ks.advance();
       scores_to_p<Tag>(p, acc_s, softmax, factor, pa, j, first_row, thread);  // o is 0: no rescale needed
       // Steady state: one iteration per further block. The last block's PV is peeled off below, so the
       // commit groups inside the loop are unconditional and wait<1> always retires the QK group.
       for (int j_next = bp.next(++pos); j_next >= 0; j_next = bp.next(++pos)) {
-        const std::uint32_t phase = kv.phase();
-        kv.advance();
-        const int next_stage = kv.stage();
-        sm.k_full[next_stage].wait(kv.phase());
-        sm.v_full[stage].wait(phase);
+        sm.k_full[ks.stage()].wait(ks.phase());
+        sm.v_full[vs.stage()].wait(vs.phase());
         turns.begin();
         wgmma_fence();
-        issue_qk<Tag, kHeadDim>(acc_s, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[next_stage][0][0][0])));
-        issue_pv<Tag>(acc_o, pa, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[stage][0][0][0])));
+        issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
+        issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
         turns.end();
         wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
         fence_operands(acc_s);
+        sm.k_empty[ks.stage()].arrive();
+        ks.advance();
         scores_to_p_keep<Tag>(p, acc_s, softmax, factor, j_next, first_row, thread);
         wgmma_wait<0>();
         fence_operands(acc_o);
         keep_live(pa);
-        sm.kv_empty[stage].arrive();
+        sm.v_empty[vs.stage()].arrive();
+        vs.advance();
         OnlineSoftmax::rescale(acc_o, factor);
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
           for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-        stage = next_stage;
       }
-      // Every QK of the item has retired: hand the Q tile back now, so the next item's Q loads under the
-      // last PV and the epilogue instead of after them.
-      sm.q_empty.arrive();
-      sm.v_full[stage].wait(kv.phase());
+      // Every QK of the item has retired: the Q buffer may take the item after next.
+      sm.q_empty[qst].arrive();
+      sm.v_full[vs.stage()].wait(vs.phase());
       turns.begin();
       wgmma_fence();
-      issue_pv<Tag>(acc_o, pa, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[stage][0][0][0])));
+      issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
       turns.end();
       wgmma_wait<0>();
       fence_operands(acc_o);
       keep_live(pa);
-      sm.kv_empty[stage].arrive();
-      kv.advance();
+      sm.v_empty[vs.stage()].arrive();
+      vs.advance();
     } else {
-      sm.q_empty.arrive();  // nothing to visit: out = 0, lse = -inf
+      sm.q_empty[qst].arrive();  // nothing to visit: out = 0, lse = -inf
     }
-    ++q_count;
+    qs.advance();
     softmax.finish();
     store_output<Tag, kHeadDim / 2>(p, acc_o, softmax, thread, w.b, w.head, first_row);
   }
