@@ -560,9 +560,11 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   int dev = 0, sms = 0;
   check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
-  // Enough CTAs for every SM to hold one: split the KV blocks of a Q tile over several CTAs.
+  // The KV blocks of a Q tile are split over several CTAs: about 8 waves of one CTA per SM keep the
+  // tail (causal tiles see different numbers of blocks) short; each CTA still streams >= 4 blocks.
   const std::int64_t tiles = s.Tq * s.B * s.Hkv;
-  const std::int64_t splits = imin<std::int64_t>(imin<std::int64_t>(s.Tk, 65535), imax<std::int64_t>(1, (sms + tiles - 1) / tiles));
+  const std::int64_t splits = imin<std::int64_t>(imin<std::int64_t>(ceil_div(s.Tk, 4), 65535),
+                                                 imax<std::int64_t>(1, ceil_div(8 * static_cast<std::int64_t>(sms), tiles)));
   ScreenParams sp{scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_m), s,
                   ceil_div(s.Tk, splits)};
   const dim3 sgrid(static_cast<unsigned>(s.Tq), static_cast<unsigned>(s.B * s.Hkv),
