@@ -27,7 +27,7 @@ semantics (each query sees its tile's union). Implementations with the per-query
 compared with each other on the full output, and kv_centric twice with itself (bitwise).
 
 Usage: python3 bench_query.py --lib libsa_bench.so [--json PATH] [--quick] [--parts LIST] [--no-flex]
-                              [--budget-s S] [--print-json]
+                              [--sweep-f F,F,...] [--reps N] [--inner N] [--budget-s S] [--print-json]
        python3 bench_query.py --selftest        (CPU only: list generators, union, block mask, references)
 """
 import argparse
@@ -651,6 +651,8 @@ def main():
     ap.add_argument("--parts", default=",".join(ALL_PARTS), help="comma list of " + ",".join(ALL_PARTS))
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes tens of seconds)")
     ap.add_argument("--sweep-f", help="comma list of overlap fractions f (default depends on --quick)")
+    ap.add_argument("--reps", type=int, help="timing samples (median taken); default 15, 5 with --quick")
+    ap.add_argument("--inner", type=int, help="calls per timing sample; default 5, 2 with --quick")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip parts that start after this many seconds")
     ap.add_argument("--selftest", action="store_true", help="CPU checks of the generators and the block mask")
     args = ap.parse_args()
@@ -675,6 +677,12 @@ def main():
     ctx = Context()
     ctx.lib = Lib(args.lib)
     ctx.timer = Timer(2, 5, 2) if args.quick else Timer(5, 15, 5)
+    for name in ("reps", "inner"):
+        n = getattr(args, name)
+        if n is not None:
+            if n < 1:
+                ap.error(f"--{name} must be at least 1, got {n}")
+            setattr(ctx.timer, name, n)
     ctx.no_flex = args.no_flex
     ctx.cpu_gen = torch.Generator().manual_seed(7)
     ctx.flex = None
