@@ -655,9 +655,14 @@ def main():
     ap.add_argument("--inner", type=int, help="calls per timing sample; default 5, 2 with --quick")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip parts that start after this many seconds")
     ap.add_argument("--selftest", action="store_true", help="CPU checks of the generators and the block mask")
+    ap.add_argument("--markdown", nargs="+", metavar="JSON",
+                    help="print the tables of saved results (this script's JSON, or a stage log holding "
+                         "JSON-BEGIN/END blocks) as markdown, and nothing else")
     args = ap.parse_args()
     if args.selftest:
         return selftest()
+    if args.markdown:
+        return markdown(args.markdown)
     if not args.lib:
         ap.error("--lib is required")
     parts = [p for p in args.parts.split(",") if p]
@@ -780,6 +785,106 @@ def main():
             print(json.dumps(res, separators=(",", ":")))
             print("JSON-END")
         print_summary(res)
+    return 0
+
+
+# ---- markdown report of saved results --------------------------------------------------------------
+
+def load_results(path):
+    """Result dicts of a JSON file, or of every JSON-BEGIN/END block of a log."""
+    with open(path) as fh:
+        text = fh.read()
+    if "JSON-BEGIN" not in text:
+        return [json.loads(text)]
+    out, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "JSON-BEGIN" and i + 1 < len(lines):
+            out.append(json.loads(lines[i + 1]))
+    return out
+
+
+def markdown(paths):
+    runs = [r for p in paths for r in load_results(p)]
+    impl_order = ["kv_centric", "kv_centric_bf16", "kv_reverse_index", "kv_attention", "kv_combine", "group_centric",
+                  "q_centric", "q_centric_host_conversion", "q_centric_tile_only", "q_centric_devconv", "flex",
+                  "dense_ours", "sdpa_cudnn", "sdpa_flash"]
+    for run in runs:
+        m = run["meta"]
+        print(f"\nRun of {m['date']} on {m['device']} (torch {m['torch']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}); "
+              f"{m['timing']}; command `{m['command']}`.")
+        for r in run["workloads"]:
+            t, ver, st = r["times_ms"], r["verify"], r["plan"]["stats"]
+            dense = t.get("sdpa_cudnn")
+            print(f"\n{r['label']} ({', '.join(f'{k}={v}' for k, v in r['shape'].items())}; union per tile "
+                  f"{st['union_per_tile']:.1f}, neighbour overlap {st['neighbour_overlap']:.3f}):\n")
+            print("| implementation | ms | x over cuDNN dense | useful TFLOP/s | check: relerr (plain bf16) |")
+            print("| --- | ---: | ---: | ---: | --- |")
+            for name in [n for n in impl_order if n in t] + [n for n in t if n not in impl_order]:
+                v = ver.get(name, {})
+                chk = (f"{'ok' if v['ok'] else 'FAILED'} {v['relerr']:.2e} ({v['plain_relerr']:.2e})" if "ok" in v
+                       else (f"vs our dense {v['relerr_vs_dense_ours']:.2e}" if "relerr_vs_dense_ours" in v else ""))
+                sp = f"{dense / t[name]:.2f}" if dense else "-"
+                tf = r.get("useful_tflops", {}).get(name)
+                gqa = f" ({r['sdpa_gqa'][name]} GQA)" if name in r.get("sdpa_gqa", {}) else ""
+                print(f"| {name}{gqa} | {t[name]:.3f} | {sp} | {tf:.0f} | {chk} |" if tf else
+                      f"| {name}{gqa} | {t[name]:.3f} | {sp} | - | {chk} |")
+            for name, e in r["errors"].items():
+                print(f"| {name} | error: {e[:150]} | | | |")
+            extra = {k: r[k] for k in ("kv_centric_bitwise_repeat", "flex_block_mask_equals_create_block_mask")
+                     if k in r}
+            if extra or r.get("cross_relerr"):
+                print(f"\n{extra} cross relerr: " + ", ".join(f"{k} {v:.2e}" for k, v in r["cross_relerr"].items()))
+        if run["sweep"]:
+            print("\nOverlap sweep (ms; est = planner estimate):\n")
+            print("| shape | f | overlap | union/tile | q lib | q tile | q devconv | kv | group | est q | est kv | "
+                  "est group | pick | fastest |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+            for p in run["sweep"]:
+                t, e, st = p["times_ms"], p["plan"]["est_ms"], p["plan"]["stats"]
+                j = p["judge"].get("library", {})
+                c = lambda d, k: f"{d[k]:.3f}" if k in d else "-"
+                print(f"| {p['shape_name']} | {p['f']} | {st['neighbour_overlap']:.3f} | {st['union_per_tile']:.1f} | "
+                      f"{c(t, 'q_centric')} | {c(t, 'q_centric_tile_only')} | {c(t, 'q_centric_devconv')} | "
+                      f"{c(t, 'kv_centric')} | {c(t, 'group_centric')} | {c(e, 'q_centric')} | {c(e, 'kv_centric')} | "
+                      f"{c(e, 'group_centric')} | {p['plan']['choice']} | {j.get('fastest', '-')} |")
+            print()
+            for x in run["crossovers"]:
+                if x["f"]:
+                    print(f"- crossover {x['shape_name']}, {x['a']} vs {x['b']} ({x['basis']}): f = "
+                          + ", ".join(f"{f:.3f}" for f in x["f"]))
+        if run["planner_check"]:
+            print("\nPlanner check (fastest among the schedules the planner estimates; * = an unestimated one was "
+                  "faster still):\n")
+            print("| configuration | pick | fastest (library Q-centric) | right | cost of pick | fastest (tile_sparse "
+                  "alone) | right | cost of pick |")
+            print("| --- | --- | --- | --- | ---: | --- | --- | ---: |")
+            for c in run["planner_check"]:
+                cells = []
+                for variant in ("library", "tile_only"):
+                    j = c.get(variant)
+                    if j is None:
+                        cells.append("- | - | -")
+                        continue
+                    star = "*" if j["fastest_overall"] != j["fastest"] else ""
+                    cost = f"{j['cost_of_choice']:.2f}" if j["cost_of_choice"] else "-"
+                    cells.append(f"{j['fastest']}{star} | {'yes' if j['right'] else 'no'} | {cost}")
+                print(f"| {c['label']} | {c['choice']} | {cells[0]} | {cells[1]} |")
+        rows = run["workloads"] + run["sweep"]
+        if rows:
+            print("\nData for the cost model (per configuration: counts from selection_stats, measured ms, and the "
+                  "per-unit times they imply):\n")
+            print("| configuration | group | tile_union | query_blocks | tile_sparse ms | ns per (head, tile, block) "
+                  "visit | kv ms | ns per (query, head, slot) row | group ms |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            for r in rows:
+                st, t = r["plan"]["stats"], r["times_ms"]
+                g = r["shape"]["Hq"] // r["shape"]["Hkv"]
+                visits, rws = st["tile_union"] * g, st["query_blocks"] * g
+                tq, kv = t.get("q_centric_tile_only"), t.get("kv_centric")
+                print(f"| {r['label']} | {g} | {st['tile_union']:.0f} | {st['query_blocks']:.0f} | "
+                      f"{fmt(tq, 0).strip()} | {fmt(tq * 1e6 / visits if tq else None, 0, 2).strip()} | "
+                      f"{fmt(kv, 0).strip()} | {fmt(kv * 1e6 / rws if kv else None, 0, 3).strip()} | "
+                      f"{fmt(t.get('group_centric'), 0).strip()} |")
     return 0
 
 
