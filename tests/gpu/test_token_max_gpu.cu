@@ -32,6 +32,13 @@ namespace {
     if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU token_max test skipped"; \
   } while (0)
 
+// SPARSE_ATTN_TOKEN_MAX_SCREEN=1 runs the whole binary on the mma.sync screening kernel instead of wgmma.
+const bool kScreenFromEnv = [] {
+  const char* e = std::getenv("SPARSE_ATTN_TOKEN_MAX_SCREEN");
+  if (e != nullptr) sa::cuda_backend::set_token_max_screen(std::atoi(e));
+  return true;
+}();
+
 constexpr sa::IndexPrecision kPrecisions[] = {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3,
                                               sa::IndexPrecision::fp4_e2m1};
 
@@ -336,7 +343,8 @@ TEST(TokenMaxGpu, IndexDimLimitIsAnError) {
 }
 
 // tile16 shape (B = 2, Lq = 4096, Hkv = 1, Di = 128, non-causal, top-16 TileLists), Lk 4K / 16K / 32K:
-// median of 25 timed calls after 3 warm-ups, and the share of candidate blocks re-scored in float64.
+// median of 25 timed calls after 3 warm-ups, and the share of candidate blocks re-scored in float64, for
+// both screening kernels.
 TEST(TokenMaxGpu, Timing) {
   SKIP_WITHOUT_GPU();
   const char* env = std::getenv("SPARSE_ATTN_TIMING");
@@ -353,7 +361,9 @@ TEST(TokenMaxGpu, Timing) {
     const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 12);
     const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
     Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, top_k})), dcnt(poisoned_i32({B, 1, Tq}));
-    for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16, sa::IndexPrecision::fp4_e2m1}) {
+    for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16, sa::IndexPrecision::fp4_e2m1})
+    for (int screen : {0, 1}) {
+      sa::cuda_backend::set_token_max_screen(screen);
       sa::TokenMaxOptions o;
       o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = stream;
       const sa::TileLists out{didx.view, dcnt.view};
@@ -364,7 +374,7 @@ TEST(TokenMaxGpu, Timing) {
         cuda_ok(cudaStreamSynchronize(stream), "stats run");
         stats.read(cand, rescored);
       }
-      if (Lk == 4096 && prec == sa::IndexPrecision::fp8_e4m3) {  // verify before timing
+      if (Lk == 4096 && prec == sa::IndexPrecision::fp8_e4m3 && screen == 0) {  // verify before timing
         sa::HostTensor idx(sa::DType::i32, {B, 1, Tq, top_k}), cnt(sa::DType::i32, {B, 1, Tq});
         sa::TokenMaxOptions co = o;
         co.stream = nullptr;
@@ -383,10 +393,12 @@ TEST(TokenMaxGpu, Timing) {
       std::sort(ms.begin(), ms.end());
       const double med_us = 1000.0 * ms[iters / 2];
       const double tflops = 2.0 * B * Lq * Lk * Di / (med_us * 1e-6) / 1e12;
-      std::printf("TIMING token_max %s Lk=%lld median_us=%.1f min_us=%.1f index_tflops=%.0f rescored=%llu/%llu\n",
-                  sa::precision_name(prec), static_cast<long long>(Lk), med_us, 1000.0 * ms[0], tflops, rescored, cand);
+      std::printf("TIMING token_max %s %s Lk=%lld median_us=%.1f min_us=%.1f index_tflops=%.0f rescored=%llu/%llu\n",
+                  sa::precision_name(prec), screen == 0 ? "wgmma" : "mma.sync", static_cast<long long>(Lk), med_us,
+                  1000.0 * ms[0], tflops, rescored, cand);
     }
   }
+  sa::cuda_backend::set_token_max_screen(0);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaStreamDestroy(stream);

@@ -9,4 +9,7 @@ namespace sparse_attn::cuda_backend {
 /// must be device memory holding two unsigned long long; pass nullptr to stop counting.
 void set_token_max_stats(unsigned long long* device_counters);
 
+/// Screening GEMM of later calls: 0 = wgmma (m64n128k16), 1 = mma.sync (m16n8k16). Both give the same ids.
+void set_token_max_screen(int kernel);
+
 }  // namespace sparse_attn::cuda_backend

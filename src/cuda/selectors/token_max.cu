@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
@@ -56,6 +57,7 @@ constexpr int kChunksPerTile = kTileQ / kChunk;
 enum Cls : unsigned char { kOut = 0, kUndecided = 1, kIn = 2 };
 
 unsigned long long* g_stats = nullptr;  // optional device counters, see tc_token_max.cuh
+int g_screen = 0;                       // screening kernel, see tc_token_max.cuh
 
 struct Shape {
   std::int64_t B, Lq, Lk, Hkv, Hk, Di, Dp, Tq, Tk;
@@ -193,6 +195,122 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const ScreenP
       if (tid < kTileQ && i0 + tid < s.Lq) p.out[(bg * s.Lq + i0 + tid) * s.Tk + j] = fmaxf(red[tid], red[kTileQ + tid]);
     }
     __syncthreads();  // stage and red are rewritten by the next iteration
+  }
+}
+
+// The same product on wgmma (m64n128k16, both operands K-major in 128B-swizzled shared memory, as
+// S = Q K^T of the attention kernels): two warpgroups own 64 query rows each and all 128 keys of the
+// block. Tiles are [Dw / 64 halves][128 rows][128 B] with Dw = Dp rounded up to 64 (zero filled);
+// cp.async writes the swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), then each writer
+// fences the generic proxy against the async proxy before the barrier that precedes wgmma.
+constexpr int kWgHalfBytes = kTileQ * 128;  // one 64-column half of a 128-row bf16 tile
+
+__host__ __device__ std::int64_t wg_width(std::int64_t Dp) { return (Dp + 63) / 64 * 64; }
+std::size_t screen_wg_smem(std::int64_t Dp) {
+  return static_cast<std::size_t>(3 * (wg_width(Dp) / 64) * kWgHalfBytes) + 1024 + 16 * sizeof(float);
+}
+
+template <bool kTiles, int kHalves>
+__global__ void __launch_bounds__(kScreenThreads, 2) screen_wgmma_kernel(const ScreenParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Shape& s = p.s;
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  constexpr int halves = kHalves;
+  constexpr int tile_bytes = halves * kWgHalfBytes;
+  unsigned char* qs = smem;
+  unsigned char* kst = smem + tile_bytes;
+  auto* red = reinterpret_cast<float*>(smem + 3 * tile_bytes);
+
+  const std::int64_t t = blockIdx.x, bg = blockIdx.y, b = bg / s.Hkv, g = bg % s.Hkv;
+  const std::int64_t hk = s.Hk == 1 ? 0 : g;
+  const std::int64_t i0 = t * kTileQ, i_hi = imin(s.Lq, i0 + kTileQ) - 1;
+  const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;
+  const std::int64_t j_begin = blockIdx.z * p.per_split, j_end = imin(jmax, j_begin + p.per_split);
+  if (j_begin >= j_end) return;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = tid / 128, w = warp % 4;
+  const int chunks = halves * 8;  // 16-byte chunks of a (padded) row
+  const int valid_chunks = static_cast<int>(s.Dp) / 8;
+  auto load_tile = [&](unsigned char* dst, const __nv_bfloat16* src_rows, std::int64_t first, std::int64_t limit,
+                       std::int64_t row_stride) {
+    for (int e = tid; e < kTileQ * chunks; e += kScreenThreads) {
+      const int r = e / chunks, c = e % chunks;
+      const std::int64_t row = first + r;
+      const bool valid = row < limit && c < valid_chunks;
+      unsigned char* d = dst + (c / 8) * kWgHalfBytes + r * 128 + (((c % 8) ^ (r % 8)) * 16);
+      cp_async16(d, src_rows + (valid ? row : 0) * row_stride + (valid ? c * 8 : 0), valid);
+    }
+  };
+  // Row l of (b, head) starts at ((b * L + l) * H + head) * Dp: a row stride of H * Dp from the first.
+  const __nv_bfloat16* qbase = p.qc + ((b * s.Lq) * s.Hkv + g) * s.Dp;
+  const __nv_bfloat16* kbase = p.kc + ((b * s.Lk) * s.Hk + hk) * s.Dp;
+  load_tile(qs, qbase, i0, s.Lq, s.Hkv * s.Dp);
+  load_tile(kst, kbase, j_begin * kBlockK, s.Lk, s.Hk * s.Dp);
+  cp_async_commit();
+
+  constexpr int ksteps = halves * 4;
+  for (std::int64_t j = j_begin; j < j_end; ++j) {
+    const int stage = static_cast<int>((j - j_begin) & 1);
+    if (j + 1 < j_end) {
+      load_tile(kst + (stage ^ 1) * tile_bytes, kbase, (j + 1) * kBlockK, s.Lk, s.Hk * s.Dp);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+
+    float d[64];
+    const std::uint32_t a_base = smem_addr(qs) + wg * 64 * 128, b_base = smem_addr(kst + stage * tile_bytes);
+    cuda_kernels::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < ksteps; ++kk) {
+      const std::uint32_t off = (kk / 4) * kWgHalfBytes + (kk % 4) * 32;
+      cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d, cuda_kernels::make_desc_sw128(a_base + off, 16, 1024),
+                                                     cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
+    }
+    cuda_kernels::wgmma_commit();
+    cuda_kernels::wgmma_wait<0>();
+    cuda_kernels::fence_operands(d);
+
+    // d[4 c + e]: row 16 w + lane / 4 + 8 (e / 2) of the warpgroup's 64, key 8 c + 2 (lane % 4) + e % 2.
+    const std::int64_t k0 = j * kBlockK;
+    float m[2];
+    for (int h = 0; h < 2; ++h) {
+      const int r = wg * 64 + 16 * w + lane / 4 + 8 * h;
+      const std::int64_t i = i0 + r;
+      const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
+      float v = -INFINITY;
+      if (lim >= kBlockK) {
+        for (int c = 0; c < 16; ++c) v = fmaxf(v, fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]));
+      } else {
+        for (int c = 0; c < 16; ++c)
+          for (int e = 0; e < 2; ++e)
+            if (8 * c + 2 * (lane % 4) + e < lim) v = fmaxf(v, d[4 * c + 2 * h + e]);
+      }
+      m[h] = v;
+    }
+    if constexpr (kTiles) {
+      float v = fmaxf(m[0], m[1]);
+      for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+      if (lane == 0) red[warp] = v;
+      __syncthreads();
+      if (tid == 0) {
+        float x = red[0];
+        for (int q = 1; q < kScreenThreads / 32; ++q) x = fmaxf(x, red[q]);
+        p.out[(bg * s.Tq + t) * s.Tk + j] = x;
+      }
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        float v = m[h];
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+        const std::int64_t i = i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
+        if (lane % 4 == 0 && i < s.Lq) p.out[(bg * s.Lq + i) * s.Tk + j] = v;
+      }
+    }
+    __syncthreads();  // the stage (and red) are rewritten by the next iteration
   }
 }
 
@@ -514,7 +632,16 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
     check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
                "cudaFuncSetAttribute");
   };
-  attr(reinterpret_cast<const void*>(screen_kernel<kTiles>), sc_smem);
+  const bool use_wgmma = g_screen == 0;
+  const std::size_t wg_smem = screen_wg_smem(s.Dp);
+  using ScreenFn = void (*)(ScreenParams);
+  ScreenFn screen = screen_kernel<kTiles>;
+  if (use_wgmma) {
+    constexpr ScreenFn by_halves[] = {screen_wgmma_kernel<kTiles, 1>, screen_wgmma_kernel<kTiles, 2>,
+                                      screen_wgmma_kernel<kTiles, 3>, screen_wgmma_kernel<kTiles, 4>};
+    screen = by_halves[wg_width(s.Dp) / 64 - 1];
+  }
+  attr(reinterpret_cast<const void*>(screen), use_wgmma ? wg_smem : sc_smem);
   attr(reinterpret_cast<const void*>(decide_kernel<kTiles>), rk_smem);
   attr(reinterpret_cast<const void*>(finish_kernel<kTiles>), rk_smem);
   attr(reinterpret_cast<const void*>(rescore_kernel<kTiles>), rs_smem);
@@ -569,7 +696,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                   ceil_div(s.Tk, splits)};
   const dim3 sgrid(static_cast<unsigned>(s.Tq), static_cast<unsigned>(s.B * s.Hkv),
                    static_cast<unsigned>(ceil_div(s.Tk, sp.per_split)));
-  screen_kernel<kTiles><<<sgrid, kScreenThreads, sc_smem, stream>>>(sp);
+  screen<<<sgrid, kScreenThreads, use_wgmma ? wg_smem : sc_smem, stream>>>(sp);
 
   RankParams rp{};
   rp.m = scratch.as<float>(o_m);
@@ -609,6 +736,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
 }  // namespace
 
 void set_token_max_stats(unsigned long long* device_counters) { g_stats = device_counters; }
+void set_token_max_screen(int kernel) { g_screen = kernel; }
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& o) {
