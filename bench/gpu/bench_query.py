@@ -48,6 +48,12 @@ STAT_NAMES = ["tiles", "queries", "query_blocks", "tile_union", "max_tile_union"
               "blocks_per_query", "union_per_tile", "neighbour_overlap", "union_utilisation"]
 ALL_PARTS = ["query16of32", "query-long", "tile16", "sweep16", "sweeplong"]
 DEVICE = "cuda"
+# Sweep points per shape. A tile's union grows as about 16 + (Tk - 16) (1 - exp(-128 * 16 f / (Tk - 16))):
+# with 32 blocks it is all of them by f = 0.03, with 256 blocks it reaches 150 near f = 0.1, so the
+# points sit where the union moves.
+SWEEP_F = {"sweep16": [0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.2, 1.0],
+           "sweeplong": [0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]}
+SWEEP_F_QUICK = {"sweep16": [0.0, 0.002, 0.01, 1.0], "sweeplong": [0.0, 0.05, 0.2, 1.0]}
 # (name, B, Hq, Hkv, Lq, Lk) of DESIGN §7; the sweeps run on the two query shapes, tile16 at Lk = 16K.
 SHAPES = {"query16of32": ("query16of32", 8, 16, 1, 4096, 4096),
           "query-long": ("query-long", 1, 32, 8, 32768, 32768),
@@ -604,12 +610,12 @@ def print_summary(res):
             print(f"  {name:26s} ERROR: {e[:160]}")
     if res["sweep"]:
         print("\n==== overlap sweep (ms) ====")
-        print(f"{'shape':12s} {'f':>5s} {'overlap':>7s} {'union':>6s} | {'q_lib':>8s} {'q_tile':>8s} {'kv':>8s} "
+        print(f"{'shape':12s} {'f':>6s} {'overlap':>7s} {'union':>6s} | {'q_lib':>8s} {'q_tile':>8s} {'kv':>8s} "
               f"{'group':>8s} | {'est_q':>8s} {'est_kv':>8s} {'est_grp':>8s} | pick / fastest")
         for p in res["sweep"]:
             t, e, st = p["times_ms"], p["plan"]["est_ms"], p["plan"]["stats"]
             j = p["judge"].get("library", {})
-            print(f"{p['shape_name']:12s} {p['f']:5.2f} {st['neighbour_overlap']:7.3f} {st['union_per_tile']:6.1f} | "
+            print(f"{p['shape_name']:12s} {p['f']:6.3f} {st['neighbour_overlap']:7.3f} {st['union_per_tile']:6.1f} | "
                   f"{fmt(t.get('q_centric'))} {fmt(t.get('q_centric_tile_only'))} {fmt(t.get('kv_centric'))} "
                   f"{fmt(t.get('group_centric'))} | {fmt(e.get('q_centric'))} {fmt(e.get('kv_centric'))} "
                   f"{fmt(e.get('group_centric'))} | {p['plan']['choice']} / {j.get('fastest', '-')}")
@@ -670,12 +676,16 @@ def main():
         if p not in ALL_PARTS:
             ap.error(f"--parts: unknown part {p!r} (known: {', '.join(ALL_PARTS)})")
     if args.sweep_f:
-        fs = [float(x) for x in args.sweep_f.split(",")]
+        try:
+            given = [float(x) for x in args.sweep_f.split(",")]
+        except ValueError:
+            ap.error(f"--sweep-f: expected comma-separated numbers, got {args.sweep_f!r}")
+        bad_f = [f for f in given if not 0.0 <= f <= 1.0]
+        if bad_f:
+            ap.error(f"--sweep-f: fractions must lie in [0, 1], got {bad_f}")
+        sweep_f = {"sweep16": given, "sweeplong": given}
     else:
-        fs = [0.0, 0.01, 0.1, 0.5, 1.0] if args.quick else [0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
-    bad_f = [f for f in fs if not 0.0 <= f <= 1.0]
-    if bad_f:
-        ap.error(f"--sweep-f: fractions must lie in [0, 1], got {bad_f}")
+        sweep_f = SWEEP_F_QUICK if args.quick else SWEEP_F
 
     start = time.time()
     signal.signal(signal.SIGTERM, interrupted)  # a stage timeout still gets the JSON and the summary
@@ -704,7 +714,7 @@ def main():
                     "timing": f"median of {ctx.timer.reps} samples of the mean of {ctx.timer.inner} calls after "
                               f"{ctx.timer.warm} warm-up calls, CUDA events",
                     "useful_flops": "4 * D * Hq/Hkv * selected visible (b, group, query, key) pairs",
-                    "sweep_f": fs},
+                    "sweep_f": sweep_f},
            "workloads": [], "sweep": [], "planner_check": [], "crossovers": [], "parts_done": [], "parts_skipped": []}
 
     def inputs(pb):
@@ -750,7 +760,7 @@ def main():
             else:
                 pb = q16 if part == "sweep16" else qlong
                 q, k, v = inputs(pb)
-                for f in fs:
+                for f in sweep_f[part]:
                     if args.budget_s and time.time() - start > args.budget_s:
                         res["parts_skipped"].append(f"{part} f={f}")
                         continue
