@@ -289,11 +289,17 @@ def same_block_mask(a, b):
         ar = torch.arange(idx.shape[-1], device=idx.device)
         return torch.where(ar < n, idx, -1).sort(dim=-1).values
 
-    for x, y in ((a.kv_num_blocks, b.kv_num_blocks), (a.full_kv_num_blocks, b.full_kv_num_blocks)):
-        if x.shape != y.shape or not torch.equal(x, y):
+    def full(m):  # a mask without full blocks may carry None
+        if m.full_kv_num_blocks is None:
+            return torch.zeros_like(m.kv_num_blocks), torch.zeros_like(m.kv_indices)
+        return m.full_kv_num_blocks, m.full_kv_indices
+
+    for (xn, xi), (yn, yi) in (((a.kv_num_blocks, a.kv_indices), (b.kv_num_blocks, b.kv_indices)), (full(a), full(b))):
+        if xn.shape != yn.shape or xi.shape != yi.shape or not torch.equal(xn, yn):
             return False
-    return torch.equal(sets(a.kv_num_blocks, a.kv_indices), sets(b.kv_num_blocks, b.kv_indices)) and \
-        torch.equal(sets(a.full_kv_num_blocks, a.full_kv_indices), sets(b.full_kv_num_blocks, b.full_kv_indices))
+        if not torch.equal(sets(xn, xi), sets(yn, yi)):
+            return False
+    return True
 
 
 # ---- verification ----------------------------------------------------------------------------------
@@ -948,6 +954,8 @@ def selftest():
         H = 1 if pb.Hkv == 1 else pb.Hq
         cbm = create_block_mask(table_mask_mod(table, pb), pb.B, H, pb.Lq, pb.Lk, device="cpu", BLOCK_SIZE=BLOCK)
         expect(same_block_mask(bm, cbm), f"{pb.name}: counts-built BlockMask equals create_block_mask")
+        other = flex_block_mask(block_table(overlap_lists(pb, 0.0, gen, "cpu"), pb), pb)
+        expect(not same_block_mask(bm, other), f"{pb.name}: the comparison tells another selection's mask apart")
         q = torch.randn(pb.B, pb.Lq, pb.Hq, pb.D, generator=gen)
         k = torch.randn(pb.B, pb.Lk, pb.Hkv, pb.D, generator=gen)
         v = torch.randn(pb.B, pb.Lk, pb.Hkv, pb.D, generator=gen)
