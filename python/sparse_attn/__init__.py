@@ -180,13 +180,15 @@ def bits_sparse(q, k, v, bits, *, softmax_scale=None, causal=False, return_lse=F
 
 
 def query_sparse(q, k, v, idx, *, partials="f32", softmax_scale=None, causal=False, return_lse=False,
-                 out=None, trusted=False):
-    """KV-centric attention over QueryLists (idx [B, Hkv, Lq, Kq], -1 = empty slot). partials:
-    storage of the per-slot partial outputs, "f32" or "bf16"."""
+                 out=None, trusted=False, schedule="kv_centric"):
+    """Attention over QueryLists (idx [B, Hkv, Lq, Kq], -1 = empty slot). schedule: "kv_centric"
+    (reverse index, partial outputs, combine) or "group_centric" (one query's heads of a group as
+    the rows of an MMA tile; suits large GQA groups); the CPU runs its reference for either.
+    partials: storage of the KV-centric per-slot partial outputs, "f32" or "bf16"."""
     out, lse = _outputs("query_sparse", q, out, return_lse)
     _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
                       softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
-                      partials=str(partials), stream=_stream(q))
+                      partials=str(partials), schedule=str(schedule), stream=_stream(q))
     return _result(out, lse, return_lse)
 
 

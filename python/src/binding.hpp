@@ -53,6 +53,7 @@ inline void* stream_ptr(std::uintptr_t s) { return reinterpret_cast<void*>(s); }
 
 IndexPrecision parse_precision(const std::string& op, const std::string& s);
 PartialPrecision parse_partials(const std::string& op, const std::string& s);
+QuerySchedule parse_schedule(const std::string& op, const std::string& s);
 
 /// A selection from its Python spelling: kind "dense" | "tiles" | "bits" | "query_lists" |
 /// "token_lists" and up to two arrays (a, b): tiles = (idx, cnt), the others (array, None).

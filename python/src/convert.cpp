@@ -126,6 +126,12 @@ PartialPrecision parse_partials(const std::string& op, const std::string& s) {
   throw Error(op, "partials", "unknown partial precision '" + s + "' (expected 'f32' or 'bf16')");
 }
 
+QuerySchedule parse_schedule(const std::string& op, const std::string& s) {
+  if (s == "kv_centric") return QuerySchedule::kv_centric;
+  if (s == "group_centric") return QuerySchedule::group_centric;
+  throw Error(op, "schedule", "unknown schedule '" + s + "' (expected 'kv_centric' or 'group_centric')");
+}
+
 Selection make_selection(Imports& im, const std::string& kind, nb::handle a, nb::handle b) {
   if (kind == "dense") return AllBlocks{};
   if (kind == "tiles") return TileLists{im.in(a, "tiles.idx"), im.in(b, "tiles.cnt")};

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "cuda/query_sparse/backend.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
@@ -115,7 +116,9 @@ struct Result {
   sa::HostTensor out, lse;
 };
 
-Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool trusted = false) {
+// version 0: the public operator (front-end checks, the default kernel); 1 or 2: the group-centric
+// kernel of that version through the backend entry point.
+Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool trusted = false, int version = 0) {
   Result r{sa::HostTensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}), sa::HostTensor(sa::DType::f32, {c.B, c.Hq, c.Lq})};
   st::poison(r.out);
   st::poison(r.lse);
@@ -124,7 +127,11 @@ Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool
   opt.causal = c.causal;
   opt.schedule = schedule;
   opt.trusted = trusted;
-  sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
+  if (version == 0)
+    sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
+  else
+    sa::cuda_backend::query_sparse_group(in.p, q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt,
+                                         version);
   cuda_ok(cudaDeviceSynchronize(), "query_sparse");
   out.download(r.out);
   lse.download(r.lse);
@@ -174,10 +181,25 @@ void check_against_reference(const Case& c, const Inputs& in, const Result& r) {
               lse_err, static_cast<long long>(empty));
 }
 
+// Both kernel versions against the reference; they run the same arithmetic in the same order, so
+// their outputs are also compared bit for bit.
 void check_case(const Case& c, std::uint64_t seed) {
   SCOPED_TRACE(c.name);
   const Inputs in = make_inputs(c, seed);
-  check_against_reference(c, in, run_gpu(c, in, sa::QuerySchedule::group_centric));
+  const Result v1 = run_gpu(c, in, sa::QuerySchedule::group_centric, false, 1);
+  const Result v2 = run_gpu(c, in, sa::QuerySchedule::group_centric, false, 2);
+  {
+    SCOPED_TRACE("version 1");
+    check_against_reference(c, in, v1);
+  }
+  {
+    SCOPED_TRACE("version 2");
+    check_against_reference(c, in, v2);
+  }
+  EXPECT_EQ(0, std::memcmp(v1.out.view().data, v2.out.view().data, static_cast<std::size_t>(v1.out.numel()) * 2))
+      << "versions 1 and 2 differ in out";
+  EXPECT_EQ(0, std::memcmp(v1.lse.view().data, v2.lse.view().data, static_cast<std::size_t>(v1.lse.numel()) * 4))
+      << "versions 1 and 2 differ in lse";
 }
 
 TEST(QueryGroupGpu, ShapesAndGroupSizes) {
@@ -212,11 +234,14 @@ TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
   QG_SKIP_WITHOUT_GPU();
   const Case c{"determinism", sa::DType::bf16, 2, 700, 900, 16, 1, 128, true, 8};
   const Inputs in = make_inputs(c, 55);
-  const Result a = run_gpu(c, in, sa::QuerySchedule::group_centric);
-  const Result b = run_gpu(c, in, sa::QuerySchedule::group_centric);
-  EXPECT_TRUE(st::all_finite(a.out));
-  EXPECT_EQ(0, std::memcmp(a.out.view().data, b.out.view().data, static_cast<std::size_t>(a.out.numel()) * 2));
-  EXPECT_EQ(0, std::memcmp(a.lse.view().data, b.lse.view().data, static_cast<std::size_t>(a.lse.numel()) * 4));
+  for (int version : {1, 2}) {
+    SCOPED_TRACE(version);
+    const Result a = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
+    const Result b = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
+    EXPECT_TRUE(st::all_finite(a.out));
+    EXPECT_EQ(0, std::memcmp(a.out.view().data, b.out.view().data, static_cast<std::size_t>(a.out.numel()) * 2));
+    EXPECT_EQ(0, std::memcmp(a.lse.view().data, b.lse.view().data, static_cast<std::size_t>(a.lse.numel()) * 4));
+  }
 }
 
 // Both schedules compute the same attention: each within DESIGN §6 bounds of the reference, and
@@ -327,8 +352,10 @@ TEST(QueryGroupGpu, ValidationAndRejections) {
   d[row + 3] = d[row + 4] = 2;
   Inputs bad_in = in;
   bad_in.idx = bad;
-  const Result r = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true);
+  const Result r = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true, 1);
+  const Result r2 = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true, 2);
   EXPECT_TRUE(st::all_finite(r.out));
+  EXPECT_EQ(0, std::memcmp(r.out.view().data, r2.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2));
 
   // More than 256 query heads per KV head: 17 head tiles do not fit one CTA.
   const Case big{"G=272", sa::DType::bf16, 1, 2, 128, 272, 1, 64, false, 1};
@@ -361,7 +388,8 @@ std::vector<std::uint16_t> fast_random_bf16(std::int64_t n, std::uint64_t seed) 
 }
 
 struct Timed {
-  double group_ms = 0, kv_ms = 0, rel = 0, union_blocks = 0;
+  double v1_ms = 0, v2_ms = 0, kv_ms = 0, rel = 0, union_blocks = 0;
+  bool v1_v2_equal = false;
 };
 
 Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hkv, std::int64_t K, int iters) {
@@ -378,10 +406,11 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
                 all[static_cast<std::size_t>(s + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(Tk - s)))]);
       hidx[static_cast<std::size_t>(r * K + s)] = all[static_cast<std::size_t>(s)];
     }
-  void *q, *k, *v, *idx, *o1, *o2, *l1, *l2;
+  void *q, *k, *v, *idx, *o1, *o2, *o3, *l1, *l2, *l3;
   const std::size_t qb = hq.size() * 2, kb = hk.size() * 2, lb = static_cast<std::size_t>(B * Hq * L) * 4;
   cudaMalloc(&q, qb), cudaMalloc(&k, kb), cudaMalloc(&v, kb), cudaMalloc(&idx, hidx.size() * 4);
-  cudaMalloc(&o1, qb), cudaMalloc(&o2, qb), cudaMalloc(&l1, lb), cudaMalloc(&l2, lb);
+  cudaMalloc(&o1, qb), cudaMalloc(&o2, qb), cudaMalloc(&o3, qb), cudaMalloc(&l1, lb), cudaMalloc(&l2, lb),
+      cudaMalloc(&l3, lb);
   cudaMemcpy(q, hq.data(), qb, cudaMemcpyHostToDevice);
   cudaMemcpy(k, hk.data(), kb, cudaMemcpyHostToDevice);
   cudaMemcpy(v, hv.data(), kb, cudaMemcpyHostToDevice);
@@ -396,7 +425,9 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  auto time = [&](sa::QuerySchedule s, void* o, void* l) {
+  sa::ProblemShape p;
+  p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = false;
+  auto time = [&](sa::QuerySchedule s, int version, void* o, void* l) {
     sa::QuerySparseOptions opt;
     opt.schedule = s;
     opt.stream = stream;
@@ -405,10 +436,16 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
     const auto lv = sa::TensorView::contiguous(l, sa::DType::f32, {B, Hq, L}, dev);
     sa::QuerySparseOptions first = opt;
     first.trusted = false;
-    sa::query_sparse(qv, kv, vv, lists, ov, lv, first);
+    auto call = [&](const sa::QuerySparseOptions& o) {
+      if (s == sa::QuerySchedule::kv_centric)
+        sa::query_sparse(qv, kv, vv, lists, ov, lv, o);
+      else
+        sa::cuda_backend::query_sparse_group(p, qv, kv, vv, lists, ov, lv, o, version);
+    };
+    call(first);
     cudaStreamSynchronize(stream);
     cudaEventRecord(e0, stream);
-    for (int it = 0; it < iters; ++it) sa::query_sparse(qv, kv, vv, lists, ov, lv, opt);
+    for (int it = 0; it < iters; ++it) call(opt);
     cudaEventRecord(e1, stream);
     cudaEventSynchronize(e1);
     float ms = 0;
@@ -416,11 +453,14 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
     return double(ms) / iters;
   };
   Timed t;
-  t.group_ms = time(sa::QuerySchedule::group_centric, o1, l1);
-  t.kv_ms = time(sa::QuerySchedule::kv_centric, o2, l2);
-  std::vector<std::uint16_t> a(hq.size()), b(hq.size());
+  t.v1_ms = time(sa::QuerySchedule::group_centric, 1, o1, l1);
+  t.v2_ms = time(sa::QuerySchedule::group_centric, 2, o3, l3);
+  t.kv_ms = time(sa::QuerySchedule::kv_centric, 0, o2, l2);
+  std::vector<std::uint16_t> a(hq.size()), b(hq.size()), a2(hq.size());
   cudaMemcpy(a.data(), o1, qb, cudaMemcpyDeviceToHost);
   cudaMemcpy(b.data(), o2, qb, cudaMemcpyDeviceToHost);
+  cudaMemcpy(a2.data(), o3, qb, cudaMemcpyDeviceToHost);
+  t.v1_v2_equal = a == a2;
   double num = 0, den = 0;
   for (std::size_t e = 0; e < a.size(); ++e) {
     const double x = sa::bf16_to_float(a[e]), y = sa::bf16_to_float(b[e]);
@@ -444,7 +484,7 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
-  for (void* p : {q, k, v, idx, o1, o2, l1, l2}) cudaFree(p);
+  for (void* ptr : {q, k, v, idx, o1, o2, o3, l1, l2, l3}) cudaFree(ptr);
   return t;
 }
 
@@ -461,10 +501,12 @@ TEST(QueryGroupGpu, GroupTiming) {
     const Timed t = time_both(w.B, w.L, w.Hq, w.Hkv, w.K, w.iters);
     const double pairs = double(w.B) * w.Hkv * w.L * w.K * sa::kBlockK;
     const double flops = 4.0 * double(w.Hq / w.Hkv) * 128.0 * pairs;
-    std::printf("TIMING %-12s group_centric %8.3f ms (%6.1f useful TFLOP/s)  kv_centric %8.3f ms  "
-                "union per CTA %.1f blocks  group vs kv relerr %.2e\n",
-                w.name, t.group_ms, flops / (t.group_ms * 1e9), t.kv_ms, t.union_blocks, t.rel);
+    std::printf("TIMING %-12s group_centric v1 %8.3f ms (%6.1f useful TFLOP/s)  v2 %8.3f ms (%6.1f)  kv_centric %8.3f ms  "
+                "union per CTA %.1f blocks  group vs kv relerr %.2e  v1 == v2: %s\n",
+                w.name, t.v1_ms, flops / (t.v1_ms * 1e9), t.v2_ms, flops / (t.v2_ms * 1e9), t.kv_ms, t.union_blocks,
+                t.rel, t.v1_v2_equal ? "bitwise" : "NO");
     EXPECT_LE(t.rel, 1e-2);
+    EXPECT_TRUE(t.v1_v2_equal);
   }
 }
 

@@ -43,6 +43,15 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
                           const TensorView& out, const std::optional<TensorView>& lse,
                           const QuerySparseOptions& options);
 
+/// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
+/// cp.async ring, 2 TMA stages released per block).
+inline constexpr int kGroupVersion = 1;
+
+/// The group-centric schedule with an explicit kernel version (tests and timing compare them).
+void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
+                        const QuerySparseOptions& options, int version);
+
 /// options.schedule == kv_centric: plan + attend + combine with a workspace cached per (device,
 /// stream) (plan.hpp describes when it grows).
 /// options.schedule == group_centric: one kernel (group.cu) that writes out and LSE directly; any

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "core/check.hpp"
+#include "cuda/common/tma.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "cuda/query_sparse/launch.hpp"
 
@@ -196,7 +197,7 @@ void check_out(const TensorView& out, const std::optional<TensorView>& lse) {
   if (lse) require(lse->device == Device::cuda, kOp, "lse", "must be on the device, got " + lse->describe());
 }
 
-qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int device) {
+qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int device, int version) {
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   const std::int64_t Kq = lists.idx.shape[3], G = p.group_size();
   const std::int64_t head_tiles = ceil_div(G, 16);
@@ -225,6 +226,7 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
   g.union_cap = static_cast<int>(std::min<std::int64_t>(p.Tk(), Kq * g.cta_queries));
   g.offset = p.offset();
   g.causal = p.causal;
+  g.version = version;
   g.idx = static_cast<const std::int32_t*>(lists.idx.data);
   for (int i = 0; i < 4; ++i) g.idx_stride[i] = lists.idx.stride[i];
   int optin = 0;
@@ -238,9 +240,13 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
   return g;
 }
 
+}  // namespace
+
 void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
-                        const QuerySparseOptions& options) {
+                        const QuerySparseOptions& options, int version) {
+  require(version == 1 || version == 2, kOp, "version", "group-centric kernel versions are 1 and 2, got " +
+                                                            std::to_string(version));
   check_rows("q", q);
   check_rows("k", k);
   check_rows("v", v);
@@ -252,7 +258,7 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
   require(lists.idx.device == Device::cuda, kOp, "lists.idx", "must be on the device, got " + lists.idx.describe());
   require(p.D == 64 || p.D == 128, kOp, "q", "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D));
   DeviceGuard guard(q.device_index);
-  qs::GroupParams g = group_params(p, lists, q.device_index);
+  qs::GroupParams g = group_params(p, lists, q.device_index, version);
   const auto stream = static_cast<cudaStream_t>(options.stream);
   const std::int64_t Kq = lists.idx.shape[3];
   if (!options.trusted && p.B * p.Hkv * p.Lq * Kq > 0) {
@@ -281,10 +287,14 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
   }
   g.scale = resolve_scale(kOp, options.softmax_scale, p.D);
   g.scale_log2 = g.scale * 1.4426950408889634f;  // log2(e)
-  check_cuda(qs::launch_group(g, q.dtype == DType::bf16, static_cast<int>(p.D), stream), "group_centric launch");
+  CUtensorMap tm_k{}, tm_v{};
+  if (version == 2) {
+    tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
+    tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
+  }
+  check_cuda(qs::launch_group(g, q.dtype == DType::bf16, static_cast<int>(p.D), &tm_k, &tm_v, stream),
+             "group_centric launch");
 }
-
-}  // namespace
 
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
   return layout(p, Kq, partials).total;
@@ -349,7 +359,8 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
 void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                   const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
                   const QuerySparseOptions& options) {
-  if (options.schedule == QuerySchedule::group_centric) return query_sparse_group(p, q, k, v, lists, out, lse, options);
+  if (options.schedule == QuerySchedule::group_centric)
+    return query_sparse_group(p, q, k, v, lists, out, lse, options, kGroupVersion);
   require(options.schedule == QuerySchedule::kv_centric, kOp, "options.schedule",
           "unknown schedule " + std::to_string(static_cast<int>(options.schedule)));
   check_rows("q", q);
