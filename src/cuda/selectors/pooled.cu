@@ -1,12 +1,45 @@
-// R1 / R4 pooled selector on the GPU (DESIGN §5.7). Two kernels on the caller's stream:
-//  1. representatives: one thread per (row group, d) sums its `span` tokens in float64 in token
-//     order and divides by the count, as the CPU does, so the float means are identical;
-//  2. one CTA per (b, group, Q tile): a warp per candidate block takes the maximum of the float64
-//     representative dot products (one thread per dot, d in order: see common.cuh for why this equals
-//     the CPU's double bit for bit), then the exact top-k writes the ascending list and its count.
-// The means live in stream-ordered scratch (common.cuh).
+// R1 / R4 pooled selector on the GPU (DESIGN §5.7), version 2. The ids equal the CPU reference
+// (src/selectors/pooled.cpp) bit for bit; see common.cuh for why float64 chains in the CPU's order
+// reproduce its doubles. Two kernels on the caller's stream:
+//
+//  1. representatives (q and k in one launch): a thread owns one row of means (one head, 128 / r
+//     tokens) and 16 bytes of its columns (8 bf16 / f16 or 4 f32 values), so it runs that many
+//     independent float64 column sums, each over the tokens in order (the CPU's order), and keeps
+//     two batches of 16 rows of 16-byte loads in flight. The means are written in a layout where the
+//     group * r query rows of one (b, group, Q tile) are contiguous. The same launch zeroes the
+//     per-tile counters of kernel 2.
+//  2. scores + top-k: a CTA takes one (b, group, Q tile) and a range of whole KV blocks. It stages
+//     the float32 means in shared memory, forms every representative dot in float32 (a register tile
+//     of 4 x 8 or 4 x 4 dots per thread), and keeps for each block only the pairs that the float32
+//     error bound cannot rule out as the block's maximum; those are evaluated in float64 in the
+//     CPU's order, so each block score is the CPU's double. The last CTA of a tile (an atomic
+//     counter) ranks the tile's exact block scores with the exact top-k of common.cuh.
+//
+// Screening proof. Let a, b be the float32 mean rows of a counted pair, n = D, u = 2^-24, and
+// S = the float64 chain of the CPU (the exact value we must reproduce), f = the float32 dot computed
+// here (fmaf over d in any order). Every fmaf rounds once: fl(x) = x (1 + δ) + η, |δ| <= u,
+// |η| <= 2^-150 (gradual underflow), so |f - a.b| <= γ_n Σ|a_i b_i| + n 2^-150 (1 + γ_n), with
+// γ_n = n u / (1 - n u); the float64 chain has no underflow (float products are >= 2^-298 in
+// magnitude or zero) and |S - a.b| <= γ'_n Σ|a_i b_i|, γ'_n = n 2^-53 / (1 - n 2^-53). By
+// Cauchy-Schwarz Σ|a_i b_i| <= ||a|| ||b||. N(a) below is an upper bound of ||a|| computed in
+// float32: s = Σ a_i^2 by fmaf (s >= (1 - γ_n) ||a||^2 - n 2^-150, all terms being >= 0), then
+// N = sqrt_rn(s) >= sqrt(s) (1 - u), and N' = ru(ru(N (1 + 2^-10)) + 2^-60) >= ||a|| whenever
+// γ_n <= 2^-11 (n <= 4096; the 2^-60 covers sqrt(n 2^-149)). With err_scale = 2 n u >= γ_n + γ'_n
+// (n <= 4096), e = ru(ru(ru(N'(a) N'(b)) err_scale) + 2^-126) >= |f - S|, rounding upward at every
+// step. Hence lb = rd(f - e) <= S <= ub = ru(f + e). For a block, let Lb = max lb over its counted
+// pairs with finite f and e. The pair p* holding the block's maximum has S(p*) >= S(q) >= lb(q) for
+// every pair q, so ub(p*) >= Lb: evaluating exactly every pair with ub >= Lb, plus every pair whose
+// f or e is not finite (overflow, NaN or infinity in the means: no bound, always evaluated), finds
+// p* and hence the block's exact maximum. A finite f means no partial sum overflowed (infinities do
+// not become finite again), so the bound applies to it. For n > 4096 err_scale is +inf and every
+// pair is evaluated exactly.
+//
+// Scratch (means, block scores, counters) is one stream-ordered allocation per call (common.cuh):
+// no host synchronisation, capturable in a CUDA graph.
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
@@ -17,101 +50,399 @@ namespace {
 
 using namespace sel;
 
-struct RepParams {
+// ---- 1. representatives -----------------------------------------------------------------------------
+
+// 64-thread CTAs: the tile16 R1 grid (20480 threads) then spreads over the SMs within 20 % instead of
+// leaving some SMs with twice the rows of others.
+constexpr int kRepThreads = 64;
+// Rows of 16-byte loads per batch; two batches are in flight per thread (loads of the next batch are
+// issued before the adds of the current one).
+constexpr int kRepBatch = 16;
+
+// One input tensor's view and where its means go: mean row
+// (((b * (H / G) + h / G) * T + t) * G + h % G) * r + a, of D floats (G = heads per group for q,
+// 1 for k), so the group * r rows of one (b, group, tile) are contiguous.
+struct RepTensor {
   const void* x;
-  std::int64_t sb, sl, sh;  // strides of x in elements (d is contiguous)
-  std::int64_t L, H, D, T, r, span;
-  float* mean;          // [B, H, T, r, D]
-  std::int32_t* count;  // [B, H, T, r]
+  std::int64_t sb, sl, sh;  // element strides (d is contiguous)
+  std::int64_t L, H, G, T;
+  std::int64_t rows;        // B * H * T * r
+  std::int64_t ctas;        // CTAs of the grid serving this tensor
+  float* mean;
 };
 
-// grid: B * H * T * r blocks (one representative each); threads stride over d.
-template <In T>
-__global__ void representatives_kernel(const RepParams p) {
-  const std::int64_t slot = blockIdx.x;  // ((b * H + h) * T + t) * r + a
-  const std::int64_t a = slot % p.r;
-  const std::int64_t t = (slot / p.r) % p.T;
-  const std::int64_t h = (slot / (p.r * p.T)) % p.H;
-  const std::int64_t b = slot / (p.r * p.T * p.H);
-  const std::int64_t l0 = t * kTileQ + a * p.span;
-  const std::int64_t l1 = imin(p.L, l0 + p.span);
-  const std::int64_t n = l1 > l0 ? l1 - l0 : 0;
-  if (threadIdx.x == 0) p.count[slot] = static_cast<std::int32_t>(n);
-  for (std::int64_t d = threadIdx.x; d < p.D; d += blockDim.x) {
-    double acc = 0.0;
-    const std::int64_t base = b * p.sb + h * p.sh + d;
-    // Unrolled so the loads of several tokens are in flight; the additions stay in token order.
-#pragma unroll 8
-    for (std::int64_t l = l0; l < l1; ++l) acc += static_cast<double>(load_elem<T>(p.x, base + l * p.sl));
-    // An absent representative (n = 0) is skipped by its count; its mean is only kept defined.
-    p.mean[slot * p.D + d] = n > 0 ? static_cast<float>(acc / static_cast<double>(n)) : 0.0f;
+struct RepParams {
+  RepTensor t[2];  // q, k
+  std::int64_t D, r, span;
+  std::int64_t cols;  // threads per row: D / vector width
+  unsigned* counters;
+  std::int64_t n_counters;
+};
+
+// Loads of one 16-byte vector (kVec) or one element, and their float values in column order.
+template <In T, bool kVec>
+struct RepIO {
+  static constexpr int kWidth = kVec ? (T == In::f32 ? 4 : 8) : 1;
+  static constexpr int kBytes = T == In::f32 ? 4 : 2;
+  using Raw = std::conditional_t<kVec, uint4, float>;
+
+  __device__ static __forceinline__ Raw load(const char* p) {
+    if constexpr (kVec) return __ldg(reinterpret_cast<const uint4*>(p));
+    else return load_elem<T>(p, 0);
   }
+  __device__ static __forceinline__ void to_float(const Raw& v, float (&f)[kWidth]) {
+    if constexpr (!kVec) {
+      f[0] = v;
+    } else {
+      const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (T == In::f32) {
+          f[i] = __uint_as_float(w[i]);
+        } else if constexpr (T == In::bf16) {  // the element at the lower address is the low half
+          f[2 * i] = __uint_as_float(w[i] << 16);
+          f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        } else {
+          f[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
+          f[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+        }
+      }
+    }
+  }
+};
+
+template <In T, bool kVec>
+__global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __grid_constant__ RepParams p) {
+  using IO = RepIO<T, kVec>;
+  constexpr int V = IO::kWidth, U = kRepBatch;
+  if (blockIdx.x == 0)
+    for (std::int64_t i = threadIdx.x; i < p.n_counters; i += blockDim.x) p.counters[i] = 0u;
+
+  const int which = static_cast<std::int64_t>(blockIdx.x) < p.t[0].ctas ? 0 : 1;
+  const RepTensor& x = p.t[which];
+  const std::int64_t item = (static_cast<std::int64_t>(blockIdx.x) - (which ? p.t[0].ctas : 0)) * kRepThreads + threadIdx.x;
+  const std::int64_t row = item / p.cols;
+  if (row >= x.rows) return;
+  const std::int64_t col = (item % p.cols) * V;
+  std::int64_t rest = row;
+  const std::int64_t a = rest % p.r;
+  rest /= p.r;
+  const std::int64_t hl = rest % x.G;
+  rest /= x.G;
+  const std::int64_t t = rest % x.T;
+  rest /= x.T;
+  const std::int64_t hg = x.H / x.G;
+  const std::int64_t h = (rest % hg) * x.G + hl;
+  const std::int64_t b = rest / hg;
+  const std::int64_t l0 = t * kTileQ + a * p.span;
+  const std::int64_t n = imin(x.L, l0 + p.span) - l0;
+  float* dst = x.mean + row * p.D + col;
+  if (n <= 0) {  // an absent representative: skipped by the scores, kept defined
+#pragma unroll
+    for (int e = 0; e < V; ++e) dst[e] = 0.0f;
+    return;
+  }
+  const char* base = static_cast<const char*>(x.x) + (b * x.sb + h * x.sh + l0 * x.sl + col) * IO::kBytes;
+  const std::int64_t step = x.sl * IO::kBytes;
+
+  double acc[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) acc[e] = 0.0;
+  typename IO::Raw b0[U], b1[U];
+  auto load = [&](typename IO::Raw(&buf)[U], std::int64_t s) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (s + u < n) buf[u] = IO::load(base + (s + u) * step);
+  };
+  // Token order within a column, as the CPU: the batches are added in sequence.
+  auto add = [&](const typename IO::Raw(&buf)[U], std::int64_t s) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (s + u < n) {
+        float f[V];
+        IO::to_float(buf[u], f);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += static_cast<double>(f[e]);
+      }
+    }
+  };
+  load(b0, 0);
+  for (std::int64_t s = 0; s < n; s += 2 * U) {
+    load(b1, s + U);
+    add(b0, s);
+    load(b0, s + 2 * U);
+    add(b1, s + U);
+  }
+  const double count = static_cast<double>(n);
+#pragma unroll
+  for (int e = 0; e < V; ++e) dst[e] = __double2float_rn(acc[e] / count);
 }
 
+// ---- 2. scores and top-k ------------------------------------------------------------------------------
+
+constexpr int kDChunk = 128;             // columns of the means staged in shared memory at a time
+constexpr int kSRow = kDChunk + 4;       // floats per staged row: the 16-byte skew puts float4 reads of
+                                         // eight consecutive rows on distinct bank groups
+constexpr int kCandCap = 512;            // candidate pairs queued per CTA; a block whose candidates
+                                         // overflow the queue has all its pairs evaluated instead
+constexpr int kMaxRowsPerCta = 512;      // key representative rows per CTA (passes of KN rows)
+constexpr float kAbsSlack = 1.17549435e-38f;  // 2^-126 >= n 2^-150 (1 + γ_n) for n <= 4096
+constexpr std::int64_t kNever = LLONG_MAX;    // key position that no query sees
+
+// QM query rows x KN key rows of dots per pass; a thread owns TM x TN of them, rows strided by TY
+// (queries) and TX (keys) so that a warp's float4 reads of a column hit distinct rows.
+template <int QM_, int KN_, int TM_, int TN_>
+struct TileCfg {
+  static constexpr int QM = QM_, KN = KN_, TM = TM_, TN = TN_;
+  static constexpr int TY = QM / TM, TX = KN / TN, kThreads = TX * TY;
+  static constexpr int kMinBlocks = kThreads >= 256 ? 2 : 4;  // two 106 KB tiles per SM; registers follow
+};
+// group * r <= 16 (R1 up to GQA 16, R4 up to GQA 4): one warp row of 32 key rows x 4 query rows.
+using SmallTile = TileCfg<16, 128, 4, 4>;
+// Larger groups (R4 with GQA 16 is 64 rows): 256 threads, 32 dots each.
+using LargeTile = TileCfg<64, 128, 4, 8>;
+
 struct ScoreParams {
-  const float* qmean;  // [B, Hq, Tq, r, D]
-  const std::int32_t* qcount;
-  const float* kmean;  // [B, Hkv, Tk, r, D]
-  const std::int32_t* kcount;
+  const float* qmean;  // [jobs, P, D], row h_local * r + a
+  const float* kmean;  // [B * Hkv, Tk * r, D], row j * r + c
+  double* scores;      // [jobs, Tk]
+  unsigned* counters;  // [jobs]
   std::int32_t* idx;
   std::int64_t is0, is1, is2, is3, kmax;
   std::int32_t* cnt;
   std::int64_t cs0, cs1, cs2;
-  std::int64_t Lq, Lk, Hq, Hkv, D, Tq, Tk, r, span;
-  int top_k;
+  std::int64_t Lq, Lk, Hkv, D, Tq, Tk;
+  int P, r, span, top_k;
+  int chunks, rows_per_cta;  // CTAs per (b, group, tile); key rows per CTA (a multiple of r)
+  float err_scale;           // 2 D 2^-24, or +inf where the bound is not proved (D > 4096)
   bool force_local, force_block0, causal;
 };
 
-// Two float64 dots, each over d in order (the CPU's order), interleaved so their dependent FMA chains
-// overlap. With D % 4 == 0 the rows are read as float4 (the means are 16-byte aligned rows).
-__device__ __forceinline__ void dot2_f64(const float* a0, const float* b0, const float* a1, const float* b1,
-                                         std::int64_t n, double& s0, double& s1) {
-  s0 = 0.0, s1 = 0.0;
-  if ((n & 3) == 0) {
-    const auto* a04 = reinterpret_cast<const float4*>(a0);
-    const auto* b04 = reinterpret_cast<const float4*>(b0);
-    const auto* a14 = reinterpret_cast<const float4*>(a1);
-    const auto* b14 = reinterpret_cast<const float4*>(b1);
-    for (std::int64_t d = 0; d < n / 4; ++d) {
-      const float4 x0 = __ldg(a04 + d), y0 = __ldg(b04 + d), x1 = __ldg(a14 + d), y1 = __ldg(b14 + d);
-      s0 = fma(static_cast<double>(x0.x), static_cast<double>(y0.x), s0);
-      s1 = fma(static_cast<double>(x1.x), static_cast<double>(y1.x), s1);
-      s0 = fma(static_cast<double>(x0.y), static_cast<double>(y0.y), s0);
-      s1 = fma(static_cast<double>(x1.y), static_cast<double>(y1.y), s1);
-      s0 = fma(static_cast<double>(x0.z), static_cast<double>(y0.z), s0);
-      s1 = fma(static_cast<double>(x1.z), static_cast<double>(y1.z), s1);
-      s0 = fma(static_cast<double>(x0.w), static_cast<double>(y0.w), s0);
-      s1 = fma(static_cast<double>(x1.w), static_cast<double>(y1.w), s1);
-    }
-  } else {
-    for (std::int64_t d = 0; d < n; ++d) {
-      s0 = fma(static_cast<double>(__ldg(a0 + d)), static_cast<double>(__ldg(b0 + d)), s0);
-      s1 = fma(static_cast<double>(__ldg(a1 + d)), static_cast<double>(__ldg(b1 + d)), s1);
-    }
-  }
+struct ScoreSmem {
+  std::size_t qlim, kfirst, ekey, qs, ks, qss, kss, lkey, cand, full, total;
+};
+
+// Shared memory of the scoring phase; the top-k phase reuses it from offset 0.
+__host__ __device__ inline ScoreSmem score_smem(int QM, int KN, int nblk) {
+  auto up = [](std::size_t x) { return (x + 15) / 16 * 16; };
+  ScoreSmem s{};
+  std::size_t o = 0;
+  s.qlim = o, o = up(o + QM * sizeof(long long));
+  s.kfirst = o, o = up(o + KN * sizeof(long long));
+  s.ekey = o, o = up(o + nblk * sizeof(unsigned long long));
+  s.qs = o, o = up(o + static_cast<std::size_t>(QM) * kSRow * sizeof(float));
+  s.ks = o, o = up(o + static_cast<std::size_t>(KN) * kSRow * sizeof(float));
+  s.qss = o, o = up(o + QM * sizeof(float));
+  s.kss = o, o = up(o + KN * sizeof(float));
+  s.lkey = o, o = up(o + nblk * sizeof(unsigned));
+  s.cand = o, o = up(o + kCandCap * sizeof(uint2));
+  s.full = o, o = up(o + nblk);
+  s.total = o;
+  return s;
 }
 
-// 16 warps: one candidate block per warp at a time (a Tk = 128 list takes 8 rounds).
-constexpr int kScoreThreads = 512;
+__host__ __device__ inline std::size_t topk_smem(std::int64_t Tk, int threads) {
+  return static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (threads + 1) * sizeof(int) + 16;
+}
 
-// grid: B * Hkv * Tq; dynamic shared memory: Tk doubles, Tk flags, blockDim + 1 ints.
-__global__ void __launch_bounds__(kScoreThreads) pooled_score_topk_kernel(const ScoreParams p) {
+// Order-preserving integer keys of floats / doubles, for atomicMax in shared memory.
+__device__ __forceinline__ unsigned key32(float f) {
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float unkey32(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ unsigned long long key64(double d) {
+  const auto u = static_cast<unsigned long long>(__double_as_longlong(d));
+  return (u >> 63) ? ~u : (u | (1ull << 63));
+}
+__device__ __forceinline__ double unkey64(unsigned long long k) {
+  return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & ~(1ull << 63)) : ~k));
+}
+
+// N'(row) of the proof from the float32 sum of squares.
+__device__ __forceinline__ float norm_bound(float sumsq) {
+  return __fadd_ru(__fmul_ru(__fsqrt_rn(sumsq), 1.0f + 0x1p-10f), 0x1p-60f);
+}
+__device__ __forceinline__ float screen_error(float na, float nb, float scale) {
+  return __fadd_ru(__fmul_ru(__fmul_ru(na, nb), scale), kAbsSlack);
+}
+
+// The CPU's dot_f64: one float64 chain over d in order (products of floats are exact in float64,
+// so the fma rounds as the CPU's multiply and add).
+__device__ double exact_dot(const float* a, const float* b, std::int64_t n) {
+  double s = 0.0;
+  if ((n & 3) == 0) {
+    const auto* a4 = reinterpret_cast<const float4*>(a);
+    const auto* b4 = reinterpret_cast<const float4*>(b);
+#pragma unroll 4
+    for (std::int64_t d = 0; d < n / 4; ++d) {
+      const float4 x = __ldg(a4 + d), y = __ldg(b4 + d);
+      s = fma(static_cast<double>(x.x), static_cast<double>(y.x), s);
+      s = fma(static_cast<double>(x.y), static_cast<double>(y.y), s);
+      s = fma(static_cast<double>(x.z), static_cast<double>(y.z), s);
+      s = fma(static_cast<double>(x.w), static_cast<double>(y.w), s);
+    }
+  } else {
+    for (std::int64_t d = 0; d < n; ++d) s = fma(static_cast<double>(__ldg(a + d)), static_cast<double>(__ldg(b + d)), s);
+  }
+  return s;
+}
+
+struct CtaView {
+  const float* qrows;   // this job's first query row
+  const float* krows;   // this (b, group)'s first key row
+  unsigned long long* ekey;
+  std::int64_t blk0;    // first block of the CTA
+};
+
+__device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaView& v, unsigned qrow, unsigned krow) {
+  const double s = exact_dot(v.qrows + static_cast<std::int64_t>(qrow) * p.D, v.krows + static_cast<std::int64_t>(krow) * p.D, p.D);
+  atomicMax(v.ekey + (krow / p.r - v.blk0), key64(sanitize(s)));
+}
+
+// Stages query rows [q0, q0 + qrows) of the job and key rows [k0, k0 + krows) of the (b, group) in
+// column chunks, accumulates the float32 dots of the thread's TM x TN pairs into acc and the rows'
+// norm bounds N' into qss / kss, and fills the pairs' visibility data: qlim = the last key position
+// a query row's group sees (-1 when absent), kfirst = a key row's first position (kNever when it is
+// absent, forced or past the CTA's range). Ends with a barrier.
+template <class C>
+__device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, const CtaView& v, unsigned char* smem, const ScoreSmem& L,
+                                   int q0, int qrows, std::int64_t k0, int krows, std::int64_t i_first,
+                                   std::int64_t local_lo, std::int64_t local_hi, float (&acc)[C::TM][C::TN]) {
+  float* Qs = reinterpret_cast<float*>(smem + L.qs);
+  float* Ks = reinterpret_cast<float*>(smem + L.ks);
+  float* qss = reinterpret_cast<float*>(smem + L.qss);
+  float* kss = reinterpret_cast<float*>(smem + L.kss);
+  auto* qlim = reinterpret_cast<long long*>(smem + L.qlim);
+  auto* kfirst = reinterpret_cast<long long*>(smem + L.kfirst);
+  const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
+  const std::int64_t offset = p.Lk - p.Lq;
+
+  __syncthreads();  // the previous pass is done with every staged array
+  for (int i = tid; i < C::QM; i += C::kThreads) {
+    long long lim = -1;
+    if (i < qrows) {
+      const int a = (q0 + i) % p.r;
+      const std::int64_t first = i_first + static_cast<std::int64_t>(a) * p.span;
+      const std::int64_t qn = imin(p.Lq, first + p.span) - first;
+      if (qn > 0) lim = p.causal ? first + qn - 1 + offset : kNever - 1;
+    }
+    qlim[i] = lim;
+    qss[i] = 0.0f;
+  }
+  for (int i = tid; i < C::KN; i += C::kThreads) {
+    long long first_key = kNever;
+    if (i < krows) {
+      const std::int64_t row = k0 + i, j = row / p.r, c = row % p.r;
+      const std::int64_t first = j * kBlockK + c * p.span;
+      const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+      if (!forced && imin(p.Lk, first + p.span) > first) first_key = first;
+    }
+    kfirst[i] = first_key;
+    kss[i] = 0.0f;
+  }
+
+#pragma unroll
+  for (int m = 0; m < C::TM; ++m)
+#pragma unroll
+    for (int n = 0; n < C::TN; ++n) acc[m][n] = 0.0f;
+  // Rows past the valid ones are zero-filled, so whole warps of them can skip on a uniform bound.
+  const int mv = (qrows + C::TY - 1) / C::TY, nv = (krows + C::TX - 1) / C::TX;
+  const bool vec = (p.D & 3) == 0;
+  for (std::int64_t d0 = 0; d0 < p.D; d0 += kDChunk) {
+    const int dk = static_cast<int>(imin<std::int64_t>(kDChunk, p.D - d0)), dk4 = (dk + 3) / 4;
+    __syncthreads();
+    for (int e = tid; e < (C::QM + C::KN) * dk4; e += C::kThreads) {
+      const int row = e / dk4, c4 = e % dk4;
+      const bool is_q = row < C::QM;
+      const int rr = is_q ? row : row - C::QM;
+      const bool valid = rr < (is_q ? qrows : krows);
+      const float* src = is_q ? v.qrows + (q0 + static_cast<std::int64_t>(rr)) * p.D : v.krows + (k0 + rr) * p.D;
+      float4 val = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (valid) {
+        if (vec) {
+          val = __ldg(reinterpret_cast<const float4*>(src + d0) + c4);
+        } else {
+          float w[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[i] = c4 * 4 + i < dk ? __ldg(src + d0 + c4 * 4 + i) : 0.0f;
+          val = make_float4(w[0], w[1], w[2], w[3]);
+        }
+      }
+      reinterpret_cast<float4*>((is_q ? Qs : Ks) + rr * kSRow)[c4] = val;
+    }
+    __syncthreads();
+    for (int row = tid; row < C::QM + C::KN; row += C::kThreads) {
+      const bool is_q = row < C::QM;
+      const float4* src = reinterpret_cast<const float4*>(is_q ? Qs + row * kSRow : Ks + (row - C::QM) * kSRow);
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+      for (int c4 = 0; c4 < dk4; ++c4) {
+        const float4 x = src[c4];
+        s0 = fmaf(x.x, x.x, s0), s1 = fmaf(x.y, x.y, s1), s2 = fmaf(x.z, x.z, s2), s3 = fmaf(x.w, x.w, s3);
+      }
+      float& dst = is_q ? qss[row] : kss[row - C::QM];
+      dst += (s0 + s1) + (s2 + s3);
+    }
+    const float4* Q4 = reinterpret_cast<const float4*>(Qs);
+    const float4* K4 = reinterpret_cast<const float4*>(Ks);
+#pragma unroll 1
+    for (int c4 = 0; c4 < dk4; ++c4) {
+      float4 qv[C::TM];
+#pragma unroll
+      for (int m = 0; m < C::TM; ++m)
+        if (m < mv) qv[m] = Q4[(ty + C::TY * m) * (kSRow / 4) + c4];
+#pragma unroll
+      for (int n = 0; n < C::TN; ++n) {
+        if (n >= nv) continue;
+        const float4 kv = K4[(tx + C::TX * n) * (kSRow / 4) + c4];
+#pragma unroll
+        for (int m = 0; m < C::TM; ++m) {
+          if (m >= mv) continue;
+          float s = acc[m][n];
+          s = fmaf(qv[m].x, kv.x, s);
+          s = fmaf(qv[m].y, kv.y, s);
+          s = fmaf(qv[m].z, kv.z, s);
+          s = fmaf(qv[m].w, kv.w, s);
+          acc[m][n] = s;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int row = tid; row < C::QM + C::KN; row += C::kThreads) {
+    float& s = row < C::QM ? qss[row] : kss[row - C::QM];
+    s = norm_bound(s);
+  }
+  __syncthreads();
+}
+
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kernel(const __grid_constant__ ScoreParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  double* scores = reinterpret_cast<double*>(smem);
-  int* part = reinterpret_cast<int*>(scores + p.Tk);
-  unsigned char* flags = reinterpret_cast<unsigned char*>(part + blockDim.x + 1);
+  __shared__ int n_queued;
+  __shared__ int is_last;
+  const int nblk = p.rows_per_cta / p.r;
+  const ScoreSmem L = score_smem(C::QM, C::KN, nblk);
+  float* qss = reinterpret_cast<float*>(smem + L.qss);
+  float* kss = reinterpret_cast<float*>(smem + L.kss);
+  const auto* qlim = reinterpret_cast<const long long*>(smem + L.qlim);
+  const auto* kfirst = reinterpret_cast<const long long*>(smem + L.kfirst);
+  auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
+  auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
+  auto* full = smem + L.full;
+  const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
 
-  const std::int64_t job = blockIdx.x;
-  const std::int64_t t = job % p.Tq;
-  const std::int64_t g = (job / p.Tq) % p.Hkv;
-  const std::int64_t b = job / (p.Tq * p.Hkv);
-  const std::int64_t group = p.Hq / p.Hkv;
+  const std::int64_t job = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x % p.chunks;
+  const std::int64_t t = job % p.Tq, bg = job / p.Tq;
   const std::int64_t offset = p.Lk - p.Lq;
   const std::int64_t i_first = t * kTileQ;
   const std::int64_t i_last = imin(p.Lq, i_first + kTileQ) - 1;
   const std::int64_t n_cand =
       p.causal ? imax(std::int64_t{0}, imin(p.Tk, (i_last + offset + 1 + kBlockK - 1) / kBlockK)) : p.Tk;
-  // Forced blocks (same rules as the CPU): block 0 and the local block(s), for tiles with candidates.
+  // Forced blocks, as the CPU: block 0 and the local block(s); they only matter for j < n_cand.
   std::int64_t local_lo = -1, local_hi = -2;
   if (p.force_local) {
     if (p.causal) {
@@ -121,73 +452,209 @@ __global__ void __launch_bounds__(kScoreThreads) pooled_score_topk_kernel(const 
       local_lo = local_hi = imin(i_first * p.Lk / p.Lq / kBlockK, p.Tk - 1);
     }
   }
+  const std::int64_t row_begin = static_cast<std::int64_t>(chunk) * p.rows_per_cta;
+  const std::int64_t row_end = imin(row_begin + p.rows_per_cta, n_cand * p.r);
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  const std::int64_t pairs = p.r * p.r * group;
-  for (std::int64_t j = warp; j < n_cand; j += warps) {
-    const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-    double best = -INFINITY;
-    if (!forced) {
-      // Lane `lane` scores pairs lane, lane + 32, ...; two at a time. A pair that does not count (absent
-      // representative, or causally invisible) is replaced by the other one of its step or dropped.
-      const float* qrow[2];
-      const float* krow[2];
-      int held = 0;
-      for (std::int64_t e = lane; e < pairs; e += 32) {
-        const std::int64_t h = e % group, c = (e / group) % p.r, a = e / (group * p.r);
-        const std::int64_t qa0 = ((b * p.Hq + g * group) * p.Tq + t) * p.r + a;
-        const std::int32_t qn = p.qcount[qa0];
-        if (qn == 0) continue;
-        const std::int64_t kc = ((b * p.Hkv + g) * p.Tk + j) * p.r + c;
-        if (p.kcount[kc] == 0) continue;
-        const std::int64_t q_last = i_first + a * p.span + qn - 1;
-        if (p.causal && j * kBlockK + c * p.span > q_last + offset) continue;
-        const std::int64_t qa = ((b * p.Hq + g * group + h) * p.Tq + t) * p.r + a;
-        qrow[held] = p.qmean + qa * p.D;
-        krow[held] = p.kmean + kc * p.D;
-        if (++held == 2) {
-          double s0, s1;
-          dot2_f64(qrow[0], krow[0], qrow[1], krow[1], p.D, s0, s1);
-          best = fmax(best, fmax(sanitize(s0), sanitize(s1)));
-          held = 0;
+  CtaView v;
+  v.qrows = p.qmean + job * p.P * p.D;
+  v.krows = p.kmean + bg * p.Tk * p.r * p.D;
+  v.ekey = reinterpret_cast<unsigned long long*>(smem + L.ekey);
+  v.blk0 = row_begin / p.r;
+
+  for (int i = tid; i < nblk; i += C::kThreads) {
+    lkey[i] = key32(-INFINITY);
+    v.ekey[i] = key64(-INFINITY);
+    full[i] = 0;
+  }
+  if (tid == 0) n_queued = 0;
+  // (stage_and_multiply starts with a barrier)
+
+  const int qchunks = (p.P + C::QM - 1) / C::QM;
+  for (std::int64_t k0 = row_begin; k0 < row_end; k0 += C::KN) {
+    const int krows = static_cast<int>(imin<std::int64_t>(C::KN, row_end - k0));
+    // With one query chunk the lower bounds and the test use the same registers; with several, a
+    // first pass collects the lower bounds of every chunk and a second one recomputes and tests.
+    for (int pass = qchunks == 1 ? 1 : 0; pass < 2; ++pass) {
+      for (int qc = 0; qc < qchunks; ++qc) {
+        const int q0 = qc * C::QM, qrows = imin(C::QM, p.P - q0);
+        float acc[C::TM][C::TN];
+        stage_and_multiply<C>(p, v, smem, L, q0, qrows, k0, krows, i_first, local_lo, local_hi, acc);
+        const bool bounds = pass == 0 || qchunks == 1;
+        float qnb[C::TM];
+        long long ql[C::TM];
+#pragma unroll
+        for (int m = 0; m < C::TM; ++m) {
+          const int qr = ty + C::TY * m;
+          qnb[m] = qr < qrows ? qss[qr] : 0.0f;
+          ql[m] = qr < qrows ? qlim[qr] : -1;
+        }
+#pragma unroll
+        for (int round = 0; round < 2; ++round) {
+          if (round == 0 && !bounds) continue;
+          if (round == 1 && pass == 0) continue;
+          if (round == 1 && qchunks == 1) __syncthreads();  // every lower bound of the pass is in
+#pragma unroll
+          for (int n = 0; n < C::TN; ++n) {
+            const int kr = tx + C::TX * n;
+            if (kr >= krows) continue;
+            const long long kf = kfirst[kr];
+            if (kf == kNever) continue;
+            const float nb = kss[kr];
+            const int blk = static_cast<int>((k0 + kr) / p.r - v.blk0);
+            const float lb_block = round == 1 ? unkey32(lkey[blk]) : 0.0f;
+            float best = -INFINITY;
+#pragma unroll
+            for (int m = 0; m < C::TM; ++m) {
+              const int qr = ty + C::TY * m;
+              if (kf > ql[m]) continue;
+              const float f = acc[m][n];
+              const float e = screen_error(qnb[m], nb, p.err_scale);
+              const bool bounded = isfinite(f) && isfinite(e);
+              if (round == 0) {
+                if (bounded) best = fmaxf(best, __fsub_rd(f, e));
+              } else if (!bounded || __fadd_ru(f, e) >= lb_block) {
+                const uint2 pair = make_uint2(static_cast<unsigned>(q0 + qr), static_cast<unsigned>(k0 + kr));
+                const int slot = atomicAdd(&n_queued, 1);
+                // No call here: it would spill the register tile around it.
+                if (slot < kCandCap) cand[slot] = pair;
+                else full[blk] = 1;
+              }
+            }
+            if (round == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
+          }
         }
       }
-      if (held == 1) {
-        double s0, s1;
-        dot2_f64(qrow[0], krow[0], qrow[0], krow[0], p.D, s0, s1);
-        best = fmax(best, sanitize(s0));
-      }
-      for (int o = 16; o > 0; o >>= 1) best = fmax(best, __shfl_xor_sync(0xffffffffu, best, o));
+      if (pass == 0) __syncthreads();
     }
-    if (lane == 0) scores[j] = forced ? INFINITY : best;
+    __syncthreads();
+    const int queued = imin(n_queued, kCandCap);
+    for (int i = tid; i < queued; i += C::kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
+    if (n_queued > kCandCap) {  // near-ties in bulk: the overflowing blocks get every counted pair
+      const std::int64_t r = p.r;
+      for (std::int64_t j = k0 / r; j < (k0 + krows) / r; ++j) {
+        if (!full[j - v.blk0]) continue;
+        for (std::int64_t e = tid; e < p.P * r; e += C::kThreads) {
+          const std::int64_t qrow = e / r, krow = j * r + e % r;
+          const std::int64_t qfirst = i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
+          const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
+          if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
+          if (p.causal && kfirst_pos > qfirst + qn - 1 + offset) continue;
+          evaluate_pair(p, v, static_cast<unsigned>(qrow), static_cast<unsigned>(krow));
+        }
+      }
+    }
+    __syncthreads();
+    if (tid == 0) n_queued = 0;
   }
   __syncthreads();
+
+  // The CTA's block scores: forced +inf, else the exact maximum (-inf where no pair counts).
+  double* scores = p.scores + job * p.Tk;
+  for (std::int64_t j = v.blk0 + tid; j * p.r < row_end; j += C::kThreads) {
+    const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+    scores[j] = forced ? INFINITY : unkey64(v.ekey[j - v.blk0]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(p.counters + job, 1u) == static_cast<unsigned>(p.chunks - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
+
+  const int n = static_cast<int>(n_cand);
+  auto* sc = reinterpret_cast<double*>(smem);
+  int* part = reinterpret_cast<int*>(sc + p.Tk);
+  auto* flags = reinterpret_cast<unsigned char*>(part + C::kThreads + 1);
+  for (int j = tid; j < n; j += C::kThreads) sc[j] = __ldcg(scores + j);
+  __syncthreads();
+  const std::int64_t b = bg / p.Hkv, g = bg % p.Hkv;
   std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
-  const int c = top_k_ascending(scores, static_cast<int>(n_cand), p.top_k, flags, part, row, p.is3, p.kmax);
-  if (threadIdx.x == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
+  const int c = top_k_ascending(sc, n, p.top_k, flags, part, row, p.is3, p.kmax);
+  if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
 }
 
-template <In T>
-void launch_reps(const TensorView& x, std::int64_t r, float* mean, std::int32_t* count, cudaStream_t stream) {
+// ---- host ---------------------------------------------------------------------------------------------
+
+bool aligned16(const TensorView& x, std::int64_t width) {
+  return reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 && x.stride[0] % width == 0 &&
+         x.stride[1] % width == 0 && x.stride[2] % width == 0 && x.shape[3] % width == 0;
+}
+
+template <In T, bool kVec>
+void launch_reps(const RepParams& p, std::int64_t blocks, cudaStream_t stream) {
+  representatives_kernel<T, kVec><<<static_cast<unsigned>(blocks), kRepThreads, 0, stream>>>(p);
+}
+
+void representatives(const TensorView& q, const TensorView& k, std::int64_t r, std::int64_t group, float* qmean,
+                     float* kmean, unsigned* counters, std::int64_t n_counters, cudaStream_t stream) {
+  const In type = in_type(q.dtype);
+  const std::int64_t width = type == In::f32 ? 4 : 8;
+  const bool vec = aligned16(q, width) && aligned16(k, width);
   RepParams p{};
-  p.x = x.data;
-  p.sb = x.stride[0], p.sl = x.stride[1], p.sh = x.stride[2];
-  p.L = x.shape[1], p.H = x.shape[2], p.D = x.shape[3];
-  p.T = ceil_div(p.L, kTileQ), p.r = r, p.span = kTileQ / r;
-  p.mean = mean, p.count = count;
-  const std::int64_t blocks = x.shape[0] * p.H * p.T * r;
-  const int threads = static_cast<int>(std::min<std::int64_t>(128, ((p.D + 31) / 32) * 32));
-  representatives_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
-}
-
-void reps(const TensorView& x, std::int64_t r, float* mean, std::int32_t* count, cudaStream_t stream) {
-  switch (in_type(x.dtype)) {
-    case In::f32: return launch_reps<In::f32>(x, r, mean, count, stream);
-    case In::f16: return launch_reps<In::f16>(x, r, mean, count, stream);
-    case In::bf16: return launch_reps<In::bf16>(x, r, mean, count, stream);
+  p.D = q.shape[3], p.r = r, p.span = kTileQ / r;
+  p.cols = vec ? p.D / width : p.D;
+  p.counters = counters, p.n_counters = n_counters;
+  const TensorView* xs[2] = {&q, &k};
+  float* means[2] = {qmean, kmean};
+  std::int64_t blocks = 0;
+  for (int i = 0; i < 2; ++i) {
+    const TensorView& x = *xs[i];
+    RepTensor& d = p.t[i];
+    d.x = x.data;
+    d.sb = x.stride[0], d.sl = x.stride[1], d.sh = x.stride[2];
+    d.L = x.shape[1], d.H = x.shape[2], d.G = i == 0 ? group : 1, d.T = ceil_div(d.L, kTileQ);
+    d.rows = x.shape[0] * d.H * d.T * r;
+    d.ctas = ceil_div(d.rows * p.cols, kRepThreads);
+    d.mean = means[i];
+    blocks += d.ctas;
+  }
+  switch (type) {
+    case In::f32: return vec ? launch_reps<In::f32, true>(p, blocks, stream) : launch_reps<In::f32, false>(p, blocks, stream);
+    case In::f16: return vec ? launch_reps<In::f16, true>(p, blocks, stream) : launch_reps<In::f16, false>(p, blocks, stream);
+    case In::bf16: return vec ? launch_reps<In::bf16, true>(p, blocks, stream) : launch_reps<In::bf16, false>(p, blocks, stream);
   }
 }
 
+// Key rows per CTA: enough CTAs per tile to fill the resident slots of the GPU once, whole blocks,
+// a multiple of 16 rows (so thread tiles stay full), at most kMaxRowsPerCta.
+int rows_per_cta(std::int64_t jobs, std::int64_t rows_total, std::int64_t r, std::int64_t slots) {
+  const std::int64_t want = imax<std::int64_t>(1, slots / imax<std::int64_t>(jobs, 1));
+  std::int64_t rows = ceil_div(rows_total, want);
+  rows = ceil_div(rows, 16) * 16;
+  rows = imin<std::int64_t>(imax<std::int64_t>(rows, 16), kMaxRowsPerCta);
+  return static_cast<int>(ceil_div(rows, r) * r);
+}
+
+template <class C>
+void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, cudaStream_t stream) {
+  const std::int64_t rows_total = p.Tk * p.r;
+  // The slot count assumes the scoring footprint; it only steers the split.
+  int per_sm = 1;
+  {
+    const ScoreSmem guess = score_smem(C::QM, C::KN, kMaxRowsPerCta / p.r);
+    const std::size_t bytes = std::max(guess.total, topk_smem(p.Tk, C::kThreads));
+    if (bytes <= static_cast<std::size_t>(max_smem)) {
+      check_cuda(cudaFuncSetAttribute(pooled_score_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+                 op, "cudaFuncSetAttribute");
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pooled_score_kernel<C>, C::kThreads, bytes), op,
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      per_sm = std::max(per_sm, 1);
+    }
+  }
+  p.rows_per_cta = rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
+  p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
+  const ScoreSmem L = score_smem(C::QM, C::KN, p.rows_per_cta / p.r);
+  const std::size_t smem = std::max(L.total, topk_smem(p.Tk, C::kThreads));
+  if (smem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
+                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
+  const std::int64_t grid = jobs * p.chunks;
+  if (grid > INT_MAX)
+    throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
+  check_cuda(cudaFuncSetAttribute(pooled_score_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+             op, "cudaFuncSetAttribute");
+  pooled_score_kernel<C><<<static_cast<unsigned>(grid), C::kThreads, smem, stream>>>(p);
+}
 
 }  // namespace
 
@@ -196,44 +663,46 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const std::int64_t B = q.shape[0], Lq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
   const std::int64_t Lk = k.shape[1], Hkv = k.shape[2];
   const std::int64_t Tq = ceil_div(Lq, kTileQ), Tk = ceil_div(Lk, kBlockK), r = o.representatives;
+  const std::int64_t group = Hq / Hkv, P = group * r, jobs = B * Hkv * Tq;
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
-  const std::size_t smem = static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kScoreThreads + 1) * sizeof(int);
   const int max_smem = usable_device_smem(op, "q", q);
   check_device_memory(op, "q", q);
   check_device_memory(op, "k", k);
   check_device_memory(op, "out.idx", out.idx);
   check_device_memory(op, "out.cnt", out.cnt);
-  if (smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "k", "Lk = " + std::to_string(Lk) + " gives " + std::to_string(Tk) +
-                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
-  check_cuda(cudaFuncSetAttribute(pooled_score_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(smem)), op, "cudaFuncSetAttribute");
+  if (P > INT_MAX / 2 || Tk * r > INT_MAX / 2)
+    throw Error(op, "q", "group * r = " + std::to_string(P) + " or Tk * r = " + std::to_string(Tk * r) +
+                             " exceed the CUDA selector's row indices");
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device_index), op, "cudaDeviceGetAttribute");
 
   const std::size_t qm = align_up(static_cast<std::size_t>(B * Hq * Tq * r * D) * sizeof(float));
-  const std::size_t qc = align_up(static_cast<std::size_t>(B * Hq * Tq * r) * sizeof(std::int32_t));
   const std::size_t km = align_up(static_cast<std::size_t>(B * Hkv * Tk * r * D) * sizeof(float));
-  const std::size_t kc = align_up(static_cast<std::size_t>(B * Hkv * Tk * r) * sizeof(std::int32_t));
-  StreamScratch scratch(qm + qc + km + kc, stream, op);
+  const std::size_t sc = align_up(static_cast<std::size_t>(jobs * Tk) * sizeof(double));
+  const std::size_t ct = align_up(static_cast<std::size_t>(jobs) * sizeof(unsigned));
+  StreamScratch scratch(qm + km + sc + ct, stream, op);
   float* qmean = scratch.as<float>(0);
-  auto* qcount = scratch.as<std::int32_t>(qm);
-  float* kmean = scratch.as<float>(qm + qc);
-  auto* kcount = scratch.as<std::int32_t>(qm + qc + km);
-  reps(q, r, qmean, qcount, stream);
-  reps(k, r, kmean, kcount, stream);
+  float* kmean = scratch.as<float>(qm);
+  auto* scores = scratch.as<double>(qm + km);
+  auto* counters = scratch.as<unsigned>(qm + km + sc);
+  representatives(q, k, r, group, qmean, kmean, counters, jobs, stream);
+  check_cuda(cudaGetLastError(), op, "representatives launch");
 
   ScoreParams p{};
-  p.qmean = qmean, p.qcount = qcount, p.kmean = kmean, p.kcount = kcount;
+  p.qmean = qmean, p.kmean = kmean, p.scores = scores, p.counters = counters;
   p.idx = out.idx.ptr<std::int32_t>();
   p.is0 = out.idx.stride[0], p.is1 = out.idx.stride[1], p.is2 = out.idx.stride[2], p.is3 = out.idx.stride[3];
   p.kmax = out.idx.shape[3];
   p.cnt = out.cnt.ptr<std::int32_t>();
   p.cs0 = out.cnt.stride[0], p.cs1 = out.cnt.stride[1], p.cs2 = out.cnt.stride[2];
-  p.Lq = Lq, p.Lk = Lk, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.Tq = Tq, p.Tk = Tk, p.r = r, p.span = kTileQ / r;
-  p.top_k = o.top_k;
+  p.Lq = Lq, p.Lk = Lk, p.Hkv = Hkv, p.D = D, p.Tq = Tq, p.Tk = Tk;
+  p.P = static_cast<int>(P), p.r = static_cast<int>(r), p.span = static_cast<int>(kTileQ / r), p.top_k = o.top_k;
+  p.err_scale = D <= 4096 ? 2.0f * static_cast<float>(D) * 0x1p-24f : INFINITY;
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
-  pooled_score_topk_kernel<<<static_cast<unsigned>(B * Hkv * Tq), kScoreThreads, smem, stream>>>(p);
-  check_cuda(cudaGetLastError(), op, "kernel launch");
+  if (P <= SmallTile::QM) launch_scores<SmallTile>(op, p, jobs, max_smem, sms, stream);
+  else launch_scores<LargeTile>(op, p, jobs, max_smem, sms, stream);
+  check_cuda(cudaGetLastError(), op, "scoring launch");
 }
 
 }  // namespace sparse_attn::cuda_backend

@@ -1,0 +1,439 @@
+// GPU tests of the pooled R1 / R4 selector (src/cuda/selectors/pooled.cu): the device lists and counts
+// must equal the CPU reference bit for bit. Beyond the random cases of test_selectors_gpu.cu, these
+// target what the float32 screening and the split of a tile's blocks over CTAs could get wrong:
+// - near-ties: key blocks (and the four R4 key groups inside a block) that are copies of one another
+//   up to a single last-bit change of one element, so block scores differ only in their last bits,
+//   far inside the screening bound, and exact copies whose ties must go to the lower id;
+// - all-equal inputs, where every pair of every block ties (the candidate queue overflows);
+// - NaN / inf / huge / tiny inputs (no float32 bound: every such pair is evaluated in float64);
+// - strided and misaligned views (the scalar load path), D not a multiple of 4 or above 128, query
+//   groups of more than 64 rows (two query chunks), tiles with several key passes per CTA.
+// Device outputs are poisoned first. PooledGpu.Timing (SPARSE_ATTN_TIMING=1) times the tile16 shape.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "sparse_attn/dtype.hpp"
+#include "sparse_attn/sparse_attn.hpp"
+
+namespace sa = sparse_attn;
+namespace st = sparse_attn::testing;
+
+namespace {
+
+#define POOLED_SKIP_WITHOUT_GPU()                                                                          \
+  do {                                                                                                     \
+    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): pooled GPU test skipped"; \
+  } while (0)
+
+void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
+
+// A [B, L, H, D] tensor stored inside a larger host buffer: rows of D + pad elements, starting `shift`
+// elements in (shift or pad that break 16-byte alignment select the device's scalar load path).
+struct Input {
+  sa::DType dtype = sa::DType::bf16;
+  std::int64_t B = 1, L = 1, H = 1, D = 1, pad = 0, shift = 0;
+  sa::HostTensor buf;  // 1-d storage
+  std::int64_t row() const { return D + pad; }
+  std::int64_t index(std::int64_t b, std::int64_t l, std::int64_t h, std::int64_t d) const {
+    return shift + ((b * L + l) * H + h) * row() + d;
+  }
+  sa::TensorView view_at(void* base, sa::Device dev) const {
+    sa::TensorView v = sa::TensorView::contiguous(static_cast<char*>(base) + shift * sa::dtype_size(dtype), dtype,
+                                                  {B, L, H, D}, dev, 0);
+    v.stride[0] = L * H * row(), v.stride[1] = H * row(), v.stride[2] = row(), v.stride[3] = 1;
+    return v;
+  }
+  float get(std::int64_t i) const {
+    if (dtype == sa::DType::f32) return buf.data<float>()[i];
+    const std::uint16_t h = buf.data<std::uint16_t>()[i];
+    return dtype == sa::DType::bf16 ? sa::bf16_to_float(h) : sa::f16_to_float(h);
+  }
+  void set(std::int64_t i, float f) {
+    if (dtype == sa::DType::f32) buf.data<float>()[i] = f;
+    else buf.data<std::uint16_t>()[i] = dtype == sa::DType::bf16 ? sa::float_to_bf16(f) : sa::float_to_f16(f);
+  }
+  // The neighbouring representable value (one unit in the last place, away from zero when up).
+  void nudge(std::int64_t i, bool up) {
+    if (dtype == sa::DType::f32) {
+      float& f = buf.data<float>()[i];
+      f = std::nextafter(f, up ? (f < 0 ? -INFINITY : INFINITY) : 0.0f);
+    } else {
+      std::uint16_t& h = buf.data<std::uint16_t>()[i];
+      h = static_cast<std::uint16_t>(up ? h + 1 : h - 1);  // magnitude bits; values here are normal and nonzero
+    }
+  }
+};
+
+Input make_input(sa::DType dtype, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t D, std::uint64_t seed,
+                 std::int64_t pad = 0, std::int64_t shift = 0, float stddev = 1.0f) {
+  Input x;
+  x.dtype = dtype, x.B = B, x.L = L, x.H = H, x.D = D, x.pad = pad, x.shift = shift;
+  x.buf = st::random_tensor(dtype, {shift + B * L * H * (D + pad)}, seed, stddev);
+  return x;
+}
+
+// Copies tokens [sl, sl + n) of (b, sh) in src onto tokens [dl, dl + n) of (b, dh) in dst.
+void copy_tokens(Input& dst, std::int64_t b, std::int64_t dl, std::int64_t dh, const Input& src, std::int64_t sl,
+                 std::int64_t sh, std::int64_t n) {
+  for (std::int64_t i = 0; i < n && dl + i < dst.L && sl + i < src.L; ++i)
+    for (std::int64_t d = 0; d < dst.D; ++d) dst.set(dst.index(b, dl + i, dh, d), src.get(src.index(b, sl + i, sh, d)));
+}
+
+struct DevCopy {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  explicit DevCopy(const sa::HostTensor& h) : bytes(static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype())) {
+    cuda_ok(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 16)), "cudaMalloc");
+    cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
+  }
+  DevCopy(const DevCopy&) = delete;
+  DevCopy& operator=(const DevCopy&) = delete;
+  ~DevCopy() {
+    if (ptr) cudaFree(ptr);
+  }
+  void download(sa::HostTensor& h) const { cuda_ok(cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost), "download"); }
+};
+
+sa::HostTensor poisoned(const std::vector<std::int64_t>& shape) {
+  sa::HostTensor h(sa::DType::i32, shape);
+  std::memset(h.view().data, 0x5a, static_cast<std::size_t>(h.numel()) * 4);
+  return h;
+}
+
+int first_difference(const sa::HostTensor& gpu, const sa::HostTensor& cpu, std::string& where) {
+  const auto* g = gpu.data<std::int32_t>();
+  const auto* c = cpu.data<std::int32_t>();
+  int bad = 0;
+  for (std::int64_t i = 0; i < cpu.numel(); ++i) {
+    if (g[i] == c[i]) continue;
+    if (bad++ == 0) {
+      std::string coord;
+      std::int64_t rest = i;
+      const auto& s = cpu.shape();
+      for (int d = static_cast<int>(s.size()) - 1; d >= 0; --d) {
+        coord = std::to_string(rest % s[static_cast<std::size_t>(d)]) + (coord.empty() ? "" : ", ") + coord;
+        rest /= s[static_cast<std::size_t>(d)];
+      }
+      where = "[" + coord + "] gpu " + std::to_string(g[i]) + " cpu " + std::to_string(c[i]);
+    }
+  }
+  return bad;
+}
+
+struct Options {
+  int r = 1, top_k = 4, kmax = 4;
+  bool causal = false, force_local = true, force_block0 = false;
+};
+
+// Runs the CPU and the GPU selector on the same inputs and expects identical lists and counts.
+void expect_same(const std::string& name, const Input& q, const Input& k, const Options& opt) {
+  SCOPED_TRACE(name);
+  const std::int64_t Tq = sa::ceil_div(q.L, sa::kTileQ);
+  sa::PooledOptions o;
+  o.representatives = opt.r, o.top_k = opt.top_k, o.causal = opt.causal, o.force_local = opt.force_local,
+  o.force_block0 = opt.force_block0;
+  sa::HostTensor idx(sa::DType::i32, {q.B, k.H, Tq, opt.kmax}), cnt(sa::DType::i32, {q.B, k.H, Tq});
+  sa::pooled_select(q.view_at(q.buf.view().data, sa::Device::cpu), k.view_at(k.buf.view().data, sa::Device::cpu),
+                    sa::TileLists{idx.view(), cnt.view()}, o);
+
+  sa::HostTensor gidx = poisoned(idx.shape()), gcnt = poisoned(cnt.shape());
+  DevCopy dq(q.buf), dk(k.buf), didx(gidx), dcnt(gcnt);
+  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
+                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
+  sa::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda), out, o);
+  cuda_ok(cudaDeviceSynchronize(), "pooled_select");
+  didx.download(gidx);
+  dcnt.download(gcnt);
+  std::string where;
+  const int bad_cnt = first_difference(gcnt, cnt, where);
+  EXPECT_EQ(bad_cnt, 0) << name << ": cnt differs at " << where;
+  const int bad_idx = first_difference(gidx, idx, where);
+  EXPECT_EQ(bad_idx, 0) << name << ": " << bad_idx << " of " << idx.numel() << " ids differ, first at " << where;
+}
+
+// Key blocks whose scores differ only in their last bits, for every (b, kv head): block `src` takes the
+// tokens of query tile `tile` (head h * group) so it scores high; for R4 its key groups 1..3 are copies of
+// group 0 with one element nudged; blocks in `twins` are copies of `src` with one element nudged up or
+// down (every third one an exact copy, a tie for the lower id).
+void plant_near_ties(const Input& q, Input& k, std::int64_t group, std::int64_t src, std::int64_t tile,
+                     const std::vector<std::int64_t>& twins, int r, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const std::int64_t span = sa::kBlockK / r;
+  for (std::int64_t b = 0; b < k.B; ++b) {
+    for (std::int64_t h = 0; h < k.H; ++h) {
+      copy_tokens(k, b, src * sa::kBlockK, h, q, tile * sa::kTileQ, h * group, sa::kBlockK);
+      for (int c = 1; c < r; ++c) {
+        copy_tokens(k, b, src * sa::kBlockK + c * span, h, k, src * sa::kBlockK, h, span);
+        k.nudge(k.index(b, src * sa::kBlockK + c * span + static_cast<std::int64_t>(rng() % span), h,
+                        static_cast<std::int64_t>(rng() % k.D)),
+                c % 2 == 1);
+      }
+      for (std::size_t i = 0; i < twins.size(); ++i) {
+        copy_tokens(k, b, twins[i] * sa::kBlockK, h, k, src * sa::kBlockK, h, sa::kBlockK);
+        if (i % 3 == 2) continue;
+        k.nudge(k.index(b, twins[i] * sa::kBlockK + static_cast<std::int64_t>(rng() % sa::kBlockK), h,
+                        static_cast<std::int64_t>(rng() % k.D)),
+                i % 3 == 0);
+      }
+    }
+  }
+}
+
+TEST(PooledGpu, RandomEqualsCpu) {
+  POOLED_SKIP_WITHOUT_GPU();
+  const auto bf16 = sa::DType::bf16, f16 = sa::DType::f16, f32 = sa::DType::f32;
+  std::uint64_t seed = 1000;
+  for (int r : {1, 4}) {
+    const std::string R = "R" + std::to_string(r) + " ";
+    // tile16-like at a small Lk, GQA 16, both causal settings and both forcings
+    for (bool causal : {false, true}) {
+      const Input q = make_input(bf16, 2, 1000, 16, 128, seed++), k = make_input(bf16, 2, 3000, 1, 128, seed++);
+      expect_same(R + "GQA16 Lq=1000 Lk=3000" + (causal ? " causal" : ""), q, k, {r, 5, 7, causal, true, true});
+    }
+    // Hq = Hkv, B = 3, Lk not a multiple of 128, no forcing
+    {
+      const Input q = make_input(bf16, 3, 333, 4, 128, seed++), k = make_input(bf16, 3, 1290, 4, 128, seed++);
+      expect_same(R + "Hq=Hkv=4 B=3", q, k, {r, 3, 3, false, false, false});
+    }
+    // Lq = 1 and Lq > Lk causal (tiles that see nothing), f16
+    {
+      const Input q = make_input(f16, 1, 1, 8, 64, seed++), k = make_input(f16, 1, 700, 2, 64, seed++);
+      expect_same(R + "Lq=1 causal f16", q, k, {r, 3, 4, true, true, false});
+      const Input q2 = make_input(f16, 2, 900, 2, 64, seed++), k2 = make_input(f16, 2, 300, 1, 64, seed++);
+      expect_same(R + "Lq>Lk causal f16", q2, k2, {r, 2, 2, true, true, true});
+    }
+    // f32 with D = 80 and D = 200 (two column chunks), top_k past the candidates
+    {
+      const Input q = make_input(f32, 2, 260, 6, 80, seed++), k = make_input(f32, 2, 650, 3, 80, seed++);
+      expect_same(R + "f32 D=80 GQA2", q, k, {r, 9, 9, true, true, true});
+      const Input q2 = make_input(f32, 1, 140, 2, 200, seed++), k2 = make_input(f32, 1, 1100, 1, 200, seed++);
+      expect_same(R + "f32 D=200", q2, k2, {r, 4, 5, false, true, false});
+    }
+    // D = 30 (no 16-byte rows) and a misaligned view with padded rows: the scalar load paths
+    {
+      const Input q = make_input(bf16, 1, 300, 4, 30, seed++), k = make_input(bf16, 1, 777, 2, 30, seed++);
+      expect_same(R + "D=30", q, k, {r, 3, 3, true, true, false});
+      const Input q2 = make_input(bf16, 2, 257, 4, 128, seed++, 3, 1), k2 = make_input(bf16, 2, 900, 1, 128, seed++, 5, 3);
+      expect_same(R + "misaligned padded views", q2, k2, {r, 4, 4, false, true, true});
+      const Input q3 = make_input(f16, 1, 200, 2, 64, seed++, 64, 0), k3 = make_input(f16, 1, 640, 2, 64, seed++, 192, 0);
+      expect_same(R + "aligned strided views (packed qkv)", q3, k3, {r, 2, 3, true, false, true});
+    }
+    // query groups of more than 64 rows (R4: GQA 24 and 32 give 96 and 128 rows)
+    {
+      const Input q = make_input(bf16, 1, 300, 32, 64, seed++), k = make_input(bf16, 1, 1500, 1, 64, seed++);
+      expect_same(R + "GQA32", q, k, {r, 4, 4, true, true, false});
+      const Input q2 = make_input(bf16, 2, 129, 24, 64, seed++), k2 = make_input(bf16, 2, 2000, 1, 64, seed++);
+      expect_same(R + "GQA24", q2, k2, {r, 6, 6, false, true, true});
+    }
+  }
+}
+
+// Enough (b, group, tile) jobs that each CTA takes all of a tile's key rows, several KV passes of 128
+// rows each (R4 with 40 blocks: 160 rows).
+TEST(PooledGpu, ManyTilesSeveralKeyPasses) {
+  POOLED_SKIP_WITHOUT_GPU();
+  for (int r : {1, 4}) {
+    const Input q = make_input(sa::DType::bf16, 1, 600 * 128 - 50, 2, 32, 51 + r);
+    const Input k = make_input(sa::DType::bf16, 1, 40 * 128 - 7, 2, 32, 61 + r);
+    expect_same("R" + std::to_string(r) + " 1200 tiles, 40 blocks", q, k, {r, 6, 6, false, true, false});
+    const Input kl = make_input(sa::DType::bf16, 1, 600 * 128, 2, 32, 71 + r);
+    expect_same("R" + std::to_string(r) + " 1200 tiles causal Lk=Lq+50", q, kl, {r, 6, 8, true, true, true});
+  }
+}
+
+// Block scores equal up to their last bits: the float32 screen cannot separate them, the float64
+// evaluation must, and exact copies must rank by id.
+TEST(PooledGpu, NearTiesEqualCpu) {
+  POOLED_SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 2000;
+  for (auto dtype : {sa::DType::bf16, sa::DType::f32, sa::DType::f16}) {
+    for (int r : {1, 4}) {
+      for (bool causal : {false, true}) {
+        const std::string name = std::string(sa::dtype_name(dtype)) + " R" + std::to_string(r) + (causal ? " causal" : "");
+        // GQA 16 (64 query rows for R4), 24 blocks of which 12 are near-copies of block 2; top-5 cuts
+        // through them.
+        Input q = make_input(dtype, 2, 512, 16, 128, seed++);
+        Input k = make_input(dtype, 2, 24 * 128 - 40, 1, 128, seed++);
+        plant_near_ties(q, k, 16, 2, 1, {3, 5, 6, 8, 9, 11, 13, 14, 17, 19, 20, 22}, r, seed++);
+        expect_same(name + " GQA16", q, k, {r, 5, 5, causal, false, false});
+        expect_same(name + " GQA16 forced", q, k, {r, 7, 8, causal, true, true});
+        // Hq = Hkv = 2, a longer key sequence with the near-copies spread across the CTAs of a tile
+        Input q2 = make_input(dtype, 1, 300, 2, 64, seed++);
+        Input k2 = make_input(dtype, 1, 90 * 128, 2, 64, seed++);
+        std::vector<std::int64_t> twins;
+        for (std::int64_t j = 7; j < 90; j += 6) twins.push_back(j);
+        plant_near_ties(q2, k2, 1, 4, 0, twins, r, seed++);
+        expect_same(name + " Hq=Hkv, twins across CTAs", q2, k2, {r, 6, 6, causal, true, false});
+      }
+    }
+  }
+}
+
+// Every query and every key equal: all pairs of all blocks tie, the candidate queue overflows and the
+// blocks are ranked by id.
+TEST(PooledGpu, AllEqualInputs) {
+  POOLED_SKIP_WITHOUT_GPU();
+  for (int r : {1, 4}) {
+    Input q = make_input(sa::DType::bf16, 1, 1024, 16, 128, 31), k = make_input(sa::DType::bf16, 1, 4096, 1, 128, 32);
+    for (std::int64_t i = 0; i < q.buf.numel(); ++i) q.set(i, 0.5f);
+    for (std::int64_t i = 0; i < k.buf.numel(); ++i) k.set(i, -0.25f);
+    expect_same("R" + std::to_string(r) + " all equal", q, k, {r, 5, 6, false, true, false});
+    expect_same("R" + std::to_string(r) + " all equal causal", q, k, {r, 5, 6, true, false, true});
+  }
+}
+
+// NaN and infinities rank as the CPU's sanitize says; huge and tiny f32 values leave the float32
+// screen without a bound (overflow, underflow) and must still give the CPU's lists.
+TEST(PooledGpu, NonFiniteAndExtremeValues) {
+  POOLED_SKIP_WITHOUT_GPU();
+  for (int r : {1, 4}) {
+    const std::string R = "R" + std::to_string(r) + " ";
+    Input q = make_input(sa::DType::bf16, 2, 500, 4, 64, 41), k = make_input(sa::DType::bf16, 2, 2000, 2, 64, 42);
+    q.set(q.index(0, 5, 1, 3), NAN);                  // tile 0 of head 1: NaN dots for its group
+    k.set(k.index(0, 300, 0, 7), INFINITY);           // block 2
+    k.set(k.index(1, 1000, 1, 9), -INFINITY);         // block 7
+    k.set(k.index(1, 1001, 1, 9), INFINITY);          // block 7 again: inf - inf = NaN in its mean
+    q.set(q.index(1, 260, 2, 0), INFINITY);           // tile 2 of head 2
+    expect_same(R + "NaN / inf", q, k, {r, 6, 6, false, true, false});
+    expect_same(R + "NaN / inf causal", q, k, {r, 6, 6, true, false, true});
+
+    const Input qh = make_input(sa::DType::f32, 1, 300, 2, 128, 43, 0, 0, 3e18f);
+    const Input kh = make_input(sa::DType::f32, 1, 1500, 1, 128, 44, 0, 0, 3e18f);
+    expect_same(R + "huge f32 (float32 dots overflow)", qh, kh, {r, 4, 4, false, true, false});
+    const Input qt = make_input(sa::DType::f32, 1, 300, 2, 128, 45, 0, 0, 1e-21f);
+    const Input kt = make_input(sa::DType::f32, 1, 1500, 1, 128, 46, 0, 0, 1e-21f);
+    expect_same(R + "tiny f32 (subnormal products)", qt, kt, {r, 4, 4, true, true, false});
+  }
+}
+
+// Small enough for compute-sanitizer: both tile configurations, both load paths, two query chunks,
+// near-ties and a queue overflow.
+TEST(PooledGpu, SanitizerSmall) {
+  POOLED_SKIP_WITHOUT_GPU();
+  for (int r : {1, 4}) {
+    const std::string R = "R" + std::to_string(r) + " ";
+    Input q = make_input(sa::DType::bf16, 2, 200, 4, 64, 81), k = make_input(sa::DType::bf16, 2, 700, 2, 64, 82);
+    plant_near_ties(q, k, 2, 1, 0, {2, 3, 4}, r, 83);
+    expect_same(R + "sanitizer near-ties", q, k, {r, 3, 4, true, true, true});
+    const Input q2 = make_input(sa::DType::f16, 1, 130, 24, 36, 84, 2, 1), k2 = make_input(sa::DType::f16, 1, 390, 1, 36, 85);
+    expect_same(R + "sanitizer GQA24 scalar", q2, k2, {r, 2, 2, false, true, false});
+    Input q3 = make_input(sa::DType::bf16, 1, 256, 16, 32, 86), k3 = make_input(sa::DType::bf16, 1, 1024, 1, 32, 87);
+    for (std::int64_t i = 0; i < q3.buf.numel(); ++i) q3.set(i, 1.0f);
+    for (std::int64_t i = 0; i < k3.buf.numel(); ++i) k3.set(i, 1.0f);
+    expect_same(R + "sanitizer all equal", q3, k3, {r, 3, 3, false, true, false});
+  }
+}
+
+// ---- timing --------------------------------------------------------------------------------------
+
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The tile16 shape (B = 2, Hq = 16, Hkv = 1, D = 128, Lq = 4096, bf16, top-16, non-causal, local block
+// forced) at Lk = 4K, 16K, 32K. Warm: 30 back-to-back calls queued behind a 5 ms spin kernel so the
+// host's enqueue time is hidden, one event pair per call, median. Cold: the L2 is flushed (a 512 MB
+// memset) before each of 10 calls, median. Lists are checked against the CPU first.
+TEST(PooledGpu, Timing) {
+  POOLED_SKIP_WITHOUT_GPU();
+  const char* env = std::getenv("SPARSE_ATTN_TIMING");
+  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time the pooled selector";
+  cudaDeviceProp prop{};
+  cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  const std::int64_t B = 2, Lq = 4096, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
+  constexpr int kWarm = 30, kCold = 10;
+  constexpr long long kSpinCycles = 10'000'000;  // >= 5 ms at the H200's <= 1.98 GHz
+  void* flush = nullptr;
+  const std::size_t flush_bytes = std::size_t{512} << 20;
+  cuda_ok(cudaMalloc(&flush, flush_bytes), "cudaMalloc flush");
+  cudaStream_t s = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  std::vector<cudaEvent_t> ev(2 * kWarm);
+  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+  std::string json = "{\"device\": \"" + std::string(prop.name) + "\", \"shape\": \"tile16 B=2 Hq=16 Hkv=1 D=128 Lq=4096 bf16 top16 non-causal force_local\", \"us\": {";
+  bool first_entry = true;
+  for (std::int64_t Lk : {4096, 16384, 32768}) {
+    const Input q = make_input(sa::DType::bf16, B, Lq, Hq, D, 500 + Lk), k = make_input(sa::DType::bf16, B, Lk, Hkv, D, 600 + Lk);
+    DevCopy dq(q.buf), dk(k.buf);
+    sa::HostTensor gidx(sa::DType::i32, {B, Hkv, Tq, top_k}), gcnt(sa::DType::i32, {B, Hkv, Tq});
+    DevCopy didx(gidx), dcnt(gcnt);
+    const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
+                            sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
+    const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
+    for (int r : {1, 4}) {
+      sa::PooledOptions o;
+      o.representatives = r, o.top_k = static_cast<int>(top_k), o.stream = s;
+      if (Lk == 16384) expect_same("timing shape R" + std::to_string(r), q, k, {r, static_cast<int>(top_k), static_cast<int>(top_k), false, true, false});
+      for (int i = 0; i < 3; ++i) sa::pooled_select(qv, kv, out, o);
+      cuda_ok(cudaStreamSynchronize(s), "warm-up");
+
+      spin_kernel<<<1, 1, 0, s>>>(kSpinCycles);
+      const auto h0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < kWarm; ++i) {
+        cudaEventRecord(ev[2 * i], s);
+        sa::pooled_select(qv, kv, out, o);
+        cudaEventRecord(ev[2 * i + 1], s);
+      }
+      const auto h1 = std::chrono::steady_clock::now();
+      cuda_ok(cudaStreamSynchronize(s), "timed calls");
+      std::vector<double> warm;
+      for (int i = 0; i < kWarm; ++i) {
+        float ms = 0.0f;
+        cuda_ok(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
+        warm.push_back(1000.0 * ms);
+      }
+      float span_ms = 0.0f;
+      cuda_ok(cudaEventElapsedTime(&span_ms, ev[0], ev[2 * kWarm - 1]), "cudaEventElapsedTime");
+      const double host_us = std::chrono::duration<double, std::micro>(h1 - h0).count() / kWarm;
+
+      std::vector<double> cold;
+      for (int i = 0; i < kCold; ++i) {
+        cudaMemsetAsync(flush, i & 0xff, flush_bytes, s);
+        spin_kernel<<<1, 1, 0, s>>>(kSpinCycles / 10);  // the host queues the call meanwhile
+        cudaEventRecord(ev[0], s);
+        sa::pooled_select(qv, kv, out, o);
+        cudaEventRecord(ev[1], s);
+        cuda_ok(cudaStreamSynchronize(s), "cold call");
+        float ms = 0.0f;
+        cuda_ok(cudaEventElapsedTime(&ms, ev[0], ev[1]), "cudaEventElapsedTime");
+        cold.push_back(1000.0 * ms);
+      }
+      const double wm = median(warm), cm = median(cold);
+      std::printf("pooled R%d tile16 Lk=%lld: warm median %.1f us (min %.1f, max %.1f, back-to-back mean %.1f), "
+                  "cold-L2 median %.1f us, host enqueue %.1f us/call\n",
+                  r, static_cast<long long>(Lk), wm, *std::min_element(warm.begin(), warm.end()),
+                  *std::max_element(warm.begin(), warm.end()), 1000.0 * span_ms / kWarm, cm, host_us);
+      json += std::string(first_entry ? "" : ", ") + "\"R" + std::to_string(r) + " Lk=" + std::to_string(Lk) +
+              "\": {\"warm_median\": " + std::to_string(wm) + ", \"cold_median\": " + std::to_string(cm) + "}";
+      first_entry = false;
+    }
+  }
+  json += "}}";
+  std::printf("pooled timing json: %s\n", json.c_str());
+  for (auto& e : ev) cudaEventDestroy(e);
+  cudaStreamDestroy(s);
+  cudaFree(flush);
+}
+
+}  // namespace
