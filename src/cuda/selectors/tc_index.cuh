@@ -1,9 +1,7 @@
 // Index tensors for the tensor-core screening of the index selectors (token_max; lightning can use the
 // same): one pass over an index tensor writes
-//   - vals:  float32 [rows, Di], exactly the CPU's dequantised values (load_quantized; the float64
-//            re-scoring path reads these),
 //   - codes: bf16 [rows, Dp] (Dp = Di rounded up to 16, zero padded), values without the per-tensor
-//            scale: vals = code * scale up to the dequantisation rounding (see below),
+//            scale: value = code * scale up to the dequantisation rounding (see below),
 //   - norms: float32 [rows], an upper bound of the 2-norm of the code row (+inf when the row holds a
 //            non-finite code or value), and per group of 128 rows of one (batch, head) their maximum.
 //
@@ -12,6 +10,8 @@
 //   fp8:  code = e4m3 value (4 significant bits, magnitude in [2^-9, 448]), value = fl(code * ts);
 //   fp4:  code = e2m1 value (2 bits) * the block scale's e4m3 value (4 bits): at most 6 significant
 //         bits, magnitude in [2^-10, 2688]; value = fl(e2m1 * fl(e4m3 * ts)).
+// The float64 re-scoring path recomputes the CPU's dequantised values (load_quantized) of the few rows it
+// needs from the input with the same function (row_values), instead of storing a float32 copy.
 // So value = code * ts * (1 + d1) * (1 + d2) + eta with |d| <= 2^-24 and |eta| <= 2^-147 (the two
 // roundings may underflow: each contributes at most half the smallest subnormal, times 6 for the
 // e2m1 factor), which is what the screening bound (score_interval) charges for.
@@ -105,46 +105,53 @@ __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts
 }
 
 struct PrepOut {
-  float* vals;             // [rows, D]
   __nv_bfloat16* codes;    // [rows, Dp]
   float* norms;            // [rows]
   unsigned int* group_max; // [B, H, ceil(L / 128)] float bits, zeroed by the caller
   std::int64_t Dp;
 };
 
-// One warp per row; lane l handles the 16-element groups l, l + 32, ...
+// One warp per row; lane l handles the groups l, l + 32, ... of G elements: the 16-element fp4 block,
+// or 4 elements for the element-wise precisions (all lanes busy at Di = 128). Groups past Di (padding
+// up to Dp) get zero codes.
 template <In T, Prec P>
 __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec, const unsigned int* amax_bits,
                                                       const PrepOut o) {
+  constexpr int G = P == Prec::fp4 ? kGroup : 4;
   const std::int64_t rows = s.B * s.L * s.H;
   const int lane = threadIdx.x % 32;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const float ts = tensor_scale(prec, amax_bits);
-  const std::int64_t groups = o.Dp / kGroup;
+  const std::int64_t groups = o.Dp / G;
   for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32; row < rows;
        row += warps) {
     const std::int64_t off = s.offset(row);
     double sq = 0.0;
     bool finite = true;
     for (std::int64_t gi = lane; gi < groups; gi += 32) {
-      const std::int64_t d0 = gi * kGroup;
-      const int cnt = static_cast<int>(imin<std::int64_t>(kGroup, s.D - d0));
-      float x[kGroup], v[kGroup], c[kGroup];
-      for (int i = 0; i < cnt; ++i) x[i] = sel::load_elem<T>(s.x, off + d0 + i);
-      quantize_codes<P>(x, cnt, ts, v, c);
-      __align__(16) __nv_bfloat16 cb[kGroup];
-      for (int i = 0; i < kGroup; ++i) {
+      const std::int64_t d0 = gi * G;
+      const int cnt = static_cast<int>(imax<std::int64_t>(0, imin<std::int64_t>(G, s.D - d0)));
+      float x[G], v[G], c[G];
+#pragma unroll
+      for (int i = 0; i < G; ++i) x[i] = i < cnt ? sel::load_elem<T>(s.x, off + d0 + i) : 0.0f;
+      quantize_codes<P>(x, G, ts, v, c);
+      __align__(16) __nv_bfloat16 cb[G];
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
         const float ci = i < cnt ? c[i] : 0.0f;
         cb[i] = __float2bfloat16_rn(ci);
         if (i < cnt) {
           finite = finite && isfinite(ci) && isfinite(v[i]);
           sq = fma(static_cast<double>(ci), static_cast<double>(ci), sq);
-          o.vals[row * s.D + d0 + i] = v[i];
         }
       }
-      auto* dst = reinterpret_cast<uint4*>(o.codes + row * o.Dp + d0);
-      dst[0] = reinterpret_cast<const uint4*>(cb)[0];
-      dst[1] = reinterpret_cast<const uint4*>(cb)[1];
+      if constexpr (G == 16) {
+        auto* dst = reinterpret_cast<uint4*>(o.codes + row * o.Dp + d0);
+        dst[0] = reinterpret_cast<const uint4*>(cb)[0];
+        dst[1] = reinterpret_cast<const uint4*>(cb)[1];
+      } else {
+        *reinterpret_cast<uint2*>(o.codes + row * o.Dp + d0) = *reinterpret_cast<const uint2*>(cb);
+      }
     }
     for (int w = 16; w > 0; w >>= 1) {
       sq += __shfl_xor_sync(0xffffffffu, sq, w);
@@ -162,6 +169,25 @@ __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec
   }
 }
 
+__device__ __forceinline__ float load_elem_rt(const void* base, std::int64_t i, In t) {
+  switch (t) {
+    case In::f32: return sel::load_elem<In::f32>(base, i);
+    case In::f16: return sel::load_elem<In::f16>(base, i);
+    default: return sel::load_elem<In::bf16>(base, i);
+  }
+}
+
+/// The CPU's dequantised values of elements [d0, d0 + cnt) (cnt <= 16, d0 a multiple of 16) of the row
+/// at element offset `off`: the same arithmetic as prepare_kernel, so the same floats.
+__device__ __forceinline__ void group_values(const IndexSrc& s, In t, int prec, float ts, std::int64_t off,
+                                             std::int64_t d0, int cnt, float* v) {
+  float x[kGroup], c[kGroup];
+  for (int i = 0; i < cnt; ++i) x[i] = load_elem_rt(s.x, off + d0 + i, t);
+  if (prec == static_cast<int>(Prec::bf16)) quantize_codes<Prec::bf16>(x, cnt, ts, v, c);
+  else if (prec == static_cast<int>(Prec::fp8)) quantize_codes<Prec::fp8>(x, cnt, ts, v, c);
+  else quantize_codes<Prec::fp4>(x, cnt, ts, v, c);
+}
+
 /// Launches amax (fp8, fp4) and the preparation of one index tensor on `stream`.
 inline void launch_prepare(const TensorView& t, IndexPrecision prec, unsigned int* amax, const PrepOut& o,
                            cudaStream_t stream) {
@@ -176,7 +202,7 @@ inline void launch_prepare(const TensorView& t, IndexPrecision prec, unsigned in
       case In::bf16: amax_kernel<In::bf16><<<blocks, 128, 0, stream>>>(s, amax); break;
     }
   }
-  const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 65535));
+  const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 8192));
   const int p = prec == IndexPrecision::bf16 ? static_cast<int>(Prec::bf16)
                 : prec == IndexPrecision::fp8_e4m3 ? static_cast<int>(Prec::fp8)
                                                    : static_cast<int>(Prec::fp4);

@@ -1,8 +1,8 @@
 // MSA-style token-max selector on the GPU (DESIGN §5.7), version 2: tensor-core screening with an
 // exact float64 decision at the boundary. Kernels on the caller's stream:
-//  1. prepare (tc_index.cuh): per-tensor amax (fp8, fp4); for every index row the CPU's dequantised
-//     float32 values, the bf16 codes (exact: value = code * scale up to rounding), and an upper bound
-//     of the code row's norm, maxed per 128 rows (Q tile, KV block);
+//  1. prepare (tc_index.cuh): per-tensor amax (fp8, fp4); for every index row the bf16 codes (exact:
+//     value = code * scale up to rounding) and an upper bound of the code row's norm, maxed per 128
+//     rows (Q tile, KV block);
 //  2. screen: one CTA per (Q tile, group, range of KV blocks) multiplies the 128 query code rows by
 //     each KV block's 128 key code rows with bf16 mma.sync (float32 accumulation) and keeps, per
 //     visible (query, block), the max over the block's keys; TileLists also max over the tile's
@@ -12,7 +12,7 @@
 //     in; one that at least k others certainly rank before is out; the rest are undecided. A list
 //     without undecided blocks is written here;
 //  4. rescore: the undecided (list, block) pairs, queued by (3), get their exact block score: the
-//     float64 dots of the dequantised values in d order (products of floats are exact in float64, so
+//     float64 dots of the dequantised values (recomputed from the inputs as the CPU computes them) in d order (products of floats are exact in float64, so
 //     fma equals the CPU's multiply-add) maxed over the visible keys (and the tile's queries), NaN as
 //     -inf; spread over the grid in 16-query chunks, combined by an atomic max on an order-preserving
 //     integer encoding;
@@ -493,8 +493,10 @@ __global__ void __launch_bounds__(kRankThreads) decide_kernel(const RankParams p
 }
 
 struct RescoreParams {
-  const float* qv;  // [B, Lq, Hkv, Di] dequantised
-  const float* kv;  // [B, Lk, Hk, Di]
+  IndexSrc q, k;  // the inputs; their dequantised values are recomputed (group_values)
+  In qt, kt;
+  int prec;
+  const unsigned int* amax;  // [2]: qidx, kidx
   unsigned long long* exact;
   const unsigned int* count;
   const int2* queue;
@@ -517,6 +519,7 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
   float* qs = kb + kBlockK * ks;
   const int tid = threadIdx.x;
   const unsigned int count = *p.count;
+  const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
   for (unsigned int item = blockIdx.x; item < count; item += gridDim.x) {
     const int2 it = p.queue[item];
     const std::int64_t row = it.x, j = it.y / kChunksPerTile, chunk = it.y % kChunksPerTile;
@@ -527,13 +530,19 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
     const std::int64_t qn = imin<std::int64_t>(QC, s.Lq - qa);
     const std::int64_t k0 = j * kBlockK, nk = imin<std::int64_t>(kBlockK, s.Lk - k0);
     __syncthreads();  // the previous item's readers are done with kb and qs
-    for (std::int64_t e = tid; e < nk * s.Di; e += kRescoreThreads) {
-      const std::int64_t r = e / s.Di, d = e % s.Di;
-      kb[r * ks + d] = p.kv[((b * s.Lk + k0 + r) * s.Hk + hk) * s.Di + d];
-    }
-    for (std::int64_t e = tid; e < qn * s.Di; e += kRescoreThreads) {
-      const std::int64_t r = e / s.Di, d = e % s.Di;
-      qs[e] = p.qv[((b * s.Lq + qa + r) * s.Hkv + g) * s.Di + d];
+    const std::int64_t ng = (s.Di + kGroup - 1) / kGroup;
+    for (std::int64_t e = tid; e < (nk + qn) * ng; e += kRescoreThreads) {
+      const std::int64_t r = e / ng, d0 = (e % ng) * kGroup;
+      const int cnt = static_cast<int>(imin<std::int64_t>(kGroup, s.Di - d0));
+      float v[kGroup];
+      if (r < nk) {
+        group_values(p.k, p.kt, p.prec, sk, p.k.offset((b * s.Lk + k0 + r) * s.Hk + hk), d0, cnt, v);
+        for (int i = 0; i < cnt; ++i) kb[r * ks + d0 + i] = v[i];
+      } else {
+        const std::int64_t rq = r - nk;
+        group_values(p.q, p.qt, p.prec, sq, p.q.offset((b * s.Lq + qa + rq) * s.Hkv + g), d0, cnt, v);
+        for (int i = 0; i < cnt; ++i) qs[rq * s.Di + d0 + i] = v[i];
+      }
     }
     __syncthreads();
     double best = -INFINITY;
@@ -660,8 +669,6 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   const std::size_t o_kmax = take(static_cast<std::size_t>(kgroups) * 4);
   const std::size_t o_qmax = take(static_cast<std::size_t>(qgroups) * 4);
   const std::size_t zero_bytes = off;
-  const std::size_t o_qv = take(static_cast<std::size_t>(q_rows * s.Di) * 4);
-  const std::size_t o_kv = take(static_cast<std::size_t>(k_rows * s.Di) * 4);
   const std::size_t o_qc = take(static_cast<std::size_t>(q_rows * s.Dp) * 2);
   const std::size_t o_kc = take(static_cast<std::size_t>(k_rows * s.Dp) * 2);
   const std::size_t o_qn = take(static_cast<std::size_t>(q_rows) * 4);
@@ -676,11 +683,11 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   auto* words = scratch.as<unsigned int>(o_words);  // [0], [1]: amax of qidx, kidx; [2]: queue length
 
   launch_prepare(qidx, o.precision, words,
-                 PrepOut{scratch.as<float>(o_qv), scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn),
+                 PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn),
                          scratch.as<unsigned int>(o_qmax), s.Dp},
                  stream);
   launch_prepare(kidx, o.precision, words + 1,
-                 PrepOut{scratch.as<float>(o_kv), scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn),
+                 PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn),
                          scratch.as<unsigned int>(o_kmax), s.Dp},
                  stream);
 
@@ -726,7 +733,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   rp.reserve_local = o.reserve_local;
   decide_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
 
-  RescoreParams xp{scratch.as<float>(o_qv), scratch.as<float>(o_kv), rp.exact, rp.count, rp.queue, s};
+  RescoreParams xp{index_src(qidx), index_src(kidx), sel::in_type(qidx.dtype), sel::in_type(kidx.dtype), rp.prec,
+                   words, rp.exact, rp.count, rp.queue, s};
   const std::int64_t rgrid = imin<std::int64_t>(2 * static_cast<std::int64_t>(sms), cap);
   rescore_kernel<kTiles><<<static_cast<unsigned>(imax<std::int64_t>(1, rgrid)), kRescoreThreads, rs_smem, stream>>>(xp);
   finish_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
