@@ -342,6 +342,27 @@ TEST(TokenMaxGpu, IndexDimLimitIsAnError) {
   }
 }
 
+// Device time per call of `fn` (on `stream`): 3 warm-ups, then `iters` calls queued back to back with an
+// event between neighbours, so the host's launch work overlaps the device as in a real pipeline.
+template <class Fn>
+std::vector<float> time_calls_on(cudaStream_t stream, int iters, Fn&& fn) {
+  for (int w = 0; w < 3; ++w) fn();
+  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(iters) + 1);
+  for (auto& e : ev) cudaEventCreate(&e);
+  cudaEventRecord(ev[0], stream);
+  for (int it = 0; it < iters; ++it) {
+    fn();
+    cudaEventRecord(ev[static_cast<std::size_t>(it + 1)], stream);
+  }
+  cudaEventSynchronize(ev[static_cast<std::size_t>(iters)]);
+  std::vector<float> ms(static_cast<std::size_t>(iters));
+  for (int it = 0; it < iters; ++it)
+    cudaEventElapsedTime(&ms[static_cast<std::size_t>(it)], ev[static_cast<std::size_t>(it)], ev[static_cast<std::size_t>(it + 1)]);
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
 // tile16 shape (B = 2, Lq = 4096, Hkv = 1, Di = 128, non-causal, top-16 TileLists), Lk 4K / 16K / 32K:
 // median of 25 timed calls after 3 warm-ups, and the share of candidate blocks re-scored in float64, for
 // both screening kernels.
@@ -353,7 +374,7 @@ TEST(TokenMaxGpu, Timing) {
   const int top_k = 16, iters = 25;
   cudaStream_t stream = nullptr;
   cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(iters) + 1);
+  auto time_calls = [&](auto&& fn) { return time_calls_on(stream, iters, fn); };
   for (std::int64_t Lk : {4096, 16384, 32768}) {
     const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 11);
     const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 12);
@@ -379,22 +400,7 @@ TEST(TokenMaxGpu, Timing) {
         sa::token_max_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, co);
         expect_equal_i32(didx.download(idx), idx, "timing idx");
       }
-      for (int w = 0; w < 3; ++w) sa::token_max_select(dq.view, dk.view, out, o);
-      // Calls are queued back to back with an event between neighbours: the differences are device
-      // time per call, with the host's launch work overlapped as in a real pipeline.
-      for (int it = 0; it <= iters; ++it) cuda_ok(cudaEventCreate(&ev[static_cast<std::size_t>(it)]), "event");
-      cuda_ok(cudaEventRecord(ev[0], stream), "record");
-      for (int it = 0; it < iters; ++it) {
-        sa::token_max_select(dq.view, dk.view, out, o);
-        cuda_ok(cudaEventRecord(ev[static_cast<std::size_t>(it + 1)], stream), "record");
-      }
-      cuda_ok(cudaEventSynchronize(ev[static_cast<std::size_t>(iters)]), "sync");
-      std::vector<float> ms(iters);
-      for (int it = 0; it < iters; ++it)
-        cuda_ok(cudaEventElapsedTime(&ms[static_cast<std::size_t>(it)], ev[static_cast<std::size_t>(it)],
-                                     ev[static_cast<std::size_t>(it + 1)]), "elapsed");
-      for (auto& e : ev) cudaEventDestroy(e);
-      std::sort(ms.begin(), ms.end());
+      std::vector<float> ms = time_calls([&] { sa::token_max_select(dq.view, dk.view, out, o); });
       const double med_us = 1000.0 * ms[iters / 2];
       const double tflops = 2.0 * B * Lq * Lk * Di / (med_us * 1e-6) / 1e12;
       std::printf("TIMING token_max %s %s Lk=%lld median_us=%.1f min_us=%.1f index_tflops=%.0f rescored=%llu/%llu\n",
@@ -403,6 +409,17 @@ TEST(TokenMaxGpu, Timing) {
     }
   }
   sa::cuda_backend::set_token_max_screen(0);
+  {  // QueryLists (per-query lists, 8192 of them) at Lk = 16K, fp8
+    const std::int64_t Lk = 16384;
+    const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 13);
+    const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 14);
+    Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Lq, top_k}));
+    sa::TokenMaxOptions o;
+    o.top_k = top_k, o.precision = sa::IndexPrecision::fp8_e4m3, o.causal = false, o.stream = stream;
+    const std::vector<float> ms = time_calls([&] { sa::token_max_select(dq.view, dk.view, sa::QueryLists{didx.view}, o); });
+    std::printf("TIMING token_max_querylists fp8_e4m3 wgmma Lk=16384 median_us=%.1f min_us=%.1f\n",
+                1000.0 * ms[static_cast<std::size_t>(iters / 2)], 1000.0 * ms[0]);
+  }
   cudaStreamDestroy(stream);
 }
 
