@@ -115,6 +115,9 @@ template <In T, bool kVec>
 __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __grid_constant__ RepParams p) {
   using IO = RepIO<T, kVec>;
   constexpr int V = IO::kWidth, U = kRepBatch;
+  // The scoring kernel may be scheduled as soon as every CTA here has started (programmatic dependent
+  // launch); it waits for this grid's completion before it reads anything this grid writes.
+  asm volatile("griddepcontrol.launch_dependents;");
   if (blockIdx.x == 0)
     for (std::int64_t i = threadIdx.x; i < p.n_counters; i += blockDim.x) p.counters[i] = 0u;
 
@@ -236,7 +239,7 @@ __host__ __device__ inline ScoreSmem score_smem(int QM, int KN, int nblk) {
   s.kss = o, o = up(o + KN * sizeof(float));
   s.lkey = o, o = up(o + nblk * sizeof(unsigned));
   s.cand = o, o = up(o + kCandCap * sizeof(uint2));
-  s.full = o, o = up(o + nblk);
+  s.full = o, o = up(o + nblk * sizeof(unsigned));
   s.total = o;
   return s;
 }
@@ -431,7 +434,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
   const auto* kfirst = reinterpret_cast<const long long*>(smem + L.kfirst);
   auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
   auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
-  auto* full = smem + L.full;
+  auto* full = reinterpret_cast<unsigned*>(smem + L.full);
   const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
 
   const std::int64_t job = blockIdx.x / p.chunks;
@@ -464,9 +467,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
   for (int i = tid; i < nblk; i += C::kThreads) {
     lkey[i] = key32(-INFINITY);
     v.ekey[i] = key64(-INFINITY);
-    full[i] = 0;
+    full[i] = 0u;
   }
   if (tid == 0) n_queued = 0;
+  // The means and counters come from the representatives grid (a no-op without a programmatic launch).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   // (stage_and_multiply starts with a barrier)
 
   const int qchunks = (p.P + C::QM - 1) / C::QM;
@@ -517,7 +522,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
                 const int slot = atomicAdd(&n_queued, 1);
                 // No call here: it would spill the register tile around it.
                 if (slot < kCandCap) cand[slot] = pair;
-                else full[blk] = 1;
+                else atomicOr(full + blk, 1u);
               }
             }
             if (round == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
@@ -653,7 +658,18 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
     throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
   check_cuda(cudaFuncSetAttribute(pooled_score_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
              op, "cudaFuncSetAttribute");
-  pooled_score_kernel<C><<<static_cast<unsigned>(grid), C::kThreads, smem, stream>>>(p);
+  // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(C::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, pooled_score_kernel<C>, p), op, "scoring launch");
 }
 
 }  // namespace
