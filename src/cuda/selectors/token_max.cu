@@ -29,6 +29,9 @@
 // and i < j (equal bounds force equal scores, and the tie goes to the lower id).
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
@@ -637,9 +640,19 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   if (R > 0x7fffffff || s.Tk * kChunksPerTile > 0x7fffffff)
     throw Error(op, "qidx", "the problem has more lists or blocks than the CUDA token_max selector indexes");
 
+  // The opt-in shared-memory size is set once per (kernel, device) and raised when a call needs more:
+  // repeating cudaFuncSetAttribute on every call costs host time in front of every selection.
+  int dev = 0;
+  check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
   auto attr = [&](const void* f, std::size_t bytes) {
+    static std::mutex mu;
+    static std::map<std::pair<const void*, int>, std::size_t> done;
+    const std::lock_guard<std::mutex> lock(mu);
+    std::size_t& have = done[{f, dev}];
+    if (have >= bytes) return;
     check_cuda(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
                "cudaFuncSetAttribute");
+    have = bytes;
   };
   const bool use_wgmma = g_screen == 0;
   const std::size_t wg_smem = screen_wg_smem(s.Dp);
@@ -691,8 +704,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                          scratch.as<unsigned int>(o_kmax), s.Dp},
                  stream);
 
-  int dev = 0, sms = 0;
-  check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
+  int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
   // The KV blocks of a Q tile are split over several CTAs: about 8 waves of one CTA per SM keep the
   // tail (causal tiles see different numbers of blocks) short; each CTA still streams >= 4 blocks.
