@@ -409,6 +409,28 @@ TEST(TokenMaxGpu, Timing) {
     }
   }
   sa::cuda_backend::set_token_max_screen(0);
+  {  // stage breakdown of one TileLists call at Lk = 16K per precision (wgmma screen)
+    const std::int64_t Lk = 16384, Tq = sa::ceil_div(Lq, sa::kTileQ);
+    const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 15);
+    const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 16);
+    Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, top_k})), dcnt(poisoned_i32({B, 1, Tq}));
+    cudaEvent_t ev[6];
+    for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "event");
+    for (auto prec : kPrecisions) {
+      sa::TokenMaxOptions o;
+      o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = stream;
+      for (int w = 0; w < 3; ++w) sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+      sa::cuda_backend::set_token_max_events(ev);
+      sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+      sa::cuda_backend::set_token_max_events(nullptr);
+      cuda_ok(cudaEventSynchronize(ev[5]), "sync");
+      float part[5];
+      for (int i = 0; i < 5; ++i) cudaEventElapsedTime(&part[i], ev[i], ev[i + 1]);
+      std::printf("TIMING token_max_stages %s Lk=16384 prepare_us=%.1f screen_us=%.1f decide_us=%.1f rescore_us=%.1f finish_us=%.1f\n",
+                  sa::precision_name(prec), 1000 * part[0], 1000 * part[1], 1000 * part[2], 1000 * part[3], 1000 * part[4]);
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+  }
   {  // QueryLists (per-query lists, 8192 of them) at Lk = 16K, fp8
     const std::int64_t Lk = 16384;
     const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 13);

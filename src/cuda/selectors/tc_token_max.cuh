@@ -1,6 +1,8 @@
 // Instrumentation of the CUDA token_max selector (tests and timing only; not part of the public API).
 #pragma once
 
+#include <cuda_runtime.h>
+
 namespace sparse_attn::cuda_backend {
 
 /// While non-null, every token_max_select call on the device adds to device_counters[0] the number of
@@ -11,5 +13,9 @@ void set_token_max_stats(unsigned long long* device_counters);
 
 /// Screening GEMM of later calls: 0 = wgmma (m64n128k16), 1 = mma.sync (m16n8k16). Both give the same ids.
 void set_token_max_screen(int kernel);
+
+/// While non-null, later calls record events[0 .. 5] on their stream: after the scratch memset, after
+/// the index preparation, the screening GEMM, the decision, the float64 re-scoring and the final ranking.
+void set_token_max_events(cudaEvent_t* events);
 
 }  // namespace sparse_attn::cuda_backend

@@ -61,6 +61,7 @@ enum Cls : unsigned char { kOut = 0, kUndecided = 1, kIn = 2 };
 
 unsigned long long* g_stats = nullptr;  // optional device counters, see tc_token_max.cuh
 int g_screen = 0;                       // screening kernel, see tc_token_max.cuh
+cudaEvent_t* g_events = nullptr;        // optional stage events, see tc_token_max.cuh
 
 struct Shape {
   std::int64_t B, Lq, Lk, Hkv, Hk, Di, Dp, Tq, Tk;
@@ -694,6 +695,10 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   sel::StreamScratch scratch(off, stream, op);
   check_cuda(cudaMemsetAsync(scratch.as<void>(0), 0, zero_bytes, stream), op, "cudaMemsetAsync");
   auto* words = scratch.as<unsigned int>(o_words);  // [0], [1]: amax of qidx, kidx; [2]: queue length
+  auto mark = [&](int stage) {
+    if (g_events != nullptr) check_cuda(cudaEventRecord(g_events[stage], stream), op, "cudaEventRecord");
+  };
+  mark(0);
 
   launch_prepare(qidx, o.precision, words,
                  PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn),
@@ -704,6 +709,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                          scratch.as<unsigned int>(o_kmax), s.Dp},
                  stream);
 
+  mark(1);
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
   // The KV blocks of a Q tile are split over several CTAs: about 8 waves of one CTA per SM keep the
@@ -716,6 +722,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   const dim3 sgrid(static_cast<unsigned>(s.Tq), static_cast<unsigned>(s.B * s.Hkv),
                    static_cast<unsigned>(ceil_div(s.Tk, sp.per_split)));
   screen<<<sgrid, kScreenThreads, use_wgmma ? wg_smem : sc_smem, stream>>>(sp);
+  mark(2);
 
   RankParams rp{};
   rp.m = scratch.as<float>(o_m);
@@ -744,12 +751,15 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   rp.top_k = o.top_k;
   rp.reserve_local = o.reserve_local;
   decide_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
+  mark(3);
 
   RescoreParams xp{index_src(qidx), index_src(kidx), sel::in_type(qidx.dtype), sel::in_type(kidx.dtype), rp.prec,
                    words, rp.exact, rp.count, rp.queue, s};
   const std::int64_t rgrid = imin<std::int64_t>(2 * static_cast<std::int64_t>(sms), cap);
   rescore_kernel<kTiles><<<static_cast<unsigned>(imax<std::int64_t>(1, rgrid)), kRescoreThreads, rs_smem, stream>>>(xp);
+  mark(4);
   finish_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
+  mark(5);
   check_cuda(cudaGetLastError(), op, "kernel launch");
 }
 
@@ -757,6 +767,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
 
 void set_token_max_stats(unsigned long long* device_counters) { g_stats = device_counters; }
 void set_token_max_screen(int kernel) { g_screen = kernel; }
+void set_token_max_events(cudaEvent_t* events) { g_events = events; }
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& o) {
