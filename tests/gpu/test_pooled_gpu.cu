@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "cuda/selectors/pooled_screen.hpp"
 #include "sparse_attn/dtype.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -149,19 +150,27 @@ void expect_same(const std::string& name, const Input& q, const Input& k, const 
   sa::pooled_select(q.view_at(q.buf.view().data, sa::Device::cpu), k.view_at(k.buf.view().data, sa::Device::cpu),
                     sa::TileLists{idx.view(), cnt.view()}, o);
 
-  sa::HostTensor gidx = poisoned(idx.shape()), gcnt = poisoned(cnt.shape());
-  DevCopy dq(q.buf), dk(k.buf), didx(gidx), dcnt(gcnt);
-  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
-                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
-  sa::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda), out, o);
-  cuda_ok(cudaDeviceSynchronize(), "pooled_select");
-  didx.download(gidx);
-  dcnt.download(gcnt);
-  std::string where;
-  const int bad_cnt = first_difference(gcnt, cnt, where);
-  EXPECT_EQ(bad_cnt, 0) << name << ": cnt differs at " << where;
-  const int bad_idx = first_difference(gidx, idx, where);
-  EXPECT_EQ(bad_idx, 0) << name << ": " << bad_idx << " of " << idx.numel() << " ids differ, first at " << where;
+  DevCopy dq(q.buf), dk(k.buf);
+  // The public function (int8 screen) and the float32 screen of version 2a.
+  for (int screen = 0; screen < 2; ++screen) {
+    const char* sname = screen == 0 ? "int8 screen" : "fp32 screen";
+    sa::HostTensor gidx = poisoned(idx.shape()), gcnt = poisoned(cnt.shape());
+    DevCopy didx(gidx), dcnt(gcnt);
+    const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
+                            sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
+    const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
+    if (screen == 0) sa::pooled_select(qv, kv, out, o);
+    else sa::cuda_backend::pooled_select(qv, kv, out, o, sa::cuda_backend::PooledScreen::fp32);
+    cuda_ok(cudaDeviceSynchronize(), "pooled_select");
+    didx.download(gidx);
+    dcnt.download(gcnt);
+    std::string where;
+    const int bad_cnt = first_difference(gcnt, cnt, where);
+    EXPECT_EQ(bad_cnt, 0) << name << ", " << sname << ": cnt differs at " << where;
+    const int bad_idx = first_difference(gidx, idx, where);
+    EXPECT_EQ(bad_idx, 0) << name << ", " << sname << ": " << bad_idx << " of " << idx.numel()
+                          << " ids differ, first at " << where;
+  }
 }
 
 // Key blocks whose scores differ only in their last bits, for every (b, kv head): block `src` takes the
@@ -381,18 +390,24 @@ TEST(PooledGpu, Timing) {
     const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
                             sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
     const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
-    for (int r : {1, 4}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      const int r = variant % 2 == 0 ? 1 : 4;
+      const bool fp32 = variant >= 2;  // version 2a's float32 screen, for comparison
+      const auto run = [&](const sa::PooledOptions& po) {
+        if (fp32) sa::cuda_backend::pooled_select(qv, kv, out, po, sa::cuda_backend::PooledScreen::fp32);
+        else sa::pooled_select(qv, kv, out, po);
+      };
       sa::PooledOptions o;
       o.representatives = r, o.top_k = static_cast<int>(top_k), o.stream = s;
-      if (Lk == 16384) expect_same("timing shape R" + std::to_string(r), q, k, {r, static_cast<int>(top_k), static_cast<int>(top_k), false, true, false});
-      for (int i = 0; i < 3; ++i) sa::pooled_select(qv, kv, out, o);
+      if (Lk == 16384 && !fp32) expect_same("timing shape R" + std::to_string(r), q, k, {r, static_cast<int>(top_k), static_cast<int>(top_k), false, true, false});
+      for (int i = 0; i < 3; ++i) run(o);
       cuda_ok(cudaStreamSynchronize(s), "warm-up");
 
       spin_kernel<<<1, 1, 0, s>>>(kSpinCycles);
       const auto h0 = std::chrono::steady_clock::now();
       for (int i = 0; i < kWarm; ++i) {
         cudaEventRecord(ev[2 * i], s);
-        sa::pooled_select(qv, kv, out, o);
+        run(o);
         cudaEventRecord(ev[2 * i + 1], s);
       }
       const auto h1 = std::chrono::steady_clock::now();
@@ -412,7 +427,7 @@ TEST(PooledGpu, Timing) {
         cudaMemsetAsync(flush, i & 0xff, flush_bytes, s);
         spin_kernel<<<1, 1, 0, s>>>(kSpinCycles / 10);  // the host queues the call meanwhile
         cudaEventRecord(ev[0], s);
-        sa::pooled_select(qv, kv, out, o);
+        run(o);
         cudaEventRecord(ev[1], s);
         cuda_ok(cudaStreamSynchronize(s), "cold call");
         float ms = 0.0f;
@@ -420,11 +435,11 @@ TEST(PooledGpu, Timing) {
         cold.push_back(1000.0 * ms);
       }
       const double wm = median(warm), cm = median(cold);
-      std::printf("pooled R%d tile16 Lk=%lld: warm median %.1f us (min %.1f, max %.1f, back-to-back mean %.1f), "
+      std::printf("pooled%s R%d tile16 Lk=%lld: warm median %.1f us (min %.1f, max %.1f, back-to-back mean %.1f), "
                   "cold-L2 median %.1f us, host enqueue %.1f us/call\n",
-                  r, static_cast<long long>(Lk), wm, *std::min_element(warm.begin(), warm.end()),
+                  fp32 ? " fp32-screen" : "", r, static_cast<long long>(Lk), wm, *std::min_element(warm.begin(), warm.end()),
                   *std::max_element(warm.begin(), warm.end()), 1000.0 * span_ms / kWarm, cm, host_us);
-      json += std::string(first_entry ? "" : ", ") + "\"R" + std::to_string(r) + " Lk=" + std::to_string(Lk) +
+      json += std::string(first_entry ? "" : ", ") + "\"" + (fp32 ? "fp32-screen " : "") + "R" + std::to_string(r) + " Lk=" + std::to_string(Lk) +
               "\": {\"warm_median\": " + std::to_string(wm) + ", \"cold_median\": " + std::to_string(cm) + "}";
       first_entry = false;
     }

@@ -1,41 +1,41 @@
 // R1 / R4 pooled selector on the GPU (DESIGN §5.7), version 2. The ids equal the CPU reference
 // (src/selectors/pooled.cpp) bit for bit; see common.cuh for why float64 chains in the CPU's order
-// reproduce its doubles. Two kernels on the caller's stream:
+// reproduce its doubles. Two kernels on the caller's stream, the second a programmatic dependent
+// launch of the first:
 //
 //  1. representatives (q and k in one launch): a thread owns one row of means (one head, 128 / r
-//     tokens) and 16 bytes of its columns (8 bf16 / f16 or 4 f32 values), so it runs that many
-//     independent float64 column sums, each over the tokens in order (the CPU's order), and keeps
-//     two batches of 16 rows of 16-byte loads in flight. The means are written in a layout where the
-//     group * r query rows of one (b, group, Q tile) are contiguous. The same launch zeroes the
-//     per-tile counters of kernel 2.
-//  2. scores + top-k: a CTA takes one (b, group, Q tile) and a range of whole KV blocks. It stages
-//     the float32 means in shared memory, forms every representative dot in float32 (a register tile
-//     of 4 x 8 or 4 x 4 dots per thread), and keeps for each block only the pairs that the float32
-//     error bound cannot rule out as the block's maximum; those are evaluated in float64 in the
-//     CPU's order, so each block score is the CPU's double. The last CTA of a tile (an atomic
+//     tokens) and W = 8 (bf16, f16) or 4 (f32) of its columns, loaded 16 bytes at a time, so it runs
+//     W independent float64 column sums, each over the tokens in order (the CPU's order), with two
+//     batches of 16 rows of loads in flight. The float means are written in a layout where the
+//     group * r query rows of one (b, group, Q tile) are contiguous, and beside them an int8 copy
+//     for the screen: A = rint(mean / s) with s = 2^e the smallest power of two with max|mean| <= 127 s
+//     (the row's threads share one warp and reduce with shuffles), s, and L1 = sum |A|. The launch
+//     also zeroes the per-tile counters of kernel 2.
+//  2. scores + top-k: a CTA takes one (b, group, Q tile) and a range of whole KV blocks, stages the
+//     int8 rows in shared memory and forms every representative dot exactly in int32 on the tensor
+//     cores (mma m16n8k32 s8). Per block it keeps only the pairs that the quantisation bound cannot
+//     rule out as the block's maximum and evaluates those in float64 in the CPU's order (from the
+//     float means), so each block score is the CPU's double. The last CTA of a tile (an atomic
 //     counter) ranks the tile's exact block scores with the exact top-k of common.cuh.
 //
-// Screening proof. Let a, b be the float32 mean rows of a counted pair, n = D, u = 2^-24, and
-// S = the float64 chain of the CPU (the exact value we must reproduce), f = the float32 dot computed
-// here (fmaf over d in any order). Every fmaf rounds once: fl(x) = x (1 + δ) + η, |δ| <= u,
-// |η| <= 2^-150 (gradual underflow), so |f - a.b| <= γ_n Σ|a_i b_i| + n 2^-150 (1 + γ_n), with
-// γ_n = n u / (1 - n u); the float64 chain has no underflow (float products are >= 2^-298 in
-// magnitude or zero) and |S - a.b| <= γ'_n Σ|a_i b_i|, γ'_n = n 2^-53 / (1 - n 2^-53). By
-// Cauchy-Schwarz Σ|a_i b_i| <= ||a|| ||b||. N(a) below is an upper bound of ||a|| computed in
-// float32: s = Σ a_i^2 by fmaf (s >= (1 - γ_n) ||a||^2 - n 2^-150, all terms being >= 0), then
-// N = sqrt_rn(s) >= sqrt(s) (1 - u), and N' = ru(ru(N (1 + 2^-10)) + 2^-60) >= ||a|| whenever
-// γ_n <= 2^-11 (n <= 4096; the 2^-60 covers sqrt(n 2^-149)). With err_scale = 2 n u >= γ_n + γ'_n
-// (n <= 4096), e = ru(ru(ru(N'(a) N'(b)) err_scale) + 2^-126) >= |f - S|, rounding upward at every
-// step. Hence lb = rd(f - e) <= S <= ub = ru(f + e). For a block, let Lb = max lb over its counted
-// pairs with finite f and e. The pair p* holding the block's maximum has S(p*) >= S(q) >= lb(q) for
-// every pair q, so ub(p*) >= Lb: evaluating exactly every pair with ub >= Lb, plus every pair whose
-// f or e is not finite (overflow, NaN or infinity in the means: no bound, always evaluated), finds
-// p* and hence the block's exact maximum. A finite f means no partial sum overflowed (infinities do
-// not become finite again), so the bound applies to it. For n > 4096 err_scale is +inf and every
-// pair is evaluated exactly.
+// Screening proof. Let a, b be the float32 mean rows of a counted pair (n = D columns), S the CPU's
+// float64 chain over them (the value to reproduce), and A, B, s_a, s_b their int8 copies and scales:
+// a_i = s_a (A_i + α_i) with |α_i| <= 1/2 (rint of a_i / s_a, which is exact, or below 2^-126 and then
+// rounded to 0), |A_i| <= 127. Then a.b - s_a s_b A.B = s_a s_b Σ (A_i β_i + α_i B_i + α_i β_i), so
+// |a.b - s_a s_b A.B| <= s_a s_b (L1(A) / 2 + L1(B) / 2 + n / 4). The float64 chain has no underflow
+// (float products are 0 or >= 2^-298 in magnitude) and |S - a.b| <= γ'_n Σ|a_i b_i| with
+// γ'_n = n 2^-53 / (1 - n 2^-53) and Σ|a_i b_i| <= s_a s_b n 127.5^2, which is below s_a s_b for
+// n <= 4096. So |S - s_a s_b A.B| <= e = s_a s_b (L1(A) / 2 + L1(B) / 2 + n / 4 + 1). A.B is exact
+// (integer tensor-core arithmetic, |A.B| <= n 127^2 < 2^31); lb = rd(rd(A.B) s_a s_b - e) <= S and
+// ub = ru(ru(A.B) s_a s_b + e) >= S, every step rounded away from S (s in [2^-60, 2^40] keeps all of
+// it in float's normal range). For a block, let Lb = max lb over its counted pairs. The pair p* holding
+// the block's maximum has S(p*) >= S(q) >= lb(q) for every pair q, so ub(p*) >= Lb: evaluating in
+// float64 every pair with ub >= Lb, plus every pair of a row without a scale (NaN or infinity in the
+// means, max|mean| outside [2^-60, 2^40] * 127, or rows too wide to quantise in one warp), finds p*
+// and hence the block's exact maximum; NaN scores rank as -inf as on the CPU.
 //
-// Scratch (means, block scores, counters) is one stream-ordered allocation per call (common.cuh):
-// no host synchronisation, capturable in a CUDA graph.
+// Scratch (means, int8 copies, block scores, counters) is one stream-ordered allocation per call
+// (common.cuh): no host synchronisation, capturable in a CUDA graph.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -43,6 +43,7 @@
 
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
+#include "cuda/selectors/pooled_screen.hpp"
 
 namespace sparse_attn::cuda_backend {
 
@@ -55,13 +56,12 @@ using namespace sel;
 // 64-thread CTAs: the tile16 R1 grid (20480 threads) then spreads over the SMs within 20 % instead of
 // leaving some SMs with twice the rows of others.
 constexpr int kRepThreads = 64;
-// Rows of 16-byte loads per batch; two batches are in flight per thread (loads of the next batch are
-// issued before the adds of the current one).
-constexpr int kRepBatch = 16;
+// Scale exponents that keep A.B s_a s_b and its bound inside float's normal range.
+constexpr int kMinScaleExp = -60, kMaxScaleExp = 40;
 
-// One input tensor's view and where its means go: mean row
-// (((b * (H / G) + h / G) * T + t) * G + h % G) * r + a, of D floats (G = heads per group for q,
-// 1 for k), so the group * r rows of one (b, group, tile) are contiguous.
+// One input tensor's view and where its representatives go: row
+// (((b * (H / G) + h / G) * T + t) * G + h % G) * r + a (G = heads per group for q, 1 for k), so the
+// group * r rows of one (b, group, tile) are contiguous. mean: D floats per row; i8: i8_stride bytes.
 struct RepTensor {
   const void* x;
   std::int64_t sb, sl, sh;  // element strides (d is contiguous)
@@ -69,32 +69,47 @@ struct RepTensor {
   std::int64_t rows;        // B * H * T * r
   std::int64_t ctas;        // CTAs of the grid serving this tensor
   float* mean;
+  signed char* i8;
+  float* scale;             // s, or 0 where the row has no int8 bound
+  float* l1;                // sum |A|
 };
 
 struct RepParams {
   RepTensor t[2];  // q, k
   std::int64_t D, r, span;
-  std::int64_t cols;  // threads per row: D / vector width
+  int cols;        // threads of a row that hold columns: ceil(D / W)
+  int group;       // threads per row: cols rounded up to a power of two
+  bool quantize;   // group <= 32: the row's threads share a warp
+  std::int64_t i8_stride;
   unsigned* counters;
   std::int64_t n_counters;
 };
 
-// Loads of one 16-byte vector (kVec) or one element, and their float values in column order.
+// Loads of W columns of one token: one 16-byte vector (kVec) or W elements, as floats in column order.
 template <In T, bool kVec>
 struct RepIO {
-  static constexpr int kWidth = kVec ? (T == In::f32 ? 4 : 8) : 1;
+  static constexpr int W = T == In::f32 ? 4 : 8;
   static constexpr int kBytes = T == In::f32 ? 4 : 2;
-  using Raw = std::conditional_t<kVec, uint4, float>;
+  // Rows of loads per batch; two batches are in flight per thread.
+  static constexpr int kBatch = kVec ? 16 : 4;
+  struct Raw {
+    std::conditional_t<kVec, uint4, float[W]> v;
+  };
 
-  __device__ static __forceinline__ Raw load(const char* p) {
-    if constexpr (kVec) return __ldg(reinterpret_cast<const uint4*>(p));
-    else return load_elem<T>(p, 0);
-  }
-  __device__ static __forceinline__ void to_float(const Raw& v, float (&f)[kWidth]) {
-    if constexpr (!kVec) {
-      f[0] = v;
+  __device__ static __forceinline__ void load(const char* p, int valid, Raw& r) {
+    if constexpr (kVec) {
+      r.v = __ldg(reinterpret_cast<const uint4*>(p));
     } else {
-      const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < W; ++e) r.v[e] = e < valid ? load_elem<T>(p, e) : 0.0f;
+    }
+  }
+  __device__ static __forceinline__ void to_float(const Raw& r, float (&f)[W]) {
+    if constexpr (!kVec) {
+#pragma unroll
+      for (int e = 0; e < W; ++e) f[e] = r.v[e];
+    } else {
+      const unsigned w[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         if constexpr (T == In::f32) {
@@ -111,10 +126,20 @@ struct RepIO {
   }
 };
 
+// Reductions over the `group` lanes of one row (an aligned power-of-two segment of the warp).
+__device__ __forceinline__ float group_max(float v, unsigned mask, int group) {
+  for (int o = group / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, o));
+  return v;
+}
+__device__ __forceinline__ int group_sum(int v, unsigned mask, int group) {
+  for (int o = group / 2; o > 0; o /= 2) v += __shfl_xor_sync(mask, v, o);
+  return v;
+}
+
 template <In T, bool kVec>
 __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __grid_constant__ RepParams p) {
   using IO = RepIO<T, kVec>;
-  constexpr int V = IO::kWidth, U = kRepBatch;
+  constexpr int W = IO::W, U = IO::kBatch;
   // The scoring kernel may be scheduled as soon as every CTA here has started (programmatic dependent
   // launch); it waits for this grid's completion before it reads anything this grid writes.
   asm volatile("griddepcontrol.launch_dependents;");
@@ -124,9 +149,11 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
   const int which = static_cast<std::int64_t>(blockIdx.x) < p.t[0].ctas ? 0 : 1;
   const RepTensor& x = p.t[which];
   const std::int64_t item = (static_cast<std::int64_t>(blockIdx.x) - (which ? p.t[0].ctas : 0)) * kRepThreads + threadIdx.x;
-  const std::int64_t row = item / p.cols;
-  if (row >= x.rows) return;
-  const std::int64_t col = (item % p.cols) * V;
+  const std::int64_t row = item / p.group;
+  if (row >= x.rows) return;  // whole row groups: a group never straddles CTAs (group divides 64)
+  const int c = static_cast<int>(item % p.group);
+  const std::int64_t col = static_cast<std::int64_t>(c) * W;
+  const int valid = c < p.cols ? static_cast<int>(imin<std::int64_t>(W, p.D - col)) : 0;
   std::int64_t rest = row;
   const std::int64_t a = rest % p.r;
   rest /= p.r;
@@ -138,59 +165,590 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
   const std::int64_t h = (rest % hg) * x.G + hl;
   const std::int64_t b = rest / hg;
   const std::int64_t l0 = t * kTileQ + a * p.span;
-  const std::int64_t n = imin(x.L, l0 + p.span) - l0;
-  float* dst = x.mean + row * p.D + col;
-  if (n <= 0) {  // an absent representative: skipped by the scores, kept defined
+  const std::int64_t n = imin(x.L, l0 + p.span) - l0;  // <= 0: an absent representative
+
+  double acc[W];
 #pragma unroll
-    for (int e = 0; e < V; ++e) dst[e] = 0.0f;
+  for (int e = 0; e < W; ++e) acc[e] = 0.0;
+  if (valid > 0 && n > 0) {
+    const char* base = static_cast<const char*>(x.x) + (b * x.sb + h * x.sh + l0 * x.sl + col) * IO::kBytes;
+    const std::int64_t step = x.sl * IO::kBytes;
+    typename IO::Raw b0[U], b1[U];
+    auto load = [&](typename IO::Raw(&buf)[U], std::int64_t s) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (s + u < n) IO::load(base + (s + u) * step, valid, buf[u]);
+    };
+    // Token order within a column, as the CPU: the batches are added in sequence.
+    auto add = [&](const typename IO::Raw(&buf)[U], std::int64_t s) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (s + u < n) {
+          float f[W];
+          IO::to_float(buf[u], f);
+#pragma unroll
+          for (int e = 0; e < W; ++e) acc[e] += static_cast<double>(f[e]);
+        }
+      }
+    };
+    load(b0, 0);
+    for (std::int64_t s = 0; s < n; s += 2 * U) {
+      load(b1, s + U);
+      add(b0, s);
+      load(b0, s + 2 * U);
+      add(b1, s + U);
+    }
+  }
+  // Absent representatives are skipped by the scores; their means are kept defined (zero).
+  float m[W];
+  const double count = static_cast<double>(n > 0 ? n : 1);
+#pragma unroll
+  for (int e = 0; e < W; ++e) m[e] = e < valid ? __double2float_rn(acc[e] / count) : 0.0f;
+  float* dst = x.mean + row * p.D + col;
+#pragma unroll
+  for (int e = 0; e < W; ++e)
+    if (e < valid) dst[e] = m[e];
+  if (!p.quantize) {
+    if (c == 0) x.scale[row] = 0.0f;
     return;
   }
-  const char* base = static_cast<const char*>(x.x) + (b * x.sb + h * x.sh + l0 * x.sl + col) * IO::kBytes;
-  const std::int64_t step = x.sl * IO::kBytes;
 
-  double acc[V];
+  // int8 copy: the row's `group` threads are consecutive lanes of one warp.
+  const int lane = threadIdx.x % 32;
+  const unsigned mask = p.group == 32 ? 0xffffffffu : ((1u << p.group) - 1u) << (lane & ~(p.group - 1));
+  float amax = 0.0f;
+  bool finite = true;
 #pragma unroll
-  for (int e = 0; e < V; ++e) acc[e] = 0.0;
-  typename IO::Raw b0[U], b1[U];
-  auto load = [&](typename IO::Raw(&buf)[U], std::int64_t s) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (s + u < n) buf[u] = IO::load(base + (s + u) * step);
-  };
-  // Token order within a column, as the CPU: the batches are added in sequence.
-  auto add = [&](const typename IO::Raw(&buf)[U], std::int64_t s) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (s + u < n) {
-        float f[V];
-        IO::to_float(buf[u], f);
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] += static_cast<double>(f[e]);
-      }
-    }
-  };
-  load(b0, 0);
-  for (std::int64_t s = 0; s < n; s += 2 * U) {
-    load(b1, s + U);
-    add(b0, s);
-    load(b0, s + 2 * U);
-    add(b1, s + U);
+  for (int e = 0; e < W; ++e) {
+    amax = fmaxf(amax, fabsf(m[e]));
+    finite = finite && isfinite(m[e]);
   }
-  const double count = static_cast<double>(n);
+  amax = group_max(amax, mask, p.group);
+  finite = __all_sync(mask, finite);
+  float s = 0.0f;  // no bound
+  if (finite) {
+    if (amax == 0.0f) {
+      s = 1.0f;
+    } else {
+      int ex = 0;
+      frexpf(__fdiv_rn(amax, 127.0f), &ex);  // amax / 127 < 2^ex, so |mean| / 2^ex < 127.5
+      if (ex >= kMinScaleExp && ex <= kMaxScaleExp) s = ldexpf(1.0f, ex);
+    }
+  }
+  const float inv = s > 0.0f ? 1.0f / s : 0.0f;  // a power of two: exact
+  unsigned packed[2] = {0u, 0u};
+  int l1 = 0;
 #pragma unroll
-  for (int e = 0; e < V; ++e) dst[e] = __double2float_rn(acc[e] / count);
+  for (int e = 0; e < W; ++e) {
+    const int q = s > 0.0f ? static_cast<int>(rintf(m[e] * inv)) : 0;
+    l1 += abs(q);
+    packed[e / 4] |= (static_cast<unsigned>(q) & 0xffu) << (8 * (e % 4));
+  }
+  l1 = group_sum(l1, mask, p.group);
+  signed char* d8 = x.i8 + row * p.i8_stride + col;
+  if constexpr (W == 8) *reinterpret_cast<uint2*>(d8) = make_uint2(packed[0], packed[1]);
+  else *reinterpret_cast<unsigned*>(d8) = packed[0];
+  if (c == 0) {
+    x.scale[row] = s;
+    x.l1[row] = static_cast<float>(l1);
+  }
 }
 
 // ---- 2. scores and top-k ------------------------------------------------------------------------------
 
+constexpr int kCandCap = 512;          // candidate pairs queued per CTA; a block whose candidates
+                                       // overflow the queue has all its pairs evaluated instead
+constexpr int kMaxRowsPerCta = 512;    // key representative rows per CTA (passes of kKN rows)
+constexpr std::int64_t kNever = LLONG_MAX;  // key position that no query sees
+
+// Tile of one pass: kQM query rows x kKN key rows, 8 warps; warp w computes query rows
+// 16 (w % 4) + [0, 16) against key rows 64 (w / 4) + [0, 64) as 8 mma m16n8k32 column tiles.
+constexpr int kQM = 64, kKN = 128, kThreads = 256;
+// int8 row stride in shared memory: a multiple of 16 bytes that is 4 words modulo 8, so the eight
+// rows of a fragment load fall on distinct banks.
+__host__ __device__ inline int smem_i8_stride(std::int64_t k32) { return static_cast<int>(k32) + 16; }
+
+struct ScoreParams {
+  const float* qmean;  // [jobs, P, D], row h_local * r + a
+  const float* kmean;  // [B * Hkv, Tk * r, D], row j * r + c
+  const signed char* q8;
+  const signed char* k8;
+  const float* qscale;
+  const float* kscale;
+  const float* ql1;
+  const float* kl1;
+  double* scores;      // [jobs, Tk]
+  unsigned* counters;  // [jobs]
+  std::int32_t* idx;
+  std::int64_t is0, is1, is2, is3, kmax;
+  std::int32_t* cnt;
+  std::int64_t cs0, cs1, cs2;
+  std::int64_t Lq, Lk, Hkv, D, Tq, Tk;
+  std::int64_t i8_stride;    // bytes per int8 row in global memory
+  int k32;                   // columns of the int8 tiles: D rounded up to 32
+  int P, r, span, top_k;
+  int chunks, rows_per_cta;  // CTAs per (b, group, tile); key rows per CTA (a multiple of r)
+  float dterm;               // D / 4 + 1 of the bound
+  float err_scale;           // version 2a: 2 D 2^-24, or +inf where its bound is not proved (D > 4096)
+  bool force_local, force_block0, causal;
+};
+
+struct ScoreSmem {
+  std::size_t qlim, kfirst, ekey, q8, k8, qsc, ksc, ql1, kl1, lkey, cand, full, total;
+};
+
+// Shared memory of the scoring phase; the top-k phase reuses it from offset 0.
+__host__ __device__ inline ScoreSmem score_smem(int k32, int nblk) {
+  auto up = [](std::size_t x) { return (x + 15) / 16 * 16; };
+  const std::size_t rs = static_cast<std::size_t>(smem_i8_stride(k32));
+  ScoreSmem s{};
+  std::size_t o = 0;
+  s.qlim = o, o = up(o + kQM * sizeof(long long));
+  s.kfirst = o, o = up(o + kKN * sizeof(long long));
+  s.ekey = o, o = up(o + nblk * sizeof(unsigned long long));
+  s.q8 = o, o = up(o + kQM * rs);
+  s.k8 = o, o = up(o + kKN * rs);
+  s.qsc = o, o = up(o + kQM * sizeof(float));
+  s.ksc = o, o = up(o + kKN * sizeof(float));
+  s.ql1 = o, o = up(o + kQM * sizeof(float));
+  s.kl1 = o, o = up(o + kKN * sizeof(float));
+  s.lkey = o, o = up(o + nblk * sizeof(unsigned));
+  s.cand = o, o = up(o + kCandCap * sizeof(uint2));
+  s.full = o, o = up(o + nblk * sizeof(unsigned));
+  s.total = o;
+  return s;
+}
+
+__host__ __device__ inline std::size_t topk_smem(std::int64_t Tk) {
+  return static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kThreads + 1) * sizeof(int) + 16;
+}
+
+// Order-preserving integer keys of floats / doubles, for atomicMax in shared memory.
+__device__ __forceinline__ unsigned key32(float f) {
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float unkey32(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ unsigned long long key64(double d) {
+  const auto u = static_cast<unsigned long long>(__double_as_longlong(d));
+  return (u >> 63) ? ~u : (u | (1ull << 63));
+}
+__device__ __forceinline__ double unkey64(unsigned long long k) {
+  return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & ~(1ull << 63)) : ~k));
+}
+
+__device__ __forceinline__ void mma_s8(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The CPU's dot_f64: one float64 chain over d in order (products of floats are exact in float64,
+// so the fma rounds as the CPU's multiply and add).
+__device__ __forceinline__ double exact_dot(const float* a, const float* b, std::int64_t n) {
+  double s = 0.0;
+  if ((n & 3) == 0) {
+    const auto* a4 = reinterpret_cast<const float4*>(a);
+    const auto* b4 = reinterpret_cast<const float4*>(b);
+#pragma unroll 4
+    for (std::int64_t d = 0; d < n / 4; ++d) {
+      const float4 x = __ldg(a4 + d), y = __ldg(b4 + d);
+      s = fma(static_cast<double>(x.x), static_cast<double>(y.x), s);
+      s = fma(static_cast<double>(x.y), static_cast<double>(y.y), s);
+      s = fma(static_cast<double>(x.z), static_cast<double>(y.z), s);
+      s = fma(static_cast<double>(x.w), static_cast<double>(y.w), s);
+    }
+  } else {
+    for (std::int64_t d = 0; d < n; ++d) s = fma(static_cast<double>(__ldg(a + d)), static_cast<double>(__ldg(b + d)), s);
+  }
+  return s;
+}
+
+struct CtaView {
+  const float* qrows;   // this job's first query row (float means)
+  const float* krows;   // this (b, group)'s first key row
+  unsigned long long* ekey;
+  std::int64_t blk0;    // first block of the CTA
+};
+
+__device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaView& v, unsigned qrow, unsigned krow) {
+  const double s = exact_dot(v.qrows + static_cast<std::int64_t>(qrow) * p.D, v.krows + static_cast<std::int64_t>(krow) * p.D, p.D);
+  atomicMax(v.ekey + (krow / p.r - v.blk0), key64(sanitize(s)));
+}
+
+// Stages the int8 copies, scales and L1 of query rows [q0, q0 + qrows) of the job and key rows
+// [k0, k0 + krows) of the (b, group), multiplies them on the tensor cores into acc, and fills the
+// pairs' visibility data: qlim = the last key position a query row's group sees (-1 when absent),
+// kfirst = a key row's first position (kNever when it is absent, forced or past the CTA's range).
+// Ends with a barrier.
+__device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L,
+                                                   std::int64_t job, std::int64_t bg, int q0, int qrows, std::int64_t k0,
+                                                   int krows, std::int64_t i_first, std::int64_t local_lo,
+                                                   std::int64_t local_hi, int (&acc)[8][4]) {
+  auto* qlim = reinterpret_cast<long long*>(smem + L.qlim);
+  auto* kfirst = reinterpret_cast<long long*>(smem + L.kfirst);
+  unsigned char* q8 = smem + L.q8;
+  unsigned char* k8 = smem + L.k8;
+  float* qsc = reinterpret_cast<float*>(smem + L.qsc);
+  float* ksc = reinterpret_cast<float*>(smem + L.ksc);
+  float* ql1 = reinterpret_cast<float*>(smem + L.ql1);
+  float* kl1 = reinterpret_cast<float*>(smem + L.kl1);
+  const int tid = threadIdx.x;
+  const std::int64_t offset = p.Lk - p.Lq;
+  const int rs = smem_i8_stride(p.k32);
+
+  __syncthreads();  // the previous pass is done with every staged array
+  const std::int64_t qbase = job * p.P + q0, kbase = bg * p.Tk * p.r + k0;
+  for (int i = tid; i < kQM + kKN; i += kThreads) {
+    if (i < kQM) {
+      long long lim = -1;
+      if (i < qrows) {
+        const int a = (q0 + i) % p.r;
+        const std::int64_t first = i_first + static_cast<std::int64_t>(a) * p.span;
+        const std::int64_t qn = imin(p.Lq, first + p.span) - first;
+        if (qn > 0) lim = p.causal ? first + qn - 1 + offset : kNever - 1;
+        qsc[i] = p.qscale[qbase + i];
+        ql1[i] = p.ql1[qbase + i];
+      }
+      qlim[i] = lim;
+    } else {
+      const int k = i - kQM;
+      long long first_key = kNever;
+      if (k < krows) {
+        const std::int64_t row = k0 + k, j = row / p.r, c = row % p.r;
+        const std::int64_t first = j * kBlockK + c * p.span;
+        const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+        if (!forced && imin(p.Lk, first + p.span) > first) first_key = first;
+        ksc[k] = p.kscale[kbase + k];
+        kl1[k] = p.kl1[kbase + k];
+      }
+      kfirst[k] = first_key;
+    }
+  }
+  // int8 rows, 16 bytes at a time, a batch of loads in flight per thread; columns past D are zero.
+  const int vecs = p.k32 / 16, total = (qrows + krows) * vecs;
+  constexpr int kBatch = 8;
+  for (int base = tid; base < total; base += kBatch * kThreads) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = base + u * kThreads;
+      val[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (e < total) {
+        const int row = e / vecs, v16 = e % vecs;
+        const bool is_q = row < qrows;
+        const std::int64_t grow = is_q ? qbase + row : kbase + (row - qrows);
+        if (v16 * 16 < p.i8_stride)
+          val[u] = __ldg(reinterpret_cast<const uint4*>((is_q ? p.q8 : p.k8) + grow * p.i8_stride) + v16);
+        const int past = v16 * 16 + 16 - static_cast<int>(p.D);  // bytes of this vector beyond column D - 1
+        if (past > 0) {
+          unsigned w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int keep = imax(0, imin(4, 4 - (past - 4 * (3 - i))));  // bytes of word i below column D
+            w[i] = keep >= 4 ? w[i] : keep <= 0 ? 0u : (w[i] & ((1u << (8 * keep)) - 1u));
+          }
+          val[u] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = base + u * kThreads;
+      if (e < total) {
+        const int row = e / vecs, v16 = e % vecs;
+        unsigned char* dst = row < qrows ? q8 + row * rs : k8 + (row - qrows) * rs;
+        reinterpret_cast<uint4*>(dst)[v16] = val[u];
+      }
+    }
+  }
+  __syncthreads();
+
+  const int warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
+  const int mt = warp % 4, nh = warp / 4;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0;
+  if (mt * 16 < qrows && nh * 64 < krows) {  // warp-uniform: mma needs the whole warp
+    const unsigned char* qa = q8 + (mt * 16 + gid) * rs + tq * 4;
+    const unsigned char* kb = k8 + (nh * 64 + gid) * rs + tq * 4;
+    for (int ks = 0; ks < p.k32 / 32; ++ks) {
+      const unsigned a[4] = {*reinterpret_cast<const unsigned*>(qa + ks * 32),
+                             *reinterpret_cast<const unsigned*>(qa + 8 * rs + ks * 32),
+                             *reinterpret_cast<const unsigned*>(qa + ks * 32 + 16),
+                             *reinterpret_cast<const unsigned*>(qa + 8 * rs + ks * 32 + 16)};
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nh * 64 + nt * 8 >= krows) break;
+        const unsigned char* bp = kb + nt * 8 * rs + ks * 32;
+        mma_s8(acc[nt], a, *reinterpret_cast<const unsigned*>(bp), *reinterpret_cast<const unsigned*>(bp + 16));
+      }
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_constant__ ScoreParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int n_queued;
+  __shared__ int is_last;
+  const int nblk = p.rows_per_cta / p.r;
+  const ScoreSmem L = score_smem(p.k32, nblk);
+  const float* qsc = reinterpret_cast<const float*>(smem + L.qsc);
+  const float* ksc = reinterpret_cast<const float*>(smem + L.ksc);
+  const float* ql1 = reinterpret_cast<const float*>(smem + L.ql1);
+  const float* kl1 = reinterpret_cast<const float*>(smem + L.kl1);
+  const auto* qlim = reinterpret_cast<const long long*>(smem + L.qlim);
+  const auto* kfirst = reinterpret_cast<const long long*>(smem + L.kfirst);
+  auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
+  auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
+  auto* full = reinterpret_cast<unsigned*>(smem + L.full);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
+
+  const std::int64_t job = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x % p.chunks;
+  const std::int64_t t = job % p.Tq, bg = job / p.Tq;
+  const std::int64_t offset = p.Lk - p.Lq;
+  const std::int64_t i_first = t * kTileQ;
+  const std::int64_t i_last = imin(p.Lq, i_first + kTileQ) - 1;
+  const std::int64_t n_cand =
+      p.causal ? imax(std::int64_t{0}, imin(p.Tk, (i_last + offset + 1 + kBlockK - 1) / kBlockK)) : p.Tk;
+  // Forced blocks, as the CPU: block 0 and the local block(s); they only matter for j < n_cand.
+  std::int64_t local_lo = -1, local_hi = -2;
+  if (p.force_local) {
+    if (p.causal) {
+      local_lo = imax(i_first + offset, std::int64_t{0}) / kBlockK;
+      local_hi = (i_last + offset) / kBlockK;
+    } else {
+      local_lo = local_hi = imin(i_first * p.Lk / p.Lq / kBlockK, p.Tk - 1);
+    }
+  }
+  const std::int64_t row_begin = static_cast<std::int64_t>(chunk) * p.rows_per_cta;
+  const std::int64_t row_end = imin(row_begin + p.rows_per_cta, n_cand * p.r);
+
+  CtaView v;
+  v.qrows = p.qmean + job * p.P * p.D;
+  v.krows = p.kmean + bg * p.Tk * p.r * p.D;
+  v.ekey = reinterpret_cast<unsigned long long*>(smem + L.ekey);
+  v.blk0 = row_begin / p.r;
+
+  for (int i = tid; i < nblk; i += kThreads) {
+    lkey[i] = key32(-INFINITY);
+    v.ekey[i] = key64(-INFINITY);
+    full[i] = 0u;
+  }
+  if (tid == 0) n_queued = 0;
+  // The representatives and counters come from the previous grid (a no-op without a programmatic launch).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  // (stage_and_multiply starts with a barrier)
+
+  // This thread's pairs: query rows qr(mi) = 16 mt + gid + 8 mi, key rows kr(ni) = 64 nh + 8 (ni / 2) +
+  // 2 tq + ni % 2, dot in acc[ni / 2][2 mi + ni % 2] (the mma accumulator layout).
+  const int mt = warp % 4, nh = warp / 4;
+  const int qchunks = (p.P + kQM - 1) / kQM;
+  for (std::int64_t k0 = row_begin; k0 < row_end; k0 += kKN) {
+    const int krows = static_cast<int>(imin<std::int64_t>(kKN, row_end - k0));
+    // With one query chunk the lower bounds and the test use the same registers; with several, a
+    // first pass collects the lower bounds of every chunk and a second one recomputes and tests.
+    for (int pass = qchunks == 1 ? 1 : 0; pass < 2; ++pass) {
+      for (int qc = 0; qc < qchunks; ++qc) {
+        const int q0 = qc * kQM, qrows = imin(kQM, p.P - q0);
+        int acc[8][4];
+        stage_and_multiply(p, smem, L, job, bg, q0, qrows, k0, krows, i_first, local_lo, local_hi, acc);
+        const bool bounds = pass == 0 || qchunks == 1;
+        float qs[2], qa[2];
+        long long ql[2];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          const int qr = mt * 16 + gid + 8 * mi;
+          const bool in = qr < qrows;
+          qs[mi] = in ? qsc[qr] : 0.0f;
+          qa[mi] = in ? ql1[qr] : 0.0f;
+          ql[mi] = in ? qlim[qr] : -1;
+        }
+#pragma unroll
+        for (int round = 0; round < 2; ++round) {
+          if (round == 0 && !bounds) continue;
+          if (round == 1 && pass == 0) continue;
+          if (round == 1 && qchunks == 1) __syncthreads();  // every lower bound of the pass is in
+#pragma unroll
+          for (int ni = 0; ni < 16; ++ni) {
+            const int kr = nh * 64 + 8 * (ni / 2) + 2 * tq + ni % 2;
+            if (kr >= krows) continue;
+            const long long kf = kfirst[kr];
+            if (kf == kNever) continue;
+            const float ks = ksc[kr], ka = kl1[kr];
+            const int blk = static_cast<int>((k0 + kr) / p.r - v.blk0);
+            const float lb_block = round == 1 ? unkey32(lkey[blk]) : 0.0f;
+            float best = -INFINITY;
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+              if (kf > ql[mi]) continue;
+              const bool bounded = qs[mi] > 0.0f && ks > 0.0f;
+              const int dot = acc[ni / 2][2 * mi + ni % 2];
+              const float ss = qs[mi] * ks;  // powers of two in range: exact
+              const float e = __fmul_ru(ss, __fadd_ru(__fmul_ru(0.5f, __fadd_ru(qa[mi], ka)), p.dterm));
+              if (round == 0) {
+                if (bounded) best = fmaxf(best, __fsub_rd(__fmul_rd(__int2float_rd(dot), ss), e));
+              } else if (!bounded || __fadd_ru(__fmul_ru(__int2float_ru(dot), ss), e) >= lb_block) {
+                const uint2 pair = make_uint2(static_cast<unsigned>(q0 + mt * 16 + gid + 8 * mi), static_cast<unsigned>(k0 + kr));
+                const int slot = atomicAdd(&n_queued, 1);
+                if (slot < kCandCap) cand[slot] = pair;
+                else atomicOr(full + blk, 1u);
+              }
+            }
+            if (round == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
+          }
+        }
+      }
+      if (pass == 0) __syncthreads();
+    }
+    __syncthreads();
+    const int queued = imin(n_queued, kCandCap);
+    for (int i = tid; i < queued; i += kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
+    if (n_queued > kCandCap) {  // near-ties in bulk: the overflowing blocks get every counted pair
+      const std::int64_t r = p.r;
+      for (std::int64_t j = k0 / r; j < (k0 + krows) / r; ++j) {
+        if (!full[j - v.blk0]) continue;
+        for (std::int64_t e = tid; e < p.P * r; e += kThreads) {
+          const std::int64_t qrow = e / r, krow = j * r + e % r;
+          const std::int64_t qfirst = i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
+          const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
+          if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
+          if (p.causal && kfirst_pos > qfirst + qn - 1 + offset) continue;
+          evaluate_pair(p, v, static_cast<unsigned>(qrow), static_cast<unsigned>(krow));
+        }
+      }
+    }
+    __syncthreads();
+    if (tid == 0) n_queued = 0;
+  }
+  __syncthreads();
+
+  // The CTA's block scores: forced +inf, else the exact maximum (-inf where no pair counts).
+  double* scores = p.scores + job * p.Tk;
+  for (std::int64_t j = v.blk0 + tid; j * p.r < row_end; j += kThreads) {
+    const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+    scores[j] = forced ? INFINITY : unkey64(v.ekey[j - v.blk0]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(p.counters + job, 1u) == static_cast<unsigned>(p.chunks - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
+
+  const int n = static_cast<int>(n_cand);
+  auto* sc = reinterpret_cast<double*>(smem);
+  int* part = reinterpret_cast<int*>(sc + p.Tk);
+  auto* flags = reinterpret_cast<unsigned char*>(part + kThreads + 1);
+  for (int j = tid; j < n; j += kThreads) sc[j] = __ldcg(scores + j);
+  __syncthreads();
+  const std::int64_t b = bg / p.Hkv, g = bg % p.Hkv;
+  std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
+  const int c = top_k_ascending(sc, n, p.top_k, flags, part, row, p.is3, p.kmax);
+  if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
+}
+
+// ---- host ---------------------------------------------------------------------------------------------
+
+bool aligned16(const TensorView& x, std::int64_t width) {
+  return reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 && x.stride[0] % width == 0 &&
+         x.stride[1] % width == 0 && x.stride[2] % width == 0 && x.shape[3] % width == 0;
+}
+
+template <In T, bool kVec>
+void launch_reps(const RepParams& p, std::int64_t blocks, cudaStream_t stream) {
+  representatives_kernel<T, kVec><<<static_cast<unsigned>(blocks), kRepThreads, 0, stream>>>(p);
+}
+
+struct RepBuffers {
+  float* mean[2];
+  signed char* i8[2];
+  float* scale[2];
+  float* l1[2];
+};
+
+// Columns per thread (W) and threads per row of the representatives kernel for this dtype and D.
+struct RepLayout {
+  int W, cols, group;
+  bool quantize;
+  std::int64_t i8_stride;
+};
+
+RepLayout rep_layout(DType dtype, std::int64_t D) {
+  RepLayout l{};
+  l.W = dtype == DType::f32 ? 4 : 8;
+  l.cols = static_cast<int>(ceil_div(D, static_cast<std::int64_t>(l.W)));
+  l.group = 1;
+  while (l.group < l.cols && l.group < 64) l.group *= 2;
+  l.quantize = l.group <= 32 && l.cols <= 32;
+  if (!l.quantize) l.group = l.cols;  // no shuffles: any row width, one thread per W columns
+  l.i8_stride = static_cast<std::int64_t>(ceil_div(static_cast<std::int64_t>(l.group) * l.W, std::int64_t{16}) * 16);
+  return l;
+}
+
+void representatives(const TensorView& q, const TensorView& k, std::int64_t r, std::int64_t group, const RepLayout& lay,
+                     const RepBuffers& buf, unsigned* counters, std::int64_t n_counters, cudaStream_t stream) {
+  const In type = in_type(q.dtype);
+  const bool vec = aligned16(q, lay.W) && aligned16(k, lay.W);
+  RepParams p{};
+  p.D = q.shape[3], p.r = r, p.span = kTileQ / r;
+  p.cols = lay.cols, p.group = lay.group, p.quantize = lay.quantize, p.i8_stride = lay.i8_stride;
+  p.counters = counters, p.n_counters = n_counters;
+  const TensorView* xs[2] = {&q, &k};
+  std::int64_t blocks = 0;
+  for (int i = 0; i < 2; ++i) {
+    const TensorView& x = *xs[i];
+    RepTensor& d = p.t[i];
+    d.x = x.data;
+    d.sb = x.stride[0], d.sl = x.stride[1], d.sh = x.stride[2];
+    d.L = x.shape[1], d.H = x.shape[2], d.G = i == 0 ? group : 1, d.T = ceil_div(d.L, kTileQ);
+    d.rows = x.shape[0] * d.H * d.T * r;
+    d.ctas = ceil_div(d.rows * p.group, kRepThreads);
+    d.mean = buf.mean[i], d.i8 = buf.i8[i], d.scale = buf.scale[i], d.l1 = buf.l1[i];
+    blocks += d.ctas;
+  }
+  switch (type) {
+    case In::f32: return vec ? launch_reps<In::f32, true>(p, blocks, stream) : launch_reps<In::f32, false>(p, blocks, stream);
+    case In::f16: return vec ? launch_reps<In::f16, true>(p, blocks, stream) : launch_reps<In::f16, false>(p, blocks, stream);
+    case In::bf16: return vec ? launch_reps<In::bf16, true>(p, blocks, stream) : launch_reps<In::bf16, false>(p, blocks, stream);
+  }
+}
+
+// Key rows per CTA: enough CTAs per tile to fill the resident slots of the GPU once, whole blocks,
+// a multiple of 16 rows, at most kMaxRowsPerCta.
+int rows_per_cta(std::int64_t jobs, std::int64_t rows_total, std::int64_t r, std::int64_t slots) {
+  const std::int64_t want = imax<std::int64_t>(1, slots / imax<std::int64_t>(jobs, 1));
+  std::int64_t rows = ceil_div(rows_total, want);
+  rows = ceil_div(rows, 16) * 16;
+  rows = imin<std::int64_t>(imax<std::int64_t>(rows, 16), kMaxRowsPerCta);
+  return static_cast<int>(ceil_div(rows, r) * r);
+}
+
+// ---- version 2a: the float32 screen on the CUDA cores (kept to compare with the int8 screen) --------
+//
+// Proof of its bound. Let f = the float32 dot (fmaf over d in any order), S the CPU's float64 chain,
+// n = D, u = 2^-24. Every fmaf rounds once: fl(x) = x (1 + δ) + η, |δ| <= u, |η| <= 2^-150 (gradual
+// underflow), so |f - a.b| <= γ_n Σ|a_i b_i| + n 2^-150 (1 + γ_n), γ_n = n u / (1 - n u), and
+// |S - a.b| <= γ'_n Σ|a_i b_i|; Σ|a_i b_i| <= ||a|| ||b|| (Cauchy-Schwarz). N' below bounds ||a||
+// from above: s = Σ a_i^2 by fmaf (s >= (1 - γ_n) ||a||^2 - n 2^-150), N = sqrt_rn(s) >= sqrt(s)(1 - u),
+// N' = ru(ru(N (1 + 2^-10)) + 2^-60) >= ||a|| for n <= 4096. With err_scale = 2 n u >= γ_n + γ'_n,
+// e = ru(ru(ru(N'(a) N'(b)) err_scale) + 2^-126) >= |f - S|; a finite f had no overflow. lb, ub and the
+// block rule then follow as for the int8 screen; for n > 4096 err_scale is +inf (every pair exact).
+namespace fp32_screen {
+
+__host__ __device__ inline std::size_t topk_smem_threads(std::int64_t Tk, int threads) {
+  return static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (threads + 1) * sizeof(int) + 16;
+}
+
 constexpr int kDChunk = 128;             // columns of the means staged in shared memory at a time
 constexpr int kSRow = kDChunk + 4;       // floats per staged row: the 16-byte skew puts float4 reads of
                                          // eight consecutive rows on distinct bank groups
-constexpr int kCandCap = 512;            // candidate pairs queued per CTA; a block whose candidates
-                                         // overflow the queue has all its pairs evaluated instead
-constexpr int kMaxRowsPerCta = 512;      // key representative rows per CTA (passes of KN rows)
 constexpr float kAbsSlack = 1.17549435e-38f;  // 2^-126 >= n 2^-150 (1 + γ_n) for n <= 4096
-constexpr std::int64_t kNever = LLONG_MAX;    // key position that no query sees
 
 // QM query rows x KN key rows of dots per pass; a thread owns TM x TN of them, rows strided by TY
 // (queries) and TX (keys) so that a warp's float4 reads of a column hit distinct rows.
@@ -204,22 +762,6 @@ struct TileCfg {
 using SmallTile = TileCfg<16, 128, 4, 4>;
 // Larger groups (R4 with GQA 16 is 64 rows): 256 threads, 32 dots each.
 using LargeTile = TileCfg<64, 128, 4, 8>;
-
-struct ScoreParams {
-  const float* qmean;  // [jobs, P, D], row h_local * r + a
-  const float* kmean;  // [B * Hkv, Tk * r, D], row j * r + c
-  double* scores;      // [jobs, Tk]
-  unsigned* counters;  // [jobs]
-  std::int32_t* idx;
-  std::int64_t is0, is1, is2, is3, kmax;
-  std::int32_t* cnt;
-  std::int64_t cs0, cs1, cs2;
-  std::int64_t Lq, Lk, Hkv, D, Tq, Tk;
-  int P, r, span, top_k;
-  int chunks, rows_per_cta;  // CTAs per (b, group, tile); key rows per CTA (a multiple of r)
-  float err_scale;           // 2 D 2^-24, or +inf where the bound is not proved (D > 4096)
-  bool force_local, force_block0, causal;
-};
 
 struct ScoreSmem {
   std::size_t qlim, kfirst, ekey, qs, ks, qss, kss, lkey, cand, full, total;
@@ -244,25 +786,6 @@ __host__ __device__ inline ScoreSmem score_smem(int QM, int KN, int nblk) {
   return s;
 }
 
-__host__ __device__ inline std::size_t topk_smem(std::int64_t Tk, int threads) {
-  return static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (threads + 1) * sizeof(int) + 16;
-}
-
-// Order-preserving integer keys of floats / doubles, for atomicMax in shared memory.
-__device__ __forceinline__ unsigned key32(float f) {
-  const unsigned u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float unkey32(unsigned k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-__device__ __forceinline__ unsigned long long key64(double d) {
-  const auto u = static_cast<unsigned long long>(__double_as_longlong(d));
-  return (u >> 63) ? ~u : (u | (1ull << 63));
-}
-__device__ __forceinline__ double unkey64(unsigned long long k) {
-  return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & ~(1ull << 63)) : ~k));
-}
 
 // N'(row) of the proof from the float32 sum of squares.
 __device__ __forceinline__ float norm_bound(float sumsq) {
@@ -270,39 +793,6 @@ __device__ __forceinline__ float norm_bound(float sumsq) {
 }
 __device__ __forceinline__ float screen_error(float na, float nb, float scale) {
   return __fadd_ru(__fmul_ru(__fmul_ru(na, nb), scale), kAbsSlack);
-}
-
-// The CPU's dot_f64: one float64 chain over d in order (products of floats are exact in float64,
-// so the fma rounds as the CPU's multiply and add).
-__device__ double exact_dot(const float* a, const float* b, std::int64_t n) {
-  double s = 0.0;
-  if ((n & 3) == 0) {
-    const auto* a4 = reinterpret_cast<const float4*>(a);
-    const auto* b4 = reinterpret_cast<const float4*>(b);
-#pragma unroll 4
-    for (std::int64_t d = 0; d < n / 4; ++d) {
-      const float4 x = __ldg(a4 + d), y = __ldg(b4 + d);
-      s = fma(static_cast<double>(x.x), static_cast<double>(y.x), s);
-      s = fma(static_cast<double>(x.y), static_cast<double>(y.y), s);
-      s = fma(static_cast<double>(x.z), static_cast<double>(y.z), s);
-      s = fma(static_cast<double>(x.w), static_cast<double>(y.w), s);
-    }
-  } else {
-    for (std::int64_t d = 0; d < n; ++d) s = fma(static_cast<double>(__ldg(a + d)), static_cast<double>(__ldg(b + d)), s);
-  }
-  return s;
-}
-
-struct CtaView {
-  const float* qrows;   // this job's first query row
-  const float* krows;   // this (b, group)'s first key row
-  unsigned long long* ekey;
-  std::int64_t blk0;    // first block of the CTA
-};
-
-__device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaView& v, unsigned qrow, unsigned krow) {
-  const double s = exact_dot(v.qrows + static_cast<std::int64_t>(qrow) * p.D, v.krows + static_cast<std::int64_t>(krow) * p.D, p.D);
-  atomicMax(v.ekey + (krow / p.r - v.blk0), key64(sanitize(s)));
 }
 
 // Stages query rows [q0, q0 + qrows) of the job and key rows [k0, k0 + krows) of the (b, group) in
@@ -578,58 +1068,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
   if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
 }
 
-// ---- host ---------------------------------------------------------------------------------------------
-
-bool aligned16(const TensorView& x, std::int64_t width) {
-  return reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 && x.stride[0] % width == 0 &&
-         x.stride[1] % width == 0 && x.stride[2] % width == 0 && x.shape[3] % width == 0;
-}
-
-template <In T, bool kVec>
-void launch_reps(const RepParams& p, std::int64_t blocks, cudaStream_t stream) {
-  representatives_kernel<T, kVec><<<static_cast<unsigned>(blocks), kRepThreads, 0, stream>>>(p);
-}
-
-void representatives(const TensorView& q, const TensorView& k, std::int64_t r, std::int64_t group, float* qmean,
-                     float* kmean, unsigned* counters, std::int64_t n_counters, cudaStream_t stream) {
-  const In type = in_type(q.dtype);
-  const std::int64_t width = type == In::f32 ? 4 : 8;
-  const bool vec = aligned16(q, width) && aligned16(k, width);
-  RepParams p{};
-  p.D = q.shape[3], p.r = r, p.span = kTileQ / r;
-  p.cols = vec ? p.D / width : p.D;
-  p.counters = counters, p.n_counters = n_counters;
-  const TensorView* xs[2] = {&q, &k};
-  float* means[2] = {qmean, kmean};
-  std::int64_t blocks = 0;
-  for (int i = 0; i < 2; ++i) {
-    const TensorView& x = *xs[i];
-    RepTensor& d = p.t[i];
-    d.x = x.data;
-    d.sb = x.stride[0], d.sl = x.stride[1], d.sh = x.stride[2];
-    d.L = x.shape[1], d.H = x.shape[2], d.G = i == 0 ? group : 1, d.T = ceil_div(d.L, kTileQ);
-    d.rows = x.shape[0] * d.H * d.T * r;
-    d.ctas = ceil_div(d.rows * p.cols, kRepThreads);
-    d.mean = means[i];
-    blocks += d.ctas;
-  }
-  switch (type) {
-    case In::f32: return vec ? launch_reps<In::f32, true>(p, blocks, stream) : launch_reps<In::f32, false>(p, blocks, stream);
-    case In::f16: return vec ? launch_reps<In::f16, true>(p, blocks, stream) : launch_reps<In::f16, false>(p, blocks, stream);
-    case In::bf16: return vec ? launch_reps<In::bf16, true>(p, blocks, stream) : launch_reps<In::bf16, false>(p, blocks, stream);
-  }
-}
-
-// Key rows per CTA: enough CTAs per tile to fill the resident slots of the GPU once, whole blocks,
-// a multiple of 16 rows (so thread tiles stay full), at most kMaxRowsPerCta.
-int rows_per_cta(std::int64_t jobs, std::int64_t rows_total, std::int64_t r, std::int64_t slots) {
-  const std::int64_t want = imax<std::int64_t>(1, slots / imax<std::int64_t>(jobs, 1));
-  std::int64_t rows = ceil_div(rows_total, want);
-  rows = ceil_div(rows, 16) * 16;
-  rows = imin<std::int64_t>(imax<std::int64_t>(rows, 16), kMaxRowsPerCta);
-  return static_cast<int>(ceil_div(rows, r) * r);
-}
-
 template <class C>
 void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, cudaStream_t stream) {
   const std::int64_t rows_total = p.Tk * p.r;
@@ -637,7 +1075,7 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   int per_sm = 1;
   {
     const ScoreSmem guess = score_smem(C::QM, C::KN, kMaxRowsPerCta / p.r);
-    const std::size_t bytes = std::max(guess.total, topk_smem(p.Tk, C::kThreads));
+    const std::size_t bytes = std::max(guess.total, topk_smem_threads(p.Tk, C::kThreads));
     if (bytes <= static_cast<std::size_t>(max_smem)) {
       check_cuda(cudaFuncSetAttribute(pooled_score_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
                  op, "cudaFuncSetAttribute");
@@ -649,7 +1087,7 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   p.rows_per_cta = rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
   p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
   const ScoreSmem L = score_smem(C::QM, C::KN, p.rows_per_cta / p.r);
-  const std::size_t smem = std::max(L.total, topk_smem(p.Tk, C::kThreads));
+  const std::size_t smem = std::max(L.total, topk_smem_threads(p.Tk, C::kThreads));
   if (smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
                              " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
@@ -672,9 +1110,55 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   check_cuda(cudaLaunchKernelEx(&cfg, pooled_score_kernel<C>, p), op, "scoring launch");
 }
 
+
+}  // namespace fp32_screen
+
+void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, cudaStream_t stream) {
+  const std::int64_t rows_total = p.Tk * p.r;
+  int per_sm = 1;
+  {  // the slot count assumes the largest scoring footprint; it only steers the split
+    const std::size_t bytes = std::max(score_smem(p.k32, kMaxRowsPerCta / p.r).total, topk_smem(p.Tk));
+    if (bytes <= static_cast<std::size_t>(max_smem)) {
+      check_cuda(cudaFuncSetAttribute(pooled_score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+                 op, "cudaFuncSetAttribute");
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pooled_score_kernel, kThreads, bytes), op,
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      per_sm = std::max(per_sm, 1);
+    }
+  }
+  p.rows_per_cta = rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
+  p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
+  const std::size_t smem = std::max(score_smem(p.k32, p.rows_per_cta / p.r).total, topk_smem(p.Tk));
+  if (smem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
+                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
+  const std::int64_t grid = jobs * p.chunks;
+  if (grid > INT_MAX)
+    throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
+  check_cuda(cudaFuncSetAttribute(pooled_score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+             op, "cudaFuncSetAttribute");
+  // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, pooled_score_kernel, p), op, "scoring launch");
+}
+
 }  // namespace
 
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o) {
+  pooled_select(q, k, out, o, PooledScreen::int8_tensor_cores);
+}
+
+void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o,
+                   PooledScreen screen) {
   const std::string op = "pooled_select";
   const std::int64_t B = q.shape[0], Lq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
   const std::int64_t Lk = k.shape[1], Hkv = k.shape[2];
@@ -693,32 +1177,57 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device_index), op, "cudaDeviceGetAttribute");
 
-  const std::size_t qm = align_up(static_cast<std::size_t>(B * Hq * Tq * r * D) * sizeof(float));
-  const std::size_t km = align_up(static_cast<std::size_t>(B * Hkv * Tk * r * D) * sizeof(float));
-  const std::size_t sc = align_up(static_cast<std::size_t>(jobs * Tk) * sizeof(double));
-  const std::size_t ct = align_up(static_cast<std::size_t>(jobs) * sizeof(unsigned));
-  StreamScratch scratch(qm + km + sc + ct, stream, op);
-  float* qmean = scratch.as<float>(0);
-  float* kmean = scratch.as<float>(qm);
-  auto* scores = scratch.as<double>(qm + km);
-  auto* counters = scratch.as<unsigned>(qm + km + sc);
-  representatives(q, k, r, group, qmean, kmean, counters, jobs, stream);
+  const RepLayout lay = rep_layout(q.dtype, D);
+  const std::int64_t rows[2] = {B * Hq * Tq * r, B * Hkv * Tk * r};
+  std::size_t offsets[9]{}, total = 0;
+  auto carve = [&](std::size_t bytes) {
+    const std::size_t at = total;
+    total += align_up(bytes);
+    return at;
+  };
+  for (int i = 0; i < 2; ++i) {
+    offsets[4 * i + 0] = carve(static_cast<std::size_t>(rows[i] * D) * sizeof(float));
+    offsets[4 * i + 1] = carve(static_cast<std::size_t>(rows[i] * lay.i8_stride));
+    offsets[4 * i + 2] = carve(static_cast<std::size_t>(rows[i]) * sizeof(float));
+    offsets[4 * i + 3] = carve(static_cast<std::size_t>(rows[i]) * sizeof(float));
+  }
+  const std::size_t at_scores = carve(static_cast<std::size_t>(jobs * Tk) * sizeof(double));
+  const std::size_t at_counters = carve(static_cast<std::size_t>(jobs) * sizeof(unsigned));
+  StreamScratch scratch(total, stream, op);
+  RepBuffers buf{};
+  for (int i = 0; i < 2; ++i) {
+    buf.mean[i] = scratch.as<float>(offsets[4 * i + 0]);
+    buf.i8[i] = scratch.as<signed char>(offsets[4 * i + 1]);
+    buf.scale[i] = scratch.as<float>(offsets[4 * i + 2]);
+    buf.l1[i] = scratch.as<float>(offsets[4 * i + 3]);
+  }
+  auto* scores = scratch.as<double>(at_scores);
+  auto* counters = scratch.as<unsigned>(at_counters);
+  representatives(q, k, r, group, lay, buf, counters, jobs, stream);
   check_cuda(cudaGetLastError(), op, "representatives launch");
 
   ScoreParams p{};
-  p.qmean = qmean, p.kmean = kmean, p.scores = scores, p.counters = counters;
+  p.qmean = buf.mean[0], p.kmean = buf.mean[1];
+  p.q8 = buf.i8[0], p.k8 = buf.i8[1];
+  p.qscale = buf.scale[0], p.kscale = buf.scale[1];
+  p.ql1 = buf.l1[0], p.kl1 = buf.l1[1];
+  p.scores = scores, p.counters = counters;
   p.idx = out.idx.ptr<std::int32_t>();
   p.is0 = out.idx.stride[0], p.is1 = out.idx.stride[1], p.is2 = out.idx.stride[2], p.is3 = out.idx.stride[3];
   p.kmax = out.idx.shape[3];
   p.cnt = out.cnt.ptr<std::int32_t>();
   p.cs0 = out.cnt.stride[0], p.cs1 = out.cnt.stride[1], p.cs2 = out.cnt.stride[2];
   p.Lq = Lq, p.Lk = Lk, p.Hkv = Hkv, p.D = D, p.Tq = Tq, p.Tk = Tk;
+  // Rows that are not quantised have scale 0 (every pair exact); their tiles are then never read.
+  p.i8_stride = lay.i8_stride;
+  p.k32 = lay.quantize ? static_cast<int>(ceil_div(D, std::int64_t{32}) * 32) : 32;
   p.P = static_cast<int>(P), p.r = static_cast<int>(r), p.span = static_cast<int>(kTileQ / r), p.top_k = o.top_k;
+  p.dterm = static_cast<float>(D) / 4.0f + 1.0f;
   p.err_scale = D <= 4096 ? 2.0f * static_cast<float>(D) * 0x1p-24f : INFINITY;
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
-  if (P <= SmallTile::QM) launch_scores<SmallTile>(op, p, jobs, max_smem, sms, stream);
-  else launch_scores<LargeTile>(op, p, jobs, max_smem, sms, stream);
-  check_cuda(cudaGetLastError(), op, "scoring launch");
+  if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, stream);
+  else if (P <= fp32_screen::SmallTile::QM) fp32_screen::launch_scores<fp32_screen::SmallTile>(op, p, jobs, max_smem, sms, stream);
+  else fp32_screen::launch_scores<fp32_screen::LargeTile>(op, p, jobs, max_smem, sms, stream);
 }
 
 }  // namespace sparse_attn::cuda_backend

@@ -1,0 +1,20 @@
+// Internal to the CUDA pooled selector (pooled.cu): its two screens, for the GPU tests and timings
+// that compare them. The public pooled_select runs the int8 tensor-core screen.
+#pragma once
+
+#include "sparse_attn/formats.hpp"
+#include "sparse_attn/selectors.hpp"
+#include "sparse_attn/tensor.hpp"
+
+namespace sparse_attn::cuda_backend {
+
+enum class PooledScreen {
+  int8_tensor_cores,  // version 2b: int8 copies of the means, exact integer dots on mma.sync
+  fp32,               // version 2a: float32 dots on the CUDA cores
+};
+
+/// cuda_backend::pooled_select with an explicit screen; arguments as checked by the front end.
+void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& options,
+                   PooledScreen screen);
+
+}  // namespace sparse_attn::cuda_backend
