@@ -45,14 +45,15 @@ import torch
 BLOCK = 128
 SCHEDULE_CODES = {"kv_centric": 0, "group_centric": 1}
 STAT_NAMES = ["tiles", "queries", "query_blocks", "tile_union", "max_tile_union", "selected_pairs",
-              "blocks_per_query", "union_per_tile", "neighbour_overlap", "union_utilisation"]
+              "blocks_per_query", "union_per_tile", "neighbour_overlap", "union_utilisation",
+              "group_ctas", "group_cta_union", "union_per_group_cta"]  # the order sa_plan_query writes
 ALL_PARTS = ["query16of32", "query-long", "tile16", "sweep16", "sweeplong"]
 DEVICE = "cuda"
 # Sweep points per shape. A tile's union grows as about 16 + (Tk - 16) (1 - exp(-128 * 16 f / (Tk - 16))):
 # with 32 blocks it is all of them by f = 0.03, with 256 blocks it reaches 150 near f = 0.1, so the
 # points sit where the union moves.
 SWEEP_F = {"sweep16": [0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.2, 1.0],
-           "sweeplong": [0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]}
+           "sweeplong": [0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0]}
 SWEEP_F_QUICK = {"sweep16": [0.0, 0.002, 0.01, 1.0], "sweeplong": [0.0, 0.05, 0.2, 1.0]}
 # (name, B, Hq, Hkv, Lq, Lk) of DESIGN §7; the sweeps run on the two query shapes, tile16 at Lk = 16K.
 SHAPES = {"query16of32": ("query16of32", 8, 16, 1, 4096, 4096),
@@ -182,7 +183,8 @@ def plan(lib, pb, lists, bf16_partials=False):
     lib.check(lib.plan(host.data_ptr(), *pb.dims(), 0, pb.K, int(bf16_partials), est, stats, choice, len(choice),
                        reason, len(reason), e, len(e)))
     out = {"choice": choice.value.decode(), "reason": reason.value.decode(),
-           "est_ms": {"q_centric": est[0], "kv_centric": est[1]}, "stats": dict(zip(STAT_NAMES, list(stats)))}
+           "est_ms": {"q_centric": est[0], "kv_centric": est[1]},
+           "stats": {k: x for k, x in zip(STAT_NAMES, list(stats)) if not math.isnan(x)}}
     if not math.isnan(est[2]):
         out["est_ms"]["group_centric"] = est[2]
     return out
@@ -575,7 +577,7 @@ def crossover(points, a, b, times=lambda p: p["times_ms"]):
     """f where schedules a and b take equal time, by linear interpolation of ln(t_a / t_b) between the
     neighbouring sweep points whose winner differs; None when one schedule wins everywhere."""
     pts = [(p["f"], times(p).get(a), times(p).get(b)) for p in points]
-    pts = [(f, x, y) for f, x, y in pts if x and y]
+    pts = [(f, x, y) for f, x, y in pts if x and y and math.isfinite(x) and math.isfinite(y)]
     found = []
     for (f0, a0, b0), (f1, a1, b1) in zip(pts, pts[1:]):
         r0, r1 = math.log(a0 / b0), math.log(a1 / b1)
@@ -889,15 +891,16 @@ def markdown(paths):
         if rows:
             print("\nData for the cost model (per configuration: counts from selection_stats, measured ms, and the "
                   "per-unit times they imply):\n")
-            print("| configuration | group | tile_union | query_blocks | tile_sparse ms | ns per (head, tile, block) "
-                  "visit | kv ms | ns per (query, head, slot) row | group ms |")
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("| configuration | group | tile_union | query_blocks | group_cta_union | tile_sparse ms | ns per "
+                  "(head, tile, block) visit | kv ms | ns per (query, head, slot) row | group-centric ms |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for r in rows:
                 st, t = r["plan"]["stats"], r["times_ms"]
                 g = r["shape"]["Hq"] // r["shape"]["Hkv"]
                 visits, rws = st["tile_union"] * g, st["query_blocks"] * g
                 tq, kv = t.get("q_centric_tile_only"), t.get("kv_centric")
                 print(f"| {r['label']} | {g} | {st['tile_union']:.0f} | {st['query_blocks']:.0f} | "
+                      f"{fmt(st.get('group_cta_union'), 0, 0).strip()} | "
                       f"{fmt(tq, 0).strip()} | {fmt(tq * 1e6 / visits if tq else None, 0, 2).strip()} | "
                       f"{fmt(kv, 0).strip()} | {fmt(kv * 1e6 / rws if kv else None, 0, 3).strip()} | "
                       f"{fmt(t.get('group_centric'), 0).strip()} |")

@@ -391,6 +391,16 @@ double group_centric_estimate(const Estimate& e) {
   }
 }
 
+// Statistics of the group-centric CTAs, where the planner computes them (NaN otherwise).
+template <class Stats>
+void group_cta_stats(const Stats& st, double* out) {
+  if constexpr (requires { st.group_ctas; st.group_cta_union; st.union_per_group_cta; }) {
+    out[0] = double(st.group_ctas), out[1] = double(st.group_cta_union), out[2] = st.union_per_group_cta;
+  } else {
+    out[0] = out[1] = out[2] = NAN;
+  }
+}
+
 void copy_text(const std::string& text, char* buf, int len) {
   if (buf && len > 0) {
     const std::size_t n = std::min<std::size_t>(text.size(), static_cast<std::size_t>(len - 1));
@@ -518,7 +528,8 @@ extern "C" int sa_query_lists_to_tile_lists(std::int32_t* idx, std::int64_t B, s
 /// The planner on host lists. est receives the estimated ms of q_centric, kv_centric and group_centric
 /// (NaN for a schedule the planner does not estimate); stats receives tiles, queries, query_blocks,
 /// tile_union, max_tile_union, selected_pairs, blocks_per_query, union_per_tile, neighbour_overlap,
-/// union_utilisation; choice the chosen schedule's name; reason the planner's one-line reason.
+/// union_utilisation, group_ctas, group_cta_union, union_per_group_cta (13 values; NaN for those the
+/// planner does not compute); choice the chosen schedule's name; reason the planner's one-line reason.
 extern "C" int sa_plan_query(std::int32_t* idx, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq,
                              std::int64_t Hkv, std::int64_t D, int causal, std::int64_t Kq, int bf16_partials,
                              double* est, double* stats, char* choice, int choice_len, char* reason, int reason_len,
@@ -537,6 +548,7 @@ extern "C" int sa_plan_query(std::int32_t* idx, std::int64_t B, std::int64_t Lq,
                              st.blocks_per_query,       st.union_per_tile,         st.neighbour_overlap,
                              st.union_utilisation};
     std::copy(std::begin(values), std::end(values), stats);
+    group_cta_stats(st, stats + std::size(values));
     copy_text(sa::schedule_name(e.schedule), choice, choice_len);
     copy_text(e.reason, reason, reason_len);
     return 0;
