@@ -27,7 +27,7 @@ semantics (each query sees its tile's union). Implementations with the per-query
 compared with each other on the full output, and kv_centric twice with itself (bitwise).
 
 Usage: python3 bench_query.py --lib libsa_bench.so [--json PATH] [--quick] [--parts LIST] [--no-flex]
-                              [--sweep-f F,F,...] [--reps N] [--inner N] [--budget-s S] [--print-json]
+                              [--sweep-f F,F,...] [--reps N] [--inner N] [--warm N] [--budget-s S] [--print-json]
        python3 bench_query.py --selftest        (CPU only: list generators, union, block mask, references)
 """
 import argparse
@@ -667,6 +667,7 @@ def main():
     ap.add_argument("--sweep-f", help="comma list of overlap fractions f (default depends on --quick)")
     ap.add_argument("--reps", type=int, help="timing samples (median taken); default 15, 5 with --quick")
     ap.add_argument("--inner", type=int, help="calls per timing sample; default 5, 2 with --quick")
+    ap.add_argument("--warm", type=int, help="warm-up calls before timing; default 5, 2 with --quick")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip parts that start after this many seconds")
     ap.add_argument("--selftest", action="store_true", help="CPU checks of the generators and the block mask")
     ap.add_argument("--markdown", nargs="+", metavar="JSON",
@@ -700,11 +701,11 @@ def main():
     ctx = Context()
     ctx.lib = Lib(args.lib)
     ctx.timer = Timer(2, 5, 2) if args.quick else Timer(5, 15, 5)
-    for name in ("reps", "inner"):
+    for name in ("reps", "inner", "warm"):
         n = getattr(args, name)
         if n is not None:
-            if n < 1:
-                ap.error(f"--{name} must be at least 1, got {n}")
+            if n < (0 if name == "warm" else 1):
+                ap.error(f"--{name} must be at least {0 if name == 'warm' else 1}, got {n}")
             setattr(ctx.timer, name, n)
     ctx.no_flex = args.no_flex
     ctx.cpu_gen = torch.Generator().manual_seed(7)
@@ -809,11 +810,12 @@ def main():
 # ---- markdown report of saved results --------------------------------------------------------------
 
 def load_results(path):
-    """Result dicts of a JSON file, or of every JSON-BEGIN/END block of a log."""
+    """Result dicts of a JSON file (one run, or {"runs": [...]}), or of every JSON-BEGIN/END block of a log."""
     with open(path) as fh:
         text = fh.read()
     if "JSON-BEGIN" not in text:
-        return [json.loads(text)]
+        data = json.loads(text)
+        return data["runs"] if "runs" in data else [data]
     out, lines = [], text.splitlines()
     for i, line in enumerate(lines):
         if line.strip() == "JSON-BEGIN" and i + 1 < len(lines):
