@@ -451,4 +451,27 @@ TEST(PooledGpu, Timing) {
   cudaFree(flush);
 }
 
+// A few calls per variant at Lk = 16K for a profiler (ncu) to time each kernel alone; skipped like Timing.
+TEST(PooledGpu, ProfileTile16) {
+  POOLED_SKIP_WITHOUT_GPU();
+  const char* env = std::getenv("SPARSE_ATTN_TIMING");
+  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to run the profiling calls";
+  const std::int64_t B = 2, Lq = 4096, Lk = 16384, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
+  const Input q = make_input(sa::DType::bf16, B, Lq, Hq, D, 901), k = make_input(sa::DType::bf16, B, Lk, Hkv, D, 902);
+  DevCopy dq(q.buf), dk(k.buf);
+  sa::HostTensor gidx(sa::DType::i32, {B, Hkv, Tq, top_k}), gcnt(sa::DType::i32, {B, Hkv, Tq});
+  DevCopy didx(gidx), dcnt(gcnt);
+  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
+                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
+  const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
+  for (auto screen : {sa::cuda_backend::PooledScreen::int8_tensor_cores, sa::cuda_backend::PooledScreen::fp32}) {
+    for (int r : {1, 4}) {
+      sa::PooledOptions o;
+      o.representatives = r, o.top_k = static_cast<int>(top_k);
+      for (int i = 0; i < 2; ++i) sa::cuda_backend::pooled_select(qv, kv, out, o, screen);
+    }
+  }
+  cuda_ok(cudaDeviceSynchronize(), "profile calls");
+}
+
 }  // namespace
