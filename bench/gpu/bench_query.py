@@ -49,6 +49,7 @@ STAT_NAMES = ["tiles", "queries", "query_blocks", "tile_union", "max_tile_union"
               "group_ctas", "group_cta_union", "union_per_group_cta"]  # the order sa_plan_query writes
 ALL_PARTS = ["query16of32", "query-long", "tile16", "sweep16", "sweeplong"]
 DEVICE = "cuda"
+PARTIAL_TIMES = {"kv_reverse_index", "kv_attention", "kv_combine", "q_centric_host_conversion"}
 # Sweep points per shape. A tile's union grows as about 16 + (Tk - 16) (1 - exp(-128 * 16 f / (Tk - 16))):
 # with 32 blocks it is all of them by f = 0.03, with 256 blocks it reaches 150 near f = 0.1, so the
 # points sit where the union moves.
@@ -610,7 +611,7 @@ def print_summary(res):
         print(f"{r['label']}: union/tile {r['plan']['stats']['union_per_tile']:.1f}, "
               f"overlap {r['plan']['stats']['neighbour_overlap']:.3f}")
         for name in sorted(t, key=t.get):
-            sp = f" x{dense / t[name]:.2f}" if dense else ""
+            sp = f" x{dense / t[name]:.2f}" if dense and name not in PARTIAL_TIMES else ""
             ok = r["verify"].get(name, {}).get("ok")
             v = "" if ok is None else (" ok" if ok else " VERIFY-FAILED")
             print(f"  {name:26s} {t[name]:9.3f} ms{sp}{v}")
@@ -843,8 +844,9 @@ def markdown(paths):
                 v = ver.get(name, {})
                 chk = (f"{'ok' if v['ok'] else 'FAILED'} {v['relerr']:.2e} ({v['plain_relerr']:.2e})" if "ok" in v
                        else (f"vs our dense {v['relerr_vs_dense_ours']:.2e}" if "relerr_vs_dense_ours" in v else ""))
-                sp = f"{dense / t[name]:.2f}" if dense else "-"
-                tf = r.get("useful_tflops", {}).get(name)
+                part = name in PARTIAL_TIMES  # a phase of a schedule: no speed-up or useful rate of its own
+                sp = f"{dense / t[name]:.2f}" if dense and not part else "-"
+                tf = None if part else r.get("useful_tflops", {}).get(name)
                 gqa = f" ({r['sdpa_gqa'][name]} GQA)" if name in r.get("sdpa_gqa", {}) else ""
                 print(f"| {name}{gqa} | {t[name]:.3f} | {sp} | {tf:.0f} | {chk} |" if tf else
                       f"| {name}{gqa} | {t[name]:.3f} | {sp} | - | {chk} |")
