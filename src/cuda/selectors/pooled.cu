@@ -39,6 +39,9 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <type_traits>
 
 #include "cuda/selectors/backend.hpp"
@@ -320,7 +323,46 @@ __host__ __device__ inline ScoreSmem score_smem(int k32, int nblk) {
 }
 
 __host__ __device__ inline std::size_t topk_smem(std::int64_t Tk) {
-  return static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kThreads + 1) * sizeof(int) + 16;
+  return static_cast<std::size_t>(Tk) * sizeof(double) + 64 * sizeof(int);
+}
+
+// Exact top-k of the tile, block-wide: scores[0, n) in shared memory (sanitised), candidate id = index.
+// Writes the best min(k, n) ids ascending to row[s * stride] for s < width, pads with -1, returns the
+// count. A candidate is kept iff fewer than k candidates rank before it (the CPU's order is total, so
+// the set is the CPU's); kept ids are placed by warp ballots, so ascending order costs two barriers per
+// blockDim candidates instead of common.cuh's serial scan over the threads. warp_kept: one int per warp.
+__device__ int tile_top_k(const double* scores, int n, int k, int* warp_kept, std::int32_t* row, std::int64_t stride,
+                          std::int64_t width) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
+  int written = 0;  // the same in every thread
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int j = base + tid;
+    bool keep = false;
+    if (j < n) {
+      if (k >= n) {
+        keep = true;
+      } else {
+        const double sj = scores[j];
+        int before = 0;
+        for (int o = 0; o < n && before < k; ++o) before += ranks_before(scores[o], o, sj, j) ? 1 : 0;
+        keep = before < k;
+      }
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0) warp_kept[warp] = __popc(ballot);
+    __syncthreads();
+    int offset = 0, total = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int c = warp_kept[w];
+      offset += w < warp ? c : 0;
+      total += c;
+    }
+    if (keep) row[static_cast<std::int64_t>(written + offset + __popc(ballot & ((1u << lane) - 1u))) * stride] = j;
+    written += total;
+    __syncthreads();  // warp_kept is reused by the next chunk
+  }
+  for (std::int64_t s = written + tid; s < width; s += blockDim.x) row[s * stride] = -1;
+  return written;
 }
 
 // Order-preserving integer keys of floats / doubles, for atomicMax in shared memory.
@@ -374,7 +416,15 @@ struct CtaView {
 };
 
 __device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaView& v, unsigned qrow, unsigned krow) {
-  const double s = exact_dot(v.qrows + static_cast<std::int64_t>(qrow) * p.D, v.krows + static_cast<std::int64_t>(krow) * p.D, p.D);
+  const float* a = v.qrows + static_cast<std::int64_t>(qrow) * p.D;
+  const float* b = v.krows + static_cast<std::int64_t>(krow) * p.D;
+  // Every line of both rows requested at once: the chain below then waits for one round trip to L2,
+  // not one per unrolled step.
+  for (std::int64_t d = 0; d < p.D; d += 32) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(a + d));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(b + d));
+  }
+  const double s = exact_dot(a, b, p.D);
   atomicMax(v.ekey + (krow / p.r - v.blk0), key64(sanitize(s)));
 }
 
@@ -643,13 +693,12 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
 
   const int n = static_cast<int>(n_cand);
   auto* sc = reinterpret_cast<double*>(smem);
-  int* part = reinterpret_cast<int*>(sc + p.Tk);
-  auto* flags = reinterpret_cast<unsigned char*>(part + kThreads + 1);
+  int* warp_kept = reinterpret_cast<int*>(sc + p.Tk);
   for (int j = tid; j < n; j += kThreads) sc[j] = __ldcg(scores + j);
   __syncthreads();
   const std::int64_t b = bg / p.Hkv, g = bg % p.Hkv;
   std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
-  const int c = top_k_ascending(sc, n, p.top_k, flags, part, row, p.is3, p.kmax);
+  const int c = tile_top_k(sc, n, p.top_k, warp_kept, row, p.is3, p.kmax);
   if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
 }
 
@@ -719,6 +768,48 @@ void representatives(const TensorView& q, const TensorView& k, std::int64_t r, s
   }
 }
 
+// Per-device facts of a kernel that do not change between calls, queried once: at tile16 sizes the
+// queries cost more host time than the kernels take on the GPU.
+struct KernelFacts {
+  std::size_t smem_limit = 0;          // dynamic shared memory the kernel is allowed (attribute set)
+  std::map<std::size_t, int> resident;  // resident CTAs per SM by dynamic shared-memory bytes
+};
+
+// Raises the kernel's dynamic shared-memory limit to `bytes` where needed and returns its resident
+// CTAs per SM at `bytes`.
+int prepare_kernel(const std::string& op, const void* fn, int device, int threads, std::size_t bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, KernelFacts> facts;
+  const std::lock_guard<std::mutex> lock(mu);
+  KernelFacts& f = facts[{fn, device}];
+  if (bytes > f.smem_limit) {
+    check_cuda(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), op,
+               "cudaFuncSetAttribute");
+    f.smem_limit = bytes;
+  }
+  auto it = f.resident.find(bytes);
+  if (it == f.resident.end()) {
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, bytes), op,
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    it = f.resident.emplace(bytes, std::max(n, 1)).first;
+  }
+  return it->second;
+}
+
+int multiprocessors(const std::string& op, int device) {
+  static std::mutex mu;
+  static std::map<int, int> count;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = count.find(device);
+  if (it == count.end()) {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), op, "cudaDeviceGetAttribute");
+    it = count.emplace(device, sms).first;
+  }
+  return it->second;
+}
+
 // Key rows per CTA: enough CTAs per tile to fill the resident slots of the GPU once, whole blocks,
 // a multiple of 16 rows, at most kMaxRowsPerCta.
 int rows_per_cta(std::int64_t jobs, std::int64_t rows_total, std::int64_t r, std::int64_t slots) {
@@ -741,9 +832,7 @@ int rows_per_cta(std::int64_t jobs, std::int64_t rows_total, std::int64_t r, std
 // block rule then follow as for the int8 screen; for n > 4096 err_scale is +inf (every pair exact).
 namespace fp32_screen {
 
-__host__ __device__ inline std::size_t topk_smem_threads(std::int64_t Tk, int threads) {
-  return static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (threads + 1) * sizeof(int) + 16;
-}
+__host__ __device__ inline std::size_t topk_smem_threads(std::int64_t Tk, int) { return topk_smem(Tk); }
 
 constexpr int kDChunk = 128;             // columns of the means staged in shared memory at a time
 constexpr int kSRow = kDChunk + 4;       // floats per staged row: the 16-byte skew puts float4 reads of
@@ -1058,32 +1147,23 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
 
   const int n = static_cast<int>(n_cand);
   auto* sc = reinterpret_cast<double*>(smem);
-  int* part = reinterpret_cast<int*>(sc + p.Tk);
-  auto* flags = reinterpret_cast<unsigned char*>(part + C::kThreads + 1);
+  int* warp_kept = reinterpret_cast<int*>(sc + p.Tk);
   for (int j = tid; j < n; j += C::kThreads) sc[j] = __ldcg(scores + j);
   __syncthreads();
   const std::int64_t b = bg / p.Hkv, g = bg % p.Hkv;
   std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
-  const int c = top_k_ascending(sc, n, p.top_k, flags, part, row, p.is3, p.kmax);
+  const int c = tile_top_k(sc, n, p.top_k, warp_kept, row, p.is3, p.kmax);
   if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
 }
 
 template <class C>
-void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, cudaStream_t stream) {
+void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, int device,
+                   cudaStream_t stream) {
   const std::int64_t rows_total = p.Tk * p.r;
-  // The slot count assumes the scoring footprint; it only steers the split.
-  int per_sm = 1;
-  {
-    const ScoreSmem guess = score_smem(C::QM, C::KN, kMaxRowsPerCta / p.r);
-    const std::size_t bytes = std::max(guess.total, topk_smem_threads(p.Tk, C::kThreads));
-    if (bytes <= static_cast<std::size_t>(max_smem)) {
-      check_cuda(cudaFuncSetAttribute(pooled_score_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-                 op, "cudaFuncSetAttribute");
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pooled_score_kernel<C>, C::kThreads, bytes), op,
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-      per_sm = std::max(per_sm, 1);
-    }
-  }
+  // The slot count assumes the largest scoring footprint; it only steers the split.
+  const void* fn = reinterpret_cast<const void*>(pooled_score_kernel<C>);
+  const std::size_t guess = std::max(score_smem(C::QM, C::KN, kMaxRowsPerCta / p.r).total, topk_smem_threads(p.Tk, C::kThreads));
+  const int per_sm = guess <= static_cast<std::size_t>(max_smem) ? prepare_kernel(op, fn, device, C::kThreads, guess) : 1;
   p.rows_per_cta = rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
   p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
   const ScoreSmem L = score_smem(C::QM, C::KN, p.rows_per_cta / p.r);
@@ -1094,8 +1174,7 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   const std::int64_t grid = jobs * p.chunks;
   if (grid > INT_MAX)
     throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
-  check_cuda(cudaFuncSetAttribute(pooled_score_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-             op, "cudaFuncSetAttribute");
+  prepare_kernel(op, fn, device, C::kThreads, smem);
   // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -1113,19 +1192,13 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
 
 }  // namespace fp32_screen
 
-void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, cudaStream_t stream) {
+void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, int device,
+                   cudaStream_t stream) {
   const std::int64_t rows_total = p.Tk * p.r;
-  int per_sm = 1;
-  {  // the slot count assumes the largest scoring footprint; it only steers the split
-    const std::size_t bytes = std::max(score_smem(p.k32, kMaxRowsPerCta / p.r).total, topk_smem(p.Tk));
-    if (bytes <= static_cast<std::size_t>(max_smem)) {
-      check_cuda(cudaFuncSetAttribute(pooled_score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-                 op, "cudaFuncSetAttribute");
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pooled_score_kernel, kThreads, bytes), op,
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-      per_sm = std::max(per_sm, 1);
-    }
-  }
+  // The slot count assumes the largest scoring footprint; it only steers the split.
+  const void* fn = reinterpret_cast<const void*>(pooled_score_kernel);
+  const std::size_t guess = std::max(score_smem(p.k32, kMaxRowsPerCta / p.r).total, topk_smem(p.Tk));
+  const int per_sm = guess <= static_cast<std::size_t>(max_smem) ? prepare_kernel(op, fn, device, kThreads, guess) : 1;
   p.rows_per_cta = rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
   p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
   const std::size_t smem = std::max(score_smem(p.k32, p.rows_per_cta / p.r).total, topk_smem(p.Tk));
@@ -1135,8 +1208,7 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   const std::int64_t grid = jobs * p.chunks;
   if (grid > INT_MAX)
     throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
-  check_cuda(cudaFuncSetAttribute(pooled_score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-             op, "cudaFuncSetAttribute");
+  prepare_kernel(op, fn, device, kThreads, smem);
   // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
@@ -1174,8 +1246,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   if (P > INT_MAX / 2 || Tk * r > INT_MAX / 2)
     throw Error(op, "q", "group * r = " + std::to_string(P) + " or Tk * r = " + std::to_string(Tk * r) +
                              " exceed the CUDA selector's row indices");
-  int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device_index), op, "cudaDeviceGetAttribute");
+  const int sms = multiprocessors(op, q.device_index);
 
   const RepLayout lay = rep_layout(q.dtype, D);
   const std::int64_t rows[2] = {B * Hq * Tq * r, B * Hkv * Tk * r};
@@ -1225,9 +1296,9 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   p.dterm = static_cast<float>(D) / 4.0f + 1.0f;
   p.err_scale = D <= 4096 ? 2.0f * static_cast<float>(D) * 0x1p-24f : INFINITY;
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
-  if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, stream);
-  else if (P <= fp32_screen::SmallTile::QM) fp32_screen::launch_scores<fp32_screen::SmallTile>(op, p, jobs, max_smem, sms, stream);
-  else fp32_screen::launch_scores<fp32_screen::LargeTile>(op, p, jobs, max_smem, sms, stream);
+  if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, q.device_index, stream);
+  else if (P <= fp32_screen::SmallTile::QM) fp32_screen::launch_scores<fp32_screen::SmallTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
+  else fp32_screen::launch_scores<fp32_screen::LargeTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
 }
 
 }  // namespace sparse_attn::cuda_backend
