@@ -342,6 +342,24 @@ TEST(TokenMaxGpu, IndexDimLimitIsAnError) {
   }
 }
 
+// One call per precision at the tile16 shape, Lk = 16K (TileLists), for a profiler (ncu) to time each
+// kernel; runs only with SPARSE_ATTN_PROFILE=1.
+TEST(TokenMaxGpu, ProfileOnce) {
+  SKIP_WITHOUT_GPU();
+  const char* env = std::getenv("SPARSE_ATTN_PROFILE");
+  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_PROFILE=1 to run under a profiler";
+  const std::int64_t B = 2, Lq = 4096, Lk = 16384, Di = 128, Tq = sa::ceil_div(Lq, sa::kTileQ);
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 21);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 22);
+  Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, 16})), dcnt(poisoned_i32({B, 1, Tq}));
+  for (auto prec : kPrecisions) {
+    sa::TokenMaxOptions o;
+    o.top_k = 16, o.precision = prec, o.causal = false;
+    sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+  }
+  cuda_ok(cudaDeviceSynchronize(), "profile");
+}
+
 // Device time per call of `fn` (on `stream`): 3 warm-ups, then `iters` calls queued back to back with an
 // event between neighbours, so the host's launch work overlaps the device as in a real pipeline.
 template <class Fn>
