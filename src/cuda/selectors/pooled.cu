@@ -451,6 +451,47 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigne
 
   __syncthreads();  // the previous pass is done with every staged array
   const std::int64_t qbase = job * p.P + q0, kbase = bg * p.Tk * p.r + k0;
+  // int8 rows, 16 bytes at a time, a batch of loads in flight per thread (the first batch also
+  // overlaps the row data below); columns past D are zero.
+  const int vecs = p.k32 / 16, total = (qrows + krows) * vecs;
+  constexpr int kBatch = 8;
+  uint4 val[kBatch];
+  auto load_batch = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = base + u * kThreads;
+      val[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (e < total) {
+        const int row = e / vecs, v16 = e % vecs;
+        const bool is_q = row < qrows;
+        const std::int64_t grow = is_q ? qbase + row : kbase + (row - qrows);
+        if (v16 * 16 < p.i8_stride)
+          val[u] = __ldg(reinterpret_cast<const uint4*>((is_q ? p.q8 : p.k8) + grow * p.i8_stride) + v16);
+      }
+    }
+  };
+  auto store_batch = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = base + u * kThreads;
+      if (e < total) {
+        const int row = e / vecs, v16 = e % vecs;
+        const int past = v16 * 16 + 16 - static_cast<int>(p.D);  // bytes of this vector beyond column D - 1
+        if (past > 0) {
+          unsigned w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int keep = imax(0, imin(4, 4 - (past - 4 * (3 - i))));  // bytes of word i below column D
+            w[i] = keep >= 4 ? w[i] : keep <= 0 ? 0u : (w[i] & ((1u << (8 * keep)) - 1u));
+          }
+          val[u] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        unsigned char* dst = row < qrows ? q8 + row * rs : k8 + (row - qrows) * rs;
+        reinterpret_cast<uint4*>(dst)[v16] = val[u];
+      }
+    }
+  };
+  load_batch(tid);
   for (int i = tid; i < kQM + kKN; i += kThreads) {
     if (i < kQM) {
       long long lim = -1;
@@ -477,42 +518,10 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigne
       kfirst[k] = first_key;
     }
   }
-  // int8 rows, 16 bytes at a time, a batch of loads in flight per thread; columns past D are zero.
-  const int vecs = p.k32 / 16, total = (qrows + krows) * vecs;
-  constexpr int kBatch = 8;
-  for (int base = tid; base < total; base += kBatch * kThreads) {
-    uint4 val[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = base + u * kThreads;
-      val[u] = make_uint4(0u, 0u, 0u, 0u);
-      if (e < total) {
-        const int row = e / vecs, v16 = e % vecs;
-        const bool is_q = row < qrows;
-        const std::int64_t grow = is_q ? qbase + row : kbase + (row - qrows);
-        if (v16 * 16 < p.i8_stride)
-          val[u] = __ldg(reinterpret_cast<const uint4*>((is_q ? p.q8 : p.k8) + grow * p.i8_stride) + v16);
-        const int past = v16 * 16 + 16 - static_cast<int>(p.D);  // bytes of this vector beyond column D - 1
-        if (past > 0) {
-          unsigned w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int keep = imax(0, imin(4, 4 - (past - 4 * (3 - i))));  // bytes of word i below column D
-            w[i] = keep >= 4 ? w[i] : keep <= 0 ? 0u : (w[i] & ((1u << (8 * keep)) - 1u));
-          }
-          val[u] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = base + u * kThreads;
-      if (e < total) {
-        const int row = e / vecs, v16 = e % vecs;
-        unsigned char* dst = row < qrows ? q8 + row * rs : k8 + (row - qrows) * rs;
-        reinterpret_cast<uint4*>(dst)[v16] = val[u];
-      }
-    }
+  store_batch(tid);
+  for (int base = tid + kBatch * kThreads; base < total; base += kBatch * kThreads) {
+    load_batch(base);
+    store_batch(base);
   }
   __syncthreads();
 
