@@ -497,7 +497,9 @@ __global__ void __launch_bounds__(kRankThreads) decide_kernel(const RankParams p
 }
 
 struct RescoreParams {
-  IndexSrc q, k;  // the inputs; their dequantised values are recomputed (group_values)
+  IndexSrc q, k;  // the inputs; fp4 values (and any with a zero scale) are recomputed (group_values)
+  const __nv_bfloat16* qc;  // codes [B, Lq, Hkv, Dp]: bf16 and fp8 values are fl(code * scale), as prepared
+  const __nv_bfloat16* kc;  // [B, Lk, Hk, Dp]
   In qt, kt;
   int prec;
   const unsigned int* amax;  // [2]: qidx, kidx
@@ -524,6 +526,7 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
   const int tid = threadIdx.x;
   const unsigned int count = *p.count;
   const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
+  const bool from_codes = p.prec != static_cast<int>(Prec::fp4) && sq != 0.0f && sk != 0.0f;
   for (unsigned int item = blockIdx.x; item < count; item += gridDim.x) {
     const int2 it = p.queue[item];
     const std::int64_t row = it.x, j = it.y / kChunksPerTile, chunk = it.y % kChunksPerTile;
@@ -534,7 +537,19 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
     const std::int64_t qn = imin<std::int64_t>(QC, s.Lq - qa);
     const std::int64_t k0 = j * kBlockK, nk = imin<std::int64_t>(kBlockK, s.Lk - k0);
     __syncthreads();  // the previous item's readers are done with kb and qs
-    const std::int64_t ng = (s.Di + kGroup - 1) / kGroup;
+    if (from_codes) {
+      // value = fl(code * scale) exactly as prepare_kernel computed it (scale 1 for bf16: the code itself).
+      for (std::int64_t e = tid; e < (nk + qn) * s.Di; e += kRescoreThreads) {
+        const std::int64_t r = e / s.Di, d = e % s.Di;
+        if (r < nk) {
+          kb[r * ks + d] = __fmul_rn(__bfloat162float(p.kc[((b * s.Lk + k0 + r) * s.Hk + hk) * s.Dp + d]), sk);
+        } else {
+          const std::int64_t rq = r - nk;
+          qs[rq * s.Di + d] = __fmul_rn(__bfloat162float(p.qc[((b * s.Lq + qa + rq) * s.Hkv + g) * s.Dp + d]), sq);
+        }
+      }
+    }
+    const std::int64_t ng = from_codes ? 0 : (s.Di + kGroup - 1) / kGroup;
     for (std::int64_t e = tid; e < (nk + qn) * ng; e += kRescoreThreads) {
       const std::int64_t r = e / ng, d0 = (e % ng) * kGroup;
       const int cnt = static_cast<int>(imin<std::int64_t>(kGroup, s.Di - d0));
@@ -753,8 +768,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   decide_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
   mark(3);
 
-  RescoreParams xp{index_src(qidx), index_src(kidx), sel::in_type(qidx.dtype), sel::in_type(kidx.dtype), rp.prec,
-                   words, rp.exact, rp.count, rp.queue, s};
+  RescoreParams xp{index_src(qidx), index_src(kidx), scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc),
+                   sel::in_type(qidx.dtype), sel::in_type(kidx.dtype), rp.prec, words, rp.exact, rp.count, rp.queue, s};
   const std::int64_t rgrid = imin<std::int64_t>(2 * static_cast<std::int64_t>(sms), cap);
   rescore_kernel<kTiles><<<static_cast<unsigned>(imax<std::int64_t>(1, rgrid)), kRescoreThreads, rs_smem, stream>>>(xp);
   mark(4);
