@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cuda/atomic>
 
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
@@ -474,6 +475,9 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   for (int u = 0; u < un.n; ++u) {
     if (((un.masks[u] >> qq) & 1u) == 0u) continue;
     full[u].wait(0);
+    // Lanes leave the spin (and the release below) independently; ldmatrix and mma.sync are
+    // warp-collective, so the warp reconverges before them.
+    __syncwarp();
     const std::uint32_t kb = stages_addr + (u % S::kStages) * static_cast<std::uint32_t>(S::kStage);
     const std::uint32_t vb = kb + static_cast<std::uint32_t>(S::kHalf);
     attend_block<T, D>(
@@ -484,15 +488,19 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
         [&](int key, int chunk) {
           return vb + (chunk / 8) * static_cast<std::uint32_t>(S::kBox) + key * 128 + (((chunk % 8) ^ sw) * 16);
         });
-    // Release the stage: this warp's reads of block u are done; the last warp out refills it.
+    // Release the stage: this warp's reads of block u are done; the last warp out refills it. The
+    // acq_rel count orders every consumer's reads before the refill; the proxy fence orders them
+    // before the TMA (async proxy) write.
+    fence_async_shared();
     __syncwarp();
     if (lane == 0) {
-      __threadfence_block();
-      if (atomicSub(remaining + u, 1) == 1) {
-        __threadfence_block();
+      ::cuda::atomic_ref<int, ::cuda::thread_scope_block> left(remaining[u]);
+      if (left.fetch_sub(1, ::cuda::memory_order_acq_rel) == 1) {
+        fence_async_shared();
         if (u + S::kStages < un.n) issue(u + S::kStages);
       }
     }
+    __syncwarp();
   }
   store_out<T, D>(p, c, w, i, ht);
 }
