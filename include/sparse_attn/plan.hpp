@@ -90,6 +90,7 @@ const char* schedule_name(Schedule s);
 struct SelectionStats {
   std::int64_t tiles = 0;            // (b, group, Q tile) triples
   std::int64_t queries = 0;          // (b, group, query) triples
+  std::int64_t list_slots = 0;       // queries * Kq: the entries a conversion to TileLists walks
   std::int64_t query_blocks = 0;     // selected visible (b, group, query, block) entries
   std::int64_t tile_union = 0;       // sum over tiles of the size of the union of its queries' lists
   std::int64_t max_tile_union = 0;   // largest union of one tile
@@ -114,14 +115,15 @@ struct SelectionStats {
 struct CostModel {
   double q_visit_ns_d128 = 14.6;    // one (query head, Q tile, KV block) visit of tile_sparse, D = 128
   double q_visit_ns_d64 = 10.1;     // the same at D = 64
-  double q_fixed_us = 10.0;         // conversion to TileLists and launch
+  double q_fixed_us = 360.0;        // device lists to the host and TileLists back, launches
+  double q_slot_ns = 2.5;           // host conversion to TileLists per list slot
   double kv_row_block_ns = 0.846;   // attention of one (query, head, slot) against one block, D = 128
   double kv_bytes_per_ns = 4270.0;  // HBM rate for the partials written and read back (4.27 TB/s)
   double kv_slot_ns = 0.37;         // reverse index work per (query, slot)
   double kv_fixed_us = 15.0;        // five launches of the KV-centric pipeline
-  double g_tile_block_ns_d128 = 2.0;   // one (query, 16-head tile, KV block) of the group-centric kernel, D = 128
-  double g_tile_block_ns_d64 = 1.1;    // the same at D = 64
-  double g_l2_bytes_per_ns = 6000.0;   // rate at which CTAs stream K/V blocks from L2 (6 TB/s)
+  double g_tile_block_ns_d128 = 2.83;  // one (query, 16-head tile, KV block) of the group-centric kernel, D = 128
+  double g_tile_block_ns_d64 = 1.6;    // the same at D = 64 (scaled, not measured)
+  double g_l2_bytes_per_ns = 4560.0;   // rate at which CTAs stream K/V blocks from L2 (4.56 TB/s)
   double g_fixed_us = 5.0;             // one launch
 };
 

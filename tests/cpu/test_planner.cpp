@@ -110,6 +110,7 @@ sa::SelectionStats brute_force(const sa::HostTensor& idx, const sa::ProblemShape
   }
   s.neighbour_overlap = pairs ? overlap / double(pairs) : 1.0;
   s.union_utilisation = util_den > 0 ? double(s.query_blocks) / util_den : 1.0;
+  s.list_slots = p.B * p.Hkv * p.Lq * kq;
   // Group-centric CTAs: runs of 16 / ceil(G / 16) queries of one (b, group).
   const std::int64_t cq = 16 / ((p.group_size() + 15) / 16);
   for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg)
@@ -128,6 +129,7 @@ sa::SelectionStats brute_force(const sa::HostTensor& idx, const sa::ProblemShape
 void expect_stats_equal(const sa::SelectionStats& got, const sa::SelectionStats& ref, const sa::ProblemShape& p) {
   EXPECT_EQ(got.tiles, p.B * p.Hkv * p.Tq());
   EXPECT_EQ(got.queries, p.B * p.Hkv * p.Lq);
+  EXPECT_EQ(got.list_slots, ref.list_slots);
   EXPECT_EQ(got.query_blocks, ref.query_blocks);
   EXPECT_EQ(got.tile_union, ref.tile_union);
   EXPECT_EQ(got.max_tile_union, ref.max_tile_union);
@@ -167,23 +169,29 @@ TEST(Planner, StatsMatchBruteForce) {
   }
 }
 
-TEST(Planner, IdenticalListsInATilePickQCentric) {
-  const auto p = shape(1, 4096, 4096, 16, 1, 128, false);
-  sa::HostTensor idx(sa::DType::i32, {1, 1, p.Lq, 16});
+// The 128 queries of each Q tile share one list and G = 4: Q-centric visits only the shared blocks
+// for its 4 heads and pays the conversion per slot; group-centric computes the same blocks in
+// m16 tiles three quarters padding, and KV-centric writes a partial per (query, head, block).
+TEST(Planner, IdenticalListsInATileWithSmallGroupsPickQCentric) {
+  const auto p = shape(4, 32768, 32768, 8, 2, 128, false);
+  sa::HostTensor idx(sa::DType::i32, {p.B, p.Hkv, p.Lq, 8});
   std::mt19937_64 rng(3);
-  for (std::int64_t t = 0; t < p.Tq(); ++t) {
-    std::vector<std::int32_t> all(static_cast<std::size_t>(p.Tk()));
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    for (std::int64_t i = t * 128; i < (t + 1) * 128; ++i)
-      std::copy(all.begin(), all.begin() + 16, idx.data<std::int32_t>() + i * 16);
-  }
+  std::vector<std::int32_t> all(static_cast<std::size_t>(p.Tk()));
+  for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg)
+    for (std::int64_t t = 0; t < p.Tq(); ++t) {
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      for (std::int64_t i = t * 128; i < (t + 1) * 128; ++i)
+        std::copy(all.begin(), all.begin() + 8, idx.data<std::int32_t>() + (bg * p.Lq + i) * 8);
+    }
   const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p);
   EXPECT_EQ(e.schedule, sa::Schedule::q_centric) << e.reason;
-  EXPECT_DOUBLE_EQ(e.stats.union_per_tile, 16.0);
+  EXPECT_DOUBLE_EQ(e.stats.union_per_tile, 8.0);
   EXPECT_GT(e.stats.neighbour_overlap, 0.99);
   EXPECT_NEAR(e.stats.union_utilisation, 1.0, 1e-12);
-  EXPECT_GT(e.kv_centric_ms, 2.0 * e.q_centric_ms) << e.reason;
+  EXPECT_EQ(e.stats.list_slots, p.B * p.Hkv * p.Lq * 8);
+  EXPECT_GT(e.group_centric_ms, 1.1 * e.q_centric_ms) << e.reason;
+  EXPECT_GT(e.kv_centric_ms, 1.4 * e.q_centric_ms) << e.reason;
 }
 
 TEST(Planner, IndependentListsOverManyBlocksPickKVCentric) {
