@@ -84,7 +84,7 @@ struct ScreenParams {
   const __nv_bfloat16* kc;  // [B, Lk, Hk, Dp]
   float* out;               // QueryLists [B, Hkv, Lq, Tk]; TileLists [B, Hkv, Tq, Tk]
   Shape s;
-  std::int64_t per_split;   // KV blocks per CTA
+  std::int64_t per_split;   // mma.sync: KV blocks per CTA (grid z); wgmma: (tile, block) units per CTA
 };
 
 std::size_t screen_smem(std::int64_t Dp) {
@@ -214,6 +214,9 @@ std::size_t screen_wg_smem(std::int64_t Dp) {
   return static_cast<std::size_t>(3 * (wg_width(Dp) / 64) * kWgHalfBytes) + 1024 + 16 * sizeof(float);
 }
 
+// Persistent: CTA c owns the units [c U, (c + 1) U) of the (Q tile, KV block) sequence, tile-major, so it
+// streams one or two runs of consecutive blocks; a run reloads its Q tile (the pipeline drains between
+// runs). One wave of CTAs: no tail of partial waves, one Q load per run.
 template <bool kTiles, int kHalves>
 __global__ void __launch_bounds__(kScreenThreads, 2) screen_wgmma_kernel(const ScreenParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -224,16 +227,8 @@ __global__ void __launch_bounds__(kScreenThreads, 2) screen_wgmma_kernel(const S
   unsigned char* qs = smem;
   unsigned char* kst = smem + tile_bytes;
   auto* red = reinterpret_cast<float*>(smem + 3 * tile_bytes);
-
-  const std::int64_t t = blockIdx.x, bg = blockIdx.y, b = bg / s.Hkv, g = bg % s.Hkv;
-  const std::int64_t hk = s.Hk == 1 ? 0 : g;
-  const std::int64_t i0 = t * kTileQ, i_hi = imin(s.Lq, i0 + kTileQ) - 1;
-  const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;
-  const std::int64_t j_begin = blockIdx.z * p.per_split, j_end = imin(jmax, j_begin + p.per_split);
-  if (j_begin >= j_end) return;
-
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = tid / 128, w = warp % 4;
-  const int chunks = halves * 8;  // 16-byte chunks of a (padded) row
+  constexpr int chunks = halves * 8;  // 16-byte chunks of a (padded) row
   const int valid_chunks = static_cast<int>(s.Dp) / 8;
   auto load_tile = [&](unsigned char* dst, const __nv_bfloat16* src_rows, std::int64_t first, std::int64_t limit,
                        std::int64_t row_stride) {
@@ -245,76 +240,90 @@ __global__ void __launch_bounds__(kScreenThreads, 2) screen_wgmma_kernel(const S
       cp_async16(d, src_rows + (valid ? row : 0) * row_stride + (valid ? c * 8 : 0), valid);
     }
   };
-  // Row l of (b, head) starts at ((b * L + l) * H + head) * Dp: a row stride of H * Dp from the first.
-  const __nv_bfloat16* qbase = p.qc + ((b * s.Lq) * s.Hkv + g) * s.Dp;
-  const __nv_bfloat16* kbase = p.kc + ((b * s.Lk) * s.Hk + hk) * s.Dp;
-  load_tile(qs, qbase, i0, s.Lq, s.Hkv * s.Dp);
-  load_tile(kst, kbase, j_begin * kBlockK, s.Lk, s.Hk * s.Dp);
-  cp_async_commit();
 
-  constexpr int ksteps = halves * 4;
-  for (std::int64_t j = j_begin; j < j_end; ++j) {
-    const int stage = static_cast<int>((j - j_begin) & 1);
-    if (j + 1 < j_end) {
-      load_tile(kst + (stage ^ 1) * tile_bytes, kbase, (j + 1) * kBlockK, s.Lk, s.Hk * s.Dp);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+  const std::int64_t units = s.B * s.Hkv * s.Tq * s.Tk;
+  const std::int64_t u_end = imin(units, (static_cast<std::int64_t>(blockIdx.x) + 1) * p.per_split);
+  for (std::int64_t u = static_cast<std::int64_t>(blockIdx.x) * p.per_split; u < u_end;) {
+    const std::int64_t tile = u / s.Tk, run_end = imin(u_end, (tile + 1) * s.Tk);
+    const std::int64_t t = tile % s.Tq, bg = tile / s.Tq, b = bg / s.Hkv, g = bg % s.Hkv;
+    const std::int64_t hk = s.Hk == 1 ? 0 : g;
+    const std::int64_t i0 = t * kTileQ, i_hi = imin(s.Lq, i0 + kTileQ) - 1;
+    const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of the tile sees
+    const std::int64_t j_begin = u - tile * s.Tk, j_end = imin(jmax, run_end - tile * s.Tk);
+    u = run_end;
+    if (j_begin >= j_end) continue;
 
-    float d[64];
-    const std::uint32_t a_base = smem_addr(qs) + wg * 64 * 128, b_base = smem_addr(kst + stage * tile_bytes);
-    cuda_kernels::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < ksteps; ++kk) {
-      const std::uint32_t off = (kk / 4) * kWgHalfBytes + (kk % 4) * 32;
-      cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d, cuda_kernels::make_desc_sw128(a_base + off, 16, 1024),
-                                                     cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
-    }
-    cuda_kernels::wgmma_commit();
-    cuda_kernels::wgmma_wait<0>();
-    cuda_kernels::fence_operands(d);
+    // Row l of (b, head) starts at ((b * L + l) * H + head) * Dp: a row stride of H * Dp from the first.
+    const __nv_bfloat16* qbase = p.qc + ((b * s.Lq) * s.Hkv + g) * s.Dp;
+    const __nv_bfloat16* kbase = p.kc + ((b * s.Lk) * s.Hk + hk) * s.Dp;
+    load_tile(qs, qbase, i0, s.Lq, s.Hkv * s.Dp);
+    load_tile(kst, kbase, j_begin * kBlockK, s.Lk, s.Hk * s.Dp);
+    cp_async_commit();
 
-    // d[4 c + e]: row 16 w + lane / 4 + 8 (e / 2) of the warpgroup's 64, key 8 c + 2 (lane % 4) + e % 2.
-    const std::int64_t k0 = j * kBlockK;
-    float m[2];
-    for (int h = 0; h < 2; ++h) {
-      const int r = wg * 64 + 16 * w + lane / 4 + 8 * h;
-      const std::int64_t i = i0 + r;
-      const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
-      float v = -INFINITY;
-      if (lim >= kBlockK) {
-        for (int c = 0; c < 16; ++c) v = fmaxf(v, fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]));
+    constexpr int ksteps = halves * 4;
+    for (std::int64_t j = j_begin; j < j_end; ++j) {
+      const int stage = static_cast<int>((j - j_begin) & 1);
+      if (j + 1 < j_end) {
+        load_tile(kst + (stage ^ 1) * tile_bytes, kbase, (j + 1) * kBlockK, s.Lk, s.Hk * s.Dp);
+        cp_async_commit();
+        cp_async_wait<1>();
       } else {
-        for (int c = 0; c < 16; ++c)
-          for (int e = 0; e < 2; ++e)
-            if (8 * c + 2 * (lane % 4) + e < lim) v = fmaxf(v, d[4 * c + 2 * h + e]);
+        cp_async_wait<0>();
       }
-      m[h] = v;
-    }
-    if constexpr (kTiles) {
-      float v = fmaxf(m[0], m[1]);
-      for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-      if (lane == 0) red[warp] = v;
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       __syncthreads();
-      if (tid == 0) {
-        float x = red[0];
-        for (int q = 1; q < kScreenThreads / 32; ++q) x = fmaxf(x, red[q]);
-        p.out[(bg * s.Tq + t) * s.Tk + j] = x;
+
+      float d[64];
+      const std::uint32_t a_base = smem_addr(qs) + wg * 64 * 128, b_base = smem_addr(kst + stage * tile_bytes);
+      cuda_kernels::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < ksteps; ++kk) {
+        const std::uint32_t off = (kk / 4) * kWgHalfBytes + (kk % 4) * 32;
+        cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d, cuda_kernels::make_desc_sw128(a_base + off, 16, 1024),
+                                                       cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
       }
-    } else {
+      cuda_kernels::wgmma_commit();
+      cuda_kernels::wgmma_wait<0>();
+      cuda_kernels::fence_operands(d);
+
+      // d[4 c + e]: row 16 w + lane / 4 + 8 (e / 2) of the warpgroup's 64, key 8 c + 2 (lane % 4) + e % 2.
+      const std::int64_t k0 = j * kBlockK;
+      float m[2];
       for (int h = 0; h < 2; ++h) {
-        float v = m[h];
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        const std::int64_t i = i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
-        if (lane % 4 == 0 && i < s.Lq) p.out[(bg * s.Lq + i) * s.Tk + j] = v;
+        const int r = wg * 64 + 16 * w + lane / 4 + 8 * h;
+        const std::int64_t i = i0 + r;
+        const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
+        float v = -INFINITY;
+        if (lim >= kBlockK) {
+          for (int c = 0; c < 16; ++c) v = fmaxf(v, fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]));
+        } else {
+          for (int c = 0; c < 16; ++c)
+            for (int e = 0; e < 2; ++e)
+              if (8 * c + 2 * (lane % 4) + e < lim) v = fmaxf(v, d[4 * c + 2 * h + e]);
+        }
+        m[h] = v;
       }
+      if constexpr (kTiles) {
+        float v = fmaxf(m[0], m[1]);
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0) red[warp] = v;
+        __syncthreads();
+        if (tid == 0) {
+          float x = red[0];
+          for (int q = 1; q < kScreenThreads / 32; ++q) x = fmaxf(x, red[q]);
+          p.out[(bg * s.Tq + t) * s.Tk + j] = x;
+        }
+      } else {
+        for (int h = 0; h < 2; ++h) {
+          float v = m[h];
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+          const std::int64_t i = i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
+          if (lane % 4 == 0 && i < s.Lq) p.out[(bg * s.Lq + i) * s.Tk + j] = v;
+        }
+      }
+      __syncthreads();  // the stage, red and (after the run) the Q tile are rewritten next
     }
-    __syncthreads();  // the stage (and red) are rewritten by the next iteration
   }
 }
 
@@ -734,8 +743,14 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                                                  imax<std::int64_t>(1, ceil_div(8 * static_cast<std::int64_t>(sms), tiles)));
   ScreenParams sp{scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_m), s,
                   ceil_div(s.Tk, splits)};
-  const dim3 sgrid(static_cast<unsigned>(s.Tq), static_cast<unsigned>(s.B * s.Hkv),
-                   static_cast<unsigned>(ceil_div(s.Tk, sp.per_split)));
+  dim3 sgrid(static_cast<unsigned>(s.Tq), static_cast<unsigned>(s.B * s.Hkv),
+             static_cast<unsigned>(ceil_div(s.Tk, sp.per_split)));
+  if (use_wgmma) {  // one wave of persistent CTAs (two per SM) over contiguous unit ranges
+    const std::int64_t units = tiles * s.Tk;
+    const std::int64_t ctas = imin<std::int64_t>(units, 2 * static_cast<std::int64_t>(sms));
+    sp.per_split = ceil_div(units, ctas);
+    sgrid = dim3(static_cast<unsigned>(ceil_div(units, sp.per_split)));
+  }
   screen<<<sgrid, kScreenThreads, use_wgmma ? wg_smem : sc_smem, stream>>>(sp);
   mark(2);
 
