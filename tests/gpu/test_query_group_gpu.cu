@@ -116,7 +116,7 @@ struct Result {
   sa::HostTensor out, lse;
 };
 
-// version 0: the public operator (front-end checks, the default kernel); 1 or 2: the group-centric
+// version 0: the public operator (front-end checks, the default kernel); 1 to 3: the group-centric
 // kernel of that version through the backend entry point.
 Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool trusted = false, int version = 0) {
   Result r{sa::HostTensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}), sa::HostTensor(sa::DType::f32, {c.B, c.Hq, c.Lq})};
@@ -181,25 +181,28 @@ void check_against_reference(const Case& c, const Inputs& in, const Result& r) {
               lse_err, static_cast<long long>(empty));
 }
 
-// Both kernel versions against the reference; they run the same arithmetic in the same order, so
+constexpr int kVersions[] = {1, 2, 3};
+
+// Every kernel version against the reference; they run the same arithmetic in the same order, so
 // their outputs are also compared bit for bit.
 void check_case(const Case& c, std::uint64_t seed) {
   SCOPED_TRACE(c.name);
   const Inputs in = make_inputs(c, seed);
   const Result v1 = run_gpu(c, in, sa::QuerySchedule::group_centric, false, 1);
-  const Result v2 = run_gpu(c, in, sa::QuerySchedule::group_centric, false, 2);
   {
     SCOPED_TRACE("version 1");
     check_against_reference(c, in, v1);
   }
-  {
-    SCOPED_TRACE("version 2");
-    check_against_reference(c, in, v2);
+  for (int version : kVersions) {
+    if (version == 1) continue;
+    SCOPED_TRACE("version " + std::to_string(version));
+    const Result r = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
+    check_against_reference(c, in, r);
+    EXPECT_EQ(0, std::memcmp(v1.out.view().data, r.out.view().data, static_cast<std::size_t>(v1.out.numel()) * 2))
+        << "out differs from version 1";
+    EXPECT_EQ(0, std::memcmp(v1.lse.view().data, r.lse.view().data, static_cast<std::size_t>(v1.lse.numel()) * 4))
+        << "lse differs from version 1";
   }
-  EXPECT_EQ(0, std::memcmp(v1.out.view().data, v2.out.view().data, static_cast<std::size_t>(v1.out.numel()) * 2))
-      << "versions 1 and 2 differ in out";
-  EXPECT_EQ(0, std::memcmp(v1.lse.view().data, v2.lse.view().data, static_cast<std::size_t>(v1.lse.numel()) * 4))
-      << "versions 1 and 2 differ in lse";
 }
 
 TEST(QueryGroupGpu, ShapesAndGroupSizes) {
@@ -234,7 +237,7 @@ TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
   QG_SKIP_WITHOUT_GPU();
   const Case c{"determinism", sa::DType::bf16, 2, 700, 900, 16, 1, 128, true, 8};
   const Inputs in = make_inputs(c, 55);
-  for (int version : {1, 2}) {
+  for (int version : kVersions) {
     SCOPED_TRACE(version);
     const Result a = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
     const Result b = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
@@ -353,9 +356,12 @@ TEST(QueryGroupGpu, ValidationAndRejections) {
   Inputs bad_in = in;
   bad_in.idx = bad;
   const Result r = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true, 1);
-  const Result r2 = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true, 2);
   EXPECT_TRUE(st::all_finite(r.out));
-  EXPECT_EQ(0, std::memcmp(r.out.view().data, r2.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2));
+  for (int version : {2, 3}) {
+    const Result r2 = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true, version);
+    EXPECT_EQ(0, std::memcmp(r.out.view().data, r2.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2))
+        << "version " << version;
+  }
 
   // More than 256 query heads per KV head: 17 head tiles do not fit one CTA.
   const Case big{"G=272", sa::DType::bf16, 1, 2, 128, 272, 1, 64, false, 1};
@@ -388,8 +394,8 @@ std::vector<std::uint16_t> fast_random_bf16(std::int64_t n, std::uint64_t seed) 
 }
 
 struct Timed {
-  double v1_ms = 0, v2_ms = 0, kv_ms = 0, rel = 0, union_blocks = 0;
-  bool v1_v2_equal = false;
+  double v1_ms = 0, v2_ms = 0, v3_ms = 0, kv_ms = 0, rel = 0, union_blocks = 0;
+  bool versions_equal = false;
 };
 
 Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hkv, std::int64_t K, int iters) {
@@ -406,11 +412,11 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
                 all[static_cast<std::size_t>(s + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(Tk - s)))]);
       hidx[static_cast<std::size_t>(r * K + s)] = all[static_cast<std::size_t>(s)];
     }
-  void *q, *k, *v, *idx, *o1, *o2, *o3, *l1, *l2, *l3;
+  void *q, *k, *v, *idx, *o1, *o2, *o3, *o4, *l1, *l2, *l3, *l4;
   const std::size_t qb = hq.size() * 2, kb = hk.size() * 2, lb = static_cast<std::size_t>(B * Hq * L) * 4;
   cudaMalloc(&q, qb), cudaMalloc(&k, kb), cudaMalloc(&v, kb), cudaMalloc(&idx, hidx.size() * 4);
-  cudaMalloc(&o1, qb), cudaMalloc(&o2, qb), cudaMalloc(&o3, qb), cudaMalloc(&l1, lb), cudaMalloc(&l2, lb),
-      cudaMalloc(&l3, lb);
+  cudaMalloc(&o1, qb), cudaMalloc(&o2, qb), cudaMalloc(&o3, qb), cudaMalloc(&o4, qb), cudaMalloc(&l1, lb),
+      cudaMalloc(&l2, lb), cudaMalloc(&l3, lb), cudaMalloc(&l4, lb);
   cudaMemcpy(q, hq.data(), qb, cudaMemcpyHostToDevice);
   cudaMemcpy(k, hk.data(), kb, cudaMemcpyHostToDevice);
   cudaMemcpy(v, hv.data(), kb, cudaMemcpyHostToDevice);
@@ -455,12 +461,14 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
   Timed t;
   t.v1_ms = time(sa::QuerySchedule::group_centric, 1, o1, l1);
   t.v2_ms = time(sa::QuerySchedule::group_centric, 2, o3, l3);
+  t.v3_ms = time(sa::QuerySchedule::group_centric, 3, o4, l4);
   t.kv_ms = time(sa::QuerySchedule::kv_centric, 0, o2, l2);
-  std::vector<std::uint16_t> a(hq.size()), b(hq.size()), a2(hq.size());
+  std::vector<std::uint16_t> a(hq.size()), b(hq.size()), a2(hq.size()), a3(hq.size());
   cudaMemcpy(a.data(), o1, qb, cudaMemcpyDeviceToHost);
   cudaMemcpy(b.data(), o2, qb, cudaMemcpyDeviceToHost);
   cudaMemcpy(a2.data(), o3, qb, cudaMemcpyDeviceToHost);
-  t.v1_v2_equal = a == a2;
+  cudaMemcpy(a3.data(), o4, qb, cudaMemcpyDeviceToHost);
+  t.versions_equal = a == a2 && a == a3;
   double num = 0, den = 0;
   for (std::size_t e = 0; e < a.size(); ++e) {
     const double x = sa::bf16_to_float(a[e]), y = sa::bf16_to_float(b[e]);
@@ -484,7 +492,7 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
-  for (void* ptr : {q, k, v, idx, o1, o2, o3, l1, l2, l3}) cudaFree(ptr);
+  for (void* ptr : {q, k, v, idx, o1, o2, o3, o4, l1, l2, l3, l4}) cudaFree(ptr);
   return t;
 }
 
@@ -501,12 +509,12 @@ TEST(QueryGroupGpu, GroupTiming) {
     const Timed t = time_both(w.B, w.L, w.Hq, w.Hkv, w.K, w.iters);
     const double pairs = double(w.B) * w.Hkv * w.L * w.K * sa::kBlockK;
     const double flops = 4.0 * double(w.Hq / w.Hkv) * 128.0 * pairs;
-    std::printf("TIMING %-12s group_centric v1 %8.3f ms (%6.1f useful TFLOP/s)  v2 %8.3f ms (%6.1f)  kv_centric %8.3f ms  "
-                "union per CTA %.1f blocks  group vs kv relerr %.2e  v1 == v2: %s\n",
-                w.name, t.v1_ms, flops / (t.v1_ms * 1e9), t.v2_ms, flops / (t.v2_ms * 1e9), t.kv_ms, t.union_blocks,
-                t.rel, t.v1_v2_equal ? "bitwise" : "NO");
+    std::printf("TIMING %-12s group_centric v1 %8.3f ms (%6.1f useful TFLOP/s)  v2 %8.3f ms (%6.1f)  v3 %8.3f ms (%6.1f)  "
+                "kv_centric %8.3f ms  union per CTA %.1f blocks  group vs kv relerr %.2e  versions %s\n",
+                w.name, t.v1_ms, flops / (t.v1_ms * 1e9), t.v2_ms, flops / (t.v2_ms * 1e9), t.v3_ms,
+                flops / (t.v3_ms * 1e9), t.kv_ms, t.union_blocks, t.rel, t.versions_equal ? "bitwise equal" : "DIFFER");
     EXPECT_LE(t.rel, 1e-2);
-    EXPECT_TRUE(t.v1_v2_equal);
+    EXPECT_TRUE(t.versions_equal);
   }
 }
 

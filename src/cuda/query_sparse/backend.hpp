@@ -44,7 +44,7 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
                           const QuerySparseOptions& options);
 
 /// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
-/// cp.async ring, 2 TMA stages released per block).
+/// cp.async ring, 2 TMA stages released per block, 3 TMA ring of half blocks).
 inline constexpr int kGroupVersion = 1;
 
 /// The group-centric schedule with an explicit kernel version (tests and timing compare them).

@@ -11,12 +11,14 @@
 //   3. each warp runs the FA2 online softmax over the streamed blocks its query selected, in 64-key
 //      halves, S and O in registers, Q and the K/V fragments by ldmatrix;
 //   4. out (normalised, 16-bit) and LSE (natural log, scale included) straight to global memory.
-// Two ways to run the ring (GroupParams::version, docs/notes/query_group.md has their measurements):
+// Three ways to run the ring (GroupParams::version, docs/notes/query_group.md has their measurements):
 //   v1 (sync): every thread copies by cp.async into padded rows, one __syncthreads per union block,
 //      so the CTA moves in lockstep and each block waits for the slowest warp that uses it;
 //   v2 (tma): one TMA load pair per block into 128B-swizzled stages, one mbarrier per union position
 //      (each used once, so no phase can alias), and the last warp to finish a block refills its stage
 //      with the block S positions later; warps that did not choose a block never wait for it.
+//   v3 (tma, half blocks): v2 with 64-key units, so the same shared memory holds twice the slots and a
+//      slot is refilled after half a block's work.
 // A query's blocks are visited in ascending order by the same instructions in any CTA and either
 // version, so results are bitwise identical run to run.
 #include <cuda.h>
@@ -86,6 +88,26 @@ struct TmaSmem {
   static std::size_t bytes(int words, int union_cap) { return 1024 + kMeta + MetaSmem::bytes(words, union_cap, true); }
 };
 
+// v3: the ring's unit is half a block, 64 keys (TMA boxes of 64 keys x 64 columns, 8 KB). The same
+// 128 KB as v2's two stages at D = 128 make four slots, so a slot is refilled after half a block's
+// work and up to three units are in flight while one is read. D = 64: ten slots of 16 KB.
+template <int D>
+struct TmaHalfSmem {
+  static constexpr int kSlots = D == 128 ? 4 : 10;
+  static constexpr int kUnitKeys = 64;
+  static constexpr std::size_t kBox = kUnitKeys * 128;   // bytes of one 64 x 64 box
+  static constexpr std::size_t kHalf = (D / 64) * kBox;  // K or V of one unit
+  static constexpr std::size_t kSlot = 2 * kHalf;
+  static constexpr std::size_t kSlots0 = (QSmem<D>::kBytes + 1023) / 1024 * 1024;
+  static constexpr std::size_t kMeta = kSlots0 + kSlots * kSlot;
+  // mbarriers (2 per union position), then bitmap and prefix (words each), ids, masks, second-half
+  // masks (union_cap each) and consumers left (2 per union position), 4 bytes per entry.
+  static std::size_t bytes(int words, int union_cap) {
+    const auto w = static_cast<std::size_t>(words), cap = static_cast<std::size_t>(union_cap);
+    return 1024 + kMeta + 16 * cap + 4 * (2 * w + 5 * cap);
+  }
+};
+
 // ---- union of a CTA's lists ------------------------------------------------------------------------
 
 struct Union {
@@ -114,7 +136,9 @@ __device__ __forceinline__ Cta cta_of(const GroupParams& p) {
 
 // Builds the ascending union of the visible ids of the CTA's queries and, per union position, the
 // mask of the queries that chose it. Ends with __syncthreads.
-__device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, Union& un, int* s_union) {
+// With `second` (v3), also the mask of the queries that see the block's second 64 keys.
+__device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, Union& un, int* s_union,
+                                            unsigned* second = nullptr) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const std::int32_t* list0 = p.idx + c.b * p.idx_stride[0] + c.g * p.idx_stride[1];
   // The KV-centric `chosen`: a valid id whose block is not entirely in the query's causal future.
@@ -126,7 +150,10 @@ __device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, 
     return list0[static_cast<long long>(c.i0 + qq) * p.idx_stride[2] + static_cast<long long>(s) * p.idx_stride[3]];
   };
   for (int w = tid; w < p.words; w += kGroupThreads) un.bits[w] = 0u;
-  for (int u = tid; u < p.union_cap; u += kGroupThreads) un.masks[u] = 0u;
+  for (int u = tid; u < p.union_cap; u += kGroupThreads) {
+    un.masks[u] = 0u;
+    if (second != nullptr) second[u] = 0u;
+  }
   __syncthreads();
   const int entries = c.nq * p.Kq;
   for (int e = tid; e < entries; e += kGroupThreads) {
@@ -165,6 +192,11 @@ __device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, 
     if (!visible(c.i0 + qq, j)) continue;
     const int pos = un.word_base[j >> 5] + __popc(un.bits[j >> 5] & ((1u << (j & 31)) - 1u));
     atomicOr(un.masks + pos, 1u << qq);
+    if (second != nullptr) {
+      long long last = p.Lk - 1;
+      if (p.causal && c.i0 + qq + p.offset < last) last = c.i0 + qq + p.offset;
+      if (static_cast<long long>(j) * kKeys + 64 <= last) atomicOr(second + pos, 1u << qq);
+    }
   }
   __syncthreads();
 }
@@ -184,19 +216,16 @@ struct WarpState {
   }
 };
 
-// One 128-key block against the warp's 16 rows, in two 64-key halves. `lim` is the last visible key
-// relative to the block (>= 0; all rows are one query, so it is warp-uniform). k_addr(key, chunk) and
+// Keys kb .. kb + 63 of a K/V tile against the warp's 16 rows. `lim` is the last visible key
+// relative to the tile (>= kb; all rows are one query, so it is warp-uniform). k_addr(key, chunk) and
 // v_addr(key, chunk) give the shared address of this lane's ldmatrix row for the 8-key row group
 // starting at `key` and the 16-byte column chunk `chunk`; the lane's own row offset inside the group
 // is theirs to add.
 template <class T, int D, class KAddr, class VAddr>
-__device__ __forceinline__ void attend_block(WarpState<D>& w, std::uint32_t qa_addr, int lim, float scale_log2,
-                                             KAddr k_addr, VAddr v_addr) {
+__device__ __forceinline__ void attend_half(WarpState<D>& w, std::uint32_t qa_addr, int kb, int lim, float scale_log2,
+                                            KAddr k_addr, VAddr v_addr) {
   const int lane = threadIdx.x % 32, tq = lane % 4;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int kb = half * 64;
-    if (kb > lim) break;  // the rest of the block is past the diagonal or past Lk
+  {
     float s[8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -272,6 +301,14 @@ __device__ __forceinline__ void attend_block(WarpState<D>& w, std::uint32_t qa_a
       }
     }
   }
+}
+
+// One 128-key block (`lim` relative to it, >= 0): its two halves, the second only if visible.
+template <class T, int D, class KAddr, class VAddr>
+__device__ __forceinline__ void attend_block(WarpState<D>& w, std::uint32_t qa_addr, int lim, float scale_log2,
+                                             KAddr k_addr, VAddr v_addr) {
+  attend_half<T, D>(w, qa_addr, 0, lim, scale_log2, k_addr, v_addr);
+  if (lim >= 64) attend_half<T, D>(w, qa_addr, 64, lim, scale_log2, k_addr, v_addr);
 }
 
 // Loads the warp's 16 Q rows (heads 16 ht .. of query i; zeros past the group or for an idle warp) by
@@ -505,6 +542,111 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   store_out<T, D>(p, c, w, i, ht);
 }
 
+// ---- v3: v2 with half-block units -----------------------------------------------------------------------
+
+template <class T, int D>
+__global__ void __launch_bounds__(kGroupThreads, 1)
+    group_tma_half_kernel(const __grid_constant__ GroupParams p, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v) {
+  using S = TmaHalfSmem<D>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ int s_union;
+  unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  auto* Qs = reinterpret_cast<std::uint16_t*>(smem);
+  unsigned char* slots = smem + S::kSlots0;
+  auto* full = reinterpret_cast<MBarrier*>(smem + S::kMeta);  // unit 2 u + h
+  Union un;
+  un.bits = reinterpret_cast<unsigned*>(full + 2 * p.union_cap);
+  un.word_base = reinterpret_cast<int*>(un.bits + p.words);
+  un.ids = un.word_base + p.words;
+  un.masks = reinterpret_cast<unsigned*>(un.ids + p.union_cap);
+  auto* second = un.masks + p.union_cap;
+  int* remaining = reinterpret_cast<int*>(second + p.union_cap);  // unit 2 u + h
+
+  const Cta c = cta_of(p);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) {
+    tma_prefetch_descriptor(&tm_k);
+    tma_prefetch_descriptor(&tm_v);
+  }
+  build_union(p, c, un, &s_union, second);
+  const int n_units = 2 * un.n;
+  for (int k = tid; k < n_units; k += kGroupThreads) {
+    full[k].init(1);
+    remaining[k] = __popc(k % 2 == 0 ? un.masks[k / 2] : second[k / 2]) * p.head_tiles;
+  }
+  fence_barrier_init();
+  __syncthreads();
+
+  // The next unit for slot k % kSlots from unit k on: a unit nobody reads (a second half past every
+  // query's limit) is skipped, its slot passing straight to the unit kSlots later.
+  auto issue_from = [&](int k) {
+    for (; k < n_units; k += S::kSlots) {
+      if (remaining[k] == 0) continue;
+      unsigned char* st = slots + (k % S::kSlots) * S::kSlot;
+      const int key0 = un.ids[k / 2] * kKeys + (k % 2) * S::kUnitKeys;
+      full[k].arrive_expect_tx(static_cast<std::uint32_t>(S::kSlot));
+#pragma unroll
+      for (int h = 0; h < D / 64; ++h) {
+        tma_load_bhld(st + h * S::kBox, &tm_k, h * 64, static_cast<int>(c.g), key0, static_cast<int>(c.b), &full[k].word);
+        tma_load_bhld(st + S::kHalf + h * S::kBox, &tm_v, h * 64, static_cast<int>(c.g), key0, static_cast<int>(c.b),
+                      &full[k].word);
+      }
+      return;
+    }
+  };
+  if (tid == 0)
+    for (int k = 0; k < S::kSlots; ++k) issue_from(k);
+
+  const int qq = warp / p.head_tiles, ht = warp % p.head_tiles;
+  const bool active = qq < c.nq && warp < p.cta_queries * p.head_tiles;
+  if (!active) return;  // no CTA-wide barrier follows
+  const int i = c.i0 + qq;
+  const std::uint32_t qa_addr = load_q<D>(p, c, Qs, i, ht, true);
+  cp_async_wait<0>();
+  __syncwarp();
+
+  // Swizzled 64 x 64 boxes: row r at r * 128 bytes, its 16-byte chunk c at (c ^ (r % 8)) * 16; every
+  // row group an ldmatrix names starts at a multiple of 8, so r % 8 = lane % 8.
+  const std::uint32_t slots_addr = smem_addr(slots) + (lane % 8) * 128;
+  const int sw = lane % 8;
+  WarpState<D> w;
+  w.init();
+  for (int u = 0; u < un.n; ++u) {
+    if (((un.masks[u] >> qq) & 1u) == 0u) continue;
+    const int lim = block_limit(p, i, static_cast<long long>(un.ids[u]) * kKeys);
+#pragma unroll 1
+    for (int h = 0; h < 2; ++h) {
+      if (h == 1 && lim < S::kUnitKeys) break;  // the same test that left this warp out of `second`
+      const int k = 2 * u + h;
+      full[k].wait(0);
+      __syncwarp();  // lanes leave the spin independently; ldmatrix / mma.sync need the whole warp
+      const std::uint32_t kb = slots_addr + (k % S::kSlots) * static_cast<std::uint32_t>(S::kSlot);
+      const std::uint32_t vb = kb + static_cast<std::uint32_t>(S::kHalf);
+      attend_half<T, D>(
+          w, qa_addr, 0, lim - h * S::kUnitKeys, p.scale_log2,
+          [&](int key, int chunk) {
+            return kb + (chunk / 8) * static_cast<std::uint32_t>(S::kBox) + key * 128 + (((chunk % 8) ^ sw) * 16);
+          },
+          [&](int key, int chunk) {
+            return vb + (chunk / 8) * static_cast<std::uint32_t>(S::kBox) + key * 128 + (((chunk % 8) ^ sw) * 16);
+          });
+      // Release the unit (see v2); the last warp out refills its slot.
+      fence_async_shared();
+      __syncwarp();
+      if (lane == 0) {
+        ::cuda::atomic_ref<int, ::cuda::thread_scope_block> left(remaining[k]);
+        if (left.fetch_sub(1, ::cuda::memory_order_acq_rel) == 1) {
+          fence_async_shared();
+          issue_from(k + S::kSlots);
+        }
+      }
+      __syncwarp();
+    }
+  }
+  store_out<T, D>(p, c, w, i, ht);
+}
+
 template <class T, int D>
 cudaError_t run_sync(const GroupParams& p, cudaStream_t stream) {
   const std::size_t bytes = SyncSmem<D>::bytes(p.words, p.union_cap);
@@ -527,9 +669,22 @@ cudaError_t run_tma(const GroupParams& p, const CUtensorMap& tm_k, const CUtenso
   return cudaGetLastError();
 }
 
+template <class T, int D>
+cudaError_t run_tma_half(const GroupParams& p, const CUtensorMap& tm_k, const CUtensorMap& tm_v, cudaStream_t stream) {
+  const std::size_t bytes = TmaHalfSmem<D>::bytes(p.words, p.union_cap);
+  auto* kernel = group_tma_half_kernel<T, D>;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return e;
+  const long long ctas = static_cast<long long>(p.B) * p.Hkv * p.ctas_per_bg;
+  kernel<<<static_cast<unsigned>(ctas), kGroupThreads, bytes, stream>>>(p, tm_k, tm_v);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 std::size_t group_smem_bytes(const GroupParams& p, int D) {
+  if (p.version == 3)
+    return D == 128 ? TmaHalfSmem<128>::bytes(p.words, p.union_cap) : TmaHalfSmem<64>::bytes(p.words, p.union_cap);
   if (p.version == 2)
     return D == 128 ? TmaSmem<128>::bytes(p.words, p.union_cap) : TmaSmem<64>::bytes(p.words, p.union_cap);
   return D == 128 ? SyncSmem<128>::bytes(p.words, p.union_cap) : SyncSmem<64>::bytes(p.words, p.union_cap);
@@ -538,6 +693,12 @@ std::size_t group_smem_bytes(const GroupParams& p, int D) {
 cudaError_t launch_group(const GroupParams& p, bool bf16, int D, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                          cudaStream_t stream) {
   if (static_cast<long long>(p.B) * p.Hkv * p.ctas_per_bg == 0) return cudaSuccess;
+  if (p.version == 3) {
+    if (tm_k == nullptr || tm_v == nullptr) return cudaErrorInvalidValue;
+    if (bf16)
+      return D == 128 ? run_tma_half<Bf16, 128>(p, *tm_k, *tm_v, stream) : run_tma_half<Bf16, 64>(p, *tm_k, *tm_v, stream);
+    return D == 128 ? run_tma_half<F16, 128>(p, *tm_k, *tm_v, stream) : run_tma_half<F16, 64>(p, *tm_k, *tm_v, stream);
+  }
   if (p.version == 2) {
     if (tm_k == nullptr || tm_v == nullptr) return cudaErrorInvalidValue;
     if (bf16) return D == 128 ? run_tma<Bf16, 128>(p, *tm_k, *tm_v, stream) : run_tma<Bf16, 64>(p, *tm_k, *tm_v, stream);
