@@ -687,23 +687,33 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   }
   __syncthreads();
 
-  // The CTA's block scores: forced +inf, else the exact maximum (-inf where no pair counts).
-  double* scores = p.scores + job * p.Tk;
-  for (std::int64_t j = v.blk0 + tid; j * p.r < row_end; j += kThreads) {
-    const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-    scores[j] = forced ? INFINITY : unkey64(v.ekey[j - v.blk0]);
-  }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) is_last = atomicAdd(p.counters + job, 1u) == static_cast<unsigned>(p.chunks - 1);
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
-
+  // The CTA's block scores: forced +inf, else the exact maximum (-inf where no pair counts). A CTA that
+  // holds all of its tile's blocks ranks them from shared memory (behind the scoring region); the
+  // others go through global memory, and the last of the tile's CTAs ranks.
   const int n = static_cast<int>(n_cand);
-  auto* sc = reinterpret_cast<double*>(smem);
+  double* sc;
+  if (p.chunks == 1) {
+    sc = reinterpret_cast<double*>(smem + L.total);
+    for (std::int64_t j = tid; j < n_cand; j += kThreads) {
+      const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+      sc[j] = forced ? INFINITY : unkey64(v.ekey[j]);
+    }
+  } else {
+    double* scores = p.scores + job * p.Tk;
+    for (std::int64_t j = v.blk0 + tid; j * p.r < row_end; j += kThreads) {
+      const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+      scores[j] = forced ? INFINITY : unkey64(v.ekey[j - v.blk0]);
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(p.counters + job, 1u) == static_cast<unsigned>(p.chunks - 1);
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
+    sc = reinterpret_cast<double*>(smem);
+    for (int j = tid; j < n; j += kThreads) sc[j] = __ldcg(scores + j);
+  }
   int* warp_kept = reinterpret_cast<int*>(sc + p.Tk);
-  for (int j = tid; j < n; j += kThreads) sc[j] = __ldcg(scores + j);
   __syncthreads();
   const std::int64_t b = bg / p.Hkv, g = bg % p.Hkv;
   std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
@@ -1208,9 +1218,12 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   const void* fn = reinterpret_cast<const void*>(pooled_score_kernel);
   const std::size_t guess = std::max(score_smem(p.k32, kMaxRowsPerCta / p.r).total, topk_smem(p.Tk));
   const int per_sm = guess <= static_cast<std::size_t>(max_smem) ? prepare_kernel(op, fn, device, kThreads, guess) : 1;
-  p.rows_per_cta = rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
+  // A tile whose key rows fit one pass keeps them in one CTA: its ranking then needs no global round trip.
+  p.rows_per_cta = rows_total <= kKN ? static_cast<int>(ceil_div(rows_total, std::int64_t{16}) * 16)
+                                     : rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
   p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
-  const std::size_t smem = std::max(score_smem(p.k32, p.rows_per_cta / p.r).total, topk_smem(p.Tk));
+  const std::size_t scoring = score_smem(p.k32, p.rows_per_cta / p.r).total;
+  const std::size_t smem = p.chunks == 1 ? scoring + topk_smem(p.Tk) : std::max(scoring, topk_smem(p.Tk));
   if (smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
                              " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
