@@ -151,21 +151,25 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
 
   const int which = static_cast<std::int64_t>(blockIdx.x) < p.t[0].ctas ? 0 : 1;
   const RepTensor& x = p.t[which];
-  const std::int64_t item = (static_cast<std::int64_t>(blockIdx.x) - (which ? p.t[0].ctas : 0)) * kRepThreads + threadIdx.x;
-  const std::int64_t row = item / p.group;
-  if (row >= x.rows) return;  // whole row groups: a group never straddles CTAs (group divides 64)
-  const int c = static_cast<int>(item % p.group);
+  // 32-bit index arithmetic (the host keeps rows * group below 2^31): the decode is a fifth of the
+  // instructions of a short R4 row otherwise.
+  const unsigned item = (blockIdx.x - (which ? static_cast<unsigned>(p.t[0].ctas) : 0u)) * kRepThreads + threadIdx.x;
+  const unsigned group = static_cast<unsigned>(p.group);
+  const std::int64_t row = item / group;
+  if (row >= x.rows) return;  // whole row groups: a group never straddles CTAs when it divides 64
+  const int c = static_cast<int>(item % group);
   const std::int64_t col = static_cast<std::int64_t>(c) * W;
   const int valid = c < p.cols ? static_cast<int>(imin<std::int64_t>(W, p.D - col)) : 0;
-  std::int64_t rest = row;
-  const std::int64_t a = rest % p.r;
-  rest /= p.r;
-  const std::int64_t hl = rest % x.G;
-  rest /= x.G;
-  const std::int64_t t = rest % x.T;
-  rest /= x.T;
-  const std::int64_t hg = x.H / x.G;
-  const std::int64_t h = (rest % hg) * x.G + hl;
+  unsigned rest = static_cast<unsigned>(row);
+  const unsigned nr = static_cast<unsigned>(p.r), ng = static_cast<unsigned>(x.G), nt = static_cast<unsigned>(x.T);
+  const unsigned hg = static_cast<unsigned>(x.H / x.G);
+  const std::int64_t a = rest % nr;
+  rest /= nr;
+  const std::int64_t hl = rest % ng;
+  rest /= ng;
+  const std::int64_t t = rest % nt;
+  rest /= nt;
+  const std::int64_t h = static_cast<std::int64_t>(rest % hg) * ng + hl;
   const std::int64_t b = rest / hg;
   const std::int64_t l0 = t * kTileQ + a * p.span;
   const std::int64_t n = imin(x.L, l0 + p.span) - l0;  // <= 0: an absent representative
@@ -777,6 +781,9 @@ void representatives(const TensorView& q, const TensorView& k, std::int64_t r, s
     d.L = x.shape[1], d.H = x.shape[2], d.G = i == 0 ? group : 1, d.T = ceil_div(d.L, kTileQ);
     d.rows = x.shape[0] * d.H * d.T * r;
     d.ctas = ceil_div(d.rows * p.group, kRepThreads);
+    if (d.rows * p.group + kRepThreads > INT_MAX)
+      throw Error("pooled_select", i == 0 ? "q" : "k",
+                  "tensor " + x.describe() + " has more representative rows than the CUDA selector indexes");
     d.mean = buf.mean[i], d.i8 = buf.i8[i], d.scale = buf.scale[i], d.l1 = buf.l1[i];
     blocks += d.ctas;
   }
