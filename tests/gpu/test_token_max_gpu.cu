@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "cuda/selectors/tc_index.cuh"
 #include "cuda/selectors/tc_token_max.cuh"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -204,6 +205,82 @@ void near_tie_inputs(const Case& c, float step, std::uint64_t seed, sa::HostTens
 }
 
 // ---- tests ---------------------------------------------------------------------------------------------
+
+// The device quantisation of the tensor-core path, row by row in 16-element groups as prepare_kernel
+// runs it: values v and codes c of rows x [rows, n].
+template <sa::cuda_backend::sel::Prec P>
+__global__ void quantize_rows_kernel(const float* x, int rows, int n, float ts, float* v, float* c) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  for (int d0 = 0; d0 < n; d0 += 16) {
+    const int cnt = n - d0 < 16 ? n - d0 : 16;
+    float xv[16], vv[16], cc[16];
+    for (int i = 0; i < cnt; ++i) xv[i] = x[r * n + d0 + i];
+    sa::cuda_backend::tc::quantize_codes<P>(xv, cnt, ts, vv, cc);
+    for (int i = 0; i < cnt; ++i) v[r * n + d0 + i] = vv[i], c[r * n + d0 + i] = cc[i];
+  }
+}
+
+bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, 4) == 0; }
+
+// The device values equal the CPU's quantize_dequantize bit for bit (ties, subnormals, saturation, the
+// format boundaries, NaN), and the codes are exact in bf16 with value = fl(code * scale) for fp8.
+TEST(TokenMaxGpu, QuantisationEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  using sa::cuda_backend::sel::Prec;
+  const int n = 40, rows = 4096;
+  std::mt19937_64 rng(99);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 9), ex(-30, 12), mant(0, 63);
+  for (int pi = 0; pi < 3; ++pi) {
+    const sa::IndexPrecision prec = kPrecisions[pi];
+    SCOPED_TRACE(sa::precision_name(prec));
+    std::vector<float> x(static_cast<std::size_t>(rows * n));
+    for (auto& e : x) {
+      switch (pick(rng)) {
+        case 0: e = std::ldexp(static_cast<float>(mant(rng)) + 0.5f, ex(rng)); break;  // ties of coarse grids
+        case 1: e = std::ldexp(1.0f, ex(rng)) * (pick(rng) < 5 ? 1.0f : -1.0f); break;
+        case 2: e = std::ldexp(nd(rng), -140); break;                                  // float subnormals
+        case 3: e = nd(rng) * 300.0f; break;
+        default: e = nd(rng) * std::ldexp(1.0f, ex(rng) / 3); break;
+      }
+    }
+    x[5] = 0.0f, x[6] = -0.0f, x[7] = std::numeric_limits<float>::quiet_NaN(), x[8] = 1e30f, x[9] = -1e-30f;
+    float amax = 0.0f;
+    for (float e : x)
+      if (!std::isnan(e)) amax = std::fmax(amax, std::fabs(e));
+    for (float ts : {prec == sa::IndexPrecision::fp8_e4m3 ? amax / 448.0f : amax / (448.0f * 6.0f), 1.0f, 0x1p-7f,
+                     3.0f / 7.0f}) {
+      std::vector<float> want = x;
+      for (int r = 0; r < rows; ++r)
+        sa::quantize_dequantize(want.data() + static_cast<std::size_t>(r) * n, n, prec, ts);
+      float *dx = nullptr, *dv = nullptr, *dc = nullptr;
+      const std::size_t bytes = x.size() * 4;
+      cuda_ok(cudaMalloc(&dx, bytes), "cudaMalloc");
+      cuda_ok(cudaMalloc(&dv, bytes), "cudaMalloc");
+      cuda_ok(cudaMalloc(&dc, bytes), "cudaMalloc");
+      cuda_ok(cudaMemcpy(dx, x.data(), bytes, cudaMemcpyHostToDevice), "upload");
+      const unsigned blocks = (rows + 127) / 128;
+      if (prec == sa::IndexPrecision::bf16) quantize_rows_kernel<Prec::bf16><<<blocks, 128>>>(dx, rows, n, ts, dv, dc);
+      else if (prec == sa::IndexPrecision::fp8_e4m3) quantize_rows_kernel<Prec::fp8><<<blocks, 128>>>(dx, rows, n, ts, dv, dc);
+      else quantize_rows_kernel<Prec::fp4><<<blocks, 128>>>(dx, rows, n, ts, dv, dc);
+      std::vector<float> v(x.size()), c(x.size());
+      cuda_ok(cudaMemcpy(v.data(), dv, bytes, cudaMemcpyDeviceToHost), "download");
+      cuda_ok(cudaMemcpy(c.data(), dc, bytes, cudaMemcpyDeviceToHost), "download");
+      cudaFree(dx), cudaFree(dv), cudaFree(dc);
+      int bad = 0;
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        const bool ok_v = same_float(v[i], want[i]);
+        const bool ok_c = std::isnan(c[i]) || sa::round_bf16(c[i]) == c[i];
+        const bool ok_fp8 = prec != sa::IndexPrecision::fp8_e4m3 || same_float(v[i], c[i] * ts);
+        if ((!ok_v || !ok_c || !ok_fp8) && bad++ < 5)
+          ADD_FAILURE() << "x = " << x[i] << " (ts " << ts << "): device value " << v[i] << " code " << c[i]
+                        << ", cpu value " << want[i];
+      }
+      EXPECT_EQ(bad, 0);
+    }
+  }
+}
 
 std::vector<Case> shapes() {
   return {

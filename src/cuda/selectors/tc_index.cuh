@@ -87,6 +87,42 @@ __device__ __forceinline__ float tensor_scale(int p, const unsigned int* amax_bi
 }
 
 // Rounds x[0, cnt) through the precision exactly as sel::quantize_row (values v) and returns the codes.
+// Values of the hardware formats by rounding float bits directly, equal to e4m3_to_float(float_to_e4m3(y))
+// and e2m1_to_float(float_to_e2m1(y)) of common.cuh (the CPU's round trips) for every float, in a
+// fraction of the instructions (no frexp / ldexp / division). Normal range: round to nearest even on
+// the float's bits, keeping 3 (e4m3) or 1 (e2m1) mantissa bits, a carry moving into the exponent as
+// the CPU's m = 2^(mant + 1) does; below the smallest normal (2^-6, 1): multiples of the subnormal
+// quantum (2^-9, 1/2) by rintf of an exact power-of-two scaling; saturation (448, 6) as the CPU's.
+__device__ __forceinline__ float e4m3_value(float y) {
+  if (isnan(y)) return __int_as_float(0x7fc00000);
+  const float a = fabsf(y);
+  float r;
+  if (a >= 448.0f) {
+    r = 448.0f;
+  } else if (a >= 0x1p-6f) {
+    const std::uint32_t u = __float_as_uint(a);
+    r = __uint_as_float((u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu);
+  } else {
+    r = rintf(a * 512.0f) * 0x1p-9f;
+  }
+  return copysignf(r, y);
+}
+
+__device__ __forceinline__ float e2m1_value(float y) {
+  if (isnan(y)) return 6.0f;  // e2m1 has no NaN: the CPU saturates it to +6
+  const float a = fabsf(y);
+  float r;
+  if (a >= 6.0f) {
+    r = 6.0f;
+  } else if (a >= 1.0f) {
+    const std::uint32_t u = __float_as_uint(a);
+    r = __uint_as_float((u + 0x1fffffu + ((u >> 22) & 1u)) & ~0x3fffffu);
+  } else {
+    r = rintf(a * 2.0f) * 0.5f;
+  }
+  return copysignf(r, y);
+}
+
 template <Prec P>
 __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts, float* v, float* code) {
   if constexpr (P == Prec::bf16) {
@@ -98,19 +134,19 @@ __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts
     }
     if constexpr (P == Prec::fp8) {
       for (int i = 0; i < cnt; ++i) {
-        code[i] = sel::e4m3_to_float(sel::float_to_e4m3(__fdiv_rn(x[i], ts)));
+        code[i] = e4m3_value(__fdiv_rn(x[i], ts));
         v[i] = __fmul_rn(code[i], ts);
       }
     } else {
       float amax = 0.0f;
       for (int i = 0; i < cnt; ++i) amax = fmaxf(amax, fabsf(x[i]));
-      const float bs_code = sel::e4m3_to_float(sel::float_to_e4m3(__fdiv_rn(__fdiv_rn(amax, 6.0f), ts)));
+      const float bs_code = e4m3_value(__fdiv_rn(__fdiv_rn(amax, 6.0f), ts));
       const float bs = __fmul_rn(bs_code, ts);
       for (int i = 0; i < cnt; ++i) {
         if (bs == 0.0f) {
           v[i] = code[i] = 0.0f;
         } else {
-          const float e = sel::e2m1_to_float(sel::float_to_e2m1(__fdiv_rn(x[i], bs)));
+          const float e = e2m1_value(__fdiv_rn(x[i], bs));
           v[i] = __fmul_rn(e, bs);
           code[i] = __fmul_rn(e, bs_code);  // exact: at most 6 significant bits
         }
