@@ -49,6 +49,12 @@ struct IndexSrc {
   }
   // Index of the row's group of 128 consecutive l of one (b, h): (b * H + h) * ceil(L / 128) + l / 128.
   __device__ std::int64_t group(std::int64_t row) const {
+    if (row <= 0x7fffffff && H <= 0x7fffffff && L <= 0x7fffffff) {
+      const auto r = static_cast<std::uint32_t>(row), h32 = static_cast<std::uint32_t>(H);
+      const std::uint32_t bl = r / h32, h = r - bl * h32, l32 = static_cast<std::uint32_t>(L);
+      const std::uint32_t b = bl / l32, l = bl - b * l32;
+      return (static_cast<std::int64_t>(b) * H + h) * ((L + kBlockK - 1) / kBlockK) + l / kBlockK;
+    }
     const std::int64_t h = row % H, l = (row / H) % L, b = row / (H * L);
     return (b * H + h) * ((L + kBlockK - 1) / kBlockK) + l / kBlockK;
   }

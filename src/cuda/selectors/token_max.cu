@@ -399,22 +399,23 @@ __device__ int write_ascending(const unsigned char* flags, int n, int* part, std
   const int lo = imin(n, tid * chunk), hi = imin(n, lo + chunk);
   int mine = 0;
   for (int j = lo; j < hi; ++j) mine += flags[j];
-  part[tid] = mine;
-  __syncthreads();
-  if (tid == 0) {
-    int run = 0;
-    for (int q = 0; q < nt; ++q) {
-      const int c = part[q];
-      part[q] = run;
-      run += c;
-    }
-    part[nt] = run;
+  // Exclusive scan of the per-thread counts: inclusive scan within each warp, then the warp totals
+  // (blockDim.x is a multiple of 32).
+  const int lane = tid % 32, warp = tid / 32, warps = nt / 32;
+  int incl = mine;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
   }
+  if (lane == 31) part[warp] = incl;
   __syncthreads();
-  int pos = part[tid];
+  int pos = incl - mine, cnt = 0;
+  for (int w = 0; w < warps; ++w) {
+    pos += w < warp ? part[w] : 0;
+    cnt += part[w];
+  }
   for (int j = lo; j < hi; ++j)
     if (flags[j]) out[static_cast<std::int64_t>(pos++) * stride] = j;
-  const int cnt = part[nt];
   for (std::int64_t q = cnt + tid; q < width; q += nt) out[q * stride] = -1;
   __syncthreads();
   return cnt;
@@ -460,10 +461,13 @@ __global__ void __launch_bounds__(kRankThreads) decide_kernel(const RankParams p
     if (n > k) {
       int can = 0, sure = 0;
       const float lj = lo[j], hj = hi[j];
-      for (int i = 0; i < n && (can < k || sure < k); ++i) {
-        if (i == j) continue;
-        can += (hi[i] > lj || (hi[i] == lj && i < j)) ? 1 : 0;
-        sure += (lo[i] > hj || (lo[i] == hj && i < j)) ? 1 : 0;
+      // Branch-free and unrolled: the loads of several i are in flight at once (an early exit would
+      // serialise the loop on shared-memory latency). i == j never counts as surely before itself.
+#pragma unroll 8
+      for (int i = 0; i < n; ++i) {
+        const float hi_i = hi[i], lo_i = lo[i];
+        can += (i != j) & ((hi_i > lj) | ((hi_i == lj) & (i < j)));
+        sure += (lo_i > hj) | ((lo_i == hj) & (i < j));
       }
       c = can < k ? kIn : (sure >= k ? kOut : kUndecided);
     }
@@ -546,30 +550,33 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
     const std::int64_t qn = imin<std::int64_t>(QC, s.Lq - qa);
     const std::int64_t k0 = j * kBlockK, nk = imin<std::int64_t>(kBlockK, s.Lk - k0);
     __syncthreads();  // the previous item's readers are done with kb and qs
+    // 32-bit loop indices: a 64-bit division per element costs ~100 instructions, and one CTA's four
+    // warps cannot hide that latency.
+    const int Di = static_cast<int>(s.Di), nki = static_cast<int>(nk), qni = static_cast<int>(qn);
     if (from_codes) {
       // value = fl(code * scale) exactly as prepare_kernel computed it (scale 1 for bf16: the code itself).
-      for (std::int64_t e = tid; e < (nk + qn) * s.Di; e += kRescoreThreads) {
-        const std::int64_t r = e / s.Di, d = e % s.Di;
-        if (r < nk) {
+      for (int e = tid; e < (nki + qni) * Di; e += kRescoreThreads) {
+        const int r = e / Di, d = e - r * Di;
+        if (r < nki) {
           kb[r * ks + d] = __fmul_rn(__bfloat162float(p.kc[((b * s.Lk + k0 + r) * s.Hk + hk) * s.Dp + d]), sk);
         } else {
-          const std::int64_t rq = r - nk;
-          qs[rq * s.Di + d] = __fmul_rn(__bfloat162float(p.qc[((b * s.Lq + qa + rq) * s.Hkv + g) * s.Dp + d]), sq);
+          const int rq = r - nki;
+          qs[rq * Di + d] = __fmul_rn(__bfloat162float(p.qc[((b * s.Lq + qa + rq) * s.Hkv + g) * s.Dp + d]), sq);
         }
       }
     }
-    const std::int64_t ng = from_codes ? 0 : (s.Di + kGroup - 1) / kGroup;
-    for (std::int64_t e = tid; e < (nk + qn) * ng; e += kRescoreThreads) {
-      const std::int64_t r = e / ng, d0 = (e % ng) * kGroup;
-      const int cnt = static_cast<int>(imin<std::int64_t>(kGroup, s.Di - d0));
+    const int ng = from_codes ? 0 : (Di + kGroup - 1) / kGroup;
+    for (int e = tid; e < (nki + qni) * ng; e += kRescoreThreads) {
+      const int r = e / ng, d0 = (e - r * ng) * kGroup;
+      const int cnt = imin(kGroup, Di - d0);
       float v[kGroup];
-      if (r < nk) {
+      if (r < nki) {
         group_values(p.k, p.kt, p.prec, sk, p.k.offset((b * s.Lk + k0 + r) * s.Hk + hk), d0, cnt, v);
         for (int i = 0; i < cnt; ++i) kb[r * ks + d0 + i] = v[i];
       } else {
-        const std::int64_t rq = r - nk;
+        const int rq = r - nki;
         group_values(p.q, p.qt, p.prec, sq, p.q.offset((b * s.Lq + qa + rq) * s.Hkv + g), d0, cnt, v);
-        for (int i = 0; i < cnt; ++i) qs[rq * s.Di + d0 + i] = v[i];
+        for (int i = 0; i < cnt; ++i) qs[rq * Di + d0 + i] = v[i];
       }
     }
     __syncthreads();
@@ -578,10 +585,10 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
       double acc[QC];
       for (int m = 0; m < QC; ++m) acc[m] = 0.0;
       const float* kr = kb + tid * ks;
-      for (std::int64_t d = 0; d < s.Di; ++d) {
+      for (int d = 0; d < Di; ++d) {
         const double kd = kr[d];
         for (int m = 0; m < QC; ++m)
-          if (m < qn) acc[m] = fma(static_cast<double>(qs[m * s.Di + d]), kd, acc[m]);
+          if (m < qni) acc[m] = fma(static_cast<double>(qs[m * Di + d]), kd, acc[m]);
       }
       for (int m = 0; m < QC; ++m)
         if (m < qn && k0 + tid < s.key_end(qa + m)) best = fmax(best, sel::sanitize(acc[m]));
@@ -619,10 +626,11 @@ __global__ void __launch_bounds__(kRankThreads) finish_kernel(const RankParams p
     int before = 0;
     const unsigned char cj = cls[j];
     const double ej = ex[j];
-    for (int i = 0; i < n && before < k; ++i) {
+#pragma unroll 4
+    for (int i = 0; i < n; ++i) {
       const unsigned char ci = cls[i];
-      const bool b = ci > cj || (ci == cj && (ci == kUndecided ? (ex[i] > ej || (ex[i] == ej && i < j)) : i < j));
-      before += b ? 1 : 0;
+      const double ei = ex[i];
+      before += (ci > cj) | ((ci == cj) & (ci == kUndecided ? ((ei > ej) | ((ei == ej) & (i < j))) : (i < j)));
     }
     flags[j] = before < k ? 1 : 0;
   }
