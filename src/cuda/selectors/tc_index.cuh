@@ -183,7 +183,9 @@ __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec
   for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32; row < rows;
        row += warps) {
     const std::int64_t off = s.offset(row);
-    double sq = 0.0;
+    // Sum of squares rounded upward (every term is >= 0, so each upward rounding keeps an upper bound);
+    // an overflow gives +inf, which the bound treats like a non-finite row.
+    float sq = 0.0f;
     bool finite = true;
     for (std::int64_t gi = lane; gi < groups; gi += 32) {
       const std::int64_t d0 = gi * G;
@@ -199,7 +201,7 @@ __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec
         cb[i] = __float2bfloat16_rn(ci);
         if (i < cnt) {
           finite = finite && isfinite(ci) && isfinite(v[i]);
-          sq = fma(static_cast<double>(ci), static_cast<double>(ci), sq);
+          sq = __fmaf_ru(ci, ci, sq);
         }
       }
       if constexpr (G == 16) {
@@ -210,14 +212,10 @@ __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec
         *reinterpret_cast<uint2*>(o.codes + row * o.Dp + d0) = *reinterpret_cast<const uint2*>(cb);
       }
     }
-    for (int w = 16; w > 0; w >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, w);
-      finite = __shfl_xor_sync(0xffffffffu, finite ? 1 : 0, w) != 0 && finite;
-    }
+    for (int w = 16; w > 0; w >>= 1) sq = __fadd_ru(sq, __shfl_xor_sync(0xffffffffu, sq, w));
+    finite = __all_sync(0xffffffffu, finite);
     if (lane == 0) {
-      // The double sum and sqrt are within 2^-45 relative of the exact norm (Dp <= 2^10 terms); the
-      // factor and the upward conversion make the float an upper bound.
-      const float n = finite ? __double2float_ru(sqrt(sq) * (1.0 + 0x1p-40)) : INFINITY;
+      const float n = finite ? __fsqrt_ru(sq) : INFINITY;
       o.norms[row] = n;
       atomicMax(o.group_max + s.group(row), __float_as_uint(n));
     }
