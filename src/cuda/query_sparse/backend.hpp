@@ -45,7 +45,7 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
 
 /// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
 /// cp.async ring, 2 TMA stages released per block, 3 TMA ring of half blocks).
-inline constexpr int kGroupVersion = 1;
+inline constexpr int kGroupVersion = 2;
 
 /// The group-centric schedule with an explicit kernel version (tests and timing compare them).
 void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,

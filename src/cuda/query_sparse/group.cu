@@ -500,6 +500,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   if (!active) return;  // no CTA-wide barrier follows
   const int i = c.i0 + qq;
   const std::uint32_t qa_addr = load_q<D>(p, c, Qs, i, ht, true);
+  // wait_group only covers committed groups: without the commit the Q copies could still be in flight.
+  cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();
 
@@ -603,6 +605,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   if (!active) return;  // no CTA-wide barrier follows
   const int i = c.i0 + qq;
   const std::uint32_t qa_addr = load_q<D>(p, c, Qs, i, ht, true);
+  // wait_group only covers committed groups: without the commit the Q copies could still be in flight.
+  cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();
 
