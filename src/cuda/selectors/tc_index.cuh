@@ -81,8 +81,16 @@ __global__ void amax_kernel(const IndexSrc s, unsigned int* amax_bits) {
     const std::int64_t off = s.offset(row);
     for (std::int64_t d = threadIdx.x % 32; d < s.D; d += 32) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, off + d)));
   }
+  // One atomic per block: atomics on one address serialise in L2, so per-warp atomics from thousands
+  // of warps would cost more than reading the tensor.
+  __shared__ float red[32];
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (threadIdx.x % 32 == 0) atomicMax(amax_bits, __float_as_uint(m));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = fmaxf(m, red[w]);
+    atomicMax(amax_bits, __float_as_uint(m));
+  }
 }
 
 /// Per-tensor scale of precision `p` from the amax word (1 for bf16), as the CPU's precision_tensor_scale.
@@ -248,7 +256,7 @@ inline void launch_prepare(const TensorView& t, IndexPrecision prec, unsigned in
   const std::int64_t rows = s.B * s.L * s.H;
   const In in = sel::in_type(t.dtype);
   if (prec != IndexPrecision::bf16) {
-    const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 2048));
+    const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 512));
     switch (in) {
       case In::f32: amax_kernel<In::f32><<<blocks, 256, 0, stream>>>(s, amax); break;
       case In::f16: amax_kernel<In::f16><<<blocks, 256, 0, stream>>>(s, amax); break;
