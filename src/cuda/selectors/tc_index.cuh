@@ -137,6 +137,26 @@ __device__ __forceinline__ float e2m1_value(float y) {
   return copysignf(r, y);
 }
 
+// fp4 values and codes of x[0, cnt), part of a 16-element block whose largest |x| is `amax` (the CPU's
+// block scale e4m3(amax / 6 / ts) * ts).
+__device__ __forceinline__ void fp4_values(const float* x, int cnt, float ts, float amax, float* v, float* code) {
+  if (ts == 0.0f) {
+    for (int i = 0; i < cnt; ++i) v[i] = code[i] = x[i];
+    return;
+  }
+  const float bs_code = e4m3_value(__fdiv_rn(__fdiv_rn(amax, 6.0f), ts));
+  const float bs = __fmul_rn(bs_code, ts);
+  for (int i = 0; i < cnt; ++i) {
+    if (bs == 0.0f) {
+      v[i] = code[i] = 0.0f;
+    } else {
+      const float e = e2m1_value(__fdiv_rn(x[i], bs));
+      v[i] = __fmul_rn(e, bs);
+      code[i] = __fmul_rn(e, bs_code);  // exact: at most 6 significant bits
+    }
+  }
+}
+
 template <Prec P>
 __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts, float* v, float* code) {
   if constexpr (P == Prec::bf16) {
@@ -154,17 +174,7 @@ __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts
     } else {
       float amax = 0.0f;
       for (int i = 0; i < cnt; ++i) amax = fmaxf(amax, fabsf(x[i]));
-      const float bs_code = e4m3_value(__fdiv_rn(__fdiv_rn(amax, 6.0f), ts));
-      const float bs = __fmul_rn(bs_code, ts);
-      for (int i = 0; i < cnt; ++i) {
-        if (bs == 0.0f) {
-          v[i] = code[i] = 0.0f;
-        } else {
-          const float e = e2m1_value(__fdiv_rn(x[i], bs));
-          v[i] = __fmul_rn(e, bs);
-          code[i] = __fmul_rn(e, bs_code);  // exact: at most 6 significant bits
-        }
-      }
+      fp4_values(x, cnt, ts, amax, v, code);
     }
   }
 }
@@ -176,18 +186,19 @@ struct PrepOut {
   std::int64_t Dp;
 };
 
-// One warp per row; lane l handles the groups l, l + 32, ... of G elements: the 16-element fp4 block,
-// or 4 elements for the element-wise precisions (all lanes busy at Di = 128). Groups past Di (padding
-// up to Dp) get zero codes.
+// One warp per row; lane l handles elements [b + 4 l, b + 4 l + 4) of each 128-element stretch b, so all
+// lanes are busy at Di = 128. fp4: the 4 lanes of a quad hold one 16-element block and share its amax
+// by shuffles (a max is order-free, so it equals the CPU's). Elements past Di (padding up to Dp) get
+// zero codes.
 template <In T, Prec P>
 __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec, const unsigned int* amax_bits,
                                                       const PrepOut o) {
-  constexpr int G = P == Prec::fp4 ? kGroup : 4;
+  constexpr int G = 4;
+  static_assert(kGroup % G == 0 && 32 * G % kGroup == 0);
   const std::int64_t rows = s.B * s.L * s.H;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, D = static_cast<int>(s.D), Dp = static_cast<int>(o.Dp);
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
   const float ts = tensor_scale(prec, amax_bits);
-  const std::int64_t groups = o.Dp / G;
   for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32; row < rows;
        row += warps) {
     const std::int64_t off = s.offset(row);
@@ -195,14 +206,23 @@ __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec
     // an overflow gives +inf, which the bound treats like a non-finite row.
     float sq = 0.0f;
     bool finite = true;
-    for (std::int64_t gi = lane; gi < groups; gi += 32) {
-      const std::int64_t d0 = gi * G;
-      const int cnt = static_cast<int>(imax<std::int64_t>(0, imin<std::int64_t>(G, s.D - d0)));
+    for (int base = 0; base < Dp; base += 32 * G) {  // uniform across the warp (shuffles inside)
+      const int d0 = base + lane * G;
+      const int cnt = imax(0, imin(G, D - d0));
       float x[G], v[G], c[G];
 #pragma unroll
       for (int i = 0; i < G; ++i) x[i] = i < cnt ? sel::load_elem<T>(s.x, off + d0 + i) : 0.0f;
-      quantize_codes<P>(x, G, ts, v, c);
-      __align__(16) __nv_bfloat16 cb[G];
+      if constexpr (P == Prec::fp4) {
+        float am = 0.0f;
+#pragma unroll
+        for (int i = 0; i < G; ++i) am = fmaxf(am, fabsf(x[i]));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+        fp4_values(x, G, ts, am, v, c);
+      } else {
+        quantize_codes<P>(x, G, ts, v, c);
+      }
+      __align__(8) __nv_bfloat16 cb[G];
 #pragma unroll
       for (int i = 0; i < G; ++i) {
         const float ci = i < cnt ? c[i] : 0.0f;
@@ -212,13 +232,7 @@ __global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec
           sq = __fmaf_ru(ci, ci, sq);
         }
       }
-      if constexpr (G == 16) {
-        auto* dst = reinterpret_cast<uint4*>(o.codes + row * o.Dp + d0);
-        dst[0] = reinterpret_cast<const uint4*>(cb)[0];
-        dst[1] = reinterpret_cast<const uint4*>(cb)[1];
-      } else {
-        *reinterpret_cast<uint2*>(o.codes + row * o.Dp + d0) = *reinterpret_cast<const uint2*>(cb);
-      }
+      if (d0 < Dp) *reinterpret_cast<uint2*>(o.codes + row * o.Dp + d0) = *reinterpret_cast<const uint2*>(cb);
     }
     for (int w = 16; w > 0; w >>= 1) sq = __fadd_ru(sq, __shfl_xor_sync(0xffffffffu, sq, w));
     finite = __all_sync(0xffffffffu, finite);
