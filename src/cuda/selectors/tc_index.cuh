@@ -100,7 +100,6 @@ __device__ __forceinline__ float tensor_scale(int p, const unsigned int* amax_bi
   return p == static_cast<int>(Prec::fp8) ? sel::tensor_scale_of<Prec::fp8>(amax) : sel::tensor_scale_of<Prec::fp4>(amax);
 }
 
-// Rounds x[0, cnt) through the precision exactly as sel::quantize_row (values v) and returns the codes.
 // Values of the hardware formats by rounding float bits directly, equal to e4m3_to_float(float_to_e4m3(y))
 // and e2m1_to_float(float_to_e2m1(y)) of common.cuh (the CPU's round trips) for every float, in a
 // fraction of the instructions (no frexp / ldexp / division). Normal range: round to nearest even on
@@ -157,6 +156,7 @@ __device__ __forceinline__ void fp4_values(const float* x, int cnt, float ts, fl
   }
 }
 
+// Rounds x[0, cnt) through the precision exactly as sel::quantize_row (values v) and returns the codes.
 template <Prec P>
 __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts, float* v, float* code) {
   if constexpr (P == Prec::bf16) {
