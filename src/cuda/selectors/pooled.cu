@@ -263,8 +263,9 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
 
 // ---- 2. scores and top-k ------------------------------------------------------------------------------
 
-constexpr int kCandCap = 512;          // candidate pairs queued per CTA; a block whose candidates
-                                       // overflow the queue has all its pairs evaluated instead
+// Candidate pairs queued per CTA (int8 screen / float32 screen); a block whose candidates overflow
+// the queue has all its pairs evaluated instead.
+constexpr int kCandCap = 2048, kCandCapF32 = 512;
 constexpr int kMaxRowsPerCta = 512;    // key representative rows per CTA (passes of kKN rows)
 constexpr std::int64_t kNever = LLONG_MAX;  // key position that no query sees
 
@@ -673,11 +674,12 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     const int queued = imin(n_queued, kCandCap);
     for (int i = tid; i < queued; i += kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
     if (n_queued > kCandCap) {  // near-ties in bulk: the overflowing blocks get every counted pair
-      const std::int64_t r = p.r;
-      for (std::int64_t j = k0 / r; j < (k0 + krows) / r; ++j) {
+      const std::int64_t r = p.r, pairs = p.P * r, j0 = k0 / r;
+      for (std::int64_t e = tid; e < (krows / r) * pairs; e += kThreads) {  // all flagged blocks at once
+        const std::int64_t j = j0 + e / pairs;
         if (!full[j - v.blk0]) continue;
-        for (std::int64_t e = tid; e < p.P * r; e += kThreads) {
-          const std::int64_t qrow = e / r, krow = j * r + e % r;
+        {
+          const std::int64_t qrow = (e % pairs) / r, krow = j * r + e % r;
           const std::int64_t qfirst = i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
           const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
           if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
@@ -895,7 +897,7 @@ __host__ __device__ inline ScoreSmem score_smem(int QM, int KN, int nblk) {
   s.qss = o, o = up(o + QM * sizeof(float));
   s.kss = o, o = up(o + KN * sizeof(float));
   s.lkey = o, o = up(o + nblk * sizeof(unsigned));
-  s.cand = o, o = up(o + kCandCap * sizeof(uint2));
+  s.cand = o, o = up(o + kCandCapF32 * sizeof(uint2));
   s.full = o, o = up(o + nblk * sizeof(unsigned));
   s.total = o;
   return s;
@@ -1126,7 +1128,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
                 const uint2 pair = make_uint2(static_cast<unsigned>(q0 + qr), static_cast<unsigned>(k0 + kr));
                 const int slot = atomicAdd(&n_queued, 1);
                 // No call here: it would spill the register tile around it.
-                if (slot < kCandCap) cand[slot] = pair;
+                if (slot < kCandCapF32) cand[slot] = pair;
                 else atomicOr(full + blk, 1u);
               }
             }
@@ -1137,14 +1139,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
       if (pass == 0) __syncthreads();
     }
     __syncthreads();
-    const int queued = imin(n_queued, kCandCap);
+    const int queued = imin(n_queued, kCandCapF32);
     for (int i = tid; i < queued; i += C::kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
-    if (n_queued > kCandCap) {  // near-ties in bulk: the overflowing blocks get every counted pair
-      const std::int64_t r = p.r;
-      for (std::int64_t j = k0 / r; j < (k0 + krows) / r; ++j) {
+    if (n_queued > kCandCapF32) {  // near-ties in bulk: the overflowing blocks get every counted pair
+      const std::int64_t r = p.r, pairs = p.P * r, j0 = k0 / r;
+      for (std::int64_t e = tid; e < (krows / r) * pairs; e += C::kThreads) {  // all flagged blocks at once
+        const std::int64_t j = j0 + e / pairs;
         if (!full[j - v.blk0]) continue;
-        for (std::int64_t e = tid; e < p.P * r; e += C::kThreads) {
-          const std::int64_t qrow = e / r, krow = j * r + e % r;
+        {
+          const std::int64_t qrow = (e % pairs) / r, krow = j * r + e % r;
           const std::int64_t qfirst = i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
           const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
           if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
