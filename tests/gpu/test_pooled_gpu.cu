@@ -316,13 +316,23 @@ TEST(PooledGpu, NonFiniteAndExtremeValues) {
     k.set(k.index(1, 1000, 1, 9), -INFINITY);         // block 7
     k.set(k.index(1, 1001, 1, 9), INFINITY);          // block 7 again: inf - inf = NaN in its mean
     q.set(q.index(1, 260, 2, 0), INFINITY);           // tile 2 of head 2
+    q.set(q.index(1, 7, 0, 5), 0.0f);               // zeros and subnormals: the exact conversion's slow path
+    q.set(q.index(1, 8, 0, 6), -0.0f);
+    k.set(k.index(0, 900, 1, 2), 1e-40f);             // a bf16 subnormal
+    k.set(k.index(1, 1500, 0, 3), -3e-39f);
     expect_same(R + "NaN / inf", q, k, {r, 6, 6, false, true, false});
     expect_same(R + "NaN / inf causal", q, k, {r, 6, 6, true, false, true});
 
     const Input qh = make_input(sa::DType::f32, 1, 300, 2, 128, 43, 0, 0, 3e18f);
     const Input kh = make_input(sa::DType::f32, 1, 1500, 1, 128, 44, 0, 0, 3e18f);
     expect_same(R + "huge f32 (float32 dots overflow)", qh, kh, {r, 4, 4, false, true, false});
-    const Input qt = make_input(sa::DType::f32, 1, 300, 2, 128, 45, 0, 0, 1e-21f);
+    Input qz = make_input(sa::DType::f16, 1, 256, 2, 64, 47), kz = make_input(sa::DType::f16, 1, 900, 1, 64, 48);
+    for (std::int64_t l = 0; l < 40; ++l) qz.set(qz.index(0, l, 0, l % 64), 0.0f);  // f16 zeros
+    qz.set(qz.index(0, 50, 1, 1), 3e-7f);                                          // an f16 subnormal
+    expect_same(R + "f16 zeros and subnormals", qz, kz, {r, 4, 4, true, true, false});
+    Input qt = make_input(sa::DType::f32, 1, 300, 2, 128, 45, 0, 0, 1e-21f);
+    qt.set(qt.index(0, 3, 1, 4), 1e-42f);             // f32 subnormal and zero inputs
+    qt.set(qt.index(0, 4, 1, 4), 0.0f);
     const Input kt = make_input(sa::DType::f32, 1, 1500, 1, 128, 46, 0, 0, 1e-21f);
     expect_same(R + "tiny f32 (subnormal products)", qt, kt, {r, 4, 4, true, true, false});
   }
