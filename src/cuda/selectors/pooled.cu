@@ -15,8 +15,9 @@
 //     int8 rows in shared memory and forms every representative dot exactly in int32 on the tensor
 //     cores (mma m16n8k32 s8). Per block it keeps only the pairs that the quantisation bound cannot
 //     rule out as the block's maximum and evaluates those in float64 in the CPU's order (from the
-//     float means), so each block score is the CPU's double. The last CTA of a tile (an atomic
-//     counter) ranks the tile's exact block scores with the exact top-k of common.cuh.
+//     float means), so each block score is the CPU's double. A tile whose key rows fit one pass is one
+//     CTA and ranks its blocks from shared memory; otherwise the last CTA of the tile (an atomic
+//     counter) ranks the exact block scores. Exact top-k, ties to the lower id.
 //
 // Screening proof. Let a, b be the float32 mean rows of a counted pair (n = D columns), S the CPU's
 // float64 chain over them (the value to reproduce), and A, B, s_a, s_b their int8 copies and scales:
