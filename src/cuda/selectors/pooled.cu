@@ -130,29 +130,6 @@ struct RepIO {
   }
 };
 
-// float -> double, exactly as the conversion instruction: for normal floats the double's bits are
-// assembled with integer operations (sign, exponent + 896, the 23 mantissa bits shifted by 29). The
-// H200 measurement of the conversion-only version ran at about 4 elements per clock per SM, far below
-// the integer pipes' rate, so the conversion instruction is kept for the rare vector holding a zero,
-// subnormal, infinity or NaN (all its elements take it).
-template <int W>
-__device__ __forceinline__ void to_double_exact(const float (&f)[W], double (&d)[W]) {
-  bool normal = true;
-#pragma unroll
-  for (int e = 0; e < W; ++e) normal = normal && ((__float_as_uint(f[e]) >> 23) & 0xffu) - 1u < 254u;
-  if (normal) {
-#pragma unroll
-    for (int e = 0; e < W; ++e) {
-      const unsigned u = __float_as_uint(f[e]);
-      const unsigned hi = (((u & 0x7fffffffu) >> 3) + 0x38000000u) | (u & 0x80000000u);
-      d[e] = __hiloint2double(static_cast<int>(hi), static_cast<int>(u << 29));
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < W; ++e) d[e] = static_cast<double>(f[e]);
-  }
-}
-
 // Reductions over the `group` lanes of one row (an aligned power-of-two segment of the warp).
 __device__ __forceinline__ float group_max(float v, unsigned mask, int group) {
   for (int o = group / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, o));
@@ -217,10 +194,8 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
         if (s + u < n) {
           float f[W];
           IO::to_float(buf[u], f);
-          double d[W];
-          to_double_exact(f, d);
 #pragma unroll
-          for (int e = 0; e < W; ++e) acc[e] += d[e];
+          for (int e = 0; e < W; ++e) acc[e] += static_cast<double>(f[e]);
         }
       }
     };
