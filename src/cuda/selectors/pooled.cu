@@ -421,6 +421,73 @@ struct CtaView {
   std::int64_t blk0;    // first block of the CTA
 };
 
+// The tile a scoring CTA works on: (b, group, Q tile) job, its candidate blocks under causal
+// visibility, the blocks forced into the list (as the CPU forces them) and the CTA's key rows.
+struct TileJob {
+  std::int64_t job, t, bg, i_first, n_cand, local_lo, local_hi, row_begin, row_end;
+
+  __device__ __forceinline__ bool forced(const ScoreParams& p, std::int64_t j) const {
+    return (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+  }
+};
+
+__device__ __forceinline__ TileJob tile_job(const ScoreParams& p) {
+  TileJob tj;
+  tj.job = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x % p.chunks;
+  tj.t = tj.job % p.Tq, tj.bg = tj.job / p.Tq;
+  const std::int64_t offset = p.Lk - p.Lq;
+  tj.i_first = tj.t * kTileQ;
+  const std::int64_t i_last = imin(p.Lq, tj.i_first + kTileQ) - 1;
+  tj.n_cand = p.causal ? imax(std::int64_t{0}, imin(p.Tk, (i_last + offset + 1 + kBlockK - 1) / kBlockK)) : p.Tk;
+  // Forced blocks: block 0 and the local block(s); they only matter for j < n_cand.
+  tj.local_lo = -1, tj.local_hi = -2;
+  if (p.force_local) {
+    if (p.causal) {
+      tj.local_lo = imax(tj.i_first + offset, std::int64_t{0}) / kBlockK;
+      tj.local_hi = (i_last + offset) / kBlockK;
+    } else {
+      tj.local_lo = tj.local_hi = imin(tj.i_first * p.Lk / p.Lq / kBlockK, p.Tk - 1);
+    }
+  }
+  tj.row_begin = static_cast<std::int64_t>(chunk) * p.rows_per_cta;
+  tj.row_end = imin(tj.row_begin + p.rows_per_cta, tj.n_cand * p.r);
+  return tj;
+}
+
+// The CTA's block scores (forced +inf, else the exact maximum; -inf where no pair counts), then the
+// exact top-k of the tile. With `local` (a CTA that holds all of its tile's blocks) they are ranked
+// from that shared-memory array; otherwise they go through global memory and the last of the tile's
+// CTAs ranks them. `is_last` is a __shared__ int of the kernel.
+template <int kThreads>
+__device__ __forceinline__ void rank_tile(const ScoreParams& p, const TileJob& tj, const CtaView& v,
+                                          unsigned char* smem, double* local, int& is_last) {
+  const int tid = threadIdx.x;
+  const int n = static_cast<int>(tj.n_cand);
+  double* sc = local;
+  if (local != nullptr) {
+    for (std::int64_t j = tid; j < tj.n_cand; j += kThreads) sc[j] = tj.forced(p, j) ? INFINITY : unkey64(v.ekey[j]);
+  } else {
+    double* scores = p.scores + tj.job * p.Tk;
+    for (std::int64_t j = v.blk0 + tid; j * p.r < tj.row_end; j += kThreads)
+      scores[j] = tj.forced(p, j) ? INFINITY : unkey64(v.ekey[j - v.blk0]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(p.counters + tj.job, 1u) == static_cast<unsigned>(p.chunks - 1);
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
+    sc = reinterpret_cast<double*>(smem);
+    for (int j = tid; j < n; j += kThreads) sc[j] = __ldcg(scores + j);
+  }
+  int* warp_kept = reinterpret_cast<int*>(sc + p.Tk);
+  __syncthreads();
+  const std::int64_t b = tj.bg / p.Hkv, g = tj.bg % p.Hkv;
+  std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + tj.t * p.is2;
+  const int c = tile_top_k(sc, n, p.top_k, warp_kept, row, p.is3, p.kmax);
+  if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + tj.t * p.cs2] = c;
+}
+
 __device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaView& v, unsigned qrow, unsigned krow) {
   const float* a = v.qrows + static_cast<std::int64_t>(qrow) * p.D;
   const float* b = v.krows + static_cast<std::int64_t>(krow) * p.D;
@@ -433,6 +500,31 @@ __device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaVie
   const double s = exact_dot(a, b, p.D);
   atomicMax(v.ekey + (krow / p.r - v.blk0), key64(sanitize(s)));
 }
+
+// Float64 evaluation of the pairs the screen could not decide: the queued ones, and, for blocks whose
+// pairs overflowed the queue (near-ties in bulk), every counted pair of those blocks at once.
+template <int kThreads>
+__device__ __forceinline__ void evaluate_queued(const ScoreParams& p, const TileJob& tj, const CtaView& v,
+                                                const uint2* cand, const unsigned* full, int n_queued, int cap,
+                                                std::int64_t k0, int krows) {
+  const int tid = threadIdx.x;
+  const std::int64_t offset = p.Lk - p.Lq;
+  const int queued = imin(n_queued, cap);
+  for (int i = tid; i < queued; i += kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
+  if (n_queued <= cap) return;
+  const std::int64_t r = p.r, pairs = p.P * r, j0 = k0 / r;
+  for (std::int64_t e = tid; e < (krows / r) * pairs; e += kThreads) {
+    const std::int64_t j = j0 + e / pairs;
+    if (!full[j - v.blk0]) continue;
+    const std::int64_t qrow = (e % pairs) / r, krow = j * r + e % r;
+    const std::int64_t qfirst = tj.i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
+    const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
+    if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
+    if (p.causal && kfirst_pos > qfirst + qn - 1 + offset) continue;
+    evaluate_pair(p, v, static_cast<unsigned>(qrow), static_cast<unsigned>(krow));
+  }
+}
+
 
 // Stages the int8 copies, scales and L1 of query rows [q0, q0 + qrows) of the job and key rows
 // [k0, k0 + krows) of the (b, group), multiplies them on the tensor cores into acc, and fills the
@@ -573,26 +665,9 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   auto* full = reinterpret_cast<unsigned*>(smem + L.full);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
 
-  const std::int64_t job = blockIdx.x / p.chunks;
-  const int chunk = blockIdx.x % p.chunks;
-  const std::int64_t t = job % p.Tq, bg = job / p.Tq;
-  const std::int64_t offset = p.Lk - p.Lq;
-  const std::int64_t i_first = t * kTileQ;
-  const std::int64_t i_last = imin(p.Lq, i_first + kTileQ) - 1;
-  const std::int64_t n_cand =
-      p.causal ? imax(std::int64_t{0}, imin(p.Tk, (i_last + offset + 1 + kBlockK - 1) / kBlockK)) : p.Tk;
-  // Forced blocks, as the CPU: block 0 and the local block(s); they only matter for j < n_cand.
-  std::int64_t local_lo = -1, local_hi = -2;
-  if (p.force_local) {
-    if (p.causal) {
-      local_lo = imax(i_first + offset, std::int64_t{0}) / kBlockK;
-      local_hi = (i_last + offset) / kBlockK;
-    } else {
-      local_lo = local_hi = imin(i_first * p.Lk / p.Lq / kBlockK, p.Tk - 1);
-    }
-  }
-  const std::int64_t row_begin = static_cast<std::int64_t>(chunk) * p.rows_per_cta;
-  const std::int64_t row_end = imin(row_begin + p.rows_per_cta, n_cand * p.r);
+  const TileJob tj = tile_job(p);
+  const std::int64_t job = tj.job, bg = tj.bg, i_first = tj.i_first;
+  const std::int64_t local_lo = tj.local_lo, local_hi = tj.local_hi, row_begin = tj.row_begin, row_end = tj.row_end;
 
   CtaView v;
   v.qrows = p.qmean + job * p.P * p.D;
@@ -672,60 +747,14 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
       if (pass == 0) __syncthreads();
     }
     __syncthreads();
-    const int queued = imin(n_queued, kCandCap);
-    for (int i = tid; i < queued; i += kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
-    if (n_queued > kCandCap) {  // near-ties in bulk: the overflowing blocks get every counted pair
-      const std::int64_t r = p.r, pairs = p.P * r, j0 = k0 / r;
-      for (std::int64_t e = tid; e < (krows / r) * pairs; e += kThreads) {  // all flagged blocks at once
-        const std::int64_t j = j0 + e / pairs;
-        if (!full[j - v.blk0]) continue;
-        {
-          const std::int64_t qrow = (e % pairs) / r, krow = j * r + e % r;
-          const std::int64_t qfirst = i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
-          const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
-          if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
-          if (p.causal && kfirst_pos > qfirst + qn - 1 + offset) continue;
-          evaluate_pair(p, v, static_cast<unsigned>(qrow), static_cast<unsigned>(krow));
-        }
-      }
-    }
+    evaluate_queued<kThreads>(p, tj, v, cand, full, n_queued, kCandCap, k0, krows);
     __syncthreads();
     if (tid == 0) n_queued = 0;
   }
   __syncthreads();
 
-  // The CTA's block scores: forced +inf, else the exact maximum (-inf where no pair counts). A CTA that
-  // holds all of its tile's blocks ranks them from shared memory (behind the scoring region); the
-  // others go through global memory, and the last of the tile's CTAs ranks.
-  const int n = static_cast<int>(n_cand);
-  double* sc;
-  if (p.chunks == 1) {
-    sc = reinterpret_cast<double*>(smem + L.total);
-    for (std::int64_t j = tid; j < n_cand; j += kThreads) {
-      const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-      sc[j] = forced ? INFINITY : unkey64(v.ekey[j]);
-    }
-  } else {
-    double* scores = p.scores + job * p.Tk;
-    for (std::int64_t j = v.blk0 + tid; j * p.r < row_end; j += kThreads) {
-      const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-      scores[j] = forced ? INFINITY : unkey64(v.ekey[j - v.blk0]);
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) is_last = atomicAdd(p.counters + job, 1u) == static_cast<unsigned>(p.chunks - 1);
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
-    sc = reinterpret_cast<double*>(smem);
-    for (int j = tid; j < n; j += kThreads) sc[j] = __ldcg(scores + j);
-  }
-  int* warp_kept = reinterpret_cast<int*>(sc + p.Tk);
-  __syncthreads();
-  const std::int64_t b = bg / p.Hkv, g = bg % p.Hkv;
-  std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
-  const int c = tile_top_k(sc, n, p.top_k, warp_kept, row, p.is3, p.kmax);
-  if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
+  // A CTA that holds all of its tile's blocks ranks them from shared memory, behind the scoring region.
+  rank_tile<kThreads>(p, tj, v, smem, p.chunks == 1 ? reinterpret_cast<double*>(smem + L.total) : nullptr, is_last);
 }
 
 // ---- host ---------------------------------------------------------------------------------------------
@@ -1045,26 +1074,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
   auto* full = reinterpret_cast<unsigned*>(smem + L.full);
   const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
 
-  const std::int64_t job = blockIdx.x / p.chunks;
-  const int chunk = blockIdx.x % p.chunks;
-  const std::int64_t t = job % p.Tq, bg = job / p.Tq;
-  const std::int64_t offset = p.Lk - p.Lq;
-  const std::int64_t i_first = t * kTileQ;
-  const std::int64_t i_last = imin(p.Lq, i_first + kTileQ) - 1;
-  const std::int64_t n_cand =
-      p.causal ? imax(std::int64_t{0}, imin(p.Tk, (i_last + offset + 1 + kBlockK - 1) / kBlockK)) : p.Tk;
-  // Forced blocks, as the CPU: block 0 and the local block(s); they only matter for j < n_cand.
-  std::int64_t local_lo = -1, local_hi = -2;
-  if (p.force_local) {
-    if (p.causal) {
-      local_lo = imax(i_first + offset, std::int64_t{0}) / kBlockK;
-      local_hi = (i_last + offset) / kBlockK;
-    } else {
-      local_lo = local_hi = imin(i_first * p.Lk / p.Lq / kBlockK, p.Tk - 1);
-    }
-  }
-  const std::int64_t row_begin = static_cast<std::int64_t>(chunk) * p.rows_per_cta;
-  const std::int64_t row_end = imin(row_begin + p.rows_per_cta, n_cand * p.r);
+  const TileJob tj = tile_job(p);
+  const std::int64_t job = tj.job, bg = tj.bg, i_first = tj.i_first;
+  const std::int64_t local_lo = tj.local_lo, local_hi = tj.local_hi, row_begin = tj.row_begin, row_end = tj.row_end;
 
   CtaView v;
   v.qrows = p.qmean + job * p.P * p.D;
@@ -1140,50 +1152,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
       if (pass == 0) __syncthreads();
     }
     __syncthreads();
-    const int queued = imin(n_queued, kCandCapF32);
-    for (int i = tid; i < queued; i += C::kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
-    if (n_queued > kCandCapF32) {  // near-ties in bulk: the overflowing blocks get every counted pair
-      const std::int64_t r = p.r, pairs = p.P * r, j0 = k0 / r;
-      for (std::int64_t e = tid; e < (krows / r) * pairs; e += C::kThreads) {  // all flagged blocks at once
-        const std::int64_t j = j0 + e / pairs;
-        if (!full[j - v.blk0]) continue;
-        {
-          const std::int64_t qrow = (e % pairs) / r, krow = j * r + e % r;
-          const std::int64_t qfirst = i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
-          const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
-          if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
-          if (p.causal && kfirst_pos > qfirst + qn - 1 + offset) continue;
-          evaluate_pair(p, v, static_cast<unsigned>(qrow), static_cast<unsigned>(krow));
-        }
-      }
-    }
+    evaluate_queued<C::kThreads>(p, tj, v, cand, full, n_queued, kCandCapF32, k0, krows);
     __syncthreads();
     if (tid == 0) n_queued = 0;
   }
   __syncthreads();
 
-  // The CTA's block scores: forced +inf, else the exact maximum (-inf where no pair counts).
-  double* scores = p.scores + job * p.Tk;
-  for (std::int64_t j = v.blk0 + tid; j * p.r < row_end; j += C::kThreads) {
-    const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-    scores[j] = forced ? INFINITY : unkey64(v.ekey[j - v.blk0]);
-  }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) is_last = atomicAdd(p.counters + job, 1u) == static_cast<unsigned>(p.chunks - 1);
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
-
-  const int n = static_cast<int>(n_cand);
-  auto* sc = reinterpret_cast<double*>(smem);
-  int* warp_kept = reinterpret_cast<int*>(sc + p.Tk);
-  for (int j = tid; j < n; j += C::kThreads) sc[j] = __ldcg(scores + j);
-  __syncthreads();
-  const std::int64_t b = bg / p.Hkv, g = bg % p.Hkv;
-  std::int32_t* row = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
-  const int c = tile_top_k(sc, n, p.top_k, warp_kept, row, p.is3, p.kmax);
-  if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
+  rank_tile<C::kThreads>(p, tj, v, smem, nullptr, is_last);
 }
 
 template <class C>
