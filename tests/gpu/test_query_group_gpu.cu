@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "gpu/query_lists_testing.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -30,32 +31,9 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
-#define QG_SKIP_WITHOUT_GPU()                                                                             \
-  do {                                                                                                    \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped";      \
-  } while (0)
-
-void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
-
-struct Buffer {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  sa::TensorView view;
-  explicit Buffer(const sa::HostTensor& h) {
-    bytes = static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype());
-    cuda_ok(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
-    if (bytes) cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
-    view = sa::TensorView::contiguous(ptr, h.dtype(), h.shape(), sa::Device::cuda, 0);
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() {
-    if (ptr) cudaFree(ptr);
-  }
-  void download(sa::HostTensor& h) const {
-    if (bytes) cuda_ok(cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost), "download");
-  }
-};
+using st::query_lists::cuda_ok;
+using st::query_lists::DeviceBuffer;
+using st::query_lists::Inputs;
 
 struct Case {
   std::string name;
@@ -72,44 +50,8 @@ sa::ProblemShape shape_of(const Case& c) {
   return p;
 }
 
-// Per (b, g, query): 1..kq distinct ids in random slots, -1 elsewhere; every 7th query empty. Lists
-// differ across b and g.
-sa::HostTensor make_lists(const Case& c, const sa::ProblemShape& p, std::uint64_t seed) {
-  sa::HostTensor t(sa::DType::i32, {p.B, p.Hkv, p.Lq, c.kq});
-  auto* d = t.data<std::int32_t>();
-  std::mt19937_64 rng(seed);
-  const std::int64_t Tk = p.Tk();
-  std::vector<std::int32_t> all(static_cast<std::size_t>(Tk));
-  std::vector<std::int64_t> slots(static_cast<std::size_t>(c.kq));
-  for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg) {
-    for (std::int64_t i = 0; i < p.Lq; ++i) {
-      std::int32_t* row = d + (bg * p.Lq + i) * c.kq;
-      std::fill(row, row + c.kq, -1);
-      if (i % 7 == 3 || (c.empty_tile && i >= 128 && i < 256)) continue;
-      std::iota(all.begin(), all.end(), 0);
-      std::shuffle(all.begin(), all.end(), rng);
-      const auto n = static_cast<std::int64_t>(1 + rng() % static_cast<std::uint64_t>(std::min(c.kq, Tk)));
-      std::iota(slots.begin(), slots.end(), 0);
-      std::shuffle(slots.begin(), slots.end(), rng);
-      for (std::int64_t s = 0; s < n; ++s) row[slots[static_cast<std::size_t>(s)]] = all[static_cast<std::size_t>(s)];
-    }
-  }
-  return t;
-}
-
-struct Inputs {
-  sa::ProblemShape p;
-  sa::HostTensor q, k, v, idx;
-};
-
 Inputs make_inputs(const Case& c, std::uint64_t seed) {
-  Inputs in;
-  in.p = shape_of(c);
-  in.q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, seed * 7 + 1);
-  in.k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed * 7 + 2);
-  in.v = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed * 7 + 3);
-  in.idx = make_lists(c, in.p, seed * 7 + 4);
-  return in;
+  return st::query_lists::random_inputs(shape_of(c), c.dtype, c.kq, c.empty_tile, false, seed);
 }
 
 struct Result {
@@ -122,7 +64,7 @@ Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool
   Result r{sa::HostTensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}), sa::HostTensor(sa::DType::f32, {c.B, c.Hq, c.Lq})};
   st::poison(r.out);
   st::poison(r.lse);
-  Buffer q(in.q), k(in.k), v(in.v), idx(in.idx), out(r.out), lse(r.lse);
+  DeviceBuffer q(in.q), k(in.k), v(in.v), idx(in.idx), out(r.out), lse(r.lse);
   sa::QuerySparseOptions opt;
   opt.causal = c.causal;
   opt.schedule = schedule;
@@ -206,7 +148,7 @@ void check_case(const Case& c, std::uint64_t seed) {
 }
 
 TEST(QueryGroupGpu, ShapesAndGroupSizes) {
-  QG_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   using sa::DType;
   const std::vector<Case> cases = {
       {"G=16 Lq=1013 Lk=1000 causal", DType::bf16, 1, 1013, 1000, 16, 1, 128, true, 6, true},
@@ -228,13 +170,13 @@ TEST(QueryGroupGpu, ShapesAndGroupSizes) {
 // partial last block, a padded head tile, B = 2, an empty tile, and a 2-stage and a 3-stage ring
 // wrapping several times.
 TEST(QueryGroupGpu, SanitizerSmall) {
-  QG_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   check_case({"sanitizer G=16 D=128 causal", sa::DType::bf16, 2, 260, 300, 16, 1, 128, true, 3, true}, 7);
   check_case({"sanitizer G=4 D=64 f16", sa::DType::f16, 1, 40, 700, 8, 2, 64, false, 5}, 8);
 }
 
 TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
-  QG_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const Case c{"determinism", sa::DType::bf16, 2, 700, 900, 16, 1, 128, true, 8};
   const Inputs in = make_inputs(c, 55);
   for (int version : kVersions) {
@@ -251,7 +193,7 @@ TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
 // within the same bound of each other (with f32 partials the KV-centric combine adds only f32
 // rounding).
 TEST(QueryGroupGpu, AgreesWithKvCentric) {
-  QG_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   for (const Case& c : {Case{"agree G=16 causal", sa::DType::bf16, 2, 500, 640, 16, 1, 128, true, 6},
                         Case{"agree G=4 f16 D=64", sa::DType::f16, 1, 333, 1000, 16, 4, 64, false, 8}}) {
     SCOPED_TRACE(c.name);
@@ -272,7 +214,7 @@ TEST(QueryGroupGpu, AgreesWithKvCentric) {
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (a fused QKV projection), out and lse
 // into wider buffers: the kernel follows every stride and equals the contiguous run bit for bit.
 TEST(QueryGroupGpu, StridedTensors) {
-  QG_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const Case c{"strided", sa::DType::bf16, 2, 300, 300, 4, 4, 128, true, 3};
   const Inputs in = make_inputs(c, 31);
   const Result ref = run_gpu(c, in, sa::QuerySchedule::group_centric);
@@ -285,7 +227,7 @@ TEST(QueryGroupGpu, StridedTensors) {
       for (int w = 0; w < 3; ++w)
         std::memcpy(dst + (((b * L + l) * 3 + w) * H) * D, parts[w]->data<std::uint16_t>() + ((b * L + l) * H) * D,
                     static_cast<std::size_t>(H * D) * 2);
-  Buffer dpacked(packed), idx(in.idx);
+  DeviceBuffer dpacked(packed), idx(in.idx);
   sa::TensorView views[3];
   for (int w = 0; w < 3; ++w) {
     views[w] = sa::TensorView::contiguous(static_cast<std::uint16_t*>(dpacked.ptr) + w * H * D, c.dtype, {B, L, H, D},
@@ -296,7 +238,7 @@ TEST(QueryGroupGpu, StridedTensors) {
   sa::HostTensor wide(c.dtype, {B, L, H, 2 * D}), wlse(sa::DType::f32, {B, H, 2 * L});
   st::poison(wide);
   st::poison(wlse);
-  Buffer dwide(wide), dwlse(wlse);
+  DeviceBuffer dwide(wide), dwlse(wlse);
   sa::TensorView ov = dwide.view, lv = dwlse.view;
   ov.shape = {B, L, H, D};
   lv.shape = {B, H, L};
@@ -319,15 +261,15 @@ TEST(QueryGroupGpu, StridedTensors) {
 }
 
 TEST(QueryGroupGpu, ValidationAndRejections) {
-  QG_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const Case c{"validation", sa::DType::bf16, 2, 200, 300, 8, 2, 128, false, 3};
   const Inputs in = make_inputs(c, 5);
   sa::QuerySparseOptions opt;
   opt.schedule = sa::QuerySchedule::group_centric;
   auto expect_error = [&](const sa::HostTensor& lists, const std::string& arg, const std::string& needle) {
-    Buffer q(in.q), k(in.k), v(in.v), idx(lists);
+    DeviceBuffer q(in.q), k(in.k), v(in.v), idx(lists);
     sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D});
-    Buffer dout(out);
+    DeviceBuffer dout(out);
     try {
       sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, dout.view, std::nullopt, opt);
       ADD_FAILURE() << "accepted; expected " << needle;
@@ -366,9 +308,9 @@ TEST(QueryGroupGpu, ValidationAndRejections) {
   // More than 256 query heads per KV head: 17 head tiles do not fit one CTA.
   const Case big{"G=272", sa::DType::bf16, 1, 2, 128, 272, 1, 64, false, 1};
   const Inputs bin = make_inputs(big, 6);
-  Buffer q(bin.q), k(bin.k), v(bin.v), idx(bin.idx);
+  DeviceBuffer q(bin.q), k(bin.k), v(bin.v), idx(bin.idx);
   sa::HostTensor out(big.dtype, {1, 2, 272, 64});
-  Buffer dout(out);
+  DeviceBuffer dout(out);
   try {
     sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, dout.view, std::nullopt, opt);
     ADD_FAILURE() << "G = 272 accepted";
@@ -497,7 +439,7 @@ Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hk
 }
 
 TEST(QueryGroupGpu, GroupTiming) {
-  QG_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const char* env = std::getenv("SPARSE_ATTN_TIMING");
   if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "timing runs with SPARSE_ATTN_TIMING=1";
   struct W {

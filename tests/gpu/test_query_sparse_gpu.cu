@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "gpu/query_lists_testing.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "sparse_attn/plan.hpp"
 #include "sparse_attn/sparse_attn.hpp"
@@ -29,37 +30,9 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
-#define QS_SKIP_WITHOUT_GPU()                                                                             \
-  do {                                                                                                    \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped";      \
-  } while (0)
-
-void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  sa::TensorView view;
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(const sa::HostTensor& h) {
-    bytes = static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype());
-    cuda_ok(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
-    if (bytes) cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
-    view = sa::TensorView::contiguous(ptr, h.dtype(), h.shape(), sa::Device::cuda, 0);
-  }
-  explicit DeviceBuffer(std::size_t n) : bytes(n) {
-    cuda_ok(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
-    view = sa::TensorView::contiguous(ptr, sa::DType::u8, {static_cast<std::int64_t>(bytes)}, sa::Device::cuda, 0);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr) cudaFree(ptr);
-  }
-  void download(sa::HostTensor& h) const {
-    if (bytes) cuda_ok(cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost), "download");
-  }
-};
+using st::query_lists::cuda_ok;
+using st::query_lists::DeviceBuffer;
+using st::query_lists::Inputs;
 
 struct Case {
   std::string name;
@@ -78,45 +51,8 @@ sa::ProblemShape shape_of(const Case& c) {
   return p;
 }
 
-// Per (b, g, query): up to kq distinct ids in random slots with -1 elsewhere; every 7th query empty.
-// Lists differ across b and g.
-sa::HostTensor make_lists(const Case& c, const sa::ProblemShape& p, std::uint64_t seed) {
-  sa::HostTensor t(sa::DType::i32, {p.B, p.Hkv, p.Lq, c.kq});
-  auto* d = t.data<std::int32_t>();
-  std::mt19937_64 rng(seed);
-  const std::int64_t Tk = p.Tk();
-  std::vector<std::int32_t> all(static_cast<std::size_t>(Tk));
-  for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg) {
-    for (std::int64_t i = 0; i < p.Lq; ++i) {
-      std::int32_t* row = d + (bg * p.Lq + i) * c.kq;
-      std::fill(row, row + c.kq, -1);
-      if (i % 7 == 3 || (c.empty_tile && i >= 128 && i < 256)) continue;
-      std::iota(all.begin(), all.end(), 0);
-      std::shuffle(all.begin(), all.end(), rng);
-      if (c.popular) std::iter_swap(all.begin(), std::find(all.begin(), all.end(), 0));
-      const auto n = static_cast<std::int64_t>(1 + rng() % static_cast<std::uint64_t>(std::min(c.kq, Tk)));
-      std::vector<std::int64_t> slots(static_cast<std::size_t>(c.kq));
-      std::iota(slots.begin(), slots.end(), 0);
-      std::shuffle(slots.begin(), slots.end(), rng);
-      for (std::int64_t s = 0; s < n; ++s) row[slots[static_cast<std::size_t>(s)]] = all[static_cast<std::size_t>(s)];
-    }
-  }
-  return t;
-}
-
-struct Inputs {
-  sa::ProblemShape p;
-  sa::HostTensor q, k, v, idx;
-};
-
 Inputs make_inputs(const Case& c, std::uint64_t seed) {
-  Inputs in;
-  in.p = shape_of(c);
-  in.q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, seed * 7 + 1);
-  in.k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed * 7 + 2);
-  in.v = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed * 7 + 3);
-  in.idx = make_lists(c, in.p, seed * 7 + 4);
-  return in;
+  return st::query_lists::random_inputs(shape_of(c), c.dtype, c.kq, c.empty_tile, c.popular, seed);
 }
 
 struct Result {
@@ -196,7 +132,7 @@ void check_case(const Case& c, std::uint64_t seed) {
 }
 
 TEST(QuerySparseGpu, Shapes) {
-  QS_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   using P = sa::PartialPrecision;
   const std::vector<Case> cases = {
       {"qs Hq=Hkv f32 partials", sa::DType::bf16, P::f32, 1, 256, 512, 2, 2, 128, false, 4},
@@ -214,14 +150,14 @@ TEST(QuerySparseGpu, Shapes) {
 // Small enough for compute-sanitizer (memcheck, racecheck, synccheck): both head dims, causal with a
 // partial last block, GQA, B = 2, both partial precisions, an empty tile and a popular block.
 TEST(QuerySparseGpu, SanitizerSmall) {
-  QS_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   using P = sa::PartialPrecision;
   check_case({"qs sanitizer D=128", sa::DType::bf16, P::f32, 2, 260, 300, 4, 2, 128, true, 3, true, true}, 7);
   check_case({"qs sanitizer D=64", sa::DType::f16, P::bf16, 1, 140, 200, 2, 1, 64, false, 2}, 8);
 }
 
 TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
-  QS_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   for (auto prec : {sa::PartialPrecision::f32, sa::PartialPrecision::bf16}) {
     const Case c{"qs determinism", sa::DType::bf16, prec, 2, 700, 900, 16, 1, 128, true, 8, false, true};
     const Inputs in = make_inputs(c, 55);
@@ -235,7 +171,7 @@ TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
 // plan() once with a caller-owned workspace, run() for two different q: each equals the one-call
 // operator bit for bit.
 TEST(QuerySparseGpu, PlanOnceRunMany) {
-  QS_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const Case c{"qs plan/run", sa::DType::bf16, sa::PartialPrecision::f32, 2, 333, 640, 8, 2, 128, true, 4};
   const Inputs in = make_inputs(c, 77);
   sa::QuerySparseOptions opt;
@@ -270,7 +206,7 @@ TEST(QuerySparseGpu, PlanOnceRunMany) {
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (a fused QKV projection): the gathers
 // follow the strides, and the result equals the contiguous run bit for bit.
 TEST(QuerySparseGpu, PackedQkvStrides) {
-  QS_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const Case c{"qs packed qkv", sa::DType::bf16, sa::PartialPrecision::f32, 2, 300, 300, 4, 4, 128, true, 3};
   const Inputs in = make_inputs(c, 31);
   const Result ref = run_gpu(c, in);
@@ -306,7 +242,7 @@ TEST(QuerySparseGpu, PackedQkvStrides) {
 }
 
 TEST(QuerySparseGpu, ValidationReportsFirstBadEntry) {
-  QS_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const Case c{"qs validation", sa::DType::bf16, sa::PartialPrecision::f32, 2, 200, 300, 4, 2, 128, false, 3};
   const Inputs in = make_inputs(c, 5);
   auto expect_error = [&](const sa::HostTensor& lists, const std::string& needle) {
@@ -350,7 +286,7 @@ TEST(QuerySparseGpu, ValidationReportsFirstBadEntry) {
 }
 
 TEST(QuerySparseGpu, RejectsUnsupportedArguments) {
-  QS_SKIP_WITHOUT_GPU();
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
   Case c{"qs D=96", sa::DType::bf16, sa::PartialPrecision::f32, 1, 64, 128, 2, 1, 96, false, 2};
   const Inputs in = make_inputs(c, 3);
   DeviceBuffer q(in.q), k(in.k), v(in.v), idx(in.idx);
