@@ -1,4 +1,4 @@
-// Phases 2 and 3 of query_sparse: per-block attention over gathered rows, and the combine.
+// Phase 2 of query_sparse: per-block attention over gathered rows (combine.cu is phase 3).
 //
 // Attention uses mma.sync m16n8k16 (16-bit inputs, f32 accumulators; fragment layouts in mma.cuh)
 // with fragments loaded from padded shared memory by 32-bit loads. V is stored transposed in shared
@@ -13,6 +13,7 @@
 #include "cuda/query_sparse/kernels.cuh"
 #include "cuda/query_sparse/launch.hpp"
 #include "cuda/query_sparse/mma.cuh"
+#include "cuda/query_sparse/partials.cuh"
 
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
@@ -29,22 +30,6 @@ struct Smem {
 };
 
 __device__ __forceinline__ std::uint32_t ld32(const std::uint16_t* p) { return *reinterpret_cast<const std::uint32_t*>(p); }
-
-struct PartF32 {
-  __device__ static void store2(void* base, long long e, float x, float y) {
-    *reinterpret_cast<float2*>(static_cast<float*>(base) + e) = make_float2(x, y);
-  }
-  __device__ static float load(const void* base, long long e) { return static_cast<const float*>(base)[e]; }
-};
-
-struct PartBf16 {
-  __device__ static void store2(void* base, long long e, float x, float y) {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + e) = __floats2bfloat162_rn(x, y);
-  }
-  __device__ static float load(const void* base, long long e) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[e]);
-  }
-};
 
 template <class T, int D, class Part>
 __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant__ Params p) {
@@ -221,48 +206,6 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const __grid_constant_
   }
 }
 
-// One warp per (b, group, query, head); lane owns D / 32 consecutive columns. Every lane walks the
-// slots in the same order and computes the same weights, so the result does not depend on timing.
-template <class T, int D, class Part>
-__global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ Params p) {
-  constexpr int kPer = D / 32;
-  const long long w = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  const long long total = static_cast<long long>(p.B) * p.Hkv * p.Lq * p.group;
-  if (w >= total) return;
-  const int hh = static_cast<int>(w % p.group);
-  const long long r = w / p.group;
-  const int qi = static_cast<int>(r % p.Lq);
-  const long long bg = r / p.Lq, b = bg / p.Hkv, g = bg % p.Hkv;
-  const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + qi * p.idx_stride[2];
-  const long long slot0 = (bg * p.Lq + qi) * p.Kq;
-
-  float m = -INFINITY;
-  for (int s = 0; s < p.Kq; ++s)
-    if (chosen(p, qi, row[s * p.idx_stride[3]])) m = fmaxf(m, p.lse_part[(slot0 + s) * p.group + hh]);
-  float acc[kPer] = {};
-  float lse = -INFINITY;
-  if (m != -INFINITY) {
-    float sum = 0.0f;
-    for (int s = 0; s < p.Kq; ++s)
-      if (chosen(p, qi, row[s * p.idx_stride[3]])) sum += expf(p.lse_part[(slot0 + s) * p.group + hh] - m);
-    lse = m + logf(sum);
-    for (int s = 0; s < p.Kq; ++s) {
-      if (!chosen(p, qi, row[s * p.idx_stride[3]])) continue;
-      const long long e = (slot0 + s) * p.group + hh;
-      const float wgt = expf(p.lse_part[e] - lse);
-#pragma unroll
-      for (int c = 0; c < kPer; ++c) acc[c] = fmaf(wgt, Part::load(p.part, e * D + lane * kPer + c), acc[c]);
-    }
-  }
-  const long long h = g * p.group + hh;
-  char* o = static_cast<char*>(p.out) +
-            sizeof(std::uint16_t) * (b * p.out_stride[0] + qi * p.out_stride[1] + h * p.out_stride[2] + lane * kPer);
-#pragma unroll
-  for (int c = 0; c < kPer; ++c) T::store(o + sizeof(std::uint16_t) * c, acc[c]);
-  if (lane == 0 && p.lse != nullptr) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + qi * p.lse_stride[2]] = lse;
-}
-
 template <class T, int D, class Part>
 cudaError_t attend(const Params& p, long long max_items, cudaStream_t stream) {
   auto* kernel = attend_kernel<T, D, Part>;
@@ -274,43 +217,15 @@ cudaError_t attend(const Params& p, long long max_items, cudaStream_t stream) {
 }
 
 template <class T, int D, class Part>
-cudaError_t combine(const Params& p, cudaStream_t stream) {
-  const long long warps = static_cast<long long>(p.B) * p.Hkv * p.Lq * p.group;
-  const long long blocks = (warps + 7) / 8;
-  combine_kernel<T, D, Part><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
-  return cudaGetLastError();
-}
-
-template <template <class, int, class> class F, class... A>
-cudaError_t dispatch(bool bf16, int D, bool bf16_partials, A... args) {
-  if (bf16) {
-    if (D == 128) return bf16_partials ? F<Bf16, 128, PartBf16>::run(args...) : F<Bf16, 128, PartF32>::run(args...);
-    return bf16_partials ? F<Bf16, 64, PartBf16>::run(args...) : F<Bf16, 64, PartF32>::run(args...);
-  }
-  if (D == 128) return bf16_partials ? F<F16, 128, PartBf16>::run(args...) : F<F16, 128, PartF32>::run(args...);
-  return bf16_partials ? F<F16, 64, PartBf16>::run(args...) : F<F16, 64, PartF32>::run(args...);
-}
-
-template <class T, int D, class Part>
 struct AttendOp {
   static cudaError_t run(const Params& p, long long max_items, cudaStream_t s) { return attend<T, D, Part>(p, max_items, s); }
 };
-template <class T, int D, class Part>
-struct CombineOp {
-  static cudaError_t run(const Params& p, cudaStream_t s) { return combine<T, D, Part>(p, s); }
-};
-
 }  // namespace
 
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, long long max_items,
                           cudaStream_t stream) {
   if (max_items <= 0) return cudaSuccess;
   return dispatch<AttendOp>(bf16, D, bf16_partials, p, max_items, stream);
-}
-
-cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials, cudaStream_t stream) {
-  if (static_cast<long long>(p.B) * p.Hkv * p.Lq * p.group == 0) return cudaSuccess;
-  return dispatch<CombineOp>(bf16, D, bf16_partials, p, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs
