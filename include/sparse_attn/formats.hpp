@@ -97,8 +97,29 @@ void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const P
 /// BlockBits -> TileLists (ascending ids). Throws if a tile holds more than Kmax blocks.
 void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p);
 /// QueryLists -> TileLists: the union of the lists of the (up to 128) queries of each tile,
-/// ascending. out.idx [B, Hkv, Tq, Kmax] with Kmax >= the largest union (else Error).
+/// ascending, -1 past the count (causal visibility is not applied: a block a query selected is in its
+/// tile's union even where that query cannot see it). out.idx [B, Hkv, Tq, Kmax] with Kmax >= the
+/// largest union (else Error naming out.idx); in and out on one device. Device tensors run on the
+/// default stream; the overload below takes a stream.
 void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p);
+
+struct ConvertOptions {
+  /// Device tensors only: skip the validation of `in` and the capacity check, so that the conversion
+  /// neither synchronises nor reads anything back (CUDA-graph safe). Ids outside [0, Tk) are then
+  /// ignored rather than reported, and out.idx must hold the largest possible union,
+  /// Kmax >= min(Tk, min(128, Lq) * Kq), checked on the host (Error otherwise). Ignored on the CPU,
+  /// which always validates.
+  bool trusted = false;
+  void* stream = nullptr;  // cudaStream_t for device tensors; ignored on the CPU
+};
+
+/// The same conversion with options. On the device it is one kernel (one CTA per Q tile: the union
+/// as a bit set in shared memory, then compacted in ascending order) on options.stream; unless
+/// options.trusted, the lists and the capacity are checked by the same kernel, and its one fault word
+/// is read back (one synchronisation) so that errors are those of the CPU function, same argument,
+/// same first offending coordinate and message. After an error the contents of `out` are unspecified.
+void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
+                               const ConvertOptions& options);
 
 // ---- masks -------------------------------------------------------------------------------------
 

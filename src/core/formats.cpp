@@ -16,6 +16,9 @@
 #include "core/check.hpp"
 #include "core/cpu.hpp"
 #include "sparse_attn/error.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/convert/backend.hpp"
+#endif
 
 namespace sparse_attn {
 
@@ -403,8 +406,27 @@ void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const P
 }
 
 void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p) {
+  query_lists_to_tile_lists(in, out, p, ConvertOptions{});
+}
+
+void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
+                               const ConvertOptions& options) {
   const std::string op = "query_lists_to_tile_lists";
-  require_cpu(op, "in.idx", in.idx);
+  if (in.idx.device != Device::cpu) {
+    // Metadata here, contents on the device (the backend reports them as the CPU path below does).
+    validate(in, p, op, "in");
+    detail::check_tensor(op, "out.idx", out.idx, 4, {DType::i32});
+    detail::check_tensor(op, "out.cnt", out.cnt, 3, {DType::i32});
+    detail::check_shape(op, "out.idx", out.idx, {p.B, p.Hkv, p.Tq(), -1});
+    detail::check_shape(op, "out.cnt", out.cnt, {p.B, p.Hkv, p.Tq()});
+    detail::check_last_contiguous(op, "out.idx", out.idx);
+    detail::check_same_device(op, "out.idx", out.idx, "in.idx", in.idx);
+    detail::check_same_device(op, "out.cnt", out.cnt, "in.idx", in.idx);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+    if (in.idx.device == Device::cuda) return cuda_backend::query_lists_to_tile_lists(in, out, p, options);
+#endif
+    detail::unsupported_device(op, "in.idx", in.idx);
+  }
   validate(in, p, op, "in");
   const std::int64_t G = p.Hkv, Tq = p.Tq(), W = bit_words(p), K = in.idx.shape[3];
   check_tile_output(op, out, p, G);

@@ -1,0 +1,270 @@
+// QueryLists -> TileLists on the GPU (backend.hpp describes the kernel). The output equals the CPU
+// function's (src/core/formats.cpp) element for element: the same ids in the same ascending order,
+// the same counts, -1 in every slot past the count; so do the errors, whose first offending
+// coordinate is the minimum of one fault word.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "core/check.hpp"
+#include "cuda/convert/backend.hpp"
+
+namespace sparse_attn::cuda_kernels::convert {
+
+// 8 warps: a tile of 128 queries x 16 slots is 8 loads per thread, and 2048 threads per SM (8 CTAs)
+// keep enough loads in flight to stream the lists at HBM rate.
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// Fault word layout. The first fault is the smallest word, so the classes are ordered as the CPU
+// function reports them: every list fault (validation runs over all rows first) before any capacity
+// fault. List fault: (row-major slot position << 1) | code. Capacity fault: bit 63, then the tile
+// (row-major (b, group, Q tile)) above the union's size, which needs 25 bits for Tk <= 2^24.
+constexpr unsigned long long kNoFault = ~0ull;
+constexpr unsigned long long kCapacityClass = 1ull << 63;
+constexpr int kUnionBits = 25;
+constexpr unsigned kBadValue = 0;  // below -1 or at or past Tk
+constexpr unsigned kRepeat = 1;    // an id an earlier slot of the same query already holds
+
+struct Params {
+  const std::int32_t* idx = nullptr;  // [B, Hkv, Lq, Kq], slots contiguous
+  long long idx_stride[3] = {};
+  std::int32_t* out_idx = nullptr;  // [B, Hkv, Tq, Kmax], slots contiguous
+  long long out_stride[3] = {};
+  std::int32_t* out_cnt = nullptr;  // [B, Hkv, Tq]
+  long long cnt_stride[3] = {};
+  long long Lq = 0;
+  int Hkv = 0, Tq = 0, Kq = 0, Tk = 0, W = 0, Kmax = 0;
+  unsigned long long* fault = nullptr;  // nullptr: trusted, nothing is checked
+};
+
+__global__ void __launch_bounds__(kThreads) union_kernel(const __grid_constant__ Params p) {
+  extern __shared__ unsigned bits[];  // p.W words: bit j of the tile's union set iff block j is in it
+  __shared__ int warp_sums[kWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long tile = blockIdx.x;
+  const int t = static_cast<int>(tile % p.Tq);
+  const long long bg = tile / p.Tq, b = bg / p.Hkv, g = bg % p.Hkv;
+  for (int w = tid; w < p.W; w += kThreads) bits[w] = 0u;
+  __syncthreads();
+
+  const long long i0 = static_cast<long long>(t) * 128;
+  const int nq = static_cast<int>(min(128LL, p.Lq - i0));
+  const std::int32_t* rows = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + i0 * p.idx_stride[2];
+  const int total = nq * p.Kq;
+  // Consecutive threads take consecutive slots, so packed lists are read in full lines. The trip count
+  // is the same for every thread: the warp intrinsics below need every lane.
+  for (int e0 = 0; e0 < total; e0 += kThreads) {
+    const int e = e0 + tid;
+    int v = -1;
+    bool set = false;
+    if (e < total) {
+      const int qi = e / p.Kq, s = e - qi * p.Kq;
+      const std::int32_t* row = rows + qi * p.idx_stride[2];
+      v = row[s];
+      set = v >= 0 && v < p.Tk;  // trusted lists are never allowed to reach outside the bit set
+      if (p.fault != nullptr) {
+        bool bad = !set && v != -1, repeat = false;
+        for (int s2 = 0; s2 < s && set && !repeat; ++s2) repeat = row[s2] == v;
+        if (bad || repeat) {
+          const unsigned long long pos = static_cast<unsigned long long>((bg * p.Lq + i0 + qi) * p.Kq + s);
+          atomicMin(p.fault, (pos << 1) | (bad ? kBadValue : kRepeat));
+        }
+      }
+    }
+    const unsigned active = __ballot_sync(0xffffffffu, set);
+    if (set) {
+      // Lanes whose ids share a word OR their bits together: one shared atomic per word and warp
+      // instead of one per id (a tile of 2048 ids over 256 blocks hits only 8 words).
+      const int w = v >> 5;
+      const unsigned peers = __match_any_sync(active, w);
+      const unsigned merged = __reduce_or_sync(peers, 1u << (v & 31));
+      if (lane == __ffs(peers) - 1) atomicOr(&bits[w], merged);
+    }
+  }
+  __syncthreads();
+
+  // Compaction: thread k of a round takes word w0 + k; an exclusive scan of the words' popcounts over
+  // the CTA gives where its ids go, so ids leave in ascending order.
+  std::int32_t* out_row = p.out_idx + b * p.out_stride[0] + g * p.out_stride[1] + t * p.out_stride[2];
+  int written = 0;  // ids of the union before this round (the same in every thread)
+  for (int w0 = 0; w0 < p.W; w0 += kThreads) {
+    const int w = w0 + tid;
+    const unsigned x = w < p.W ? bits[w] : 0u;
+    const int n = __popc(x);
+    int incl = n;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    int before = 0, round = 0;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) {
+      const int c = warp_sums[k];
+      before += k < warp ? c : 0;
+      round += c;
+    }
+    int pos = written + before + incl - n;
+    for (unsigned y = x; y != 0u; y &= y - 1u, ++pos)
+      if (pos < p.Kmax) out_row[pos] = w * 32 + __ffs(y) - 1;
+    written += round;
+    __syncthreads();  // warp_sums is rewritten by the next round
+  }
+  for (int k = written + tid; k < p.Kmax; k += kThreads) out_row[k] = -1;
+  if (tid == 0) {
+    p.out_cnt[b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2]] = min(written, p.Kmax);
+    if (p.fault != nullptr && written > p.Kmax)
+      atomicMin(p.fault, kCapacityClass | (static_cast<unsigned long long>(tile) << kUnionBits) |
+                             static_cast<unsigned long long>(written));
+  }
+}
+
+}  // namespace sparse_attn::cuda_kernels::convert
+
+namespace sparse_attn::cuda_backend {
+namespace {
+
+namespace cv = cuda_kernels::convert;
+using detail::coord_string;
+using detail::require;
+
+const std::string kOp = "query_lists_to_tile_lists";
+
+void check_cuda(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) throw Error(kOp, "", what + ": " + cudaGetErrorString(e));
+}
+
+struct DeviceGuard {
+  int previous = -1;
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&previous), "cudaGetDevice");
+    if (previous != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous) (void)cudaSetDevice(previous);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
+// One fault word per device, never freed (freeing at exit could run after the runtime has shut
+// down). g_fault_mutex is held from the reset to the read-back: calls on different streams or host
+// threads must not share the word at the same time.
+std::mutex g_fault_mutex;
+unsigned long long* fault_word(int device) {
+  static auto* words = new std::map<int, unsigned long long*>();
+  unsigned long long*& w = (*words)[device];
+  if (w == nullptr) check_cuda(cudaMalloc(&w, sizeof(unsigned long long)), "fault word allocation");
+  return w;
+}
+
+template <class T>
+T read_back(const T* ptr, cudaStream_t stream) {
+  T v{};
+  check_cuda(cudaMemcpyAsync(&v, ptr, sizeof(T), cudaMemcpyDeviceToHost, stream), "reading the fault back");
+  check_cuda(cudaStreamSynchronize(stream), "reading the fault back");
+  return v;
+}
+
+// The CPU function's message for the fault `f` (formats.cpp: list_row_fault and check_capacity).
+[[noreturn]] void throw_fault(unsigned long long f, const cv::Params& prm, const ProblemShape& p, cudaStream_t stream) {
+  if (f & cv::kCapacityClass) {
+    const long long tile = static_cast<long long>((f & ~cv::kCapacityClass) >> cv::kUnionBits);
+    const long long n = static_cast<long long>(f & ((1ull << cv::kUnionBits) - 1));
+    const long long Tq = p.Tq();
+    throw Error(kOp, "out.idx", "the union of tile " + coord_string({tile / (p.Hkv * Tq), tile / Tq % p.Hkv, tile % Tq}) +
+                                    " holds " + std::to_string(n) + " blocks but Kmax is " + std::to_string(prm.Kmax));
+  }
+  const unsigned code = static_cast<unsigned>(f & 1u);
+  const long long pos = static_cast<long long>(f >> 1);
+  const long long s = pos % prm.Kq, r = pos / prm.Kq;
+  const long long i = r % p.Lq, bg = r / p.Lq, b = bg / p.Hkv, g = bg % p.Hkv;
+  const std::int32_t v = read_back(
+      prm.idx + b * prm.idx_stride[0] + g * prm.idx_stride[1] + i * prm.idx_stride[2] + s, stream);
+  const std::string at = coord_string({b, g, i, s});
+  if (code == cv::kRepeat) throw Error(kOp, "in.idx", "duplicate block id " + std::to_string(v) + " at " + at);
+  if (v < -1)
+    throw Error(kOp, "in.idx", "invalid value " + std::to_string(v) + " at " + at + " (only -1 may mark an empty slot)");
+  throw Error(kOp, "in.idx", "block id " + std::to_string(v) + " at " + at + " is out of range [0, " +
+                                 std::to_string(prm.Tk) + ")");
+}
+
+}  // namespace
+
+void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
+                               const ConvertOptions& options) {
+  constexpr long long kIntMax = std::numeric_limits<int>::max();
+  const long long Kq = in.idx.shape[3], Kmax = out.idx.shape[3], Tk = p.Tk(), Tq = p.Tq();
+  const long long tiles = p.B * p.Hkv * Tq;
+  require(Kq <= kIntMax / kTileQ, kOp, "in.idx", "holds " + std::to_string(Kq) + " slots per query; the CUDA conversion takes at most " +
+                                                    std::to_string(kIntMax / kTileQ));
+  require(Kmax <= kIntMax, kOp, "out.idx", "capacity Kmax = " + std::to_string(Kmax) + " exceeds the 32-bit range");
+  require(p.Lk <= kIntMax && tiles <= kIntMax && p.B * p.Hkv * p.Lq * Kq < (1LL << 61), kOp, "p",
+          "too large for the CUDA conversion's 32-bit grid and ids: " + p.describe() + " with " + std::to_string(Kq) +
+              " slots per query");
+  if (options.trusted) {
+    const long long most = std::min(Tk, std::min<long long>(kTileQ, p.Lq) * Kq);
+    require(Kmax >= most, kOp, "out.idx",
+            "trusted conversion needs room for the largest possible union, min(Tk, min(128, Lq) * Kq) = " +
+                std::to_string(most) + " ids per tile, but Kmax is " + std::to_string(Kmax) +
+                " (without options.trusted the capacity is checked against the actual unions)");
+  }
+  DeviceGuard guard(in.idx.device_index);
+  const auto stream = static_cast<cudaStream_t>(options.stream);
+
+  cv::Params prm;
+  prm.idx = static_cast<const std::int32_t*>(in.idx.data);
+  prm.out_idx = static_cast<std::int32_t*>(out.idx.data);
+  prm.out_cnt = static_cast<std::int32_t*>(out.cnt.data);
+  for (int k = 0; k < 3; ++k) {
+    prm.idx_stride[k] = in.idx.stride[k];
+    prm.out_stride[k] = out.idx.stride[k];
+    prm.cnt_stride[k] = out.cnt.stride[k];
+  }
+  prm.Lq = p.Lq;
+  prm.Hkv = static_cast<int>(p.Hkv);
+  prm.Tq = static_cast<int>(Tq);
+  prm.Kq = static_cast<int>(Kq);
+  prm.Tk = static_cast<int>(Tk);
+  prm.W = static_cast<int>(ceil_div(Tk, 32));
+  prm.Kmax = static_cast<int>(Kmax);
+
+  const std::size_t smem = static_cast<std::size_t>(prm.W) * sizeof(unsigned);
+  constexpr std::size_t kDefaultSmem = 48 * 1024;
+  if (smem > kDefaultSmem) {
+    int optin = 0;
+    check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, in.idx.device_index),
+               "cudaDeviceGetAttribute");
+    const std::size_t room = static_cast<std::size_t>(optin) - sizeof(int) * cv::kWarps;
+    require(smem <= room, kOp, "p",
+            "Lk = " + std::to_string(p.Lk) + " (" + std::to_string(Tk) + " blocks) needs a bit set of " +
+                std::to_string(smem) + " bytes per Q tile, more than the " + std::to_string(room) +
+                " bytes of shared memory a CTA of this device can have");
+    check_cuda(cudaFuncSetAttribute(cv::union_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+               "shared memory attribute");
+  }
+
+  auto launch = [&] {
+    cv::union_kernel<<<static_cast<unsigned>(tiles), cv::kThreads, smem, stream>>>(prm);
+    check_cuda(cudaGetLastError(), "conversion launch");
+  };
+  if (options.trusted) return launch();
+
+  std::lock_guard<std::mutex> lock(g_fault_mutex);
+  prm.fault = fault_word(in.idx.device_index);
+  check_cuda(cudaMemsetAsync(prm.fault, 0xff, sizeof(unsigned long long), stream), "fault word reset");
+  launch();
+  const unsigned long long f = read_back(prm.fault, stream);
+  if (f != cv::kNoFault) throw_fault(f, prm, p, stream);
+}
+
+}  // namespace sparse_attn::cuda_backend

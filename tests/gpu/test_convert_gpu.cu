@@ -1,0 +1,346 @@
+// GPU tests of query_lists_to_tile_lists on device tensors: ids, order, counts and -1 padding equal to
+// the CPU function's on random lists (empty slots, empty queries, an empty tile, a block every query
+// chose), on awkward shapes (Lq = 1, 17, 1013; Lk not a multiple of 128; causal with Lq < Lk and
+// Lq > Lk; Hkv > 1; B > 1 with different lists; Tk past one compaction round; no slots at all),
+// poisoned outputs, strided lists and outputs, a caller's stream, the trusted path, and errors: the
+// same argument and message as the CPU function for ids out of range, values below -1, repeated ids,
+// a union over Kmax, and the order in which several faults are reported.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/testing.hpp"
+#include "gpu/query_lists_testing.hpp"
+#include "sparse_attn/sparse_attn.hpp"
+
+namespace sa = sparse_attn;
+namespace st = sparse_attn::testing;
+
+namespace {
+
+using st::query_lists::cuda_ok;
+using st::query_lists::DeviceBuffer;
+
+constexpr std::int32_t kPoison = 0x5a5a5a5a;
+
+sa::ProblemShape shape(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, bool causal = false) {
+  sa::ProblemShape p;
+  p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hkv * 2, p.Hkv = Hkv, p.D = 128, p.causal = causal;
+  return p;
+}
+
+struct Tiles {
+  sa::HostTensor idx, cnt;
+};
+
+Tiles poisoned_tiles(const sa::ProblemShape& p, std::int64_t kmax) {
+  Tiles t{sa::HostTensor(sa::DType::i32, {p.B, p.Hkv, p.Tq(), kmax}), sa::HostTensor(sa::DType::i32, {p.B, p.Hkv, p.Tq()})};
+  std::fill(t.idx.data<std::int32_t>(), t.idx.data<std::int32_t>() + t.idx.numel(), kPoison);
+  std::fill(t.cnt.data<std::int32_t>(), t.cnt.data<std::int32_t>() + t.cnt.numel(), kPoison);
+  return t;
+}
+
+Tiles cpu_convert(const sa::HostTensor& lists, const sa::ProblemShape& p, std::int64_t kmax) {
+  Tiles t = poisoned_tiles(p, kmax);
+  sa::query_lists_to_tile_lists(sa::QueryLists{lists.view()}, sa::TileLists{t.idx.view(), t.cnt.view()}, p);
+  return t;
+}
+
+/// The device conversion of `lists` into poisoned device outputs; returns them downloaded.
+Tiles gpu_convert(const sa::HostTensor& lists, const sa::ProblemShape& p, std::int64_t kmax,
+                  const sa::ConvertOptions& options = {}) {
+  Tiles t = poisoned_tiles(p, kmax);
+  DeviceBuffer dl(lists), di(t.idx), dc(t.cnt);
+  sa::query_lists_to_tile_lists(sa::QueryLists{dl.view}, sa::TileLists{di.view, dc.view}, p, options);
+  cuda_ok(cudaDeviceSynchronize(), "conversion");
+  di.download(t.idx);
+  dc.download(t.cnt);
+  return t;
+}
+
+void expect_equal(const Tiles& want, const Tiles& got, const std::string& what) {
+  ASSERT_EQ(want.idx.numel(), got.idx.numel()) << what;
+  const auto* a = want.idx.data<std::int32_t>();
+  const auto* b = got.idx.data<std::int32_t>();
+  const std::int64_t kmax = want.idx.shape()[3];
+  for (std::int64_t e = 0; e < want.idx.numel(); ++e)
+    ASSERT_EQ(a[e], b[e]) << what << ": idx differs at tile row " << e / std::max<std::int64_t>(kmax, 1) << ", slot "
+                          << e % std::max<std::int64_t>(kmax, 1);
+  for (std::int64_t e = 0; e < want.cnt.numel(); ++e)
+    ASSERT_EQ(want.cnt.data<std::int32_t>()[e], got.cnt.data<std::int32_t>()[e]) << what << ": cnt differs at tile " << e;
+}
+
+std::int64_t largest_union(const Tiles& t) {
+  const auto* c = t.cnt.data<std::int32_t>();
+  return t.cnt.numel() ? *std::max_element(c, c + t.cnt.numel()) : 0;
+}
+
+struct Case {
+  const char* name;
+  std::int64_t B, Lq, Lk, Hkv, kq;
+  bool causal = false, empty_tile = false, popular = false;
+};
+
+// Every shape against the CPU with a roomy Kmax (padding checked), the tightest Kmax the unions
+// allow, and the trusted path.
+void check_case(const Case& c, std::uint64_t seed) {
+  SCOPED_TRACE(c.name);
+  const sa::ProblemShape p = shape(c.B, c.Lq, c.Lk, c.Hkv, c.causal);
+  const sa::HostTensor lists = st::query_lists::random_lists(p, c.kq, c.empty_tile, c.popular, seed);
+  const std::int64_t roomy = p.Tk() + 5;
+  const Tiles want = cpu_convert(lists, p, roomy);
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy), "roomy Kmax"));
+  const std::int64_t tight = largest_union(want);
+  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_convert(lists, p, tight), gpu_convert(lists, p, tight), "tight Kmax"));
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, trusted), "trusted"));
+}
+
+#define SKIP_WITHOUT_GPU() QUERY_SPARSE_SKIP_WITHOUT_GPU()
+
+TEST(ConvertGpu, EqualsCpuOnRandomLists) {
+  SKIP_WITHOUT_GPU();
+  const Case cases[] = {
+      {"one tile", 1, 128, 256, 1, 4},
+      {"Lq = 1", 1, 1, 300, 1, 3},
+      {"Lq = 17, Lk = 1000", 2, 17, 1000, 1, 6},
+      {"Lq = 1013, Hkv = 2, B = 3", 3, 1013, 1100, 2, 5},
+      {"query-long slice: Hkv = 8, 16 of 256", 1, 1024, 32768, 8, 16},
+      {"empty tile and popular block", 2, 640, 2048, 2, 7, false, true, true},
+      {"causal Lq < Lk", 2, 300, 1500, 2, 4, true},
+      {"causal Lq > Lk", 1, 700, 260, 1, 3, true},
+      {"Tk = 2 (Lk = 129)", 1, 513, 129, 1, 4},
+      {"long slots, Tk = 40", 1, 256, 5000, 1, 40},
+  };
+  std::uint64_t seed = 11;
+  for (const Case& c : cases) ASSERT_NO_FATAL_FAILURE(check_case(c, seed++));
+}
+
+// Tk = 8594 blocks: the bit set has 269 words, more than one compaction round of 256 threads, and the
+// unions (up to 128 x 96 ids) span both rounds.
+TEST(ConvertGpu, EqualsCpuPastOneCompactionRound) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_NO_FATAL_FAILURE(check_case({"Tk = 8594", 2, 300, 1100000, 1, 96}, 5));
+}
+
+TEST(ConvertGpu, NoSelectedBlock) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 200, 512, 2);
+  sa::HostTensor empty(sa::DType::i32, {p.B, p.Hkv, p.Lq, 3});
+  std::fill(empty.data<std::int32_t>(), empty.data<std::int32_t>() + empty.numel(), -1);
+  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_convert(empty, p, 3), gpu_convert(empty, p, 3), "every slot -1"));
+  // No slots at all (Kq = 0; the CPU path cannot take a host tensor without storage): every tile empty.
+  const Tiles got = gpu_convert(sa::HostTensor(sa::DType::i32, {p.B, p.Hkv, p.Lq, 0}), p, 3);
+  for (std::int64_t e = 0; e < got.idx.numel(); ++e) ASSERT_EQ(got.idx.data<std::int32_t>()[e], -1) << e;
+  for (std::int64_t e = 0; e < got.cnt.numel(); ++e) ASSERT_EQ(got.cnt.data<std::int32_t>()[e], 0) << e;
+}
+
+// Lists that are a slice of wider rows (row stride Kq + 3) and outputs with padded rows and a
+// transposed count tensor, converted on a stream of the caller.
+TEST(ConvertGpu, StridedTensorsOnAStream) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 400, 3000, 3);
+  const std::int64_t kq = 6, wide = kq + 3, kmax = p.Tk() + 1, kpad = kmax + 4;
+  const sa::HostTensor packed = st::query_lists::random_lists(p, kq, false, false, 77);
+  sa::HostTensor wide_lists(sa::DType::i32, {p.B, p.Hkv, p.Lq, wide});
+  std::fill(wide_lists.data<std::int32_t>(), wide_lists.data<std::int32_t>() + wide_lists.numel(), 12345);
+  for (std::int64_t r = 0; r < p.B * p.Hkv * p.Lq; ++r)
+    std::memcpy(wide_lists.data<std::int32_t>() + r * wide, packed.data<std::int32_t>() + r * kq, kq * 4);
+  const Tiles want = cpu_convert(packed, p, kmax);
+
+  sa::HostTensor out_idx(sa::DType::i32, {p.B, p.Hkv, p.Tq(), kpad}), out_cnt(sa::DType::i32, {p.Tq(), p.Hkv, p.B});
+  std::fill(out_idx.data<std::int32_t>(), out_idx.data<std::int32_t>() + out_idx.numel(), kPoison);
+  std::fill(out_cnt.data<std::int32_t>(), out_cnt.data<std::int32_t>() + out_cnt.numel(), kPoison);
+  DeviceBuffer dl(wide_lists), di(out_idx), dc(out_cnt);
+  sa::TensorView lv = dl.view;
+  lv.shape[3] = kq;  // strides stay those of the wide rows
+  sa::TensorView iv = di.view;
+  iv.shape[3] = kmax;
+  sa::TensorView cv = dc.view;  // [Tq, Hkv, B] seen as [B, Hkv, Tq]
+  cv.shape = {p.B, p.Hkv, p.Tq()};
+  cv.stride = {1, p.B, p.B * p.Hkv};
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  sa::ConvertOptions options;
+  options.stream = stream;
+  sa::query_lists_to_tile_lists(sa::QueryLists{lv}, sa::TileLists{iv, cv}, p, options);
+  cuda_ok(cudaStreamSynchronize(stream), "conversion on the stream");
+  cuda_ok(cudaStreamDestroy(stream), "stream");
+  di.download(out_idx);
+  dc.download(out_cnt);
+  for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r) {
+    const std::int64_t b = r / (p.Hkv * p.Tq()), g = r / p.Tq() % p.Hkv, t = r % p.Tq();
+    const auto* got = out_idx.data<std::int32_t>() + r * kpad;
+    const auto* exp = want.idx.data<std::int32_t>() + r * kmax;
+    for (std::int64_t k = 0; k < kmax; ++k) ASSERT_EQ(exp[k], got[k]) << "tile " << r << " slot " << k;
+    for (std::int64_t k = kmax; k < kpad; ++k) ASSERT_EQ(got[k], kPoison) << "padding of tile " << r << " was written";
+    ASSERT_EQ(want.cnt.data<std::int32_t>()[r], out_cnt.data<std::int32_t>()[(t * p.Hkv + g) * p.B + b]) << "tile " << r;
+  }
+}
+
+/// The CPU's and the device's errors for the same lists and Kmax: both must throw, with the same
+/// argument and the same text.
+void expect_same_error(const sa::HostTensor& lists, const sa::ProblemShape& p, std::int64_t kmax,
+                       const std::string& want_arg, const std::string& want_text) {
+  std::optional<sa::Error> cpu_err, gpu_err;
+  try {
+    cpu_convert(lists, p, kmax);
+  } catch (const sa::Error& e) {
+    cpu_err = e;
+  }
+  try {
+    gpu_convert(lists, p, kmax);
+  } catch (const sa::Error& e) {
+    gpu_err = e;
+  }
+  ASSERT_TRUE(cpu_err.has_value()) << "the CPU accepted lists the test made invalid";
+  ASSERT_TRUE(gpu_err.has_value()) << "the device accepted lists the CPU rejects: " << cpu_err->what();
+  EXPECT_EQ(cpu_err->argument(), want_arg) << cpu_err->what();
+  EXPECT_NE(std::string(cpu_err->what()).find(want_text), std::string::npos) << cpu_err->what();
+  EXPECT_EQ(gpu_err->argument(), cpu_err->argument());
+  EXPECT_STREQ(gpu_err->what(), cpu_err->what());
+}
+
+std::int32_t& at(sa::HostTensor& l, const sa::ProblemShape& p, std::int64_t b, std::int64_t g, std::int64_t i,
+                 std::int64_t s) {
+  const std::int64_t kq = l.shape()[3];
+  return l.data<std::int32_t>()[((b * p.Hkv + g) * p.Lq + i) * kq + s];
+}
+
+TEST(ConvertGpu, InvalidListsReportedAsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 1013, 1100, 2);  // Tk = 9
+  const std::int64_t kq = 5, kmax = p.Tk();
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 6; ++trial) {
+    const sa::HostTensor base = st::query_lists::random_lists(p, kq, false, false, 100 + trial);
+    const std::int64_t b = rng() % p.B, g = rng() % p.Hkv, i = rng() % p.Lq, s = 1 + rng() % (kq - 1);
+    {
+      sa::HostTensor l = base;
+      at(l, p, b, g, i, s) = static_cast<std::int32_t>(p.Tk() + rng() % 50);
+      ASSERT_NO_FATAL_FAILURE(expect_same_error(l, p, kmax, "in.idx", "is out of range"));
+    }
+    {
+      sa::HostTensor l = base;
+      at(l, p, b, g, i, s) = -2 - static_cast<std::int32_t>(rng() % 1000);
+      ASSERT_NO_FATAL_FAILURE(expect_same_error(l, p, kmax, "in.idx", "only -1 may mark an empty slot"));
+    }
+    {
+      sa::HostTensor l = base;
+      at(l, p, b, g, i, 0) = 4;
+      at(l, p, b, g, i, s) = 4;
+      ASSERT_NO_FATAL_FAILURE(expect_same_error(l, p, kmax, "in.idx", "duplicate block id 4"));
+    }
+  }
+}
+
+// Several faults: the first in row-major order wins, a repeat before a range fault in the same row
+// is the one reported, and a list fault anywhere comes before a capacity fault in an earlier tile.
+TEST(ConvertGpu, FirstFaultWins) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 600, 4000, 2);  // Tk = 32, Tq = 5
+  const std::int64_t kq = 6;
+  sa::HostTensor base = st::query_lists::random_lists(p, kq, false, false, 9);
+  {
+    sa::HostTensor l = base;
+    at(l, p, 1, 1, 500, 2) = 99;   // later row
+    at(l, p, 1, 0, 20, 4) = -7;    // earlier row: reported
+    ASSERT_NO_FATAL_FAILURE(expect_same_error(l, p, p.Tk(), "in.idx", "invalid value -7 at [1, 0, 20, 4]"));
+  }
+  {
+    sa::HostTensor l = base;
+    at(l, p, 0, 1, 3, 0) = 7;
+    at(l, p, 0, 1, 3, 1) = 7;   // repeat at slot 1
+    at(l, p, 0, 1, 3, 3) = 500;  // range fault later in the same row
+    ASSERT_NO_FATAL_FAILURE(expect_same_error(l, p, p.Tk(), "in.idx", "duplicate block id 7 at [0, 1, 3, 1]"));
+  }
+  {
+    // Kmax 1 overflows in tile [0, 0, 0]; the id out of range sits in the last row.
+    sa::HostTensor l = base;
+    at(l, p, 1, 1, p.Lq - 1, kq - 1) = 32;
+    ASSERT_NO_FATAL_FAILURE(expect_same_error(l, p, 1, "in.idx", "block id 32 at [1, 1, 599, 5] is out of range"));
+  }
+}
+
+TEST(ConvertGpu, UnionOverCapacity) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 700, 2000, 2);  // Tk = 16, Tq = 6
+  const std::int64_t kq = 3;
+  // Every query picks blocks 0..2 except one query of tile [1, 1, 4] (and, later, of [1, 1, 5]) that
+  // adds more: only those tiles overflow a Kmax of 3, and the first is the one reported.
+  sa::HostTensor l(sa::DType::i32, {p.B, p.Hkv, p.Lq, kq});
+  for (std::int64_t r = 0; r < p.B * p.Hkv * p.Lq; ++r)
+    for (std::int64_t s = 0; s < kq; ++s) l.data<std::int32_t>()[r * kq + s] = static_cast<std::int32_t>(s);
+  at(l, p, 1, 1, 4 * 128 + 77, 1) = 9;
+  at(l, p, 1, 1, 4 * 128 + 78, 2) = 11;
+  at(l, p, 1, 1, 5 * 128 + 3, 0) = 13;
+  ASSERT_NO_FATAL_FAILURE(expect_same_error(l, p, 3, "out.idx", "the union of tile [1, 1, 4] holds 5 blocks but Kmax is 3"));
+  // With room for the unions the same lists convert as on the CPU.
+  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_convert(l, p, 5), gpu_convert(l, p, 5), "Kmax 5"));
+}
+
+TEST(ConvertGpu, TrustedNeedsRoomForTheLargestUnion) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(1, 300, 4096, 1);  // Tk = 32
+  const sa::HostTensor lists = st::query_lists::random_lists(p, 4, false, false, 21);
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  try {
+    gpu_convert(lists, p, 31, trusted);
+    FAIL() << "a trusted conversion with Kmax below min(Tk, 128 * Kq) must be refused";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "out.idx") << e.what();
+    EXPECT_NE(std::string(e.what()).find("32 ids per tile"), std::string::npos) << e.what();
+  }
+  // Trusted lists with ids out of range are ignored, never written out of bounds: the other ids
+  // convert as the CPU converts the lists without them.
+  sa::HostTensor bad = lists, clean = lists;
+  at(bad, p, 0, 0, 5, 1) = 1 << 30;
+  at(bad, p, 0, 0, 6, 2) = -9;
+  at(clean, p, 0, 0, 5, 1) = -1;
+  at(clean, p, 0, 0, 6, 2) = -1;
+  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_convert(clean, p, 32), gpu_convert(bad, p, 32, trusted), "trusted, bad ids"));
+}
+
+TEST(ConvertGpu, DeviceMismatchNamesTheArgument) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(1, 128, 256, 1);
+  const sa::HostTensor lists = st::query_lists::random_lists(p, 2, false, false, 1);
+  Tiles host = poisoned_tiles(p, 2);
+  DeviceBuffer dl(lists), dc(host.cnt);
+  try {
+    sa::query_lists_to_tile_lists(sa::QueryLists{dl.view}, sa::TileLists{host.idx.view(), dc.view}, p);
+    FAIL() << "device lists into a host out.idx must be refused";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "out.idx") << e.what();
+  }
+}
+
+// Small enough for compute-sanitizer (memcheck, racecheck, synccheck): the checked and the trusted
+// kernel on a partial tile, Hkv = 2, -1 slots, a tight Kmax, then an error path.
+TEST(ConvertGpu, SanitizerSmall) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 200, 1000, 2, true);
+  const sa::HostTensor lists = st::query_lists::random_lists(p, 5, false, true, 8);
+  const Tiles want = cpu_convert(lists, p, p.Tk());
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, p.Tk()), "checked"));
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, p.Tk(), trusted), "trusted"));
+  const std::int64_t tight = largest_union(want);
+  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_convert(lists, p, tight), gpu_convert(lists, p, tight), "tight"));
+  sa::HostTensor bad = lists;
+  at(bad, p, 1, 0, 150, 4) = 8;
+  at(bad, p, 1, 0, 150, 3) = 8;
+  ASSERT_NO_FATAL_FAILURE(expect_same_error(bad, p, p.Tk(), "in.idx", "duplicate block id 8"));
+}
+
+}  // namespace
