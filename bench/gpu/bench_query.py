@@ -5,9 +5,9 @@ torch tensors:
   kv_centric     query_sparse, KV-centric (reverse index -> partials -> combine), f32 or bf16 partials,
                  and its three phases one at a time;
   group_centric  query_sparse, group-centric (reported as the library's Error while the backend lacks it);
-  q_centric      the library's query_lists_to_tile_lists (lists to the host and back) + tile_sparse,
-                 tile_sparse alone, and tile_sparse after a union formed on the device with torch
-                 (what a device-side conversion would cost);
+  q_centric      the library's query_lists_to_tile_lists on the device (one kernel, no host round trip)
+                 + tile_sparse; the conversion alone; tile_sparse alone; and q_centric_host, the same
+                 conversion on the host (lists to the host and TileLists back) + tile_sparse, for comparison;
 and the peers: FlexAttention with the per-query mask (a mask_mod reading a [B, Hkv, Lq, Tk] bool table
 built from the lists, compiled, enable_gqa) and dense SDPA (cuDNN and flash backends) plus our dense.
 
@@ -23,10 +23,11 @@ Verification comes before timing: outputs are poisoned with NaN, then every impl
 with a float32 torch reference on sampled rows of two (batch, head) pairs, under the bound of DESIGN §6
 (relative error at most 2x that of a plain bf16 implementation of the same rows plus 1e-3, maximum
 element error at most 2x plain plus 1e-2); q_centric is checked against the reference of its own
-semantics (each query sees its tile's union). Implementations with the per-query semantics are also
-compared with each other on the full output, and kv_centric twice with itself (bitwise).
+semantics (each query sees its tile's union), and its device conversion must equal the union torch forms
+from the same lists. Implementations with the per-query semantics are also compared with each other on
+the full output, and kv_centric twice with itself (bitwise).
 
-Usage: python3 bench_query.py --lib libsa_bench.so [--json PATH] [--quick] [--parts LIST] [--no-flex]
+Usage: python3 bench_query.py --lib libsa_bench.so [--json PATH] [--quick] [--parts LIST] [--no-flex] [--no-host]
                               [--sweep-f F,F,...] [--reps N] [--inner N] [--warm N] [--budget-s S] [--print-json]
        python3 bench_query.py --selftest        (CPU only: list generators, union, block mask, references)
 """
@@ -50,7 +51,7 @@ STAT_NAMES = ["tiles", "queries", "query_blocks", "tile_union", "max_tile_union"
               "group_ctas", "group_cta_union", "union_per_group_cta"]  # the order sa_plan_query writes
 ALL_PARTS = ["query16of32", "query-long", "tile16", "sweep16", "sweeplong"]
 DEVICE = "cuda"
-PARTIAL_TIMES = {"kv_reverse_index", "kv_attention", "kv_combine", "q_centric_host_conversion"}
+PARTIAL_TIMES = {"kv_reverse_index", "kv_attention", "kv_combine", "q_centric_conversion", "q_centric_host_conversion"}
 # Sweep points per shape. A tile's union grows as about 16 + (Tk - 16) (1 - exp(-128 * 16 f / (Tk - 16))):
 # with 32 blocks it is all of them by f = 0.03, with 256 blocks it reaches 150 near f = 0.1, so the
 # points sit where the union moves.
@@ -86,9 +87,11 @@ class Lib:
         self.kv_destroy.restype = None
         self.to_tiles = lib.sa_query_lists_to_tile_lists
         self.to_tiles.argtypes = [vp, i64, i64, i64, i64, i64, i64, ci, i64, vp, vp, i64, vp, cp, ci]
+        self.to_tiles_device = lib.sa_query_lists_to_tile_lists_device
+        self.to_tiles_device.argtypes = [vp, i64, i64, i64, i64, i64, i64, ci, i64, vp, vp, i64, ci, vp, cp, ci]
         self.plan = lib.sa_plan_query
         self.plan.argtypes = [vp, i64, i64, i64, i64, i64, i64, ci, i64, ci, dp, dp, cp, ci, cp, ci, cp, ci]
-        for f in (self.attention, self.query_sparse, self.kv_run, self.to_tiles, self.plan):
+        for f in (self.attention, self.query_sparse, self.kv_run, self.to_tiles, self.to_tiles_device, self.plan):
             f.restype = ci
         self.err = ctypes.create_string_buffer(2048)
 
@@ -154,8 +157,12 @@ class Ours:
         lib.check(lib.to_tiles(self.lists.data_ptr(), *pb.dims(), 0, pb.K, self.tidx.data_ptr(), self.tcnt.data_ptr(),
                                pb.Tk, stream_ptr(), e, len(e)))
 
-    def convert_device(self):
-        self.tidx, self.tcnt = union_tile_lists(self.lists, self.pb)
+    def convert_device(self, trusted=True):
+        """The library's conversion on the device into tidx (Kmax = Tk: room for any union, as a trusted
+        conversion requires) and tcnt; trusted, it is one launch without synchronisation."""
+        lib, pb, e = self.lib, self.pb, self.lib.err
+        lib.check(lib.to_tiles_device(self.lists.data_ptr(), *pb.dims(), 0, pb.K, self.tidx.data_ptr(),
+                                      self.tcnt.data_ptr(), pb.Tk, int(trusted), stream_ptr(), e, len(e)))
 
     def tile_sparse(self, trusted=True):
         lib, pb, e = self.lib, self.pb, self.lib.err
@@ -406,7 +413,7 @@ class Timer:
 
 # ---- one configuration: verify, then time --------------------------------------------------------
 
-def run_config(ctx, pb, lists, label, q, k, v, peers=False, breakdown=False, bf16_partials=False):
+def run_config(ctx, pb, lists, label, q, k, v, peers=False, breakdown=False, bf16_partials=False, host=True):
     """Verifies and times every schedule of ours (and the peers if asked) on `lists`; returns a row."""
     lib, timer = ctx.lib, ctx.timer
     row = {"label": label, "shape": pb.shape(), "times_ms": {}, "verify": {}, "errors": {}}
@@ -452,24 +459,38 @@ def run_config(ctx, pb, lists, label, q, k, v, peers=False, breakdown=False, bf1
             except Exception as e:
                 row["errors"]["kv_phases"] = str(e)[:400]
 
+        # Q-centric as the library runs it: the conversion on the device, then tile_sparse; both validate
+        # in the verified call and are trusted when timed (as kv_centric is).
         def convert_and_run():
-            ours.convert_host()
-            return ours.tile_sparse()
-
-        attempt("q_centric", lambda: (ours.convert_host(), ours.tile_sparse(trusted=False))[1], "union",
-                convert_and_run)
-        if "q_centric" in outs:
-            attempt("q_centric_tile_only", ours.tile_sparse, "union", ours.tile_sparse)
-            try:
-                row["times_ms"]["q_centric_host_conversion"] = timer(ours.convert_host)
-            except Exception as e:
-                row["errors"]["q_centric_host_conversion"] = str(e)[:400]
-
-        def device_convert_and_run():
             ours.convert_device()
             return ours.tile_sparse()
 
-        attempt("q_centric_devconv", device_convert_and_run, "union", device_convert_and_run)
+        attempt("q_centric", lambda: (ours.convert_device(trusted=False), ours.tile_sparse(trusted=False))[1],
+                "union", convert_and_run)
+        if "q_centric" in outs:
+            ref_idx, ref_cnt = union_tile_lists(lists, pb)
+            row["conversion_equals_torch_union"] = bool(torch.equal(ours.tidx, ref_idx) and
+                                                        torch.equal(ours.tcnt, ref_cnt))
+            if not row["conversion_equals_torch_union"]:
+                print(f"  VERIFY FAILED {label}: device conversion differs from the torch union", flush=True)
+            attempt("q_centric_tile_only", ours.tile_sparse, "union", ours.tile_sparse)
+            try:
+                row["times_ms"]["q_centric_conversion"] = timer(ours.convert_device)
+            except Exception as e:
+                row["errors"]["q_centric_conversion"] = str(e)[:400]
+
+        if host:
+            def host_convert_and_run():
+                ours.convert_host()
+                return ours.tile_sparse()
+
+            attempt("q_centric_host", lambda: (ours.convert_host(), ours.tile_sparse(trusted=False))[1], "union",
+                    host_convert_and_run)
+            if "q_centric_host" in outs:
+                try:
+                    row["times_ms"]["q_centric_host_conversion"] = timer(ours.convert_host)
+                except Exception as e:
+                    row["errors"]["q_centric_host_conversion"] = str(e)[:400]
 
         if peers:
             run_peers(ctx, pb, q, k, v, lists, ours, row, outs, checker)
@@ -479,7 +500,7 @@ def run_config(ctx, pb, lists, label, q, k, v, peers=False, breakdown=False, bf1
     # Implementations with the same semantics, compared on the whole output.
     cross = {}
     for a, b in (("kv_centric", "group_centric"), ("kv_centric", "kv_centric_bf16"), ("kv_centric", "flex"),
-                 ("q_centric", "q_centric_devconv")):
+                 ("q_centric", "q_centric_host")):
         if a in outs and b in outs:
             cross[f"{a}~{b}"] = err_pair(outs[b], outs[a])[0]
     row["cross_relerr"] = cross
@@ -557,7 +578,7 @@ MEASURED_FOR = {"q_centric": "q_centric", "kv_centric": "kv_centric", "group_cen
 
 def judge(row):
     """The planner's choice against the fastest measured schedule, with Q-centric counted as the library
-    runs it (host conversion + tile_sparse) and as tile_sparse alone (a device-side conversion)."""
+    runs it (device conversion + tile_sparse) and as tile_sparse alone (a free conversion)."""
     t = row["times_ms"]
     out = {"label": row["label"], "choice": row["plan"]["choice"], "est_ms": row["plan"]["est_ms"]}
     for variant, qkey in (("library", "q_centric"), ("tile_only", "q_centric_tile_only")):
@@ -620,7 +641,7 @@ def print_summary(res):
             print(f"  {name:26s} ERROR: {e[:160]}")
     if res["sweep"]:
         print("\n==== overlap sweep (ms) ====")
-        print(f"{'shape':12s} {'f':>6s} {'overlap':>7s} {'union':>6s} | {'q_lib':>8s} {'q_tile':>8s} {'kv':>8s} "
+        print(f"{'shape':12s} {'f':>6s} {'overlap':>7s} {'union':>6s} | {'q':>8s} {'q_tile':>8s} {'kv':>8s} "
               f"{'group':>8s} | {'est_q':>8s} {'est_kv':>8s} {'est_grp':>8s} | pick / fastest")
         for p in res["sweep"]:
             t, e, st = p["times_ms"], p["plan"]["est_ms"], p["plan"]["stats"]
@@ -654,6 +675,8 @@ def print_summary(res):
         print("(* a schedule the planner does not estimate was faster still)")
     bad = [(r["label"], k) for r in res["workloads"] + res["sweep"] for k, v in r["verify"].items()
            if isinstance(v, dict) and v.get("ok") is False]
+    bad += [(r["label"], "q_centric_conversion") for r in res["workloads"] + res["sweep"]
+            if r.get("conversion_equals_torch_union") is False]
     print(f"\nverification: {'all passed' if not bad else 'FAILED ' + str(bad)}; parts run: {res['parts_done']}; "
           f"parts skipped: {res['parts_skipped']}; {res['elapsed_s']:.0f} s")
 
@@ -666,6 +689,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points")
     ap.add_argument("--parts", default=",".join(ALL_PARTS), help="comma list of " + ",".join(ALL_PARTS))
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes tens of seconds)")
+    ap.add_argument("--no-host", action="store_true", help="skip q_centric_host (the conversion on the host)")
     ap.add_argument("--sweep-f", help="comma list of overlap fractions f (default depends on --quick)")
     ap.add_argument("--reps", type=int, help="timing samples (median taken); default 15, 5 with --quick")
     ap.add_argument("--inner", type=int, help="calls per timing sample; default 5, 2 with --quick")
@@ -754,7 +778,8 @@ def main():
                 pb = q16 if part == "query16of32" else qlong
                 q, k, v = inputs(pb)
                 lists = overlap_lists(pb, 1.0, gen, dev)
-                row = run_config(ctx, pb, lists, pb.name, q, k, v, peers=True, breakdown=True, bf16_partials=True)
+                row = run_config(ctx, pb, lists, pb.name, q, k, v, peers=True, breakdown=True, bf16_partials=True,
+                                 host=not args.no_host)
                 print(f"  {row['label']}: " + ", ".join(f"{n} {t:.3f}" for n, t in row["times_ms"].items()), flush=True)
                 res["workloads"].append(row)
                 record_check(row)
@@ -764,7 +789,7 @@ def main():
                 q, k, v = inputs(pb)
                 for pattern in ("independent", "pairs"):
                     lists = tile_pattern_lists(pb, pattern, gen, dev)
-                    row = run_config(ctx, pb, lists, f"tile16 {pattern} Lk={pb.Lk}", q, k, v)
+                    row = run_config(ctx, pb, lists, f"tile16 {pattern} Lk={pb.Lk}", q, k, v, host=not args.no_host)
                     res["workloads"].append(row)
                     record_check(row)
                 del q, k, v
@@ -776,7 +801,7 @@ def main():
                         res["parts_skipped"].append(f"{part} f={f}")
                         continue
                     lists = overlap_lists(pb, f, gen, dev)
-                    row = run_config(ctx, pb, lists, f"sweep {pb.name} f={f}", q, k, v)
+                    row = run_config(ctx, pb, lists, f"sweep {pb.name} f={f}", q, k, v, host=not args.no_host)
                     row["f"], row["shape_name"] = f, pb.name
                     row["judge"] = judge(row)
                     res["sweep"].append(row)
@@ -834,7 +859,8 @@ def load_results(path):
 def markdown(paths):
     runs = [r for p in paths for r in load_results(p)]
     impl_order = ["kv_centric", "kv_centric_bf16", "kv_reverse_index", "kv_attention", "kv_combine", "group_centric",
-                  "q_centric", "q_centric_host_conversion", "q_centric_tile_only", "q_centric_devconv", "flex",
+                  "q_centric", "q_centric_conversion", "q_centric_tile_only", "q_centric_host",
+                  "q_centric_host_conversion", "flex",
                   "dense_ours", "sdpa_cudnn", "sdpa_flash"]
     for run in runs:
         m = run["meta"]
@@ -859,21 +885,22 @@ def markdown(paths):
                       f"| {name}{gqa} | {t[name]:.3f} | {sp} | - | {chk} |")
             for name, e in r["errors"].items():
                 print(f"| {name} | error: {e[:150]} | | | |")
-            extra = {k: r[k] for k in ("kv_centric_bitwise_repeat", "flex_block_mask_equals_create_block_mask")
-                     if k in r}
+            extra = {k: r[k] for k in ("kv_centric_bitwise_repeat", "flex_block_mask_equals_create_block_mask",
+                                       "conversion_equals_torch_union") if k in r}
             if extra or r.get("cross_relerr"):
                 print(f"\n{extra} cross relerr: " + ", ".join(f"{k} {v:.2e}" for k, v in r["cross_relerr"].items()))
         if run["sweep"]:
             print("\nOverlap sweep (ms; est = planner estimate):\n")
-            print("| shape | f | overlap | union/tile | q lib | q tile | q devconv | kv | group | est q | est kv | "
+            print("| shape | f | overlap | union/tile | q | q conversion | q tile | q host | kv | group | est q | est kv | "
                   "est group | pick | fastest |")
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
             for p in run["sweep"]:
                 t, e, st = p["times_ms"], p["plan"]["est_ms"], p["plan"]["stats"]
                 j = p["judge"].get("library", {})
                 c = lambda d, k: f"{d[k]:.3f}" if k in d else "-"
                 print(f"| {p['shape_name']} | {p['f']} | {st['neighbour_overlap']:.3f} | {st['union_per_tile']:.1f} | "
-                      f"{c(t, 'q_centric')} | {c(t, 'q_centric_tile_only')} | {c(t, 'q_centric_devconv')} | "
+                      f"{c(t, 'q_centric')} | {c(t, 'q_centric_conversion')} | {c(t, 'q_centric_tile_only')} | "
+                      f"{c(t, 'q_centric_host')} | "
                       f"{c(t, 'kv_centric')} | {c(t, 'group_centric')} | {c(e, 'q_centric')} | {c(e, 'kv_centric')} | "
                       f"{c(e, 'group_centric')} | {p['plan']['choice']} | {j.get('fastest', '-')} |")
             print()
@@ -884,7 +911,8 @@ def markdown(paths):
         if run["planner_check"]:
             print("\nPlanner check (fastest among the schedules the planner estimates; * = an unestimated one was "
                   "faster still):\n")
-            print("| configuration | pick | fastest (library Q-centric) | right | cost of pick | fastest (tile_sparse "
+            print("| configuration | pick | fastest (library Q-centric, device conversion) | right | cost of pick | "
+                  "fastest (tile_sparse "
                   "alone) | right | cost of pick |")
             print("| --- | --- | --- | --- | ---: | --- | --- | ---: |")
             for c in run["planner_check"]:
@@ -902,16 +930,19 @@ def markdown(paths):
         if rows:
             print("\nData for the cost model (per configuration: counts from selection_stats, measured ms, and the "
                   "per-unit times they imply):\n")
-            print("| configuration | group | tile_union | query_blocks | group_cta_union | tile_sparse ms | ns per "
-                  "(head, tile, block) visit | kv ms | ns per (query, head, slot) row | group-centric ms |")
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("| configuration | group | tiles | tile_union | query_blocks | group_cta_union | conversion ms | "
+                  "q_centric - tile_sparse ms | tile_sparse ms | ns per (head, tile, block) visit | kv ms | "
+                  "ns per (query, head, slot) row | group-centric ms |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for r in rows:
                 st, t = r["plan"]["stats"], r["times_ms"]
                 g = r["shape"]["Hq"] // r["shape"]["Hkv"]
                 visits, rws = st["tile_union"] * g, st["query_blocks"] * g
-                tq, kv = t.get("q_centric_tile_only"), t.get("kv_centric")
-                print(f"| {r['label']} | {g} | {st['tile_union']:.0f} | {st['query_blocks']:.0f} | "
+                tq, kv, qc = t.get("q_centric_tile_only"), t.get("kv_centric"), t.get("q_centric")
+                print(f"| {r['label']} | {g} | {st['tiles']:.0f} | {st['tile_union']:.0f} | {st['query_blocks']:.0f} | "
                       f"{fmt(st.get('group_cta_union'), 0, 0).strip()} | "
+                      f"{fmt(t.get('q_centric_conversion'), 0, 4).strip()} | "
+                      f"{fmt(qc - tq if qc and tq else None, 0, 4).strip()} | "
                       f"{fmt(tq, 0).strip()} | {fmt(tq * 1e6 / visits if tq else None, 0, 2).strip()} | "
                       f"{fmt(kv, 0).strip()} | {fmt(kv * 1e6 / rws if kv else None, 0, 3).strip()} | "
                       f"{fmt(t.get('group_centric'), 0).strip()} |")

@@ -492,7 +492,7 @@ extern "C" int sa_kv_phases_run(void* handle, int phase, int dtype_code, void* q
 
 extern "C" void sa_kv_phases_destroy(void* handle) { delete static_cast<KvPhases*>(handle); }
 
-/// The Q-centric schedule's conversion as the library has it: the lists come to the host,
+/// The Q-centric schedule's conversion on the host, kept for comparison: the lists come to the host,
 /// query_lists_to_tile_lists (validation included) forms each tile's union, and the TileLists go back
 /// to tidx [B, Hkv, Tq, Kmax] and tcnt [B, Hkv, Tq] on the device. Synchronises `stream`.
 extern "C" int sa_query_lists_to_tile_lists(std::int32_t* idx, std::int64_t B, std::int64_t Lq, std::int64_t Lk,
@@ -518,6 +518,32 @@ extern "C" int sa_query_lists_to_tile_lists(std::int32_t* idx, std::int64_t B, s
                      "tile counts to the device");
     // The host tensors die on return; the copies must have read them by then.
     check_cuda_bench(cudaStreamSynchronize(s), "tile lists to the device");
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e, err, err_len);
+    return 1;
+  }
+}
+
+/// The Q-centric schedule's conversion on the device: query_lists_to_tile_lists on idx [B, Hkv, Lq, Kq]
+/// into tidx [B, Hkv, Tq, Kmax] and tcnt [B, Hkv, Tq], all device memory, on `stream`. Unless `trusted`
+/// the lists and the capacity are checked by the kernel and its fault word is read back (one
+/// synchronisation); trusted, it is one launch and returns without waiting.
+extern "C" int sa_query_lists_to_tile_lists_device(std::int32_t* idx, std::int64_t B, std::int64_t Lq,
+                                                   std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv, std::int64_t D,
+                                                   int causal, std::int64_t Kq, std::int32_t* tidx, std::int32_t* tcnt,
+                                                   std::int64_t Kmax, int trusted, void* stream, char* err, int err_len) {
+  try {
+    const auto p = problem(B, Lq, Lk, Hq, Hkv, D, causal);
+    const std::int64_t Tq = p.Tq();
+    sa::ConvertOptions opt;
+    opt.trusted = trusted != 0;
+    opt.stream = stream;
+    sa::query_lists_to_tile_lists(
+        sa::QueryLists{sa::TensorView::contiguous(idx, sa::DType::i32, {B, Hkv, Lq, Kq}, sa::Device::cuda)},
+        sa::TileLists{sa::TensorView::contiguous(tidx, sa::DType::i32, {B, Hkv, Tq, Kmax}, sa::Device::cuda),
+                      sa::TensorView::contiguous(tcnt, sa::DType::i32, {B, Hkv, Tq}, sa::Device::cuda)},
+        p, opt);
     return 0;
   } catch (const std::exception& e) {
     copy_error(e, err, err_len);
