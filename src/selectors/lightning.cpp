@@ -114,6 +114,9 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
                       const LightningOptions& options) {
   const std::string op = "lightning_select";
   const LightningShape s = check_lightning_args(op, qI, w, kI, out.idx, options);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (qI.device == Device::cuda) return cuda_backend::lightning_select(qI, w, kI, out, options);
+#endif
   if (qI.device != Device::cpu) detail::unsupported_device(op, "qI", qI);
 
   const LightningInputs in = prepare(op, qI, w, kI, s, options.precision);

@@ -24,9 +24,12 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Quer
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
                       const TokenMaxOptions& options);
 
-/// Block form of the lightning indexer (QueryLists). The token form (TokenLists) has no CUDA
-/// implementation yet; its front end reports CUDA tensors as unsupported.
+/// Block form of the lightning indexer (QueryLists): float64 scores per key, block maxima, top-k (lightning.cu).
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const QueryLists& out,
+                      const LightningOptions& options);
+/// Token form (TokenLists): tensor-core screening with a fused top-k, float64 only for the keys the screen
+/// cannot decide (lightning_tokens.cu).
+void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
                       const LightningOptions& options);
 
 }  // namespace sparse_attn::cuda_backend

@@ -1,0 +1,839 @@
+// DSA lightning indexer on the GPU, token form (TokenLists): I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s]),
+// the exact top-k keys per query (ties to the lower key), ascending, -1 padded, written to every group. The
+// [Lq, Lk] score matrix never reaches device memory. Kernels on the caller's stream:
+//  1. prepare (tc_index.cuh): per-tensor amax (fp8); bf16 codes of qI and kI (exact: value = code * scale up
+//     to one rounding) and upper bounds of every code row's norm, maxed per 128 keys;
+//  2. screen: a CTA holds nw consecutive queries, one per warp, and streams their visible keys through two
+//     cp.async stages of 64 keys. A warp keeps its query's 64 heads x Di codes in registers as the B operand
+//     of mma.sync m16n8k16 (A = 16 keys x 16 d from shared memory), so one m16n64 product gives 16 keys x
+//     64 heads; the weighted ReLU sum over the heads stays in registers (16 heads per thread, then two
+//     shuffles), giving the screened score I^ of 16 keys. Each key whose interval [I^ - E, I^ + E] (E: the
+//     bound below) can still reach the top-k joins the warp's candidate buffer in shared memory; when the
+//     buffer fills, an exact radix select finds the k-th largest I^ (v_k) and drops every key with
+//     I^ + 2E < v_k, and later keys must pass the same test to enter;
+//  3. at the end of the row: v_k over the buffer; IN = {I^ - 2E > v_k} goes straight to the output row,
+//     OUT = {I^ + 2E < v_k} is dropped, the rest (UNDECIDED) is queued for the row;
+//  4. resolve: per row, the undecided keys get the CPU's exact score (float64 dots of the dequantised values
+//     in d order, fma chain over the heads in order, NaN as -inf); the best k - |IN| of them by (score desc,
+//     key asc) complete the list, which is sorted and written to every group;
+//  5. fallback: rows whose buffer or undecided list overflowed (massive ties, a huge bound, non-finite
+//     inputs), or every row when the shape is beyond the screening kernel (HI > 64, Di > 128), take the
+//     float64 streaming path: exact scores of all visible keys, a bitonic sort of a 2k buffer whenever it
+//     fills. Rows that see at most k keys are written by the screen (all of them, ascending).
+//
+// The bound (why every key's exact score lies in [I^ - E, I^ + E]). Notation of tc_index.cuh: codes cq, ck
+// (bf16, exact), scales sq, sk, n = Dp / 16 MMA k-steps, norms |cq_j| <= NQ_j and |ck| <= NK (upper bounds).
+// Exact score I = sum_j w_j ReLU(D_j), D_j the CPU's float64 dot of the dequantised values. For every head,
+// tc_index.cuh proves |D_j - sq sk T^_j| <= sq sk (n 2^-18 + 2^-20) NQ_j NK + deq (sq NQ_j + sk NK)
+// + sq sk n 2^-121 + tiny, T^_j the tensor-core dot of the codes (items 1, 3 and 4 of its bound). ReLU is
+// 1-Lipschitz and sq sk > 0, so |I - sq sk sum_j w_j ReLU(T^_j)| <= sum_j |w_j| (the same per-head terms).
+// The float32 evaluation Ic = sum_j w_j ReLU(T^_j) is a tree of fma / add with at most 18 roundings on any
+// term's path (16 in a thread's chain, 2 shuffles), then I^ = fl(fl(Ic sq) sk): 20 roundings, so
+// |I^ - sq sk Ic| <= 21 * 2^-24 * sq sk sum_j |w_j| |T^_j| + underflow, and |T^_j| <= NQ_j NK (1 + 2^-14).
+// With A = sum_j |w_j| NQ_j and W = sum_j |w_j| (both rounded upward):
+//   E = sq sk [(n 2^-18 + 2^-19 + 24 * 2^-24) A NK + n 2^-121 W + 2^-145] + deq (sq A + sk NK W)
+//       + 2^-140 (1 + W) + 2^-148 (1 + sk),
+// evaluated in float32 rounded upward. NK is the largest key norm over the row's visible keys, so E is one
+// number per row. E is +inf (the row goes to the fallback) when a norm, w or a scale is not finite, a scale is
+// 0 (an fp8 tensor whose amax underflows keeps its raw values, which the codes do not represent exactly), or
+// A NK > 2^100 (float32 overflow inside the MMA or the sum becomes possible).
+//
+// Why the ids equal the CPU's. Let T be the CPU's top-k (its strict order: score desc, key asc) and x_s the
+// exact score of key s; x_s lies in [I^_s - E, I^_s + E] (computed with upward / downward rounding, so the
+// float comparisons below are implied by the real ones).
+//  - A key is dropped (at insertion or compaction) only when I^_s + 2E < v, with v the k-th largest I^ among
+//    buffered keys: k keys have I^_i >= v, so x_i >= I^_i - E > I^_s + E >= x_s, and s is not in T. The k
+//    keys with the largest I^ are never dropped, so the buffer's v_k is the row's.
+//  - IN: I^_s - 2E > v_k. A key that can rank before s has x_i >= x_s, so I^_i >= x_i - E >= I^_s - 2E > v_k;
+//    at most k - 1 keys have I^ > v_k and s is one of them, so fewer than k keys rank before s: s is in T.
+//  - OUT: I^_s + 2E < v_k: k keys rank before s, as for a dropped key.
+//  So IN is in T, T is in IN + UNDECIDED, and T minus IN is the best k - |IN| undecided keys under the exact
+//  order (every member of T ranks before every non-member), which the resolve kernel picks with the CPU's
+//  scores and tie rule. |IN| <= k - 1 and |IN| + |UNDECIDED| >= k, so the list always has exactly k keys.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "cuda/selectors/backend.hpp"
+#include "cuda/selectors/common.cuh"
+#include "cuda/selectors/lightning_tokens.cuh"
+#include "cuda/selectors/tc_index.cuh"
+#include "cuda/selectors/tc_mma.cuh"
+
+namespace sparse_attn::cuda_backend {
+
+namespace {
+
+using namespace tc;
+using sel::check_cuda;
+using sel::imax;
+using sel::imin;
+using sel::align_up;
+using sel::StreamScratch;
+
+constexpr int kMaxWarps = 8;                   // queries per screening CTA (one per warp)
+constexpr int kTileKeys = 64;                  // keys per shared stage (4 m16 chunks)
+constexpr int kHeadTiles = 8;                  // n8 tiles of heads held as B fragments in registers
+constexpr int kMaxHeads = 8 * kHeadTiles;      // 64: 16 * KS registers of codes per thread at Di = 128
+constexpr int kMaxDi = 128;                    // KS <= 8 k-steps
+constexpr int kPitchPad = 8;                   // row pitch (Dp + 8) * 2 bytes = 16 * odd: ldmatrix conflict-free
+constexpr int kHistBins = 256;                 // radix digit of the k-th selection
+constexpr int kUndCap = 512;                   // undecided keys per row before the row falls back
+constexpr int kRowThreads = 128;               // resolve and fallback kernels: one key per thread
+constexpr int kMinSlack = 32;                  // buffer capacity >= top_k + kMinSlack
+
+enum Status : int { kDone = 0, kResolve = 1, kFallback = 2 };
+
+unsigned long long* g_stats = nullptr;
+int g_path = 0;
+int g_capacity = 0;
+
+struct Shape {
+  std::int64_t B, Lq, Lk, HI, Di, Dp;
+  bool causal;
+  __host__ __device__ std::int64_t key_end(std::int64_t t) const {
+    const std::int64_t e = t + (Lk - Lq) + 1;
+    return causal ? (e < 0 ? 0 : (e > Lk ? Lk : e)) : Lk;
+  }
+};
+
+struct OutRows {
+  std::int32_t* idx;
+  std::int64_t s0, s1, s2, s3, G, width;
+  __device__ std::int32_t* row(std::int64_t b, std::int64_t g, std::int64_t t) const {
+    return idx + b * s0 + g * s1 + t * s2;
+  }
+};
+
+struct RowMeta {
+  int status, nin, nund, pad;
+};
+
+// ---- helpers ----------------------------------------------------------------------------------------------
+
+// Floats to unsigned integers of the same order (for the radix select), and back.
+__device__ __forceinline__ unsigned fkey(float x) {
+  const unsigned u = __float_as_uint(x);
+  return (u >> 31) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float fkey_value(unsigned k) { return __uint_as_float((k >> 31) ? (k & 0x7fffffffu) : ~k); }
+
+__device__ __forceinline__ float up2(float x, float e) { return __fadd_ru(__fadd_ru(x, e), e); }
+__device__ __forceinline__ float down2(float x, float e) { return __fsub_rd(__fsub_rd(x, e), e); }
+
+// k-th largest of val[0, n) (1 <= k <= n), by one warp: four 8-bit digits of the order-preserving key, each a
+// histogram in `hist` (256 words) of the keys that match the digits found so far.
+__device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist, int lane) {
+  unsigned prefix = 0, pmask = 0;
+  int kk = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = lane; i < kHistBins; i += 32) hist[i] = 0;
+    __syncwarp();
+    for (int i = lane; i < n; i += 32) {
+      const unsigned u = fkey(val[i]);
+      const bool match = (u & pmask) == prefix;
+      const unsigned dig = (u >> shift) & 255u;
+      // Lanes adding to the same bin are merged first: the top digits of nearby scores coincide.
+      const unsigned same = __match_any_sync(__activemask(), match ? dig : 0x100u | dig);
+      if (match && (__ffs(same) - 1) == lane) atomicAdd(&hist[dig], static_cast<unsigned>(__popc(same)));
+    }
+    __syncwarp();
+    // Lane l owns bins [8 l, 8 l + 8); suffix sums over lanes locate the bin holding the kk-th largest.
+    unsigned c[8], local = 0;
+    for (int i = 0; i < 8; ++i) local += (c[i] = hist[8 * lane + i]);
+    unsigned suffix = local;
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned y = __shfl_down_sync(0xffffffffu, suffix, o);
+      if (lane + o < 32) suffix += y;
+    }
+    const unsigned above = suffix - local;
+    const bool mine = above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix;
+    int dig = 0, rest = 0;
+    if (mine) {
+      unsigned acc = above;
+      for (int i = 7; i >= 0; --i) {
+        if (acc + c[i] >= static_cast<unsigned>(kk)) {
+          dig = 8 * lane + i;
+          rest = kk - static_cast<int>(acc);
+          break;
+        }
+        acc += c[i];
+      }
+    }
+    const int src = __ffs(__ballot_sync(0xffffffffu, mine)) - 1;
+    dig = __shfl_sync(0xffffffffu, dig, src);
+    kk = __shfl_sync(0xffffffffu, rest, src);
+    prefix |= static_cast<unsigned>(dig) << shift;
+    pmask |= 255u << shift;
+    __syncwarp();
+  }
+  return fkey_value(prefix);
+}
+
+// Keeps the buffered keys that can still be in the top-k (I^ + 2E >= v_k) and returns v_k, the new entry
+// threshold. Stable in-place compaction: a chunk's writes land at or below its reads.
+__device__ float warp_compact(float* val, int* id, int& count, int k, float E, unsigned* hist, int lane) {
+  const float v = warp_kth_largest(val, count, k, hist, lane);
+  int out = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int i = base + lane;
+    float x = 0.0f;
+    int d = 0;
+    bool keep = false;
+    if (i < count) {
+      x = val[i];
+      d = id[i];
+      keep = up2(x, E) >= v;
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, keep);
+    __syncwarp();
+    if (keep) {
+      const int pos = out + __popc(m & ((1u << lane) - 1u));
+      val[pos] = x;
+      id[pos] = d;
+    }
+    out += __popc(m);
+    __syncwarp();
+  }
+  count = out;
+  return v;
+}
+
+// Block-wide bitonic sort of n (a power of two) (score, id) pairs into the CPU's rank order (score desc, id
+// asc): pad with (-inf, INT_MAX), which ranks after every real entry.
+__device__ void bitonic_rank_sort(double* key, int* id, int n) {
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+        const int lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
+        const bool up = (lo & size) == 0;
+        const bool hi_first = sel::ranks_before(key[hi], id[hi], key[lo], id[lo]);
+        if (up == hi_first) {
+          const double tk = key[lo];
+          key[lo] = key[hi], key[hi] = tk;
+          const int ti = id[lo];
+          id[lo] = id[hi], id[hi] = ti;
+        }
+      }
+      __syncthreads();
+    }
+}
+
+// Block-wide bitonic sort of n (a power of two) ints, ascending.
+__device__ void bitonic_sort_ints(int* v, int n) {
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+        const int lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
+        const bool up = (lo & size) == 0;
+        if (up == (v[hi] < v[lo])) {
+          const int t = v[lo];
+          v[lo] = v[hi], v[hi] = t;
+        }
+      }
+      __syncthreads();
+    }
+}
+
+__host__ __device__ inline int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+// The CPU's dequantised value of one element of an index tensor, from the raw input (as load_quantized).
+__device__ __forceinline__ float raw_value(const IndexSrc& src, In t, int prec, float ts, std::int64_t off) {
+  float x = load_elem_rt(src.x, off, t), v, c;
+  if (prec == static_cast<int>(Prec::bf16)) quantize_codes<Prec::bf16>(&x, 1, ts, &v, &c);
+  else quantize_codes<Prec::fp8>(&x, 1, ts, &v, &c);
+  return v;
+}
+
+// The CPU's index_score: per head a float64 dot in d order (fma = the CPU's exact product plus add), then
+// acc = fma(w_j, max(0, dot_j), acc) over the heads in order; NaN ranks as -inf.
+__device__ __forceinline__ double exact_score(const float* qv, const double* wv, const float* kv, int HI, int Di) {
+  double acc = 0.0;
+  for (int j = 0; j < HI; ++j) {
+    const float* qr = qv + j * Di;
+    double dot = 0.0;
+    for (int d = 0; d < Di; ++d) dot = fma(static_cast<double>(qr[d]), static_cast<double>(kv[d]), dot);
+    acc = fma(wv[j], fmax(0.0, dot), acc);
+  }
+  return sel::sanitize(acc);
+}
+
+// Writes ids[0, n) (ascending) and -1 up to the row width, to every group.
+__device__ void write_row(const OutRows& o, std::int64_t b, std::int64_t t, const int* ids, int n) {
+  for (std::int64_t g = 0; g < o.G; ++g) {
+    std::int32_t* r = o.row(b, g, t);
+    for (std::int64_t s = threadIdx.x; s < o.width; s += blockDim.x) r[s * o.s3] = s < n ? ids[s] : -1;
+  }
+}
+
+// ---- 2.-3. screening -------------------------------------------------------------------------------------
+
+struct ScreenParams {
+  const __nv_bfloat16* qc;  // [B * Lq * HI, Dp]
+  const float* qn;          // [B * Lq * HI] code norm bounds
+  const __nv_bfloat16* kc;  // [B * Lk, Dp]
+  const unsigned* kgmax;    // [B, ceil(Lk / 128)] largest key code norm per 128 keys (float bits)
+  const float* w;
+  std::int64_t ws0, ws1, ws2;
+  const unsigned* amax;     // [2]: qI, kI
+  int prec;
+  Shape s;
+  OutRows out;
+  RowMeta* meta;            // [B * Lq]
+  std::int32_t* und;        // [B * Lq, kUndCap]
+  int top_k, cap;
+  float deq;                // 2^-146 sqrt(Di) (tc_index.cuh)
+  unsigned long long* stats;
+};
+
+std::size_t screen_smem(int KS, int nw, int cap) {
+  const std::size_t pitch = static_cast<std::size_t>(16 * KS + kPitchPad);
+  return 2 * kTileKeys * pitch * 2 + static_cast<std::size_t>(nw) * kHistBins * 4 +
+         static_cast<std::size_t>(nw) * static_cast<std::size_t>(cap) * 8;
+}
+
+// E for one row (see the header), computed identically by every lane.
+__device__ float row_bound(const ScreenParams& p, std::int64_t b, std::int64_t t, std::int64_t row, std::int64_t end,
+                           float sq, float sk, int KS, int lane) {
+  const Shape& s = p.s;
+  float A = 0.0f, W = 0.0f, NK = 0.0f;
+  bool finite = true;
+  for (std::int64_t h = lane; h < s.HI; h += 32) {
+    const float wj = p.w[b * p.ws0 + t * p.ws1 + h * p.ws2];
+    finite = finite && isfinite(wj);
+    const float aw = fabsf(wj);
+    W = __fadd_ru(W, aw);
+    A = __fadd_ru(A, __fmul_ru(aw, p.qn[row * s.HI + h]));
+  }
+  const std::int64_t groups = (end + kBlockK - 1) / kBlockK, Tg = (s.Lk + kBlockK - 1) / kBlockK;
+  for (std::int64_t gi = lane; gi < groups; gi += 32) NK = fmaxf(NK, __uint_as_float(p.kgmax[b * Tg + gi]));
+  for (int o = 16; o > 0; o >>= 1) {
+    A = __fadd_ru(A, __shfl_xor_sync(0xffffffffu, A, o));
+    W = __fadd_ru(W, __shfl_xor_sync(0xffffffffu, W, o));
+    NK = fmaxf(NK, __shfl_xor_sync(0xffffffffu, NK, o));
+  }
+  finite = __all_sync(0xffffffffu, finite);
+  const float ANK = __fmul_ru(A, NK);
+  if (!finite || !isfinite(W) || !(ANK <= 0x1p100f) || !(sq > 0.0f) || !(sk > 0.0f) || !isfinite(sq) ||
+      !isfinite(sk))
+    return INFINITY;
+  const float rel = static_cast<float>(KS) * 0x1p-18f + 0x1p-19f + 24.0f * 0x1p-24f;  // exact
+  const float sqsk = __fmul_ru(sq, sk);
+  float inner = __fmul_ru(rel, ANK);
+  inner = __fadd_ru(inner, __fmul_ru(W, static_cast<float>(KS) * 0x1p-121f));
+  inner = __fadd_ru(inner, 0x1p-145f);
+  float e = __fmul_ru(sqsk, inner);
+  e = __fadd_ru(e, __fmul_ru(p.deq, __fadd_ru(__fmul_ru(sq, A), __fmul_ru(__fmul_ru(sk, NK), W))));
+  e = __fadd_ru(e, __fmul_ru(0x1p-140f, __fadd_ru(1.0f, W)));
+  e = __fadd_ru(e, __fmul_ru(0x1p-148f, __fadd_ru(1.0f, sk)));
+  return isfinite(e) ? e : INFINITY;
+}
+
+// grid: (ceil(Lq / nw), B), nw warps. Warp w owns query t0 + w; CTAs run the latest (longest causal) queries
+// first. Shared: two key stages [64][Dp + 8] bf16, per warp a 256-bin histogram and the candidate buffer
+// (cap screened scores, cap key ids).
+template <int KS>
+__global__ void __launch_bounds__(kMaxWarps * 32, 1) screen_kernel(const ScreenParams p) {
+  constexpr int Dp = 16 * KS, pitch = Dp + kPitchPad, chunks = Dp / 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Shape& s = p.s;
+  const int nw = static_cast<int>(blockDim.x / 32);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q4 = lane % 4;
+  auto* kst = reinterpret_cast<__nv_bfloat16*>(smem);
+  unsigned* hist = reinterpret_cast<unsigned*>(kst + 2 * kTileKeys * pitch) + warp * kHistBins;
+  float* bval = reinterpret_cast<float*>(reinterpret_cast<unsigned*>(kst + 2 * kTileKeys * pitch) + nw * kHistBins) +
+                static_cast<std::size_t>(warp) * p.cap;
+  int* bid = reinterpret_cast<int*>(reinterpret_cast<float*>(reinterpret_cast<unsigned*>(kst + 2 * kTileKeys * pitch) +
+                                                             nw * kHistBins) +
+                                    static_cast<std::size_t>(nw) * p.cap) +
+             static_cast<std::size_t>(warp) * p.cap;
+
+  const std::int64_t b = blockIdx.y;
+  const std::int64_t t0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * nw, t = t0 + warp;
+  const std::int64_t cta_end = s.key_end(imin(s.Lq, t0 + nw) - 1);
+  const std::int64_t end = t < s.Lq ? s.key_end(t) : 0;
+  const std::int64_t row = b * s.Lq + t;
+  const int k = p.top_k;
+
+  // mode 0: nothing to screen (no query, or a query seeing at most k keys: all of them, written here);
+  // 1: screening; 2: handed to the float64 fallback.
+  int mode = 0;
+  if (t < s.Lq) {
+    if (end <= k) {
+      for (std::int64_t gr = 0; gr < p.out.G; ++gr) {
+        std::int32_t* r = p.out.row(b, gr, t);
+        for (std::int64_t j = lane; j < p.out.width; j += 32) r[j * p.out.s3] = j < end ? static_cast<std::int32_t>(j) : -1;
+      }
+      if (lane == 0) p.meta[row] = RowMeta{kDone, 0, 0, 0};
+    } else {
+      mode = 1;
+    }
+  }
+
+  const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
+  float E = 0.0f;
+  if (mode == 1) {
+    E = row_bound(p, b, t, row, end, sq, sk, KS, lane);
+    if (!isfinite(E)) mode = 2;
+  }
+
+  // The query's codes as B fragments (head 8 nt + g, d = 16 ks + 2 q4 (+ 8)) and its weights per C column.
+  std::uint32_t bq[kHeadTiles][KS][2];
+  float wr[kHeadTiles][2];
+#pragma unroll
+  for (int nt = 0; nt < kHeadTiles; ++nt) {
+    const std::int64_t hb = 8 * nt + g;
+    const bool hv = mode == 1 && hb < s.HI;
+    const __nv_bfloat16* qrow = p.qc + (row * s.HI + (hv ? hb : 0)) * Dp;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      bq[nt][ks][0] = hv ? *reinterpret_cast<const std::uint32_t*>(qrow + 16 * ks + 2 * q4) : 0u;
+      bq[nt][ks][1] = hv ? *reinterpret_cast<const std::uint32_t*>(qrow + 16 * ks + 2 * q4 + 8) : 0u;
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const std::int64_t h = 8 * nt + 2 * q4 + e;
+      wr[nt][e] = mode == 1 && h < s.HI ? p.w[b * p.ws0 + t * p.ws1 + h * p.ws2] : 0.0f;
+    }
+  }
+
+  int count = 0;
+  float thr = -INFINITY;  // entry test: I^ + 2E >= thr (the last compaction's v_k)
+  const std::int64_t ntiles = (cta_end + kTileKeys - 1) / kTileKeys;
+  auto load_tile = [&](std::int64_t j, int stage) {
+    __nv_bfloat16* dst = kst + stage * kTileKeys * pitch;
+    for (int e = tid; e < kTileKeys * chunks; e += blockDim.x) {
+      const int r = e / chunks, c = e % chunks;
+      const std::int64_t key = j * kTileKeys + r;
+      const bool valid = key < s.Lk;
+      cp_async16(dst + r * pitch + c * 8, p.kc + (b * s.Lk + (valid ? key : 0)) * Dp + c * 8, valid);
+    }
+  };
+  if (ntiles > 0) {
+    load_tile(0, 0);
+    cp_async_commit();
+  }
+  for (std::int64_t j = 0; j < ntiles; ++j) {
+    const int stage = static_cast<int>(j & 1);
+    if (j + 1 < ntiles) {
+      load_tile(j + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (mode == 1) {
+      const __nv_bfloat16* kb = kst + stage * kTileKeys * pitch;
+      for (int c = 0; c < kTileKeys / 16; ++c) {
+        const std::int64_t kbase = j * kTileKeys + c * 16;
+        if (kbase >= end) break;
+        if (count + 16 > p.cap) {
+          thr = warp_compact(bval, bid, count, k, E, hist, lane);
+          if (count + 16 > p.cap) {
+            mode = 2;
+            break;
+          }
+        }
+        float acc[kHeadTiles][4];
+#pragma unroll
+        for (int nt = 0; nt < kHeadTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          std::uint32_t a[4];
+          ldmatrix_x4(a, kb + (c * 16 + lane % 16) * pitch + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+          for (int nt = 0; nt < kHeadTiles; ++nt) mma_bf16_16816(acc[nt], a, bq[nt][ks][0], bq[nt][ks][1]);
+        }
+        // acc[nt][e]: key g + 8 (e / 2), head 8 nt + 2 q4 + e % 2.
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kHeadTiles; ++nt) {
+          s0 = fmaf(wr[nt][0], fmaxf(acc[nt][0], 0.0f), s0);
+          s0 = fmaf(wr[nt][1], fmaxf(acc[nt][1], 0.0f), s0);
+          s1 = fmaf(wr[nt][0], fmaxf(acc[nt][2], 0.0f), s1);
+          s1 = fmaf(wr[nt][1], fmaxf(acc[nt][3], 0.0f), s1);
+        }
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+        const float v0 = __fmul_rn(__fmul_rn(s0, sq), sk), v1 = __fmul_rn(__fmul_rn(s1, sq), sk);
+        const bool c0 = q4 == 0 && kbase + g < end && up2(v0, E) >= thr;
+        const bool c1 = q4 == 0 && kbase + g + 8 < end && up2(v1, E) >= thr;
+        const unsigned m0 = __ballot_sync(0xffffffffu, c0), m1 = __ballot_sync(0xffffffffu, c1);
+        const unsigned lt = (1u << lane) - 1u;
+        if (c0) {
+          const int pos = count + __popc(m0 & lt);
+          bval[pos] = v0;
+          bid[pos] = static_cast<int>(kbase + g);
+        }
+        if (c1) {
+          const int pos = count + __popc(m0) + __popc(m1 & lt);
+          bval[pos] = v1;
+          bid[pos] = static_cast<int>(kbase + g + 8);
+        }
+        count += __popc(m0) + __popc(m1);
+        __syncwarp();
+      }
+    }
+    __syncthreads();  // the stage is rewritten by the next iteration's load
+  }
+
+  if (mode == 2) {
+    if (lane == 0) {
+      p.meta[row] = RowMeta{kFallback, 0, 0, 0};
+      if (p.stats) atomicAdd(p.stats + 2, 1ull);
+    }
+    return;
+  }
+  if (mode != 1) return;
+
+  // Classification against the row's v_k; IN keys go to group 0 of the output row, unsorted.
+  const float v = warp_kth_largest(bval, count, k, hist, lane);
+  std::int32_t* orow = p.out.row(b, 0, t);
+  std::int32_t* urow = p.und + row * kUndCap;
+  int nin = 0, nund = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int i = base + lane;
+    bool in = false, und = false;
+    int key = 0;
+    if (i < count) {
+      const float x = bval[i];
+      key = bid[i];
+      in = down2(x, E) > v;
+      und = !in && !(up2(x, E) < v);
+    }
+    const unsigned mi = __ballot_sync(0xffffffffu, in), mu = __ballot_sync(0xffffffffu, und);
+    const unsigned lt = (1u << lane) - 1u;
+    if (in) orow[static_cast<std::int64_t>(nin + __popc(mi & lt)) * p.out.s3] = key;
+    if (und) {
+      const int pos = nund + __popc(mu & lt);
+      if (pos < kUndCap) urow[pos] = key;
+    }
+    nin += __popc(mi);
+    nund += __popc(mu);
+  }
+  if (lane == 0) {
+    const bool over = nund > kUndCap;
+    p.meta[row] = RowMeta{over ? kFallback : kResolve, nin, nund, 0};
+    if (p.stats) {
+      atomicAdd(p.stats + 0, 1ull);
+      if (over) atomicAdd(p.stats + 2, 1ull);
+      else if (nin + nund > k) atomicAdd(p.stats + 1, static_cast<unsigned long long>(nund));
+    }
+  }
+}
+
+// ---- 4. resolve --------------------------------------------------------------------------------------------
+
+struct RowParams {
+  const __nv_bfloat16* qc;  // codes (resolve)
+  const __nv_bfloat16* kc;
+  IndexSrc qsrc, ksrc;      // raw inputs (fallback)
+  In qt, kt;
+  const float* w;
+  std::int64_t ws0, ws1, ws2;
+  const unsigned* amax;
+  int prec;
+  Shape s;
+  OutRows out;
+  const RowMeta* meta;
+  const std::int32_t* und;
+  int top_k;
+  bool all;  // fallback: every row (the screen did not run)
+  unsigned long long* stats;
+};
+
+// The query's dequantised values [HI][Di] and weights into shared memory.
+__device__ void load_query(const RowParams& p, std::int64_t b, std::int64_t t, bool from_codes, float sq, float* qv,
+                           double* wv) {
+  const Shape& s = p.s;
+  const std::int64_t row = b * s.Lq + t;
+  for (std::int64_t e = threadIdx.x; e < s.HI * s.Di; e += blockDim.x) {
+    const std::int64_t j = e / s.Di, d = e % s.Di;
+    if (from_codes) {
+      const float c = __bfloat162float(p.qc[(row * s.HI + j) * s.Dp + d]);
+      qv[e] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sq);
+    } else {
+      qv[e] = raw_value(p.qsrc, p.qt, p.prec, sq, p.qsrc.offset(row * s.HI + j) + d);
+    }
+  }
+  for (std::int64_t j = threadIdx.x; j < s.HI; j += blockDim.x)
+    wv[j] = static_cast<double>(p.w[b * p.ws0 + t * p.ws1 + j * p.ws2]);
+}
+
+// Shared layout of the row kernels: qv [HI * Di] floats, wv [HI] doubles, kb [128][Di + 1] floats, then the
+// kernel's own arrays.
+__host__ __device__ inline std::size_t row_common_bytes(std::int64_t HI, std::int64_t Di) {
+  return static_cast<std::size_t>(HI * Di) * 4 + static_cast<std::size_t>(HI) * 8 +
+         static_cast<std::size_t>(kRowThreads * (Di + 1)) * 4;
+}
+__host__ __device__ inline std::size_t align8(std::size_t x) { return (x + 7) / 8 * 8; }
+
+std::size_t resolve_smem(std::int64_t HI, std::int64_t Di, int top_k) {
+  return align8(row_common_bytes(HI, Di)) + static_cast<std::size_t>(kUndCap) * 12 +
+         static_cast<std::size_t>(next_pow2(top_k)) * 4;
+}
+
+// grid: B * Lq rows; rows with status kResolve. The undecided keys are scored exactly in batches of 128 (one
+// per thread), ranked by a bitonic sort; the best k - nin join the IN keys; the k ids are sorted and written.
+__global__ void __launch_bounds__(kRowThreads) resolve_kernel(const RowParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Shape& s = p.s;
+  const std::int64_t row = blockIdx.x, b = row / s.Lq, t = row % s.Lq;
+  const RowMeta m = p.meta[row];
+  if (m.status != kResolve) return;
+  const int HI = static_cast<int>(s.HI), Di = static_cast<int>(s.Di), k = p.top_k, tid = threadIdx.x;
+  float* qv = reinterpret_cast<float*>(smem);
+  double* wv = reinterpret_cast<double*>(qv + HI * Di);
+  float* kb = reinterpret_cast<float*>(wv + HI);
+  double* usc = reinterpret_cast<double*>(smem + align8(row_common_bytes(HI, Di)));
+  int* uid = reinterpret_cast<int*>(usc + kUndCap);
+  int* ids = uid + kUndCap;
+  const int need = k - m.nin;
+  const std::int32_t* urow = p.und + row * kUndCap;
+  if (need < m.nund) {
+    const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
+    load_query(p, b, t, true, sq, qv, wv);
+    for (int u0 = 0; u0 < m.nund; u0 += kRowThreads) {
+      __syncthreads();  // qv, wv ready; the previous batch's readers of kb are done
+      const int nb = imin(kRowThreads, m.nund - u0);
+      for (int e = tid; e < nb * Di; e += kRowThreads) {
+        const int r = e / Di, d = e % Di;
+        const float c = __bfloat162float(p.kc[(b * s.Lk + urow[u0 + r]) * s.Dp + d]);
+        kb[r * (Di + 1) + d] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sk);
+      }
+      __syncthreads();
+      if (tid < nb) {
+        usc[u0 + tid] = exact_score(qv, wv, kb + tid * (Di + 1), HI, Di);
+        uid[u0 + tid] = urow[u0 + tid];
+      }
+    }
+    const int nu = next_pow2(m.nund);
+    for (int i = m.nund + tid; i < nu; i += kRowThreads) usc[i] = -INFINITY, uid[i] = 0x7fffffff;
+    __syncthreads();
+    bitonic_rank_sort(usc, uid, nu);
+  } else {
+    for (int i = tid; i < m.nund; i += kRowThreads) uid[i] = urow[i];
+    __syncthreads();
+  }
+  // ids: IN (group 0 of the output row, written by the screen) and the chosen undecided keys.
+  const std::int32_t* orow = p.out.row(b, 0, t);
+  const int P = next_pow2(k);
+  for (int i = tid; i < P; i += kRowThreads)
+    ids[i] = i < m.nin ? orow[static_cast<std::int64_t>(i) * p.out.s3] : i < k ? uid[i - m.nin] : 0x7fffffff;
+  __syncthreads();
+  bitonic_sort_ints(ids, P);
+  write_row(p.out, b, t, ids, k);
+}
+
+// ---- 5. float64 streaming fallback -----------------------------------------------------------------------
+
+std::size_t fallback_smem(std::int64_t HI, std::int64_t Di, int top_k) {
+  return align8(row_common_bytes(HI, Di)) + static_cast<std::size_t>(next_pow2(top_k + kRowThreads)) * 12;
+}
+
+// grid: B * Lq rows; rows with status kFallback (or all). Exact scores of the visible keys, 128 at a time,
+// appended to a buffer of N = next_pow2(k + 128) entries; when the next batch would not fit, a bitonic sort in
+// rank order keeps the first k. At the end the best min(k, n) ids are sorted and written.
+__global__ void __launch_bounds__(kRowThreads) fallback_kernel(const RowParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Shape& s = p.s;
+  const std::int64_t row = blockIdx.x, b = row / s.Lq, t = row % s.Lq;
+  if (!p.all && p.meta[row].status != kFallback) return;
+  if (p.all && p.stats && threadIdx.x == 0) atomicAdd(p.stats + 2, 1ull);
+  const int HI = static_cast<int>(s.HI), Di = static_cast<int>(s.Di), k = p.top_k, tid = threadIdx.x;
+  float* qv = reinterpret_cast<float*>(smem);
+  double* wv = reinterpret_cast<double*>(qv + HI * Di);
+  float* kb = reinterpret_cast<float*>(wv + HI);
+  const int N = next_pow2(k + kRowThreads);
+  double* bsc = reinterpret_cast<double*>(smem + align8(row_common_bytes(HI, Di)));
+  int* bid = reinterpret_cast<int*>(bsc + N);
+  const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
+  load_query(p, b, t, false, sq, qv, wv);
+  const std::int64_t end = s.key_end(t);
+  int n = 0;
+  for (std::int64_t k0 = 0; k0 < end; k0 += kRowThreads) {
+    const int nb = static_cast<int>(imin<std::int64_t>(kRowThreads, end - k0));
+    __syncthreads();  // qv, wv ready; kb and the buffer are free
+    if (n + nb > N) {
+      for (int i = n + tid; i < N; i += kRowThreads) bsc[i] = -INFINITY, bid[i] = 0x7fffffff;
+      __syncthreads();
+      bitonic_rank_sort(bsc, bid, N);
+      n = k;
+    }
+    for (int e = tid; e < nb * Di; e += kRowThreads) {
+      const int r = e / Di, d = e % Di;
+      kb[r * (Di + 1) + d] = raw_value(p.ksrc, p.kt, p.prec, sk, p.ksrc.offset(b * s.Lk + k0 + r) + d);
+    }
+    __syncthreads();
+    if (tid < nb) {
+      bsc[n + tid] = exact_score(qv, wv, kb + tid * (Di + 1), HI, Di);
+      bid[n + tid] = static_cast<int>(k0 + tid);
+    }
+    n += nb;
+  }
+  __syncthreads();
+  if (n > k) {
+    for (int i = n + tid; i < N; i += kRowThreads) bsc[i] = -INFINITY, bid[i] = 0x7fffffff;
+    __syncthreads();
+    bitonic_rank_sort(bsc, bid, N);
+    n = k;
+  }
+  // The kept ids, ascending: sort the first next_pow2(n) slots (padding sorts last).
+  const int P = next_pow2(imax(n, 1));
+  for (int i = n + tid; i < P; i += kRowThreads) bid[i] = 0x7fffffff;
+  __syncthreads();
+  bitonic_sort_ints(bid, P);
+  write_row(p.out, b, t, bid, n);
+}
+
+void launch_amax(const TensorView& t, unsigned* amax, cudaStream_t stream) {
+  const IndexSrc s = index_src(t);
+  const std::int64_t rows = s.B * s.L * s.H;
+  const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 512));
+  switch (sel::in_type(t.dtype)) {
+    case In::f32: amax_kernel<In::f32><<<blocks, 256, 0, stream>>>(s, amax); break;
+    case In::f16: amax_kernel<In::f16><<<blocks, 256, 0, stream>>>(s, amax); break;
+    case In::bf16: amax_kernel<In::bf16><<<blocks, 256, 0, stream>>>(s, amax); break;
+  }
+}
+
+}  // namespace
+
+void set_lightning_stats(unsigned long long* device_counters) { g_stats = device_counters; }
+void set_lightning_path(int path) { g_path = path; }
+void set_lightning_capacity(int capacity) { g_capacity = capacity; }
+
+void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
+                      const LightningOptions& o) {
+  const std::string op = "lightning_select";
+  const std::int64_t B = qI.shape[0], Lq = qI.shape[1], HI = qI.shape[2], Di = qI.shape[3], Lk = kI.shape[1];
+  const auto stream = static_cast<cudaStream_t>(o.stream);
+  const int max_smem = sel::usable_device_smem(op, "qI", qI);
+  sel::check_device_memory(op, "qI", qI);
+  sel::check_device_memory(op, "w", w);
+  sel::check_device_memory(op, "kI", kI);
+  sel::check_device_memory(op, "out.idx", out.idx);
+  if (B > 65535)  // the screening grid's y extent
+    throw Error(op, "qI", "batch " + std::to_string(B) + " exceeds the CUDA lightning selector's limit of 65535");
+  if (B * Lq > 0x7fffffffLL || Lk > 0x7fffffffLL)
+    throw Error(op, "qI", "B * Lq = " + std::to_string(B * Lq) + " rows exceed the CUDA lightning selector's grid");
+  const int k = o.top_k;
+  const int prec = o.precision == IndexPrecision::bf16 ? static_cast<int>(Prec::bf16) : static_cast<int>(Prec::fp8);
+
+  // Screening kernel geometry: KS k-steps (Dp = 16 KS), and the most queries per CTA whose candidate buffers
+  // hold at least top_k + kMinSlack keys.
+  const int KS = Di <= 32 ? 2 : Di <= 64 ? 4 : 8;
+  int nw = 0, cap = 0;
+  const bool shape_ok = HI <= kMaxHeads && Di <= kMaxDi && g_path == 0;
+  if (shape_ok) {
+    for (int cand = kMaxWarps; cand >= 1; cand /= 2) {
+      const std::size_t fixed = screen_smem(KS, cand, 0);
+      if (fixed >= static_cast<std::size_t>(max_smem)) continue;
+      int c = static_cast<int>((static_cast<std::size_t>(max_smem) - fixed) / (static_cast<std::size_t>(cand) * 8));
+      c = c / 32 * 32;
+      if (c >= k + kMinSlack) {
+        nw = cand, cap = c;
+        break;
+      }
+    }
+    if (nw > 0 && g_capacity > 0) cap = std::min(cap, std::max(g_capacity, k + kMinSlack));
+  }
+  const bool screen = nw > 0;
+  const std::size_t rsmem = resolve_smem(HI, Di, k), fsmem = fallback_smem(HI, Di, k);
+  if (fsmem > static_cast<std::size_t>(max_smem) || (screen && rsmem > static_cast<std::size_t>(max_smem)))
+    throw Error(op, "options.top_k",
+                "top_k = " + std::to_string(k) + " with HI x Di = " + std::to_string(HI) + " x " + std::to_string(Di) +
+                    " index heads exceeds the CUDA lightning selector's shared memory");
+
+  const std::int64_t Dp = 16 * KS, Tq128 = ceil_div(Lq, kBlockK), Tk128 = ceil_div(Lk, kBlockK);
+  const std::size_t a_bytes = align_up(2 * sizeof(unsigned));
+  const std::size_t meta_bytes = align_up(static_cast<std::size_t>(B * Lq) * sizeof(RowMeta));
+  std::size_t qc_bytes = 0, qn_bytes = 0, qg_bytes = 0, kc_bytes = 0, kn_bytes = 0, kg_bytes = 0, u_bytes = 0;
+  if (screen) {
+    qc_bytes = align_up(static_cast<std::size_t>(B * Lq * HI * Dp) * 2);
+    qn_bytes = align_up(static_cast<std::size_t>(B * Lq * HI) * 4);
+    qg_bytes = align_up(static_cast<std::size_t>(B * HI * Tq128) * 4);
+    kc_bytes = align_up(static_cast<std::size_t>(B * Lk * Dp) * 2);
+    kn_bytes = align_up(static_cast<std::size_t>(B * Lk) * 4);
+    kg_bytes = align_up(static_cast<std::size_t>(B * Tk128) * 4);
+    u_bytes = align_up(static_cast<std::size_t>(B * Lq) * kUndCap * 4);
+  }
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off += bytes;
+    return at;
+  };
+  const std::size_t o_amax = take(a_bytes), o_meta = take(meta_bytes), o_qg = take(qg_bytes), o_kg = take(kg_bytes),
+                    o_qc = take(qc_bytes), o_qn = take(qn_bytes), o_kc = take(kc_bytes), o_kn = take(kn_bytes),
+                    o_u = take(u_bytes);
+  StreamScratch scratch(off, stream, op);
+  auto* amax = scratch.as<unsigned>(o_amax);
+  auto* meta = scratch.as<RowMeta>(o_meta);
+  // amax words and the group maxima (atomicMax on float bits) start at zero.
+  check_cuda(cudaMemsetAsync(amax, 0, o_qc - o_amax, stream), op, "cudaMemsetAsync");
+
+  OutRows orows{out.idx.ptr<std::int32_t>(), out.idx.stride[0], out.idx.stride[1], out.idx.stride[2],
+                out.idx.stride[3], out.idx.shape[1], out.idx.shape[3]};
+  Shape shp{B, Lq, Lk, HI, Di, Dp, o.causal};
+
+  if (screen) {
+    launch_prepare(qI, o.precision, amax, PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn),
+                                                  scratch.as<unsigned>(o_qg), Dp}, stream);
+    launch_prepare(kI, o.precision, amax + 1, PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn),
+                                                      scratch.as<unsigned>(o_kg), Dp}, stream);
+    ScreenParams sp{};
+    sp.qc = scratch.as<__nv_bfloat16>(o_qc), sp.qn = scratch.as<float>(o_qn);
+    sp.kc = scratch.as<__nv_bfloat16>(o_kc), sp.kgmax = scratch.as<unsigned>(o_kg);
+    sp.w = w.ptr<float>(), sp.ws0 = w.stride[0], sp.ws1 = w.stride[1], sp.ws2 = w.stride[2];
+    sp.amax = amax, sp.prec = prec, sp.s = shp, sp.out = orows, sp.meta = meta, sp.und = scratch.as<std::int32_t>(o_u);
+    sp.top_k = k, sp.cap = cap, sp.stats = g_stats;
+    sp.deq = bound_consts(Di, Dp).deq;
+    const std::size_t smem = screen_smem(KS, nw, cap);
+    const dim3 grid(static_cast<unsigned>(ceil_div(Lq, nw)), static_cast<unsigned>(B));
+    auto go = [&](auto kernel) {
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
+                 "cudaFuncSetAttribute");
+      kernel<<<grid, nw * 32, smem, stream>>>(sp);
+    };
+    if (KS == 2) go(screen_kernel<2>);
+    else if (KS == 4) go(screen_kernel<4>);
+    else go(screen_kernel<8>);
+  } else {
+    if (o.precision != IndexPrecision::bf16) {
+      launch_amax(qI, amax, stream);
+      launch_amax(kI, amax + 1, stream);
+    }
+  }
+
+  RowParams rp{};
+  rp.qc = screen ? scratch.as<__nv_bfloat16>(o_qc) : nullptr;
+  rp.kc = screen ? scratch.as<__nv_bfloat16>(o_kc) : nullptr;
+  rp.qsrc = index_src(qI), rp.ksrc = index_src(kI);
+  rp.qt = sel::in_type(qI.dtype), rp.kt = sel::in_type(kI.dtype);
+  rp.w = w.ptr<float>(), rp.ws0 = w.stride[0], rp.ws1 = w.stride[1], rp.ws2 = w.stride[2];
+  rp.amax = amax, rp.prec = prec, rp.s = shp, rp.out = orows, rp.meta = meta;
+  rp.und = screen ? scratch.as<std::int32_t>(o_u) : nullptr;
+  rp.top_k = k, rp.all = !screen, rp.stats = g_stats;
+  const auto rows = static_cast<unsigned>(B * Lq);
+  if (screen) {
+    check_cuda(cudaFuncSetAttribute(resolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(rsmem)),
+               op, "cudaFuncSetAttribute");
+    resolve_kernel<<<rows, kRowThreads, rsmem, stream>>>(rp);
+  }
+  check_cuda(cudaFuncSetAttribute(fallback_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fsmem)),
+             op, "cudaFuncSetAttribute");
+  fallback_kernel<<<rows, kRowThreads, fsmem, stream>>>(rp);
+  check_cuda(cudaGetLastError(), op, "kernel launch");
+}
+
+}  // namespace sparse_attn::cuda_backend

@@ -1,0 +1,23 @@
+// Instrumentation of the CUDA lightning indexer, token form (tests and timing only; not part of the
+// public API). Every setting is process-wide and applies to later calls.
+#pragma once
+
+namespace sparse_attn::cuda_backend {
+
+/// While non-null, every TokenLists call on the device adds to device_counters[0] the number of query rows
+/// screened on the tensor cores (rows seeing more than top_k keys), to [1] the number of (row, key) pairs
+/// whose screened score was too close to the row's k-th to decide, so they were re-scored in float64, and
+/// to [2] the number of rows handed to the float64 streaming path (candidate buffer or undecided list
+/// overflowed, non-finite inputs, shapes beyond the screening kernel). Three unsigned long long of device
+/// memory; nullptr stops counting.
+void set_lightning_stats(unsigned long long* device_counters);
+
+/// 0: automatic (screen, then float64 for the undecided); 1: every row on the float64 streaming path.
+/// Both give the same ids.
+void set_lightning_path(int path);
+
+/// Caps the per-query candidate buffer of the screening kernel (0: as large as shared memory allows).
+/// A small cap makes short rows exercise the buffer compaction; values below top_k + 32 are raised to it.
+void set_lightning_capacity(int capacity);
+
+}  // namespace sparse_attn::cuda_backend
