@@ -372,14 +372,16 @@ def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None):
     return idx, cnt
 
 
-def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None):
+def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None, trusted=False):
     """QueryLists -> TileLists: the union of the lists of each tile's queries, ascending. kmax
-    defaults to Tk."""
+    defaults to Tk. CUDA tensors are converted on the device, on the current stream; trusted=True
+    skips their validation (no synchronisation) and needs kmax >= min(Tk, min(128, Lq) * Kq)."""
     B, Hkv, _, _ = _shape(lists, "query_lists_to_tile_lists", "in.idx", 4)
     kmax = shape.Tk if kmax is None else int(kmax)
     idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
     cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
-    _ext.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape)
+    _ext.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
+                                   stream=_stream(lists))
     return idx, cnt
 
 

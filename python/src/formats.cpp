@@ -103,14 +103,17 @@ void bind_formats(nb::module_& m) {
 
   m.def(
       "query_lists_to_tile_lists",
-      [](nb::handle lists, nb::handle idx, nb::handle cnt, const ProblemShape& p) {
+      [](nb::handle lists, nb::handle idx, nb::handle cnt, const ProblemShape& p, bool trusted, std::uintptr_t stream) {
         Imports im("query_lists_to_tile_lists");
         const QueryLists in{im.in(lists, "in.idx")};
         const TileLists out{im.out(idx, "out.idx"), im.out(cnt, "out.cnt")};
+        ConvertOptions o;
+        o.trusted = trusted;
+        o.stream = stream_ptr(stream);
         nb::gil_scoped_release release;
-        sparse_attn::query_lists_to_tile_lists(in, out, p);
+        sparse_attn::query_lists_to_tile_lists(in, out, p, o);
       },
-      "lists"_a, "idx"_a, "cnt"_a, "shape"_a);
+      "lists"_a, "idx"_a, "cnt"_a, "shape"_a, "trusted"_a = false, "stream"_a = 0);
 
   m.def(
       "expand_mask",
