@@ -577,61 +577,131 @@ __host__ __device__ inline std::size_t row_common_bytes(std::int64_t HI, std::in
 }
 __host__ __device__ inline std::size_t align8(std::size_t x) { return (x + 7) / 8 * 8; }
 
-std::size_t resolve_smem(std::int64_t HI, std::int64_t Di, int top_k) {
-  return align8(row_common_bytes(HI, Di)) + static_cast<std::size_t>(kUndCap) * 12 +
-         static_cast<std::size_t>(next_pow2(top_k)) * 4;
+constexpr int kResolveThreads = 256;
+constexpr int kResolveKeys = 16;  // undecided keys per batch: 16 keys x 64 heads = 4 float64 dots per thread
+constexpr int kResolveItems = kResolveKeys * kMaxHeads / kResolveThreads;
+
+std::size_t resolve_smem(std::int64_t HI, std::int64_t Di, std::int64_t Lk) {
+  return static_cast<std::size_t>(HI + kResolveKeys * HI + kUndCap) * 8 +
+         static_cast<std::size_t>(HI * Di + kResolveKeys * Di + kUndCap) * 4 +
+         static_cast<std::size_t>(ceil_div(Lk, 32)) * 4 + 32 * 4;
 }
 
-// grid: B * Lq rows; rows with status kResolve. The undecided keys are scored exactly in batches of 128 (one
-// per thread), ranked by a bitonic sort; the best k - nin join the IN keys; the k ids are sorted and written.
-__global__ void __launch_bounds__(kRowThreads) resolve_kernel(const RowParams p) {
+// Exclusive prefix sum over the block of one int per thread; `total` gets the sum. `tot` is 32 ints of shared
+// scratch.
+__device__ int block_exclusive_scan(int v, int* tot, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  int inc = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += y;
+  }
+  if (lane == 31) tot[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int x = lane < nwarps ? tot[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    tot[lane] = x;
+  }
+  __syncthreads();
+  const int off = warp > 0 ? tot[warp - 1] : 0;
+  total = tot[nwarps - 1];
+  __syncthreads();
+  return off + inc - v;
+}
+
+// grid: B * Lq rows; rows with status kResolve. The undecided keys are scored exactly in batches of 16: the
+// 16 x HI float64 dots spread over the threads (four interleaved per thread, each in d order), then one thread
+// per key runs the fma chain over the heads; a bitonic sort ranks them and the best k - nin join the IN keys.
+// The k ids are marked in a bitmap of the row's keys and written in ascending order by a block scan.
+__global__ void __launch_bounds__(kResolveThreads) resolve_kernel(const RowParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const Shape& s = p.s;
   const std::int64_t row = blockIdx.x, b = row / s.Lq, t = row % s.Lq;
   const RowMeta m = p.meta[row];
   if (m.status != kResolve) return;
   const int HI = static_cast<int>(s.HI), Di = static_cast<int>(s.Di), k = p.top_k, tid = threadIdx.x;
-  float* qv = reinterpret_cast<float*>(smem);
-  double* wv = reinterpret_cast<double*>(qv + HI * Di);
-  float* kb = reinterpret_cast<float*>(wv + HI);
-  double* usc = reinterpret_cast<double*>(smem + align8(row_common_bytes(HI, Di)));
-  int* uid = reinterpret_cast<int*>(usc + kUndCap);
-  int* ids = uid + kUndCap;
+  double* wv = reinterpret_cast<double*>(smem);
+  double* dots = wv + HI;                    // [kResolveKeys][HI]
+  double* usc = dots + kResolveKeys * HI;    // [kUndCap]
+  float* qv = reinterpret_cast<float*>(usc + kUndCap);  // [HI][Di]
+  float* kv = qv + HI * Di;                  // [kResolveKeys][Di]
+  int* uid = reinterpret_cast<int*>(kv + kResolveKeys * Di);
+  unsigned* bits = reinterpret_cast<unsigned*>(uid + kUndCap);
+  const std::int64_t end = s.key_end(t);
+  const int words = static_cast<int>((end + 31) / 32);
+  int* tot = reinterpret_cast<int*>(bits + ceil_div(s.Lk, 32));
   const int need = k - m.nin;
   const std::int32_t* urow = p.und + row * kUndCap;
   if (need < m.nund) {
     const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
     load_query(p, b, t, true, sq, qv, wv);
-    for (int u0 = 0; u0 < m.nund; u0 += kRowThreads) {
-      __syncthreads();  // qv, wv ready; the previous batch's readers of kb are done
-      const int nb = imin(kRowThreads, m.nund - u0);
-      for (int e = tid; e < nb * Di; e += kRowThreads) {
+    for (int u0 = 0; u0 < m.nund; u0 += kResolveKeys) {
+      const int nb = imin(kResolveKeys, m.nund - u0);
+      __syncthreads();  // qv, wv ready; the previous batch's readers of kv and dots are done
+      for (int e = tid; e < nb * Di; e += kResolveThreads) {
         const int r = e / Di, d = e % Di;
         const float c = __bfloat162float(p.kc[(b * s.Lk + urow[u0 + r]) * s.Dp + d]);
-        kb[r * (Di + 1) + d] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sk);
+        kv[e] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sk);
       }
       __syncthreads();
+      double acc[kResolveItems];
+      const float* qr[kResolveItems];
+      const float* kr[kResolveItems];
+#pragma unroll
+      for (int i = 0; i < kResolveItems; ++i) {
+        const int it = imin(tid + i * kResolveThreads, nb * HI - 1);
+        qr[i] = qv + (it % HI) * Di;
+        kr[i] = kv + (it / HI) * Di;
+        acc[i] = 0.0;
+      }
+      for (int d = 0; d < Di; ++d)
+#pragma unroll
+        for (int i = 0; i < kResolveItems; ++i)
+          acc[i] = fma(static_cast<double>(qr[i][d]), static_cast<double>(kr[i][d]), acc[i]);
+#pragma unroll
+      for (int i = 0; i < kResolveItems; ++i)
+        if (tid + i * kResolveThreads < nb * HI) dots[tid + i * kResolveThreads] = acc[i];
+      __syncthreads();
       if (tid < nb) {
-        usc[u0 + tid] = exact_score(qv, wv, kb + tid * (Di + 1), HI, Di);
+        double a = 0.0;
+        for (int j = 0; j < HI; ++j) a = fma(wv[j], fmax(0.0, dots[tid * HI + j]), a);
+        usc[u0 + tid] = sel::sanitize(a);
         uid[u0 + tid] = urow[u0 + tid];
       }
     }
     const int nu = next_pow2(m.nund);
-    for (int i = m.nund + tid; i < nu; i += kRowThreads) usc[i] = -INFINITY, uid[i] = 0x7fffffff;
+    for (int i = m.nund + tid; i < nu; i += kResolveThreads) usc[i] = -INFINITY, uid[i] = 0x7fffffff;
     __syncthreads();
     bitonic_rank_sort(usc, uid, nu);
   } else {
-    for (int i = tid; i < m.nund; i += kRowThreads) uid[i] = urow[i];
-    __syncthreads();
+    for (int i = tid; i < m.nund; i += kResolveThreads) uid[i] = urow[i];
   }
-  // ids: IN (group 0 of the output row, written by the screen) and the chosen undecided keys.
-  const std::int32_t* orow = p.out.row(b, 0, t);
-  const int P = next_pow2(k);
-  for (int i = tid; i < P; i += kRowThreads)
-    ids[i] = i < m.nin ? orow[static_cast<std::int64_t>(i) * p.out.s3] : i < k ? uid[i - m.nin] : 0x7fffffff;
+  // The list: IN (group 0 of the output row, written by the screen) and the best `need` undecided keys.
+  for (int i = tid; i < words; i += kResolveThreads) bits[i] = 0u;
   __syncthreads();
-  bitonic_sort_ints(ids, P);
-  write_row(p.out, b, t, ids, k);
+  const std::int32_t* orow = p.out.row(b, 0, t);
+  for (int i = tid; i < k; i += kResolveThreads) {
+    const int id = i < m.nin ? orow[static_cast<std::int64_t>(i) * p.out.s3] : uid[i - m.nin];
+    atomicOr(bits + id / 32, 1u << (id % 32));
+  }
+  __syncthreads();
+  const int chunk = (words + kResolveThreads - 1) / kResolveThreads;
+  const int lo = imin(words, tid * chunk), hi = imin(words, lo + chunk);
+  int mine = 0;
+  for (int i = lo; i < hi; ++i) mine += __popc(bits[i]);
+  int total = 0;
+  int pos = block_exclusive_scan(mine, tot, total);
+  for (int i = lo; i < hi; ++i)
+    for (unsigned x = bits[i]; x != 0u; x &= x - 1u, ++pos) {
+      const int id = 32 * i + __ffs(x) - 1;
+      for (std::int64_t g = 0; g < p.out.G; ++g) p.out.row(b, g, t)[static_cast<std::int64_t>(pos) * p.out.s3] = id;
+    }
+  for (std::int64_t g = 0; g < p.out.G; ++g)
+    for (std::int64_t sl = k + tid; sl < p.out.width; sl += kResolveThreads) p.out.row(b, g, t)[sl * p.out.s3] = -1;
 }
 
 // ---- 5. float64 streaming fallback -----------------------------------------------------------------------
@@ -748,11 +818,13 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     if (nw > 0 && g_capacity > 0) cap = std::min(cap, std::max(g_capacity, k + kMinSlack));
   }
   const bool screen = nw > 0;
-  const std::size_t rsmem = resolve_smem(HI, Di, k), fsmem = fallback_smem(HI, Di, k);
-  if (fsmem > static_cast<std::size_t>(max_smem) || (screen && rsmem > static_cast<std::size_t>(max_smem)))
+  const std::size_t rsmem = resolve_smem(HI, Di, Lk), fsmem = fallback_smem(HI, Di, k);
+  if (fsmem > static_cast<std::size_t>(max_smem))
     throw Error(op, "options.top_k",
                 "top_k = " + std::to_string(k) + " with HI x Di = " + std::to_string(HI) + " x " + std::to_string(Di) +
                     " index heads exceeds the CUDA lightning selector's shared memory");
+  if (screen && rsmem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "kI", "Lk = " + std::to_string(Lk) + " keys exceed the CUDA lightning selector's shared-memory key bitmap");
 
   const std::int64_t Dp = 16 * KS, Tq128 = ceil_div(Lq, kBlockK), Tk128 = ceil_div(Lk, kBlockK);
   const std::size_t a_bytes = align_up(2 * sizeof(unsigned));
@@ -828,7 +900,7 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   if (screen) {
     check_cuda(cudaFuncSetAttribute(resolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(rsmem)),
                op, "cudaFuncSetAttribute");
-    resolve_kernel<<<rows, kRowThreads, rsmem, stream>>>(rp);
+    resolve_kernel<<<rows, kResolveThreads, rsmem, stream>>>(rp);
   }
   check_cuda(cudaFuncSetAttribute(fallback_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fsmem)),
              op, "cudaFuncSetAttribute");
