@@ -4,7 +4,10 @@
 // every query, split into many work items; Hq = Hkv and Hq = 16 x Hkv; B > 1 with different lists),
 // poisoned outputs, both dtypes, f32 and bf16 partials, bitwise-identical repeated runs, the
 // plan()/run() path with a caller-owned workspace, strided (packed QKV) inputs, and device-side
-// validation of the lists.
+// validation of the lists. The reverse index and the combine are also checked alone, through their
+// launchers: the CSR against one built on the host (a multiset per block, work items exact), and
+// the combine of random partials against a float64 combine (unchosen slots' partials are NaN, so
+// reading one shows).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +16,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -22,6 +27,8 @@
 #include "common/testing.hpp"
 #include "gpu/query_lists_testing.hpp"
 #include "cuda/query_sparse/backend.hpp"
+#include "cuda/query_sparse/kernels.cuh"
+#include "cuda/query_sparse/launch.hpp"
 #include "sparse_attn/plan.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -313,6 +320,317 @@ TEST(QuerySparseGpu, RejectsUnsupportedArguments) {
   EXPECT_THROW(sa::cuda_backend::query_sparse(sa::ProblemShape{1, 64, 128, 1, 1, 128, false}, qv, kv, v2.view,
                                               sa::QueryLists{idx2.view}, ov, std::nullopt, {}),
                sa::Error);
+}
+
+// ---- the reverse index and the combine alone, through their launchers ------------------------------
+
+namespace qs = sa::cuda_kernels::qs;
+
+enum class IdxLayout { contiguous, padded_rows, slot_major };
+
+// The lists [B, Hkv, Lq, Kq] as stored on the device in `layout`, with its element strides.
+struct DeviceLists {
+  std::vector<std::int32_t> host;
+  long long stride[4] = {};
+  std::unique_ptr<DeviceBuffer> buf;
+};
+
+DeviceLists upload_lists(const sa::HostTensor& lists, IdxLayout layout) {
+  const auto& sh = lists.shape();
+  const long long B = sh[0], H = sh[1], L = sh[2], K = sh[3];
+  DeviceLists d;
+  long long* s = d.stride;
+  if (layout == IdxLayout::contiguous) s[3] = 1, s[2] = K, s[1] = L * K, s[0] = H * L * K;
+  if (layout == IdxLayout::padded_rows) s[3] = 1, s[2] = K + 3, s[1] = L * (K + 3) + 5, s[0] = H * s[1];
+  if (layout == IdxLayout::slot_major) s[2] = 1, s[3] = L, s[1] = K * L, s[0] = H * K * L;
+  d.host.assign(static_cast<std::size_t>(B * s[0]), -7);  // gaps hold an invalid id: reading one shows
+  const auto* src = lists.data<std::int32_t>();
+  for (long long b = 0; b < B; ++b)
+    for (long long h = 0; h < H; ++h)
+      for (long long i = 0; i < L; ++i)
+        for (long long k = 0; k < K; ++k)
+          d.host[static_cast<std::size_t>(b * s[0] + h * s[1] + i * s[2] + k * s[3])] = src[((b * H + h) * L + i) * K + k];
+  d.buf = std::make_unique<DeviceBuffer>(d.host.size() * sizeof(std::int32_t));
+  cuda_ok(cudaMemcpy(d.buf->ptr, d.host.data(), d.host.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice),
+          "lists upload");
+  return d;
+}
+
+qs::Params kernel_params(const sa::ProblemShape& p, std::int64_t Kq, const DeviceLists& lists) {
+  qs::Params q;
+  q.B = static_cast<int>(p.B), q.Lq = static_cast<int>(p.Lq), q.Lk = static_cast<int>(p.Lk);
+  q.Hq = static_cast<int>(p.Hq), q.Hkv = static_cast<int>(p.Hkv), q.Tk = static_cast<int>(p.Tk());
+  q.Kq = static_cast<int>(Kq), q.group = static_cast<int>(p.group_size());
+  q.offset = p.offset();
+  q.causal = p.causal;
+  q.nblk = p.B * p.Hkv * p.Tk();
+  q.slots = p.B * p.Hkv * p.Lq * Kq;
+  q.idx = static_cast<const std::int32_t*>(lists.buf->ptr);
+  for (int i = 0; i < 4; ++i) q.idx_stride[i] = lists.stride[i];
+  return q;
+}
+
+bool chosen_host(const sa::ProblemShape& p, std::int64_t i, std::int32_t j) {
+  return j >= 0 && j < p.Tk() && (!p.causal || static_cast<std::int64_t>(j) * qs::kKeys <= i + p.offset());
+}
+
+template <class T>
+std::vector<T> download_array(const void* ptr, std::size_t n) {
+  std::vector<T> v(n);
+  if (n) cuda_ok(cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
+  return v;
+}
+
+struct IndexCase {
+  std::string name;
+  std::int64_t B = 1, Lq = 128, Lk = 256, Hq = 1, Hkv = 1, Kq = 4;
+  bool causal = false, empty_tile = false, popular = false, no_selection = false;
+  IdxLayout layout = IdxLayout::contiguous;
+};
+
+void check_reverse_index(const IndexCase& c, std::uint64_t seed) {
+  SCOPED_TRACE(c.name);
+  sa::ProblemShape p;
+  p.B = c.B, p.Lq = c.Lq, p.Lk = c.Lk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.D = 128, p.causal = c.causal;
+  sa::HostTensor lists = st::query_lists::random_lists(p, c.Kq, c.empty_tile, c.popular, seed);
+  if (c.no_selection) std::fill_n(lists.data<std::int32_t>(), lists.numel(), -1);
+  const DeviceLists dl = upload_lists(lists, c.layout);
+  qs::Params q = kernel_params(p, c.Kq, dl);
+  const std::int64_t nblk = q.nblk, slots = q.slots, G = p.group_size();
+  const std::int64_t max_items = (slots * G + qs::kRowsPerItem - 1) / qs::kRowsPerItem + nblk;
+
+  // The CSR built on the host: each block's entries (query * Kq + slot), sorted.
+  std::vector<std::vector<int>> want(static_cast<std::size_t>(nblk));
+  const auto* l = lists.data<std::int32_t>();
+  for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg)
+    for (std::int64_t i = 0; i < p.Lq; ++i)
+      for (std::int64_t s = 0; s < c.Kq; ++s) {
+        const std::int32_t j = l[(bg * p.Lq + i) * c.Kq + s];
+        if (chosen_host(p, i, j)) want[static_cast<std::size_t>(bg * p.Tk() + j)].push_back(static_cast<int>(i * c.Kq + s));
+      }
+  std::int64_t total = 0, total_items = 0;
+  for (const auto& w : want) {
+    total += static_cast<std::int64_t>(w.size());
+    total_items += (static_cast<std::int64_t>(w.size()) * G + qs::kRowsPerItem - 1) / qs::kRowsPerItem;
+  }
+
+  // Arrays poisoned with 0xff bytes: the second run starts from the first run's leftovers.
+  DeviceBuffer counts(sizeof(int) * nblk), offsets(sizeof(int) * (nblk + 1)), item_offsets(sizeof(int) * (nblk + 1)),
+      entries(sizeof(int) * slots), items(sizeof(int2) * max_items);
+  for (const DeviceBuffer* b : {&counts, &offsets, &item_offsets, &entries, &items})
+    cuda_ok(cudaMemset(b->ptr, 0xff, std::max<std::size_t>(b->bytes, 1)), "poison");
+  q.counts = static_cast<int*>(counts.ptr);
+  q.offsets = static_cast<int*>(offsets.ptr);
+  q.item_offsets = static_cast<int*>(item_offsets.ptr);
+  q.entries = static_cast<int*>(entries.ptr);
+  q.items = static_cast<int2*>(items.ptr);
+  for (int run = 0; run < 2; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    cuda_ok(qs::launch_reverse_index(q, nullptr), "reverse index launch");
+    cuda_ok(cudaDeviceSynchronize(), "reverse index");
+    const auto off = download_array<int>(offsets.ptr, static_cast<std::size_t>(nblk + 1));
+    const auto ioff = download_array<int>(item_offsets.ptr, static_cast<std::size_t>(nblk + 1));
+    const auto ent = download_array<int>(entries.ptr, static_cast<std::size_t>(slots));
+    const auto its = download_array<int2>(items.ptr, static_cast<std::size_t>(max_items));
+    ASSERT_EQ(off[0], 0);
+    ASSERT_EQ(ioff[0], 0);
+    ASSERT_EQ(off[static_cast<std::size_t>(nblk)], total);
+    ASSERT_EQ(ioff[static_cast<std::size_t>(nblk)], total_items);
+    for (std::int64_t x = 0; x < nblk; ++x) {
+      const auto xs = static_cast<std::size_t>(x);
+      std::vector<int> got(ent.begin() + off[xs], ent.begin() + off[xs + 1]);
+      std::sort(got.begin(), got.end());
+      ASSERT_EQ(got, want[xs]) << "entries of block " << x;
+      const std::int64_t n = (static_cast<std::int64_t>(want[xs].size()) * G + qs::kRowsPerItem - 1) / qs::kRowsPerItem;
+      ASSERT_EQ(ioff[xs + 1] - ioff[xs], n) << "items of block " << x;
+      for (std::int64_t t = 0; t < n; ++t) {
+        const int2 it = its[static_cast<std::size_t>(ioff[xs] + t)];
+        ASSERT_TRUE(it.x == x && it.y == t * qs::kRowsPerItem) << "item " << t << " of block " << x;
+      }
+    }
+    // Nothing past the totals is written.
+    for (std::int64_t e = total; e < slots; ++e) ASSERT_EQ(ent[static_cast<std::size_t>(e)], -1) << "entry " << e;
+    for (std::int64_t t = total_items; t < max_items; ++t)
+      ASSERT_TRUE(its[static_cast<std::size_t>(t)].x == -1 && its[static_cast<std::size_t>(t)].y == -1) << "item " << t;
+  }
+  std::printf("[ %-34s ] %lld blocks, %lld entries, %lld items\n", c.name.c_str(), static_cast<long long>(nblk),
+              static_cast<long long>(total), static_cast<long long>(total_items));
+}
+
+TEST(QuerySparseGpu, ReverseIndexMatchesHostCsr) {
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  using L = IdxLayout;
+  const std::vector<IndexCase> cases = {
+      {"ri GQA4 causal Lq=1013", 2, 1013, 5000, 12, 3, 7, true, true},
+      {"ri Lq>Lk causal slot-major", 1, 700, 300, 4, 2, 5, true, false, false, false, L::slot_major},
+      {"ri popular GQA16 padded rows", 1, 1500, 1000, 16, 1, 6, false, false, true, false, L::padded_rows},
+      {"ri nblk 3600 (> one scan tile)", 3, 200, 300 * 128, 8, 4, 5},
+      {"ri Tk 12289 (global-atomic path)", 1, 64, 12289 * 128 - 5, 2, 1, 8},
+      {"ri Lq=1 Kq=1", 2, 1, 129, 2, 2, 1},
+      {"ri no block chosen", 2, 100, 512, 4, 2, 4, false, false, false, true},
+  };
+  std::uint64_t seed = 300;
+  for (const IndexCase& c : cases) check_reverse_index(c, ++seed);
+}
+
+struct CombineCase {
+  std::string name;
+  sa::DType dtype = sa::DType::bf16;
+  bool bf16_partials = false;
+  std::int64_t B = 1, Lq = 64, Lk = 2048, Hq = 4, Hkv = 1, D = 128, Kq = 8;
+  bool causal = false;
+  std::int64_t head_pad = 0;  // out's head stride is D + head_pad
+  bool lse_transposed = false, no_lse = false;
+  IdxLayout layout = IdxLayout::contiguous;
+};
+
+struct CombineRun {
+  std::vector<std::uint16_t> out;
+  std::vector<float> lse;
+};
+
+void check_combine(const CombineCase& c, std::uint64_t seed) {
+  SCOPED_TRACE(c.name);
+  sa::ProblemShape p;
+  p.B = c.B, p.Lq = c.Lq, p.Lk = c.Lk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.D = c.D, p.causal = c.causal;
+  const std::int64_t G = p.group_size(), D = c.D, Kq = c.Kq;
+  sa::HostTensor lists = st::query_lists::random_lists(p, Kq, false, false, seed);
+  const DeviceLists dl = upload_lists(lists, c.layout);
+  qs::Params q = kernel_params(p, Kq, dl);
+  const std::int64_t rows = q.slots * G;
+
+  // Partials of chosen slots: LSE in [-6, 6], values normal; every other slot's are NaN.
+  std::mt19937_64 rng(seed * 13 + 5);
+  std::uniform_real_distribution<float> lse_dist(-6.0f, 6.0f);
+  std::normal_distribution<float> val_dist(0.0f, 1.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> lse_part(static_cast<std::size_t>(rows), nan);
+  std::vector<float> part(static_cast<std::size_t>(rows * D), nan);
+  const auto* l = lists.data<std::int32_t>();
+  for (std::int64_t slot = 0; slot < q.slots; ++slot) {
+    const std::int64_t i = (slot / Kq) % p.Lq;
+    if (!chosen_host(p, i, l[slot])) continue;
+    for (std::int64_t h = 0; h < G; ++h) {
+      lse_part[static_cast<std::size_t>(slot * G + h)] = lse_dist(rng);
+      for (std::int64_t d = 0; d < D; ++d) {
+        const float v = val_dist(rng);
+        part[static_cast<std::size_t>((slot * G + h) * D + d)] = c.bf16_partials ? sa::round_bf16(v) : v;
+      }
+    }
+  }
+  DeviceBuffer dlse_part(lse_part.size() * sizeof(float));
+  cuda_ok(cudaMemcpy(dlse_part.ptr, lse_part.data(), dlse_part.bytes, cudaMemcpyHostToDevice), "upload");
+  DeviceBuffer dpart(part.size() * (c.bf16_partials ? 2 : 4));
+  if (c.bf16_partials) {
+    std::vector<std::uint16_t> h(part.size());
+    for (std::size_t e = 0; e < part.size(); ++e) h[e] = sa::float_to_bf16(part[e]);
+    cuda_ok(cudaMemcpy(dpart.ptr, h.data(), dpart.bytes, cudaMemcpyHostToDevice), "upload");
+  } else {
+    cuda_ok(cudaMemcpy(dpart.ptr, part.data(), dpart.bytes, cudaMemcpyHostToDevice), "upload");
+  }
+  q.lse_part = static_cast<float*>(dlse_part.ptr);
+  q.part = dpart.ptr;
+
+  // out [B, Lq, Hq, D] with a head stride of D + head_pad; lse [B, Hq, Lq] or [B, Lq, Hq].
+  const std::int64_t hs = D + c.head_pad;
+  const std::int64_t out_elems = c.B * c.Lq * c.Hq * hs;
+  DeviceBuffer dout(static_cast<std::size_t>(out_elems) * 2), dlse(static_cast<std::size_t>(c.B * c.Hq * c.Lq) * 4);
+  q.out = dout.ptr;
+  q.out_stride[0] = c.Lq * c.Hq * hs, q.out_stride[1] = c.Hq * hs, q.out_stride[2] = hs;
+  if (!c.no_lse) {
+    q.lse = static_cast<float*>(dlse.ptr);
+    if (c.lse_transposed) q.lse_stride[0] = c.Hq * c.Lq, q.lse_stride[1] = 1, q.lse_stride[2] = c.Hq;
+    else q.lse_stride[0] = c.Hq * c.Lq, q.lse_stride[1] = c.Lq, q.lse_stride[2] = 1;
+  }
+  auto run = [&] {
+    cuda_ok(cudaMemset(dout.ptr, 0xff, dout.bytes), "poison");  // 0xffff: NaN in bf16 and f16
+    cuda_ok(cudaMemset(dlse.ptr, 0xff, dlse.bytes), "poison");
+    cuda_ok(qs::launch_combine(q, c.dtype == sa::DType::bf16, static_cast<int>(D), c.bf16_partials, nullptr),
+            "combine launch");
+    cuda_ok(cudaDeviceSynchronize(), "combine");
+    return CombineRun{download_array<std::uint16_t>(dout.ptr, static_cast<std::size_t>(out_elems)),
+                      download_array<float>(dlse.ptr, static_cast<std::size_t>(c.B * c.Hq * c.Lq))};
+  };
+  const CombineRun a = run();
+  const CombineRun b = run();
+  EXPECT_EQ(a.out, b.out) << "out differs between two runs";
+  EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4)) << "lse differs between two runs";
+
+  // float64 combine of the same partials.
+  const double ulp = c.dtype == sa::DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  double worst = 0.0;
+  std::int64_t empty = 0;
+  std::vector<double> acc(static_cast<std::size_t>(D)), mag(static_cast<std::size_t>(D));
+  for (std::int64_t bb = 0; bb < c.B; ++bb)
+    for (std::int64_t g = 0; g < c.Hkv; ++g)
+      for (std::int64_t i = 0; i < c.Lq; ++i)
+        for (std::int64_t hh = 0; hh < G; ++hh) {
+          const std::int64_t slot0 = ((bb * c.Hkv + g) * c.Lq + i) * Kq, h = g * G + hh;
+          double m = -INFINITY;
+          for (std::int64_t s = 0; s < Kq; ++s)
+            if (chosen_host(p, i, l[slot0 + s])) m = std::max(m, double(lse_part[static_cast<std::size_t>((slot0 + s) * G + hh)]));
+          double sum = 0.0;
+          for (std::int64_t s = 0; s < Kq; ++s)
+            if (chosen_host(p, i, l[slot0 + s])) sum += std::exp(lse_part[static_cast<std::size_t>((slot0 + s) * G + hh)] - m);
+          const double lse_ref = m == -INFINITY ? -INFINITY : m + std::log(sum);
+          std::fill(acc.begin(), acc.end(), 0.0);
+          std::fill(mag.begin(), mag.end(), 0.0);
+          for (std::int64_t s = 0; s < Kq; ++s) {
+            if (!chosen_host(p, i, l[slot0 + s])) continue;
+            const std::int64_t r = (slot0 + s) * G + hh;
+            const double w = std::exp(lse_part[static_cast<std::size_t>(r)] - lse_ref);
+            for (std::int64_t d = 0; d < D; ++d) {
+              acc[static_cast<std::size_t>(d)] += w * part[static_cast<std::size_t>(r * D + d)];
+              mag[static_cast<std::size_t>(d)] += w * std::abs(part[static_cast<std::size_t>(r * D + d)]);
+            }
+          }
+          const std::int64_t lo = bb * c.Lq * c.Hq * hs + i * c.Hq * hs + h * hs;
+          for (std::int64_t d = 0; d < D; ++d) {
+            const std::uint16_t raw = a.out[static_cast<std::size_t>(lo + d)];
+            const double got = c.dtype == sa::DType::bf16 ? sa::bf16_to_float(raw) : sa::f16_to_float(raw);
+            const double want = acc[static_cast<std::size_t>(d)];
+            const double err = std::abs(got - want);
+            ASSERT_LE(err, ulp * std::abs(want) + 1e-5 * mag[static_cast<std::size_t>(d)] + 1e-7)
+                << "out (b " << bb << ", query " << i << ", head " << h << ", d " << d << "): " << got << " vs " << want;
+            worst = std::max(worst, err);
+          }
+          for (std::int64_t d = D; d < hs; ++d)
+            ASSERT_EQ(a.out[static_cast<std::size_t>(lo + d)], 0xffff) << "padding written at head " << h;
+          if (c.no_lse) continue;
+          const std::int64_t li = c.lse_transposed ? (bb * c.Lq + i) * c.Hq + h : (bb * c.Hq + h) * c.Lq + i;
+          const float got_lse = a.lse[static_cast<std::size_t>(li)];
+          if (lse_ref == -INFINITY) {
+            ++empty;
+            ASSERT_TRUE(std::isinf(got_lse) && got_lse < 0) << "lse of an empty row: " << got_lse;
+          } else {
+            ASSERT_LE(std::abs(got_lse - lse_ref), 2e-5 * std::max(1.0, std::abs(lse_ref))) << "lse " << got_lse << " vs " << lse_ref;
+          }
+        }
+  if (c.no_lse) {
+    for (float x : a.lse) ASSERT_TRUE(std::isnan(x)) << "lse written while absent";
+  }
+  std::printf("[ %-34s ] max |out - ref| %.3e, empty rows %lld\n", c.name.c_str(), worst, static_cast<long long>(empty));
+}
+
+TEST(QuerySparseGpu, CombineMatchesFloat64) {
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  using L = IdxLayout;
+  const auto bf = sa::DType::bf16, f16 = sa::DType::f16;
+  const std::vector<CombineCase> cases = {
+      {"cb GQA4 D128 f32 part", bf, false, 1, 300, 2048, 8, 2, 128, 16},
+      {"cb GQA4 D128 bf16 part", bf, true, 1, 300, 2048, 8, 2, 128, 16},
+      {"cb GQA16 D128 f32 part (4 tiles)", bf, false, 2, 130, 4096, 16, 1, 128, 16},
+      {"cb GQA16 D128 bf16 part f16 out", f16, true, 2, 130, 4096, 16, 1, 128, 16},
+      {"cb G3 D64 causal Lq>Lk f16", f16, true, 1, 257, 200, 6, 2, 64, 5, true},
+      {"cb MHA D64 Kq=40 bf16 part", bf, true, 1, 100, 6000, 2, 2, 64, 40},
+      {"cb G40 D128 Kq=3 f32 part", bf, false, 1, 50, 1000, 40, 1, 128, 3},
+      {"cb G33 D64 bf16 part slot-major", bf, true, 1, 70, 3000, 33, 1, 64, 6, false, 0, false, false, L::slot_major},
+      {"cb padded heads (vector stores)", bf, false, 2, 90, 1500, 8, 2, 128, 4, true, 8, true},
+      {"cb odd head stride (scalar)", f16, true, 1, 90, 1500, 4, 1, 64, 4, false, 3, false, true, L::padded_rows},
+      {"cb Kq=1 causal", bf, false, 2, 200, 256, 4, 2, 128, 1, true},
+  };
+  std::uint64_t seed = 500;
+  for (const CombineCase& c : cases) check_combine(c, ++seed);
 }
 
 }  // namespace

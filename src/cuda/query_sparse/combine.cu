@@ -1,4 +1,14 @@
 // Phase 3 of query_sparse: the LSE-weighted combine of each (query, head)'s partial outputs.
+//
+// The phase streams every chosen partial row once, so its floor is those bytes at DRAM bandwidth
+// (query-long: 4.3 GB of bf16 partials, about 1.1 ms on the H200). One warp owns one (b, group,
+// query) and a tile of up to 32 of the group's heads: the partial rows of those heads for one slot
+// are contiguous ([B, Hkv, Lq, Kq, group, D]), so each lane moves 16 bytes per load, the idx row is
+// read once per warp (a ballot gives the chosen slots), and each lse_part value once per pass. The
+// tile is as wide as kMaxChunks 16-byte loads per lane allow (8 heads of f32 or 16 of bf16 partials
+// at D = 128); a group wider than that takes several warps. Several slots' loads are issued before
+// any is accumulated, kLoadsInFlight per lane. Every lane adds its slots in slot order, and the
+// per-head reductions run in a fixed shuffle order, so the result does not depend on timing.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,59 +23,218 @@
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
 
-// One warp per (b, group, query, head); lane owns D / 32 consecutive columns. Every lane walks the
-// slots in the same order and computes the same weights, so the result does not depend on timing.
-template <class T, int D, class Part>
-__global__ void __launch_bounds__(256) combine_kernel(const __grid_constant__ Params p) {
-  constexpr int kPer = D / 32;
+constexpr int kCombineThreads = 256;
+constexpr unsigned kFull = 0xffffffffu;
+// 16-byte loads per lane per slot: bounds the accumulators (4 x 8 bf16 columns = 32 floats per lane)
+// and keeps registers low enough for two CTAs per SM.
+constexpr int kMaxChunks = 4;
+// 16-byte loads a lane issues before it accumulates any: 128 bytes per lane, 4 KB per warp in
+// flight, enough with a few warps per SM to cover the DRAM latency.
+constexpr int kLoadsInFlight = 8;
+
+// 16 bytes of partials: 4 f32 or 8 bf16 values.
+template <class Part>
+struct PartChunk;
+
+template <>
+struct PartChunk<PartF32> {
+  static constexpr int kElems = 4;
+  static constexpr int kBytes = 4;
+  __device__ static float get(const uint4& v, int k) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+    return __uint_as_float(w[k]);
+  }
+};
+
+template <>
+struct PartChunk<PartBf16> {
+  static constexpr int kElems = 8;
+  static constexpr int kBytes = 2;
+  // A bf16 is the high half of the f32 with the same bits.
+  __device__ static float get(const uint4& v, int k) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+    return __uint_as_float(k % 2 == 0 ? w[k / 2] << 16 : w[k / 2] & 0xffff0000u);
+  }
+};
+
+struct CombineShape {
+  int heads = 1;      // heads per warp (the tile)
+  int head_bits = 0;  // log2 of the power of two >= heads: lanes hh, hh + 2^bits, ... share head hh
+  int tiles = 1;      // ceil(group / heads)
+  bool vec_out = false;  // out's base and strides allow one store per chunk
+};
+
+template <class T, int D, class Part, int C>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_constant__ Params p,
+                                                                  const CombineShape cs) {
+  using PC = PartChunk<Part>;
+  constexpr int kV = PC::kElems;
+  constexpr int kUnroll = C >= kLoadsInFlight ? 1 : kLoadsInFlight / C;  // slots per round
   const long long w = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  const long long total = static_cast<long long>(p.B) * p.Hkv * p.Lq * p.group;
-  if (w >= total) return;
-  const int hh = static_cast<int>(w % p.group);
-  const long long r = w / p.group;
+  if (w >= static_cast<long long>(p.B) * p.Hkv * p.Lq * cs.tiles) return;  // whole warps leave together
+  const int tile = static_cast<int>(w % cs.tiles);
+  const long long r = w / cs.tiles;
   const int qi = static_cast<int>(r % p.Lq);
   const long long bg = r / p.Lq, b = bg / p.Hkv, g = bg % p.Hkv;
+  const int h0 = tile * cs.heads;
+  const int nh = min(cs.heads, p.group - h0);
   const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + qi * p.idx_stride[2];
   const long long slot0 = (bg * p.Lq + qi) * p.Kq;
+  const float* lp = p.lse_part + slot0 * p.group + h0;  // (slot s, head hh) at lp[s * group + hh]
 
+  // Chosen slots of [sb, sb + 32) as a warp-uniform bit mask; the first batch is kept.
+  auto batch_mask = [&](int sb) -> unsigned {
+    const int s = sb + lane;
+    const int j = s < p.Kq ? row[static_cast<long long>(s) * p.idx_stride[3]] : -1;
+    return __ballot_sync(kFull, chosen(p, qi, j));
+  };
+  const unsigned mask0 = batch_mask(0);
+  auto mask_of = [&](int sb) { return sb == 0 ? mask0 : batch_mask(sb); };
+
+  // LSE of each head: lane owns head my_h of the tile and slots my_k, my_k + kstep, ... of each batch;
+  // lanes of one head combine by xor shuffles over the offsets >= 2^head_bits.
+  const int hp = 1 << cs.head_bits;
+  const int my_h = lane & (hp - 1), my_k = lane >> cs.head_bits, kstep = 32 >> cs.head_bits;
+  const bool head_ok = my_h < nh;
   float m = -INFINITY;
-  for (int s = 0; s < p.Kq; ++s)
-    if (chosen(p, qi, row[s * p.idx_stride[3]])) m = fmaxf(m, p.lse_part[(slot0 + s) * p.group + hh]);
-  float acc[kPer] = {};
-  float lse = -INFINITY;
+  for (int sb = 0; sb < p.Kq; sb += 32) {
+    const unsigned mask = mask_of(sb);
+    if (head_ok)
+      for (int k = my_k; k < 32; k += kstep)
+        if ((mask >> k) & 1u) m = fmaxf(m, lp[static_cast<long long>(sb + k) * p.group + my_h]);
+  }
+  for (int off = 16; off >= hp; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
+  float sum = 0.0f;
   if (m != -INFINITY) {
-    float sum = 0.0f;
-    for (int s = 0; s < p.Kq; ++s)
-      if (chosen(p, qi, row[s * p.idx_stride[3]])) sum += expf(p.lse_part[(slot0 + s) * p.group + hh] - m);
-    lse = m + logf(sum);
-    for (int s = 0; s < p.Kq; ++s) {
-      if (!chosen(p, qi, row[s * p.idx_stride[3]])) continue;
-      const long long e = (slot0 + s) * p.group + hh;
-      const float wgt = expf(p.lse_part[e] - lse);
-#pragma unroll
-      for (int c = 0; c < kPer; ++c) acc[c] = fmaf(wgt, Part::load(p.part, e * D + lane * kPer + c), acc[c]);
+    for (int sb = 0; sb < p.Kq; sb += 32) {
+      const unsigned mask = mask_of(sb);
+      if (head_ok)
+        for (int k = my_k; k < 32; k += kstep)
+          if ((mask >> k) & 1u) sum += expf(lp[static_cast<long long>(sb + k) * p.group + my_h] - m);
     }
   }
-  const long long h = g * p.group + hh;
-  char* o = static_cast<char*>(p.out) +
-            sizeof(std::uint16_t) * (b * p.out_stride[0] + qi * p.out_stride[1] + h * p.out_stride[2] + lane * kPer);
+  for (int off = 16; off >= hp; off >>= 1) sum += __shfl_xor_sync(kFull, sum, off);
+  const float lse_h = m == -INFINITY ? -INFINITY : m + logf(sum);
+
+  // Lane's chunks: element e of the tile's contiguous heads x D of one slot, head e / D.
+  int hh[C], col[C];
+  bool ok[C];
+  float lse_c[C];
 #pragma unroll
-  for (int c = 0; c < kPer; ++c) T::store(o + sizeof(std::uint16_t) * c, acc[c]);
-  if (lane == 0 && p.lse != nullptr) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + qi * p.lse_stride[2]] = lse;
+  for (int c = 0; c < C; ++c) {
+    const int e = (lane + 32 * c) * kV;
+    ok[c] = e < nh * D;
+    hh[c] = e / D;
+    col[c] = e % D;
+    lse_c[c] = __shfl_sync(kFull, lse_h, hh[c] & 31);
+    // A head with no finite partial LSE has no chosen slot with weight: +inf makes every weight 0.
+    if (lse_c[c] == -INFINITY) lse_c[c] = INFINITY;
+  }
+
+  float acc[C][kV];
+#pragma unroll
+  for (int c = 0; c < C; ++c)
+#pragma unroll
+    for (int k = 0; k < kV; ++k) acc[c][k] = 0.0f;
+  // Per-chunk addresses of slot 0; slot s adds s rows of the group.
+  const std::size_t slot_bytes = static_cast<std::size_t>(PC::kBytes) * p.group * D;
+  const char* src[C];
+  const float* wsrc[C];
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    src[c] = static_cast<const char*>(p.part) +
+             PC::kBytes * ((slot0 * p.group + h0 + hh[c]) * static_cast<long long>(D) + col[c]);
+    wsrc[c] = lp + hh[c];
+  }
+  for (int sb = 0; sb < p.Kq; sb += 32) {
+    unsigned mask = mask_of(sb);
+    while (mask != 0) {
+      int ss[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        ss[u] = -1;
+        if (mask != 0) {
+          ss[u] = sb + __ffs(mask) - 1;
+          mask &= mask - 1;
+        }
+      }
+      uint4 x[kUnroll][C];
+      float wgt[kUnroll][C];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          x[u][c] = make_uint4(0, 0, 0, 0);
+          wgt[u][c] = 0.0f;
+          if (ss[u] >= 0 && ok[c]) {
+            x[u][c] = __ldcs(reinterpret_cast<const uint4*>(src[c] + ss[u] * slot_bytes));
+            wgt[u][c] = expf(wsrc[c][ss[u] * p.group] - lse_c[c]);
+          }
+        }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (ss[u] >= 0) {
+#pragma unroll
+          for (int c = 0; c < C; ++c)
+#pragma unroll
+            for (int k = 0; k < kV; ++k) acc[c][k] = fmaf(wgt[u][c], PC::get(x[u][c], k), acc[c][k]);
+        }
+    }
+  }
+
+  char* out = static_cast<char*>(p.out);
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    if (!ok[c]) continue;
+    const long long h = g * p.group + h0 + hh[c];
+    char* o = out + sizeof(std::uint16_t) * (b * p.out_stride[0] + qi * p.out_stride[1] + h * p.out_stride[2] + col[c]);
+    if (cs.vec_out) {
+      std::uint32_t packed[kV / 2];
+#pragma unroll
+      for (int k = 0; k < kV / 2; ++k) packed[k] = T::pack(acc[c][2 * k], acc[c][2 * k + 1]);
+      if constexpr (kV == 8)
+        *reinterpret_cast<uint4*>(o) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      else
+        *reinterpret_cast<uint2*>(o) = make_uint2(packed[0], packed[1]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kV; ++k) T::store(o + sizeof(std::uint16_t) * k, acc[c][k]);
+    }
+  }
+  if (lane < nh && p.lse != nullptr)
+    p.lse[b * p.lse_stride[0] + (g * p.group + h0 + lane) * p.lse_stride[1] + qi * p.lse_stride[2]] = lse_h;
 }
 
-template <class T, int D, class Part>
-cudaError_t combine(const Params& p, cudaStream_t stream) {
-  const long long warps = static_cast<long long>(p.B) * p.Hkv * p.Lq * p.group;
-  const long long blocks = (warps + 7) / 8;
-  combine_kernel<T, D, Part><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+template <class T, int D, class Part, int C>
+cudaError_t combine(const Params& p, const CombineShape& cs, cudaStream_t stream) {
+  const long long warps = static_cast<long long>(p.B) * p.Hkv * p.Lq * cs.tiles;
+  const long long blocks = (warps + kCombineThreads / 32 - 1) / (kCombineThreads / 32);
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  combine_kernel<T, D, Part, C><<<static_cast<unsigned>(blocks), kCombineThreads, 0, stream>>>(p, cs);
   return cudaGetLastError();
 }
 
 template <class T, int D, class Part>
 struct CombineOp {
-  static cudaError_t run(const Params& p, cudaStream_t s) { return combine<T, D, Part>(p, s); }
+  static cudaError_t run(const Params& p, cudaStream_t stream) {
+    constexpr int kV = PartChunk<Part>::kElems;
+    // Widest tile within kMaxChunks loads per lane (and 32 heads, one per lane for the LSE), then
+    // balanced over the warps a group needs.
+    constexpr int kMaxHeads = 32 * kMaxChunks * kV / D < 32 ? 32 * kMaxChunks * kV / D : 32;
+    CombineShape cs;
+    cs.tiles = (p.group + kMaxHeads - 1) / kMaxHeads;
+    cs.heads = (p.group + cs.tiles - 1) / cs.tiles;
+    while ((1 << cs.head_bits) < cs.heads) ++cs.head_bits;
+    const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(p.out);
+    const long long align = kV;  // elements per store
+    cs.vec_out = base % (align * sizeof(std::uint16_t)) == 0 && p.out_stride[0] % align == 0 &&
+                 p.out_stride[1] % align == 0 && p.out_stride[2] % align == 0;
+    const int chunks = (cs.heads * D / kV + 31) / 32;
+    if (chunks <= 1) return combine<T, D, Part, 1>(p, cs, stream);
+    if (chunks <= 2) return combine<T, D, Part, 2>(p, cs, stream);
+    return combine<T, D, Part, kMaxChunks>(p, cs, stream);
+  }
 };
 
 }  // namespace

@@ -1,5 +1,19 @@
 // Phase 1 of query_sparse: validation of the lists and the reverse index (CSR per (b, group, KV
 // block)) with its work items.
+//
+// The reverse index is a counting sort of each (b, group)'s slots by KV block, in three launches:
+//   zero:  the block counters and the count kernel's arrival counter (offsets[nblk]).
+//   count: one CTA per chunk of one (b, group)'s slots builds the chunk's histogram over the Tk
+//          blocks in shared memory, then adds each non-zero bin to its global counter with one
+//          atomic; the last CTA to arrive scans the counters into entry and item offsets and turns
+//          the counters into fill cursors.
+//   fill:  every CTA recounts its chunk, reserves one range per non-zero bin with one global atomic,
+//          places its entries from shared-memory cursors; the CTAs together also write the items.
+// Per-slot global atomics (the seed's count and fill) put the whole selection's contention on
+// B * Hkv * Tk L2 addresses; the shared histograms leave about Tk global atomics per CTA. With more
+// than kHistBins blocks per row the histogram does not fit and the kernels fall back to per-slot
+// global atomics. Entry order inside a block's list depends on which CTA reserves first; the attend
+// and combine phases do not depend on it (backend.hpp).
 #include <cuda_runtime.h>
 
 #include "cuda/query_sparse/kernels.cuh"
@@ -8,7 +22,15 @@
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
 
-constexpr int kScanThreads = 1024;
+constexpr int kIndexThreads = 256;
+// Slots each thread loads before it counts them: 16 independent 4-byte loads in flight per thread
+// hide the DRAM latency of the idx stream.
+constexpr int kSlotsPerThread = 16;
+constexpr int kRoundSlots = kIndexThreads * kSlotsPerThread;
+// 48 KB of int bins: the most dynamic shared memory a CTA gets without an opt-in, i.e. rows of up
+// to 1.5 M keys.
+constexpr int kHistBins = 12 * 1024;
+constexpr int kScanPer = 8;  // counters per thread and scan tile
 
 // One thread per row; the minimum of (entry position << 1 | code) is the first offending slot in
 // row-major order.
@@ -36,81 +58,192 @@ __global__ void validate_kernel(Params p) {
   }
 }
 
-__global__ void count_kernel(Params p) {
-  for (long long f = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; f < p.slots;
-       f += static_cast<long long>(gridDim.x) * blockDim.x) {
-    int i, s;
-    long long bg;
-    const int j = slot_block(p, f, i, s, bg);
-    if (chosen(p, i, j)) atomicAdd(p.counts + bg * p.Tk + j, 1);
+// The CTA's share of the slots: chunk `chunk` of row group bg, slots [lo, hi) of the bg's Lq * Kq
+// (query-major, as `entries` encodes them: query * Kq + slot). Lq * Kq fits in an int (checked on
+// the host), so the per-slot division is 32-bit.
+struct Chunk {
+  long long bg = 0;
+  int lo = 0, hi = 0;
+  const std::int32_t* idx = nullptr;  // the bg's [Lq, Kq] lists
+};
+
+__device__ __forceinline__ Chunk chunk_of(const Params& p, int chunk, int ctas_per_bg) {
+  Chunk c;
+  c.bg = blockIdx.x / ctas_per_bg;
+  if (c.bg >= static_cast<long long>(p.B) * p.Hkv) return c;  // the one CTA of a problem without rows
+  const long long per_bg = static_cast<long long>(p.Lq) * p.Kq;
+  const long long lo = static_cast<long long>(blockIdx.x % ctas_per_bg) * chunk;
+  c.lo = static_cast<int>(lo < per_bg ? lo : per_bg);
+  c.hi = static_cast<int>(lo + chunk < per_bg ? lo + chunk : per_bg);
+  c.idx = p.idx + (c.bg / p.Hkv) * p.idx_stride[0] + (c.bg % p.Hkv) * p.idx_stride[1];
+  return c;
+}
+
+// f(query, slot, block) for every chosen slot of the chunk. Each round loads kSlotsPerThread slots
+// per thread (consecutive threads, consecutive slots: coalesced for contiguous lists) before
+// handing any to f, so the loads are in flight together.
+template <class F>
+__device__ __forceinline__ void for_each_chosen(const Params& p, const Chunk& c, F&& f) {
+  const unsigned kq = static_cast<unsigned>(p.Kq);
+  for (long long base = c.lo; base < c.hi; base += kRoundSlots) {
+    int blk[kSlotsPerThread], qi[kSlotsPerThread], sl[kSlotsPerThread];
+#pragma unroll
+    for (int u = 0; u < kSlotsPerThread; ++u) {
+      const long long fl = base + u * kIndexThreads + threadIdx.x;
+      blk[u] = -1;
+      qi[u] = 0;
+      sl[u] = 0;
+      if (fl < c.hi) {
+        const unsigned f32 = static_cast<unsigned>(fl);
+        qi[u] = static_cast<int>(f32 / kq);
+        sl[u] = static_cast<int>(f32 - static_cast<unsigned>(qi[u]) * kq);
+        blk[u] = c.idx[qi[u] * p.idx_stride[2] + sl[u] * p.idx_stride[3]];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSlotsPerThread; ++u)
+      if (chosen(p, qi[u], blk[u])) f(qi[u], sl[u], blk[u]);
   }
 }
 
-// One CTA: each thread scans a contiguous chunk sequentially, the chunk totals are scanned across
-// the CTA. nblk is B * Hkv * Tk (thousands), so one CTA is enough and keeps the scan deterministic.
-__global__ void __launch_bounds__(kScanThreads) scan_kernel(Params p) {
-  __shared__ long long sh_entries[kScanThreads];
-  __shared__ long long sh_items[kScanThreads];
-  const int t = threadIdx.x;
-  const long long per = (p.nblk + kScanThreads - 1) / kScanThreads;
-  const long long lo = t * per, hi = lo + per < p.nblk ? lo + per : p.nblk;
-  long long se = 0, si = 0;
-  for (long long x = lo; x < hi; ++x) {
-    const long long c = p.counts[x];
-    se += c;
-    si += items_of(p, c);
-  }
-  sh_entries[t] = se;
-  sh_items[t] = si;
-  __syncthreads();
-  for (int off = 1; off < kScanThreads; off <<= 1) {
-    const long long ve = t >= off ? sh_entries[t - off] : 0;
-    const long long vi = t >= off ? sh_items[t - off] : 0;
+// Exclusive scan of the counters into entry offsets, item offsets and fill cursors, by one CTA of
+// kIndexThreads in tiles of kIndexThreads * kScanPer counters. nblk is B * Hkv * Tk, small next to
+// the slots the other CTAs counted, and one CTA keeps the scan free of inter-CTA traffic. Counters
+// are read through L2 (__ldcg): other CTAs' atomics put them there.
+__device__ void scan_counts(const Params& p) {
+  __shared__ int warp_e[kIndexThreads / 32], warp_i[kIndexThreads / 32];
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  int carry_e = 0, carry_i = 0;
+  for (long long t0 = 0; t0 < p.nblk; t0 += kIndexThreads * kScanPer) {
+    const long long x0 = t0 + static_cast<long long>(t) * kScanPer;
+    int c[kScanPer];
+    int se = 0, si = 0;
+#pragma unroll
+    for (int u = 0; u < kScanPer; ++u) {
+      c[u] = x0 + u < p.nblk ? __ldcg(p.counts + x0 + u) : 0;
+      se += c[u];
+      si += static_cast<int>(items_of(p, c[u]));
+    }
+    // Inclusive warp scan, then the warps' totals.
+    int ie = se, ii = si;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int ve = __shfl_up_sync(0xffffffffu, ie, off), vi = __shfl_up_sync(0xffffffffu, ii, off);
+      if (lane >= off) ie += ve, ii += vi;
+    }
+    if (lane == 31) warp_e[warp] = ie, warp_i[warp] = ii;
     __syncthreads();
-    sh_entries[t] += ve;
-    sh_items[t] += vi;
-    __syncthreads();
+    int be = carry_e, bi = carry_i;
+    for (int w = 0; w < warp; ++w) be += warp_e[w], bi += warp_i[w];
+    int tot_e = 0, tot_i = 0;
+    for (int w = 0; w < kIndexThreads / 32; ++w) tot_e += warp_e[w], tot_i += warp_i[w];
+    int e = be + ie - se, it = bi + ii - si;
+#pragma unroll
+    for (int u = 0; u < kScanPer; ++u) {
+      if (x0 + u < p.nblk) {
+        p.offsets[x0 + u] = e;
+        p.item_offsets[x0 + u] = it;
+        p.counts[x0 + u] = e;  // the fill cursor of block x0 + u
+      }
+      e += c[u];
+      it += static_cast<int>(items_of(p, c[u]));
+    }
+    carry_e += tot_e;
+    carry_i += tot_i;
+    __syncthreads();  // warp_e / warp_i are rewritten by the next tile
   }
-  long long ee = sh_entries[t] - se, ei = sh_items[t] - si;
-  for (long long x = lo; x < hi; ++x) {
-    const long long c = p.counts[x];
-    p.offsets[x] = static_cast<int>(ee);
-    p.item_offsets[x] = static_cast<int>(ei);
-    p.counts[x] = static_cast<int>(ee);  // the fill cursor of block x
-    ee += c;
-    ei += items_of(p, c);
-  }
-  if (t == kScanThreads - 1) {
-    p.offsets[p.nblk] = static_cast<int>(sh_entries[t]);
-    p.item_offsets[p.nblk] = static_cast<int>(sh_items[t]);
+  if (t == 0) {
+    p.offsets[p.nblk] = carry_e;
+    p.item_offsets[p.nblk] = carry_i;
   }
 }
 
-__global__ void fill_kernel(Params p) {
-  for (long long f = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; f < p.slots;
-       f += static_cast<long long>(gridDim.x) * blockDim.x) {
-    int i, s;
-    long long bg;
-    const int j = slot_block(p, f, i, s, bg);
-    if (chosen(p, i, j)) {
-      const int pos = atomicAdd(p.counts + bg * p.Tk + j, 1);
-      p.entries[pos] = i * p.Kq + s;
+__global__ void zero_kernel(Params p) {
+  for (long long x = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; x <= p.nblk;
+       x += static_cast<long long>(gridDim.x) * blockDim.x) {
+    if (x < p.nblk) p.counts[x] = 0;
+    else p.offsets[p.nblk] = 0;  // arrivals of the count kernel's CTAs
+  }
+}
+
+template <bool kShared>
+__global__ void __launch_bounds__(kIndexThreads) count_kernel(const __grid_constant__ Params p, int chunk,
+                                                              int ctas_per_bg) {
+  extern __shared__ int hist[];
+  __shared__ bool last;
+  const Chunk c = chunk_of(p, chunk, ctas_per_bg);
+  if (c.idx != nullptr) {
+    int* counts = p.counts + c.bg * p.Tk;
+    if constexpr (kShared) {
+      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) hist[x] = 0;
+      __syncthreads();
+      for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(hist + j, 1); });
+      __syncthreads();
+      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads)
+        if (hist[x] != 0) atomicAdd(counts + x, hist[x]);
+    } else {
+      for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(counts + j, 1); });
     }
   }
+  // Last-CTA-done: every thread's atomics are ordered before the arrival, and the last CTA's reads
+  // after it.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(p.offsets + p.nblk, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  scan_counts(p);
 }
 
-__global__ void items_kernel(Params p) {
-  for (long long x = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; x < p.nblk;
-       x += static_cast<long long>(gridDim.x) * blockDim.x) {
+// Every block's work items, one warp per block (a popular block's items are spread over its lanes).
+__device__ __forceinline__ void write_items(const Params& p) {
+  const long long warps = static_cast<long long>(gridDim.x) * (kIndexThreads / 32);
+  const int lane = threadIdx.x % 32;
+  for (long long x = blockIdx.x * static_cast<long long>(kIndexThreads / 32) + threadIdx.x / 32; x < p.nblk;
+       x += warps) {
     const long long n = items_of(p, p.offsets[x + 1] - p.offsets[x]);
-    const int first = p.item_offsets[x];
-    for (long long t = 0; t < n; ++t) p.items[first + t] = make_int2(static_cast<int>(x), static_cast<int>(t * kRowsPerItem));
+    int2* out = p.items + p.item_offsets[x];
+    for (long long t = lane; t < n; t += 32) out[t] = make_int2(static_cast<int>(x), static_cast<int>(t * kRowsPerItem));
   }
+}
+
+template <bool kShared>
+__global__ void __launch_bounds__(kIndexThreads) fill_kernel(const __grid_constant__ Params p, int chunk,
+                                                             int ctas_per_bg) {
+  extern __shared__ int cursor[];
+  const Chunk c = chunk_of(p, chunk, ctas_per_bg);
+  if (c.idx != nullptr) {
+    int* counts = p.counts + c.bg * p.Tk;
+    if constexpr (kShared) {
+      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) cursor[x] = 0;
+      __syncthreads();
+      for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(cursor + j, 1); });
+      __syncthreads();
+      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads)
+        if (cursor[x] != 0) cursor[x] = atomicAdd(counts + x, cursor[x]);
+      __syncthreads();
+      for_each_chosen(p, c, [&](int i, int s, int j) { p.entries[atomicAdd(cursor + j, 1)] = i * p.Kq + s; });
+    } else {
+      for_each_chosen(p, c, [&](int i, int s, int j) { p.entries[atomicAdd(counts + j, 1)] = i * p.Kq + s; });
+    }
+  }
+  write_items(p);
 }
 
 int grid_for(long long n, int threads) {
   const long long g = (n + threads - 1) / threads;
   return static_cast<int>(g < 1 ? 1 : (g > 65536 ? 65536 : g));
+}
+
+template <bool kShared>
+cudaError_t count_and_fill(const Params& p, int chunk, int ctas_per_bg, unsigned grid, cudaStream_t stream) {
+  const std::size_t smem = kShared ? sizeof(int) * static_cast<std::size_t>(p.Tk) : 0;
+  count_kernel<kShared><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  fill_kernel<kShared><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -121,20 +254,24 @@ cudaError_t launch_validate(const Params& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream) {
-  cudaError_t e = cudaMemsetAsync(p.counts, 0, sizeof(int) * static_cast<std::size_t>(p.nblk), stream);
+  zero_kernel<<<grid_for(p.nblk + 1, 256), 256, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  if (p.slots > 0) {
-    count_kernel<<<grid_for(p.slots, 256), 256, 0, stream>>>(p);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  }
-  scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  if (p.slots > 0) {
-    fill_kernel<<<grid_for(p.slots, 256), 256, 0, stream>>>(p);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  }
-  items_kernel<<<grid_for(p.nblk, 256), 256, 0, stream>>>(p);
-  return cudaGetLastError();
+  // A chunk of at least 2 * Tk slots keeps the per-CTA histogram work (zero, read, one atomic per
+  // non-zero bin) under the chunk's own.
+  const long long per_bg = static_cast<long long>(p.Lq) * p.Kq;
+  const long long rounds = (2LL * p.Tk + kRoundSlots - 1) / kRoundSlots;
+  const long long chunk = kRoundSlots * (rounds < 1 ? 1 : rounds);
+  long long ctas_per_bg = (per_bg + chunk - 1) / chunk;
+  if (ctas_per_bg < 1) ctas_per_bg = 1;
+  long long grid = static_cast<long long>(p.B) * p.Hkv * ctas_per_bg;
+  if (grid < 1) grid = 1;
+  if (grid > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const bool shared = p.Tk <= kHistBins;
+  return shared ? count_and_fill<true>(p, static_cast<int>(chunk), static_cast<int>(ctas_per_bg),
+                                       static_cast<unsigned>(grid), stream)
+                : count_and_fill<false>(p, static_cast<int>(chunk), static_cast<int>(ctas_per_bg),
+                                        static_cast<unsigned>(grid), stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs
