@@ -387,6 +387,17 @@ TEST(LightningTokensGpu, Timing) {
       cuda_ok(cudaDeviceSynchronize(), "warm-up");
       stats = hooks.read();
     }
+    cudaEvent_t ev[5];
+    for (auto& e : ev) cudaEventCreate(&e);
+    sa::cuda_backend::set_lightning_events(ev);
+    sa::lightning_select(qv, wv, kv, sa::TokenLists{iv}, o);
+    sa::cuda_backend::set_lightning_events(nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "staged call");
+    float stage[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; ++i) cudaEventElapsedTime(&stage[i], ev[i], ev[i + 1]);
+    for (auto& e : ev) cudaEventDestroy(e);
+    std::printf("  stages (ms): prepare %.3f, screen %.3f, resolve %.3f, fallback %.3f\n", stage[0], stage[1], stage[2],
+                stage[3]);
     std::vector<float> ms;
     for (int it = 0; it < iters; ++it) {
       cudaEventRecord(e0);

@@ -87,6 +87,7 @@ enum Status : int { kDone = 0, kResolve = 1, kFallback = 2 };
 unsigned long long* g_stats = nullptr;
 int g_path = 0;
 int g_capacity = 0;
+cudaEvent_t* g_events = nullptr;
 
 struct Shape {
   std::int64_t B, Lq, Lk, HI, Di, Dp;
@@ -781,6 +782,7 @@ void launch_amax(const TensorView& t, unsigned* amax, cudaStream_t stream) {
 void set_lightning_stats(unsigned long long* device_counters) { g_stats = device_counters; }
 void set_lightning_path(int path) { g_path = path; }
 void set_lightning_capacity(int capacity) { g_capacity = capacity; }
+void set_lightning_events(cudaEvent_t* events) { g_events = events; }
 
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
                       const LightningOptions& o) {
@@ -849,6 +851,10 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
                     o_qc = take(qc_bytes), o_qn = take(qn_bytes), o_kc = take(kc_bytes), o_kn = take(kn_bytes),
                     o_u = take(u_bytes);
   StreamScratch scratch(off, stream, op);
+  auto mark = [&](int i) {
+    if (g_events) check_cuda(cudaEventRecord(g_events[i], stream), op, "cudaEventRecord");
+  };
+  mark(0);
   auto* amax = scratch.as<unsigned>(o_amax);
   auto* meta = scratch.as<RowMeta>(o_meta);
   // amax words and the group maxima (atomicMax on float bits) start at zero.
@@ -863,6 +869,7 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
                                                   scratch.as<unsigned>(o_qg), Dp}, stream);
     launch_prepare(kI, o.precision, amax + 1, PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn),
                                                       scratch.as<unsigned>(o_kg), Dp}, stream);
+    mark(1);
     ScreenParams sp{};
     sp.qc = scratch.as<__nv_bfloat16>(o_qc), sp.qn = scratch.as<float>(o_qn);
     sp.kc = scratch.as<__nv_bfloat16>(o_kc), sp.kgmax = scratch.as<unsigned>(o_kg);
@@ -885,7 +892,9 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
       launch_amax(qI, amax, stream);
       launch_amax(kI, amax + 1, stream);
     }
+    mark(1);
   }
+  mark(2);
 
   RowParams rp{};
   rp.qc = screen ? scratch.as<__nv_bfloat16>(o_qc) : nullptr;
@@ -902,9 +911,11 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
                op, "cudaFuncSetAttribute");
     resolve_kernel<<<rows, kResolveThreads, rsmem, stream>>>(rp);
   }
+  mark(3);
   check_cuda(cudaFuncSetAttribute(fallback_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fsmem)),
              op, "cudaFuncSetAttribute");
   fallback_kernel<<<rows, kRowThreads, fsmem, stream>>>(rp);
+  mark(4);
   check_cuda(cudaGetLastError(), op, "kernel launch");
 }
 

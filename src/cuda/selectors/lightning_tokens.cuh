@@ -2,6 +2,8 @@
 // public API). Every setting is process-wide and applies to later calls.
 #pragma once
 
+#include <cuda_runtime.h>
+
 namespace sparse_attn::cuda_backend {
 
 /// While non-null, every TokenLists call on the device adds to device_counters[0] the number of query rows
@@ -19,5 +21,9 @@ void set_lightning_path(int path);
 /// Caps the per-query candidate buffer of the screening kernel (0: as large as shared memory allows).
 /// A small cap makes short rows exercise the buffer compaction; values below top_k + 32 are raised to it.
 void set_lightning_capacity(int capacity);
+
+/// While non-null, later calls record events[0 .. 4] on their stream: at the start, after the index
+/// preparation, after the screen, after the resolve kernel and after the fallback kernel.
+void set_lightning_events(cudaEvent_t* events);
 
 }  // namespace sparse_attn::cuda_backend
