@@ -2,13 +2,14 @@
 //
 // The phase streams every chosen partial row once, so its floor is those bytes at DRAM bandwidth
 // (query-long: 4.3 GB of bf16 partials, about 1.1 ms on the H200). One warp owns one (b, group,
-// query) and a tile of up to 32 of the group's heads: the partial rows of those heads for one slot
-// are contiguous ([B, Hkv, Lq, Kq, group, D]), so each lane moves 16 bytes per load, the idx row is
-// read once per warp (a ballot gives the chosen slots), and each lse_part value once per pass. The
-// tile is as wide as kMaxChunks 16-byte loads per lane allow (8 heads of f32 or 16 of bf16 partials
-// at D = 128); a group wider than that takes several warps. Several slots' loads are issued before
-// any is accumulated, kLoadsInFlight per lane. Every lane adds its slots in slot order, and the
-// per-head reductions run in a fixed shuffle order, so the result does not depend on timing.
+// query) and a tile of the group's heads: the partial rows of those heads for one slot are
+// contiguous ([B, Hkv, Lq, Kq, group, D]), so each lane moves 16 bytes per load (streaming hint: the
+// partials are read once), the idx row is read once per warp (a ballot gives the chosen slots), and
+// the tile's lse_part values feed one pass that gives every head's LSE. The tile is as wide as
+// kMaxChunks 16-byte loads per lane allow (4 heads of f32 or 8 of bf16 partials at D = 128); a
+// wider group takes several warps. Several slots' loads are issued before any is accumulated. Every
+// lane adds its slots in slot order and the per-head reductions run in a fixed shuffle order, so
+// the result does not depend on timing.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -32,6 +33,13 @@ constexpr int kMaxChunks = 4;
 // flight, enough with a few warps per SM to cover the DRAM latency.
 constexpr int kLoadsInFlight = 8;
 
+// Slots whose loads a lane issues together: kLoadsInFlight / C, at most 4 (eight rounds of one chunk
+// made ptxas spill, and C = 1 means rows too narrow to fill the warp anyway).
+constexpr int slots_per_round(int C) { return C >= kLoadsInFlight ? 1 : (kLoadsInFlight / C < 4 ? kLoadsInFlight / C : 4); }
+
+// Word i of a 16-byte chunk (i known at compile time after unrolling: no local array).
+__device__ __forceinline__ unsigned word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
 // 16 bytes of partials: 4 f32 or 8 bf16 values.
 template <class Part>
 struct PartChunk;
@@ -40,10 +48,7 @@ template <>
 struct PartChunk<PartF32> {
   static constexpr int kElems = 4;
   static constexpr int kBytes = 4;
-  __device__ static float get(const uint4& v, int k) {
-    const unsigned w[4] = {v.x, v.y, v.z, v.w};
-    return __uint_as_float(w[k]);
-  }
+  __device__ static float get(const uint4& v, int k) { return __uint_as_float(word(v, k)); }
 };
 
 template <>
@@ -52,8 +57,8 @@ struct PartChunk<PartBf16> {
   static constexpr int kBytes = 2;
   // A bf16 is the high half of the f32 with the same bits.
   __device__ static float get(const uint4& v, int k) {
-    const unsigned w[4] = {v.x, v.y, v.z, v.w};
-    return __uint_as_float(k % 2 == 0 ? w[k / 2] << 16 : w[k / 2] & 0xffff0000u);
+    const unsigned w = word(v, k / 2);
+    return __uint_as_float(k % 2 == 0 ? w << 16 : w & 0xffff0000u);
   }
 };
 
@@ -69,7 +74,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
                                                                   const CombineShape cs) {
   using PC = PartChunk<Part>;
   constexpr int kV = PC::kElems;
-  constexpr int kUnroll = C >= kLoadsInFlight ? 1 : kLoadsInFlight / C;  // slots per round
+  constexpr int kUnroll = slots_per_round(C);
   const long long w = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (w >= static_cast<long long>(p.B) * p.Hkv * p.Lq * cs.tiles) return;  // whole warps leave together
@@ -89,32 +94,55 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
     const int j = s < p.Kq ? row[static_cast<long long>(s) * p.idx_stride[3]] : -1;
     return __ballot_sync(kFull, chosen(p, qi, j));
   };
-  const unsigned mask0 = batch_mask(0);
-  auto mask_of = [&](int sb) { return sb == 0 ? mask0 : batch_mask(sb); };
 
-  // LSE of each head: lane owns head my_h of the tile and slots my_k, my_k + kstep, ... of each batch;
-  // lanes of one head combine by xor shuffles over the offsets >= 2^head_bits.
+  // LSE of each head in one pass: lane (my_h, my_k) folds slots my_k, my_k + kstep, ... of each batch
+  // into a running (max, sum), loading four at a time whether chosen or not (the mask drops the
+  // others), so that the first loads overlap the idx row's. Lanes of one head then merge by xor
+  // shuffles over the offsets >= 2^head_bits; the merge is symmetric, so both lanes of a pair agree.
   const int hp = 1 << cs.head_bits;
   const int my_h = lane & (hp - 1), my_k = lane >> cs.head_bits, kstep = 32 >> cs.head_bits;
   const bool head_ok = my_h < nh;
-  float m = -INFINITY;
+  auto load4 = [&](int sb, int k0, float (&a)[4]) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int k = k0 + t * kstep, s = sb + k;
+      a[t] = head_ok && k < 32 && s < p.Kq ? lp[static_cast<long long>(s) * p.group + my_h] : -INFINITY;
+    }
+  };
+  float m = -INFINITY, sum = 0.0f;
+  auto fold4 = [&](const float (&a)[4], unsigned mask, int k0) {
+    float x[4], mx = m;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int k = k0 + t * kstep;
+      x[t] = k < 32 && ((mask >> k) & 1u) ? a[t] : -INFINITY;
+      mx = fmaxf(mx, x[t]);
+    }
+    if (mx == -INFINITY) return;
+    float acc_sum = sum * expf(m - mx);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) acc_sum += expf(x[t] - mx);
+    m = mx;
+    sum = acc_sum;
+  };
+  float a4[4];
+  load4(0, my_k, a4);
+  const unsigned mask0 = batch_mask(0);
   for (int sb = 0; sb < p.Kq; sb += 32) {
-    const unsigned mask = mask_of(sb);
-    if (head_ok)
-      for (int k = my_k; k < 32; k += kstep)
-        if ((mask >> k) & 1u) m = fmaxf(m, lp[static_cast<long long>(sb + k) * p.group + my_h]);
-  }
-  for (int off = 16; off >= hp; off >>= 1) m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
-  float sum = 0.0f;
-  if (m != -INFINITY) {
-    for (int sb = 0; sb < p.Kq; sb += 32) {
-      const unsigned mask = mask_of(sb);
-      if (head_ok)
-        for (int k = my_k; k < 32; k += kstep)
-          if ((mask >> k) & 1u) sum += expf(lp[static_cast<long long>(sb + k) * p.group + my_h] - m);
+    const unsigned mask = sb == 0 ? mask0 : batch_mask(sb);
+    for (int k0 = my_k; k0 < 32; k0 += 4 * kstep) {
+      if (sb != 0 || k0 != my_k) load4(sb, k0, a4);
+      fold4(a4, mask, k0);
     }
   }
-  for (int off = 16; off >= hp; off >>= 1) sum += __shfl_xor_sync(kFull, sum, off);
+  for (int off = 16; off >= hp; off >>= 1) {
+    const float mo = __shfl_xor_sync(kFull, m, off), so = __shfl_xor_sync(kFull, sum, off);
+    const float mx = fmaxf(m, mo);
+    if (mx != -INFINITY) {
+      sum = sum * expf(m - mx) + so * expf(mo - mx);
+      m = mx;
+    }
+  }
   const float lse_h = m == -INFINITY ? -INFINITY : m + logf(sum);
 
   // Lane's chunks: element e of the tile's contiguous heads x D of one slot, head e / D.
@@ -148,7 +176,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
     wsrc[c] = lp + hh[c];
   }
   for (int sb = 0; sb < p.Kq; sb += 32) {
-    unsigned mask = mask_of(sb);
+    unsigned mask = sb == 0 ? mask0 : batch_mask(sb);
     while (mask != 0) {
       int ss[kUnroll];
 #pragma unroll
