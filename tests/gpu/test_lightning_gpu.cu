@@ -60,12 +60,13 @@ struct Dev {
 // Scoped settings of the instrumentation hooks, restored on exit.
 struct Hooks {
   unsigned long long* d = nullptr;
-  explicit Hooks(int path = 0, int capacity = 0) {
+  explicit Hooks(int path = 0, int capacity = 0, int screen = 0) {
     cuda_ok(cudaMalloc(&d, 3 * sizeof(unsigned long long)), "cudaMalloc");
     cuda_ok(cudaMemset(d, 0, 3 * sizeof(unsigned long long)), "cudaMemset");
     sa::cuda_backend::set_lightning_stats(d);
     sa::cuda_backend::set_lightning_path(path);
     sa::cuda_backend::set_lightning_capacity(capacity);
+    sa::cuda_backend::set_lightning_screen(screen);
   }
   Hooks(const Hooks&) = delete;
   Hooks& operator=(const Hooks&) = delete;
@@ -73,6 +74,7 @@ struct Hooks {
     sa::cuda_backend::set_lightning_stats(nullptr);
     sa::cuda_backend::set_lightning_path(0);
     sa::cuda_backend::set_lightning_capacity(0);
+    sa::cuda_backend::set_lightning_screen(0);
     cudaFree(d);
   }
   // rows screened, (row, key) pairs re-scored in float64, rows on the float64 fallback
@@ -139,14 +141,14 @@ sa::LightningOptions options_of(const Case& c, sa::IndexPrecision prec) {
 // CPU and GPU on the same inputs; every element of the [B, G, Lq, Kt] output compared. Returns the hooks'
 // counters of the GPU call.
 std::vector<unsigned long long> compare(const Case& c, sa::IndexPrecision prec, const Inputs& in, int path = 0,
-                                        int capacity = 0) {
+                                        int capacity = 0, int screen = 0) {
   SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (path ? " fallback" : "") +
-               (capacity ? " capacity " + std::to_string(capacity) : ""));
+               (capacity ? " capacity " + std::to_string(capacity) : "") + (screen ? " mma.sync" : " wgmma"));
   const sa::LightningOptions o = options_of(c, prec);
   sa::HostTensor idx(sa::DType::i32, {c.B, c.G, c.Lq, c.top_k + c.extra_width});
   sa::lightning_select(in.q.view(), in.w.view(), in.k.view(), sa::TokenLists{idx.view()}, o);
   Dev dq(in.q), dw(in.w), dk(in.k), didx(poisoned_i32(idx.shape()));
-  Hooks hooks(path, capacity);
+  Hooks hooks(path, capacity, screen);
   sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o);
   cudaError_t e = cudaDeviceSynchronize();
   EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
@@ -172,6 +174,14 @@ TEST(LightningTokensGpu, EqualsCpu) {
     for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10));
 }
 
+// The mma.sync screening kernel (eight queries per CTA, a warp-private buffer) on the same cases.
+TEST(LightningTokensGpu, MmaSyncScreenEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 4200;
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
+    for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10), 0, 0, 1);
+}
+
 // A buffer barely larger than top_k: compaction runs every few chunks, including rows whose kept set is
 // exactly k after it.
 TEST(LightningTokensGpu, SmallBufferCompactsEqualsCpu) {
@@ -183,8 +193,11 @@ TEST(LightningTokensGpu, SmallBufferCompactsEqualsCpu) {
   std::uint64_t seed = 4500;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
     for (const auto& c : cases) {
-      const auto stats = compare(c, prec, random_inputs(c, seed += 10), 0, c.top_k + 32);
-      EXPECT_GT(stats[0], 0u) << "no row was screened";
+      const Inputs in = random_inputs(c, seed += 10);
+      for (int screen : {0, 1}) {
+        const auto stats = compare(c, prec, in, 0, c.top_k + 32, screen);
+        EXPECT_GT(stats[0], 0u) << "no row was screened";
+      }
     }
 }
 
@@ -216,7 +229,7 @@ TEST(LightningTokensGpu, TiesAndNearTiesEqualCpu) {
       float* k = in.k.data<float>();
       for (std::int64_t s = 1; s < c.Lk; s += 2) std::copy(k + (s - 1) * c.Di, k + s * c.Di, k + s * c.Di);
       compare(c, prec, in);
-      compare(c, prec, in, 0, c.top_k + 32);
+      compare(c, prec, in, 0, c.top_k + 32, 1);
     }
     {  // key 3i + 1 and 3i + 2 are key 3i with one element nudged by about one code: near-ties everywhere
       const Case c{"near-ties", 2, 70, 900, 16, 32, 1, 48, false, sa::DType::f32};
@@ -332,7 +345,7 @@ TEST(LightningTokensGpu, SanitizerSmall) {
   const Case c{"sanitizer", 2, 40, 333, 5, 40, 2, 24, true};
   const Inputs in = random_inputs(c, 5500);
   compare(c, sa::IndexPrecision::fp8_e4m3, in);
-  compare(c, sa::IndexPrecision::bf16, in, 0, c.top_k + 32);
+  compare(c, sa::IndexPrecision::bf16, in, 0, c.top_k + 32, 1);
   compare(c, sa::IndexPrecision::fp8_e4m3, in, 1);
 }
 
@@ -377,7 +390,10 @@ TEST(LightningTokensGpu, Timing) {
   const auto iv = sa::TensorView::contiguous(idx, sa::DType::i32, {B, 1, L, top_k}, sa::Device::cuda, 0);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0), cudaEventCreate(&e1);
-  for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16}) {
+  for (int run = 0; run < 3; ++run) {
+    const auto prec = run == 2 ? sa::IndexPrecision::bf16 : sa::IndexPrecision::fp8_e4m3;
+    const int screen = run == 1 ? 1 : 0;
+    sa::cuda_backend::set_lightning_screen(screen);
     sa::LightningOptions o;
     o.top_k = top_k, o.causal = true, o.precision = prec;
     std::vector<unsigned long long> stats;
@@ -411,11 +427,13 @@ TEST(LightningTokensGpu, Timing) {
     std::sort(ms.begin(), ms.end());
     const double pairs = static_cast<double>(L) * static_cast<double>(L + 1) / 2.0;
     const double tflops = 2.0 * HI * Di * pairs * B / (ms[ms.size() / 2] * 1e-3) / 1e12;
-    std::printf("lightning tokens L=%lld HI=%lld Di=%lld top-%d causal %s: %.3f ms (min %.3f), %.1f TFLOP/s; rows "
+    std::printf("lightning tokens (%s) L=%lld HI=%lld Di=%lld top-%d causal %s: %.3f ms (min %.3f), %.1f TFLOP/s; rows "
                 "screened %llu, re-scored pairs %llu, fallback rows %llu\n",
-                static_cast<long long>(L), static_cast<long long>(HI), static_cast<long long>(Di), top_k,
+                screen ? "mma.sync" : "wgmma", static_cast<long long>(L), static_cast<long long>(HI),
+                static_cast<long long>(Di), top_k,
                 sa::precision_name(prec), ms[ms.size() / 2], ms[0], tflops, stats[0], stats[1], stats[2]);
   }
+  sa::cuda_backend::set_lightning_screen(0);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cudaFree(q), cudaFree(k), cudaFree(w), cudaFree(idx);
 }

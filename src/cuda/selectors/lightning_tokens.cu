@@ -54,6 +54,7 @@
 #include <cmath>
 #include <string>
 
+#include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/lightning_tokens.cuh"
@@ -87,6 +88,7 @@ enum Status : int { kDone = 0, kResolve = 1, kFallback = 2 };
 unsigned long long* g_stats = nullptr;
 int g_path = 0;
 int g_capacity = 0;
+int g_screen = 0;
 cudaEvent_t* g_events = nullptr;
 
 struct Shape {
@@ -532,6 +534,246 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) screen_kernel(const ScreenP
   }
 }
 
+// The same screen on wgmma: two warpgroups, each owning two queries whose 2 x 64 head code rows form the B
+// operand (128 rows, K-major, 128B-swizzled, as token_max's key tiles); keys stream as A in 128-key tiles
+// (two m64 slabs). m64n128k16 leaves in thread (w, g, q4) of a warpgroup d[4 c + e] = key 16 w + g + 8 (e / 2)
+// of the slab, column 8 c + 2 q4 + e % 2 = query c / 8, head 8 (c % 8) + 2 q4 + e % 2: the mma.sync epilogue,
+// c < 8 for the first query and c >= 8 for the second. A query's keys come from the four warps of its
+// warpgroup, so its buffer count is a shared counter (one atomic per warp and chunk); compaction runs at tile
+// boundaries (at most 128 entries per query and tile), one warp per query.
+constexpr int kWgQueries = 4;                       // per CTA: two per warpgroup
+constexpr int kWgHalf = kBlockK * 128;             // one 64-column half of a 128-row bf16 tile (16 KB)
+
+std::size_t screen_wg_smem(int halves, int cap) {
+  return 1024 + static_cast<std::size_t>(4 * halves * kWgHalf) + kWgQueries * kHistBins * 4 + 64 +
+         static_cast<std::size_t>(kWgQueries) * static_cast<std::size_t>(cap) * 8;
+}
+
+template <int kHalves>
+__global__ void __launch_bounds__(256, 1) screen_wgmma_kernel(const ScreenParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int tile_bytes = kHalves * kWgHalf, chunks = kHalves * 8, ksteps = kHalves * 4;
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* qt = smem;                       // [2 warpgroups] tiles
+  unsigned char* kst = smem + 2 * tile_bytes;     // [2 stages] tiles
+  unsigned* hist_all = reinterpret_cast<unsigned*>(smem + 4 * tile_bytes);  // [4][256]
+  int* qcnt = reinterpret_cast<int*>(hist_all + kWgQueries * kHistBins);   // [4]
+  int* qmode = qcnt + kWgQueries;                                          // [4]
+  float* qthr = reinterpret_cast<float*>(qmode + kWgQueries);              // [4]
+  float* qE = qthr + kWgQueries;                                           // [4]
+  float* bval_all = qE + kWgQueries;                                       // [4][cap]
+  int* bid_all = reinterpret_cast<int*>(bval_all + kWgQueries * p.cap);    // [4][cap]
+
+  const Shape& s = p.s;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = tid / 128, w4 = warp % 4;
+  const int g = lane / 4, q4 = lane % 4;
+  const std::int64_t b = blockIdx.y;
+  const std::int64_t t0 = static_cast<std::int64_t>(gridDim.x - 1 - blockIdx.x) * kWgQueries;
+  const int k = p.top_k;
+  const int valid_chunks = static_cast<int>(s.Dp) / 8;
+  const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
+
+  // Per query: short rows are written by warps 4..7, bounds by warps 0..3.
+  if (warp < kWgQueries) {
+    const std::int64_t t = t0 + warp;
+    int mode = 0;
+    float E = 0.0f;
+    if (t < s.Lq && s.key_end(t) > k) {
+      E = row_bound(p, b, t, b * s.Lq + t, s.key_end(t), sq, sk, ksteps, lane);
+      mode = isfinite(E) ? 1 : 2;
+    }
+    if (lane == 0) qmode[warp] = mode, qE[warp] = E, qthr[warp] = -INFINITY, qcnt[warp] = 0;
+  } else {
+    const std::int64_t t = t0 + warp - kWgQueries;
+    if (t < s.Lq) {
+      const std::int64_t end = s.key_end(t);
+      if (end <= k) {
+        for (std::int64_t gr = 0; gr < p.out.G; ++gr) {
+          std::int32_t* r = p.out.row(b, gr, t);
+          for (std::int64_t j = lane; j < p.out.width; j += 32) r[j * p.out.s3] = j < end ? static_cast<std::int32_t>(j) : -1;
+        }
+        if (lane == 0) p.meta[b * s.Lq + t] = RowMeta{kDone, 0, 0, 0};
+      }
+    }
+  }
+  // The warpgroup's two query tiles: row r = query r / 64, head r % 64 (zero beyond HI or Lq).
+  {
+    unsigned char* dst = qt + wg * tile_bytes;
+    for (int e = tid % 128; e < kBlockK * chunks; e += 128) {
+      const int r = e / chunks, c = e % chunks;
+      const std::int64_t t = t0 + 2 * wg + r / 64, h = r % 64;
+      const bool valid = t < s.Lq && h < s.HI && c < valid_chunks;
+      unsigned char* d = dst + (c / 8) * kWgHalf + r * 128 + (((c % 8) ^ (r % 8)) * 16);
+      cp_async16(d, p.qc + (valid ? ((b * s.Lq + t) * s.HI + h) * s.Dp + c * 8 : 0), valid);
+    }
+  }
+  float wr[2][kHeadTiles][2];
+#pragma unroll
+  for (int qi = 0; qi < 2; ++qi)
+#pragma unroll
+    for (int c = 0; c < kHeadTiles; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const std::int64_t t = t0 + 2 * wg + qi, h = 8 * c + 2 * q4 + e;
+        wr[qi][c][e] = t < s.Lq && h < s.HI ? p.w[b * p.ws0 + t * p.ws1 + h * p.ws2] : 0.0f;
+      }
+  auto load_keys = [&](std::int64_t j, int stage) {
+    unsigned char* dst = kst + stage * tile_bytes;
+    for (int e = tid; e < kBlockK * chunks; e += 256) {
+      const int r = e / chunks, c = e % chunks;
+      const std::int64_t key = j * kBlockK + r;
+      const bool valid = key < s.Lk && c < valid_chunks;
+      unsigned char* d = dst + (c / 8) * kWgHalf + r * 128 + (((c % 8) ^ (r % 8)) * 16);
+      cp_async16(d, p.kc + (valid ? (b * s.Lk + key) * s.Dp + c * 8 : 0), valid);
+    }
+  };
+  const std::int64_t cta_end = s.key_end(imin(s.Lq, t0 + kWgQueries) - 1);
+  const std::int64_t ntiles = (cta_end + kBlockK - 1) / kBlockK;
+  if (ntiles > 0) load_keys(0, 0);
+  cp_async_commit();
+  __syncthreads();  // qmode, qE, ... visible
+
+  std::int64_t wend[2];
+  for (int qi = 0; qi < 2; ++qi) {
+    const std::int64_t t = t0 + 2 * wg + qi;
+    wend[qi] = t < s.Lq ? s.key_end(t) : 0;
+  }
+  const std::int64_t wg_end = imax(wend[0], wend[1]);
+
+  for (std::int64_t j = 0; j < ntiles; ++j) {
+    const int stage = static_cast<int>(j & 1);
+    if (j + 1 < ntiles) {
+      load_keys(j + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    // Compaction before the tile: a query may gain up to 128 entries in it.
+    if (warp < kWgQueries && qmode[warp] == 1 && qcnt[warp] + kBlockK > p.cap) {
+      int count = qcnt[warp];
+      const float v = warp_compact(bval_all + warp * p.cap, bid_all + warp * p.cap, count, k, qE[warp],
+                                   hist_all + warp * kHistBins, lane);
+      if (lane == 0) {
+        qcnt[warp] = count;
+        qthr[warp] = v;
+        if (count + kBlockK > p.cap) qmode[warp] = 2;
+      }
+    }
+    __syncthreads();
+    const int m0 = qmode[2 * wg], m1 = qmode[2 * wg + 1];
+    for (int slab = 0; slab < 2; ++slab) {
+      const std::int64_t kbase = j * kBlockK + slab * 64;
+      if (kbase >= wg_end || (m0 != 1 && m1 != 1)) break;
+      float d[64];
+      const std::uint32_t a_base = smem_addr(kst + stage * tile_bytes) + slab * 64 * 128;
+      const std::uint32_t b_base = smem_addr(qt + wg * tile_bytes);
+      cuda_kernels::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < ksteps; ++kk) {
+        const std::uint32_t off = (kk / 4) * kWgHalf + (kk % 4) * 32;
+        cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d, cuda_kernels::make_desc_sw128(a_base + off, 16, 1024),
+                                                       cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
+      }
+      cuda_kernels::wgmma_commit();
+      cuda_kernels::wgmma_wait<0>();
+      cuda_kernels::fence_operands(d);
+      const std::int64_t key0 = kbase + 16 * w4 + g, key1 = key0 + 8;
+#pragma unroll
+      for (int qi = 0; qi < 2; ++qi) {
+        const int slot = 2 * wg + qi;
+        if ((qi == 0 ? m0 : m1) != 1) continue;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kHeadTiles; ++c) {
+          s0 = fmaf(wr[qi][c][0], fmaxf(d[4 * (8 * qi + c) + 0], 0.0f), s0);
+          s0 = fmaf(wr[qi][c][1], fmaxf(d[4 * (8 * qi + c) + 1], 0.0f), s0);
+          s1 = fmaf(wr[qi][c][0], fmaxf(d[4 * (8 * qi + c) + 2], 0.0f), s1);
+          s1 = fmaf(wr[qi][c][1], fmaxf(d[4 * (8 * qi + c) + 3], 0.0f), s1);
+        }
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+        const float v0 = __fmul_rn(__fmul_rn(s0, sq), sk), v1 = __fmul_rn(__fmul_rn(s1, sq), sk);
+        const float E = qE[slot], thr = qthr[slot];
+        const bool c0 = q4 == 0 && key0 < wend[qi] && up2(v0, E) >= thr;
+        const bool c1 = q4 == 0 && key1 < wend[qi] && up2(v1, E) >= thr;
+        const unsigned b0 = __ballot_sync(0xffffffffu, c0), b1 = __ballot_sync(0xffffffffu, c1);
+        const int n = __popc(b0) + __popc(b1);
+        if (n == 0) continue;
+        int base = 0;
+        if (lane == 0) base = atomicAdd(qcnt + slot, n);
+        base = __shfl_sync(0xffffffffu, base, 0);
+        const unsigned lt = (1u << lane) - 1u;
+        float* bv = bval_all + slot * p.cap;
+        int* bi = bid_all + slot * p.cap;
+        if (c0) {
+          const int pos = base + __popc(b0 & lt);
+          bv[pos] = v0;
+          bi[pos] = static_cast<int>(key0);
+        }
+        if (c1) {
+          const int pos = base + __popc(b0) + __popc(b1 & lt);
+          bv[pos] = v1;
+          bi[pos] = static_cast<int>(key1);
+        }
+      }
+    }
+    __syncthreads();  // the stage, the counters and the buffers are read or rewritten next
+  }
+
+  if (warp >= kWgQueries) return;
+  const std::int64_t t = t0 + warp, row = b * s.Lq + t;
+  const int mode = qmode[warp];
+  if (mode == 2) {
+    if (lane == 0) {
+      p.meta[row] = RowMeta{kFallback, 0, 0, 0};
+      if (p.stats) atomicAdd(p.stats + 2, 1ull);
+    }
+    return;
+  }
+  if (mode != 1) return;
+  const int count = qcnt[warp];
+  const float E = qE[warp];
+  const float* bval = bval_all + warp * p.cap;
+  const int* bid = bid_all + warp * p.cap;
+  const float v = warp_kth_largest(bval, count, k, hist_all + warp * kHistBins, lane);
+  std::int32_t* orow = p.out.row(b, 0, t);
+  std::int32_t* urow = p.und + row * kUndCap;
+  int nin = 0, nund = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int i = base + lane;
+    bool in = false, und = false;
+    int key = 0;
+    if (i < count) {
+      const float x = bval[i];
+      key = bid[i];
+      in = down2(x, E) > v;
+      und = !in && !(up2(x, E) < v);
+    }
+    const unsigned mi = __ballot_sync(0xffffffffu, in), mu = __ballot_sync(0xffffffffu, und);
+    const unsigned lt = (1u << lane) - 1u;
+    if (in) orow[static_cast<std::int64_t>(nin + __popc(mi & lt)) * p.out.s3] = key;
+    if (und) {
+      const int pos = nund + __popc(mu & lt);
+      if (pos < kUndCap) urow[pos] = key;
+    }
+    nin += __popc(mi);
+    nund += __popc(mu);
+  }
+  if (lane == 0) {
+    const bool over = nund > kUndCap;
+    p.meta[row] = RowMeta{over ? kFallback : kResolve, nin, nund, 0};
+    if (p.stats) {
+      atomicAdd(p.stats + 0, 1ull);
+      if (over) atomicAdd(p.stats + 2, 1ull);
+      else if (nin + nund > k) atomicAdd(p.stats + 1, static_cast<unsigned long long>(nund));
+    }
+  }
+}
+
 // ---- 4. resolve --------------------------------------------------------------------------------------------
 
 struct RowParams {
@@ -783,6 +1025,7 @@ void set_lightning_stats(unsigned long long* device_counters) { g_stats = device
 void set_lightning_path(int path) { g_path = path; }
 void set_lightning_capacity(int capacity) { g_capacity = capacity; }
 void set_lightning_events(cudaEvent_t* events) { g_events = events; }
+void set_lightning_screen(int kernel) { g_screen = kernel; }
 
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
                       const LightningOptions& o) {
@@ -804,9 +1047,21 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   // Screening kernel geometry: KS k-steps (Dp = 16 KS), and the most queries per CTA whose candidate buffers
   // hold at least top_k + kMinSlack keys.
   const int KS = Di <= 32 ? 2 : Di <= 64 ? 4 : 8;
+  const int halves = KS <= 4 ? 1 : 2;
   int nw = 0, cap = 0;
+  bool wgmma = false;
   const bool shape_ok = HI <= kMaxHeads && Di <= kMaxDi && g_path == 0;
-  if (shape_ok) {
+  if (shape_ok && g_screen == 0) {
+    const std::size_t fixed = screen_wg_smem(halves, 0);
+    if (fixed < static_cast<std::size_t>(max_smem)) {
+      const int c = static_cast<int>((static_cast<std::size_t>(max_smem) - fixed) / (kWgQueries * 8)) / 32 * 32;
+      if (c >= k + kBlockK) {
+        wgmma = true, nw = 8, cap = c;
+        if (g_capacity > 0) cap = std::min(cap, std::max(g_capacity, k + static_cast<int>(kBlockK)));
+      }
+    }
+  }
+  if (shape_ok && !wgmma) {
     for (int cand = kMaxWarps; cand >= 1; cand /= 2) {
       const std::size_t fixed = screen_smem(KS, cand, 0);
       if (fixed >= static_cast<std::size_t>(max_smem)) continue;
@@ -877,16 +1132,24 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     sp.amax = amax, sp.prec = prec, sp.s = shp, sp.out = orows, sp.meta = meta, sp.und = scratch.as<std::int32_t>(o_u);
     sp.top_k = k, sp.cap = cap, sp.stats = g_stats;
     sp.deq = bound_consts(Di, Dp).deq;
-    const std::size_t smem = screen_smem(KS, nw, cap);
-    const dim3 grid(static_cast<unsigned>(ceil_div(Lq, nw)), static_cast<unsigned>(B));
+    const std::size_t smem = wgmma ? screen_wg_smem(halves, cap) : screen_smem(KS, nw, cap);
+    const int per_cta = wgmma ? kWgQueries : nw;
+    const dim3 grid(static_cast<unsigned>(ceil_div(Lq, per_cta)), static_cast<unsigned>(B));
     auto go = [&](auto kernel) {
       check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
                  "cudaFuncSetAttribute");
       kernel<<<grid, nw * 32, smem, stream>>>(sp);
     };
-    if (KS == 2) go(screen_kernel<2>);
-    else if (KS == 4) go(screen_kernel<4>);
-    else go(screen_kernel<8>);
+    if (wgmma) {
+      if (halves == 1) go(screen_wgmma_kernel<1>);
+      else go(screen_wgmma_kernel<2>);
+    } else if (KS == 2) {
+      go(screen_kernel<2>);
+    } else if (KS == 4) {
+      go(screen_kernel<4>);
+    } else {
+      go(screen_kernel<8>);
+    }
   } else {
     if (o.precision != IndexPrecision::bf16) {
       launch_amax(qI, amax, stream);

@@ -22,6 +22,10 @@ void set_lightning_path(int path);
 /// A small cap makes short rows exercise the buffer compaction; values below top_k + 32 are raised to it.
 void set_lightning_capacity(int capacity);
 
+/// Screening kernel of later calls: 0 = wgmma (m64n128k16, four queries per CTA), 1 = mma.sync (m16n8k16,
+/// eight queries per CTA). Both give the same ids.
+void set_lightning_screen(int kernel);
+
 /// While non-null, later calls record events[0 .. 4] on their stream: at the start, after the index
 /// preparation, after the screen, after the resolve kernel and after the fallback kernel.
 void set_lightning_events(cudaEvent_t* events);
