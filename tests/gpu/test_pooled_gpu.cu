@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -240,6 +241,18 @@ TEST(PooledGpu, RandomEqualsCpu) {
       const Input q3 = make_input(f16, 1, 200, 2, 64, seed++, 64, 0), k3 = make_input(f16, 1, 640, 2, 64, seed++, 192, 0);
       expect_same(R + "aligned strided views (packed qkv)", q3, k3, {r, 2, 3, true, false, true});
     }
+    // rows of means spread over two and four warps (bf16 D = 256, f32 D = 256: the int8 copy reduces
+    // through shared memory), a row of 24 threads (f16 D = 96), and D past the int8 screen (264)
+    {
+      const Input q = make_input(bf16, 1, 260, 8, 256, seed++), k = make_input(bf16, 1, 1400, 2, 256, seed++);
+      expect_same(R + "bf16 D=256", q, k, {r, 4, 4, true, true, false});
+      const Input q2 = make_input(f32, 1, 200, 2, 256, seed++), k2 = make_input(f32, 1, 800, 1, 256, seed++);
+      expect_same(R + "f32 D=256", q2, k2, {r, 3, 3, false, true, true});
+      const Input q3 = make_input(f16, 2, 140, 4, 96, seed++), k3 = make_input(f16, 2, 1000, 4, 96, seed++);
+      expect_same(R + "f16 D=96", q3, k3, {r, 3, 4, true, false, false});
+      const Input q4 = make_input(bf16, 1, 129, 2, 264, seed++), k4 = make_input(bf16, 1, 700, 1, 264, seed++);
+      expect_same(R + "bf16 D=264 (no int8 screen)", q4, k4, {r, 2, 3, false, true, false});
+    }
     // query groups of more than 64 rows (R4: GQA 24 and 32 give 96 and 128 rows)
     {
       const Input q = make_input(bf16, 1, 300, 32, 64, seed++), k = make_input(bf16, 1, 1500, 1, 64, seed++);
@@ -335,6 +348,144 @@ TEST(PooledGpu, NonFiniteAndExtremeValues) {
     qt.set(qt.index(0, 4, 1, 4), 0.0f);
     const Input kt = make_input(sa::DType::f32, 1, 1500, 1, 128, 46, 0, 0, 1e-21f);
     expect_same(R + "tiny f32 (subnormal products)", qt, kt, {r, 4, 4, true, true, false});
+  }
+}
+
+// Means at the edges of the two-level int8 copy: every token of a representative span is the same f32
+// row, so the means are exactly those rows; their entries are m 2^-14 with |m| up to 16255 (the
+// largest level, H = +-127) and the split points of M = 128 H + L (L = -64, 63), so the copy is exact
+// and its bound is charged in full. Key blocks come in pairs that differ by one level in one column
+// (score gaps of about 2^-14 of an entry), which only the float64 evaluation separates.
+TEST(PooledGpu, LevelEdgesEqualCpu) {
+  POOLED_SKIP_WITHOUT_GPU();
+  const std::int64_t levels[] = {16255, -16255, 16254, -16254, 63, 64, -64, -65, 8191, -8192, 127, -128, 1, 0, 12345, -7777};
+  std::mt19937_64 rng(77);
+  auto level = [&] { return static_cast<float>(levels[rng() % 16]) * 0x1p-14f; };
+  for (int r : {1, 4}) {
+    const std::int64_t span = sa::kTileQ / r, D = 64;
+    Input q = make_input(sa::DType::f32, 1, 512, 4, D, 90 + r), k = make_input(sa::DType::f32, 1, 16 * 128, 2, D, 95 + r);
+    auto fill = [&](Input& x, bool twins) {
+      std::vector<float> row(static_cast<std::size_t>(D));
+      for (std::int64_t h = 0; h < x.H; ++h)
+        for (std::int64_t l0 = 0; l0 < x.L; l0 += span) {
+          const bool twin = twins && (l0 / sa::kBlockK) % 2 == 1;
+          if (!twin) {
+            for (auto& v : row) v = level();
+            row[0] = (rng() % 2 ? 16255.0f : -16255.0f) * 0x1p-14f;  // every row reaches the largest level
+          } else {
+            const std::size_t c = 1 + rng() % (D - 1);
+            row[c] = row[c] + (row[c] > 0.0f ? -0x1p-14f : 0x1p-14f);  // one level towards zero
+          }
+          for (std::int64_t l = l0; l < std::min(x.L, l0 + span); ++l)
+            for (std::int64_t d = 0; d < D; ++d) x.set(x.index(0, l, h, d), row[static_cast<std::size_t>(d)]);
+        }
+    };
+    fill(q, false);
+    fill(k, true);
+    expect_same("R" + std::to_string(r) + " level edges", q, k, {r, 5, 6, false, false, false});
+    expect_same("R" + std::to_string(r) + " level edges causal", q, k, {r, 3, 4, true, true, false});
+  }
+}
+
+// Poisoned device lists for one call of the public selector; launch() queues the call on o.stream.
+struct GpuCall {
+  sa::HostTensor idx, cnt;
+  std::unique_ptr<DevCopy> didx, dcnt;
+  GpuCall(const Input& q, const Input& k, int kmax) {
+    const std::int64_t Tq = sa::ceil_div(q.L, sa::kTileQ);
+    idx = poisoned({q.B, k.H, Tq, kmax});
+    cnt = poisoned({q.B, k.H, Tq});
+    didx = std::make_unique<DevCopy>(idx);
+    dcnt = std::make_unique<DevCopy>(cnt);
+  }
+  GpuCall(const Input& q, const Input& k, const DevCopy& dq, const DevCopy& dk, const sa::PooledOptions& o, int kmax)
+      : GpuCall(q, k, kmax) {
+    launch(q, k, dq, dk, o);
+  }
+  void launch(const Input& q, const Input& k, const DevCopy& dq, const DevCopy& dk, const sa::PooledOptions& o) {
+    const sa::TileLists out{sa::TensorView::contiguous(didx->ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
+                            sa::TensorView::contiguous(dcnt->ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
+    sa::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda), out, o);
+  }
+  // Downloads (after the caller's synchronisation) and compares with the CPU's lists.
+  void expect_cpu(const std::string& name, const Input& q, const Input& k, sa::PooledOptions o) {
+    didx->download(idx);
+    dcnt->download(cnt);
+    sa::HostTensor ridx(sa::DType::i32, idx.shape()), rcnt(sa::DType::i32, cnt.shape());
+    o.stream = nullptr;
+    sa::pooled_select(q.view_at(q.buf.view().data, sa::Device::cpu), k.view_at(k.buf.view().data, sa::Device::cpu),
+                      sa::TileLists{ridx.view(), rcnt.view()}, o);
+    std::string where;
+    EXPECT_EQ(first_difference(cnt, rcnt, where), 0) << name << ": cnt differs at " << where;
+    EXPECT_EQ(first_difference(idx, ridx, where), 0) << name << ": idx differs at " << where;
+  }
+};
+
+// The scratch is cached per (device, stream): calls queued back to back on one stream with growing
+// and shrinking shapes (the growth waits for the earlier calls), and calls on two streams at once,
+// must each give the CPU's lists.
+TEST(PooledGpu, ScratchAcrossShapesAndStreams) {
+  POOLED_SKIP_WITHOUT_GPU();
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), "cudaStreamCreate");
+  cuda_ok(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), "cudaStreamCreate");
+  const Input qa = make_input(sa::DType::bf16, 1, 300, 4, 64, 301), ka = make_input(sa::DType::bf16, 1, 700, 1, 64, 302);
+  const Input qb = make_input(sa::DType::bf16, 2, 900, 8, 128, 303), kb = make_input(sa::DType::bf16, 2, 9000, 2, 128, 304);
+  const Input qc = make_input(sa::DType::f16, 1, 200, 2, 64, 305), kc = make_input(sa::DType::f16, 1, 500, 2, 64, 306);
+  DevCopy dqa(qa.buf), dka(ka.buf), dqb(qb.buf), dkb(kb.buf), dqc(qc.buf), dkc(kc.buf);
+  for (int r : {1, 4}) {
+    sa::PooledOptions o;
+    o.representatives = r, o.top_k = 4;
+    o.stream = s1;
+    GpuCall a(qa, ka, dqa, dka, o, 4), b(qb, kb, dqb, dkb, o, 4), c(qc, kc, dqc, dkc, o, 5);
+    o.stream = s2;
+    GpuCall b2(qb, kb, dqb, dkb, o, 6), a2(qa, ka, dqa, dka, o, 4);
+    cuda_ok(cudaDeviceSynchronize(), "queued calls");
+    const std::string R = "R" + std::to_string(r) + " ";
+    a.expect_cpu(R + "small on s1", qa, ka, o);
+    b.expect_cpu(R + "large on s1 (growth)", qb, kb, o);
+    c.expect_cpu(R + "small again on s1", qc, kc, o);
+    b2.expect_cpu(R + "large on s2", qb, kb, o);
+    a2.expect_cpu(R + "small on s2", qa, ka, o);
+  }
+  cudaStreamDestroy(s1);
+  cudaStreamDestroy(s2);
+}
+
+// Captured into a CUDA graph on a stream that has no scratch yet (the call takes stream-ordered memory
+// inside the capture), then replayed; the same after the stream's scratch exists.
+TEST(PooledGpu, GraphCapture) {
+  POOLED_SKIP_WITHOUT_GPU();
+  const Input q = make_input(sa::DType::bf16, 2, 500, 8, 128, 401), k = make_input(sa::DType::bf16, 2, 3000, 2, 128, 402);
+  DevCopy dq(q.buf), dk(k.buf);
+  for (int round = 0; round < 2; ++round) {
+    cudaStream_t s = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    sa::PooledOptions o;
+    o.representatives = round == 0 ? 4 : 1, o.top_k = 5, o.stream = s;
+    if (round == 1) {  // the stream's scratch exists before the capture
+      GpuCall warm(q, k, dq, dk, o, 5);
+      cuda_ok(cudaStreamSynchronize(s), "warm call");
+    }
+    GpuCall call(q, k, 5);
+    cudaGraph_t graph = nullptr;
+    cuda_ok(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    call.launch(q, k, dq, dk, o);
+    cuda_ok(cudaStreamEndCapture(s, &graph), "cudaStreamEndCapture");
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    for (int rep = 0; rep < 2; ++rep) {
+      cuda_ok(cudaGraphLaunch(exec, s), "cudaGraphLaunch");
+      cuda_ok(cudaStreamSynchronize(s), "graph");
+      call.expect_cpu(std::string(round == 0 ? "captured without scratch" : "captured with scratch") + ", replay " +
+                          std::to_string(rep),
+                      q, k, o);
+      std::vector<std::int32_t> poison(static_cast<std::size_t>(call.idx.numel()), 0x5a5a5a5a);
+      cuda_ok(cudaMemcpy(call.didx->ptr, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice), "re-poison");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
   }
 }
 

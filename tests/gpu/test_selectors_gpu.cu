@@ -153,6 +153,10 @@ TEST(SelectorsGpu, PooledEqualsCpu) {
     cases.push_back({R + "top_k above candidates, D=64 f16", 1, 260, 390, 2, 1, 64, r, 16, 16, true, true, true, false,
                      sa::DType::f16});
     cases.push_back({R + "f32, D=80", 2, 130, 650, 3, 3, 80, r, 3, 3, false, true, false, true, sa::DType::f32});
+    // A row of means spread over two warps (the int8 copy's reductions go through shared memory), and
+    // D past the int8 screen's limit (every pair evaluated in float64).
+    cases.push_back({R + "D=256 planted", 1, 300, 1500, 4, 1, 256, r, 4, 5, true, true, false, true});
+    cases.push_back({R + "D=288 (no int8 screen)", 1, 200, 900, 2, 1, 288, r, 3, 3, false, true, true});
   }
   std::uint64_t seed = 100;
   for (const auto& c : cases) run_pooled(c, seed += 10);

@@ -1,46 +1,56 @@
-// R1 / R4 pooled selector on the GPU (DESIGN §5.7), version 2. The ids equal the CPU reference
+// R1 / R4 pooled selector on the GPU (DESIGN §5.7), version 3. The ids equal the CPU reference
 // (src/selectors/pooled.cpp) bit for bit; see common.cuh for why float64 chains in the CPU's order
 // reproduce its doubles. Two kernels on the caller's stream, the second a programmatic dependent
 // launch of the first:
 //
 //  1. representatives (q and k in one launch): a thread owns one row of means (one head, 128 / r
-//     tokens) and W = 8 (bf16, f16) or 4 (f32) of its columns, loaded 16 bytes at a time, so it runs
-//     W independent float64 column sums, each over the tokens in order (the CPU's order), with two
-//     batches of 16 rows of loads in flight. The float means are written in a layout where the
-//     group * r query rows of one (b, group, Q tile) are contiguous, and beside them an int8 copy
-//     for the screen: A = rint(mean / s) with s = 2^e the smallest power of two with max|mean| <= 127 s
-//     (the row's threads share one warp and reduce with shuffles), s, and L1 = sum |A|. The launch
-//     also zeroes the per-tile counters of kernel 2.
+//     tokens) and the W columns of 8 bytes of it (4 bf16/f16 or 2 f32 values), so it runs W independent
+//     float64 column sums, each over the tokens in order (the CPU's order), with two batches of 16
+//     token loads in flight. Eight bytes rather than sixteen per thread doubles the threads (tile16 R1:
+//     about ten warps per SM instead of five) at the same bytes in flight. The float means are written
+//     in a layout where the group * r query rows of one (b, group, Q tile) are contiguous, and beside
+//     them a two-level int8 copy for the screen: M = rint(mean / s), s = 2^e with max|mean| < 16256 s,
+//     split as M = 128 H + L with H in [-127, 127] and L in [-64, 63]; plus s and L1 = sum |M| (a
+//     row's threads reduce with shuffles, through shared memory where a row spans several warps). The
+//     launch also zeroes the per-tile counters of kernel 2.
 //  2. scores + top-k: a CTA takes one (b, group, Q tile) and a range of whole KV blocks, stages the
-//     int8 rows in shared memory and forms every representative dot exactly in int32 on the tensor
-//     cores (mma m16n8k32 s8). Per block it keeps only the pairs that the quantisation bound cannot
-//     rule out as the block's maximum and evaluates those in float64 in the CPU's order (from the
-//     float means), so each block score is the CPU's double. A tile whose key rows fit one pass is one
-//     CTA and ranks its blocks from shared memory; otherwise the last CTA of the tile (an atomic
-//     counter) ranks the exact block scores. Exact top-k, ties to the lower id.
+//     int8 rows in shared memory and forms every representative dot M_a.M_b exactly from four int8
+//     products on the tensor cores (mma m16n8k32 s8: H.H, H.L + L.H, L.L). Per block it keeps only the
+//     pairs that the quantisation bound cannot rule out as the block's maximum and evaluates those in
+//     float64 in the CPU's order (from the float means), so each block score is the CPU's double. A
+//     tile whose key rows fit one pass is one CTA and ranks its blocks from shared memory; otherwise the
+//     last CTA of the tile (an atomic counter) ranks the exact block scores. Exact top-k, ties to the
+//     lower id.
 //
-// Screening proof. Let a, b be the float32 mean rows of a counted pair (n = D columns), S the CPU's
-// float64 chain over them (the value to reproduce), and A, B, s_a, s_b their int8 copies and scales:
-// a_i = s_a (A_i + α_i) with |α_i| <= 1/2 (rint of a_i / s_a, which is exact, or below 2^-126 and then
-// rounded to 0), |A_i| <= 127. Then a.b - s_a s_b A.B = s_a s_b Σ (A_i β_i + α_i B_i + α_i β_i), so
-// |a.b - s_a s_b A.B| <= s_a s_b (L1(A) / 2 + L1(B) / 2 + n / 4). The float64 chain has no underflow
+// Screening proof. Let a, b be the float32 mean rows of a counted pair (n = D <= 256 columns), S the
+// CPU's float64 chain over them (the value to reproduce), M, N their integer copies and s_a, s_b their
+// scales: a_i = s_a (M_i + α_i) with |α_i| <= 1/2 (rint of a_i / s_a, which is exact, or below 2^-126
+// and then rounded to 0), |M_i| <= 16256. Then a.b - s_a s_b M.N = s_a s_b Σ (M_i β_i + α_i N_i + α_i β_i),
+// so |a.b - s_a s_b M.N| <= s_a s_b (L1(M) / 2 + L1(N) / 2 + n / 4). The float64 chain has no underflow
 // (float products are 0 or >= 2^-298 in magnitude) and |S - a.b| <= γ'_n Σ|a_i b_i| with
-// γ'_n = n 2^-53 / (1 - n 2^-53) and Σ|a_i b_i| <= s_a s_b n 127.5^2, which is below s_a s_b for
-// n <= 4096. So |S - s_a s_b A.B| <= e = s_a s_b (L1(A) / 2 + L1(B) / 2 + n / 4 + 1). A.B is exact
-// (integer tensor-core arithmetic, |A.B| <= n 127^2 < 2^31); lb = rd(rd(A.B) s_a s_b - e) <= S and
-// ub = ru(ru(A.B) s_a s_b + e) >= S, every step rounded away from S (s in [2^-60, 2^40] keeps all of
-// it in float's normal range). For a block, let Lb = max lb over its counted pairs. The pair p* holding
-// the block's maximum has S(p*) >= S(q) >= lb(q) for every pair q, so ub(p*) >= Lb: evaluating in
-// float64 every pair with ub >= Lb, plus every pair of a row without a scale (NaN or infinity in the
-// means, max|mean| outside [2^-60, 2^40] * 127, or rows too wide to quantise in one warp), finds p*
-// and hence the block's exact maximum; NaN scores rank as -inf as on the CPU.
+// γ'_n = n 2^-53 / (1 - n 2^-53) and Σ|a_i b_i| <= s_a s_b n 16256.5^2, which is below s_a s_b for
+// n <= 4096. So |S - s_a s_b M.N| <= e = s_a s_b (L1(M) / 2 + L1(N) / 2 + n / 4 + 1).
+// M.N = 16384 H_a.H_b + 128 (H_a.L_b + L_a.H_b) + L_a.L_b; each of the three integer dots is exact in
+// int32 and below 2^22 in magnitude for n <= 256 (127^2 n, 2 127 64 n, 64^2 n), so each converts to
+// float exactly (the bias trick below), and M.N is bracketed by two fmas rounded down (up):
+// X_lo = rd(16384 HH + rd(128 HL + LL)) <= M.N <= X_hi. With ss = s_a s_b a power of two in
+// [2^-120, 2^80] every product below is exact or directed, nothing overflows (|M.N| < 2^37, e < 2^23 ss)
+// and nothing leaves float's normal range: lb = rd(X_lo ss - e) <= S <= ub = ru(X_hi ss + e).
+// For a block, let Lb = max lb over its counted pairs. The pair p* holding the block's maximum has
+// S(p*) >= S(q) >= lb(q) for every pair q, so ub(p*) >= Lb: evaluating in float64 every pair with
+// ub >= Lb, plus every pair of a row without a scale (NaN or infinity in the means, max|mean| outside
+// 16256 [2^-60, 2^40], or D > 256), finds p* and hence the block's exact maximum; NaN scores rank as
+// -inf as on the CPU. The copy is 128x finer than version 2b's single int8 level, so on random data
+// about one pair per block reaches float64 instead of most of them.
 //
-// Scratch (means, int8 copies, block scores, counters) is one stream-ordered allocation per call
-// (common.cuh): no host synchronisation, capturable in a CUDA graph.
+// Scratch (means, int8 copies, block scores, counters) is cached per (device, stream) and grown (with
+// a synchronisation of that stream) only when a call needs more; during stream capture a call that
+// would grow it takes stream-ordered memory instead, so capture never synchronises.
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <type_traits>
@@ -57,15 +67,19 @@ using namespace sel;
 
 // ---- 1. representatives -----------------------------------------------------------------------------
 
-// 64-thread CTAs: the tile16 R1 grid (20480 threads) then spreads over the SMs within 20 % instead of
-// leaving some SMs with twice the rows of others.
+// 64-thread CTAs (where a row takes at most 64 threads): the tile16 R1 grid (40960 threads) then
+// spreads over the SMs within a few percent instead of leaving some SMs with twice the rows of others.
 constexpr int kRepThreads = 64;
-// Scale exponents that keep A.B s_a s_b and its bound inside float's normal range.
+constexpr int kRepMaxGroup = 256;  // threads of one row that reduce together (blockDim is at most this)
+// Scale exponents that keep M.N s_a s_b and its bound inside float's normal range (proof above).
 constexpr int kMinScaleExp = -60, kMaxScaleExp = 40;
+constexpr float kMaxLevel = 16256.0f;  // |M| <= 127 * 128: M = 128 H + L with |H| <= 127, L in [-64, 63]
+constexpr int kMaxScreenD = 256;       // the three int8 dots stay below 2^22 (exact through the bias trick)
 
 // One input tensor's view and where its representatives go: row
 // (((b * (H / G) + h / G) * T + t) * G + h % G) * r + a (G = heads per group for q, 1 for k), so the
-// group * r rows of one (b, group, tile) are contiguous. mean: D floats per row; i8: i8_stride bytes.
+// group * r rows of one (b, group, tile) are contiguous. mean: D floats per row; i8: per row the H
+// bytes then the L bytes, i8_stride each.
 struct RepTensor {
   const void* x;
   std::int64_t sb, sl, sh;  // element strides (d is contiguous)
@@ -75,34 +89,34 @@ struct RepTensor {
   float* mean;
   signed char* i8;
   float* scale;             // s, or 0 where the row has no int8 bound
-  float* l1;                // sum |A|
+  float* l1;                // sum |M|
 };
 
 struct RepParams {
   RepTensor t[2];  // q, k
   std::int64_t D, r, span;
   int cols;        // threads of a row that hold columns: ceil(D / W)
-  int group;       // threads per row: cols rounded up to a power of two
-  bool quantize;   // group <= 32: the row's threads share a warp
+  int group;       // threads per row: cols rounded up to a power of two (or cols when not quantised)
+  bool quantize;   // D <= kMaxScreenD and group <= kRepMaxGroup
   std::int64_t i8_stride;
   unsigned* counters;
   std::int64_t n_counters;
 };
 
-// Loads of W columns of one token: one 16-byte vector (kVec) or W elements, as floats in column order.
+// Loads of W columns of one token: one 8-byte vector (kVec) or W elements, as floats in column order.
 template <In T, bool kVec>
 struct RepIO {
-  static constexpr int W = T == In::f32 ? 4 : 8;
   static constexpr int kBytes = T == In::f32 ? 4 : 2;
-  // Rows of loads per batch; two batches are in flight per thread.
-  static constexpr int kBatch = kVec ? 16 : 4;
+  static constexpr int W = 8 / kBytes;
+  // Tokens of loads per batch; two batches are in flight per thread.
+  static constexpr int kBatch = kVec ? 16 : 8;
   struct Raw {
-    std::conditional_t<kVec, uint4, float[W]> v;
+    std::conditional_t<kVec, uint2, float[W]> v;
   };
 
   __device__ static __forceinline__ void load(const char* p, int valid, Raw& r) {
     if constexpr (kVec) {
-      r.v = __ldg(reinterpret_cast<const uint4*>(p));
+      r.v = __ldg(reinterpret_cast<const uint2*>(p));
     } else {
 #pragma unroll
       for (int e = 0; e < W; ++e) r.v[e] = e < valid ? load_elem<T>(p, e) : 0.0f;
@@ -113,9 +127,9 @@ struct RepIO {
 #pragma unroll
       for (int e = 0; e < W; ++e) f[e] = r.v[e];
     } else {
-      const unsigned w[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
+      const unsigned w[2] = {r.v.x, r.v.y};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 2; ++i) {
         if constexpr (T == In::f32) {
           f[i] = __uint_as_float(w[i]);
         } else if constexpr (T == In::bf16) {  // the element at the lower address is the low half
@@ -130,20 +144,41 @@ struct RepIO {
   }
 };
 
-// Reductions over the `group` lanes of one row (an aligned power-of-two segment of the warp).
-__device__ __forceinline__ float group_max(float v, unsigned mask, int group) {
-  for (int o = group / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, o));
+// Reductions over the `group` threads of one row: an aligned power-of-two segment of a warp, or (group
+// > 32, then blockDim == group) the whole CTA through `red` (one slot per warp). Every thread of the
+// segment (of the CTA) calls them.
+__device__ __forceinline__ float row_max(float v, int group, float* red) {
+  const int lane = threadIdx.x % 32;
+  const int width = group < 32 ? group : 32;
+  const unsigned mask = width == 32 ? 0xffffffffu : ((1u << width) - 1u) << (lane & ~(width - 1));
+  for (int o = width / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, o));
+  if (group <= 32) return v;
+  __syncthreads();  // `red` is free (an earlier reduction has been read by every thread)
+  if (lane == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  for (int w = 0; w < group / 32; ++w) v = fmaxf(v, red[w]);
   return v;
 }
-__device__ __forceinline__ int group_sum(int v, unsigned mask, int group) {
-  for (int o = group / 2; o > 0; o /= 2) v += __shfl_xor_sync(mask, v, o);
+__device__ __forceinline__ int row_sum(int v, int group, int* red) {
+  const int lane = threadIdx.x % 32;
+  const int width = group < 32 ? group : 32;
+  const unsigned mask = width == 32 ? 0xffffffffu : ((1u << width) - 1u) << (lane & ~(width - 1));
+  for (int o = width / 2; o > 0; o /= 2) v += __shfl_xor_sync(mask, v, o);
+  if (group <= 32) return v;
+  __syncthreads();
+  if (lane == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = 0;
+  for (int w = 0; w < group / 32; ++w) v += red[w];
   return v;
 }
 
 template <In T, bool kVec>
-__global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __grid_constant__ RepParams p) {
+__global__ void __launch_bounds__(kRepMaxGroup) representatives_kernel(const __grid_constant__ RepParams p) {
   using IO = RepIO<T, kVec>;
   constexpr int W = IO::W, U = IO::kBatch;
+  __shared__ float red_f[kRepMaxGroup / 32];
+  __shared__ int red_i[kRepMaxGroup / 32];
   // The scoring kernel may be scheduled as soon as every CTA here has started (programmatic dependent
   // launch); it waits for this grid's completion before it reads anything this grid writes.
   asm volatile("griddepcontrol.launch_dependents;");
@@ -154,10 +189,12 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
   const RepTensor& x = p.t[which];
   // 32-bit index arithmetic (the host keeps rows * group below 2^31): the decode is a fifth of the
   // instructions of a short R4 row otherwise.
-  const unsigned item = (blockIdx.x - (which ? static_cast<unsigned>(p.t[0].ctas) : 0u)) * kRepThreads + threadIdx.x;
+  const unsigned item = (blockIdx.x - (which ? static_cast<unsigned>(p.t[0].ctas) : 0u)) * blockDim.x + threadIdx.x;
   const unsigned group = static_cast<unsigned>(p.group);
   const std::int64_t row = item / group;
-  if (row >= x.rows) return;  // whole row groups: a group never straddles CTAs when it divides 64
+  // Whole rows per CTA when quantising (blockDim is a multiple of group, or equal to it), so this exit
+  // is uniform over every row segment and every CTA that reduces through shared memory.
+  if (row >= x.rows) return;
   const int c = static_cast<int>(item % group);
   const std::int64_t col = static_cast<std::int64_t>(c) * W;
   const int valid = c < p.cols ? static_cast<int>(imin<std::int64_t>(W, p.D - col)) : 0;
@@ -181,17 +218,18 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
   if (valid > 0 && n > 0) {
     const char* base = static_cast<const char*>(x.x) + (b * x.sb + h * x.sh + l0 * x.sl + col) * IO::kBytes;
     const std::int64_t step = x.sl * IO::kBytes;
+    const int ni = static_cast<int>(n);
     typename IO::Raw b0[U], b1[U];
-    auto load = [&](typename IO::Raw(&buf)[U], std::int64_t s) {
+    auto load = [&](typename IO::Raw(&buf)[U], int s) {
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (s + u < n) IO::load(base + (s + u) * step, valid, buf[u]);
+        if (s + u < ni) IO::load(base + (s + u) * step, valid, buf[u]);
     };
     // Token order within a column, as the CPU: the batches are added in sequence.
-    auto add = [&](const typename IO::Raw(&buf)[U], std::int64_t s) {
+    auto add = [&](const typename IO::Raw(&buf)[U], int s) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (s + u < n) {
+        if (s + u < ni) {
           float f[W];
           IO::to_float(buf[u], f);
 #pragma unroll
@@ -200,7 +238,7 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
       }
     };
     load(b0, 0);
-    for (std::int64_t s = 0; s < n; s += 2 * U) {
+    for (int s = 0; s < ni; s += 2 * U) {
       load(b1, s + U);
       add(b0, s);
       load(b0, s + 2 * U);
@@ -221,9 +259,6 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
     return;
   }
 
-  // int8 copy: the row's `group` threads are consecutive lanes of one warp.
-  const int lane = threadIdx.x % 32;
-  const unsigned mask = p.group == 32 ? 0xffffffffu : ((1u << p.group) - 1u) << (lane & ~(p.group - 1));
   float amax = 0.0f;
   bool finite = true;
 #pragma unroll
@@ -231,31 +266,40 @@ __global__ void __launch_bounds__(kRepThreads) representatives_kernel(const __gr
     amax = fmaxf(amax, fabsf(m[e]));
     finite = finite && isfinite(m[e]);
   }
-  amax = group_max(amax, mask, p.group);
-  finite = __all_sync(mask, finite);
+  amax = row_max(amax, p.group, red_f);
+  // A non-finite mean anywhere in the row makes the row's maximum +inf (NaN is carried as +inf).
+  const float bad = row_max(finite ? 0.0f : INFINITY, p.group, red_f);
   float s = 0.0f;  // no bound
-  if (finite) {
+  if (bad == 0.0f) {
     if (amax == 0.0f) {
       s = 1.0f;
     } else {
       int ex = 0;
-      frexpf(__fdiv_rn(amax, 127.0f), &ex);  // amax / 127 < 2^ex, so |mean| / 2^ex < 127.5
+      frexpf(__fdiv_ru(amax, kMaxLevel), &ex);  // amax / 16256 < 2^ex, so |mean| / 2^ex < 16256
       if (ex >= kMinScaleExp && ex <= kMaxScaleExp) s = ldexpf(1.0f, ex);
     }
   }
   const float inv = s > 0.0f ? 1.0f / s : 0.0f;  // a power of two: exact
-  unsigned packed[2] = {0u, 0u};
+  unsigned hi = 0u, lo = 0u;
   int l1 = 0;
 #pragma unroll
   for (int e = 0; e < W; ++e) {
-    const int q = s > 0.0f ? static_cast<int>(rintf(m[e] * inv)) : 0;
-    l1 += abs(q);
-    packed[e / 4] |= (static_cast<unsigned>(q) & 0xffu) << (8 * (e % 4));
+    const int M = s > 0.0f ? static_cast<int>(rintf(m[e] * inv)) : 0;
+    const int H = (M + 64) >> 7;  // floor: L = M - 128 H in [-64, 63], |H| <= 127 for |M| <= 16256
+    const int Lo = M - 128 * H;
+    l1 += abs(M);
+    hi |= (static_cast<unsigned>(H) & 0xffu) << (8 * e);
+    lo |= (static_cast<unsigned>(Lo) & 0xffu) << (8 * e);
   }
-  l1 = group_sum(l1, mask, p.group);
-  signed char* d8 = x.i8 + row * p.i8_stride + col;
-  if constexpr (W == 8) *reinterpret_cast<uint2*>(d8) = make_uint2(packed[0], packed[1]);
-  else *reinterpret_cast<unsigned*>(d8) = packed[0];
+  l1 = row_sum(l1, p.group, red_i);
+  signed char* d8 = x.i8 + row * 2 * p.i8_stride + col;
+  if constexpr (W == 4) {
+    *reinterpret_cast<unsigned*>(d8) = hi;
+    *reinterpret_cast<unsigned*>(d8 + p.i8_stride) = lo;
+  } else {
+    *reinterpret_cast<unsigned short*>(d8) = static_cast<unsigned short>(hi);
+    *reinterpret_cast<unsigned short*>(d8 + p.i8_stride) = static_cast<unsigned short>(lo);
+  }
   if (c == 0) {
     x.scale[row] = s;
     x.l1[row] = static_cast<float>(l1);
@@ -293,7 +337,7 @@ struct ScoreParams {
   std::int32_t* cnt;
   std::int64_t cs0, cs1, cs2;
   std::int64_t Lq, Lk, Hkv, D, Tq, Tk;
-  std::int64_t i8_stride;    // bytes per int8 row in global memory
+  std::int64_t i8_stride;    // bytes of one level (H or L) of an int8 row in global memory
   int k32;                   // columns of the int8 tiles: D rounded up to 32
   int P, r, span, top_k;
   int chunks, rows_per_cta;  // CTAs per (b, group, tile); key rows per CTA (a multiple of r)
@@ -306,7 +350,8 @@ struct ScoreSmem {
   std::size_t qlim, kfirst, ekey, q8, k8, qsc, ksc, ql1, kl1, lkey, cand, full, total;
 };
 
-// Shared memory of the scoring phase; the top-k phase reuses it from offset 0.
+// Shared memory of the scoring phase; the top-k phase reuses it from offset 0. q8 / k8 hold both
+// levels: [2][kQM][rs] and [2][kKN][rs].
 __host__ __device__ inline ScoreSmem score_smem(int k32, int nblk) {
   auto up = [](std::size_t x) { return (x + 15) / 16 * 16; };
   const std::size_t rs = static_cast<std::size_t>(smem_i8_stride(k32));
@@ -315,8 +360,8 @@ __host__ __device__ inline ScoreSmem score_smem(int k32, int nblk) {
   s.qlim = o, o = up(o + kQM * sizeof(long long));
   s.kfirst = o, o = up(o + kKN * sizeof(long long));
   s.ekey = o, o = up(o + nblk * sizeof(unsigned long long));
-  s.q8 = o, o = up(o + kQM * rs);
-  s.k8 = o, o = up(o + kKN * rs);
+  s.q8 = o, o = up(o + 2 * kQM * rs);
+  s.k8 = o, o = up(o + 2 * kKN * rs);
   s.qsc = o, o = up(o + kQM * sizeof(float));
   s.ksc = o, o = up(o + kKN * sizeof(float));
   s.ql1 = o, o = up(o + kQM * sizeof(float));
@@ -526,15 +571,21 @@ __device__ __forceinline__ void evaluate_queued(const ScoreParams& p, const Tile
 }
 
 
-// Stages the int8 copies, scales and L1 of query rows [q0, q0 + qrows) of the job and key rows
-// [k0, k0 + krows) of the (b, group), multiplies them on the tensor cores into acc, and fills the
-// pairs' visibility data: qlim = the last key position a query row's group sees (-1 when absent),
-// kfirst = a key row's first position (kNever when it is absent, forced or past the CTA's range).
-// Ends with a barrier.
-__device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L,
-                                                   std::int64_t job, std::int64_t bg, int q0, int qrows, std::int64_t k0,
-                                                   int krows, std::int64_t i_first, std::int64_t local_lo,
-                                                   std::int64_t local_hi, int (&acc)[8][4]) {
+
+// An integer below 2^22 in magnitude as a float, exactly, without a conversion instruction: the float
+// with bits 1.5 * 2^23 + v is 12582912 + v (its unit in the last place is 1), and the subtraction is exact.
+__device__ __forceinline__ float small_int_to_float(int v) {
+  return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
+}
+
+// Stages both int8 levels, the scales and L1 of query rows [q0, q0 + qrows) of the job and key rows
+// [k0, k0 + krows) of the (b, group), and fills the pairs' visibility data: qlim = the last key
+// position a query row's group sees (-1 when absent), kfirst = a key row's first position (kNever when
+// it is absent, forced or past the CTA's range). Starts and ends with a barrier.
+__device__ __forceinline__ void stage_rows(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L,
+                                           std::int64_t job, std::int64_t bg, int q0, int qrows, std::int64_t k0,
+                                           int krows, std::int64_t i_first, std::int64_t local_lo,
+                                           std::int64_t local_hi) {
   auto* qlim = reinterpret_cast<long long*>(smem + L.qlim);
   auto* kfirst = reinterpret_cast<long long*>(smem + L.kfirst);
   unsigned char* q8 = smem + L.q8;
@@ -549,9 +600,9 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigne
 
   __syncthreads();  // the previous pass is done with every staged array
   const std::int64_t qbase = job * p.P + q0, kbase = bg * p.Tk * p.r + k0;
-  // int8 rows, 16 bytes at a time, a batch of loads in flight per thread (the first batch also
-  // overlaps the row data below); columns past D are zero.
-  const int vecs = p.k32 / 16, total = (qrows + krows) * vecs;
+  // int8 rows (both levels), 16 bytes at a time, a batch of loads in flight per thread (the first batch
+  // also overlaps the row data below); columns past D are zero.
+  const int vecs = p.k32 / 16, total = (qrows + krows) * 2 * vecs;
   constexpr int kBatch = 8;
   uint4 val[kBatch];
   auto load_batch = [&](int base) {
@@ -560,11 +611,11 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigne
       const int e = base + u * kThreads;
       val[u] = make_uint4(0u, 0u, 0u, 0u);
       if (e < total) {
-        const int row = e / vecs, v16 = e % vecs;
+        const int row = e / (2 * vecs), lv = (e / vecs) % 2, v16 = e % vecs;
         const bool is_q = row < qrows;
         const std::int64_t grow = is_q ? qbase + row : kbase + (row - qrows);
         if (v16 * 16 < p.i8_stride)
-          val[u] = __ldg(reinterpret_cast<const uint4*>((is_q ? p.q8 : p.k8) + grow * p.i8_stride) + v16);
+          val[u] = __ldg(reinterpret_cast<const uint4*>((is_q ? p.q8 : p.k8) + (2 * grow + lv) * p.i8_stride) + v16);
       }
     }
   };
@@ -573,7 +624,7 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigne
     for (int u = 0; u < kBatch; ++u) {
       const int e = base + u * kThreads;
       if (e < total) {
-        const int row = e / vecs, v16 = e % vecs;
+        const int row = e / (2 * vecs), lv = (e / vecs) % 2, v16 = e % vecs;
         const int past = v16 * 16 + 16 - static_cast<int>(p.D);  // bytes of this vector beyond column D - 1
         if (past > 0) {
           unsigned w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
@@ -584,7 +635,7 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigne
           }
           val[u] = make_uint4(w[0], w[1], w[2], w[3]);
         }
-        unsigned char* dst = row < qrows ? q8 + row * rs : k8 + (row - qrows) * rs;
+        unsigned char* dst = row < qrows ? q8 + (lv * kQM + row) * rs : k8 + (lv * kKN + row - qrows) * rs;
         reinterpret_cast<uint4*>(dst)[v16] = val[u];
       }
     }
@@ -622,30 +673,136 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, unsigne
     store_batch(base);
   }
   __syncthreads();
+}
 
-  const int warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
+// The thread's pairs of one staged pass: query rows qr(mi) = 16 mt + gid + 8 mi, key rows
+// kr(nt, j) = 64 nh + 8 nt + 2 tq + j, pair bit nt * 4 + 2 mi + j (the mma accumulator layout).
+// Forms M.N from the four int8 products of every counted pair. Without kTest it raises each block's
+// lower bound in lkey (one atomic per key row and warp, after a shuffle maximum over the eight query
+// lanes) and returns 0; with kTest (every lower bound in) it returns the bits of the pairs whose upper
+// bound reaches their block's lower bound (every counted pair of a row without a scale). The products
+// are formed again for the test rather than kept: 32 bounds per thread in registers spill.
+template <bool kTest>
+__device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int qrows,
+                                                std::int64_t k0, int krows, std::int64_t blk0) {
+  const unsigned char* q8 = smem + L.q8;
+  const unsigned char* k8 = smem + L.k8;
+  const float* qsc = reinterpret_cast<const float*>(smem + L.qsc);
+  const float* ksc = reinterpret_cast<const float*>(smem + L.ksc);
+  const float* ql1 = reinterpret_cast<const float*>(smem + L.ql1);
+  const float* kl1 = reinterpret_cast<const float*>(smem + L.kl1);
+  const auto* qlim = reinterpret_cast<const long long*>(smem + L.qlim);
+  const auto* kfirst = reinterpret_cast<const long long*>(smem + L.kfirst);
+  auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
   const int mt = warp % 4, nh = warp / 4;
+  const int rs = smem_i8_stride(p.k32);
+
+  float qs[2], qa[2];
+  long long ql[2];
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int mi = 0; mi < 2; ++mi) {
+    const int qr = mt * 16 + gid + 8 * mi;
+    const bool in = qr < qrows;
+    qs[mi] = in ? qsc[qr] : 0.0f;
+    qa[mi] = in ? ql1[qr] : 0.0f;
+    ql[mi] = in ? qlim[qr] : -1;
+  }
+  const bool active = mt * 16 < qrows && nh * 64 < krows;  // warp-uniform: mma needs the whole warp
+  const unsigned char* qh = q8 + (mt * 16 + gid) * rs + tq * 4;
+  const unsigned char* qlo = qh + kQM * rs;
+  const unsigned char* kh = k8 + (nh * 64 + gid) * rs + tq * 4;
+  const unsigned char* klo = kh + kKN * rs;
+  unsigned bits = 0u;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] = 0;
-  if (mt * 16 < qrows && nh * 64 < krows) {  // warp-uniform: mma needs the whole warp
-    const unsigned char* qa = q8 + (mt * 16 + gid) * rs + tq * 4;
-    const unsigned char* kb = k8 + (nh * 64 + gid) * rs + tq * 4;
-    for (int ks = 0; ks < p.k32 / 32; ++ks) {
-      const unsigned a[4] = {*reinterpret_cast<const unsigned*>(qa + ks * 32),
-                             *reinterpret_cast<const unsigned*>(qa + 8 * rs + ks * 32),
-                             *reinterpret_cast<const unsigned*>(qa + ks * 32 + 16),
-                             *reinterpret_cast<const unsigned*>(qa + 8 * rs + ks * 32 + 16)};
+  for (int nt = 0; nt < 8; ++nt) {
+    int hh[4] = {0, 0, 0, 0}, hl[4] = {0, 0, 0, 0}, ll[4] = {0, 0, 0, 0};
+    const bool tile_in = active && nh * 64 + nt * 8 < krows;  // warp-uniform
+    if (tile_in) {
+      for (int ks = 0; ks < p.k32 / 32; ++ks) {
+        const int o = ks * 32;
+        const unsigned ah[4] = {*reinterpret_cast<const unsigned*>(qh + o), *reinterpret_cast<const unsigned*>(qh + 8 * rs + o),
+                                *reinterpret_cast<const unsigned*>(qh + o + 16),
+                                *reinterpret_cast<const unsigned*>(qh + 8 * rs + o + 16)};
+        const unsigned al[4] = {*reinterpret_cast<const unsigned*>(qlo + o),
+                                *reinterpret_cast<const unsigned*>(qlo + 8 * rs + o),
+                                *reinterpret_cast<const unsigned*>(qlo + o + 16),
+                                *reinterpret_cast<const unsigned*>(qlo + 8 * rs + o + 16)};
+        const unsigned char* bh = kh + nt * 8 * rs + o;
+        const unsigned char* bl = klo + nt * 8 * rs + o;
+        const unsigned bh0 = *reinterpret_cast<const unsigned*>(bh), bh1 = *reinterpret_cast<const unsigned*>(bh + 16);
+        const unsigned bl0 = *reinterpret_cast<const unsigned*>(bl), bl1 = *reinterpret_cast<const unsigned*>(bl + 16);
+        mma_s8(hh, ah, bh0, bh1);
+        mma_s8(hl, ah, bl0, bl1);
+        mma_s8(hl, al, bh0, bh1);
+        mma_s8(ll, al, bl0, bl1);
+      }
+    }
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        if (nh * 64 + nt * 8 >= krows) break;
-        const unsigned char* bp = kb + nt * 8 * rs + ks * 32;
-        mma_s8(acc[nt], a, *reinterpret_cast<const unsigned*>(bp), *reinterpret_cast<const unsigned*>(bp + 16));
+    for (int j = 0; j < 2; ++j) {
+      const int kr = nh * 64 + nt * 8 + 2 * tq + j;
+      const bool kin = tile_in && kr < krows;
+      const long long kf = kin ? kfirst[kr] : kNever;
+      const float ks = kin ? ksc[kr] : 0.0f, ka = kin ? kl1[kr] : 0.0f;
+      const int blk = static_cast<int>((k0 + kr) / p.r - blk0);
+      float lb_block = 0.0f;
+      if constexpr (kTest) lb_block = kin ? unkey32(lkey[blk]) : 0.0f;
+      float best = -INFINITY;
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        if (kf == kNever || kf > ql[mi]) continue;  // not a counted pair
+        const bool bounded = qs[mi] > 0.0f && ks > 0.0f;
+        const float ss = qs[mi] * ks;  // powers of two in range: exact
+        const float e = __fmul_ru(ss, __fadd_ru(__fmul_ru(0.5f, __fadd_ru(qa[mi], ka)), p.dterm));
+        const int i = 2 * mi + j;
+        const float fhh = small_int_to_float(hh[i]), fhl = small_int_to_float(hl[i]), fll = small_int_to_float(ll[i]);
+        if constexpr (kTest) {
+          const float ub = __fadd_ru(__fmul_ru(__fmaf_ru(16384.0f, fhh, __fmaf_ru(128.0f, fhl, fll)), ss), e);
+          if (!bounded || ub >= lb_block) bits |= 1u << (nt * 4 + i);
+        } else if (bounded) {
+          best = fmaxf(best, __fsub_rd(__fmul_rd(__fmaf_rd(16384.0f, fhh, __fmaf_rd(128.0f, fhl, fll)), ss), e));
+        }
+      }
+      if constexpr (!kTest) {
+        best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 4));
+        best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 8));
+        best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 16));
+        if (gid == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
       }
     }
   }
-  __syncthreads();
+  return bits;
+}
+
+// Queues the pairs of `bits` (screen_pass<true>): one atomic per warp (a warp-wide scan of the
+// per-thread counts places the pairs). A block whose pairs do not fit the queue is flagged in `full`
+// and has every pair evaluated later.
+__device__ __forceinline__ void enqueue_pass(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int q0,
+                                             std::int64_t k0, std::int64_t blk0, unsigned bits, int& n_queued) {
+  auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
+  auto* full = reinterpret_cast<unsigned*>(smem + L.full);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
+  const int mt = warp % 4, nh = warp / 4;
+  const int mine = __popc(bits);
+  int incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int t = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += t;
+  }
+  int base = 0;
+  if (lane == 31 && incl > 0) base = atomicAdd(&n_queued, incl);
+  base = __shfl_sync(0xffffffffu, base, 31);
+  int slot = base + incl - mine;
+  while (bits != 0u) {
+    const int b = __ffs(bits) - 1;
+    bits &= bits - 1u;
+    const int kr = nh * 64 + (b / 4) * 8 + 2 * tq + (b % 2);
+    const int qr = mt * 16 + gid + 8 * ((b % 4) / 2);
+    if (slot < kCandCap) cand[slot] = make_uint2(static_cast<unsigned>(q0 + qr), static_cast<unsigned>(k0 + kr));
+    else atomicOr(full + ((k0 + kr) / p.r - blk0), 1u);
+    ++slot;
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_constant__ ScoreParams p) {
@@ -654,26 +811,17 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   __shared__ int is_last;
   const int nblk = p.rows_per_cta / p.r;
   const ScoreSmem L = score_smem(p.k32, nblk);
-  const float* qsc = reinterpret_cast<const float*>(smem + L.qsc);
-  const float* ksc = reinterpret_cast<const float*>(smem + L.ksc);
-  const float* ql1 = reinterpret_cast<const float*>(smem + L.ql1);
-  const float* kl1 = reinterpret_cast<const float*>(smem + L.kl1);
-  const auto* qlim = reinterpret_cast<const long long*>(smem + L.qlim);
-  const auto* kfirst = reinterpret_cast<const long long*>(smem + L.kfirst);
   auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
   auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
   auto* full = reinterpret_cast<unsigned*>(smem + L.full);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
+  const int tid = threadIdx.x;
 
   const TileJob tj = tile_job(p);
-  const std::int64_t job = tj.job, bg = tj.bg, i_first = tj.i_first;
-  const std::int64_t local_lo = tj.local_lo, local_hi = tj.local_hi, row_begin = tj.row_begin, row_end = tj.row_end;
-
   CtaView v;
-  v.qrows = p.qmean + job * p.P * p.D;
-  v.krows = p.kmean + bg * p.Tk * p.r * p.D;
+  v.qrows = p.qmean + tj.job * p.P * p.D;
+  v.krows = p.kmean + tj.bg * p.Tk * p.r * p.D;
   v.ekey = reinterpret_cast<unsigned long long*>(smem + L.ekey);
-  v.blk0 = row_begin / p.r;
+  v.blk0 = tj.row_begin / p.r;
 
   for (int i = tid; i < nblk; i += kThreads) {
     lkey[i] = key32(-INFINITY);
@@ -683,65 +831,22 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   if (tid == 0) n_queued = 0;
   // The representatives and counters come from the previous grid (a no-op without a programmatic launch).
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  // (stage_and_multiply starts with a barrier)
+  // (stage_rows starts with a barrier)
 
-  // This thread's pairs: query rows qr(mi) = 16 mt + gid + 8 mi, key rows kr(ni) = 64 nh + 8 (ni / 2) +
-  // 2 tq + ni % 2, dot in acc[ni / 2][2 mi + ni % 2] (the mma accumulator layout).
-  const int mt = warp % 4, nh = warp / 4;
   const int qchunks = (p.P + kQM - 1) / kQM;
-  for (std::int64_t k0 = row_begin; k0 < row_end; k0 += kKN) {
-    const int krows = static_cast<int>(imin<std::int64_t>(kKN, row_end - k0));
+  for (std::int64_t k0 = tj.row_begin; k0 < tj.row_end; k0 += kKN) {
+    const int krows = static_cast<int>(imin<std::int64_t>(kKN, tj.row_end - k0));
     // With one query chunk the lower bounds and the test use the same registers; with several, a
     // first pass collects the lower bounds of every chunk and a second one recomputes and tests.
     for (int pass = qchunks == 1 ? 1 : 0; pass < 2; ++pass) {
       for (int qc = 0; qc < qchunks; ++qc) {
         const int q0 = qc * kQM, qrows = imin(kQM, p.P - q0);
-        int acc[8][4];
-        stage_and_multiply(p, smem, L, job, bg, q0, qrows, k0, krows, i_first, local_lo, local_hi, acc);
-        const bool bounds = pass == 0 || qchunks == 1;
-        float qs[2], qa[2];
-        long long ql[2];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          const int qr = mt * 16 + gid + 8 * mi;
-          const bool in = qr < qrows;
-          qs[mi] = in ? qsc[qr] : 0.0f;
-          qa[mi] = in ? ql1[qr] : 0.0f;
-          ql[mi] = in ? qlim[qr] : -1;
-        }
-#pragma unroll
-        for (int round = 0; round < 2; ++round) {
-          if (round == 0 && !bounds) continue;
-          if (round == 1 && pass == 0) continue;
-          if (round == 1 && qchunks == 1) __syncthreads();  // every lower bound of the pass is in
-#pragma unroll
-          for (int ni = 0; ni < 16; ++ni) {
-            const int kr = nh * 64 + 8 * (ni / 2) + 2 * tq + ni % 2;
-            if (kr >= krows) continue;
-            const long long kf = kfirst[kr];
-            if (kf == kNever) continue;
-            const float ks = ksc[kr], ka = kl1[kr];
-            const int blk = static_cast<int>((k0 + kr) / p.r - v.blk0);
-            const float lb_block = round == 1 ? unkey32(lkey[blk]) : 0.0f;
-            float best = -INFINITY;
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-              if (kf > ql[mi]) continue;
-              const bool bounded = qs[mi] > 0.0f && ks > 0.0f;
-              const int dot = acc[ni / 2][2 * mi + ni % 2];
-              const float ss = qs[mi] * ks;  // powers of two in range: exact
-              const float e = __fmul_ru(ss, __fadd_ru(__fmul_ru(0.5f, __fadd_ru(qa[mi], ka)), p.dterm));
-              if (round == 0) {
-                if (bounded) best = fmaxf(best, __fsub_rd(__fmul_rd(__int2float_rd(dot), ss), e));
-              } else if (!bounded || __fadd_ru(__fmul_ru(__int2float_ru(dot), ss), e) >= lb_block) {
-                const uint2 pair = make_uint2(static_cast<unsigned>(q0 + mt * 16 + gid + 8 * mi), static_cast<unsigned>(k0 + kr));
-                const int slot = atomicAdd(&n_queued, 1);
-                if (slot < kCandCap) cand[slot] = pair;
-                else atomicOr(full + blk, 1u);
-              }
-            }
-            if (round == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
-          }
+        stage_rows(p, smem, L, tj.job, tj.bg, q0, qrows, k0, krows, tj.i_first, tj.local_lo, tj.local_hi);
+        if (pass == 0 || qchunks == 1) screen_pass<false>(p, smem, L, qrows, k0, krows, v.blk0);
+        if (pass == 1) {
+          if (qchunks == 1) __syncthreads();  // every lower bound of the pass is in
+          const unsigned bits = screen_pass<true>(p, smem, L, qrows, k0, krows, v.blk0);
+          enqueue_pass(p, smem, L, q0, k0, v.blk0, bits, n_queued);
         }
       }
       if (pass == 0) __syncthreads();
@@ -759,14 +864,14 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
 
 // ---- host ---------------------------------------------------------------------------------------------
 
-bool aligned16(const TensorView& x, std::int64_t width) {
-  return reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 && x.stride[0] % width == 0 &&
+bool aligned8(const TensorView& x, std::int64_t width) {
+  return reinterpret_cast<std::uintptr_t>(x.data) % 8 == 0 && x.stride[0] % width == 0 &&
          x.stride[1] % width == 0 && x.stride[2] % width == 0 && x.shape[3] % width == 0;
 }
 
 template <In T, bool kVec>
-void launch_reps(const RepParams& p, std::int64_t blocks, cudaStream_t stream) {
-  representatives_kernel<T, kVec><<<static_cast<unsigned>(blocks), kRepThreads, 0, stream>>>(p);
+void launch_reps(const RepParams& p, std::int64_t blocks, int threads, cudaStream_t stream) {
+  representatives_kernel<T, kVec><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
 }
 
 struct RepBuffers {
@@ -776,21 +881,22 @@ struct RepBuffers {
   float* l1[2];
 };
 
-// Columns per thread (W) and threads per row of the representatives kernel for this dtype and D.
+// Columns per thread (W), threads per row and per CTA of the representatives kernel for this dtype and D.
 struct RepLayout {
-  int W, cols, group;
+  int W, cols, group, threads;
   bool quantize;
   std::int64_t i8_stride;
 };
 
 RepLayout rep_layout(DType dtype, std::int64_t D) {
   RepLayout l{};
-  l.W = dtype == DType::f32 ? 4 : 8;
+  l.W = dtype == DType::f32 ? 2 : 4;
   l.cols = static_cast<int>(ceil_div(D, static_cast<std::int64_t>(l.W)));
   l.group = 1;
-  while (l.group < l.cols && l.group < 64) l.group *= 2;
-  l.quantize = l.group <= 32 && l.cols <= 32;
-  if (!l.quantize) l.group = l.cols;  // no shuffles: any row width, one thread per W columns
+  while (l.group < l.cols && l.group < 2 * kRepMaxGroup) l.group *= 2;
+  l.quantize = D <= kMaxScreenD && l.group <= kRepMaxGroup;
+  if (!l.quantize) l.group = l.cols;  // no reductions: any row width, one thread per W columns
+  l.threads = l.quantize ? std::max(kRepThreads, l.group) : kRepThreads;
   l.i8_stride = static_cast<std::int64_t>(ceil_div(static_cast<std::int64_t>(l.group) * l.W, std::int64_t{16}) * 16);
   return l;
 }
@@ -798,7 +904,7 @@ RepLayout rep_layout(DType dtype, std::int64_t D) {
 void representatives(const TensorView& q, const TensorView& k, std::int64_t r, std::int64_t group, const RepLayout& lay,
                      const RepBuffers& buf, unsigned* counters, std::int64_t n_counters, cudaStream_t stream) {
   const In type = in_type(q.dtype);
-  const bool vec = aligned16(q, lay.W) && aligned16(k, lay.W);
+  const bool vec = aligned8(q, lay.W) && aligned8(k, lay.W);
   RepParams p{};
   p.D = q.shape[3], p.r = r, p.span = kTileQ / r;
   p.cols = lay.cols, p.group = lay.group, p.quantize = lay.quantize, p.i8_stride = lay.i8_stride;
@@ -812,17 +918,18 @@ void representatives(const TensorView& q, const TensorView& k, std::int64_t r, s
     d.sb = x.stride[0], d.sl = x.stride[1], d.sh = x.stride[2];
     d.L = x.shape[1], d.H = x.shape[2], d.G = i == 0 ? group : 1, d.T = ceil_div(d.L, kTileQ);
     d.rows = x.shape[0] * d.H * d.T * r;
-    d.ctas = ceil_div(d.rows * p.group, kRepThreads);
-    if (d.rows * p.group + kRepThreads > INT_MAX)
+    d.ctas = ceil_div(d.rows * p.group, static_cast<std::int64_t>(lay.threads));
+    if (d.rows * p.group + lay.threads > INT_MAX)
       throw Error("pooled_select", i == 0 ? "q" : "k",
                   "tensor " + x.describe() + " has more representative rows than the CUDA selector indexes");
     d.mean = buf.mean[i], d.i8 = buf.i8[i], d.scale = buf.scale[i], d.l1 = buf.l1[i];
     blocks += d.ctas;
   }
+  const int th = lay.threads;
   switch (type) {
-    case In::f32: return vec ? launch_reps<In::f32, true>(p, blocks, stream) : launch_reps<In::f32, false>(p, blocks, stream);
-    case In::f16: return vec ? launch_reps<In::f16, true>(p, blocks, stream) : launch_reps<In::f16, false>(p, blocks, stream);
-    case In::bf16: return vec ? launch_reps<In::bf16, true>(p, blocks, stream) : launch_reps<In::bf16, false>(p, blocks, stream);
+    case In::f32: return vec ? launch_reps<In::f32, true>(p, blocks, th, stream) : launch_reps<In::f32, false>(p, blocks, th, stream);
+    case In::f16: return vec ? launch_reps<In::f16, true>(p, blocks, th, stream) : launch_reps<In::f16, false>(p, blocks, th, stream);
+    case In::bf16: return vec ? launch_reps<In::bf16, true>(p, blocks, th, stream) : launch_reps<In::bf16, false>(p, blocks, th, stream);
   }
 }
 
@@ -877,6 +984,7 @@ int rows_per_cta(std::int64_t jobs, std::int64_t rows_total, std::int64_t r, std
   rows = imin<std::int64_t>(imax<std::int64_t>(rows, 16), kMaxRowsPerCta);
   return static_cast<int>(ceil_div(rows, r) * r);
 }
+
 
 // ---- version 2a: the float32 screen on the CUDA cores (kept to compare with the int8 screen) --------
 //
@@ -1231,6 +1339,69 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   check_cuda(cudaLaunchKernelEx(&cfg, pooled_score_kernel, p), op, "scoring launch");
 }
 
+
+// Facts of a device that do not change while the process runs, queried once per device.
+struct DeviceFacts {
+  int max_smem = 0;  // opt-in dynamic shared memory per block
+  int sms = 0;
+};
+
+// The tensor's device must be the current device and usable (as usable_device_smem in common.cuh, whose
+// three runtime queries per call are answered from a per-device cache after the first success).
+DeviceFacts device_facts(const std::string& op, const TensorView& t) {
+  int dev = -1;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && dev != t.device_index)
+    throw Error(op, "q", "tensor " + t.describe() + " is not on the current CUDA device " + std::to_string(dev));
+  static std::mutex mu;
+  static std::map<int, DeviceFacts> known;
+  if (e == cudaSuccess) {
+    const std::lock_guard<std::mutex> lock(mu);
+    const auto it = known.find(dev);
+    if (it != known.end()) return it->second;
+  }
+  DeviceFacts f;
+  f.max_smem = usable_device_smem(op, "q", t);
+  f.sms = multiprocessors(op, t.device_index);
+  const std::lock_guard<std::mutex> lock(mu);
+  known[t.device_index] = f;
+  return f;
+}
+
+// Scratch of the selector, kept per (device, stream) between calls: calls on one stream run in stream
+// order, so the next call may reuse the memory; calls on different streams get different memory.
+struct CachedScratch {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+};
+
+// Device memory of at least `bytes` for a call on `stream`: the cached scratch, grown (after the
+// stream's earlier calls have finished with it) when too small. A call being captured into a graph
+// cannot synchronise; if it needs more than the cache holds it gets stream-ordered memory (`owned`),
+// freed on the stream after the call.
+void* scratch_for(const std::string& op, int device, cudaStream_t stream, std::size_t bytes,
+                  std::unique_ptr<StreamScratch>& owned) {
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<int, cudaStream_t>, CachedScratch>();  // never freed: no
+                                                                                     // cudaFree after the runtime's teardown
+  const std::lock_guard<std::mutex> lock(mu);
+  CachedScratch& c = (*cache)[{device, stream}];
+  if (c.bytes >= bytes) return c.ptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), op, "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) {
+    owned = std::make_unique<StreamScratch>(bytes, stream, op);
+    return owned->as<void>();
+  }
+  check_cuda(cudaStreamSynchronize(stream), op, "scratch growth");  // earlier calls may still use it
+  if (c.ptr != nullptr) check_cuda(cudaFree(c.ptr), op, "scratch growth");
+  c = CachedScratch{};
+  const std::size_t grown = align_up(bytes, std::size_t{1} << 20);
+  check_cuda(cudaMalloc(&c.ptr, grown), op, "cudaMalloc of " + std::to_string(grown) + " bytes of selector scratch");
+  c.bytes = grown;
+  return c.ptr;
+}
+
 }  // namespace
 
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o) {
@@ -1246,7 +1417,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const std::int64_t group = Hq / Hkv, P = group * r, jobs = B * Hkv * Tq;
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
-  const int max_smem = usable_device_smem(op, "q", q);
+  const DeviceFacts dev = device_facts(op, q);
   check_device_memory(op, "q", q);
   check_device_memory(op, "k", k);
   check_device_memory(op, "out.idx", out.idx);
@@ -1254,7 +1425,6 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   if (P > INT_MAX / 2 || Tk * r > INT_MAX / 2)
     throw Error(op, "q", "group * r = " + std::to_string(P) + " or Tk * r = " + std::to_string(Tk * r) +
                              " exceed the CUDA selector's row indices");
-  const int sms = multiprocessors(op, q.device_index);
 
   const RepLayout lay = rep_layout(q.dtype, D);
   const std::int64_t rows[2] = {B * Hq * Tq * r, B * Hkv * Tk * r};
@@ -1266,22 +1436,23 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   };
   for (int i = 0; i < 2; ++i) {
     offsets[4 * i + 0] = carve(static_cast<std::size_t>(rows[i] * D) * sizeof(float));
-    offsets[4 * i + 1] = carve(static_cast<std::size_t>(rows[i] * lay.i8_stride));
+    offsets[4 * i + 1] = carve(static_cast<std::size_t>(rows[i] * 2 * lay.i8_stride));
     offsets[4 * i + 2] = carve(static_cast<std::size_t>(rows[i]) * sizeof(float));
     offsets[4 * i + 3] = carve(static_cast<std::size_t>(rows[i]) * sizeof(float));
   }
   const std::size_t at_scores = carve(static_cast<std::size_t>(jobs * Tk) * sizeof(double));
   const std::size_t at_counters = carve(static_cast<std::size_t>(jobs) * sizeof(unsigned));
-  StreamScratch scratch(total, stream, op);
+  std::unique_ptr<StreamScratch> owned;
+  auto* base = static_cast<char*>(scratch_for(op, q.device_index, stream, total, owned));
   RepBuffers buf{};
   for (int i = 0; i < 2; ++i) {
-    buf.mean[i] = scratch.as<float>(offsets[4 * i + 0]);
-    buf.i8[i] = scratch.as<signed char>(offsets[4 * i + 1]);
-    buf.scale[i] = scratch.as<float>(offsets[4 * i + 2]);
-    buf.l1[i] = scratch.as<float>(offsets[4 * i + 3]);
+    buf.mean[i] = reinterpret_cast<float*>(base + offsets[4 * i + 0]);
+    buf.i8[i] = reinterpret_cast<signed char*>(base + offsets[4 * i + 1]);
+    buf.scale[i] = reinterpret_cast<float*>(base + offsets[4 * i + 2]);
+    buf.l1[i] = reinterpret_cast<float*>(base + offsets[4 * i + 3]);
   }
-  auto* scores = scratch.as<double>(at_scores);
-  auto* counters = scratch.as<unsigned>(at_counters);
+  auto* scores = reinterpret_cast<double*>(base + at_scores);
+  auto* counters = reinterpret_cast<unsigned*>(base + at_counters);
   representatives(q, k, r, group, lay, buf, counters, jobs, stream);
   check_cuda(cudaGetLastError(), op, "representatives launch");
 
@@ -1304,6 +1475,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   p.dterm = static_cast<float>(D) / 4.0f + 1.0f;
   p.err_scale = D <= 4096 ? 2.0f * static_cast<float>(D) * 0x1p-24f : INFINITY;
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
+  const int max_smem = dev.max_smem, sms = dev.sms;
   if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, q.device_index, stream);
   else if (P <= fp32_screen::SmallTile::QM) fp32_screen::launch_scores<fp32_screen::SmallTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
   else fp32_screen::launch_scores<fp32_screen::LargeTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
