@@ -141,6 +141,67 @@ __device__ __forceinline__ void wgmma_rs_tb<F16Tag>(float (&d)[32], const std::u
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+
+// First k-step variants: scale-d = 0, so the accumulator is only written. Its registers are outputs
+// ("=f"), not inputs, which keeps a kernel from carrying the previous tile's accumulator (or zeros)
+// in registers up to the first wgmma of the next one.
+#define SA_OUT8(i) "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]), "=f"(d[i + 5]), \
+                   "=f"(d[i + 6]), "=f"(d[i + 7])
+#define SA_OUT64 SA_OUT8(0), SA_OUT8(8), SA_OUT8(16), SA_OUT8(24), SA_OUT8(32), SA_OUT8(40), SA_OUT8(48), SA_OUT8(56)
+#define SA_OUT32 SA_OUT8(0), SA_OUT8(8), SA_OUT8(16), SA_OUT8(24)
+#define SA_REGS64                                                                                        \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"             \
+  "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"  \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define SA_REGS32 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
+/// d = A(64x16, smem, K-major) * B(16x128, smem, K-major).
+template <class Tag>
+__device__ __forceinline__ void wgmma_ss_first(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b);
+/// d = A(64x16, registers) * B(16xN, smem, MN-major), N = 128 (d[64]) or 64 (d[32]).
+template <class Tag, int N>
+__device__ __forceinline__ void wgmma_rs_tb_first(float (&d)[N], const std::uint32_t (&a)[4], std::uint64_t desc_b);
+
+#define SA_FIRST_VARIANTS(TAG, TY)                                                                          \
+  template <>                                                                                              \
+  __device__ __forceinline__ void wgmma_ss_first<TAG>(float (&d)[64], std::uint64_t desc_a,                \
+                                                      std::uint64_t desc_b) {                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                                \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " SA_REGS64                       \
+                 ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                           \
+                 : SA_OUT64                                                                                \
+                 : "l"(desc_a), "l"(desc_b));                                                              \
+  }                                                                                                        \
+  template <>                                                                                              \
+  __device__ __forceinline__ void wgmma_rs_tb_first<TAG, 64>(float (&d)[64], const std::uint32_t (&a)[4],  \
+                                                             std::uint64_t desc_b) {                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                                \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " SA_REGS64                       \
+                 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                                                \
+                 : SA_OUT64                                                                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                               \
+  }                                                                                                        \
+  template <>                                                                                              \
+  __device__ __forceinline__ void wgmma_rs_tb_first<TAG, 32>(float (&d)[32], const std::uint32_t (&a)[4],  \
+                                                             std::uint64_t desc_b) {                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                                \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " SA_REGS32                        \
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                                \
+                 : SA_OUT32                                                                                \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                               \
+  }
+
+SA_FIRST_VARIANTS(Bf16Tag, "bf16")
+SA_FIRST_VARIANTS(F16Tag, "f16")
+
+#undef SA_FIRST_VARIANTS
+#undef SA_OUT8
+#undef SA_OUT64
+#undef SA_OUT32
+#undef SA_REGS64
+#undef SA_REGS32
+
 #undef SA_D8
 #undef SA_D32
 #undef SA_D64

@@ -5,10 +5,10 @@
 //
 // KV-centric pipeline, every kernel on one stream:
 //   plan:    [validate lists -> host]  count (atomics per (b, g, block)) -> scan (one CTA) ->
-//            fill (CSR entries query * Kq + slot) + items (each block's rows cut into <= 128)
-//   attend:  one CTA per work item: K and V of the block once, the gathered (query, head) rows,
-//            QK and PV on mma.sync m16n8k16, partial output (normalised) and partial LSE per
-//            (query, head, slot)
+//            fill (CSR entries query * Kq + slot) + items (each block's rows cut into <= kRowsPerItem)
+//   attend:  persistent CTAs (attend.cu): per work item (a KV block and up to kRowsPerItem of its
+//            gathered (query, head) rows) K and V by TMA once, 64-row tiles of gathered Q, QK and PV
+//            on wgmma, partial output (normalised) and partial LSE per (query, head, slot)
 //   combine: one warp per (query, head): LSE-weighted sum of its slots in slot order
 // The order of entries inside a block's CSR list depends on atomics, but every row's partial is
 // computed by the same instructions wherever it lands in a CTA, and the combine walks slots in a

@@ -10,15 +10,16 @@
 
 namespace sparse_attn::cuda_kernels::qs {
 
-// Rows (query, head pairs) of one attention work item: 8 warps of 16 rows (one m16 MMA tile each).
-// 128 keeps K/V reloads (from L2) per row low while the CTA's shared memory (Q, K, V^T of 128 rows
-// of D = 128 with padding: 102 KB) still lets two CTAs share an SM.
-inline constexpr int kRowsPerItem = 128;
-inline constexpr int kWarps = kRowsPerItem / 16;
-inline constexpr int kThreads = kWarps * 32;
+// Rows (query, head pairs) of one attention work item: 12 tiles of 64 rows, 4 for each of the three
+// consumer warpgroups of attend.cu. K and V (64 KB at D = 128) are loaded once per item, so an item
+// this long keeps their bytes per row at a quarter of the row's own Q and partial traffic, while a
+// block's rows still split into enough items to balance the persistent CTAs.
+inline constexpr int kRowsPerItem = 768;
+inline constexpr int kAttendConsumers = 3;
 inline constexpr int kKeys = 128;  // keys per KV block (kBlockK)
-// 8 halves (16 bytes) of padding per shared row: a row stride of 4 (mod 32) words makes the 8 rows x
-// 4 columns that a quad-organised fragment load touches fall on 32 distinct banks.
+// 8 halves (16 bytes) of padding per shared row of the group-centric kernel: a row stride of 4
+// (mod 32) words makes the 8 rows x 4 columns that a quad-organised fragment load touches fall on 32
+// distinct banks.
 inline constexpr int kPad = 8;
 
 enum : unsigned { kBadRange = 0, kBadDuplicate = 1 };

@@ -10,6 +10,8 @@
 namespace sparse_attn::cuda_kernels::qs {
 
 struct PartF32 {
+  using Elem = float;
+  __device__ static void put2(float* dst, float x, float y) { *reinterpret_cast<float2*>(dst) = make_float2(x, y); }
   __device__ static void store2(void* base, long long e, float x, float y) {
     *reinterpret_cast<float2*>(static_cast<float*>(base) + e) = make_float2(x, y);
   }
@@ -17,6 +19,10 @@ struct PartF32 {
 };
 
 struct PartBf16 {
+  using Elem = __nv_bfloat16;
+  __device__ static void put2(__nv_bfloat16* dst, float x, float y) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
+  }
   __device__ static void store2(void* base, long long e, float x, float y) {
     *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + e) = __floats2bfloat162_rn(x, y);
   }

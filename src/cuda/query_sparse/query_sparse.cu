@@ -373,8 +373,19 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
   prm.scale = scale;
   prm.scale_log2 = scale * 1.4426950408889634f;  // log2(e)
   const Layout l = layout(p, lists.idx.shape[3], options.partials);
+  const CUtensorMap tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
+  const CUtensorMap tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device_index), "cudaDeviceGetAttribute");
+  int optin = 0;
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.device_index),
+             "cudaDeviceGetAttribute");
+  const std::size_t smem = qs::attend_smem(static_cast<int>(p.D));
+  require(smem <= static_cast<std::size_t>(optin), kOp, "q",
+          "the KV-centric attention kernel needs " + std::to_string(smem) + " bytes of shared memory per CTA, the "
+              "device offers " + std::to_string(optin) + " (it is built for Hopper, sm_90a)");
   check_cuda(qs::launch_attend(prm, q.dtype == DType::bf16, static_cast<int>(p.D),
-                               options.partials == PartialPrecision::bf16, l.max_items,
+                               options.partials == PartialPrecision::bf16, &tm_k, &tm_v, sms, l.max_items,
                                static_cast<cudaStream_t>(options.stream)),
              "attention launch");
 }
