@@ -452,12 +452,14 @@ TEST(PooledGpu, ScratchAcrossShapesAndStreams) {
   cudaStreamDestroy(s2);
 }
 
-// Captured into a CUDA graph on a stream that has no scratch yet (the call takes stream-ordered memory
-// inside the capture), then replayed; the same after the stream's scratch exists.
+// Captured into a CUDA graph (the call takes stream-ordered memory inside the capture, so the graph owns
+// its scratch) on a stream without cached scratch, and on one with it; replayed twice, the second time
+// after a larger call on the same stream has grown (freed and replaced) the stream's cached scratch.
 TEST(PooledGpu, GraphCapture) {
   POOLED_SKIP_WITHOUT_GPU();
   const Input q = make_input(sa::DType::bf16, 2, 500, 8, 128, 401), k = make_input(sa::DType::bf16, 2, 3000, 2, 128, 402);
-  DevCopy dq(q.buf), dk(k.buf);
+  const Input qbig = make_input(sa::DType::bf16, 2, 2000, 8, 128, 403), kbig = make_input(sa::DType::bf16, 2, 12000, 2, 128, 404);
+  DevCopy dq(q.buf), dk(k.buf), dqbig(qbig.buf), dkbig(kbig.buf);
   for (int round = 0; round < 2; ++round) {
     cudaStream_t s = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -482,6 +484,11 @@ TEST(PooledGpu, GraphCapture) {
                       q, k, o);
       std::vector<std::int32_t> poison(static_cast<std::size_t>(call.idx.numel()), 0x5a5a5a5a);
       cuda_ok(cudaMemcpy(call.didx->ptr, poison.data(), poison.size() * 4, cudaMemcpyHostToDevice), "re-poison");
+      if (rep == 0) {  // grows the stream's cached scratch
+        GpuCall big(qbig, kbig, dqbig, dkbig, o, 5);
+        cuda_ok(cudaStreamSynchronize(s), "larger call");
+        big.expect_cpu("larger call after the capture", qbig, kbig, o);
+      }
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);

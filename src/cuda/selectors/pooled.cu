@@ -44,8 +44,8 @@
 // about one pair per block reaches float64 instead of most of them.
 //
 // Scratch (means, int8 copies, block scores, counters) is cached per (device, stream) and grown (with
-// a synchronisation of that stream) only when a call needs more; during stream capture a call that
-// would grow it takes stream-ordered memory instead, so capture never synchronises.
+// a synchronisation of that stream) only when a call needs more; a call being captured into a CUDA
+// graph takes stream-ordered memory instead (the graph owns it; capture never synchronises).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -314,8 +314,8 @@ constexpr int kCandCap = 2048, kCandCapF32 = 512;
 constexpr int kMaxRowsPerCta = 512;    // key representative rows per CTA (passes of kKN rows)
 constexpr std::int64_t kNever = LLONG_MAX;  // key position that no query sees
 
-// Tile of one pass: kQM query rows x kKN key rows, 8 warps; warp w computes query rows
-// 16 (w % 4) + [0, 16) against key rows 64 (w / 4) + [0, 64) as 8 mma m16n8k32 column tiles.
+// Tile of one pass: kQM query rows x kKN key rows, 8 warps (WarpTile says which pairs a warp forms
+// with mma m16n8k32).
 constexpr int kQM = 64, kKN = 128, kThreads = 256;
 // int8 row stride in shared memory: a multiple of 16 bytes that is 4 words modulo 8, so the eight
 // rows of a fragment load fall on distinct banks.
@@ -675,13 +675,27 @@ __device__ __forceinline__ void stage_rows(const ScoreParams& p, unsigned char* 
   __syncthreads();
 }
 
+// How the 8 warps split a pass of qrows x kKN pairs: wm warps along the query rows (16 rows each, as
+// few as cover qrows, so R1 tiles of 16 query rows keep every warp busy) and 8 / wm along the key
+// rows, each warp taking nt = 2 wm column tiles of 8 key rows.
+struct WarpTile {
+  int mt, nh, nt;
+  __device__ __forceinline__ explicit WarpTile(int qrows) {
+    const int wm = qrows <= 16 ? 1 : qrows <= 32 ? 2 : 4, warp = static_cast<int>(threadIdx.x) / 32;
+    mt = warp % wm, nh = warp / wm, nt = 2 * wm;
+  }
+  __device__ __forceinline__ int query_row(int gid, int mi) const { return mt * 16 + gid + 8 * mi; }
+  __device__ __forceinline__ int key_row(int n, int tq, int j) const { return nh * 8 * nt + n * 8 + 2 * tq + j; }
+};
+
 // The thread's pairs of one staged pass: query rows qr(mi) = 16 mt + gid + 8 mi, key rows
-// kr(nt, j) = 64 nh + 8 nt + 2 tq + j, pair bit nt * 4 + 2 mi + j (the mma accumulator layout).
-// Forms M.N from the four int8 products of every counted pair. Without kTest it raises each block's
-// lower bound in lkey (one atomic per key row and warp, after a shuffle maximum over the eight query
-// lanes) and returns 0; with kTest (every lower bound in) it returns the bits of the pairs whose upper
-// bound reaches their block's lower bound (every counted pair of a row without a scale). The products
-// are formed again for the test rather than kept: 32 bounds per thread in registers spill.
+// kr(n, j) = 8 nt nh + 8 n + 2 tq + j, pair bit 4 n + 2 mi + j (the mma accumulator layout).
+// Forms M.N from the four int8 products of every counted pair, two column tiles at a time (six
+// independent accumulator chains). Without kTest it raises each block's lower bound in lkey (one
+// atomic per key row and warp, after a shuffle maximum over the eight query lanes) and returns 0; with
+// kTest (every lower bound in) it returns the bits of the pairs whose upper bound reaches their block's
+// lower bound (every counted pair of a row without a scale). The products are formed again for the
+// test rather than kept: 32 bounds per thread in registers spill.
 template <bool kTest>
 __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int qrows,
                                                 std::int64_t k0, int krows, std::int64_t blk0) {
@@ -694,30 +708,31 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
   const auto* qlim = reinterpret_cast<const long long*>(smem + L.qlim);
   const auto* kfirst = reinterpret_cast<const long long*>(smem + L.kfirst);
   auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
-  const int mt = warp % 4, nh = warp / 4;
+  const int lane = threadIdx.x % 32, gid = lane / 4, tq = lane % 4;
+  const WarpTile wt(qrows);
   const int rs = smem_i8_stride(p.k32);
 
   float qs[2], qa[2];
   long long ql[2];
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi) {
-    const int qr = mt * 16 + gid + 8 * mi;
+    const int qr = wt.query_row(gid, mi);
     const bool in = qr < qrows;
     qs[mi] = in ? qsc[qr] : 0.0f;
     qa[mi] = in ? ql1[qr] : 0.0f;
     ql[mi] = in ? qlim[qr] : -1;
   }
-  const bool active = mt * 16 < qrows && nh * 64 < krows;  // warp-uniform: mma needs the whole warp
-  const unsigned char* qh = q8 + (mt * 16 + gid) * rs + tq * 4;
+  const bool active = wt.mt * 16 < qrows;  // warp-uniform: mma needs the whole warp
+  const unsigned char* qh = q8 + wt.query_row(gid, 0) * rs + tq * 4;
   const unsigned char* qlo = qh + kQM * rs;
-  const unsigned char* kh = k8 + (nh * 64 + gid) * rs + tq * 4;
+  const unsigned char* kh = k8 + (wt.key_row(0, 0, 0) + gid) * rs + tq * 4;
   const unsigned char* klo = kh + kKN * rs;
   unsigned bits = 0u;
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    int hh[4] = {0, 0, 0, 0}, hl[4] = {0, 0, 0, 0}, ll[4] = {0, 0, 0, 0};
-    const bool tile_in = active && nh * 64 + nt * 8 < krows;  // warp-uniform
+  for (int np = 0; np < 4; ++np) {
+    if (2 * np >= wt.nt) break;  // warp-uniform
+    int hh[2][4] = {}, hl[2][4] = {}, ll[2][4] = {};
+    const bool tile_in = active && wt.key_row(2 * np, 0, 0) < krows;  // warp-uniform
     if (tile_in) {
       for (int ks = 0; ks < p.k32 / 32; ++ks) {
         const int o = ks * 32;
@@ -728,46 +743,54 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
                                 *reinterpret_cast<const unsigned*>(qlo + 8 * rs + o),
                                 *reinterpret_cast<const unsigned*>(qlo + o + 16),
                                 *reinterpret_cast<const unsigned*>(qlo + 8 * rs + o + 16)};
-        const unsigned char* bh = kh + nt * 8 * rs + o;
-        const unsigned char* bl = klo + nt * 8 * rs + o;
-        const unsigned bh0 = *reinterpret_cast<const unsigned*>(bh), bh1 = *reinterpret_cast<const unsigned*>(bh + 16);
-        const unsigned bl0 = *reinterpret_cast<const unsigned*>(bl), bl1 = *reinterpret_cast<const unsigned*>(bl + 16);
-        mma_s8(hh, ah, bh0, bh1);
-        mma_s8(hl, ah, bl0, bl1);
-        mma_s8(hl, al, bh0, bh1);
-        mma_s8(ll, al, bl0, bl1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const unsigned char* bh = kh + (2 * np + h) * 8 * rs + o;
+          const unsigned char* bl = klo + (2 * np + h) * 8 * rs + o;
+          const unsigned bh0 = *reinterpret_cast<const unsigned*>(bh), bh1 = *reinterpret_cast<const unsigned*>(bh + 16);
+          const unsigned bl0 = *reinterpret_cast<const unsigned*>(bl), bl1 = *reinterpret_cast<const unsigned*>(bl + 16);
+          mma_s8(hh[h], ah, bh0, bh1);
+          mma_s8(hl[h], ah, bl0, bl1);
+          mma_s8(hl[h], al, bh0, bh1);
+          mma_s8(ll[h], al, bl0, bl1);
+        }
       }
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int kr = nh * 64 + nt * 8 + 2 * tq + j;
-      const bool kin = tile_in && kr < krows;
-      const long long kf = kin ? kfirst[kr] : kNever;
-      const float ks = kin ? ksc[kr] : 0.0f, ka = kin ? kl1[kr] : 0.0f;
-      const int blk = static_cast<int>((k0 + kr) / p.r - blk0);
-      float lb_block = 0.0f;
-      if constexpr (kTest) lb_block = kin ? unkey32(lkey[blk]) : 0.0f;
-      float best = -INFINITY;
+    for (int h = 0; h < 2; ++h) {
+      const int n = 2 * np + h;
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        if (kf == kNever || kf > ql[mi]) continue;  // not a counted pair
-        const bool bounded = qs[mi] > 0.0f && ks > 0.0f;
-        const float ss = qs[mi] * ks;  // powers of two in range: exact
-        const float e = __fmul_ru(ss, __fadd_ru(__fmul_ru(0.5f, __fadd_ru(qa[mi], ka)), p.dterm));
-        const int i = 2 * mi + j;
-        const float fhh = small_int_to_float(hh[i]), fhl = small_int_to_float(hl[i]), fll = small_int_to_float(ll[i]);
-        if constexpr (kTest) {
-          const float ub = __fadd_ru(__fmul_ru(__fmaf_ru(16384.0f, fhh, __fmaf_ru(128.0f, fhl, fll)), ss), e);
-          if (!bounded || ub >= lb_block) bits |= 1u << (nt * 4 + i);
-        } else if (bounded) {
-          best = fmaxf(best, __fsub_rd(__fmul_rd(__fmaf_rd(16384.0f, fhh, __fmaf_rd(128.0f, fhl, fll)), ss), e));
+      for (int j = 0; j < 2; ++j) {
+        const int kr = wt.key_row(n, tq, j);
+        const bool kin = tile_in && kr < krows;
+        const long long kf = kin ? kfirst[kr] : kNever;
+        const float ks = kin ? ksc[kr] : 0.0f, ka = kin ? kl1[kr] : 0.0f;
+        const int blk = static_cast<int>((k0 + kr) / p.r - blk0);
+        float lb_block = 0.0f;
+        if constexpr (kTest) lb_block = kin ? unkey32(lkey[blk]) : 0.0f;
+        float best = -INFINITY;
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          if (kf == kNever || kf > ql[mi]) continue;  // not a counted pair
+          const bool bounded = qs[mi] > 0.0f && ks > 0.0f;
+          const float ss = qs[mi] * ks;  // powers of two in range: exact
+          const float e = __fmul_ru(ss, __fadd_ru(__fmul_ru(0.5f, __fadd_ru(qa[mi], ka)), p.dterm));
+          const int i = 2 * mi + j;
+          const float fhh = small_int_to_float(hh[h][i]), fhl = small_int_to_float(hl[h][i]),
+                      fll = small_int_to_float(ll[h][i]);
+          if constexpr (kTest) {
+            const float ub = __fadd_ru(__fmul_ru(__fmaf_ru(16384.0f, fhh, __fmaf_ru(128.0f, fhl, fll)), ss), e);
+            if (!bounded || ub >= lb_block) bits |= 1u << (n * 4 + i);
+          } else if (bounded) {
+            best = fmaxf(best, __fsub_rd(__fmul_rd(__fmaf_rd(16384.0f, fhh, __fmaf_rd(128.0f, fhl, fll)), ss), e));
+          }
         }
-      }
-      if constexpr (!kTest) {
-        best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 4));
-        best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 8));
-        best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 16));
-        if (gid == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
+        if constexpr (!kTest) {
+          best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 4));
+          best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 8));
+          best = fmaxf(best, __shfl_xor_sync(0xffffffffu, best, 16));
+          if (gid == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
+        }
       }
     }
   }
@@ -778,11 +801,12 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
 // per-thread counts places the pairs). A block whose pairs do not fit the queue is flagged in `full`
 // and has every pair evaluated later.
 __device__ __forceinline__ void enqueue_pass(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int q0,
-                                             std::int64_t k0, std::int64_t blk0, unsigned bits, int& n_queued) {
+                                             int qrows, std::int64_t k0, std::int64_t blk0, unsigned bits,
+                                             int& n_queued) {
   auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
   auto* full = reinterpret_cast<unsigned*>(smem + L.full);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tq = lane % 4;
-  const int mt = warp % 4, nh = warp / 4;
+  const int lane = threadIdx.x % 32, gid = lane / 4, tq = lane % 4;
+  const WarpTile wt(qrows);
   const int mine = __popc(bits);
   int incl = mine;
 #pragma unroll
@@ -797,8 +821,8 @@ __device__ __forceinline__ void enqueue_pass(const ScoreParams& p, unsigned char
   while (bits != 0u) {
     const int b = __ffs(bits) - 1;
     bits &= bits - 1u;
-    const int kr = nh * 64 + (b / 4) * 8 + 2 * tq + (b % 2);
-    const int qr = mt * 16 + gid + 8 * ((b % 4) / 2);
+    const int kr = wt.key_row(b / 4, tq, b % 2);
+    const int qr = wt.query_row(gid, (b % 4) / 2);
     if (slot < kCandCap) cand[slot] = make_uint2(static_cast<unsigned>(q0 + qr), static_cast<unsigned>(k0 + kr));
     else atomicOr(full + ((k0 + kr) / p.r - blk0), 1u);
     ++slot;
@@ -846,7 +870,7 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
         if (pass == 1) {
           if (qchunks == 1) __syncthreads();  // every lower bound of the pass is in
           const unsigned bits = screen_pass<true>(p, smem, L, qrows, k0, krows, v.blk0);
-          enqueue_pass(p, smem, L, q0, k0, v.blk0, bits, n_queued);
+          enqueue_pass(p, smem, L, q0, qrows, k0, v.blk0, bits, n_queued);
         }
       }
       if (pass == 0) __syncthreads();
@@ -1377,22 +1401,23 @@ struct CachedScratch {
 
 // Device memory of at least `bytes` for a call on `stream`: the cached scratch, grown (after the
 // stream's earlier calls have finished with it) when too small. A call being captured into a graph
-// cannot synchronise; if it needs more than the cache holds it gets stream-ordered memory (`owned`),
-// freed on the stream after the call.
+// gets stream-ordered memory instead (`owned`, freed on the stream after the call): the graph then
+// owns its memory, so a later growth of the cache cannot free memory a graph still uses, and capture
+// never synchronises.
 void* scratch_for(const std::string& op, int device, cudaStream_t stream, std::size_t bytes,
                   std::unique_ptr<StreamScratch>& owned) {
-  static std::mutex mu;
-  static auto* cache = new std::map<std::pair<int, cudaStream_t>, CachedScratch>();  // never freed: no
-                                                                                     // cudaFree after the runtime's teardown
-  const std::lock_guard<std::mutex> lock(mu);
-  CachedScratch& c = (*cache)[{device, stream}];
-  if (c.bytes >= bytes) return c.ptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(stream, &capture), op, "cudaStreamIsCapturing");
   if (capture != cudaStreamCaptureStatusNone) {
     owned = std::make_unique<StreamScratch>(bytes, stream, op);
     return owned->as<void>();
   }
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<int, cudaStream_t>, CachedScratch>();  // never freed: no
+                                                                                     // cudaFree after the runtime's teardown
+  const std::lock_guard<std::mutex> lock(mu);
+  CachedScratch& c = (*cache)[{device, stream}];
+  if (c.bytes >= bytes) return c.ptr;
   check_cuda(cudaStreamSynchronize(stream), op, "scratch growth");  // earlier calls may still use it
   if (c.ptr != nullptr) check_cuda(cudaFree(c.ptr), op, "scratch growth");
   c = CachedScratch{};
