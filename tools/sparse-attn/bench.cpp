@@ -440,13 +440,26 @@ void Bench::pipeline() {
           selection_reference(in, host_sel), nullptr);
       r.pairs = selected_pairs(host_sel, p);
       if (r.status == "ok") {
-        std::vector<double> sel_ms;
+        std::vector<double> sel_ms, pipe_ms;
         for (int rep = 0; rep < repeat_; ++rep) sel_ms.push_back(time_ms(dev, [&] { select(dev); }));
-        const double s_med = median(sel_ms), a_med = median(r.ms);
+        // The pipeline as a caller runs it: the selector, then the executor on the lists it just made
+        // (trusted: the caller produced them), queued back to back and timed as one.
+        trusted_ = true;
+        for (int rep = 0; rep < repeat_; ++rep)
+          pipe_ms.push_back(time_ms(dev, [&] {
+            select(dev);
+            tile_sparse(in.q.view(dev), in.k.view(dev), in.v.view(dev), TileLists{idx.view(dev), cnt.view(dev)},
+                        in.out.view(dev), std::nullopt, selection_options());
+          }));
+        trusted_ = false;
+        const double s_med = median(sel_ms), a_med = median(r.ms), p_med = median(pipe_ms);
+        const double useful = 4.0 * double(p.D) * r.pairs;
         r.extra["selector_ms"] = {{"median", s_med}, {"min", *std::min_element(sel_ms.begin(), sel_ms.end())}, {"all", sel_ms}};
-        r.extra["effective_tflops"] = 4.0 * double(p.D) * r.pairs / ((s_med + a_med) * 1e-3) / 1e12;
-        // Effective over attention-only TFLOP/s: the share of the pipeline's time spent attending.
-        r.extra["effective_over_attention_only"] = a_med / (s_med + a_med);
+        r.extra["pipeline_ms"] = {{"median", p_med}, {"min", *std::min_element(pipe_ms.begin(), pipe_ms.end())}, {"all", pipe_ms}};
+        r.extra["effective_tflops"] = useful / (p_med * 1e-3) / 1e12;
+        r.extra["attention_only_tflops"] = useful / (a_med * 1e-3) / 1e12;
+        // Effective over attention-only TFLOP/s (target >= 0.9).
+        r.extra["effective_over_attention_only"] = a_med / p_med;
       }
       record(name, p, {{"selector", sel.name}, {"blocks_per_tile", blocks}}, std::move(r));
     }
