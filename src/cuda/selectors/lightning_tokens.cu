@@ -663,22 +663,8 @@ __global__ void __launch_bounds__(256, 1) screen_wgmma_kernel(const ScreenParams
     }
     __syncthreads();
     const int m0 = qmode[2 * wg], m1 = qmode[2 * wg + 1];
-    for (int slab = 0; slab < 2; ++slab) {
-      const std::int64_t kbase = j * kBlockK + slab * 64;
-      if (kbase >= wg_end || (m0 != 1 && m1 != 1)) break;
-      float d[64];
-      const std::uint32_t a_base = smem_addr(kst + stage * tile_bytes) + slab * 64 * 128;
-      const std::uint32_t b_base = smem_addr(qt + wg * tile_bytes);
-      cuda_kernels::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < ksteps; ++kk) {
-        const std::uint32_t off = (kk / 4) * kWgHalf + (kk % 4) * 32;
-        cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d, cuda_kernels::make_desc_sw128(a_base + off, 16, 1024),
-                                                       cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
-      }
-      cuda_kernels::wgmma_commit();
-      cuda_kernels::wgmma_wait<0>();
-      cuda_kernels::fence_operands(d);
+    // Slab 1's MMAs run while slab 0's epilogue does: two accumulator sets.
+    auto epilogue = [&](float (&d)[64], std::int64_t kbase) {
       const std::int64_t key0 = kbase + 16 * w4 + g, key1 = key0 + 8;
 #pragma unroll
       for (int qi = 0; qi < 2; ++qi) {
@@ -720,6 +706,33 @@ __global__ void __launch_bounds__(256, 1) screen_wgmma_kernel(const ScreenParams
           bi[pos] = static_cast<int>(key1);
         }
       }
+    };
+    const std::int64_t kb0 = j * kBlockK;
+    // Both slabs always run (past the causal edge the keys are masked), so the MMAs stay unconditional.
+    if ((m0 == 1 || m1 == 1) && kb0 < wg_end) {
+      float d0[64], d1[64];
+      const std::uint32_t a_base = smem_addr(kst + stage * tile_bytes), b_base = smem_addr(qt + wg * tile_bytes);
+      cuda_kernels::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < ksteps; ++kk) {
+        const std::uint32_t off = (kk / 4) * kWgHalf + (kk % 4) * 32;
+        cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d0, cuda_kernels::make_desc_sw128(a_base + off, 16, 1024),
+                                                       cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
+      }
+      cuda_kernels::wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < ksteps; ++kk) {
+        const std::uint32_t off = (kk / 4) * kWgHalf + (kk % 4) * 32;
+        cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d1, cuda_kernels::make_desc_sw128(a_base + 64 * 128 + off, 16, 1024),
+                                                       cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
+      }
+      cuda_kernels::wgmma_commit();
+      cuda_kernels::wgmma_wait<1>();
+      cuda_kernels::fence_operands(d0);
+      epilogue(d0, kb0);
+      cuda_kernels::wgmma_wait<0>();
+      cuda_kernels::fence_operands(d1);
+      epilogue(d1, kb0 + 64);
     }
     __syncthreads();  // the stage, the counters and the buffers are read or rewritten next
   }
