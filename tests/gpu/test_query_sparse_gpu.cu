@@ -465,6 +465,7 @@ TEST(QuerySparseGpu, ReverseIndexMatchesHostCsr) {
       {"ri Lq>Lk causal slot-major", 1, 700, 300, 4, 2, 5, true, false, false, false, L::slot_major},
       {"ri popular GQA16 padded rows", 1, 1500, 1000, 16, 1, 6, false, false, true, false, L::padded_rows},
       {"ri nblk 3600 (> one scan tile)", 3, 200, 300 * 128, 8, 4, 5},
+      {"ri Tk 5000 (shared cursors)", 1, 300, 5000 * 128, 4, 2, 8},
       {"ri Tk 12289 (global-atomic path)", 1, 64, 12289 * 128 - 5, 2, 1, 8},
       {"ri Lq=1 Kq=1", 2, 1, 129, 2, 2, 1},
       {"ri no block chosen", 2, 100, 512, 4, 2, 4, false, false, false, true},

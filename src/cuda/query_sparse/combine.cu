@@ -24,10 +24,12 @@
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
 
-constexpr int kCombineThreads = 256;
+// Four warps per CTA: with 96-121 registers per thread, 128-thread CTAs leave fewer registers of an
+// SM unused than 256-thread ones (20 resident warps instead of 16 at 96 registers).
+constexpr int kCombineThreads = 128;
 constexpr unsigned kFull = 0xffffffffu;
 // 16-byte loads per lane per slot: bounds the accumulators (4 x 8 bf16 columns = 32 floats per lane)
-// and keeps registers low enough for two CTAs per SM.
+// and keeps registers low enough for 16-20 resident warps per SM.
 constexpr int kMaxChunks = 4;
 // 16-byte loads a lane issues before it accumulates any: 128 bytes per lane, 4 KB per warp in
 // flight, enough with a few warps per SM to cover the DRAM latency.

@@ -8,12 +8,14 @@
 //          atomic; the last CTA to arrive scans the counters into entry and item offsets and turns
 //          the counters into fill cursors.
 //   fill:  every CTA recounts its chunk, reserves one range per non-zero bin with one global atomic,
-//          places its entries from shared-memory cursors; the CTAs together also write the items.
+//          sorts its entries by bin in shared memory and writes each bin's run out contiguously;
+//          the CTAs together also write the work items.
 // Per-slot global atomics (the seed's count and fill) put the whole selection's contention on
-// B * Hkv * Tk L2 addresses; the shared histograms leave about Tk global atomics per CTA. With more
-// than kHistBins blocks per row the histogram does not fit and the kernels fall back to per-slot
-// global atomics. Entry order inside a block's list depends on which CTA reserves first; the attend
-// and combine phases do not depend on it (backend.hpp).
+// B * Hkv * Tk L2 addresses; the shared histograms leave about Tk global atomics per CTA. When the
+// staging does not fit, entries are stored straight from the shared cursors, and with more than
+// kHistBins blocks per row (no shared histogram) the kernels fall back to per-slot global atomics.
+// Entry order inside a block's list depends on which CTA reserves first; the attend and combine
+// phases do not depend on it (backend.hpp).
 #include <cuda_runtime.h>
 
 #include "cuda/query_sparse/kernels.cuh"
@@ -31,6 +33,10 @@ constexpr int kRoundSlots = kIndexThreads * kSlotsPerThread;
 // to 1.5 M keys.
 constexpr int kHistBins = 12 * 1024;
 constexpr int kScanPer = 8;  // counters per thread and scan tile
+constexpr std::size_t kDefaultSmem = 48 * 1024;  // dynamic shared memory without an opt-in
+// The staged fill's shared memory: 34 KB for query-long's 256 bins and 4096-slot chunks (six CTAs
+// per SM); up to 96 KB (Tk around 2000) before it falls back to storing entries from the cursors.
+constexpr std::size_t kStagedSmem = 96 * 1024;
 
 // One thread per row; the minimum of (entry position << 1 | code) is the first offending slot in
 // row-major order.
@@ -106,38 +112,50 @@ __device__ __forceinline__ void for_each_chosen(const Params& p, const Chunk& c,
   }
 }
 
+// Exclusive prefix sums over the CTA's threads, in thread order, of two values at once; `tot_*`
+// receive the CTA's totals. Every thread of the CTA must call it (it holds two barriers).
+__device__ __forceinline__ void cta_exclusive_scan(int& a, int& b, int& tot_a, int& tot_b) {
+  __shared__ int warp_a[kIndexThreads / 32], warp_b[kIndexThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int ia = a, ib = b;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int va = __shfl_up_sync(0xffffffffu, ia, off), vb = __shfl_up_sync(0xffffffffu, ib, off);
+    if (lane >= off) ia += va, ib += vb;
+  }
+  if (lane == 31) warp_a[warp] = ia, warp_b[warp] = ib;
+  __syncthreads();
+  int ba = 0, bb = 0;
+  tot_a = 0, tot_b = 0;
+  for (int w = 0; w < kIndexThreads / 32; ++w) {
+    if (w < warp) ba += warp_a[w], bb += warp_b[w];
+    tot_a += warp_a[w], tot_b += warp_b[w];
+  }
+  __syncthreads();  // the warp totals are rewritten by the next call
+  a = ba + ia - a;
+  b = bb + ib - b;
+}
+
 // Exclusive scan of the counters into entry offsets, item offsets and fill cursors, by one CTA of
 // kIndexThreads in tiles of kIndexThreads * kScanPer counters. nblk is B * Hkv * Tk, small next to
 // the slots the other CTAs counted, and one CTA keeps the scan free of inter-CTA traffic. Counters
 // are read through L2 (__ldcg): other CTAs' atomics put them there.
 __device__ void scan_counts(const Params& p) {
-  __shared__ int warp_e[kIndexThreads / 32], warp_i[kIndexThreads / 32];
-  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   int carry_e = 0, carry_i = 0;
   for (long long t0 = 0; t0 < p.nblk; t0 += kIndexThreads * kScanPer) {
-    const long long x0 = t0 + static_cast<long long>(t) * kScanPer;
+    const long long x0 = t0 + static_cast<long long>(threadIdx.x) * kScanPer;
     int c[kScanPer];
-    int se = 0, si = 0;
+    int e = 0, it = 0;
 #pragma unroll
     for (int u = 0; u < kScanPer; ++u) {
       c[u] = x0 + u < p.nblk ? __ldcg(p.counts + x0 + u) : 0;
-      se += c[u];
-      si += static_cast<int>(items_of(p, c[u]));
+      e += c[u];
+      it += static_cast<int>(items_of(p, c[u]));
     }
-    // Inclusive warp scan, then the warps' totals.
-    int ie = se, ii = si;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int ve = __shfl_up_sync(0xffffffffu, ie, off), vi = __shfl_up_sync(0xffffffffu, ii, off);
-      if (lane >= off) ie += ve, ii += vi;
-    }
-    if (lane == 31) warp_e[warp] = ie, warp_i[warp] = ii;
-    __syncthreads();
-    int be = carry_e, bi = carry_i;
-    for (int w = 0; w < warp; ++w) be += warp_e[w], bi += warp_i[w];
-    int tot_e = 0, tot_i = 0;
-    for (int w = 0; w < kIndexThreads / 32; ++w) tot_e += warp_e[w], tot_i += warp_i[w];
-    int e = be + ie - se, it = bi + ii - si;
+    int tot_e, tot_i;
+    cta_exclusive_scan(e, it, tot_e, tot_i);
+    e += carry_e;
+    it += carry_i;
 #pragma unroll
     for (int u = 0; u < kScanPer; ++u) {
       if (x0 + u < p.nblk) {
@@ -150,9 +168,8 @@ __device__ void scan_counts(const Params& p) {
     }
     carry_e += tot_e;
     carry_i += tot_i;
-    __syncthreads();  // warp_e / warp_i are rewritten by the next tile
   }
-  if (t == 0) {
+  if (threadIdx.x == 0) {
     p.offsets[p.nblk] = carry_e;
     p.item_offsets[p.nblk] = carry_i;
   }
@@ -208,14 +225,64 @@ __device__ __forceinline__ void write_items(const Params& p) {
   }
 }
 
-template <bool kShared>
+// How the fill places entries (chosen on the host from Tk and the chunk).
+enum class FillMode {
+  staged,          // shared cursors, entries staged in shared memory and written out bin by bin
+  shared_cursors,  // shared cursors, each entry stored where its cursor points
+  global_atomics,  // one global atomic per slot (histogram too large for shared memory)
+};
+
+// Shared memory of the staged fill: per bin its local cursor and its global base minus its local
+// offset; per chunk slot the entry and its global position.
+std::size_t staged_bytes(int Tk, int chunk) {
+  return sizeof(int) * (2 * static_cast<std::size_t>(Tk) + 2 * static_cast<std::size_t>(chunk));
+}
+
+template <FillMode kMode>
 __global__ void __launch_bounds__(kIndexThreads) fill_kernel(const __grid_constant__ Params p, int chunk,
                                                              int ctas_per_bg) {
-  extern __shared__ int cursor[];
+  extern __shared__ int smem[];
   const Chunk c = chunk_of(p, chunk, ctas_per_bg);
   if (c.idx != nullptr) {
     int* counts = p.counts + c.bg * p.Tk;
-    if constexpr (kShared) {
+    if constexpr (kMode == FillMode::staged) {
+      // Entries of one bin land in consecutive staging slots, so the write-out stores runs of
+      // consecutive entries (a bin's share of the chunk) instead of one 4-byte store per L2 sector.
+      int* cursor = smem;
+      int* base = smem + p.Tk;
+      int* val = smem + 2 * p.Tk;
+      int* pos = val + chunk;
+      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) cursor[x] = 0;
+      __syncthreads();
+      for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(cursor + j, 1); });
+      __syncthreads();
+      // Local offsets: thread t scans bins [t * per, (t + 1) * per); the counts wait in base.
+      const int per = (p.Tk + kIndexThreads - 1) / kIndexThreads;
+      const int x0 = threadIdx.x * per, x1 = min(x0 + per, p.Tk);
+      int off = 0, unused = 0, total = 0, unused_total = 0;
+      for (int x = x0; x < x1; ++x) off += cursor[x];
+      cta_exclusive_scan(off, unused, total, unused_total);
+      for (int x = x0; x < x1; ++x) {
+        base[x] = cursor[x];
+        cursor[x] = off;
+        off += base[x];
+      }
+      __syncthreads();
+      // One reservation per non-zero bin, bins spread over the threads so the atomics overlap.
+      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) {
+        const int n = base[x];
+        base[x] = n != 0 ? atomicAdd(counts + x, n) - cursor[x] : 0;
+      }
+      __syncthreads();
+      for_each_chosen(p, c, [&](int i, int s, int j) {
+        const int r = atomicAdd(cursor + j, 1);
+        val[r] = i * p.Kq + s;
+        pos[r] = base[j] + r;
+      });
+      __syncthreads();
+      for (int e = threadIdx.x; e < total; e += kIndexThreads) p.entries[pos[e]] = val[e];
+    } else if constexpr (kMode == FillMode::shared_cursors) {
+      int* cursor = smem;
       for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) cursor[x] = 0;
       __syncthreads();
       for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(cursor + j, 1); });
@@ -236,13 +303,17 @@ int grid_for(long long n, int threads) {
   return static_cast<int>(g < 1 ? 1 : (g > 65536 ? 65536 : g));
 }
 
-template <bool kShared>
-cudaError_t count_and_fill(const Params& p, int chunk, int ctas_per_bg, unsigned grid, cudaStream_t stream) {
-  const std::size_t smem = kShared ? sizeof(int) * static_cast<std::size_t>(p.Tk) : 0;
-  count_kernel<kShared><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  fill_kernel<kShared><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg);
+template <FillMode kMode>
+cudaError_t launch_fill(const Params& p, int chunk, int ctas_per_bg, unsigned grid, cudaStream_t stream) {
+  std::size_t smem = 0;
+  if constexpr (kMode == FillMode::staged) smem = staged_bytes(p.Tk, chunk);
+  if constexpr (kMode == FillMode::shared_cursors) smem = sizeof(int) * static_cast<std::size_t>(p.Tk);
+  if (smem > kDefaultSmem) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(fill_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  fill_kernel<kMode><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg);
   return cudaGetLastError();
 }
 
@@ -267,11 +338,17 @@ cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream) {
   long long grid = static_cast<long long>(p.B) * p.Hkv * ctas_per_bg;
   if (grid < 1) grid = 1;
   if (grid > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const int ck = static_cast<int>(chunk), cpb = static_cast<int>(ctas_per_bg);
+  const auto g = static_cast<unsigned>(grid);
   const bool shared = p.Tk <= kHistBins;
-  return shared ? count_and_fill<true>(p, static_cast<int>(chunk), static_cast<int>(ctas_per_bg),
-                                       static_cast<unsigned>(grid), stream)
-                : count_and_fill<false>(p, static_cast<int>(chunk), static_cast<int>(ctas_per_bg),
-                                        static_cast<unsigned>(grid), stream);
+  if (shared)
+    count_kernel<true><<<g, kIndexThreads, sizeof(int) * static_cast<std::size_t>(p.Tk), stream>>>(p, ck, cpb);
+  else
+    count_kernel<false><<<g, kIndexThreads, 0, stream>>>(p, ck, cpb);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if (shared && staged_bytes(p.Tk, ck) <= kStagedSmem) return launch_fill<FillMode::staged>(p, ck, cpb, g, stream);
+  if (shared) return launch_fill<FillMode::shared_cursors>(p, ck, cpb, g, stream);
+  return launch_fill<FillMode::global_atomics>(p, ck, cpb, g, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs
