@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "cuda/convert/backend.hpp"
 #include "gpu/query_lists_testing.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -55,10 +57,14 @@ Tiles cpu_convert(const sa::HostTensor& lists, const sa::ProblemShape& p, std::i
 
 /// The device conversion of `lists` into poisoned device outputs; returns them downloaded.
 Tiles gpu_convert(const sa::HostTensor& lists, const sa::ProblemShape& p, std::int64_t kmax,
-                  const sa::ConvertOptions& options = {}) {
+                  const sa::ConvertOptions& options = {}, int version = 0) {
   Tiles t = poisoned_tiles(p, kmax);
   DeviceBuffer dl(lists), di(t.idx), dc(t.cnt);
-  sa::query_lists_to_tile_lists(sa::QueryLists{dl.view}, sa::TileLists{di.view, dc.view}, p, options);
+  if (version == 0)
+    sa::query_lists_to_tile_lists(sa::QueryLists{dl.view}, sa::TileLists{di.view, dc.view}, p, options);
+  else
+    sa::cuda_backend::query_lists_to_tile_lists_version(sa::QueryLists{dl.view}, sa::TileLists{di.view, dc.view}, p,
+                                                        options, version);
   cuda_ok(cudaDeviceSynchronize(), "conversion");
   di.download(t.idx);
   dc.download(t.cnt);
@@ -89,19 +95,24 @@ struct Case {
 };
 
 // Every shape against the CPU with a roomy Kmax (padding checked), the tightest Kmax the unions
-// allow, and the trusted path.
+// allow, and the trusted path, for every kernel version.
 void check_case(const Case& c, std::uint64_t seed) {
   SCOPED_TRACE(c.name);
   const sa::ProblemShape p = shape(c.B, c.Lq, c.Lk, c.Hkv, c.causal);
   const sa::HostTensor lists = st::query_lists::random_lists(p, c.kq, c.empty_tile, c.popular, seed);
   const std::int64_t roomy = p.Tk() + 5;
   const Tiles want = cpu_convert(lists, p, roomy);
-  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy), "roomy Kmax"));
   const std::int64_t tight = largest_union(want);
-  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_convert(lists, p, tight), gpu_convert(lists, p, tight), "tight Kmax"));
+  const Tiles want_tight = cpu_convert(lists, p, tight);
   sa::ConvertOptions trusted;
   trusted.trusted = true;
-  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, trusted), "trusted"));
+  for (int version = 1; version <= 4; ++version) {
+    SCOPED_TRACE("kernel version " + std::to_string(version));
+    ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, {}, version), "roomy Kmax"));
+    ASSERT_NO_FATAL_FAILURE(expect_equal(want_tight, gpu_convert(lists, p, tight, {}, version), "tight Kmax"));
+    ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, trusted, version), "trusted"));
+  }
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy), "default version"));
 }
 
 #define SKIP_WITHOUT_GPU() QUERY_SPARSE_SKIP_WITHOUT_GPU()
@@ -338,9 +349,74 @@ TEST(ConvertGpu, SanitizerSmall) {
   const std::int64_t tight = largest_union(want);
   ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_convert(lists, p, tight), gpu_convert(lists, p, tight), "tight"));
   sa::HostTensor bad = lists;
-  at(bad, p, 1, 0, 150, 4) = 8;
-  at(bad, p, 1, 0, 150, 3) = 8;
-  ASSERT_NO_FATAL_FAILURE(expect_same_error(bad, p, p.Tk(), "in.idx", "duplicate block id 8"));
+  at(bad, p, 1, 0, 150, 4) = 5;  // Tk = 8
+  at(bad, p, 1, 0, 150, 3) = 5;
+  ASSERT_NO_FATAL_FAILURE(expect_same_error(bad, p, p.Tk(), "in.idx", "duplicate block id 5"));
+}
+
+// Time of each kernel version on the shapes of the planner's fit (trusted: one launch; checked: the
+// launch, the fault word read back and the synchronisation), CUDA events around back-to-back calls.
+// Every version's output is compared with the CPU's on the smaller shapes first.
+TEST(ConvertGpu, VersionTiming) {
+  SKIP_WITHOUT_GPU();
+  struct Shape {
+    const char* name;
+    std::int64_t B, Lq, Lk, Hkv, kq;
+  };
+  const Shape shapes[] = {{"tile16 Lk=16K", 2, 4096, 16384, 1, 16},   {"query16of32", 8, 4096, 4096, 1, 16},
+                          {"query-long", 1, 32768, 32768, 8, 16},     {"query-long B=4", 4, 32768, 32768, 8, 16},
+                          {"Lk=256K Hkv=8", 1, 8192, 262144, 8, 16}};
+  std::mt19937_64 rng(99);
+  cudaEvent_t e0, e1;
+  cuda_ok(cudaEventCreate(&e0), "event");
+  cuda_ok(cudaEventCreate(&e1), "event");
+  for (const Shape& sh : shapes) {
+    const sa::ProblemShape p = shape(sh.B, sh.Lq, sh.Lk, sh.Hkv);
+    // Distinct random ids per query by rejection (16 of >= 32 blocks).
+    sa::HostTensor lists(sa::DType::i32, {p.B, p.Hkv, p.Lq, sh.kq});
+    auto* d = lists.data<std::int32_t>();
+    for (std::int64_t r = 0; r < p.B * p.Hkv * p.Lq; ++r)
+      for (std::int64_t s = 0; s < sh.kq; ++s) {
+        std::int32_t v;
+        do v = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(p.Tk()));
+        while (std::find(d + r * sh.kq, d + r * sh.kq + s, v) != d + r * sh.kq + s);
+        d[r * sh.kq + s] = v;
+      }
+    const std::int64_t kmax = p.Tk();
+    const bool compare = p.B * p.Hkv * p.Lq <= 262144;
+    Tiles want;
+    if (compare) want = cpu_convert(lists, p, kmax);
+    Tiles got = poisoned_tiles(p, kmax);
+    DeviceBuffer dl(lists), di(got.idx), dc(got.cnt);
+    const sa::QueryLists in{dl.view};
+    const sa::TileLists out{di.view, dc.view};
+    std::printf("[ timing   ] %-16s tiles %6lld:", sh.name, static_cast<long long>(p.B * p.Hkv * p.Tq()));
+    for (int version = 1; version <= 4; ++version) {
+      double us[2] = {0, 0};
+      for (int checked = 0; checked < 2; ++checked) {
+        sa::ConvertOptions o;
+        o.trusted = checked == 0;
+        constexpr int kWarm = 3, kIters = 20;
+        for (int it = 0; it < kWarm; ++it) sa::cuda_backend::query_lists_to_tile_lists_version(in, out, p, o, version);
+        cuda_ok(cudaEventRecord(e0), "record");
+        for (int it = 0; it < kIters; ++it) sa::cuda_backend::query_lists_to_tile_lists_version(in, out, p, o, version);
+        cuda_ok(cudaEventRecord(e1), "record");
+        cuda_ok(cudaEventSynchronize(e1), "sync");
+        float ms = 0;
+        cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+        us[checked] = 1e3 * ms / kIters;
+      }
+      std::printf("  v%d %7.2f / %7.2f us", version, us[0], us[1]);
+      if (compare) {
+        di.download(got.idx);
+        dc.download(got.cnt);
+        ASSERT_NO_FATAL_FAILURE(expect_equal(want, got, std::string(sh.name) + " v" + std::to_string(version)));
+      }
+    }
+    std::printf("  (trusted / checked)\n");
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
 }
 
 }  // namespace

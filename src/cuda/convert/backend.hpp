@@ -19,4 +19,14 @@ namespace sparse_attn::cuda_backend {
 void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
                                const ConvertOptions& options);
 
+/// The kernel version query_lists_to_tile_lists runs (query_to_tiles.cu: 1 one id per thread and
+/// iteration, lanes of a word merged by match/redux; 2 eight ids per thread loaded first, then as 1;
+/// 3 eight ids loaded first, one shared atomic per id; 4 eight ids loaded first, folded into
+/// per-thread words of a window of the bit set and ORed across the warp, version 3 past 32 words).
+inline constexpr int kConvertVersion = 4;
+
+/// The conversion with an explicit kernel version (tests and timing compare them).
+void query_lists_to_tile_lists_version(const QueryLists& in, const TileLists& out, const ProblemShape& p,
+                                       const ConvertOptions& options, int version);
+
 }  // namespace sparse_attn::cuda_backend
