@@ -1,8 +1,8 @@
 // A C entry point over the lightning indexer's token form for the Python benchmark (ctypes): torch allocates
 // the tensors and passes data pointers, shapes and the current stream. qI [B, Lq, HI, Di] bf16, w [B, Lq, HI]
 // float32, kI [B, Lk, Di] bf16, idx [B, G, Lq, Kt] int32, all contiguous on the current CUDA device. The
-// counters (rows screened, pairs re-scored in float64, rows on the float64 fallback) are read back when
-// `stats` is non-null (a host array of three; the call then synchronises the stream).
+// counters (rows screened, pairs re-scored in float64, rows on the float64 fallback, buffer compactions) are
+// read back when `stats` is non-null (a host array of four; the call then synchronises the stream).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,8 +31,8 @@ extern "C" int sa_bench_lightning_tokens(void* q, void* w, void* k, std::int32_t
     o.precision = fp8 ? sa::IndexPrecision::fp8_e4m3 : sa::IndexPrecision::bf16;
     o.stream = stream;
     if (stats) {
-      if (cudaMalloc(&dstats, 3 * sizeof(unsigned long long)) != cudaSuccess ||
-          cudaMemset(dstats, 0, 3 * sizeof(unsigned long long)) != cudaSuccess)
+      if (cudaMalloc(&dstats, 4 * sizeof(unsigned long long)) != cudaSuccess ||
+          cudaMemset(dstats, 0, 4 * sizeof(unsigned long long)) != cudaSuccess)
         throw sa::Error("sa_bench_lightning_tokens", "stats", "cannot allocate the device counters");
       sa::cuda_backend::set_lightning_stats(dstats);
     }
@@ -40,7 +40,7 @@ extern "C" int sa_bench_lightning_tokens(void* q, void* w, void* k, std::int32_t
     if (stats) {
       sa::cuda_backend::set_lightning_stats(nullptr);
       cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
-      cudaMemcpy(stats, dstats, 3 * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+      cudaMemcpy(stats, dstats, 4 * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
       cudaFree(dstats);
     }
     return 0;

@@ -61,8 +61,8 @@ struct Dev {
 struct Hooks {
   unsigned long long* d = nullptr;
   explicit Hooks(int path = 0, int capacity = 0, int screen = 0) {
-    cuda_ok(cudaMalloc(&d, 3 * sizeof(unsigned long long)), "cudaMalloc");
-    cuda_ok(cudaMemset(d, 0, 3 * sizeof(unsigned long long)), "cudaMemset");
+    cuda_ok(cudaMalloc(&d, 4 * sizeof(unsigned long long)), "cudaMalloc");
+    cuda_ok(cudaMemset(d, 0, 4 * sizeof(unsigned long long)), "cudaMemset");
     sa::cuda_backend::set_lightning_stats(d);
     sa::cuda_backend::set_lightning_path(path);
     sa::cuda_backend::set_lightning_capacity(capacity);
@@ -77,10 +77,10 @@ struct Hooks {
     sa::cuda_backend::set_lightning_screen(0);
     cudaFree(d);
   }
-  // rows screened, (row, key) pairs re-scored in float64, rows on the float64 fallback
+  // rows screened, (row, key) pairs re-scored in float64, rows on the float64 fallback, compactions
   std::vector<unsigned long long> read() const {
-    std::vector<unsigned long long> h(3, 0);
-    cudaMemcpy(h.data(), d, 3 * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+    std::vector<unsigned long long> h(4, 0);
+    cudaMemcpy(h.data(), d, 4 * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
     return h;
   }
 };
@@ -428,10 +428,10 @@ TEST(LightningTokensGpu, Timing) {
     const double pairs = static_cast<double>(L) * static_cast<double>(L + 1) / 2.0;
     const double tflops = 2.0 * HI * Di * pairs * B / (ms[ms.size() / 2] * 1e-3) / 1e12;
     std::printf("lightning tokens (%s) L=%lld HI=%lld Di=%lld top-%d causal %s: %.3f ms (min %.3f), %.1f TFLOP/s; rows "
-                "screened %llu, re-scored pairs %llu, fallback rows %llu\n",
+                "screened %llu, re-scored pairs %llu, fallback rows %llu, compactions %llu\n",
                 screen ? "mma.sync" : "wgmma", static_cast<long long>(L), static_cast<long long>(HI),
                 static_cast<long long>(Di), top_k,
-                sa::precision_name(prec), ms[ms.size() / 2], ms[0], tflops, stats[0], stats[1], stats[2]);
+                sa::precision_name(prec), ms[ms.size() / 2], ms[0], tflops, stats[0], stats[1], stats[2], stats[3]);
   }
   sa::cuda_backend::set_lightning_screen(0);
   cudaEventDestroy(e0), cudaEventDestroy(e1);

@@ -81,7 +81,8 @@ constexpr int kPitchPad = 8;                   // row pitch (Dp + 8) * 2 bytes =
 constexpr int kHistBins = 256;                 // radix digit of the k-th selection
 constexpr int kUndCap = 512;                   // undecided keys per row before the row falls back
 constexpr int kRowThreads = 128;               // resolve and fallback kernels: one key per thread
-constexpr int kMinSlack = 32;                  // buffer capacity >= top_k + kMinSlack
+constexpr int kMinSlack = 64;                  // mma.sync buffer capacity >= top_k + kMinSlack (16 per chunk)
+constexpr int kMinSlackWg = 256;               // wgmma: up to 128 entries per query and tile
 
 enum Status : int { kDone = 0, kResolve = 1, kFallback = 2 };
 
@@ -114,31 +115,60 @@ struct RowMeta {
 
 // ---- helpers ----------------------------------------------------------------------------------------------
 
-// Floats to unsigned integers of the same order (for the radix select), and back.
-__device__ __forceinline__ unsigned fkey(float x) {
-  const unsigned u = __float_as_uint(x);
-  return (u >> 31) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float fkey_value(unsigned k) { return __uint_as_float((k >> 31) ? (k & 0x7fffffffu) : ~k); }
-
 __device__ __forceinline__ float up2(float x, float e) { return __fadd_ru(__fadd_ru(x, e), e); }
 __device__ __forceinline__ float down2(float x, float e) { return __fsub_rd(__fsub_rd(x, e), e); }
 
-// k-th largest of val[0, n) (1 <= k <= n), by one warp: four 8-bit digits of the order-preserving key, each a
-// histogram in `hist` (256 words) of the keys that match the digits found so far.
+// k-th largest of val[0, n) (1 <= k <= n, values not NaN), by one warp. The values in play (initially all) lie
+// in [lo, hi]; a histogram of 256 linear bins over that range (bin(x) = min(255, (x - lo) * 256 / (hi - lo)) in
+// double: monotone in x, so every bin is an interval of values and the bins are ordered) locates the bin holding
+// the k-th largest and its rank inside the bin; the bin's own min and max become the next range. Each round
+// removes at least the top bin's or the bottom bin's values (lo and hi fall in bins 0 and 255), and random
+// data leaves ~n / 256 values after one round; at most 32 left are ranked directly by the lanes. No atomics
+// contend: the bins spread the values. `hist` is 256 words of shared scratch.
 __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist, int lane) {
-  unsigned prefix = 0, pmask = 0;
-  int kk = k;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (int i = lane; i < n; i += 32) {
+    const float x = val[i];
+    lo = fminf(lo, x), hi = fmaxf(hi, x);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  int cnt = n, kk = k;
+  for (;;) {
+    if (!(lo < hi)) return hi;  // every value in play is equal
+    if (cnt <= 32) {
+      // Gather the values in play into the histogram scratch, then rank them.
+      float* g = reinterpret_cast<float*>(hist);
+      int at = 0;
+      for (int base = 0; base < n; base += 32) {
+        const int i = base + lane;
+        const float x = i < n ? val[i] : 0.0f;
+        const bool in = i < n && x >= lo && x <= hi;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        if (in) g[at + __popc(m & ((1u << lane) - 1u))] = x;
+        at += __popc(m);
+      }
+      __syncwarp();
+      const float y = lane < cnt ? g[lane] : -INFINITY;
+      int gt = 0, ge = 0;
+      for (int j = 0; j < cnt; ++j) {
+        const float z = g[j];
+        gt += z > y, ge += z >= y;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, lane < cnt && gt < kk && kk <= ge);
+      const float v = __shfl_sync(0xffffffffu, y, __ffs(hit) - 1);
+      __syncwarp();
+      return v;
+    }
+    const double base = lo, scale = 256.0 / (static_cast<double>(hi) - base);
+    auto bin = [&](float x) { return imin(255, static_cast<int>((static_cast<double>(x) - base) * scale)); };
     for (int i = lane; i < kHistBins; i += 32) hist[i] = 0;
     __syncwarp();
     for (int i = lane; i < n; i += 32) {
-      const unsigned u = fkey(val[i]);
-      const bool match = (u & pmask) == prefix;
-      const unsigned dig = (u >> shift) & 255u;
-      // Lanes adding to the same bin are merged first: the top digits of nearby scores coincide.
-      const unsigned same = __match_any_sync(__activemask(), match ? dig : 0x100u | dig);
-      if (match && (__ffs(same) - 1) == lane) atomicAdd(&hist[dig], static_cast<unsigned>(__popc(same)));
+      const float x = val[i];
+      if (x >= lo && x <= hi) atomicAdd(&hist[bin(x)], 1u);
     }
     __syncwarp();
     // Lane l owns bins [8 l, 8 l + 8); suffix sums over lanes locate the bin holding the kk-th largest.
@@ -151,13 +181,14 @@ __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist
     }
     const unsigned above = suffix - local;
     const bool mine = above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix;
-    int dig = 0, rest = 0;
+    int dig = 0, rest = 0, inbin = 0;
     if (mine) {
       unsigned acc = above;
       for (int i = 7; i >= 0; --i) {
         if (acc + c[i] >= static_cast<unsigned>(kk)) {
           dig = 8 * lane + i;
           rest = kk - static_cast<int>(acc);
+          inbin = static_cast<int>(c[i]);
           break;
         }
         acc += c[i];
@@ -166,11 +197,19 @@ __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist
     const int src = __ffs(__ballot_sync(0xffffffffu, mine)) - 1;
     dig = __shfl_sync(0xffffffffu, dig, src);
     kk = __shfl_sync(0xffffffffu, rest, src);
-    prefix |= static_cast<unsigned>(dig) << shift;
-    pmask |= 255u << shift;
+    cnt = __shfl_sync(0xffffffffu, inbin, src);
+    float nlo = INFINITY, nhi = -INFINITY;
+    for (int i = lane; i < n; i += 32) {
+      const float x = val[i];
+      if (x >= lo && x <= hi && bin(x) == dig) nlo = fminf(nlo, x), nhi = fmaxf(nhi, x);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      nlo = fminf(nlo, __shfl_xor_sync(0xffffffffu, nlo, o));
+      nhi = fmaxf(nhi, __shfl_xor_sync(0xffffffffu, nhi, o));
+    }
+    lo = nlo, hi = nhi;
     __syncwarp();
   }
-  return fkey_value(prefix);
 }
 
 // Keeps the buffered keys that can still be in the top-k (I^ + 2E >= v_k) and returns v_k, the new entry
@@ -437,6 +476,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) screen_kernel(const ScreenP
         if (kbase >= end) break;
         if (count + 16 > p.cap) {
           thr = warp_compact(bval, bid, count, k, E, hist, lane);
+          if (p.stats && lane == 0) atomicAdd(p.stats + 3, 1ull);
           if (count + 16 > p.cap) {
             mode = 2;
             break;
@@ -656,6 +696,7 @@ __global__ void __launch_bounds__(256, 1) screen_wgmma_kernel(const ScreenParams
       const float v = warp_compact(bval_all + warp * p.cap, bid_all + warp * p.cap, count, k, qE[warp],
                                    hist_all + warp * kHistBins, lane);
       if (lane == 0) {
+        if (p.stats) atomicAdd(p.stats + 3, 1ull);
         qcnt[warp] = count;
         qthr[warp] = v;
         if (count + kBlockK > p.cap) qmode[warp] = 2;
@@ -809,16 +850,16 @@ struct RowParams {
 
 // The query's dequantised values [HI][Di] and weights into shared memory.
 __device__ void load_query(const RowParams& p, std::int64_t b, std::int64_t t, bool from_codes, float sq, float* qv,
-                           double* wv) {
+                           int pitch, double* wv) {
   const Shape& s = p.s;
   const std::int64_t row = b * s.Lq + t;
   for (std::int64_t e = threadIdx.x; e < s.HI * s.Di; e += blockDim.x) {
     const std::int64_t j = e / s.Di, d = e % s.Di;
     if (from_codes) {
       const float c = __bfloat162float(p.qc[(row * s.HI + j) * s.Dp + d]);
-      qv[e] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sq);
+      qv[j * pitch + d] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sq);
     } else {
-      qv[e] = raw_value(p.qsrc, p.qt, p.prec, sq, p.qsrc.offset(row * s.HI + j) + d);
+      qv[j * pitch + d] = raw_value(p.qsrc, p.qt, p.prec, sq, p.qsrc.offset(row * s.HI + j) + d);
     }
   }
   for (std::int64_t j = threadIdx.x; j < s.HI; j += blockDim.x)
@@ -839,7 +880,7 @@ constexpr int kResolveItems = kResolveKeys * kMaxHeads / kResolveThreads;
 
 std::size_t resolve_smem(std::int64_t HI, std::int64_t Di, std::int64_t Lk) {
   return static_cast<std::size_t>(HI + kResolveKeys * HI + kUndCap) * 8 +
-         static_cast<std::size_t>(HI * Di + kResolveKeys * Di + kUndCap) * 4 +
+         static_cast<std::size_t>(HI * (Di + 1) + kResolveKeys * (Di + 1) + kUndCap) * 4 +
          static_cast<std::size_t>(ceil_div(Lk, 32)) * 4 + 32 * 4;
 }
 
@@ -883,9 +924,11 @@ __global__ void __launch_bounds__(kResolveThreads) resolve_kernel(const RowParam
   double* wv = reinterpret_cast<double*>(smem);
   double* dots = wv + HI;                    // [kResolveKeys][HI]
   double* usc = dots + kResolveKeys * HI;    // [kUndCap]
-  float* qv = reinterpret_cast<float*>(usc + kUndCap);  // [HI][Di]
-  float* kv = qv + HI * Di;                  // [kResolveKeys][Di]
-  int* uid = reinterpret_cast<int*>(kv + kResolveKeys * Di);
+  // Rows padded to Di + 1 floats: the threads of a warp read different heads (or keys) at one d.
+  const int pitch = Di + 1;
+  float* qv = reinterpret_cast<float*>(usc + kUndCap);  // [HI][Di + 1]
+  float* kv = qv + HI * pitch;               // [kResolveKeys][Di + 1]
+  int* uid = reinterpret_cast<int*>(kv + kResolveKeys * pitch);
   unsigned* bits = reinterpret_cast<unsigned*>(uid + kUndCap);
   const std::int64_t end = s.key_end(t);
   const int words = static_cast<int>((end + 31) / 32);
@@ -894,14 +937,14 @@ __global__ void __launch_bounds__(kResolveThreads) resolve_kernel(const RowParam
   const std::int32_t* urow = p.und + row * kUndCap;
   if (need < m.nund) {
     const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
-    load_query(p, b, t, true, sq, qv, wv);
+    load_query(p, b, t, true, sq, qv, pitch, wv);
     for (int u0 = 0; u0 < m.nund; u0 += kResolveKeys) {
       const int nb = imin(kResolveKeys, m.nund - u0);
       __syncthreads();  // qv, wv ready; the previous batch's readers of kv and dots are done
       for (int e = tid; e < nb * Di; e += kResolveThreads) {
         const int r = e / Di, d = e % Di;
         const float c = __bfloat162float(p.kc[(b * s.Lk + urow[u0 + r]) * s.Dp + d]);
-        kv[e] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sk);
+        kv[r * pitch + d] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sk);
       }
       __syncthreads();
       double acc[kResolveItems];
@@ -910,8 +953,8 @@ __global__ void __launch_bounds__(kResolveThreads) resolve_kernel(const RowParam
 #pragma unroll
       for (int i = 0; i < kResolveItems; ++i) {
         const int it = imin(tid + i * kResolveThreads, nb * HI - 1);
-        qr[i] = qv + (it % HI) * Di;
-        kr[i] = kv + (it / HI) * Di;
+        qr[i] = qv + (it % HI) * pitch;
+        kr[i] = kv + (it / HI) * pitch;
         acc[i] = 0.0;
       }
       for (int d = 0; d < Di; ++d)
@@ -983,7 +1026,7 @@ __global__ void __launch_bounds__(kRowThreads) fallback_kernel(const RowParams p
   double* bsc = reinterpret_cast<double*>(smem + align8(row_common_bytes(HI, Di)));
   int* bid = reinterpret_cast<int*>(bsc + N);
   const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
-  load_query(p, b, t, false, sq, qv, wv);
+  load_query(p, b, t, false, sq, qv, Di, wv);
   const std::int64_t end = s.key_end(t);
   int n = 0;
   for (std::int64_t k0 = 0; k0 < end; k0 += kRowThreads) {
@@ -1068,9 +1111,9 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     const std::size_t fixed = screen_wg_smem(halves, 0);
     if (fixed < static_cast<std::size_t>(max_smem)) {
       const int c = static_cast<int>((static_cast<std::size_t>(max_smem) - fixed) / (kWgQueries * 8)) / 32 * 32;
-      if (c >= k + kBlockK) {
+      if (c >= k + kMinSlackWg) {
         wgmma = true, nw = 8, cap = c;
-        if (g_capacity > 0) cap = std::min(cap, std::max(g_capacity, k + static_cast<int>(kBlockK)));
+        if (g_capacity > 0) cap = std::min(cap, std::max(g_capacity, k + kMinSlackWg));
       }
     }
   }

@@ -10,8 +10,8 @@ namespace sparse_attn::cuda_backend {
 /// screened on the tensor cores (rows seeing more than top_k keys), to [1] the number of (row, key) pairs
 /// whose screened score was too close to the row's k-th to decide, so they were re-scored in float64, and
 /// to [2] the number of rows handed to the float64 streaming path (candidate buffer or undecided list
-/// overflowed, non-finite inputs, shapes beyond the screening kernel). Three unsigned long long of device
-/// memory; nullptr stops counting.
+/// overflowed, non-finite inputs, shapes beyond the screening kernel), and to [3] the number of candidate
+/// buffer compactions. Four unsigned long long of device memory; nullptr stops counting.
 void set_lightning_stats(unsigned long long* device_counters);
 
 /// 0: automatic (screen, then float64 for the undecided); 1: every row on the float64 streaming path.
