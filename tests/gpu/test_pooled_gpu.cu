@@ -642,4 +642,60 @@ TEST(PooledGpu, ProfileTile16) {
   cuda_ok(cudaDeviceSynchronize(), "profile calls");
 }
 
+// Where the int8 scoring kernel's time goes at Lk = 16K (skipped like Timing): one call per R with
+// the phase stamps on, after warm-up calls; per phase the median and maximum over the CTAs, and the time
+// from the end of the representatives (the last CTA past its wait) to the last CTA's end.
+TEST(PooledGpu, PhaseTimes) {
+  POOLED_SKIP_WITHOUT_GPU();
+  const char* env = std::getenv("SPARSE_ATTN_TIMING");
+  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time the phases";
+  const std::int64_t B = 2, Lq = 4096, Lk = 16384, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
+  const Input q = make_input(sa::DType::bf16, B, Lq, Hq, D, 911), k = make_input(sa::DType::bf16, B, Lk, Hkv, D, 912);
+  DevCopy dq(q.buf), dk(k.buf);
+  sa::HostTensor gidx(sa::DType::i32, {B, Hkv, Tq, top_k}), gcnt(sa::DType::i32, {B, Hkv, Tq});
+  DevCopy didx(gidx), dcnt(gcnt);
+  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
+                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
+  const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
+  constexpr int kMaxCtas = 1 << 14, P = sa::cuda_backend::kPooledPhases;
+  unsigned long long* stamps = nullptr;
+  cuda_ok(cudaMalloc(&stamps, sizeof(unsigned long long) * kMaxCtas * P), "cudaMalloc stamps");
+  const char* names[P] = {"entry", "wait for representatives", "staging", "lower-bound screen", "test + queue",
+                          "float64 evaluation", "other key passes", "ranking"};
+  for (int r : {1, 4}) {
+    sa::PooledOptions o;
+    o.representatives = r, o.top_k = static_cast<int>(top_k);
+    for (int i = 0; i < 3; ++i) sa::pooled_select(qv, kv, out, o);
+    cuda_ok(cudaMemset(stamps, 0, sizeof(unsigned long long) * kMaxCtas * P), "cudaMemset stamps");
+    sa::cuda_backend::pooled_select(qv, kv, out, o, sa::cuda_backend::PooledScreen::int8_tensor_cores, stamps);
+    cuda_ok(cudaDeviceSynchronize(), "phase call");
+    std::vector<unsigned long long> h(static_cast<std::size_t>(kMaxCtas) * P);
+    cuda_ok(cudaMemcpy(h.data(), stamps, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "download stamps");
+    std::vector<std::vector<double>> d(P);
+    unsigned long long first_wait_end = ~0ull, last_wait_end = 0, last_end = 0;
+    int ctas = 0;
+    for (int c = 0; c < kMaxCtas; ++c) {
+      const unsigned long long* t = h.data() + static_cast<std::size_t>(c) * P;
+      if (t[0] == 0) continue;
+      ++ctas;
+      for (int i = 1; i < P; ++i)
+        if (t[i] != 0 && t[i - 1] != 0) d[static_cast<std::size_t>(i)].push_back(1e-3 * static_cast<double>(t[i] - t[i - 1]));
+      first_wait_end = std::min(first_wait_end, t[1]);
+      last_wait_end = std::max(last_wait_end, t[1]);
+      last_end = std::max(last_end, t[P - 1]);
+    }
+    ASSERT_GT(ctas, 0) << "no CTA wrote its stamps";
+    std::printf("pooled phases R%d Lk=%lld (%d CTAs): representatives end -> last CTA end %.1f us (waits end within %.1f us)\n", r,
+                static_cast<long long>(Lk), ctas, 1e-3 * static_cast<double>(last_end - last_wait_end),
+                1e-3 * static_cast<double>(last_wait_end - first_wait_end));
+    for (int i = 1; i < P; ++i) {
+      auto& v = d[static_cast<std::size_t>(i)];
+      if (v.empty()) continue;
+      std::printf("pooled phases R%d   %-26s median %7.2f us, max %7.2f us\n", r, names[i], median(v),
+                  *std::max_element(v.begin(), v.end()));
+    }
+  }
+  cudaFree(stamps);
+}
+
 }  // namespace

@@ -4,10 +4,12 @@
 // launch of the first:
 //
 //  1. representatives (q and k in one launch): a thread owns one row of means (one head, 128 / r
-//     tokens) and the W columns of 8 bytes of it (4 bf16/f16 or 2 f32 values), so it runs W independent
+//     tokens) and the W columns of 4 bytes of it (2 bf16/f16 values or 1 f32), so it runs W independent
 //     float64 column sums, each over the tokens in order (the CPU's order), with two batches of 16
-//     token loads in flight. Eight bytes rather than sixteen per thread doubles the threads (tile16 R1:
-//     about ten warps per SM instead of five) at the same bytes in flight. The float means are written
+//     token loads in flight. The kernel is latency-bound, not conversion-bound (ncu, v3a: 28 % SM
+//     throughput, 15 % of the warp slots filled at 8 bytes per thread), so a row is spread over as
+//     many threads as it has 4-byte words: tile16 R1 then fills about 19 warps per SM, each with the
+//     same loads in flight as before. The float means are written
 //     in a layout where the group * r query rows of one (b, group, Q tile) are contiguous, and beside
 //     them a two-level int8 copy for the screen: M = rint(mean / s), s = 2^e with max|mean| < 16256 s,
 //     split as M = 128 H + L with H in [-127, 127] and L in [-64, 63]; plus s and L1 = sum |M| (a
@@ -67,8 +69,8 @@ using namespace sel;
 
 // ---- 1. representatives -----------------------------------------------------------------------------
 
-// 64-thread CTAs (where a row takes at most 64 threads): the tile16 R1 grid (40960 threads) then
-// spreads over the SMs within a few percent instead of leaving some SMs with twice the rows of others.
+// 64-thread CTAs where a row takes fewer threads (else one row per CTA): small CTAs spread a grid of
+// few rows (tile16 R1 at Lk = 4K) over the SMs evenly.
 constexpr int kRepThreads = 64;
 constexpr int kRepMaxGroup = 256;  // threads of one row that reduce together (blockDim is at most this)
 // Scale exponents that keep M.N s_a s_b and its bound inside float's normal range (proof above).
@@ -103,20 +105,20 @@ struct RepParams {
   std::int64_t n_counters;
 };
 
-// Loads of W columns of one token: one 8-byte vector (kVec) or W elements, as floats in column order.
+// Loads of W columns of one token: one 4-byte word (kVec) or W elements, as floats in column order.
 template <In T, bool kVec>
 struct RepIO {
   static constexpr int kBytes = T == In::f32 ? 4 : 2;
-  static constexpr int W = 8 / kBytes;
+  static constexpr int W = 4 / kBytes;
   // Tokens of loads per batch; two batches are in flight per thread.
   static constexpr int kBatch = kVec ? 16 : 8;
   struct Raw {
-    std::conditional_t<kVec, uint2, float[W]> v;
+    std::conditional_t<kVec, unsigned, float[W]> v;
   };
 
   __device__ static __forceinline__ void load(const char* p, int valid, Raw& r) {
     if constexpr (kVec) {
-      r.v = __ldg(reinterpret_cast<const uint2*>(p));
+      r.v = __ldg(reinterpret_cast<const unsigned*>(p));
     } else {
 #pragma unroll
       for (int e = 0; e < W; ++e) r.v[e] = e < valid ? load_elem<T>(p, e) : 0.0f;
@@ -127,18 +129,15 @@ struct RepIO {
 #pragma unroll
       for (int e = 0; e < W; ++e) f[e] = r.v[e];
     } else {
-      const unsigned w[2] = {r.v.x, r.v.y};
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if constexpr (T == In::f32) {
-          f[i] = __uint_as_float(w[i]);
-        } else if constexpr (T == In::bf16) {  // the element at the lower address is the low half
-          f[2 * i] = __uint_as_float(w[i] << 16);
-          f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        } else {
-          f[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
-          f[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
-        }
+      const unsigned w = r.v;
+      if constexpr (T == In::f32) {
+        f[0] = __uint_as_float(w);
+      } else if constexpr (T == In::bf16) {  // the element at the lower address is the low half
+        f[0] = __uint_as_float(w << 16);
+        f[1] = __uint_as_float(w & 0xffff0000u);
+      } else {
+        f[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+        f[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
       }
     }
   }
@@ -293,12 +292,12 @@ __global__ void __launch_bounds__(kRepMaxGroup) representatives_kernel(const __g
   }
   l1 = row_sum(l1, p.group, red_i);
   signed char* d8 = x.i8 + row * 2 * p.i8_stride + col;
-  if constexpr (W == 4) {
-    *reinterpret_cast<unsigned*>(d8) = hi;
-    *reinterpret_cast<unsigned*>(d8 + p.i8_stride) = lo;
-  } else {
+  if constexpr (W == 2) {
     *reinterpret_cast<unsigned short*>(d8) = static_cast<unsigned short>(hi);
     *reinterpret_cast<unsigned short*>(d8 + p.i8_stride) = static_cast<unsigned short>(lo);
+  } else {
+    *d8 = static_cast<signed char>(hi);
+    d8[p.i8_stride] = static_cast<signed char>(lo);
   }
   if (c == 0) {
     x.scale[row] = s;
@@ -344,7 +343,19 @@ struct ScoreParams {
   float dterm;               // D / 4 + 1 of the bound
   float err_scale;           // version 2a: 2 D 2^-24, or +inf where its bound is not proved (D > 4096)
   bool force_local, force_block0, causal;
+  unsigned long long* phase_ns;  // profiling: kPhases global-timer stamps per CTA, or null
 };
+
+// Stamps of the scoring kernel's phases (profiling): entry, after the wait for the representatives,
+// after the first staging, after the first lower-bound screen, after the first test and queueing,
+// after the first float64 evaluation, after the last key pass, after the ranking.
+constexpr int kPhases = kPooledPhases;
+__device__ __forceinline__ void stamp(const ScoreParams& p, int phase) {
+  if (p.phase_ns == nullptr || threadIdx.x != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  p.phase_ns[static_cast<std::size_t>(blockIdx.x) * kPhases + phase] = t;
+}
 
 struct ScoreSmem {
   std::size_t qlim, kfirst, ekey, q8, k8, qsc, ksc, ql1, kl1, lkey, cand, full, total;
@@ -395,7 +406,15 @@ __device__ int tile_top_k(const double* scores, int n, int k, int* warp_kept, st
       } else {
         const double sj = scores[j];
         int before = 0;
-        for (int o = 0; o < n && before < k; ++o) before += ranks_before(scores[o], o, sj, j) ? 1 : 0;
+        // Eight comparisons per exit test: their shared-memory loads overlap instead of one round trip
+        // per candidate.
+        for (int o0 = 0; o0 < n && before < k; o0 += 8) {
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int o = o0 + u;
+            if (o < n) before += ranks_before(scores[o], o, sj, j) ? 1 : 0;
+          }
+        }
         keep = before < k;
       }
     }
@@ -853,8 +872,10 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     full[i] = 0u;
   }
   if (tid == 0) n_queued = 0;
+  stamp(p, 0);
   // The representatives and counters come from the previous grid (a no-op without a programmatic launch).
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  stamp(p, 1);
   // (stage_rows starts with a barrier)
 
   const int qchunks = (p.P + kQM - 1) / kQM;
@@ -865,12 +886,16 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     for (int pass = qchunks == 1 ? 1 : 0; pass < 2; ++pass) {
       for (int qc = 0; qc < qchunks; ++qc) {
         const int q0 = qc * kQM, qrows = imin(kQM, p.P - q0);
+        const bool first = k0 == tj.row_begin && qc == 0;
         stage_rows(p, smem, L, tj.job, tj.bg, q0, qrows, k0, krows, tj.i_first, tj.local_lo, tj.local_hi);
+        if (first && pass == 1) stamp(p, 2);
         if (pass == 0 || qchunks == 1) screen_pass<false>(p, smem, L, qrows, k0, krows, v.blk0);
         if (pass == 1) {
           if (qchunks == 1) __syncthreads();  // every lower bound of the pass is in
+          if (first) stamp(p, 3);
           const unsigned bits = screen_pass<true>(p, smem, L, qrows, k0, krows, v.blk0);
           enqueue_pass(p, smem, L, q0, qrows, k0, v.blk0, bits, n_queued);
+          if (first) stamp(p, 4);
         }
       }
       if (pass == 0) __syncthreads();
@@ -878,18 +903,21 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     __syncthreads();
     evaluate_queued<kThreads>(p, tj, v, cand, full, n_queued, kCandCap, k0, krows);
     __syncthreads();
+    if (k0 == tj.row_begin) stamp(p, 5);
     if (tid == 0) n_queued = 0;
   }
   __syncthreads();
+  stamp(p, 6);
 
   // A CTA that holds all of its tile's blocks ranks them from shared memory, behind the scoring region.
   rank_tile<kThreads>(p, tj, v, smem, p.chunks == 1 ? reinterpret_cast<double*>(smem + L.total) : nullptr, is_last);
+  stamp(p, 7);
 }
 
 // ---- host ---------------------------------------------------------------------------------------------
 
-bool aligned8(const TensorView& x, std::int64_t width) {
-  return reinterpret_cast<std::uintptr_t>(x.data) % 8 == 0 && x.stride[0] % width == 0 &&
+bool aligned4(const TensorView& x, std::int64_t width) {
+  return reinterpret_cast<std::uintptr_t>(x.data) % 4 == 0 && x.stride[0] % width == 0 &&
          x.stride[1] % width == 0 && x.stride[2] % width == 0 && x.shape[3] % width == 0;
 }
 
@@ -914,7 +942,7 @@ struct RepLayout {
 
 RepLayout rep_layout(DType dtype, std::int64_t D) {
   RepLayout l{};
-  l.W = dtype == DType::f32 ? 2 : 4;
+  l.W = dtype == DType::f32 ? 1 : 2;
   l.cols = static_cast<int>(ceil_div(D, static_cast<std::int64_t>(l.W)));
   l.group = 1;
   while (l.group < l.cols && l.group < 2 * kRepMaxGroup) l.group *= 2;
@@ -928,7 +956,7 @@ RepLayout rep_layout(DType dtype, std::int64_t D) {
 void representatives(const TensorView& q, const TensorView& k, std::int64_t r, std::int64_t group, const RepLayout& lay,
                      const RepBuffers& buf, unsigned* counters, std::int64_t n_counters, cudaStream_t stream) {
   const In type = in_type(q.dtype);
-  const bool vec = aligned8(q, lay.W) && aligned8(k, lay.W);
+  const bool vec = aligned4(q, lay.W) && aligned4(k, lay.W);
   RepParams p{};
   p.D = q.shape[3], p.r = r, p.span = kTileQ / r;
   p.cols = lay.cols, p.group = lay.group, p.quantize = lay.quantize, p.i8_stride = lay.i8_stride;
@@ -1434,7 +1462,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
 }
 
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o,
-                   PooledScreen screen) {
+                   PooledScreen screen, unsigned long long* phase_ns) {
   const std::string op = "pooled_select";
   const std::int64_t B = q.shape[0], Lq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
   const std::int64_t Lk = k.shape[1], Hkv = k.shape[2];
@@ -1500,6 +1528,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   p.dterm = static_cast<float>(D) / 4.0f + 1.0f;
   p.err_scale = D <= 4096 ? 2.0f * static_cast<float>(D) * 0x1p-24f : INFINITY;
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
+  p.phase_ns = phase_ns;
   const int max_smem = dev.max_smem, sms = dev.sms;
   if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, q.device_index, stream);
   else if (P <= fp32_screen::SmallTile::QM) fp32_screen::launch_scores<fp32_screen::SmallTile>(op, p, jobs, max_smem, sms, q.device_index, stream);

@@ -13,8 +13,13 @@ enum class PooledScreen {
   fp32,               // version 2a: float32 dots on the CUDA cores
 };
 
-/// cuda_backend::pooled_select with an explicit screen; arguments as checked by the front end.
+/// Stamps per CTA of the int8 scoring kernel (profiling; see kPhases in pooled.cu).
+constexpr int kPooledPhases = 8;
+
+/// cuda_backend::pooled_select with an explicit screen; arguments as checked by the front end. With
+/// phase_ns (device memory, kPooledPhases values per CTA of the scoring grid), the int8 scoring
+/// kernel writes the global-timer stamps of its phases there.
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& options,
-                   PooledScreen screen);
+                   PooledScreen screen, unsigned long long* phase_ns = nullptr);
 
 }  // namespace sparse_attn::cuda_backend
