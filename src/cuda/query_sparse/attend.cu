@@ -1,15 +1,19 @@
 // Phase 2 of query_sparse: per-block attention over gathered rows (combine.cu is phase 3).
 //
-// Persistent CTAs on Hopper, one per SM. A work item is (KV block, up to kRowsPerItem gathered
-// (query, head) rows of it). Per CTA:
-//  - one thread of the producer warpgroup loads each item's K and V block by TMA into a two-slot ring (128B-swizzled,
-//    128 keys x D, rows past Lk read as zero), so the next item's K/V land while this one runs;
-//  - kAttendConsumers consumer warpgroups take the item's 64-row tiles in turn (warpgroup c: tiles
-//    c, c + kAttendConsumers, ...). A warpgroup gathers its tile's Q rows with cp.async into a
-//    128B-swizzled buffer (the layout TMA would write, so the wgmma descriptors are the Q-centric
-//    kernel's), computes S = Q K^T (SS wgmma), the softmax of the single block (no running max:
-//    a partial covers exactly one block), O = P V with P from registers (RS wgmma), and writes the
-//    normalised partial and its LSE. The gather of its next tile is in flight meanwhile.
+// Persistent CTAs on Hopper, one per SM, warp-specialised. A work item is (KV block, up to
+// kRowsPerItem gathered (query, head) rows of it), cut into 64-row tiles; tile t of an item belongs to
+// consumer warpgroup t % kAttendConsumers.
+//  - Producer warpgroup: one thread loads each item's K and V by TMA into a two-slot ring
+//    (128B-swizzled, 128 keys x D, rows past Lk read as zero), so the next item's K/V land while this
+//    one runs. All 128 threads gather the Q rows of each tile with cp.async into the owning consumer's
+//    next buffer (the 128B-swizzled layout TMA would write, so the wgmma descriptors are those of the
+//    Q-centric kernel) and write the tile's row metadata (the partial row of each Q row) and header
+//    (K/V slot, block, whether it is the consumer's last tile of the item). Every global-memory
+//    latency of the gather (CSR entries, then Q rows) is the producer's.
+//  - Consumer warpgroups: per tile S = Q K^T (SS wgmma), the softmax of the single block (no running
+//    max: a partial covers exactly one block), O = P V with P from registers (RS wgmma), and the
+//    normalised partial and its LSE written to the workspace. The Q buffer is released as soon as QK
+//    retires, the K/V slot after the consumer's last tile of the item.
 // Every row is computed by the same instructions wherever it lands in a tile, so partials (and the
 // combine's output) are bitwise identical run to run although the CSR order inside a block is not.
 #include <cuda_bf16.h>
@@ -28,42 +32,46 @@
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
 
+constexpr int kC = kAttendConsumers;
 constexpr int kTileRowsQ = 64;  // rows of one consumer tile (one m64 wgmma row block)
 // Consumer warpgroups + one producer warpgroup (a whole one, so that register reallocation, which works
-// per warpgroup, can hand its registers to the consumers): 3 x 128 x 160 + 128 x 24 <= 65536, or with
-// two consumers 2 x 128 x 240 + 128 x 24.
-template <int kConsumers>
-struct Roles {
-  static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr std::uint32_t kConsumerRegs = kConsumers == 3 ? 160 : 240;
-  static constexpr std::uint32_t kProducerRegs = 24;
-};
+// per warpgroup, can hand its registers to the consumers): 3 x 128 x 152 + 128 x 56 = 65536.
+constexpr int kAttendThreads = 128 * (kC + 1);
+constexpr std::uint32_t kConsumerRegs = 152;
+constexpr std::uint32_t kProducerRegs = 56;
+static_assert(kC == 3, "the register split above is for three consumer warpgroups");
 constexpr int kKvStages = 2;
 constexpr int kQBuffers = 2;  // per consumer: the tile being computed and the next one's gather
-constexpr std::uint32_t kKvHalfBytes = kKeys * 128;       // 128 keys x 64 columns of 16-bit
-constexpr std::uint32_t kQHalfBytes = kTileRowsQ * 128;   // 64 rows x 64 columns of 16-bit
-static_assert(kRowsPerItem % (kTileRowsQ * 2) == 0 && kRowsPerItem % (kTileRowsQ * 3) == 0,
-              "an item is whole rounds of tiles");
+constexpr std::uint32_t kKvHalfBytes = kKeys * 128;      // 128 keys x 64 columns of 16-bit
+constexpr std::uint32_t kQHalfBytes = kTileRowsQ * 128;  // 64 rows x 64 columns of 16-bit
+static_assert(kRowsPerItem % (kTileRowsQ * kC) == 0, "an item is whole rounds of tiles");
 
-// Named barriers of this kernel: one per consumer warpgroup (its gather has landed for all 128
-// threads). Ids 1.. are free here: the Q-centric kernel's turn barriers live in another kernel.
-__device__ __forceinline__ void consumer_barrier(int consumer) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + consumer) : "memory");
-}
+struct TileHeader {
+  int kv_stage;
+  unsigned kv_phase;
+  int block;  // KV block id j (keys [128 j, 128 j + 128))
+  int last;   // the consumer's last tile of the item: it releases the K/V slot
+  int end;    // no more tiles for this consumer
+  int pad[3];
+};
 
-template <int D, int C>
+template <int D>
 struct alignas(1024) AttendSmem {
   static constexpr int kHalves = D / 64;
   std::uint16_t k[kKvStages][kHalves][kKeys][64];
   std::uint16_t v[kKvStages][kHalves][kKeys][64];
-  std::uint16_t q[C][kQBuffers][kHalves][kTileRowsQ][64];
+  std::uint16_t q[kC][kQBuffers][kHalves][kTileRowsQ][64];
+  int row_part[kC][kQBuffers][kTileRowsQ];  // partial row of each Q row; -1: padding
+  TileHeader head[kC][kQBuffers];
   MBarrier kv_full[kKvStages], kv_empty[kKvStages];
+  MBarrier q_full[kC][kQBuffers], q_empty[kC][kQBuffers];
 };
 
-template <int D, int C>
+template <int D>
 constexpr std::size_t attend_smem_bytes() {
-  return sizeof(AttendSmem<D, C>) + 1024;  // + alignment slack of the dynamic shared base
+  return sizeof(AttendSmem<D>) + 1024;  // + alignment slack of the dynamic shared base
 }
+static_assert(attend_smem_bytes<128>() <= 227 * 1024, "shared memory over budget");
 
 struct ItemInfo {
   int b = 0, g = 0, bg = 0;
@@ -73,8 +81,8 @@ struct ItemInfo {
   int nrows = 0;  // rows of the item
 };
 
-// 32-bit arithmetic throughout: check_shape bounds B * Hkv * Tk and every CSR position by INT_MAX, and
-// a 64-bit division is a long subroutine (registers the producer warpgroup does not have).
+// 32-bit arithmetic throughout: check_shape bounds B * Hkv * Tk, every CSR position and every partial
+// row by INT_MAX, and a 64-bit division is a long subroutine (registers the producer does not have).
 __device__ __forceinline__ ItemInfo item_info(const Params& p, int item) {
   const int2 it = p.items[item];
   ItemInfo f;
@@ -90,61 +98,58 @@ __device__ __forceinline__ ItemInfo item_info(const Params& p, int item) {
   return f;
 }
 
-// A consumer warpgroup's position: its tile `tile` of work item `item` (item >= n_items: done).
-struct Cursor {
-  int item = 0;
-  int tile = 0;
-  ItemInfo f;
-};
-
-// The first item from `item` on (stepping by gridDim.x) that has a tile for warpgroup `consumer`.
-template <int C>
-__device__ __forceinline__ Cursor seek(const Params& p, int item, int consumer, int n_items) {
-  Cursor c;
-  c.tile = consumer;
-  for (; item < n_items; item += gridDim.x) {
-    c.f = item_info(p, item);
-    if (consumer * kTileRowsQ < c.f.nrows) break;
-  }
-  c.item = item;
-  return c;
+__device__ __forceinline__ std::uint32_t smem_addr(const void* ptr) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
 __device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+
+/// One arrival on `bar` once every cp.async this thread has issued so far has landed (counted in the
+/// barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_arrive(MBarrier& bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(&bar.word)) : "memory");
 }
 
-// Q rows [tile * 64, tile * 64 + 64) of an item into a swizzled buffer: 16-byte chunk c of row r goes
-// to half c / 8, position (c % 8) ^ (r % 8) of the row's 128 bytes (TMA's SWIZZLE_128B pattern on a
-// 1024-aligned base). Rows past the item are zero-filled (src-size 0).
+/// `count` arrivals at once (on behalf of consumers that have no tile in an item).
+__device__ __forceinline__ void arrive_count(MBarrier& bar, std::uint32_t count) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(&bar.word)), "r"(count)
+               : "memory");
+}
+
+// A tile's gather is done by the whole producer warpgroup: thread t copies row t / 2, 16-byte chunks
+// (t % 2) + 2k, so the two threads of a row read 32 contiguous bytes per step.
+
+/// CSR entry (query * Kq + slot) of the thread's row of a tile; -1 past the item.
+__device__ __forceinline__ int row_entry(const Params& p, const ItemInfo& f, int tile, int t) {
+  const int row = tile * kTileRowsQ + t / 2;
+  return row < f.nrows ? p.entries[f.e0 + (f.y + row) / p.group] : -1;
+}
+
+// The tile's Q rows into a swizzled buffer, and its partial rows ((bg, query, slot) entry times group
+// plus the head). Chunk c of row r goes to half c / 8, position (c % 8) ^ (r % 8) of the row's 128
+// bytes (TMA's SWIZZLE_128B pattern on a 1024-aligned base). Rows past the item are zero-filled
+// (src-size 0) and get partial row -1.
 template <int D>
-__device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int tile, std::uint32_t buf, int t) {
+__device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int tile, int ent, std::uint32_t buf,
+                                         int* row_part, int t) {
   constexpr int kChunks = D / 8;
-  const auto* q = static_cast<const std::uint16_t*>(p.q);
-#pragma unroll
-  for (int k = 0; k < kTileRowsQ * kChunks / 128; ++k) {
-    const int c = t + 128 * k;
-    const int r = c / kChunks, cc = c % kChunks;
-    const int row = tile * kTileRowsQ + r;
-    const std::uint16_t* src = q;
-    int bytes = 0;
-    if (row < f.nrows) {
-      const int flat = f.y + row;
-      const int ent = p.entries[f.e0 + flat / p.group];
-      const int qi = ent / p.Kq;
-      const int h = f.g * p.group + flat % p.group;
-      src = q + f.b * p.q_stride[0] + qi * p.q_stride[1] + h * p.q_stride[2] + cc * 8;
-      bytes = 16;
-    }
-    const std::uint32_t dst = buf + (cc / 8) * kQHalfBytes + r * 128 + (((cc % 8) ^ (r % 8)) * 16);
-    cp_async16(dst, src, bytes);
+  const int r = t / 2;
+  const int head = (f.y + tile * kTileRowsQ + r) % p.group;
+  const auto* src = static_cast<const std::uint16_t*>(p.q);
+  int bytes = 0;
+  if (ent >= 0) {
+    src += f.b * p.q_stride[0] + (ent / p.Kq) * p.q_stride[1] + (f.g * p.group + head) * p.q_stride[2];
+    bytes = 16;
   }
-  cp_async_commit();
+  if (t % 2 == 0) row_part[r] = ent >= 0 ? (f.bg * p.Lq * p.Kq + ent) * p.group + head : -1;
+  const std::uint32_t dst_row = buf + r * 128;
+#pragma unroll
+  for (int k = 0; k < kChunks / 2; ++k) {
+    const int cc = t % 2 + 2 * k;
+    cp_async16(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0), bytes);
+  }
 }
 
 template <class Tag, int D>
@@ -179,123 +184,107 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-// What a consumer needs of one of its rows: the partial's element offset (-1: a padding row) and the
-// last visible key relative to the block (-1: none).
-struct RowOut {
-  long long base = -1;
-  long long lim = -1;
-};
-
-__device__ __forceinline__ RowOut row_out(const Params& p, const ItemInfo& f, int row) {
-  RowOut o;
-  if (row >= f.nrows) return o;
-  const int flat = f.y + row;
-  const int ent = p.entries[f.e0 + flat / p.group];
-  const int qi = ent / p.Kq;
-  o.base = (static_cast<long long>(f.bg) * p.Lq * p.Kq + ent) * p.group + flat % p.group;
-  long long lim = p.Lk - 1;
-  if (p.causal && qi + p.offset < lim) lim = qi + p.offset;
-  o.lim = lim - static_cast<long long>(f.j) * kKeys;
-  return o;
+// The producer warpgroup walks the CTA's tiles in order (items blockIdx.x, blockIdx.x + gridDim.x, ...;
+// tile t of an item goes to consumer t % kC), so each buffer's barrier phases are waited for in order.
+// Thread 0 also loads each item's K and V when the item starts.
+template <int D>
+__device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
+                                         const CUtensorMap& tm_v, int n_items, int t) {
+  constexpr int kHalves = D / 64;
+  if (t == 0) {
+    tma_prefetch_descriptor(&tm_k);
+    tma_prefetch_descriptor(&tm_v);
+  }
+  int produced[kC] = {};  // tiles handed to each consumer so far
+  PipelineState<kKvStages> kv;
+  for (int item = blockIdx.x; item < n_items; item += gridDim.x, kv.advance()) {
+    const ItemInfo f = item_info(p, item);
+    const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
+    const int s = kv.stage();
+    if (t == 0) {
+      sm.kv_empty[s].wait(kv.phase() ^ 1u);
+      sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
+      for (int half = 0; half < kHalves; ++half) {
+        tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
+        tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
+      }
+      // Consumers without a tile in this item: their release, at once.
+      if (tiles < kC) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(kC - tiles));
+    }
+#pragma unroll 1
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int c = tile % kC;
+      int n = 0;
+#pragma unroll
+      for (int i = 0; i < kC; ++i) {
+        n = i == c ? produced[i] : n;
+        produced[i] += i == c ? 1 : 0;
+      }
+      const int b = n & 1;
+      sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+      gather_q<D>(p, f, tile, row_entry(p, f, tile, t), smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t);
+      cp_async_arrive(sm.q_full[c][b]);
+      if (t == 0) {
+        TileHeader& h = sm.head[c][b];
+        h.kv_stage = s;
+        h.kv_phase = kv.phase();
+        h.block = f.j;
+        h.last = tile + kC >= tiles;
+        h.end = 0;
+      }
+      sm.q_full[c][b].arrive();
+    }
+  }
+  // One end-of-work tile per consumer (two plain arrivals per thread: no copies).
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int n = produced[c], b = n & 1;
+    sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+    if (t == 0) sm.head[c][b].end = 1;
+    sm.q_full[c][b].arrive();
+    sm.q_full[c][b].arrive();
+  }
 }
 
-template <class Tag, int D, class Part, int C>
-__global__ void __launch_bounds__(Roles<C>::kThreads, 1)
-    attend_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tm_k,
-                  const __grid_constant__ CUtensorMap tm_v) {
+template <class Tag, int D, class Part>
+__device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int c, int t) {
   constexpr int kHalves = D / 64;
-  extern __shared__ std::uint8_t smem_raw[];
-  using R = Roles<C>;
-  auto& sm = *reinterpret_cast<AttendSmem<D, C>*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~static_cast<std::uintptr_t>(1023));
-  const int tid = threadIdx.x;
-  const int n_items = p.item_offsets[p.nblk];
-
-  if (tid == 0) {
-    for (int s = 0; s < kKvStages; ++s) {
-      sm.kv_full[s].init(1);
-      sm.kv_empty[s].init(128 * C);  // every consumer thread arrives
-    }
-    fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (tid >= 128 * C) {  // producer warpgroup: one thread issues the TMA loads
-    warpgroup_reg_dealloc<R::kProducerRegs>();
-    if (tid == 128 * C) {
-      tma_prefetch_descriptor(&tm_k);
-      tma_prefetch_descriptor(&tm_v);
-      PipelineState<kKvStages> st;
-      for (int item = blockIdx.x; item < n_items; item += gridDim.x) {
-        const ItemInfo f = item_info(p, item);
-        const int s = st.stage();
-        sm.kv_empty[s].wait(st.phase() ^ 1u);
-        sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
-        for (int half = 0; half < kHalves; ++half) {
-          tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, static_cast<int>(f.g), f.j * kKeys,
-                        static_cast<int>(f.b), &sm.kv_full[s].word);
-          tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, static_cast<int>(f.g), f.j * kKeys,
-                        static_cast<int>(f.b), &sm.kv_full[s].word);
-        }
-        st.advance();
-      }
-    }
-    return;
-  }
-
-  warpgroup_reg_alloc<R::kConsumerRegs>();
-  const int consumer = tid / 128, t = tid % 128;
   const int warp = t / 32, g8 = (t % 32) / 4, q4 = t % 4;
-  const std::uint32_t q_base = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.q[consumer][0][0][0][0]));
-  constexpr std::uint32_t kQBufBytes = kHalves * kQHalfBytes;
+  for (int n = 0;; ++n) {
+    const int b = n & 1;
+    sm.q_full[c][b].wait((n >> 1) & 1u);
+    const TileHeader h = sm.head[c][b];
+    if (h.end) break;
+    const int rows[2] = {sm.row_part[c][b][16 * warp + g8], sm.row_part[c][b][16 * warp + g8 + 8]};
+    fence_async_shared();  // the gathered rows (generic-proxy writes) before wgmma reads them
+    sm.kv_full[h.kv_stage].wait(h.kv_phase);
 
-  PipelineState<kKvStages> st;
-  int released = blockIdx.x;  // the first item whose K/V slot this warpgroup has not released yet
-  Cursor cur = seek<C>(p, blockIdx.x, consumer, n_items);
-  int buf = 0;
-  if (cur.item < n_items) gather_q<D>(p, cur.f, cur.tile, q_base, t);
-
-  while (cur.item < n_items) {
-    // Items before this one that had no tile for this warpgroup still pass through the K/V ring: it
-    // waits for their K/V (which keeps its arrivals on the empty barrier in item order) and releases
-    // them at once.
-    for (; released < cur.item; released += gridDim.x) {
-      sm.kv_full[st.stage()].wait(st.phase());
-      sm.kv_empty[st.stage()].arrive();
-      st.advance();
-    }
-    const ItemInfo& f = cur.f;
-    const int tile = cur.tile;
-    // Next tile of this warpgroup, possibly in a later item.
-    Cursor next = cur;
-    next.tile += C;
-    if (next.tile * kTileRowsQ >= f.nrows) next = seek<C>(p, cur.item + gridDim.x, consumer, n_items);
-
-    cp_async_wait<0>();
-    fence_async_shared();
-    consumer_barrier(consumer);  // every thread's rows of this tile have landed; the other buffer is free
-    if (next.item < n_items) gather_q<D>(p, next.f, next.tile, q_base + (buf ^ 1) * kQBufBytes, t);
-
-    const int s = st.stage();
-    sm.kv_full[s].wait(st.phase());
-    const std::uint32_t s_q = q_base + buf * kQBufBytes;
-    const std::uint32_t s_k = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[s][0][0][0]));
-    const std::uint32_t s_v = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.v[s][0][0][0]));
     float acc_s[64];  // written by the first k-step (wgmma_ss_first): live only inside this tile
     wgmma_fence();
-    issue_qk<Tag, D>(acc_s, s_q, s_k);
+    issue_qk<Tag, D>(acc_s, smem_addr(&sm.q[c][b][0][0][0]), smem_addr(&sm.k[h.kv_stage][0][0][0]));
     wgmma_wait<0>();
     fence_operands(acc_s);
+    sm.q_empty[c][b].arrive();
 
-    const int r0 = tile * kTileRowsQ + 16 * warp + g8;
-    const RowOut ro[2] = {row_out(p, f, r0), row_out(p, f, r0 + 8)};
+    // Last visible key of each row relative to the block: past Lk, or (causal) past the query's
+    // diagonal; -1 for padding rows (their scores are garbage-free zeros but never stored).
+    long long lim[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      long long last = p.Lk - 1;
+      if (p.causal && rows[r] >= 0) {
+        const int qi = (rows[r] / p.group / p.Kq) % p.Lq;
+        if (qi + p.offset < last) last = qi + p.offset;
+      }
+      lim[r] = rows[r] < 0 ? -1 : last - static_cast<long long>(h.block) * kKeys;
+    }
     float m[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < 16; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int col = 8 * i + 2 * q4 + (j % 2);
-        if (col > ro[j / 2].lim) acc_s[4 * i + j] = -INFINITY;
+        if (col > lim[j / 2]) acc_s[4 * i + j] = -INFINITY;
         m[j / 2] = fmaxf(m[j / 2], acc_s[4 * i + j]);
       }
     float base[2], l[2] = {0.0f, 0.0f};
@@ -309,6 +298,8 @@ __global__ void __launch_bounds__(Roles<C>::kThreads, 1)
     for (int i = 0; i < 16; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
+        // The row sum (and so the LSE) uses the float32 probabilities; PV sees them rounded to the
+        // 16-bit type, as in FlashAttention.
         const float e = exp2_approx(fmaf(acc_s[4 * i + j], p.scale_log2, -base[j / 2]));
         acc_s[4 * i + j] = e;
         l[j / 2] += e;
@@ -321,18 +312,11 @@ __global__ void __launch_bounds__(Roles<C>::kThreads, 1)
 
     float acc_o[D / 2];
     wgmma_fence();
-    issue_pv<Tag>(acc_o, pa, s_v);
+    issue_pv<Tag>(acc_o, pa, smem_addr(&sm.v[h.kv_stage][0][0][0]));
     wgmma_wait<0>();
     fence_operands(acc_o);
     keep_live(pa);
-
-    // The last tile of this warpgroup in the item releases the K/V slot.
-    const bool last_of_item = (tile + C) * kTileRowsQ >= f.nrows;
-    if (last_of_item) {
-      sm.kv_empty[s].arrive();
-      st.advance();
-      released = cur.item + gridDim.x;
-    }
+    if (h.last) sm.kv_empty[h.kv_stage].arrive();
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -341,23 +325,46 @@ __global__ void __launch_bounds__(Roles<C>::kThreads, 1)
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (ro[r].base < 0) continue;
+      if (rows[r] < 0) continue;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      typename Part::Elem* dst = static_cast<typename Part::Elem*>(p.part) + ro[r].base * D + 2 * q4;
+      typename Part::Elem* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D + 2 * q4;
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) Part::put2(dst + 8 * i, acc_o[4 * i + 2 * r] * inv, acc_o[4 * i + 2 * r + 1] * inv);
-      if (q4 == 0) p.lse_part[ro[r].base] = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
+      if (q4 == 0) p.lse_part[rows[r]] = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
     }
+  }
+  (void)kHalves;
+}
 
-    cur = next;
-    buf ^= 1;
+template <class Tag, int D, class Part>
+__global__ void __launch_bounds__(kAttendThreads, 1)
+    attend_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tm_k,
+                  const __grid_constant__ CUtensorMap tm_v) {
+  extern __shared__ std::uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<AttendSmem<D>*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~static_cast<std::uintptr_t>(1023));
+  const int tid = threadIdx.x;
+  const int n_items = p.item_offsets[p.nblk];
+  if (tid == 0) {
+    for (int s = 0; s < kKvStages; ++s) {
+      sm.kv_full[s].init(1);
+      sm.kv_empty[s].init(128 * kC);  // every consumer thread arrives (the producer for absent ones)
+    }
+    for (int c = 0; c < kC; ++c)
+      for (int b = 0; b < kQBuffers; ++b) {
+        sm.q_full[c][b].init(2 * 128);  // per producer thread: its copies landed + its metadata written
+        sm.q_empty[c][b].init(128);
+      }
+    fence_barrier_init();
   }
-  for (; released < n_items; released += gridDim.x) {
-    sm.kv_full[st.stage()].wait(st.phase());
-    sm.kv_empty[st.stage()].arrive();
-    st.advance();
+  __syncthreads();
+  if (tid >= 128 * kC) {
+    warpgroup_reg_dealloc<kProducerRegs>();
+    producer<D>(p, sm, tm_k, tm_v, n_items, tid - 128 * kC);
+  } else {
+    warpgroup_reg_alloc<kConsumerRegs>();
+    consumer<Tag, D, Part>(p, sm, tid / 128, tid % 128);
   }
-  cp_async_wait<0>();
 }
 
 template <class T>
@@ -371,31 +378,24 @@ struct TagOf<F16> {
   using type = F16Tag;
 };
 
-template <class T, int D, class Part, int C>
-cudaError_t attend(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sms, long long max_items,
-                   cudaStream_t stream) {
-  auto* kernel = attend_kernel<typename TagOf<T>::type, D, Part, C>;
-  constexpr std::size_t smem = attend_smem_bytes<D, C>();
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  const long long grid = max_items < sms ? max_items : sms;
-  kernel<<<static_cast<unsigned>(grid), Roles<C>::kThreads, smem, stream>>>(p, *tm_k, *tm_v);
-  return cudaGetLastError();
-}
-
 template <class T, int D, class Part>
 struct AttendOp {
   static cudaError_t run(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sms,
                          long long max_items, cudaStream_t stream) {
-    return attend<T, D, Part, kAttendConsumers>(p, tm_k, tm_v, sms, max_items, stream);
+    auto* kernel = attend_kernel<typename TagOf<T>::type, D, Part>;
+    constexpr std::size_t smem = attend_smem_bytes<D>();
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    const long long grid = max_items < sms ? max_items : sms;
+    kernel<<<static_cast<unsigned>(grid), kAttendThreads, smem, stream>>>(p, *tm_k, *tm_v);
+    return cudaGetLastError();
   }
 };
 
 }  // namespace
 
-std::size_t attend_smem(int D) {
-  return D == 128 ? attend_smem_bytes<128, kAttendConsumers>() : attend_smem_bytes<64, kAttendConsumers>();
-}
+std::size_t attend_smem(int D) { return D == 128 ? attend_smem_bytes<128>() : attend_smem_bytes<64>(); }
 
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
                           const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream) {
