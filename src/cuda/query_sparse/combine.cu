@@ -7,9 +7,10 @@
 // partials are read once), the idx row is read once per warp (a ballot gives the chosen slots), and
 // the tile's lse_part values feed one pass that gives every head's LSE. The tile is as wide as
 // kMaxChunks 16-byte loads per lane allow (4 heads of f32 or 8 of bf16 partials at D = 128); a
-// wider group takes several warps. Several slots' loads are issued before any is accumulated. Every
-// lane adds its slots in slot order and the per-head reductions run in a fixed shuffle order, so
-// the result does not depend on timing.
+// wider group takes several warps; a tile narrower than 32 chunks (MHA, or two heads at D = 64)
+// splits its slots over groups of lanes instead of leaving lanes idle. Several slots' loads are
+// issued before any is accumulated. Every lane adds its slots in slot order and every cross-lane
+// reduction runs in a fixed shuffle order, so the result does not depend on timing.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -35,8 +36,8 @@ constexpr int kMaxChunks = 4;
 // flight, enough with a few warps per SM to cover the DRAM latency.
 constexpr int kLoadsInFlight = 8;
 
-// Slots whose loads a lane issues together: kLoadsInFlight / C, at most 4 (eight rounds of one chunk
-// made ptxas spill, and C = 1 means rows too narrow to fill the warp anyway).
+// Slots whose loads a lane issues together: kLoadsInFlight / C, at most 4 (eight slots of one chunk
+// made ptxas spill).
 constexpr int slots_per_round(int C) { return C >= kLoadsInFlight ? 1 : (kLoadsInFlight / C < 4 ? kLoadsInFlight / C : 4); }
 
 // Word i of a 16-byte chunk (i known at compile time after unrolling: no local array).
@@ -69,7 +70,16 @@ struct CombineShape {
   int head_bits = 0;  // log2 of the power of two >= heads: lanes hh, hh + 2^bits, ... share head hh
   int tiles = 1;      // ceil(group / heads)
   bool vec_out = false;  // out's base and strides allow one store per chunk
+  int slot_groups = 1;   // lanes split over the slots when a tile's row has fewer than 32 chunks (C = 1)
 };
+
+// The set bits of `mask` whose rank (from bit 0) is grp, grp + n, grp + 2n, ...
+__device__ __forceinline__ unsigned every_nth_bit(unsigned mask, int grp, int n) {
+  unsigned out = 0;
+  for (int r = 0; mask != 0; mask &= mask - 1, ++r)
+    if (r % n == grp) out |= mask & (0u - mask);
+  return out;
+}
 
 template <class T, int D, class Part, int C>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_constant__ Params p,
@@ -147,13 +157,19 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   }
   const float lse_h = m == -INFINITY ? -INFINITY : m + logf(sum);
 
+  // Rows narrower than the warp (C = 1, fewer than 32 chunks) split the slots over slot groups of
+  // `ls` lanes: group grp takes the chosen slots of rank grp, grp + sg, ... of each batch, and the
+  // groups' sums meet in a fixed xor tree at the end.
+  const int sg = C == 1 ? cs.slot_groups : 1;
+  const int ls = 32 / sg, grp = lane / ls, lane_in = lane % ls;
+
   // Lane's chunks: element e of the tile's contiguous heads x D of one slot, head e / D.
   int hh[C], col[C];
   bool ok[C];
   float lse_c[C];
 #pragma unroll
   for (int c = 0; c < C; ++c) {
-    const int e = (lane + 32 * c) * kV;
+    const int e = (lane_in + ls * c) * kV;
     ok[c] = e < nh * D;
     hh[c] = e / D;
     col[c] = e % D;
@@ -179,6 +195,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   }
   for (int sb = 0; sb < p.Kq; sb += 32) {
     unsigned mask = sb == 0 ? mask0 : batch_mask(sb);
+    if (sg > 1) mask = every_nth_bit(mask, grp, sg);
     while (mask != 0) {
       int ss[kUnroll];
 #pragma unroll
@@ -213,10 +230,16 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
     }
   }
 
+  if (sg > 1) {
+    for (int off = ls; off < 32; off <<= 1)
+#pragma unroll
+      for (int k = 0; k < kV; ++k) acc[0][k] += __shfl_xor_sync(kFull, acc[0][k], off);
+  }
+
   char* out = static_cast<char*>(p.out);
 #pragma unroll
   for (int c = 0; c < C; ++c) {
-    if (!ok[c]) continue;
+    if (!ok[c] || grp != 0) continue;
     const long long h = g * p.group + h0 + hh[c];
     char* o = out + sizeof(std::uint16_t) * (b * p.out_stride[0] + qi * p.out_stride[1] + h * p.out_stride[2] + col[c]);
     if (cs.vec_out) {
@@ -260,7 +283,13 @@ struct CombineOp {
     const long long align = kV;  // elements per store
     cs.vec_out = base % (align * sizeof(std::uint16_t)) == 0 && p.out_stride[0] % align == 0 &&
                  p.out_stride[1] % align == 0 && p.out_stride[2] % align == 0;
-    const int chunks = (cs.heads * D / kV + 31) / 32;
+    const int row_chunks = cs.heads * D / kV;
+    const int chunks = (row_chunks + 31) / 32;
+    if (chunks <= 1) {
+      int lanes = 1;
+      while (lanes < row_chunks) lanes <<= 1;
+      cs.slot_groups = 32 / lanes;
+    }
     if (chunks <= 1) return combine<T, D, Part, 1>(p, cs, stream);
     if (chunks <= 2) return combine<T, D, Part, 2>(p, cs, stream);
     return combine<T, D, Part, kMaxChunks>(p, cs, stream);
