@@ -118,19 +118,37 @@ struct RowMeta {
 __device__ __forceinline__ float up2(float x, float e) { return __fadd_ru(__fadd_ru(x, e), e); }
 __device__ __forceinline__ float down2(float x, float e) { return __fsub_rd(__fsub_rd(x, e), e); }
 
-// k-th largest of val[0, n) (1 <= k <= n, values not NaN), by one warp. The values in play (initially all) lie
-// in [lo, hi]; a histogram of 256 linear bins over that range (bin(x) = min(255, (x - lo) * 256 / (hi - lo)) in
-// double: monotone in x, so every bin is an interval of values and the bins are ordered) locates the bin holding
-// the k-th largest and its rank inside the bin; the bin's own min and max become the next range. Each round
-// removes at least the top bin's or the bottom bin's values (lo and hi fall in bins 0 and 255), and random
-// data leaves ~n / 256 values after one round; at most 32 left are ranked directly by the lanes. No atomics
-// contend: the bins spread the values. `hist` is 256 words of shared scratch.
+// Visits val[0, n) by one warp, four values per lane and load (val 16-byte aligned), then the tail.
+template <class F>
+__device__ __forceinline__ void warp_visit(const float* val, int n, int lane, F&& f) {
+  const int n4 = n >> 2;
+  const float4* v4 = reinterpret_cast<const float4*>(val);
+  for (int i = lane; i < n4; i += 32) {
+    const float4 x = v4[i];
+    f(x.x), f(x.y), f(x.z), f(x.w);
+  }
+  for (int i = 4 * n4 + lane; i < n; i += 32) f(val[i]);
+}
+
+// Inclusive prefix sum over the warp's lanes.
+__device__ __forceinline__ int warp_inclusive_scan(int c, int lane) {
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, c, o);
+    if (lane >= o) c += y;
+  }
+  return c;
+}
+
+// k-th largest of val[0, n) (1 <= k <= n, values not NaN, val 16-byte aligned), by one warp. The values in
+// play (initially all) lie in [lo, hi]; a histogram of 256 linear bins over that range (bin(x) = min(255,
+// (x - lo) * 256 / (hi - lo)) in double: monotone in x, so every bin is an interval of values and the bins are
+// ordered) locates the bin holding the k-th largest and its rank inside the bin; the bin's own min and max
+// become the next range. Each round removes at least the top bin's or the bottom bin's values (lo and hi fall
+// in bins 0 and 255), and random data leaves ~n / 256 values after one round; at most 32 left are ranked
+// directly by the lanes. No atomics contend: the bins spread the values. `hist` is 256 words of scratch.
 __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist, int lane) {
   float lo = INFINITY, hi = -INFINITY;
-  for (int i = lane; i < n; i += 32) {
-    const float x = val[i];
-    lo = fminf(lo, x), hi = fmaxf(hi, x);
-  }
+  warp_visit(val, n, lane, [&](float x) { lo = fminf(lo, x), hi = fmaxf(hi, x); });
   for (int o = 16; o > 0; o >>= 1) {
     lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
     hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
@@ -139,16 +157,31 @@ __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist
   for (;;) {
     if (!(lo < hi)) return hi;  // every value in play is equal
     if (cnt <= 32) {
-      // Gather the values in play into the histogram scratch, then rank them.
+      // Gather the values in play into the histogram scratch (any order), then rank them.
       float* g = reinterpret_cast<float*>(hist);
       int at = 0;
-      for (int base = 0; base < n; base += 32) {
+      const int n4 = n >> 2;
+      const float4* v4 = reinterpret_cast<const float4*>(val);
+      for (int base = 0; base < n4 + 1; base += 32) {  // the last lane-slot past n4 takes the tail
         const int i = base + lane;
-        const float x = i < n ? val[i] : 0.0f;
-        const bool in = i < n && x >= lo && x <= hi;
-        const unsigned m = __ballot_sync(0xffffffffu, in);
-        if (in) g[at + __popc(m & ((1u << lane) - 1u))] = x;
-        at += __popc(m);
+        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int m = 0;
+        if (i < n4) {
+          const float4 y = v4[i];
+          x[0] = y.x, x[1] = y.y, x[2] = y.z, x[3] = y.w;
+          m = 4;
+        } else if (i == n4) {
+          m = n - 4 * n4;
+          for (int j = 0; j < m; ++j) x[j] = val[4 * n4 + j];
+        }
+        bool in[4];
+        int c = 0;
+        for (int j = 0; j < 4; ++j) c += (in[j] = j < m && x[j] >= lo && x[j] <= hi) ? 1 : 0;
+        const int inc = warp_inclusive_scan(c, lane);
+        int pos = at + inc - c;
+        for (int j = 0; j < 4; ++j)
+          if (in[j]) g[pos++] = x[j];
+        at += __shfl_sync(0xffffffffu, inc, 31);
       }
       __syncwarp();
       const float y = lane < cnt ? g[lane] : -INFINITY;
@@ -166,10 +199,9 @@ __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist
     auto bin = [&](float x) { return imin(255, static_cast<int>((static_cast<double>(x) - base) * scale)); };
     for (int i = lane; i < kHistBins; i += 32) hist[i] = 0;
     __syncwarp();
-    for (int i = lane; i < n; i += 32) {
-      const float x = val[i];
+    warp_visit(val, n, lane, [&](float x) {
       if (x >= lo && x <= hi) atomicAdd(&hist[bin(x)], 1u);
-    }
+    });
     __syncwarp();
     // Lane l owns bins [8 l, 8 l + 8); suffix sums over lanes locate the bin holding the kk-th largest.
     unsigned c[8], local = 0;
@@ -199,10 +231,9 @@ __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist
     kk = __shfl_sync(0xffffffffu, rest, src);
     cnt = __shfl_sync(0xffffffffu, inbin, src);
     float nlo = INFINITY, nhi = -INFINITY;
-    for (int i = lane; i < n; i += 32) {
-      const float x = val[i];
+    warp_visit(val, n, lane, [&](float x) {
       if (x >= lo && x <= hi && bin(x) == dig) nlo = fminf(nlo, x), nhi = fmaxf(nhi, x);
-    }
+    });
     for (int o = 16; o > 0; o >>= 1) {
       nlo = fminf(nlo, __shfl_xor_sync(0xffffffffu, nlo, o));
       nhi = fmaxf(nhi, __shfl_xor_sync(0xffffffffu, nhi, o));
@@ -213,28 +244,37 @@ __device__ float warp_kth_largest(const float* val, int n, int k, unsigned* hist
 }
 
 // Keeps the buffered keys that can still be in the top-k (I^ + 2E >= v_k) and returns v_k, the new entry
-// threshold. Stable in-place compaction: a chunk's writes land at or below its reads.
+// threshold. In place, four entries per lane: a chunk's reads all happen before its writes, which land below
+// the chunk's end. The buffer's order is irrelevant (the selection depends only on the set).
 __device__ float warp_compact(float* val, int* id, int& count, int k, float E, unsigned* hist, int lane) {
   const float v = warp_kth_largest(val, count, k, hist, lane);
+  const int n = count, n4 = n >> 2;
+  float4* v4 = reinterpret_cast<float4*>(val);
+  int4* i4 = reinterpret_cast<int4*>(id);
   int out = 0;
-  for (int base = 0; base < count; base += 32) {
+  for (int base = 0; base < n4 + 1; base += 32) {
     const int i = base + lane;
-    float x = 0.0f;
-    int d = 0;
-    bool keep = false;
-    if (i < count) {
-      x = val[i];
-      d = id[i];
-      keep = up2(x, E) >= v;
+    float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int d[4] = {0, 0, 0, 0}, m = 0;
+    if (i < n4) {
+      const float4 y = v4[i];
+      const int4 z = i4[i];
+      x[0] = y.x, x[1] = y.y, x[2] = y.z, x[3] = y.w;
+      d[0] = z.x, d[1] = z.y, d[2] = z.z, d[3] = z.w;
+      m = 4;
+    } else if (i == n4) {
+      m = n - 4 * n4;
+      for (int j = 0; j < m; ++j) x[j] = val[4 * n4 + j], d[j] = id[4 * n4 + j];
     }
-    const unsigned m = __ballot_sync(0xffffffffu, keep);
+    bool keep[4];
+    int c = 0;
+    for (int j = 0; j < 4; ++j) c += (keep[j] = j < m && up2(x[j], E) >= v) ? 1 : 0;
+    const int inc = warp_inclusive_scan(c, lane);
     __syncwarp();
-    if (keep) {
-      const int pos = out + __popc(m & ((1u << lane) - 1u));
-      val[pos] = x;
-      id[pos] = d;
-    }
-    out += __popc(m);
+    int pos = out + inc - c;
+    for (int j = 0; j < 4; ++j)
+      if (keep[j]) val[pos] = x[j], id[pos] = d[j], ++pos;
+    out += __shfl_sync(0xffffffffu, inc, 31);
     __syncwarp();
   }
   count = out;
@@ -1113,7 +1153,8 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
       const int c = static_cast<int>((static_cast<std::size_t>(max_smem) - fixed) / (kWgQueries * 8)) / 32 * 32;
       if (c >= k + kMinSlackWg) {
         wgmma = true, nw = 8, cap = c;
-        if (g_capacity > 0) cap = std::min(cap, std::max(g_capacity, k + kMinSlackWg));
+        // Buffers stay multiples of 32 entries: the compaction reads them as float4 / int4.
+        if (g_capacity > 0) cap = std::min(cap, (std::max(g_capacity, k + kMinSlackWg) + 31) / 32 * 32);
       }
     }
   }
@@ -1128,7 +1169,7 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
         break;
       }
     }
-    if (nw > 0 && g_capacity > 0) cap = std::min(cap, std::max(g_capacity, k + kMinSlack));
+    if (nw > 0 && g_capacity > 0) cap = std::min(cap, (std::max(g_capacity, k + kMinSlack) + 31) / 32 * 32);
   }
   const bool screen = nw > 0;
   const std::size_t rsmem = resolve_smem(HI, Di, Lk), fsmem = fallback_smem(HI, Di, k);
