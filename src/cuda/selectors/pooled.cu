@@ -339,6 +339,7 @@ struct ScoreParams {
   std::int64_t i8_stride;    // bytes of one level (H or L) of an int8 row in global memory
   int k32;                   // columns of the int8 tiles: D rounded up to 32
   int P, r, span, top_k;
+  int rshift;                // log2 r: block of a key row without a division in the per-pair code
   int chunks, rows_per_cta;  // CTAs per (b, group, tile); key rows per CTA (a multiple of r)
   float dterm;               // D / 4 + 1 of the bound
   float err_scale;           // version 2a: 2 D 2^-24, or +inf where its bound is not proved (D > 4096)
@@ -562,7 +563,7 @@ __device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaVie
     asm volatile("prefetch.global.L1 [%0];" ::"l"(b + d));
   }
   const double s = exact_dot(a, b, p.D);
-  atomicMax(v.ekey + (krow / p.r - v.blk0), key64(sanitize(s)));
+  atomicMax(v.ekey + ((krow >> p.rshift) - v.blk0), key64(sanitize(s)));
 }
 
 // Float64 evaluation of the pairs the screen could not decide: the queued ones, and, for blocks whose
@@ -753,6 +754,7 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
     int hh[2][4] = {}, hl[2][4] = {}, ll[2][4] = {};
     const bool tile_in = active && wt.key_row(2 * np, 0, 0) < krows;  // warp-uniform
     if (tile_in) {
+#pragma unroll 4
       for (int ks = 0; ks < p.k32 / 32; ++ks) {
         const int o = ks * 32;
         const unsigned ah[4] = {*reinterpret_cast<const unsigned*>(qh + o), *reinterpret_cast<const unsigned*>(qh + 8 * rs + o),
@@ -784,7 +786,7 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
         const bool kin = tile_in && kr < krows;
         const long long kf = kin ? kfirst[kr] : kNever;
         const float ks = kin ? ksc[kr] : 0.0f, ka = kin ? kl1[kr] : 0.0f;
-        const int blk = static_cast<int>((k0 + kr) / p.r - blk0);
+        const int blk = static_cast<int>(((k0 + kr) >> p.rshift) - blk0);
         float lb_block = 0.0f;
         if constexpr (kTest) lb_block = kin ? unkey32(lkey[blk]) : 0.0f;
         float best = -INFINITY;
@@ -843,7 +845,7 @@ __device__ __forceinline__ void enqueue_pass(const ScoreParams& p, unsigned char
     const int kr = wt.key_row(b / 4, tq, b % 2);
     const int qr = wt.query_row(gid, (b % 4) / 2);
     if (slot < kCandCap) cand[slot] = make_uint2(static_cast<unsigned>(q0 + qr), static_cast<unsigned>(k0 + kr));
-    else atomicOr(full + ((k0 + kr) / p.r - blk0), 1u);
+    else atomicOr(full + (((k0 + kr) >> p.rshift) - blk0), 1u);
     ++slot;
   }
 }
@@ -1525,6 +1527,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   p.i8_stride = lay.i8_stride;
   p.k32 = lay.quantize ? static_cast<int>(ceil_div(D, std::int64_t{32}) * 32) : 32;
   p.P = static_cast<int>(P), p.r = static_cast<int>(r), p.span = static_cast<int>(kTileQ / r), p.top_k = o.top_k;
+  p.rshift = r == 4 ? 2 : 0;  // the front end allows r = 1 or 4
   p.dterm = static_cast<float>(D) / 4.0f + 1.0f;
   p.err_scale = D <= 4096 ? 2.0f * static_cast<float>(D) * 0x1p-24f : INFINITY;
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
