@@ -29,6 +29,10 @@ constexpr int kIndexThreads = 256;
 // hide the DRAM latency of the idx stream.
 constexpr int kSlotsPerThread = 16;
 constexpr int kRoundSlots = kIndexThreads * kSlotsPerThread;
+// Eight CTAs of 256 threads fill an SM: query-long's 1024 count CTAs then run in one wave, so each
+// CTA's latency chain (loads, histogram, atomics, fence, arrival) is paid once. The 32 registers
+// this leaves make the last CTA's scan spill a few words; no other CTA runs that code.
+constexpr int kIndexCtasPerSm = 8;
 // 48 KB of int bins: the most dynamic shared memory a CTA gets without an opt-in, i.e. rows of up
 // to 1.5 M keys.
 constexpr int kHistBins = 12 * 1024;
@@ -92,23 +96,24 @@ template <class F>
 __device__ __forceinline__ void for_each_chosen(const Params& p, const Chunk& c, F&& f) {
   const unsigned kq = static_cast<unsigned>(p.Kq);
   for (long long base = c.lo; base < c.hi; base += kRoundSlots) {
-    int blk[kSlotsPerThread], qi[kSlotsPerThread], sl[kSlotsPerThread];
+    // Only the block ids stay live between the loads and their use (the query and slot are
+    // recomputed), which keeps the kernels near 32 registers and eight CTAs per SM.
+    int blk[kSlotsPerThread];
 #pragma unroll
     for (int u = 0; u < kSlotsPerThread; ++u) {
       const long long fl = base + u * kIndexThreads + threadIdx.x;
       blk[u] = -1;
-      qi[u] = 0;
-      sl[u] = 0;
       if (fl < c.hi) {
-        const unsigned f32 = static_cast<unsigned>(fl);
-        qi[u] = static_cast<int>(f32 / kq);
-        sl[u] = static_cast<int>(f32 - static_cast<unsigned>(qi[u]) * kq);
-        blk[u] = c.idx[qi[u] * p.idx_stride[2] + sl[u] * p.idx_stride[3]];
+        const unsigned f32 = static_cast<unsigned>(fl), qi = f32 / kq;
+        blk[u] = c.idx[qi * p.idx_stride[2] + (f32 - qi * kq) * p.idx_stride[3]];
       }
     }
 #pragma unroll
-    for (int u = 0; u < kSlotsPerThread; ++u)
-      if (chosen(p, qi[u], blk[u])) f(qi[u], sl[u], blk[u]);
+    for (int u = 0; u < kSlotsPerThread; ++u) {
+      if (blk[u] < 0) continue;
+      const unsigned f32 = static_cast<unsigned>(base + u * kIndexThreads + threadIdx.x), qi = f32 / kq;
+      if (chosen(p, static_cast<int>(qi), blk[u])) f(static_cast<int>(qi), static_cast<int>(f32 - qi * kq), blk[u]);
+    }
   }
 }
 
@@ -139,32 +144,31 @@ __device__ __forceinline__ void cta_exclusive_scan(int& a, int& b, int& tot_a, i
 // Exclusive scan of the counters into entry offsets, item offsets and fill cursors, by one CTA of
 // kIndexThreads in tiles of kIndexThreads * kScanPer counters. nblk is B * Hkv * Tk, small next to
 // the slots the other CTAs counted, and one CTA keeps the scan free of inter-CTA traffic. Counters
-// are read through L2 (__ldcg): other CTAs' atomics put them there.
+// are read through L2 (__ldcg): other CTAs' atomics put them there. Each thread reads its counters
+// twice (sum, then write-out) rather than holding them, which keeps the count kernel within its
+// 32 registers.
 __device__ void scan_counts(const Params& p) {
   int carry_e = 0, carry_i = 0;
   for (long long t0 = 0; t0 < p.nblk; t0 += kIndexThreads * kScanPer) {
     const long long x0 = t0 + static_cast<long long>(threadIdx.x) * kScanPer;
-    int c[kScanPer];
+    const int n = static_cast<int>(p.nblk - x0 < kScanPer ? (p.nblk - x0 > 0 ? p.nblk - x0 : 0) : kScanPer);
     int e = 0, it = 0;
-#pragma unroll
-    for (int u = 0; u < kScanPer; ++u) {
-      c[u] = x0 + u < p.nblk ? __ldcg(p.counts + x0 + u) : 0;
-      e += c[u];
-      it += static_cast<int>(items_of(p, c[u]));
+    for (int u = 0; u < n; ++u) {
+      const int c = __ldcg(p.counts + x0 + u);
+      e += c;
+      it += static_cast<int>(items_of(p, c));
     }
     int tot_e, tot_i;
     cta_exclusive_scan(e, it, tot_e, tot_i);
     e += carry_e;
     it += carry_i;
-#pragma unroll
-    for (int u = 0; u < kScanPer; ++u) {
-      if (x0 + u < p.nblk) {
-        p.offsets[x0 + u] = e;
-        p.item_offsets[x0 + u] = it;
-        p.counts[x0 + u] = e;  // the fill cursor of block x0 + u
-      }
-      e += c[u];
-      it += static_cast<int>(items_of(p, c[u]));
+    for (int u = 0; u < n; ++u) {
+      const int c = __ldcg(p.counts + x0 + u);
+      p.offsets[x0 + u] = e;
+      p.item_offsets[x0 + u] = it;
+      p.counts[x0 + u] = e;  // the fill cursor of block x0 + u
+      e += c;
+      it += static_cast<int>(items_of(p, c));
     }
     carry_e += tot_e;
     carry_i += tot_i;
@@ -184,7 +188,7 @@ __global__ void zero_kernel(Params p) {
 }
 
 template <bool kShared>
-__global__ void __launch_bounds__(kIndexThreads) count_kernel(const __grid_constant__ Params p, int chunk,
+__global__ void __launch_bounds__(kIndexThreads, kIndexCtasPerSm) count_kernel(const __grid_constant__ Params p, int chunk,
                                                               int ctas_per_bg) {
   extern __shared__ int hist[];
   __shared__ bool last;
