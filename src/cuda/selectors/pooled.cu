@@ -45,6 +45,10 @@
 // -inf as on the CPU. The copy is 128x finer than version 2b's single int8 level, so on random data
 // about one pair per block reaches float64 instead of most of them.
 //
+// Code size is time here: a scoring CTA runs most of its code once, so every instruction is fetched
+// once per CTA; loops that are unrolled for no reuse (the key tiles of a pass, the staging batches)
+// stay rolled and the float64 dot and the top-k are calls.
+//
 // Scratch (means, int8 copies, block scores, counters) is cached per (device, stream) and grown (with
 // a synchronisation of that stream) only when a call needs more; a call being captured into a CUDA
 // graph takes stream-ordered memory instead (the graph owns it; capture never synchronises).
@@ -394,7 +398,7 @@ __host__ __device__ inline std::size_t topk_smem(std::int64_t Tk) {
 // count. A candidate is kept iff fewer than k candidates rank before it (the CPU's order is total, so
 // the set is the CPU's); kept ids are placed by warp ballots, so ascending order costs two barriers per
 // blockDim candidates instead of common.cuh's serial scan over the threads. warp_kept: one int per warp.
-__device__ int tile_top_k(const double* scores, int n, int k, int* warp_kept, std::int32_t* row, std::int64_t stride,
+__device__ __noinline__ int tile_top_k(const double* scores, int n, int k, int* warp_kept, std::int32_t* row, std::int64_t stride,
                           std::int64_t width) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
   int written = 0;  // the same in every thread
@@ -553,7 +557,7 @@ __device__ __forceinline__ void rank_tile(const ScoreParams& p, const TileJob& t
   if (tid == 0) p.cnt[b * p.cs0 + g * p.cs1 + tj.t * p.cs2] = c;
 }
 
-__device__ __forceinline__ void evaluate_pair(const ScoreParams& p, const CtaView& v, unsigned qrow, unsigned krow) {
+__device__ __noinline__ void evaluate_pair(const ScoreParams& p, const CtaView& v, unsigned qrow, unsigned krow) {
   const float* a = v.qrows + static_cast<std::int64_t>(qrow) * p.D;
   const float* b = v.krows + static_cast<std::int64_t>(krow) * p.D;
   // Every line of both rows requested at once: the chain below then waits for one round trip to L2,
@@ -660,36 +664,38 @@ __device__ __forceinline__ void stage_rows(const ScoreParams& p, unsigned char* 
       }
     }
   };
-  load_batch(tid);
-  for (int i = tid; i < kQM + kKN; i += kThreads) {
-    if (i < kQM) {
-      long long lim = -1;
-      if (i < qrows) {
-        const int a = (q0 + i) % p.r;
-        const std::int64_t first = i_first + static_cast<std::int64_t>(a) * p.span;
-        const std::int64_t qn = imin(p.Lq, first + p.span) - first;
-        if (qn > 0) lim = p.causal ? first + qn - 1 + offset : kNever - 1;
-        qsc[i] = p.qscale[qbase + i];
-        ql1[i] = p.ql1[qbase + i];
-      }
-      qlim[i] = lim;
-    } else {
-      const int k = i - kQM;
-      long long first_key = kNever;
-      if (k < krows) {
-        const std::int64_t row = k0 + k, j = row / p.r, c = row % p.r;
-        const std::int64_t first = j * kBlockK + c * p.span;
-        const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-        if (!forced && imin(p.Lk, first + p.span) > first) first_key = first;
-        ksc[k] = p.kscale[kbase + k];
-        kl1[k] = p.kl1[kbase + k];
-      }
-      kfirst[k] = first_key;
-    }
-  }
-  store_batch(tid);
-  for (int base = tid + kBatch * kThreads; base < total; base += kBatch * kThreads) {
+  // One copy of the unrolled batch code (a loop, the row data in its first trip): the kernel's code is
+  // fetched once per CTA, so its size is time (see the header).
+  for (int base = tid; base < total || base == tid; base += kBatch * kThreads) {
     load_batch(base);
+    if (base == tid) {  // the row data, while the first batch is in flight
+      for (int i = tid; i < kQM + kKN; i += kThreads) {
+        if (i < kQM) {
+          long long lim = -1;
+          if (i < qrows) {
+            const int a = (q0 + i) % p.r;
+            const std::int64_t first = i_first + static_cast<std::int64_t>(a) * p.span;
+            const std::int64_t qn = imin(p.Lq, first + p.span) - first;
+            if (qn > 0) lim = p.causal ? first + qn - 1 + offset : kNever - 1;
+            qsc[i] = p.qscale[qbase + i];
+            ql1[i] = p.ql1[qbase + i];
+          }
+          qlim[i] = lim;
+        } else {
+          const int k = i - kQM;
+          long long first_key = kNever;
+          if (k < krows) {
+            const std::int64_t row = k0 + k, j = row / p.r, c = row % p.r;
+            const std::int64_t first = j * kBlockK + c * p.span;
+            const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+            if (!forced && imin(p.Lk, first + p.span) > first) first_key = first;
+            ksc[k] = p.kscale[kbase + k];
+            kl1[k] = p.kl1[kbase + k];
+          }
+          kfirst[k] = first_key;
+        }
+      }
+    }
     store_batch(base);
   }
   __syncthreads();
@@ -748,7 +754,7 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
   const unsigned char* kh = k8 + (wt.key_row(0, 0, 0) + gid) * rs + tq * 4;
   const unsigned char* klo = kh + kKN * rs;
   unsigned bits = 0u;
-#pragma unroll
+#pragma unroll 1
   for (int np = 0; np < 4; ++np) {
     if (2 * np >= wt.nt) break;  // warp-uniform
     int hh[2][4] = {}, hl[2][4] = {}, ll[2][4] = {};
