@@ -660,7 +660,8 @@ TEST(PooledGpu, PhaseTimes) {
   constexpr int kMaxCtas = 1 << 14, P = sa::cuda_backend::kPooledPhases;
   unsigned long long* stamps = nullptr;
   cuda_ok(cudaMalloc(&stamps, sizeof(unsigned long long) * kMaxCtas * P), "cudaMalloc stamps");
-  const char* names[P] = {"entry", "wait for representatives", "staging", "lower-bound screen", "test + queue",
+  constexpr int S = P - 1;  // stamps; the last value is the count of queued pairs
+  const char* names[S] = {"entry", "wait for representatives", "staging", "lower-bound screen", "test + queue",
                           "float64 evaluation", "other key passes", "ranking"};
   for (int r : {1, 4}) {
     sa::PooledOptions o;
@@ -671,24 +672,28 @@ TEST(PooledGpu, PhaseTimes) {
     cuda_ok(cudaDeviceSynchronize(), "phase call");
     std::vector<unsigned long long> h(static_cast<std::size_t>(kMaxCtas) * P);
     cuda_ok(cudaMemcpy(h.data(), stamps, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "download stamps");
-    std::vector<std::vector<double>> d(P);
+    std::vector<std::vector<double>> d(S);
+    std::vector<double> queued;
     unsigned long long first_wait_end = ~0ull, last_wait_end = 0, last_end = 0;
     int ctas = 0;
     for (int c = 0; c < kMaxCtas; ++c) {
       const unsigned long long* t = h.data() + static_cast<std::size_t>(c) * P;
       if (t[0] == 0) continue;
       ++ctas;
-      for (int i = 1; i < P; ++i)
+      for (int i = 1; i < S; ++i)
         if (t[i] != 0 && t[i - 1] != 0) d[static_cast<std::size_t>(i)].push_back(1e-3 * static_cast<double>(t[i] - t[i - 1]));
       first_wait_end = std::min(first_wait_end, t[1]);
       last_wait_end = std::max(last_wait_end, t[1]);
-      last_end = std::max(last_end, t[P - 1]);
+      last_end = std::max(last_end, t[S - 1]);
+      queued.push_back(static_cast<double>(t[S]));
     }
     ASSERT_GT(ctas, 0) << "no CTA wrote its stamps";
     std::printf("pooled phases R%d Lk=%lld (%d CTAs): representatives end -> last CTA end %.1f us (waits end within %.1f us)\n", r,
                 static_cast<long long>(Lk), ctas, 1e-3 * static_cast<double>(last_end - last_wait_end),
                 1e-3 * static_cast<double>(last_wait_end - first_wait_end));
-    for (int i = 1; i < P; ++i) {
+    std::printf("pooled phases R%d   pairs queued for float64 per CTA: median %.0f, max %.0f\n", r, median(queued),
+                *std::max_element(queued.begin(), queued.end()));
+    for (int i = 1; i < S; ++i) {
       auto& v = d[static_cast<std::size_t>(i)];
       if (v.empty()) continue;
       std::printf("pooled phases R%d   %-26s median %7.2f us, max %7.2f us\n", r, names[i], median(v),

@@ -353,7 +353,8 @@ struct ScoreParams {
 
 // Stamps of the scoring kernel's phases (profiling): entry, after the wait for the representatives,
 // after the first staging, after the first lower-bound screen, after the first test and queueing,
-// after the first float64 evaluation, after the last key pass, after the ranking.
+// after the first float64 evaluation, after the last key pass, after the ranking; then (a count, not a
+// time) the pairs queued for float64 in the first key pass.
 constexpr int kPhases = kPooledPhases;
 __device__ __forceinline__ void stamp(const ScoreParams& p, int phase) {
   if (p.phase_ns == nullptr || threadIdx.x != 0) return;
@@ -911,7 +912,11 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     __syncthreads();
     evaluate_queued<kThreads>(p, tj, v, cand, full, n_queued, kCandCap, k0, krows);
     __syncthreads();
-    if (k0 == tj.row_begin) stamp(p, 5);
+    if (k0 == tj.row_begin) {
+      stamp(p, 5);
+      if (p.phase_ns != nullptr && tid == 0)
+        p.phase_ns[static_cast<std::size_t>(blockIdx.x) * kPhases + kPhases - 1] = static_cast<unsigned>(n_queued);
+    }
     if (tid == 0) n_queued = 0;
   }
   __syncthreads();

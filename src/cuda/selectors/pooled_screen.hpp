@@ -13,8 +13,9 @@ enum class PooledScreen {
   fp32,               // version 2a: float32 dots on the CUDA cores
 };
 
-/// Stamps per CTA of the int8 scoring kernel (profiling; see kPhases in pooled.cu).
-constexpr int kPooledPhases = 8;
+/// Values per CTA of the int8 scoring kernel's profiling record (see kPhases in pooled.cu): eight
+/// global-timer stamps, then the number of pairs queued for float64 in the first key pass.
+constexpr int kPooledPhases = 9;
 
 /// cuda_backend::pooled_select with an explicit screen; arguments as checked by the front end. With
 /// phase_ns (device memory, kPooledPhases values per CTA of the scoring grid), the int8 scoring
