@@ -916,12 +916,12 @@ __host__ __device__ inline std::size_t align8(std::size_t x) { return (x + 7) / 
 
 constexpr int kResolveThreads = 256;
 constexpr int kResolveKeys = 16;  // undecided keys per batch: 16 keys x 64 heads = 4 float64 dots per thread
-constexpr int kResolveItems = kResolveKeys * kMaxHeads / kResolveThreads;
+constexpr int kResolveGroups = kResolveThreads / kMaxHeads;     // 4: thread = (head t % 64, key group t / 64)
+constexpr int kResolveItems = kResolveKeys / kResolveGroups;    // 4 keys per thread, one shared head
 
 std::size_t resolve_smem(std::int64_t HI, std::int64_t Di, std::int64_t Lk) {
-  return static_cast<std::size_t>(HI + kResolveKeys * HI + kUndCap) * 8 +
-         static_cast<std::size_t>(HI * (Di + 1) + kResolveKeys * (Di + 1) + kUndCap) * 4 +
-         static_cast<std::size_t>(ceil_div(Lk, 32)) * 4 + 32 * 4;
+  return static_cast<std::size_t>(HI + kResolveKeys * HI + kUndCap + HI * (Di + 1) + kResolveKeys * (Di + 1)) * 8 +
+         static_cast<std::size_t>(kUndCap) * 4 + static_cast<std::size_t>(ceil_div(Lk, 32)) * 4 + 32 * 4;
 }
 
 // Exclusive prefix sum over the block of one int per thread; `total` gets the sum. `tot` is 32 ints of shared
@@ -964,10 +964,11 @@ __global__ void __launch_bounds__(kResolveThreads) resolve_kernel(const RowParam
   double* wv = reinterpret_cast<double*>(smem);
   double* dots = wv + HI;                    // [kResolveKeys][HI]
   double* usc = dots + kResolveKeys * HI;    // [kUndCap]
-  // Rows padded to Di + 1 floats: the threads of a warp read different heads (or keys) at one d.
+  // The values as doubles (exact), rows padded to Di + 1: the lanes of a warp read different heads at one d
+  // (the key rows they read are the same: broadcast).
   const int pitch = Di + 1;
-  float* qv = reinterpret_cast<float*>(usc + kUndCap);  // [HI][Di + 1]
-  float* kv = qv + HI * pitch;               // [kResolveKeys][Di + 1]
+  double* qv = usc + kUndCap;                // [HI][Di + 1]
+  double* kv = qv + HI * pitch;              // [kResolveKeys][Di + 1]
   int* uid = reinterpret_cast<int*>(kv + kResolveKeys * pitch);
   unsigned* bits = reinterpret_cast<unsigned*>(uid + kUndCap);
   const std::int64_t end = s.key_end(t);
@@ -977,33 +978,42 @@ __global__ void __launch_bounds__(kResolveThreads) resolve_kernel(const RowParam
   const std::int32_t* urow = p.und + row * kUndCap;
   if (need < m.nund) {
     const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
-    load_query(p, b, t, true, sq, qv, pitch, wv);
+    const bool bf = p.prec == static_cast<int>(Prec::bf16);
+    const __nv_bfloat16* qrow = p.qc + row * s.HI * s.Dp;
+    for (int e = tid; e < HI * Di; e += kResolveThreads) {
+      const int j = e / Di, d = e % Di;
+      const float c = __bfloat162float(qrow[j * s.Dp + d]);
+      qv[j * pitch + d] = static_cast<double>(bf ? c : __fmul_rn(c, sq));
+    }
+    for (int j = tid; j < HI; j += kResolveThreads) wv[j] = static_cast<double>(p.w[b * p.ws0 + t * p.ws1 + j * p.ws2]);
+    const int hj = tid % kMaxHeads, grp = tid / kMaxHeads;
     for (int u0 = 0; u0 < m.nund; u0 += kResolveKeys) {
       const int nb = imin(kResolveKeys, m.nund - u0);
       __syncthreads();  // qv, wv ready; the previous batch's readers of kv and dots are done
       for (int e = tid; e < nb * Di; e += kResolveThreads) {
         const int r = e / Di, d = e % Di;
         const float c = __bfloat162float(p.kc[(b * s.Lk + urow[u0 + r]) * s.Dp + d]);
-        kv[r * pitch + d] = p.prec == static_cast<int>(Prec::bf16) ? c : __fmul_rn(c, sk);
+        kv[r * pitch + d] = static_cast<double>(bf ? c : __fmul_rn(c, sk));
       }
       __syncthreads();
-      double acc[kResolveItems];
-      const float* qr[kResolveItems];
-      const float* kr[kResolveItems];
+      if (hj < HI) {
+        // Keys grp, grp + 4, grp + 8, grp + 12 of the batch against head hj, four chains in d order.
+        const double* qr = qv + hj * pitch;
+        double acc[kResolveItems];
 #pragma unroll
-      for (int i = 0; i < kResolveItems; ++i) {
-        const int it = imin(tid + i * kResolveThreads, nb * HI - 1);
-        qr[i] = qv + (it % HI) * pitch;
-        kr[i] = kv + (it / HI) * pitch;
-        acc[i] = 0.0;
+        for (int i = 0; i < kResolveItems; ++i) acc[i] = 0.0;
+        for (int d = 0; d < Di; ++d) {
+          const double x = qr[d];
+#pragma unroll
+          for (int i = 0; i < kResolveItems; ++i)
+            acc[i] = fma(x, kv[(grp + kResolveGroups * i) * pitch + d], acc[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < kResolveItems; ++i) {
+          const int r = grp + kResolveGroups * i;
+          if (r < nb) dots[r * HI + hj] = acc[i];
+        }
       }
-      for (int d = 0; d < Di; ++d)
-#pragma unroll
-        for (int i = 0; i < kResolveItems; ++i)
-          acc[i] = fma(static_cast<double>(qr[i][d]), static_cast<double>(kr[i][d]), acc[i]);
-#pragma unroll
-      for (int i = 0; i < kResolveItems; ++i)
-        if (tid + i * kResolveThreads < nb * HI) dots[tid + i * kResolveThreads] = acc[i];
       __syncthreads();
       if (tid < nb) {
         double a = 0.0;
