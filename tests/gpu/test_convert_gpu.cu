@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "common/testing.hpp"
-#include "cuda/convert/backend.hpp"
 #include "gpu/query_lists_testing.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -57,14 +56,10 @@ Tiles cpu_convert(const sa::HostTensor& lists, const sa::ProblemShape& p, std::i
 
 /// The device conversion of `lists` into poisoned device outputs; returns them downloaded.
 Tiles gpu_convert(const sa::HostTensor& lists, const sa::ProblemShape& p, std::int64_t kmax,
-                  const sa::ConvertOptions& options = {}, int version = 0) {
+                  const sa::ConvertOptions& options = {}) {
   Tiles t = poisoned_tiles(p, kmax);
   DeviceBuffer dl(lists), di(t.idx), dc(t.cnt);
-  if (version == 0)
-    sa::query_lists_to_tile_lists(sa::QueryLists{dl.view}, sa::TileLists{di.view, dc.view}, p, options);
-  else
-    sa::cuda_backend::query_lists_to_tile_lists_version(sa::QueryLists{dl.view}, sa::TileLists{di.view, dc.view}, p,
-                                                        options, version);
+  sa::query_lists_to_tile_lists(sa::QueryLists{dl.view}, sa::TileLists{di.view, dc.view}, p, options);
   cuda_ok(cudaDeviceSynchronize(), "conversion");
   di.download(t.idx);
   dc.download(t.cnt);
@@ -95,7 +90,7 @@ struct Case {
 };
 
 // Every shape against the CPU with a roomy Kmax (padding checked), the tightest Kmax the unions
-// allow, and the trusted path, for every kernel version.
+// allow, and the trusted path.
 void check_case(const Case& c, std::uint64_t seed) {
   SCOPED_TRACE(c.name);
   const sa::ProblemShape p = shape(c.B, c.Lq, c.Lk, c.Hkv, c.causal);
@@ -106,13 +101,9 @@ void check_case(const Case& c, std::uint64_t seed) {
   const Tiles want_tight = cpu_convert(lists, p, tight);
   sa::ConvertOptions trusted;
   trusted.trusted = true;
-  for (int version = 1; version <= 4; ++version) {
-    SCOPED_TRACE("kernel version " + std::to_string(version));
-    ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, {}, version), "roomy Kmax"));
-    ASSERT_NO_FATAL_FAILURE(expect_equal(want_tight, gpu_convert(lists, p, tight, {}, version), "tight Kmax"));
-    ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, trusted, version), "trusted"));
-  }
-  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy), "default version"));
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy), "roomy Kmax"));
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want_tight, gpu_convert(lists, p, tight), "tight Kmax"));
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, trusted), "trusted"));
 }
 
 #define SKIP_WITHOUT_GPU() QUERY_SPARSE_SKIP_WITHOUT_GPU()
@@ -354,10 +345,10 @@ TEST(ConvertGpu, SanitizerSmall) {
   ASSERT_NO_FATAL_FAILURE(expect_same_error(bad, p, p.Tk(), "in.idx", "duplicate block id 5"));
 }
 
-// Time of each kernel version on the shapes of the planner's fit (trusted: one launch; checked: the
-// launch, the fault word read back and the synchronisation), CUDA events around back-to-back calls.
-// Every version's output is compared with the CPU's on the smaller shapes first.
-TEST(ConvertGpu, VersionTiming) {
+// Time of the conversion on the shapes of the planner's fit (trusted: one launch; checked: the launch,
+// the fault word read back and the synchronisation), CUDA events around back-to-back calls; the
+// output is compared with the CPU's where the CPU conversion is quick.
+TEST(ConvertGpu, Timing) {
   SKIP_WITHOUT_GPU();
   struct Shape {
     const char* name;
@@ -391,26 +382,26 @@ TEST(ConvertGpu, VersionTiming) {
     const sa::QueryLists in{dl.view};
     const sa::TileLists out{di.view, dc.view};
     std::printf("[ timing   ] %-16s tiles %6lld:", sh.name, static_cast<long long>(p.B * p.Hkv * p.Tq()));
-    for (int version = 1; version <= 4; ++version) {
+    {
       double us[2] = {0, 0};
       for (int checked = 0; checked < 2; ++checked) {
         sa::ConvertOptions o;
         o.trusted = checked == 0;
         constexpr int kWarm = 3, kIters = 20;
-        for (int it = 0; it < kWarm; ++it) sa::cuda_backend::query_lists_to_tile_lists_version(in, out, p, o, version);
+        for (int it = 0; it < kWarm; ++it) sa::query_lists_to_tile_lists(in, out, p, o);
         cuda_ok(cudaEventRecord(e0), "record");
-        for (int it = 0; it < kIters; ++it) sa::cuda_backend::query_lists_to_tile_lists_version(in, out, p, o, version);
+        for (int it = 0; it < kIters; ++it) sa::query_lists_to_tile_lists(in, out, p, o);
         cuda_ok(cudaEventRecord(e1), "record");
         cuda_ok(cudaEventSynchronize(e1), "sync");
         float ms = 0;
         cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
         us[checked] = 1e3 * ms / kIters;
       }
-      std::printf("  v%d %7.2f / %7.2f us", version, us[0], us[1]);
+      std::printf("  %7.2f / %7.2f us", us[0], us[1]);
       if (compare) {
         di.download(got.idx);
         dc.download(got.cnt);
-        ASSERT_NO_FATAL_FAILURE(expect_equal(want, got, std::string(sh.name) + " v" + std::to_string(version)));
+        ASSERT_NO_FATAL_FAILURE(expect_equal(want, got, sh.name));
       }
     }
     std::printf("  (trusted / checked)\n");

@@ -2,6 +2,17 @@
 // function's (src/core/formats.cpp) element for element: the same ids in the same ascending order,
 // the same counts, -1 in every slot past the count; so do the errors, whose first offending
 // coordinate is the minimum of one fault word.
+//
+// Versions measured on the H200 (trusted, CUDA events around back-to-back calls; tile16 64 tiles,
+// query16of32 256, query-long 2048, query-long B = 4 8192, Lk = 256K Hkv = 8 512 tiles of 64 words):
+//   1  one id per thread and iteration, lanes of a word merged by __match_any_sync + __reduce_or_sync,
+//      one atomic per word and warp: 9.1 / 8.4 / 41.1 / 144.6 / 34.3 us. One load in flight per
+//      thread: about 20 us per wave of CTAs whatever the work.
+//   2  eight ids per thread loaded first, then merged as in 1: 8.5 / 7.3 / 42.1 / 140.4 / 33.8 us.
+//   3  eight ids per thread loaded first, one shared atomicOr per id: 6.3 / 7.9 / 19.7 / 65.0 / 14.8 us.
+//   4  eight ids loaded first, folded into per-thread words of an 8-word window of the bit set and
+//      ORed across the warp by redux: 6.5 / 8.1 / 25.2 / 87.2 / 14.9 us.
+// Version 3 is the one kept: the merging in 1, 2 and 4 costs more than the atomics it saves.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,8 +27,7 @@
 
 namespace sparse_attn::cuda_kernels::convert {
 
-// 8 warps: a tile of 128 queries x 16 slots is 8 loads per thread, and 2048 threads per SM (8 CTAs)
-// keep enough loads in flight to stream the lists at HBM rate.
+// 8 warps: a tile of 128 queries x 16 slots is one round of 8 loads per thread.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
@@ -55,14 +65,9 @@ __device__ __forceinline__ void check_slot(const Params& p, const std::int32_t* 
 }
 
 // Ids per thread loaded before any is used: eight independent loads in flight per thread keep the
-// HBM pipe full where one load per iteration left it at a tenth of its rate.
+// lists streaming, where one load per iteration left them at a tenth of the HBM rate.
 constexpr int kPer = 8;
-// Version 4 folds ids into per-thread words of a window of this many bit-set words, then ORs each
-// word across the warp (redux): no shared atomic per id. Windows cover up to kRegisterWords words.
-constexpr int kWindow = 8;
-constexpr int kRegisterWords = 32;
 
-template <int V>
 __global__ void __launch_bounds__(kThreads) union_kernel(const __grid_constant__ Params p) {
   extern __shared__ unsigned bits[];  // p.W words: bit j of the tile's union set iff block j is in it
   __shared__ int warp_sums[kWarps];
@@ -77,92 +82,34 @@ __global__ void __launch_bounds__(kThreads) union_kernel(const __grid_constant__
   const int nq = static_cast<int>(min(128LL, p.Lq - i0));
   const std::int32_t* rows = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + i0 * p.idx_stride[2];
   const int total = nq * p.Kq;
-  // Consecutive threads take consecutive slots, so packed lists are read in full lines. Trip counts
-  // are the same for every thread: the warp intrinsics below need every lane.
-  if constexpr (V == 1) {
-    for (int e0 = 0; e0 < total; e0 += kThreads) {
-      const int e = e0 + tid;
-      int v = -1;
-      bool set = false;
+  // Consecutive threads take consecutive slots, so packed lists are read in full lines.
+  for (int c0 = 0; c0 < total; c0 += kThreads * kPer) {
+    int v[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int e = c0 + j * kThreads + tid;
+      v[j] = -1;
       if (e < total) {
-        const int qi = e / p.Kq, s = e - qi * p.Kq;
-        const std::int32_t* row = rows + qi * p.idx_stride[2];
-        v = row[s];
-        set = v >= 0 && v < p.Tk;  // trusted lists are never allowed to reach outside the bit set
-        if (p.fault != nullptr) check_slot(p, row, s, v, bg * p.Lq + i0 + qi);
-      }
-      const unsigned active = __ballot_sync(0xffffffffu, set);
-      if (set) {
-        const int w = v >> 5;
-        const unsigned peers = __match_any_sync(active, w);
-        const unsigned merged = __reduce_or_sync(peers, 1u << (v & 31));
-        if (lane == __ffs(peers) - 1) atomicOr(&bits[w], merged);
+        const int qi = e / p.Kq;
+        v[j] = rows[qi * p.idx_stride[2] + (e - qi * p.Kq)];
       }
     }
-  } else {
-    for (int c0 = 0; c0 < total; c0 += kThreads * kPer) {
-      int v[kPer];
+    if (p.fault != nullptr) {
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         const int e = c0 + j * kThreads + tid;
-        v[j] = -1;
         if (e < total) {
           const int qi = e / p.Kq;
-          v[j] = rows[qi * p.idx_stride[2] + (e - qi * p.Kq)];
-        }
-      }
-      if (p.fault != nullptr) {
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) {
-          const int e = c0 + j * kThreads + tid;
-          if (e < total) {
-            const int qi = e / p.Kq;
-            check_slot(p, rows + qi * p.idx_stride[2], e - qi * p.Kq, v[j], bg * p.Lq + i0 + qi);
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kPer; ++j)
-        if (v[j] < 0 || v[j] >= p.Tk) v[j] = -1;  // trusted lists never reach outside the bit set
-      if constexpr (V == 2) {
-#pragma unroll
-        for (int j = 0; j < kPer; ++j) {
-          const bool set = v[j] >= 0;
-          const unsigned active = __ballot_sync(0xffffffffu, set);
-          if (set) {
-            const int w = v[j] >> 5;
-            const unsigned peers = __match_any_sync(active, w);
-            const unsigned merged = __reduce_or_sync(peers, 1u << (v[j] & 31));
-            if (lane == __ffs(peers) - 1) atomicOr(&bits[w], merged);
-          }
-        }
-      } else if constexpr (V == 3) {
-#pragma unroll
-        for (int j = 0; j < kPer; ++j)
-          if (v[j] >= 0) atomicOr(&bits[v[j] >> 5], 1u << (v[j] & 31));
-      } else {
-        static_assert(V == 4, "unknown conversion kernel version");
-        for (int w0 = 0; w0 < p.W; w0 += kWindow) {
-          unsigned acc[kWindow];
-#pragma unroll
-          for (int k = 0; k < kWindow; ++k) acc[k] = 0u;
-#pragma unroll
-          for (int j = 0; j < kPer; ++j) {
-            const int w = (v[j] >> 5) - w0;  // v = -1 gives w < 0: no word
-            const unsigned bit = 1u << (v[j] & 31);
-#pragma unroll
-            for (int k = 0; k < kWindow; ++k) acc[k] |= w == k ? bit : 0u;
-          }
-          unsigned mine = 0u;
-#pragma unroll
-          for (int k = 0; k < kWindow; ++k) {
-            const unsigned x = __reduce_or_sync(0xffffffffu, acc[k]);
-            mine = lane == k ? x : mine;
-          }
-          if (lane < kWindow && w0 + lane < p.W && mine != 0u) atomicOr(&bits[w0 + lane], mine);
+          check_slot(p, rows + qi * p.idx_stride[2], e - qi * p.Kq, v[j], bg * p.Lq + i0 + qi);
         }
       }
     }
+    // One shared atomic per id: merging the lanes of a word first (match/redux, or per-thread window
+    // words ORed across the warp) measured slower (docs/notes/convert.md). Trusted lists never reach
+    // outside the bit set: ids out of range are dropped here.
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      if (v[j] >= 0 && v[j] < p.Tk) atomicOr(&bits[v[j] >> 5], 1u << (v[j] & 31));
   }
   __syncthreads();
 
@@ -279,12 +226,6 @@ T read_back(const T* ptr, cudaStream_t stream) {
 
 void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
                                const ConvertOptions& options) {
-  query_lists_to_tile_lists_version(in, out, p, options, kConvertVersion);
-}
-
-void query_lists_to_tile_lists_version(const QueryLists& in, const TileLists& out, const ProblemShape& p,
-                                       const ConvertOptions& options, int version) {
-  require(version >= 1 && version <= 4, kOp, "version", "unknown kernel version " + std::to_string(version));
   constexpr long long kIntMax = std::numeric_limits<int>::max();
   const long long Kq = in.idx.shape[3], Kmax = out.idx.shape[3], Tk = p.Tk(), Tq = p.Tq();
   const long long tiles = p.B * p.Hkv * Tq;
@@ -321,11 +262,6 @@ void query_lists_to_tile_lists_version(const QueryLists& in, const TileLists& ou
   prm.W = static_cast<int>(ceil_div(Tk, 32));
   prm.Kmax = static_cast<int>(Kmax);
 
-  if (version == 4 && prm.W > cv::kRegisterWords) version = 3;
-  void (*kernel)(cv::Params) = version == 1   ? cv::union_kernel<1>
-                               : version == 2 ? cv::union_kernel<2>
-                               : version == 3 ? cv::union_kernel<3>
-                                              : cv::union_kernel<4>;
   const std::size_t smem = static_cast<std::size_t>(prm.W) * sizeof(unsigned);
   constexpr std::size_t kDefaultSmem = 48 * 1024;
   if (smem > kDefaultSmem) {
@@ -337,12 +273,12 @@ void query_lists_to_tile_lists_version(const QueryLists& in, const TileLists& ou
             "Lk = " + std::to_string(p.Lk) + " (" + std::to_string(Tk) + " blocks) needs a bit set of " +
                 std::to_string(smem) + " bytes per Q tile, more than the " + std::to_string(room) +
                 " bytes of shared memory a CTA of this device can have");
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+    check_cuda(cudaFuncSetAttribute(cv::union_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                "shared memory attribute");
   }
 
   auto launch = [&] {
-    kernel<<<static_cast<unsigned>(tiles), cv::kThreads, smem, stream>>>(prm);
+    cv::union_kernel<<<static_cast<unsigned>(tiles), cv::kThreads, smem, stream>>>(prm);
     check_cuda(cudaGetLastError(), "conversion launch");
   };
   if (options.trusted) return launch();
