@@ -75,7 +75,7 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
 // ---- planner: Q-centric, KV-centric or group-centric -----------------------------------------------
 
 enum class Schedule : std::uint8_t {
-  q_centric,      // query_lists_to_tile_lists, then tile_sparse over each tile's union
+  q_centric,      // query_lists_to_tile_lists (on the device for device lists), then tile_sparse over each tile's union
   kv_centric,     // query_sparse, QuerySchedule::kv_centric
   group_centric,  // query_sparse, QuerySchedule::group_centric
 };
@@ -115,12 +115,12 @@ struct SelectionStats {
 struct CostModel {
   double q_visit_ns_d128 = 14.6;    // one (query head, Q tile, KV block) visit of tile_sparse, D = 128
   double q_visit_ns_d64 = 10.1;     // the same at D = 64
-  double q_fixed_us = 360.0;        // device lists to the host and TileLists back, launches
-  double q_slot_ns = 2.5;           // host conversion to TileLists per list slot
-  double kv_row_block_ns = 0.846;   // attention of one (query, head, slot) against one block, D = 128
+  double q_fixed_us = 20.0;         // the device conversion in the pipeline: its launch, tile_sparse's ramp after it
+  double q_tile_ns = 7.0;           // the device conversion per (b, group, Q tile), Kq = 16
+  double kv_row_block_ns = 0.146;   // attention of one (query, head, slot) against one block, D = 128
   double kv_bytes_per_ns = 4270.0;  // HBM rate for the partials written and read back (4.27 TB/s)
-  double kv_slot_ns = 0.37;         // reverse index work per (query, slot)
-  double kv_fixed_us = 15.0;        // five launches of the KV-centric pipeline
+  double kv_slot_ns = 0.017;        // reverse index work per (query, slot)
+  double kv_fixed_us = 30.0;        // the reverse index's fixed part and the pipeline's launches
   double g_tile_block_ns_d128 = 2.83;  // one (query, 16-head tile, KV block) of the group-centric kernel, D = 128
   double g_tile_block_ns_d64 = 1.6;    // the same at D = 64 (scaled, not measured)
   double g_l2_bytes_per_ns = 4560.0;   // rate at which CTAs stream K/V blocks from L2 (4.56 TB/s)

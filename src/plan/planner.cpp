@@ -1,9 +1,9 @@
 // The planner: statistics of a QueryLists selection and a cost model of the three schedules that can
 // execute it (DESIGN §1, §5.2, §5.3). docs/notes/planner.md gives the model and its constants.
 //
-// Q-centric: query_lists_to_tile_lists, then tile_sparse; each query head of a group visits every
-// block of its tile's union, so the time is (visits x cost of one 128 x 128 tile visit) plus the
-// conversion (on the host: a fixed round trip and a cost per list slot).
+// Q-centric: query_lists_to_tile_lists on the device (one kernel, one CTA per Q tile), then
+// tile_sparse; each query head of a group visits every block of its tile's union, so the time is
+// (visits x cost of one 128 x 128 tile visit) plus the conversion (a launch and a cost per tile).
 // KV-centric: each (query, head, slot) row is computed once against its block, and its partial
 // (D values, f32 or bf16, plus the LSE) is written and read back, so the time is rows x (attention
 // of one row against one block + partial bytes / HBM rate) plus the reverse index.
@@ -127,8 +127,8 @@ PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape&
   // measurement already includes; other head dims are scaled from the nearer measured one.
   const double visit_ns = p.D <= 64 ? model.q_visit_ns_d64 * double(p.D) / 64.0
                                     : model.q_visit_ns_d128 * double(p.D) / 128.0;
-  const double q_ns = model.q_fixed_us * 1e3 + double(stats.tile_union) * group * visit_ns +
-                      double(stats.list_slots) * model.q_slot_ns;
+  const double q_ns = model.q_fixed_us * 1e3 + double(stats.tiles) * model.q_tile_ns +
+                      double(stats.tile_union) * group * visit_ns;
 
   const double rows = double(stats.query_blocks) * group;
   const double part_bytes = double(p.D) * (partials == PartialPrecision::f32 ? 4.0 : 2.0);
