@@ -3,14 +3,16 @@
 // [Lq, Lk] score matrix never reaches device memory. Kernels on the caller's stream:
 //  1. prepare (tc_index.cuh): per-tensor amax (fp8); bf16 codes of qI and kI (exact: value = code * scale up
 //     to one rounding) and upper bounds of every code row's norm, maxed per 128 keys;
-//  2. screen: a CTA holds nw consecutive queries, one per warp, and streams their visible keys through two
-//     cp.async stages of 64 keys. A warp keeps its query's 64 heads x Di codes in registers as the B operand
-//     of mma.sync m16n8k16 (A = 16 keys x 16 d from shared memory), so one m16n64 product gives 16 keys x
-//     64 heads; the weighted ReLU sum over the heads stays in registers (16 heads per thread, then two
-//     shuffles), giving the screened score I^ of 16 keys. Each key whose interval [I^ - E, I^ + E] (E: the
-//     bound below) can still reach the top-k joins the warp's candidate buffer in shared memory; when the
-//     buffer fills, an exact radix select finds the k-th largest I^ (v_k) and drops every key with
-//     I^ + 2E < v_k, and later keys must pass the same test to enter;
+//  2. screen (two kernels, same ids; wgmma is the default): keys stream through two cp.async stages and meet
+//     the query codes on the tensor cores so that each product tile holds keys x 64 heads of one query, and
+//     the weighted ReLU sum over the heads stays in registers (16 heads per thread, then two shuffles),
+//     giving the screened score I^ of each key. wgmma: two warpgroups, each with two queries' 2 x 64 head
+//     rows as the B operand of m64n128k16 and 64-key slabs as A. mma.sync: a CTA holds nw queries, one per
+//     warp, the query's 64 heads x Di codes in registers as the B operand of m16n8k16 (A = 16 keys x 16 d).
+//     Each key whose interval [I^ - E, I^ + E] (E: the bound below) can still reach the top-k joins its
+//     query's candidate buffer in shared memory; when the buffer fills, an exact selection (linear-bin
+//     histograms, warp_kth_largest) finds the k-th largest I^ (v_k) and drops every key with I^ + 2E < v_k,
+//     and later keys must pass the same test to enter;
 //  3. at the end of the row: v_k over the buffer; IN = {I^ - 2E > v_k} goes straight to the output row,
 //     OUT = {I^ + 2E < v_k} is dropped, the rest (UNDECIDED) is queued for the row;
 //  4. resolve: per row, the undecided keys get the CPU's exact score (float64 dots of the dequantised values
