@@ -364,7 +364,7 @@ __device__ __forceinline__ void stamp(const ScoreParams& p, int phase) {
 }
 
 struct ScoreSmem {
-  std::size_t qlim, kfirst, ekey, q8, k8, qsc, ksc, ql1, kl1, lkey, cand, full, total;
+  std::size_t qlim, kfirst, ekey, q8, k8, qsc, ksc, ql1, kl1, lkey, cand, full, ubs, total;
 };
 
 // Shared memory of the scoring phase; the top-k phase reuses it from offset 0. q8 / k8 hold both
@@ -386,6 +386,7 @@ __host__ __device__ inline ScoreSmem score_smem(int k32, int nblk) {
   s.lkey = o, o = up(o + nblk * sizeof(unsigned));
   s.cand = o, o = up(o + kCandCap * sizeof(uint2));
   s.full = o, o = up(o + nblk * sizeof(unsigned));
+  s.ubs = o, o = up(o + 32 * kThreads * sizeof(float));  // 32 pair slots per thread (test_stored)
   s.total = o;
   return s;
 }
@@ -741,11 +742,14 @@ struct WarpTile {
 // independent accumulator chains). Without kTest it raises each block's lower bound in lkey (one
 // atomic per key row and warp, after a shuffle maximum over the eight query lanes) and returns 0; with
 // kTest (every lower bound in) it returns the bits of the pairs whose upper bound reaches their block's
-// lower bound (every counted pair of a row without a scale). The products are formed again for the
-// test rather than kept: 32 bounds per thread in registers spill.
+// lower bound (every counted pair of a row without a scale). Without kTest and with `ubs`, it also
+// stores each counted pair's upper bound (+inf without a scale) in the thread's column of ubs (slot
+// 4 n + 2 mi + j, kThreads floats per slot) and returns the bits of its counted pairs, so that a
+// single-chunk pass tests them without forming the products again (test_stored); 32 bounds per
+// thread in registers spill.
 template <bool kTest>
 __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int qrows,
-                                                std::int64_t k0, int krows, std::int64_t blk0) {
+                                                std::int64_t k0, int krows, std::int64_t blk0, float* ubs = nullptr) {
   const unsigned char* q8 = smem + L.q8;
   const unsigned char* k8 = smem + L.k8;
   const float* qsc = reinterpret_cast<const float*>(smem + L.qsc);
@@ -829,8 +833,13 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
           if constexpr (kTest) {
             const float ub = __fadd_ru(__fmul_ru(__fmaf_ru(16384.0f, fhh, __fmaf_ru(128.0f, fhl, fll)), ss), e);
             if (!bounded || ub >= lb_block) bits |= 1u << (n * 4 + i);
-          } else if (bounded) {
-            best = fmaxf(best, __fsub_rd(__fmul_rd(__fmaf_rd(16384.0f, fhh, __fmaf_rd(128.0f, fhl, fll)), ss), e));
+          } else {
+            if (bounded) best = fmaxf(best, __fsub_rd(__fmul_rd(__fmaf_rd(16384.0f, fhh, __fmaf_rd(128.0f, fhl, fll)), ss), e));
+            if (ubs != nullptr) {
+              bits |= 1u << (n * 4 + i);
+              ubs[(n * 4 + i) * kThreads + threadIdx.x] =
+                  bounded ? __fadd_ru(__fmul_ru(__fmaf_ru(16384.0f, fhh, __fmaf_ru(128.0f, fhl, fll)), ss), e) : INFINITY;
+            }
           }
         }
         if constexpr (!kTest) {
@@ -841,6 +850,24 @@ __device__ __forceinline__ unsigned screen_pass(const ScoreParams& p, unsigned c
         }
       }
     }
+  }
+  return bits;
+}
+
+// The test of screen_pass<true> from the bounds that screen_pass<false> stored (every lower bound in):
+// the bits of the counted pairs whose upper bound reaches their block's lower bound.
+__device__ __forceinline__ unsigned test_stored(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int qrows,
+                                                std::int64_t k0, std::int64_t blk0, unsigned counted, const float* ubs) {
+  const auto* lkey = reinterpret_cast<const unsigned*>(smem + L.lkey);
+  const int tq = static_cast<int>(threadIdx.x) % 4;
+  const WarpTile wt(qrows);
+  unsigned bits = 0u;
+  while (counted != 0u) {
+    const int b = __ffs(counted) - 1;
+    counted &= counted - 1u;
+    const int kr = wt.key_row(b / 4, tq, b % 2);
+    const float lb_block = unkey32(lkey[((k0 + kr) >> p.rshift) - blk0]);
+    if (ubs[b * kThreads + threadIdx.x] >= lb_block) bits |= 1u << b;
   }
   return bits;
 }
@@ -886,6 +913,7 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
   auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
   auto* full = reinterpret_cast<unsigned*>(smem + L.full);
+  auto* ubs = reinterpret_cast<float*>(smem + L.ubs);
   const int tid = threadIdx.x;
 
   const TileJob tj = tile_job(p);
@@ -918,13 +946,19 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
         const bool first = k0 == tj.row_begin && qc == 0;
         stage_rows(p, smem, L, tj.job, tj.bg, q0, qrows, k0, krows, tj.i_first, tj.local_lo, tj.local_hi);
         if (first && pass == 1) stamp(p, 2);
-        if (pass == 0 || qchunks == 1) screen_pass<false>(p, smem, L, qrows, k0, krows, v.blk0);
-        if (pass == 1) {
-          if (qchunks == 1) __syncthreads();  // every lower bound of the pass is in
+        if (qchunks == 1) {
+          // One chunk: the lower bounds and the stored upper bounds in one pass over the products.
+          const unsigned counted = screen_pass<false>(p, smem, L, qrows, k0, krows, v.blk0, ubs);
+          __syncthreads();  // every lower bound of the pass is in
           if (first) stamp(p, 3);
-          const unsigned bits = screen_pass<true>(p, smem, L, qrows, k0, krows, v.blk0);
+          const unsigned bits = test_stored(p, smem, L, qrows, k0, v.blk0, counted, ubs);
           enqueue_pass(p, smem, L, q0, qrows, k0, v.blk0, bits, n_queued);
           if (first) stamp(p, 4);
+        } else if (pass == 0) {
+          screen_pass<false>(p, smem, L, qrows, k0, krows, v.blk0);
+        } else {
+          const unsigned bits = screen_pass<true>(p, smem, L, qrows, k0, krows, v.blk0);
+          enqueue_pass(p, smem, L, q0, qrows, k0, v.blk0, bits, n_queued);
         }
       }
       if (pass == 0) __syncthreads();
