@@ -6,10 +6,10 @@
 //  1. representatives (q and k in one launch): a thread owns one row of means (one head, 128 / r
 //     tokens) and the W columns of 4 bytes of it (2 bf16/f16 values or 1 f32), so it runs W independent
 //     float64 column sums, each over the tokens in order (the CPU's order), with two batches of 16
-//     token loads in flight. The kernel is latency-bound, not conversion-bound (ncu, v3a: 28 % SM
-//     throughput, 15 % of the warp slots filled at 8 bytes per thread), so a row is spread over as
-//     many threads as it has 4-byte words: tile16 R1 then fills about 19 warps per SM, each with the
-//     same loads in flight as before. The float means are written
+//     token loads in flight. On the H200 it reaches 45 % of the DRAM bandwidth at tile16 R1 (20 us at
+//     16K) whether a thread owns 8 or 4 bytes (15 % or 29 % of the warp slots filled) and with 28-40 %
+//     SM throughput: neither the float -> double conversions nor the warp count limit it (what does is
+//     open; see docs/notes/selectors.md, pooled v3). The float means are written
 //     in a layout where the group * r query rows of one (b, group, Q tile) are contiguous, and beside
 //     them a two-level int8 copy for the screen: M = rint(mean / s), s = 2^e with max|mean| < 16256 s,
 //     split as M = 128 H + L with H in [-127, 127] and L in [-64, 63]; plus s and L1 = sum |M| (a
@@ -19,7 +19,9 @@
 //     int8 rows in shared memory and forms every representative dot M_a.M_b exactly from four int8
 //     products on the tensor cores (mma m16n8k32 s8: H.H, H.L + L.H, L.L). Per block it keeps only the
 //     pairs that the quantisation bound cannot rule out as the block's maximum and evaluates those in
-//     float64 in the CPU's order (from the float means), so each block score is the CPU's double. A
+//     float64 in the CPU's order (from the float means), so each block score is the CPU's double (a
+//     pass with one chunk of query rows keeps each pair's upper bound in shared memory from the lower-
+//     bound sweep for the test; several chunks form the products again). A
 //     tile whose key rows fit one pass is one CTA and ranks its blocks from shared memory; otherwise the
 //     last CTA of the tile (an atomic counter) ranks the exact block scores. Exact top-k, ties to the
 //     lower id.
