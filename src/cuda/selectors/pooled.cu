@@ -393,8 +393,9 @@ __host__ __device__ inline ScoreSmem score_smem(int k32, int nblk) {
   return s;
 }
 
+// After the scores: 64 ints of per-warp counts, then 128 ints of half counts (blocks of <= 256 threads).
 __host__ __device__ inline std::size_t topk_smem(std::int64_t Tk) {
-  return static_cast<std::size_t>(Tk) * sizeof(double) + 64 * sizeof(int);
+  return static_cast<std::size_t>(Tk) * sizeof(double) + (64 + 128) * sizeof(int);
 }
 
 // Exact top-k of the tile, block-wide: scores[0, n) in shared memory (sanitised), candidate id = index.
@@ -402,9 +403,35 @@ __host__ __device__ inline std::size_t topk_smem(std::int64_t Tk) {
 // count. A candidate is kept iff fewer than k candidates rank before it (the CPU's order is total, so
 // the set is the CPU's); kept ids are placed by warp ballots, so ascending order costs two barriers per
 // blockDim candidates instead of common.cuh's serial scan over the threads. warp_kept: one int per warp.
+// Candidates of [lo, hi) that rank before candidate j (score sj), counted until k: eight comparisons
+// per exit test, so their shared-memory loads overlap.
+__device__ __forceinline__ int ranked_before(const double* scores, int lo, int hi, int k, double sj, int j) {
+  int before = 0;
+  for (int o0 = lo; o0 < hi && before < k; o0 += 8) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int o = o0 + u;
+      if (o < hi) before += ranks_before(scores[o], o, sj, j) ? 1 : 0;
+    }
+  }
+  return before;
+}
+
+// warp_kept: 64 + 128 ints (topk_smem). When 2 n <= blockDim, two threads count for each candidate at
+// the same time (thread j over [0, n/2), thread n + j over [n/2, n)): the count is a dependent chain of
+// about n instructions per thread, which a CTA with one warp per scheduler runs at ten cycles each.
 __device__ __noinline__ int tile_top_k(const double* scores, int n, int k, int* warp_kept, std::int32_t* row, std::int64_t stride,
                           std::int64_t width) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
+  int* half_count = warp_kept + 64;
+  const bool split = k < n && 2 * n <= static_cast<int>(blockDim.x);  // the same in every thread
+  const int h = n / 2;
+  int first_half = 0;  // split, thread j < n: candidates of [0, n/2) before j (counted until k)
+  if (split) {
+    if (tid < n) first_half = ranked_before(scores, 0, h, k, scores[tid], tid);
+    else if (tid < 2 * n) half_count[tid - n] = ranked_before(scores, h, n, k, scores[tid - n], tid - n);
+    __syncthreads();
+  }
   int written = 0;  // the same in every thread
   for (int base = 0; base < n; base += blockDim.x) {
     const int j = base + tid;
@@ -413,18 +440,8 @@ __device__ __noinline__ int tile_top_k(const double* scores, int n, int k, int* 
       if (k >= n) {
         keep = true;
       } else {
-        const double sj = scores[j];
-        int before = 0;
-        // Eight comparisons per exit test: their shared-memory loads overlap instead of one round trip
-        // per candidate.
-        for (int o0 = 0; o0 < n && before < k; o0 += 8) {
-#pragma unroll
-          for (int u = 0; u < 8; ++u) {
-            const int o = o0 + u;
-            if (o < n) before += ranks_before(scores[o], o, sj, j) ? 1 : 0;
-          }
-        }
-        keep = before < k;
+        // split: one chunk (n <= blockDim / 2), so j is this thread's candidate
+        keep = split ? first_half + half_count[j] < k : ranked_before(scores, 0, n, k, scores[j], j) < k;
       }
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, keep);
