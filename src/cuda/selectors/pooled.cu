@@ -398,11 +398,6 @@ __host__ __device__ inline std::size_t topk_smem(std::int64_t Tk) {
   return static_cast<std::size_t>(Tk) * sizeof(double) + (64 + 128) * sizeof(int);
 }
 
-// Exact top-k of the tile, block-wide: scores[0, n) in shared memory (sanitised), candidate id = index.
-// Writes the best min(k, n) ids ascending to row[s * stride] for s < width, pads with -1, returns the
-// count. A candidate is kept iff fewer than k candidates rank before it (the CPU's order is total, so
-// the set is the CPU's); kept ids are placed by warp ballots, so ascending order costs two barriers per
-// blockDim candidates instead of common.cuh's serial scan over the threads. warp_kept: one int per warp.
 // Candidates of [lo, hi) that rank before candidate j (score sj), counted until k: eight comparisons
 // per exit test, so their shared-memory loads overlap.
 __device__ __forceinline__ int ranked_before(const double* scores, int lo, int hi, int k, double sj, int j) {
@@ -417,6 +412,11 @@ __device__ __forceinline__ int ranked_before(const double* scores, int lo, int h
   return before;
 }
 
+// Exact top-k of the tile, block-wide: scores[0, n) in shared memory (sanitised), candidate id = index.
+// Writes the best min(k, n) ids ascending to row[s * stride] for s < width, pads with -1, returns the
+// count. A candidate is kept iff fewer than k candidates rank before it (the CPU's order is total, so
+// the set is the CPU's); kept ids are placed by warp ballots, so ascending order costs two barriers per
+// blockDim candidates instead of common.cuh's serial scan over the threads.
 // warp_kept: 64 + 128 ints (topk_smem). When 2 n <= blockDim, two threads count for each candidate at
 // the same time (thread j over [0, n/2), thread n + j over [n/2, n)): the count is a dependent chain of
 // about n instructions per thread, which a CTA with one warp per scheduler runs at ten cycles each.
