@@ -7,8 +7,13 @@
 // - all-equal inputs, where every pair of every block ties (the candidate queue overflows);
 // - NaN / inf / huge / tiny inputs (no float32 bound: every such pair is evaluated in float64);
 // - strided and misaligned views (the scalar load path), D not a multiple of 4 or above 128, query
-//   groups of more than 64 rows (two query chunks), tiles with several key passes per CTA.
-// Device outputs are poisoned first. PooledGpu.Timing (SPARSE_ATTN_TIMING=1) times the tile16 shape.
+//   groups of more than 64 rows (two query chunks), tiles with several key passes per CTA;
+// - the two-level int8 copy at its edges (levels +-16255 and the split points of M = 128 H + L), rows
+//   of means spread over several warps (D = 256) and D past the int8 screen (264);
+// - the scratch cached per (device, stream): growth between queued calls, two streams at once, graph
+//   capture and replay after a growth.
+// Device outputs are poisoned first. PooledGpu.Timing (SPARSE_ATTN_TIMING=1) times the tile16 shape;
+// PooledGpu.PhaseTimes breaks the scoring kernel down by phase.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
