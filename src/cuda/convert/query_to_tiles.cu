@@ -229,8 +229,10 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
   constexpr long long kIntMax = std::numeric_limits<int>::max();
   const long long Kq = in.idx.shape[3], Kmax = out.idx.shape[3], Tk = p.Tk(), Tq = p.Tq();
   const long long tiles = p.B * p.Hkv * Tq;
-  require(Kq <= kIntMax / kTileQ, kOp, "in.idx", "holds " + std::to_string(Kq) + " slots per query; the CUDA conversion takes at most " +
-                                                    std::to_string(kIntMax / kTileQ));
+  // A tile's slots and the chunk past them are indexed in int.
+  const long long most_slots = (kIntMax - cv::kThreads * cv::kPer) / kTileQ;
+  require(Kq <= most_slots, kOp, "in.idx", "holds " + std::to_string(Kq) + " slots per query; the CUDA conversion takes at most " +
+                                               std::to_string(most_slots));
   require(Kmax <= kIntMax, kOp, "out.idx", "capacity Kmax = " + std::to_string(Kmax) + " exceeds the 32-bit range");
   require(p.Lk <= kIntMax && tiles <= kIntMax && p.B * p.Hkv * p.Lq * Kq < (1LL << 61), kOp, "p",
           "too large for the CUDA conversion's 32-bit grid and ids: " + p.describe() + " with " + std::to_string(Kq) +
