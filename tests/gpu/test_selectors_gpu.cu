@@ -266,23 +266,6 @@ TEST(SelectorsGpu, LightningBlocksEqualsCpu) {
     for (const auto& c : cases) run_lightning(c, prec, seed += 10);
 }
 
-// The token form has no CUDA implementation: device tensors get an Error naming qI, not a crash.
-TEST(SelectorsGpu, LightningTokensReportUnsupported) {
-  SKIP_WITHOUT_GPU();
-  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 16, 2, 16}, 5);
-  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {1, 40, 16}, 6);
-  const sa::HostTensor w = st::random_tensor(sa::DType::f32, {1, 16, 2}, 7);
-  Dev dq(q), dk(k), dw(w), didx(poisoned_i32({1, 1, 16, 4}));
-  sa::LightningOptions o;
-  o.top_k = 4;
-  try {
-    sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o);
-    ADD_FAILURE() << "no Error for CUDA TokenLists";
-  } catch (const sa::Error& e) {
-    EXPECT_EQ(e.argument(), "qI") << e.what();
-  }
-}
-
 // Host memory labelled cuda is an Error naming the tensor, before any kernel could fault on it.
 TEST(SelectorsGpu, HostMemoryLabelledCudaIsRejected) {
   SKIP_WITHOUT_GPU();
