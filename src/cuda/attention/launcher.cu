@@ -12,6 +12,7 @@
 #include "cuda/attention/kernel.cuh"
 #include "cuda/attention/params.hpp"
 #include "cuda/backend.hpp"
+#include "cuda/common/device_guard.hpp"
 #include "cuda/common/tma.hpp"
 
 namespace sparse_attn::cuda_kernels {
@@ -49,10 +50,6 @@ __global__ void validate_tile_lists_kernel(TileAttentionParams p, int G) {
       prev = j;
     }
   }
-}
-
-void check_cuda(cudaError_t e, const std::string& op, const std::string& what) {
-  if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
 }
 
 int read_int(const std::int32_t* device_ptr, cudaStream_t stream, const std::string& op) {
@@ -99,18 +96,6 @@ void validate_on_device(const std::string& op, const TileAttentionParams& p, int
   throw Error(op, "tiles.idx", "block id " + std::to_string(j) + " at " + at + " does not follow " +
                                    std::to_string(prev) + ": ids must be distinct and ascending");
 }
-
-struct DeviceGuard {
-  int previous = -1;
-  DeviceGuard(int device, const std::string& op) {
-    check_cuda(cudaGetDevice(&previous), op, "cudaGetDevice");
-    if (previous != device) check_cuda(cudaSetDevice(device), op, "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous) (void)cudaSetDevice(previous);
-  }
-};
 
 void run(const std::string& op, const ProblemShape& s, const TensorView& q, const TensorView& k, const TensorView& v,
          const TileLists* tiles, const TensorView& out, const std::optional<TensorView>& lse,

@@ -31,7 +31,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(const std::string& op) {
 
 }  // namespace
 
-CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t) {
+CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t,
+                                 std::uint32_t box_rows) {
   const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
   detail::require(elem == 2, op, name, std::string("TMA maps here take 16-bit elements, got ") + dtype_name(t.dtype));
   const auto base = reinterpret_cast<std::uintptr_t>(t.data);
@@ -51,7 +52,7 @@ CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name,
                               static_cast<cuuint64_t>(t.shape[1]), static_cast<cuuint64_t>(t.shape[0])};
   const cuuint64_t gstrides[3] = {static_cast<cuuint64_t>(strides[0] * elem), static_cast<cuuint64_t>(strides[1] * elem),
                                   static_cast<cuuint64_t>(strides[2] * elem)};
-  const cuuint32_t box[4] = {kTmaBoxCols, 1, kTmaBoxRows, 1};
+  const cuuint32_t box[4] = {kTmaBoxCols, 1, box_rows, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUtensorMapDataType dtype =
       t.dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;

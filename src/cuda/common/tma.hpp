@@ -17,9 +17,11 @@ inline constexpr std::uint32_t kTmaBoxRows = 128;
 inline constexpr std::uint32_t kTmaBoxCols = 64;
 
 /// Encodes a map over a 4-d [B, L, H, D] view (16-bit elements, D contiguous) whose box is
-/// kTmaBoxRows rows x kTmaBoxCols columns of one (b, h), 128B-swizzled. Rows past L read as zero.
-/// Throws Error(op, name) when TMA cannot address the view (alignment of the base or the strides).
-CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t);
+/// `box_rows` rows (kTmaBoxRows unless a kernel streams smaller pieces) x kTmaBoxCols columns of one
+/// (b, h), 128B-swizzled. Rows past L read as zero. Throws Error(op, name) when TMA cannot address the
+/// view (alignment of the base or the strides).
+CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t,
+                                 std::uint32_t box_rows = kTmaBoxRows);
 
 }  // namespace sparse_attn::cuda_kernels
 

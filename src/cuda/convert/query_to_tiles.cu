@@ -23,6 +23,7 @@
 #include <string>
 
 #include "core/check.hpp"
+#include "cuda/common/device_guard.hpp"
 #include "cuda/convert/backend.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
@@ -162,22 +163,10 @@ using detail::require;
 
 const std::string kOp = "query_lists_to_tile_lists";
 
-void check_cuda(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) throw Error(kOp, "", what + ": " + cudaGetErrorString(e));
-}
+void check_cuda(cudaError_t e, const std::string& what) { cuda_kernels::check_cuda(e, kOp, what); }
 
-struct DeviceGuard {
-  int previous = -1;
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous), "cudaGetDevice");
-    if (previous != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous) (void)cudaSetDevice(previous);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
+struct DeviceGuard : cuda_kernels::DeviceGuard {
+  explicit DeviceGuard(int device) : cuda_kernels::DeviceGuard(device, kOp) {}
 };
 
 // One fault word per device, never freed (freeing at exit could run after the runtime has shut

@@ -4,7 +4,6 @@
 // checks and its one launch (no workspace beyond the validation's fault word).
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -16,6 +15,7 @@
 
 #include "core/check.hpp"
 #include "cuda/common/tma.hpp"
+#include "cuda/common/device_guard.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "cuda/query_sparse/launch.hpp"
 
@@ -27,22 +27,10 @@ using detail::require;
 
 const std::string kOp = "query_sparse";
 
-void check_cuda(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) throw Error(kOp, "", what + ": " + cudaGetErrorString(e));
-}
+void check_cuda(cudaError_t e, const std::string& what) { cuda_kernels::check_cuda(e, kOp, what); }
 
-struct DeviceGuard {
-  int previous = -1;
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous), "cudaGetDevice");
-    if (previous != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous) (void)cudaSetDevice(previous);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
+struct DeviceGuard : cuda_kernels::DeviceGuard {
+  explicit DeviceGuard(int device) : cuda_kernels::DeviceGuard(device, kOp) {}
 };
 
 // Byte offsets of the workspace's arrays; each starts on a 256-byte boundary.
@@ -192,44 +180,6 @@ void* cached_workspace(int device, void* stream, std::size_t need) {
 
 // ---- group-centric ---------------------------------------------------------------------------------
 
-// The TMA encoder is a driver entry point, reached through the runtime so that libcuda stays out of
-// the link (as in cuda/common/tma.cu).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  require(fn != nullptr, kOp, "", "the CUDA driver does not provide cuTensorMapEncodeTiled (driver too old?)");
-  return fn;
-}
-
-// A map over k or v [B, L, H, D] whose box is 64 keys x 64 columns of one (b, h), 128B-swizzled, rows
-// past L read as zero: half a KV block, the ring unit of kernel version 3. check_rows has already
-// required the 16-byte alignment TMA needs.
-CUtensorMap half_block_map(const std::string& name, const TensorView& t) {
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.shape[3]), static_cast<cuuint64_t>(t.shape[2]),
-                              static_cast<cuuint64_t>(t.shape[1]), static_cast<cuuint64_t>(t.shape[0])};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.stride[2] * 2), static_cast<cuuint64_t>(t.stride[1] * 2),
-                                 static_cast<cuuint64_t>(t.stride[0] * 2)};
-  const cuuint32_t box[4] = {64, 1, 64, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult r = tensor_map_encoder()(
-      &map, t.dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, t.data, dims,
-      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  require(r == CUDA_SUCCESS, kOp, name,
-          "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)) + " for " + t.describe());
-  return map;
-}
-
 void check_out(const TensorView& out, const std::optional<TensorView>& lse) {
   require(out.device == Device::cuda, kOp, "out", "the CUDA backend needs device tensors, got " + out.describe());
   require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
@@ -332,8 +282,9 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
     tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
     tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
   } else if (version == 3) {
-    tm_k = half_block_map("k", k);
-    tm_v = half_block_map("v", v);
+    // Half a KV block (64 keys) per box: the ring unit of kernel version 3.
+    tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k, 64);
+    tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v, 64);
   }
   check_cuda(qs::launch_group(g, q.dtype == DType::bf16, static_cast<int>(p.D), &tm_k, &tm_v, stream),
              "group_centric launch");
