@@ -112,15 +112,6 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
 
 namespace sparse_attn::cuda_kernels {
 
-// Keeps the P registers (A operand of an in-flight RS wgmma) live until the wait that retires it:
-// without this the compiler may reuse them as soon as the wgmma instruction has been issued.
-__device__ __forceinline__ void keep_live(std::uint32_t (&pa)[8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[kk][r])::"memory");
-}
-
 template <class Tag, int kHeadDim>
 __device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
   // k-step kk covers head-dim columns [16kk, 16kk + 16): half kk / 4, +32 B inside the swizzled row.

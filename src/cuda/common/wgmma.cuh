@@ -41,6 +41,16 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+/// Keeps the register A operand of an in-flight RS wgmma (P: 8 k-steps x 4 registers) live until the
+/// wait that retires it: without this the compiler may reuse the registers as soon as the wgmma
+/// instruction has been issued.
+__device__ __forceinline__ void keep_live(std::uint32_t (&pa)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[kk][r])::"memory");
+}
+
 #define SA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
 #define SA_D64 SA_D8(0), SA_D8(8), SA_D8(16), SA_D8(24), SA_D8(32), SA_D8(40), SA_D8(48), SA_D8(56)

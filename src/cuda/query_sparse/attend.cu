@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "cuda/attention/softmax.cuh"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
@@ -171,19 +172,6 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t 
   wgmma_commit();
 }
 
-__device__ __forceinline__ void keep_live(std::uint32_t (&pa)[8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[kk][r])::"memory");
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // The producer warpgroup walks the CTA's tiles in order (items blockIdx.x, blockIdx.x + gridDim.x, ...;
 // tile t of an item goes to consumer t % kC), so each buffer's barrier phases are waited for in order.
 // Thread 0 also loads each item's K and V when the item starts.
@@ -248,7 +236,6 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
 
 template <class Tag, int D, class Part>
 __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int c, int t) {
-  constexpr int kHalves = D / 64;
   const int warp = t / 32, g8 = (t % 32) / 4, q4 = t % 4;
   for (int n = 0;; ++n) {
     const int b = n & 1;
@@ -300,7 +287,7 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
       for (int j = 0; j < 4; ++j) {
         // The row sum (and so the LSE) uses the float32 probabilities; PV sees them rounded to the
         // 16-bit type, as in FlashAttention.
-        const float e = exp2_approx(fmaf(acc_s[4 * i + j], p.scale_log2, -base[j / 2]));
+        const float e = fast_exp2(fmaf(acc_s[4 * i + j], p.scale_log2, -base[j / 2]));
         acc_s[4 * i + j] = e;
         l[j / 2] += e;
       }
@@ -333,7 +320,6 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
       if (q4 == 0) p.lse_part[rows[r]] = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
     }
   }
-  (void)kHalves;
 }
 
 template <class Tag, int D, class Part>
