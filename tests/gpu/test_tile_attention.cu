@@ -14,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/testing.hpp"
@@ -222,6 +223,24 @@ TEST(TileAttentionGpu, SanitizerSmall) {
   run_case({"small dense", sa::DType::f16, 1, 200, 200, 1, 1, false, true}, 3010);
   // Non-causal, so tile 0's list (never empty) is visible whatever blocks it drew.
   run_case({"small D=64 lists", sa::DType::bf16, 1, 200, 300, 2, 1, false, false, false, 3, 0.0f, 64}, 3020);
+  // Two CTAs for 24 work items (some with empty lists): every ring wraps, both Q buffers are reused,
+  // items chain into one another.
+  setenv("SPARSE_ATTN_HOPPER_GRID", "2", 1);
+  run_case({"small lists, 2 CTAs", sa::DType::bf16, 2, 700, 520, 4, 2, false, false, true, 3}, 3030);
+  run_case({"small causal dense, 2 CTAs", sa::DType::bf16, 1, 520, 520, 4, 1, true, true}, 3040);
+  unsetenv("SPARSE_ATTN_HOPPER_GRID");
+}
+
+// Many work items per CTA on a problem larger than one wave: 512 items over 3 CTAs and over the full
+// grid, per-group lists with empty tiles, against the reference.
+TEST(TileAttentionGpu, ManyItemsPerCta) {
+  SKIP_WITHOUT_GPU();
+  const Case c{"bf16 512 items Hq=16Hkv", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3};
+  run_case(c, 3100);
+  setenv("SPARSE_ATTN_HOPPER_GRID", "3", 1);
+  run_case({"bf16 512 items, 3 CTAs", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3}, 3110);
+  run_case({"bf16 causal dense, 3 CTAs", sa::DType::bf16, 1, 900, 900, 8, 2, true, true}, 3120);
+  unsetenv("SPARSE_ATTN_HOPPER_GRID");
 }
 
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV
@@ -288,21 +307,67 @@ TEST(TileAttentionGpu, AllBlocksEqualsDenseAndIsDeterministic) {
   gpu_dense(dq.view, dk.view, dv.view, da.view, std::nullopt, opt);
   gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, db.view, std::nullopt, opt);
   gpu_dense(dq.view, dk.view, dv.view, dc.view, std::nullopt, opt);
-  // The same arithmetic with the consumer warpgroups issuing freely (pingpong off) must agree too.
-  sa::HostTensor out_d(out_a);
-  DeviceTensor dd(out_a);
-  setenv("SPARSE_ATTN_HOPPER_PINGPONG", "0", 1);
-  gpu_dense(dq.view, dk.view, dv.view, dd.view, std::nullopt, opt);
-  unsetenv("SPARSE_ATTN_HOPPER_PINGPONG");
-  cuda_ok(cudaDeviceSynchronize(), "kernel");
-  dd.download(out_d);
   da.download(out_a);
   db.download(out_b);
   dc.download(out_c);
   ASSERT_TRUE(st::all_finite(out_a));
   EXPECT_EQ(0, std::memcmp(out_a.view().data, out_b.view().data, da.bytes)) << "dense and all-blocks tile_sparse differ";
   EXPECT_EQ(0, std::memcmp(out_a.view().data, out_c.view().data, da.bytes)) << "two dense runs differ";
-  EXPECT_EQ(0, std::memcmp(out_a.view().data, out_d.view().data, da.bytes)) << "pingpong on and off differ";
+  // The same arithmetic with each scheduling knob off must agree too: the consumer warpgroups issuing
+  // freely (pingpong off), the output stored from registers instead of by TMA, each item's last P V in a
+  // turn of its own.
+  // And so must a grid of 3 CTAs, each walking ~43 work items.
+  const std::pair<const char*, const char*> knobs[] = {
+      {"SPARSE_ATTN_HOPPER_PINGPONG", "0"},
+      {"SPARSE_ATTN_HOPPER_TMA_STORE", "0"},
+      {"SPARSE_ATTN_HOPPER_CHAIN", "0"},
+      {"SPARSE_ATTN_HOPPER_GRID", "3"}};
+  for (const auto& [knob, value] : knobs) {
+    sa::HostTensor out_d(out_a);
+    DeviceTensor dd(out_a);
+    setenv(knob, value, 1);
+    gpu_dense(dq.view, dk.view, dv.view, dd.view, std::nullopt, opt);
+    unsetenv(knob);
+    cuda_ok(cudaDeviceSynchronize(), "kernel");
+    dd.download(out_d);
+    EXPECT_EQ(0, std::memcmp(out_a.view().data, out_d.view().data, da.bytes)) << knob << "=" << value
+                                                                                << " changes the output";
+  }
+}
+
+// An output TMA cannot address (head stride 130 elements: not a multiple of 8) is written from
+// registers: same bounds against the reference, and the padding between heads is never touched.
+TEST(TileAttentionGpu, OutputOffTheTmaGrid) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t B = 2, L = 333, Hq = 4, Hkv = 2, Dpad = kD + 2;
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, Hq, kD}, 5500);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 5501);
+  const sa::HostTensor v = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 5502);
+  sa::HostTensor padded(sa::DType::bf16, {B, L, Hq, Dpad}), lse(sa::DType::f32, {B, Hq, L});
+  st::poison(padded);
+  st::poison(lse);
+  const sa::HostTensor poisoned = padded;
+  DeviceTensor dq(q), dk(k), dv(v), dpad(padded), dlse(lse);
+  sa::TensorView out_view = sa::TensorView::contiguous(dpad.ptr, sa::DType::bf16, {B, L, Hq, kD}, sa::Device::cuda, 0);
+  out_view.stride = {L * Hq * Dpad, Hq * Dpad, Dpad, 1};
+  sa::AttentionOptions opt;
+  opt.causal = true;
+  gpu_dense(dq.view, dk.view, dv.view, out_view, dlse.view, opt);
+  cuda_ok(cudaDeviceSynchronize(), "kernel");
+  dpad.download(padded);
+  dlse.download(lse);
+  sa::HostTensor out(sa::DType::bf16, {B, L, Hq, kD});
+  const auto* src = padded.data<std::uint16_t>();
+  const auto* before = poisoned.data<std::uint16_t>();
+  for (std::int64_t row = 0; row < B * L * Hq; ++row) {
+    std::memcpy(out.data<std::uint16_t>() + row * kD, src + row * Dpad, kD * 2);
+    for (std::int64_t c = kD; c < Dpad; ++c)
+      ASSERT_EQ(before[row * Dpad + c], src[row * Dpad + c]) << "padding element " << c << " of row " << row << " written";
+  }
+  sa::ProblemShape p;
+  p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = kD, p.causal = true;
+  const Case c{"dense causal, out head stride 130", sa::DType::bf16, B, L, L, Hq, Hkv, true, true};
+  check_against_reference(c, q, k, v, sa::AllBlocks{}, p, out, lse, 1.0 / std::sqrt(double(kD)));
 }
 
 // Bad lists are rejected on the device with the first offending coordinate; nothing is launched.

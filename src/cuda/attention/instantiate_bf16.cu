@@ -4,7 +4,7 @@
 
 namespace sparse_attn::cuda_kernels {
 template cudaError_t launch_tile_attention<Bf16Tag, 128>(const TileAttentionParams&, const CUtensorMap&,
-                                                    const CUtensorMap&, const CUtensorMap&, int, cudaStream_t);
+                                                    const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, int, cudaStream_t);
 template cudaError_t launch_tile_attention<Bf16Tag, 64>(const TileAttentionParams&, const CUtensorMap&,
-                                                        const CUtensorMap&, const CUtensorMap&, int, cudaStream_t);
+                                                        const CUtensorMap&, const CUtensorMap&, const CUtensorMap&, int, cudaStream_t);
 }

@@ -23,7 +23,8 @@ static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "s
 template <class Tag, int kHeadDim>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
-                          const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
+                          const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                          const __grid_constant__ CUtensorMap tm_out) {
   using Storage = SharedStorage<typename Tag::Elem, kHeadDim>;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -36,6 +37,7 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
     tma_prefetch_descriptor(&tm_q);
     tma_prefetch_descriptor(&tm_k);
     tma_prefetch_descriptor(&tm_v);
+    if (p.tma_store) tma_prefetch_descriptor(&tm_out);
     for (int s = 0; s < kQStages; ++s) {
       sm.q_full[s].init(1);
       sm.q_empty[s].init(kConsumerThreads);
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
     if (thread == 0) producer_loop<typename Tag::Elem, kHeadDim>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kHeadDim>(p, sched, sm, warpgroup - 1, thread);
+    consumer_loop<Tag, kHeadDim>(p, sched, sm, warpgroup - 1, thread, &tm_out);
   }
 }
 
@@ -71,7 +73,8 @@ constexpr std::size_t tile_attention_smem_bytes() {
 /// CUDA error of the launch (cudaSuccess on success).
 template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
-                                  const CUtensorMap& tm_v, int num_sms, cudaStream_t stream);
+                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int num_sms,
+                                  cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda_kernels
 
@@ -80,7 +83,8 @@ namespace sparse_attn::cuda_kernels {
 
 template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
-                                  const CUtensorMap& tm_v, int num_sms, cudaStream_t stream) {
+                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int num_sms,
+                                  cudaStream_t stream) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
   auto* kernel = &tile_attention_kernel<Tag, kHeadDim>;
   // Setting the attribute is cheap but not free; once per process and instantiation is enough.
@@ -88,7 +92,7 @@ cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMa
                                                        static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
   const int grid = p.num_units < num_sms ? p.num_units : num_sms;
-  kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v);
+  kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out);
   return cudaGetLastError();
 }
 

@@ -133,9 +133,17 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
     for (int i = 0; i < 3; ++i) p.lse_stride[i] = lse->stride[i];
   }
   p.num_units = static_cast<int>(s.B * s.Hq * (s.causal ? (s.Tq() + 1) / 2 : s.Tq()));
-  // Benchmark knob: SPARSE_ATTN_HOPPER_PINGPONG=0 lets both consumer warpgroups issue freely.
-  const char* pp = std::getenv("SPARSE_ATTN_HOPPER_PINGPONG");
-  p.pingpong = !(pp != nullptr && pp[0] == '0');
+  // Benchmark knobs (each =0 turns the feature off; the output is the same either way):
+  // SPARSE_ATTN_HOPPER_PINGPONG lets both consumer warpgroups issue freely, SPARSE_ATTN_HOPPER_TMA_STORE
+  // stores out from registers, SPARSE_ATTN_HOPPER_CHAIN gives each item's last P V a turn of its own.
+  const auto knob = [](const char* name) {
+    const char* v = std::getenv(name);
+    return !(v != nullptr && v[0] == '0');
+  };
+  p.pingpong = knob("SPARSE_ATTN_HOPPER_PINGPONG");
+  p.chain_items = knob("SPARSE_ATTN_HOPPER_CHAIN");
+  // The TMA store needs an output TMA can address; other layouts (odd strides) take the register path.
+  p.tma_store = knob("SPARSE_ATTN_HOPPER_TMA_STORE") && tma_addressable(out);
 
   if (tiles == nullptr) {
     p.dense = true;
@@ -165,16 +173,24 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   const CUtensorMap tm_q = make_bhld_tensor_map(op, "q", q);
   const CUtensorMap tm_k = make_bhld_tensor_map(op, "k", k);
   const CUtensorMap tm_v = make_bhld_tensor_map(op, "v", v);
+  // Each consumer warpgroup stores its 64 rows: the out box is 64 rows. Unused on the register path.
+  const CUtensorMap tm_out = p.tma_store ? make_bhld_tensor_map(op, "out", out, kRowsPerConsumer) : tm_q;
 
   int device = 0, num_sms = 0;
   check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), op, "device query");
+  // Test knob: SPARSE_ATTN_HOPPER_GRID=n caps the persistent grid at n CTAs, so small problems still
+  // give every CTA a long run of work items (ring wrap-around, Q buffer reuse, chained items).
+  if (const char* g = std::getenv("SPARSE_ATTN_HOPPER_GRID")) {
+    const int cap = std::atoi(g);
+    if (cap > 0 && cap < num_sms) num_sms = cap;
+  }
   const bool bf16 = q.dtype == DType::bf16;
   const cudaError_t e =
-      s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, num_sms, stream)
-                         : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, num_sms, stream))
-                 : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, num_sms, stream)
-                         : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, num_sms, stream));
+      s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream)
+                         : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream))
+                 : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream)
+                         : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream));
   check_cuda(e, op, "kernel launch");
 }
 

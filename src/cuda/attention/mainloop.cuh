@@ -3,7 +3,8 @@
 // Producer (one thread of warpgroup 0): per work item, the Q tile (after the consumers released the
 // previous one), then for each block of the walk K and V into the next ring slot, each on its own
 // mbarrier so QK can start while V is still in flight. The block id from the list is the TMA row
-// coordinate; rows past Lk arrive as zeros.
+// coordinate; rows past Lk arrive as zeros. The producer alone reads the lists: it leaves each K slot's
+// block id (and whether it ends the item) in shared memory, so the consumers' path has no global loads.
 //
 // Consumers (warpgroups 1 and 2, 64 query rows each of the same 128-row tile): S = Q K^T (SS wgmma),
 // mask if the block straddles the diagonal or Lk, online softmax, O += P V with P from registers (RS
@@ -37,6 +38,11 @@ inline constexpr int kQStages = 2;
 inline constexpr int kKStages = 3;
 inline constexpr int kVStages = 2;
 
+struct SlotBlock {
+  int j;     // KV block id
+  int last;  // nonzero: the last block the item visits
+};
+
 // [half][row][64]: the head dim in 64-column halves (one for D = 64, two for D = 128), each
 // 1024-aligned (the swizzle atom); a half-row is one 128-byte swizzle row.
 template <class Elem, int kHeadDim>
@@ -45,6 +51,11 @@ struct alignas(1024) SharedStorage {
   Elem q[kQStages][kHalves][kTileRows][64];
   Elem k[kKStages][kHalves][kBlockKeys][64];
   Elem v[kVStages][kHalves][kBlockKeys][64];
+  // The walk as the producer found it, so consumers never read the lists from global memory: per Q
+  // buffer whether the item visits any block, per K slot the block and whether it is the item's last.
+  // Written before the slot's full barrier is armed, read after it completes, before the slot is released.
+  int q_has_blocks[kQStages];
+  SlotBlock k_block[kKStages];
   MBarrier q_full[kQStages], q_empty[kQStages];
   MBarrier k_full[kKStages], k_empty[kKStages];
   MBarrier v_full[kVStages], v_empty[kVStages];
@@ -77,25 +88,33 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
+    const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
+    int pos = 0;
+    int j = bp.next(pos);
+    // An item without blocks loads no K, so the previous item's last V cannot wait for the next K: the
+    // consumers need that V to finish the previous item, and with the TMA store they release its Q
+    // buffer (which the item after this one waits for) only then.
+    if (j < 0 && pend_j >= 0) load_pending_v();
     const int qst = qs.stage();
     sm.q_empty[qst].wait(qs.phase() ^ 1u);
+    sm.q_has_blocks[qst] = j >= 0;
     sm.q_full[qst].arrive_expect_tx(kTileBytes<kHeadDim>);
     for (int half = 0; half < kHalves; ++half)
       tma_load_bhld(&sm.q[qst][half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full[qst].word);
     qs.advance();
 
-    const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
-    for (int i = 0; i < bp.count; ++i) {
-      const int j = bp.block(i);
-      if (j < 0) continue;
+    for (; j >= 0;) {
+      const int j_next = bp.next(++pos);
       const int s = ks.stage();
       sm.k_empty[s].wait(ks.phase() ^ 1u);
+      sm.k_block[s] = SlotBlock{j, j_next < 0};
       sm.k_full[s].arrive_expect_tx(kTileBytes<kHeadDim>);
       for (int half = 0; half < kHalves; ++half)
         tma_load_bhld(&sm.k[s][half][0][0], tm_k, 64 * half, kv_head, j * kBlockKeys, w.b, &sm.k_full[s].word);
       ks.advance();
       if (pend_j >= 0) load_pending_v();
       pend_j = j, pend_head = kv_head, pend_b = w.b;
+      j = j_next;
     }
   }
   if (pend_j >= 0) load_pending_v();
@@ -104,7 +123,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
 template <class Tag, int kHeadDim>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
-                                              int thread);
+                                              int thread, const CUtensorMap* tm_out);
 
 }  // namespace sparse_attn::cuda_kernels
 
@@ -130,29 +149,6 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t 
   for (int kk = 0; kk < 8; ++kk)
     wgmma_rs_tb<Tag>(acc_o, pa[kk], make_desc_sw128(s_v + kk * 16 * 128, kHalfTileBytes, 1024), 1);
   wgmma_commit();
-}
-
-template <class Tag>
-__device__ __forceinline__ void scores_to_p(const TileAttentionParams& p, float (&acc_s)[64], OnlineSoftmax& softmax,
-                                            float (&factor)[2], std::uint32_t (&pa)[8][4], int j, int first_row,
-                                            int thread) {
-  if (BlockPolicy::needs_mask(p, j, first_row))
-    OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
-  softmax.update(acc_s, p.scale_log2, factor);
-  // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-}
-
-template <class Tag>
-__device__ __forceinline__ void scores_to_p_keep(const TileAttentionParams& p, float (&acc_s)[64],
-                                                 OnlineSoftmax& softmax, float (&factor)[2], int j, int first_row,
-                                                 int thread) {
-  if (BlockPolicy::needs_mask(p, j, first_row))
-    OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
-  softmax.update(acc_s, p.scale_log2, factor);
 }
 
 // Pingpong (FA3): the two consumer warpgroups take turns issuing their wgmmas, so the tensor cores run
@@ -188,11 +184,32 @@ struct MmaTurns {
 // Intra-warpgroup overlap (FA3): while the tensor cores run O += P_i V_i, the warpgroup already has
 // S_{i+1} = Q K_{i+1} in flight and does the softmax of block i + 1 as soon as that lands; the O
 // rescale waits until PV has retired. K slots are released when their QK retires, V slots after their
-// PV, and the Q buffer after the item's last QK.
+// PV, and the Q buffer after the item's last QK (or, with the TMA store, once the staged output has
+// been read).
+//
+// Items are chained: an item's last P V goes out in the same turn as the next item's first QK, and the
+// item's epilogue runs after the next item's first softmax, so an item boundary costs no turn of its
+// own and no exposed QK + softmax (`chain_items`; without it the last PV has a turn to itself and the
+// epilogue follows at once).
 template <class Tag, int kHeadDim>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
-                                              int thread) {
+                                              int thread, const CUtensorMap* tm_out) {
+  constexpr int kHalves = kHeadDim / 64;
+  // Every consumer thread arrives on the empty barriers (count kConsumerThreads): each has read the slot's
+  // metadata (k_block, q_has_blocks) that the producer overwrites once the barrier completes.
+  const auto release = [&](MBarrier& bar) { bar.arrive(); };
+  // Q buffer release. With the TMA store the buffer holds the staged output until the store has read
+  // it: the storing thread arrives only after that read, so the buffer's phase cannot complete before
+  // it. This happens once the next turn is issued (or before the next Q wait), so the wait for the read
+  // rarely costs anything.
+  int staged_q = -1;
+  const auto release_staged_q = [&]() {
+    if (staged_q < 0) return;
+    if (thread == 0) tma_store_wait_read<0>();
+    sm.q_empty[staged_q].arrive();
+    staged_q = -1;
+  };
   PipelineState<kQStages> qs;
   PipelineState<kKStages> ks;
   PipelineState<kVStages> vs;
@@ -202,80 +219,165 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   float acc_o[kHeadDim / 2];  // 64 x D output fragment of this warpgroup
   std::uint32_t pa[8][4];
   const MmaTurns turns{p.pingpong, consumer};
+
+  // The item whose last P V has not been issued yet (pa holds its P), and what its epilogue needs.
+  bool pending = false;
+  OnlineSoftmax done_softmax;
+  WorkItem done_w{0, 0, 0};
+  int done_qst = 0;
+  const auto epilogue = [&](const OnlineSoftmax& sm_state, const WorkItem& w, int qst) {
+    const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
+    if (p.tma_store) {
+      release_staged_q();  // two epilogues in a row (an item without blocks after a pending one)
+      auto* tile = reinterpret_cast<std::uint8_t*>(&sm.q[qst][0][0][0]);
+      stage_output<Tag, kHeadDim / 2>(acc_o, sm_state, thread, tile, consumer * kRowsPerConsumer);
+      store_lse(p, sm_state, thread, w.b, w.head, first_row);
+      fence_async_shared();  // this thread's staging writes -> visible to the TMA engine
+      named_barrier_sync(consumer == 0 ? NamedBarrier::kEpilogueWG0 : NamedBarrier::kEpilogueWG1, 128);
+      if (thread == 0) {
+        for (int half = 0; half < kHalves; ++half)
+          tma_store_bhld(tm_out, tile + half * kHalfTileBytes + consumer * kRowsPerConsumer * 128, 64 * half, w.head,
+                         first_row, w.b);
+        tma_store_commit();
+      }
+      staged_q = qst;
+    } else {
+      store_output<Tag, kHeadDim / 2>(p, acc_o, sm_state, thread, w.b, w.head, first_row);
+    }
+  };
+  // The pending item's last P V in a turn of its own, then its epilogue.
+  const auto finish_pending = [&]() {
+    if (!pending) return;
+    sm.v_full[vs.stage()].wait(vs.phase());
+    turns.begin();
+    wgmma_fence();
+    issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
+    turns.end();
+    release_staged_q();
+    wgmma_wait<0>();
+    fence_operands(acc_o);
+    keep_live(pa);
+    release(sm.v_empty[vs.stage()]);
+    vs.advance();
+    done_softmax.finish();
+    epilogue(done_softmax, done_w, done_qst);
+    pending = false;
+  };
+
   turns.init();
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
-    const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
-    OnlineSoftmax softmax;
-    softmax.reset();
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
     const int qst = qs.stage();
     // This warpgroup's 64 rows of the Q buffer: +8 KB inside each 16 KB half, 1024-aligned.
     const std::uint32_t s_q = static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.q[qst][0][0][0])) +
                               consumer * kRowsPerConsumer * 128;
+    release_staged_q();  // the producer may be waiting for it before it can fill this item's Q
     sm.q_full[qst].wait(qs.phase());
+    qs.advance();
+    OnlineSoftmax softmax;
+    softmax.reset();
 
-    int pos = 0;
-    int j = bp.next(pos);
-    if (j >= 0) {
-      float factor[2];
-      sm.k_full[ks.stage()].wait(ks.phase());
+    if (!sm.q_has_blocks[qst]) {  // nothing to visit: out = 0, lse = -inf
+      finish_pending();
+      if (!p.tma_store) sm.q_empty[qst].arrive();
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
+      softmax.finish();
+      epilogue(softmax, w, qst);
+      continue;
+    }
+
+    float factor[2];
+    sm.k_full[ks.stage()].wait(ks.phase());
+    const SlotBlock first = sm.k_block[ks.stage()];
+    bool last = first.last != 0;
+    // The item's first softmax, once its QK has retired (o starts at 0: no rescale needed).
+    const auto first_softmax = [&]() {
+      fence_operands(acc_s);
+      release(sm.k_empty[ks.stage()]);
+      ks.advance();
+      if (BlockPolicy::needs_mask(p, first.j, first_row))
+        OnlineSoftmax::apply_mask(acc_s, thread, first_row, first.j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+      softmax.update(acc_s, p.scale_log2, factor);
+    };
+    // Two straight-line paths: a wgmma group issued under a condition makes ptxas serialise them all.
+    if (pending) {
+      sm.v_full[vs.stage()].wait(vs.phase());
+      turns.begin();
+      wgmma_fence();
+      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
+      issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));  // the previous item's last P V
+      turns.end();
+      release_staged_q();
+      wgmma_wait<1>();
+      first_softmax();
+      wgmma_wait<0>();
+      fence_operands(acc_o);
+      keep_live(pa);
+      release(sm.v_empty[vs.stage()]);
+      vs.advance();
+      done_softmax.finish();
+      epilogue(done_softmax, done_w, done_qst);
+      pending = false;
+    } else {
       turns.begin();
       wgmma_fence();
       issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
       turns.end();
+      release_staged_q();
       wgmma_wait<0>();
-      fence_operands(acc_s);
-      sm.k_empty[ks.stage()].arrive();
-      ks.advance();
-      scores_to_p<Tag>(p, acc_s, softmax, factor, pa, j, first_row, thread);  // o is 0: no rescale needed
-      // Steady state: one iteration per further block. The last block's PV is peeled off below, so the
-      // commit groups inside the loop are unconditional and wait<1> always retires the QK group.
-      for (int j_next = bp.next(++pos); j_next >= 0; j_next = bp.next(++pos)) {
-        sm.k_full[ks.stage()].wait(ks.phase());
-        sm.v_full[vs.stage()].wait(vs.phase());
-        turns.begin();
-        wgmma_fence();
-        issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-        issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
-        turns.end();
-        wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-        fence_operands(acc_s);
-        sm.k_empty[ks.stage()].arrive();
-        ks.advance();
-        scores_to_p_keep<Tag>(p, acc_s, softmax, factor, j_next, first_row, thread);
-        wgmma_wait<0>();
-        fence_operands(acc_o);
-        keep_live(pa);
-        sm.v_empty[vs.stage()].arrive();
-        vs.advance();
-        OnlineSoftmax::rescale(acc_o, factor);
+      first_softmax();
+    }
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk)
+    for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
+    // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
 #pragma unroll
-          for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-      }
-      // Every QK of the item has retired: the Q buffer may take the item after next.
-      sm.q_empty[qst].arrive();
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+
+    // Steady state: one turn per further block, QK of the next block and P V of the current one.
+    while (!last) {
+      sm.k_full[ks.stage()].wait(ks.phase());
+      const SlotBlock nb = sm.k_block[ks.stage()];
+      last = nb.last != 0;
       sm.v_full[vs.stage()].wait(vs.phase());
       turns.begin();
       wgmma_fence();
+      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
       issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
       turns.end();
+      release_staged_q();
+      wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+      fence_operands(acc_s);
+      release(sm.k_empty[ks.stage()]);
+      ks.advance();
+      if (BlockPolicy::needs_mask(p, nb.j, first_row))
+        OnlineSoftmax::apply_mask(acc_s, thread, first_row, nb.j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+      softmax.update(acc_s, p.scale_log2, factor);
       wgmma_wait<0>();
       fence_operands(acc_o);
       keep_live(pa);
-      sm.v_empty[vs.stage()].arrive();
+      release(sm.v_empty[vs.stage()]);
       vs.advance();
-    } else {
-      sm.q_empty[qst].arrive();  // nothing to visit: out = 0, lse = -inf
+      OnlineSoftmax::rescale(acc_o, factor);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
     }
-    qs.advance();
-    softmax.finish();
-    store_output<Tag, kHeadDim / 2>(p, acc_o, softmax, thread, w.b, w.head, first_row);
+    // Every QK of the item has retired: unless the output is staged there, the Q buffer may take the
+    // item after next.
+    if (!p.tma_store) sm.q_empty[qst].arrive();
+    pending = true;
+    done_softmax = softmax;
+    done_w = w;
+    done_qst = qst;
+    if (!p.chain_items) finish_pending();
   }
+  finish_pending();
+  release_staged_q();
   turns.finish();
 }
 

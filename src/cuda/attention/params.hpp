@@ -30,6 +30,8 @@ struct TileAttentionParams {
 
   int num_units = 0;  // scheduling units: B * Hq * Tq, or B * Hq * ceil(Tq / 2) tile pairs when causal
   bool pingpong = true;  // consumer warpgroups take turns issuing their wgmmas (see mainloop.cuh)
+  bool tma_store = false;  // out is written through shared memory by TMA (tm_out); else from registers
+  bool chain_items = true;  // an item's last P V shares a turn with the next item's first QK (mainloop.cuh)
 };
 
 }  // namespace sparse_attn::cuda_kernels

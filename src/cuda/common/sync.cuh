@@ -16,6 +16,8 @@ enum class NamedBarrier : std::uint32_t {
   kSync = 0,        // whole CTA (__syncthreads)
   kMmaTurnWG0 = 1,  // consumer warpgroup 0 may issue its wgmmas (pingpong)
   kMmaTurnWG1 = 2,  // consumer warpgroup 1 may issue its wgmmas
+  kEpilogueWG0 = 3,  // consumer warpgroup 0 has staged its output tile in shared memory
+  kEpilogueWG1 = 4,  // consumer warpgroup 1 has staged its output tile in shared memory
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {

@@ -29,24 +29,33 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(const std::string& op) {
   return fn;
 }
 
-}  // namespace
-
-CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t,
-                                 std::uint32_t box_rows) {
-  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
-  detail::require(elem == 2, op, name, std::string("TMA maps here take 16-bit elements, got ") + dtype_name(t.dtype));
+// Why TMA cannot address `t` as a [B, L, H, D] map of make_bhld_tensor_map; empty when it can.
+std::string tma_obstacle(const TensorView& t) {
+  if (dtype_size(t.dtype) != 2) return std::string("TMA maps here take 16-bit elements, got ") + dtype_name(t.dtype);
   const auto base = reinterpret_cast<std::uintptr_t>(t.data);
-  detail::require(base % 16 == 0, op, name,
-                  "data pointer must be 16-byte aligned for TMA, got address " + std::to_string(base));
+  if (base % 16 != 0) return "data pointer must be 16-byte aligned for TMA, got address " + std::to_string(base);
   // Map dims innermost first: {D, H, L, B}. Strides of dims 1..3 in bytes, multiples of 16, nonzero.
   const char* dim_names[3] = {"h", "l", "b"};
   const std::int64_t strides[3] = {t.stride[2], t.stride[1], t.stride[0]};
   for (int i = 0; i < 3; ++i) {
-    const std::int64_t bytes = strides[i] * elem;
-    detail::require(bytes > 0 && bytes % 16 == 0 && bytes < (std::int64_t(1) << 40), op, name,
-                    std::string("stride of dim ") + dim_names[i] + " must be a positive multiple of 8 elements "
-                    "for TMA, got " + std::to_string(strides[i]));
+    const std::int64_t bytes = strides[i] * 2;
+    if (!(bytes > 0 && bytes % 16 == 0 && bytes < (std::int64_t(1) << 40)))
+      return std::string("stride of dim ") + dim_names[i] + " must be a positive multiple of 8 elements for TMA, got " +
+             std::to_string(strides[i]);
   }
+  return {};
+}
+
+}  // namespace
+
+bool tma_addressable(const TensorView& t) { return tma_obstacle(t).empty(); }
+
+CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t,
+                                 std::uint32_t box_rows) {
+  const std::string obstacle = tma_obstacle(t);
+  detail::require(obstacle.empty(), op, name, obstacle);
+  constexpr std::int64_t elem = 2;
+  const std::int64_t strides[3] = {t.stride[2], t.stride[1], t.stride[0]};
   CUtensorMap map;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.shape[3]), static_cast<cuuint64_t>(t.shape[2]),
                               static_cast<cuuint64_t>(t.shape[1]), static_cast<cuuint64_t>(t.shape[0])};
