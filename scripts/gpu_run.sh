@@ -3,9 +3,13 @@
 # (memcheck, racecheck, synccheck) on a small GPU test, then the benchmark against peers. Logs and
 # JSON go to $OUT; a short table is printed last.
 #
-# Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-selector-bench] [--no-query-bench]
-# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT, QUERY_TIMEOUT,
-# QSCHED_TIMEOUT seconds) so a hung kernel costs one stage, not the whole session.
+# Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-selector-bench]
+#                           [--no-pipeline-bench] [--no-query-bench]
+# Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT, PIPELINE_TIMEOUT,
+# QUERY_TIMEOUT, QSCHED_TIMEOUT seconds) so a hung kernel costs one stage, not the whole session.
+# The benchmark stage also plots its JSON (bench/plot_attention.py) where matplotlib is installed. The
+# pipeline stage runs bench/gpu/bench_pipeline.py (each selector in front of tile_sparse, FlexAttention on
+# the same lists unless --no-peers) into $OUT/pipeline.json.
 # The query stage also runs bench/gpu/bench_query.py (every query_sparse schedule and the Q-centric one on
 # the same lists, FlexAttention unless --no-peers, dense SDPA, the overlap sweep and the planner check)
 # into $OUT/query_schedules.json; --quick gives it fewer repetitions and sweep points.
@@ -17,7 +21,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu-out}"
 BUILD="${BUILD:-$ROOT/build-gpu}"
 JOBS="${JOBS:-$(nproc)}"
-PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1 SELBENCH=1 QBENCH=1
+PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1 SELBENCH=1 PIPEBENCH=1 QBENCH=1
 for arg in "$@"; do
   case "$arg" in
     --no-peers) PEERS=0 ;;
@@ -26,6 +30,7 @@ for arg in "$@"; do
     --no-sanitizer) SANITIZER=0 ;;
     --no-bench) BENCH=0 ;;
     --no-selector-bench) SELBENCH=0 ;;
+    --no-pipeline-bench) PIPEBENCH=0 ;;
     --no-query-bench) QBENCH=0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
@@ -81,6 +86,11 @@ if [ "$BENCH" = 1 ]; then
   [ "$QUICK" = 1 ] && BENCH_ARGS+=(--quick)
   if ! timeout "${BENCH_TIMEOUT:-400}" python3 "$ROOT/bench/gpu/bench_attention.py" "${BENCH_ARGS[@]}" > "$OUT/bench.log" 2>&1; then
     note "benchmark FAILED"; tail -30 "$OUT/bench.log"; STATUS=1
+  elif python3 -c "import matplotlib" 2> /dev/null; then
+    python3 "$ROOT/bench/plot_attention.py" "$OUT/bench_results.json" -o "$OUT/bench_tflops.png" > /dev/null \
+      && note "$(stamp) plot: $OUT/bench_tflops.png" || note "plot FAILED"
+  else
+    note "plot skipped: matplotlib is not installed (run bench/plot_attention.py on $OUT/bench_results.json elsewhere)"
   fi
 fi
 
@@ -103,6 +113,17 @@ for n, t, goal in zip(names, times, targets):
 PY
   then note "selector benchmark FAILED"; tail -5 "$OUT/selector_bench.log"; STATUS=1
   else grep '^selector ' "$OUT/selector_bench.log" | while read -r line; do note "$line"; done
+  fi
+fi
+
+# ---- selector -> tile_sparse pipeline against FlexAttention on the same lists (optional) -------------
+if [ "$PIPEBENCH" = 1 ]; then
+  PIPE_ARGS=(--lib "$BUILD/libsa_bench.so" --json "$OUT/pipeline.json")
+  [ "$PEERS" = 0 ] && PIPE_ARGS+=(--no-flex)
+  [ "$QUICK" = 1 ] && PIPE_ARGS+=(--quick)
+  if ! timeout "${PIPELINE_TIMEOUT:-300}" python3 "$ROOT/bench/gpu/bench_pipeline.py" "${PIPE_ARGS[@]}" > "$OUT/pipeline.log" 2>&1
+  then note "pipeline benchmark FAILED"; tail -20 "$OUT/pipeline.log"; STATUS=1
+  else note "$(stamp) pipeline benchmark: $OUT/pipeline.json"
   fi
 fi
 
@@ -161,4 +182,5 @@ echo
 cat "$SUMMARY"
 [ -f "$OUT/sass_summary.txt" ] && cat "$OUT/sass_summary.txt"
 [ "$BENCH" = 1 ] && sed -n '/^work /,$p' "$OUT/bench.log"
+[ "$PIPEBENCH" = 1 ] && [ -f "$OUT/pipeline.log" ] && sed -n '/^selector  /,$p' "$OUT/pipeline.log"
 exit $STATUS

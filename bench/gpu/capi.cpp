@@ -583,3 +583,92 @@ extern "C" int sa_plan_query(std::int32_t* idx, std::int64_t B, std::int64_t Lq,
     return 1;
   }
 }
+
+// ---- a selector on the caller's tensors (bench/gpu/bench_pipeline.py) ----------------------------------
+// One call of a public selector into TileLists idx int32 [B, Hkv, Tq, Kmax] and cnt int32 [B, Hkv, Tq],
+// device tensors the caller owns, on `stream`; nothing is synchronised, so a caller can queue the selector
+// and an executor back to back. q [B, Lq, Hq, D] and k [B, Lk, Hkv, D] are contiguous with the dtype of
+// dtype_code (0 bf16, 1 f16). selector: 0 pooled R1, 1 pooled R4, 2 token_max bf16, 3 token_max fp8 e4m3,
+// 4 token_max fp4 e2m1 (the order of sa_bench_selectors). Other than top_k and causal, the options are the
+// library's defaults, as the pipeline workload of `sparse-attn bench` leaves them: pooled forces the local
+// block, token_max reserves it. token_max reads index vectors: with qidx == kidx == nullptr the first query
+// head of each group of q and k itself (what the pipeline workload does; Di and Hki are then ignored),
+// otherwise contiguous qidx [B, Lq, Hkv, Di] and kidx [B, Lk, Hki, Di] (Hki 1 or Hkv) of the same dtype.
+// q and k are required for every selector. Returns 0, or 1 with the message in `err`.
+#include <utility>
+
+namespace {
+
+constexpr int kSelectorCodes = 5;
+
+void require_arg(bool ok, const char* argument, const std::string& message) {
+  if (!ok) throw sa::Error("sa_bench_select_tiles", argument, message);
+}
+
+}  // namespace
+
+extern "C" int sa_bench_select_tiles(int selector, int dtype_code, void* q, void* k, void* qidx, void* kidx,
+                                     std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq,
+                                     std::int64_t Hkv, std::int64_t D, std::int64_t Di, std::int64_t Hki, int causal,
+                                     int top_k, std::int32_t* idx, std::int32_t* cnt, std::int64_t Kmax, void* stream,
+                                     char* err, int err_len) {
+  try {
+    const char* op = "sa_bench_select_tiles";
+    require_arg(selector >= 0 && selector < kSelectorCodes, "selector",
+                "selector code " + std::to_string(selector) +
+                    " is not 0 (pooled R1), 1 (pooled R4), 2 (token_max bf16), 3 (token_max fp8) or 4 (token_max fp4)");
+    const sa::DType dt = dtype_from_code(op, dtype_code);
+    for (const auto& [name, value] : {std::pair<const char*, std::int64_t>{"B", B}, {"Lq", Lq}, {"Lk", Lk}, {"Hq", Hq},
+                                      {"Hkv", Hkv}, {"D", D}, {"Kmax", Kmax}})
+      require_arg(value > 0, name, std::string(name) + " = " + std::to_string(value) + " must be > 0");
+    require_arg(Hq % Hkv == 0, "Hkv",
+                "Hq = " + std::to_string(Hq) + " is not a multiple of Hkv = " + std::to_string(Hkv));
+    require_arg(top_k >= 1, "top_k", "top_k = " + std::to_string(top_k) + " must be >= 1");
+    require_arg(top_k <= Kmax, "top_k",
+                "top_k = " + std::to_string(top_k) + " exceeds the list capacity Kmax = " + std::to_string(Kmax));
+    require_arg(q != nullptr, "q", "null data pointer");
+    require_arg(k != nullptr, "k", "null data pointer");
+    require_arg(idx != nullptr, "idx", "null data pointer");
+    require_arg(cnt != nullptr, "cnt", "null data pointer");
+    const auto dev = sa::Device::cuda;
+    const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
+    const auto qv = sa::TensorView::contiguous(q, dt, {B, Lq, Hq, D}, dev);
+    const auto kv = sa::TensorView::contiguous(k, dt, {B, Lk, Hkv, D}, dev);
+    const sa::TileLists tiles{sa::TensorView::contiguous(idx, sa::DType::i32, {B, Hkv, Tq, Kmax}, dev),
+                              sa::TensorView::contiguous(cnt, sa::DType::i32, {B, Hkv, Tq}, dev)};
+    if (selector <= 1) {
+      sa::PooledOptions o;
+      o.representatives = selector == 0 ? 1 : 4;
+      o.top_k = top_k;
+      o.causal = causal != 0;
+      o.stream = stream;
+      sa::pooled_select(qv, kv, tiles, o);
+      return 0;
+    }
+    sa::TokenMaxOptions o;
+    o.top_k = top_k;
+    o.causal = causal != 0;
+    o.stream = stream;
+    o.precision = selector == 2 ? sa::IndexPrecision::bf16
+                  : selector == 3 ? sa::IndexPrecision::fp8_e4m3
+                                  : sa::IndexPrecision::fp4_e2m1;
+    require_arg((qidx == nullptr) == (kidx == nullptr), qidx == nullptr ? "qidx" : "kidx",
+                "qidx and kidx must be given together or both be null (null: q's first head per group and k)");
+    if (qidx == nullptr) {
+      sa::TensorView qi = qv;  // the first query head of each group
+      qi.shape[2] = Hkv;
+      qi.stride[2] *= Hq / Hkv;
+      sa::token_max_select(qi, kv, tiles, o);
+    } else {
+      require_arg(Di > 0, "Di", "Di = " + std::to_string(Di) + " must be > 0");
+      require_arg(Hki == 1 || Hki == Hkv, "Hki",
+                  "Hki = " + std::to_string(Hki) + " is neither 1 nor Hkv = " + std::to_string(Hkv));
+      sa::token_max_select(sa::TensorView::contiguous(qidx, dt, {B, Lq, Hkv, Di}, dev),
+                           sa::TensorView::contiguous(kidx, dt, {B, Lk, Hki, Di}, dev), tiles, o);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    copy_error(e, err, err_len);
+    return 1;
+  }
+}
