@@ -3,7 +3,7 @@
 
 Usage:
     pip install matplotlib
-    python3 bench/plot_attention.py bench/results/h200_v7_peers_2026-11-29.json -o bench/results/h200_v7_tflops.png
+    python3 bench/plot_attention.py bench/results/h200_v7_peers_full_2026-11-29.json -o bench/results/h200_v7_tflops.png
 
 Left panel: the tile16 workload (16 KV blocks per Q tile) against Lk, one line per implementation and
 list pattern (ours, FlexAttention), with the 620 TFLOP/s target of the tile16 workload dashed. Right
