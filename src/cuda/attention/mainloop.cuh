@@ -245,6 +245,16 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       store_output<Tag, kHeadDim / 2>(p, acc_o, sm_state, thread, w.b, w.head, first_row);
     }
   };
+  // Once the wait for the pending item's last P V has been issued: release its V slot, run its epilogue.
+  const auto retire_pending = [&]() {
+    fence_operands(acc_o);
+    keep_live(pa);
+    release(sm.v_empty[vs.stage()]);
+    vs.advance();
+    done_softmax.finish();
+    epilogue(done_softmax, done_w, done_qst);
+    pending = false;
+  };
   // The pending item's last P V in a turn of its own, then its epilogue.
   const auto finish_pending = [&]() {
     if (!pending) return;
@@ -255,13 +265,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     turns.end();
     release_staged_q();
     wgmma_wait<0>();
-    fence_operands(acc_o);
-    keep_live(pa);
-    release(sm.v_empty[vs.stage()]);
-    vs.advance();
-    done_softmax.finish();
-    epilogue(done_softmax, done_w, done_qst);
-    pending = false;
+    retire_pending();
   };
 
   turns.init();
@@ -313,13 +317,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       wgmma_wait<1>();
       first_softmax();
       wgmma_wait<0>();
-      fence_operands(acc_o);
-      keep_live(pa);
-      release(sm.v_empty[vs.stage()]);
-      vs.advance();
-      done_softmax.finish();
-      epilogue(done_softmax, done_w, done_qst);
-      pending = false;
+      retire_pending();
     } else {
       turns.begin();
       wgmma_fence();
