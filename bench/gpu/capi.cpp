@@ -14,6 +14,19 @@
 
 namespace sa = sparse_attn;
 
+namespace {
+
+/// The message of `e` into the caller's buffer (truncated, always terminated).
+void copy_error(const std::exception& e, char* err, int err_len) {
+  if (err && err_len > 0) {
+    const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
+    std::memcpy(err, e.what(), n);
+    err[n] = '\0';
+  }
+}
+
+}  // namespace
+
 extern "C" int sa_bench_attention(int dtype_code, void* q, void* k, void* v, void* out, float* lse, std::int64_t B,
                                   std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv, std::int64_t D,
                                   int causal, std::int32_t* idx, std::int32_t* cnt, std::int64_t G, std::int64_t Kmax,
@@ -42,11 +55,7 @@ extern "C" int sa_bench_attention(int dtype_code, void* q, void* k, void* v, voi
     }
     return 0;
   } catch (const std::exception& e) {
-    if (err && err_len > 0) {
-      const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
-      std::memcpy(err, e.what(), n);
-      err[n] = '\0';
-    }
+    copy_error(e, err, err_len);
     return 1;
   }
 }
@@ -106,14 +115,6 @@ struct OwnedEvent {
   OwnedEvent& operator=(const OwnedEvent&) = delete;
   ~OwnedEvent() { cudaEventDestroy(e); }
 };
-
-void copy_error(const std::exception& e, char* err, int err_len) {
-  if (err && err_len > 0) {
-    const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
-    std::memcpy(err, e.what(), n);
-    err[n] = '\0';
-  }
-}
 
 }  // namespace
 
@@ -189,11 +190,7 @@ extern "C" int sa_bench_selectors(std::int64_t B, std::int64_t Lq, std::int64_t 
     cudaStreamDestroy(stream);
     return 0;
   } catch (const std::exception& e) {
-    if (err && err_len > 0) {
-      const std::size_t n = std::min<std::size_t>(std::strlen(e.what()), static_cast<std::size_t>(err_len - 1));
-      std::memcpy(err, e.what(), n);
-      err[n] = '\0';
-    }
+    copy_error(e, err, err_len);
     return 1;
   }
 }
