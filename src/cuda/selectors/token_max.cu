@@ -1,8 +1,8 @@
 // MSA-style token-max selector on the GPU (DESIGN §5.7), version 2: tensor-core screening with an
 // exact float64 decision at the boundary. Kernels on the caller's stream:
-//  1. prepare (tc_index.cuh): per-tensor amax (fp8, fp4); for every index row the bf16 codes (exact:
-//     value = code * scale up to rounding) and an upper bound of the code row's norm, maxed per 128
-//     rows (Q tile, KV block);
+//  1. prepare (tc_index.cuh), one launch for both index tensors after one for their amax words (fp8,
+//     fp4): for every index row the bf16 codes (exact: value = code * scale up to rounding) and an upper
+//     bound of the code row's norm, maxed per 128 rows (Q tile, KV block);
 //  2. screen: one CTA per (Q tile, group, range of KV blocks) multiplies the 128 query code rows by
 //     each KV block's 128 key code rows with bf16 mma.sync (float32 accumulation) and keeps, per
 //     visible (query, block), the max over the block's keys; TileLists also max over the tile's
@@ -14,7 +14,8 @@
 //  4. rescore: the undecided (list, block) pairs, queued by (3), get their exact block score: the
 //     float64 dots of the dequantised values (recomputed from the inputs as the CPU computes them) in d order (products of floats are exact in float64, so
 //     fma equals the CPU's multiply-add) maxed over the visible keys (and the tile's queries), NaN as
-//     -inf; spread over the grid in 16-query chunks, combined by an atomic max on an order-preserving
+//     -inf; spread over the grid in units of 16 queries x 32 keys (TileLists; one query x 128 keys for
+//     QueryLists) with the values staged as doubles, combined by an atomic max on an order-preserving
 //     integer encoding;
 //  5. finish: lists with undecided blocks rank (class, exact score, id) and are written.
 //
@@ -53,7 +54,7 @@ constexpr int kScreenThreads = 256;  // 8 warps: 4 x 32 query rows by 2 x 64 key
 constexpr int kMaxDp = 256;          // Q tile + two K stages of 128 x (Dp + 8) bf16: 203 KB at 256
 constexpr int kPitchPad = 8;         // row pitch (Dp + 8) * 2 bytes = 16 * odd: ldmatrix rows hit distinct banks
 constexpr int kRankThreads = 128;
-constexpr int kRescoreThreads = 128;  // one key of the block per thread
+constexpr int kRescoreThreads = 128;  // see RescoreShape
 constexpr int kChunk = 16;            // queries of a tile per re-scoring work item
 constexpr int kChunksPerTile = kTileQ / kChunk;
 
@@ -522,76 +523,128 @@ struct RescoreParams {
   Shape s;
 };
 
-std::size_t rescore_smem(std::int64_t Di, int qc) {
-  return static_cast<std::size_t>(kBlockK * (Di + 1) + qc * Di) * sizeof(float) + 16 + 4 * sizeof(double);
+// How a re-scoring work unit is laid out. TileLists: a queued item (16 queries x one KV block) is split
+// into 4 units of 32 keys; warp w of the CTA takes queries 4 w .. 4 w + 3 and lane l key l, so each
+// thread runs 4 independent float64 chains (ILP) and the 16 queries' values are read as warp-wide
+// broadcasts. QueryLists: a unit is the item (1 query x 128 keys), one key per thread. The values are
+// staged once per unit in shared memory already converted to double where more than one thread reads
+// them (keys of TileLists, queries), so the inner loop is loads and DFMAs only.
+template <bool kTiles>
+struct RescoreShape {
+  static constexpr int QC = kTiles ? kChunk : 1;           // queries per item
+  static constexpr int KU = kTiles ? 32 : kBlockK;         // keys per unit
+  static constexpr int KS = kBlockK / KU;                  // units per item
+  static constexpr int QT = QC * KU / kRescoreThreads;     // queries per thread
+  using KeyT = std::conditional_t<kTiles, double, float>;  // staged key values
+  static_assert(QT >= 1 && QT * (kRescoreThreads / KU) == QC);
+  // Key row pitch: odd (in elements), so the 32 lanes' rows at one column fall on distinct banks.
+  static std::int64_t key_pitch(std::int64_t Di) { return Di | 1; }
+  __device__ static int key_pitch_d(int Di) { return Di | 1; }
+};
+
+template <bool kTiles>
+std::size_t rescore_smem(std::int64_t Di) {
+  using RS = RescoreShape<kTiles>;
+  return 16 * sizeof(double) + static_cast<std::size_t>(RS::QC * Di) * sizeof(double) +
+         static_cast<std::size_t>(RS::KU * RS::key_pitch(Di)) * sizeof(typename RS::KeyT);
 }
 
-// grid: any; each CTA walks the queue. QC: queries per item (1 for QueryLists, kChunk for TileLists).
+// grid: any; each CTA walks the units of the queue (item u / KS, key part u % KS).
 template <bool kTiles>
 __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreParams p) {
-  constexpr int QC = kTiles ? kChunk : 1;
+  using RS = RescoreShape<kTiles>;
+  using KeyT = typename RS::KeyT;
+  constexpr int QC = RS::QC, KU = RS::KU, KS = RS::KS, QT = RS::QT;
   extern __shared__ __align__(16) unsigned char smem[];
   const Shape& s = p.s;
-  const std::int64_t ks = s.Di + 1;
+  const int Di = static_cast<int>(s.Di), kp = RS::key_pitch_d(Di);
   double* red = reinterpret_cast<double*>(smem);
-  float* kb = reinterpret_cast<float*>(smem + 4 * sizeof(double) + 16);
-  float* qs = kb + kBlockK * ks;
+  double* qs = red + 16;                               // [QC][Di]
+  KeyT* kb = reinterpret_cast<KeyT*>(qs + QC * Di);    // [KU][kp]
   const int tid = threadIdx.x;
-  const unsigned int count = *p.count;
+  const unsigned int units = *p.count * KS;
   const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
   const bool from_codes = p.prec != static_cast<int>(Prec::fp4) && sq != 0.0f && sk != 0.0f;
-  for (unsigned int item = blockIdx.x; item < count; item += gridDim.x) {
-    const int2 it = p.queue[item];
+  for (unsigned int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int2 it = p.queue[unit / KS];
+    const int part = static_cast<int>(unit % KS);
     const std::int64_t row = it.x, j = it.y / kChunksPerTile, chunk = it.y % kChunksPerTile;
     const std::int64_t per = kTiles ? s.Tq : s.Lq;
     const std::int64_t pos = row % per, g = (row / per) % s.Hkv, b = row / (per * s.Hkv);
     const std::int64_t hk = s.Hk == 1 ? 0 : g;
     const std::int64_t qa = kTiles ? pos * kTileQ + chunk * kChunk : pos;
-    const std::int64_t qn = imin<std::int64_t>(QC, s.Lq - qa);
-    const std::int64_t k0 = j * kBlockK, nk = imin<std::int64_t>(kBlockK, s.Lk - k0);
-    __syncthreads();  // the previous item's readers are done with kb and qs
-    // 32-bit loop indices: a 64-bit division per element costs ~100 instructions, and one CTA's four
-    // warps cannot hide that latency.
-    const int Di = static_cast<int>(s.Di), nki = static_cast<int>(nk), qni = static_cast<int>(qn);
+    const int qn = static_cast<int>(imin<std::int64_t>(QC, s.Lq - qa));
+    const std::int64_t k0 = j * kBlockK + part * KU;
+    const int nk = static_cast<int>(imax<std::int64_t>(0, imin<std::int64_t>(KU, s.Lk - k0)));
+    __syncthreads();  // the previous unit's readers are done with kb and qs
     if (from_codes) {
-      // value = fl(code * scale) exactly as prepare_kernel computed it (scale 1 for bf16: the code itself).
-      for (int e = tid; e < (nki + qni) * Di; e += kRescoreThreads) {
-        const int r = e / Di, d = e - r * Di;
-        if (r < nki) {
-          kb[r * ks + d] = __fmul_rn(__bfloat162float(p.kc[((b * s.Lk + k0 + r) * s.Hk + hk) * s.Dp + d]), sk);
+      // value = fl(code * scale) exactly as prepare_pair_kernel computed it (scale 1 for bf16: the code itself);
+      // 8 codes per 16-byte load (code rows are Dp >= Di bf16, Dp a multiple of 16), every load of a
+      // thread's batch in flight before the first store.
+      const int vecs = (Di + 7) / 8, total = (nk + qn) * vecs;
+      constexpr int kBatch = 8;
+      for (int base = tid; base < total; base += kBatch * kRescoreThreads) {
+        uint4 v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int e = base + u * kRescoreThreads;
+          if (e < total) {
+            const int r = e / vecs, c = e - r * vecs;
+            const __nv_bfloat16* src = r < nk ? p.kc + ((b * s.Lk + k0 + r) * s.Hk + hk) * s.Dp
+                                              : p.qc + ((b * s.Lq + qa + (r - nk)) * s.Hkv + g) * s.Dp;
+            v[u] = __ldg(reinterpret_cast<const uint4*>(src) + c);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int e = base + u * kRescoreThreads;
+          if (e < total) {
+            const int r = e / vecs, d0 = (e - r * vecs) * 8;
+            const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[u]);
+            for (int i = 0; i < 8 && d0 + i < Di; ++i) {
+              const float c = __bfloat162float(h[i]);
+              if (r < nk) kb[r * kp + d0 + i] = static_cast<KeyT>(__fmul_rn(c, sk));
+              else qs[(r - nk) * Di + d0 + i] = static_cast<double>(__fmul_rn(c, sq));
+            }
+          }
+        }
+      }
+    } else {
+      const int ng = (Di + kGroup - 1) / kGroup;
+      for (int e = tid; e < (nk + qn) * ng; e += kRescoreThreads) {
+        const int r = e / ng, d0 = (e - r * ng) * kGroup;
+        const int cnt = imin(kGroup, Di - d0);
+        float v[kGroup];
+        if (r < nk) {
+          group_values(p.k, p.kt, p.prec, sk, p.k.offset((b * s.Lk + k0 + r) * s.Hk + hk), d0, cnt, v);
+          for (int i = 0; i < cnt; ++i) kb[r * kp + d0 + i] = static_cast<KeyT>(v[i]);
         } else {
-          const int rq = r - nki;
-          qs[rq * Di + d] = __fmul_rn(__bfloat162float(p.qc[((b * s.Lq + qa + rq) * s.Hkv + g) * s.Dp + d]), sq);
+          const int rq = r - nk;
+          group_values(p.q, p.qt, p.prec, sq, p.q.offset((b * s.Lq + qa + rq) * s.Hkv + g), d0, cnt, v);
+          for (int i = 0; i < cnt; ++i) qs[rq * Di + d0 + i] = static_cast<double>(v[i]);
         }
       }
     }
-    const int ng = from_codes ? 0 : (Di + kGroup - 1) / kGroup;
-    for (int e = tid; e < (nki + qni) * ng; e += kRescoreThreads) {
-      const int r = e / ng, d0 = (e - r * ng) * kGroup;
-      const int cnt = imin(kGroup, Di - d0);
-      float v[kGroup];
-      if (r < nki) {
-        group_values(p.k, p.kt, p.prec, sk, p.k.offset((b * s.Lk + k0 + r) * s.Hk + hk), d0, cnt, v);
-        for (int i = 0; i < cnt; ++i) kb[r * ks + d0 + i] = v[i];
-      } else {
-        const int rq = r - nki;
-        group_values(p.q, p.qt, p.prec, sq, p.q.offset((b * s.Lq + qa + rq) * s.Hkv + g), d0, cnt, v);
-        for (int i = 0; i < cnt; ++i) qs[rq * Di + d0 + i] = v[i];
-      }
-    }
     __syncthreads();
+    // The CPU's dot: one float64 chain over d in order per (query, key); products of floats are exact
+    // in float64, so the fma rounds as the CPU's multiply and add.
+    const int key = tid % KU, m0 = (tid / KU) * QT;
     double best = -INFINITY;
-    if (tid < nk) {
-      double acc[QC];
-      for (int m = 0; m < QC; ++m) acc[m] = 0.0;
-      const float* kr = kb + tid * ks;
+    if (key < nk && m0 < qn) {
+      double acc[QT];
+#pragma unroll
+      for (int m = 0; m < QT; ++m) acc[m] = 0.0;
+      const KeyT* kr = kb + key * kp;
+      const double* qr = qs + m0 * Di;
+#pragma unroll 4
       for (int d = 0; d < Di; ++d) {
-        const double kd = kr[d];
-        for (int m = 0; m < QC; ++m)
-          if (m < qni) acc[m] = fma(static_cast<double>(qs[m * Di + d]), kd, acc[m]);
+        const double kd = static_cast<double>(kr[d]);
+#pragma unroll
+        for (int m = 0; m < QT; ++m) acc[m] = fma(qr[m * Di + d], kd, acc[m]);
       }
-      for (int m = 0; m < QC; ++m)
-        if (m < qn && k0 + tid < s.key_end(qa + m)) best = fmax(best, sel::sanitize(acc[m]));
+#pragma unroll
+      for (int m = 0; m < QT; ++m)
+        if (m0 + m < qn && k0 + key < s.key_end(qa + m0 + m)) best = fmax(best, sel::sanitize(acc[m]));
     }
     for (int o = 16; o > 0; o >>= 1) best = fmax(best, __shfl_xor_sync(0xffffffffu, best, o));
     if (tid % 32 == 0) red[tid / 32] = best;
@@ -599,7 +652,7 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
     if (tid == 0) {
       double v = red[0];
       for (int w = 1; w < kRescoreThreads / 32; ++w) v = fmax(v, red[w]);
-      atomicMax(p.exact + row * s.Tk + j, ordered_key(v));
+      if (v > -INFINITY) atomicMax(p.exact + row * s.Tk + j, ordered_key(v));
     }
   }
 }
@@ -665,7 +718,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   if (s.B * s.Hkv > 65535)
     throw Error(op, "qidx", "B x Hkv = " + std::to_string(s.B * s.Hkv) + " exceeds the CUDA selector's limit of 65535");
   const std::size_t sc_smem = screen_smem(s.Dp), rk_smem = std::max(rank_smem(s.Tk), finish_smem(s.Tk));
-  const std::size_t rs_smem = rescore_smem(s.Di, kTiles ? kChunk : 1);
+  const std::size_t rs_smem = rescore_smem<kTiles>(s.Di);
   if (rk_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "kidx", "Lk = " + std::to_string(s.Lk) + " gives " + std::to_string(s.Tk) +
                                 " blocks, more than the CUDA selector's shared-memory ranking holds");
@@ -732,14 +785,10 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   };
   mark(0);
 
-  launch_prepare(qidx, o.precision, words,
-                 PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn),
-                         scratch.as<unsigned int>(o_qmax), s.Dp},
-                 stream);
-  launch_prepare(kidx, o.precision, words + 1,
-                 PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn),
-                         scratch.as<unsigned int>(o_kmax), s.Dp},
-                 stream);
+  launch_prepare_pair(qidx, kidx, o.precision, words,
+                      PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned int>(o_qmax), s.Dp},
+                      PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned int>(o_kmax), s.Dp},
+                      stream);
 
   mark(1);
   int sms = 0;
@@ -793,7 +842,9 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
 
   RescoreParams xp{index_src(qidx), index_src(kidx), scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc),
                    sel::in_type(qidx.dtype), sel::in_type(kidx.dtype), rp.prec, words, rp.exact, rp.count, rp.queue, s};
-  const std::int64_t rgrid = imin<std::int64_t>(2 * static_cast<std::int64_t>(sms), cap);
+  // Enough CTAs for every unit of a typical queue to start at once (a handful of undecided blocks per
+  // list); a long queue is walked by the same CTAs.
+  const std::int64_t rgrid = imin<std::int64_t>(4 * static_cast<std::int64_t>(sms), cap * RescoreShape<kTiles>::KS);
   rescore_kernel<kTiles><<<static_cast<unsigned>(imax<std::int64_t>(1, rgrid)), kRescoreThreads, rs_smem, stream>>>(xp);
   mark(4);
   finish_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
