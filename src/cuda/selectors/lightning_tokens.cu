@@ -1116,17 +1116,6 @@ __global__ void __launch_bounds__(kRowThreads) fallback_kernel(const RowParams p
   write_row(p.out, b, t, bid, n);
 }
 
-void launch_amax(const TensorView& t, unsigned* amax, cudaStream_t stream) {
-  const IndexSrc s = index_src(t);
-  const std::int64_t rows = s.B * s.L * s.H;
-  const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 512));
-  switch (sel::in_type(t.dtype)) {
-    case In::f32: amax_kernel<In::f32><<<blocks, 256, 0, stream>>>(s, amax); break;
-    case In::f16: amax_kernel<In::f16><<<blocks, 256, 0, stream>>>(s, amax); break;
-    case In::bf16: amax_kernel<In::bf16><<<blocks, 256, 0, stream>>>(s, amax); break;
-  }
-}
-
 }  // namespace
 
 void set_lightning_stats(unsigned long long* device_counters) { g_stats = device_counters; }
@@ -1229,10 +1218,10 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   Shape shp{B, Lq, Lk, HI, Di, Dp, o.causal};
 
   if (screen) {
-    launch_prepare(qI, o.precision, amax, PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn),
-                                                  scratch.as<unsigned>(o_qg), Dp}, stream);
-    launch_prepare(kI, o.precision, amax + 1, PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn),
-                                                      scratch.as<unsigned>(o_kg), Dp}, stream);
+    launch_prepare_pair(qI, kI, o.precision, amax,
+                        PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned>(o_qg), Dp},
+                        PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned>(o_kg), Dp},
+                        stream);
     mark(1);
     ScreenParams sp{};
     sp.qc = scratch.as<__nv_bfloat16>(o_qc), sp.qn = scratch.as<float>(o_qn);
@@ -1261,8 +1250,7 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     }
   } else {
     if (o.precision != IndexPrecision::bf16) {
-      launch_amax(qI, amax, stream);
-      launch_amax(kI, amax + 1, stream);
+      launch_amax_pair(qI, &kI, amax, stream);
     }
     mark(1);
   }

@@ -69,30 +69,6 @@ constexpr int kGroup = 16;  // elements per lane step: the fp4 block, and one bf
 
 inline std::int64_t padded_dim(std::int64_t Di) { return (Di + kGroup - 1) / kGroup * kGroup; }
 
-/// Largest |x| over the tensor as float bits (non-negative floats order like their bits); NaN is
-/// skipped by fmaxf, as std::fmax does on the CPU.
-template <In T>
-__global__ void amax_kernel(const IndexSrc s, unsigned int* amax_bits) {
-  const std::int64_t rows = s.B * s.L * s.H;
-  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
-  float m = 0.0f;
-  for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32; row < rows;
-       row += warps) {
-    const std::int64_t off = s.offset(row);
-    for (std::int64_t d = threadIdx.x % 32; d < s.D; d += 32) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, off + d)));
-  }
-  // One atomic per block: atomics on one address serialise in L2, so per-warp atomics from thousands
-  // of warps would cost more than reading the tensor.
-  __shared__ float red[32];
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) m = fmaxf(m, red[w]);
-    atomicMax(amax_bits, __float_as_uint(m));
-  }
-}
-
 /// Per-tensor scale of precision `p` from the amax word (1 for bf16), as the CPU's precision_tensor_scale.
 __device__ __forceinline__ float tensor_scale(int p, const unsigned int* amax_bits) {
   if (p == static_cast<int>(Prec::bf16)) return 1.0f;
@@ -179,71 +155,6 @@ __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts
   }
 }
 
-struct PrepOut {
-  __nv_bfloat16* codes;    // [rows, Dp]
-  float* norms;            // [rows]
-  unsigned int* group_max; // [B, H, ceil(L / 128)] float bits, zeroed by the caller
-  std::int64_t Dp;
-};
-
-// One warp per row; lane l handles elements [b + 4 l, b + 4 l + 4) of each 128-element stretch b, so all
-// lanes are busy at Di = 128. fp4: the 4 lanes of a quad hold one 16-element block and share its amax
-// by shuffles (a max is order-free, so it equals the CPU's). Elements past Di (padding up to Dp) get
-// zero codes.
-template <In T, Prec P>
-__global__ void __launch_bounds__(256) prepare_kernel(const IndexSrc s, int prec, const unsigned int* amax_bits,
-                                                      const PrepOut o) {
-  constexpr int G = 4;
-  static_assert(kGroup % G == 0 && 32 * G % kGroup == 0);
-  const std::int64_t rows = s.B * s.L * s.H;
-  const int lane = threadIdx.x % 32, D = static_cast<int>(s.D), Dp = static_cast<int>(o.Dp);
-  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
-  const float ts = tensor_scale(prec, amax_bits);
-  for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32; row < rows;
-       row += warps) {
-    const std::int64_t off = s.offset(row);
-    // Sum of squares rounded upward (every term is >= 0, so each upward rounding keeps an upper bound);
-    // an overflow gives +inf, which the bound treats like a non-finite row.
-    float sq = 0.0f;
-    bool finite = true;
-    for (int base = 0; base < Dp; base += 32 * G) {  // uniform across the warp (shuffles inside)
-      const int d0 = base + lane * G;
-      const int cnt = imax(0, imin(G, D - d0));
-      float x[G], v[G], c[G];
-#pragma unroll
-      for (int i = 0; i < G; ++i) x[i] = i < cnt ? sel::load_elem<T>(s.x, off + d0 + i) : 0.0f;
-      if constexpr (P == Prec::fp4) {
-        float am = 0.0f;
-#pragma unroll
-        for (int i = 0; i < G; ++i) am = fmaxf(am, fabsf(x[i]));
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
-        fp4_values(x, G, ts, am, v, c);
-      } else {
-        quantize_codes<P>(x, G, ts, v, c);
-      }
-      __align__(8) __nv_bfloat16 cb[G];
-#pragma unroll
-      for (int i = 0; i < G; ++i) {
-        const float ci = i < cnt ? c[i] : 0.0f;
-        cb[i] = __float2bfloat16_rn(ci);
-        if (i < cnt) {
-          finite = finite && isfinite(ci) && isfinite(v[i]);
-          sq = __fmaf_ru(ci, ci, sq);
-        }
-      }
-      if (d0 < Dp) *reinterpret_cast<uint2*>(o.codes + row * o.Dp + d0) = *reinterpret_cast<const uint2*>(cb);
-    }
-    for (int w = 16; w > 0; w >>= 1) sq = __fadd_ru(sq, __shfl_xor_sync(0xffffffffu, sq, w));
-    finite = __all_sync(0xffffffffu, finite);
-    if (lane == 0) {
-      const float n = finite ? __fsqrt_ru(sq) : INFINITY;
-      o.norms[row] = n;
-      atomicMax(o.group_max + s.group(row), __float_as_uint(n));
-    }
-  }
-}
-
 __device__ __forceinline__ float load_elem_rt(const void* base, std::int64_t i, In t) {
   switch (t) {
     case In::f32: return sel::load_elem<In::f32>(base, i);
@@ -252,48 +163,296 @@ __device__ __forceinline__ float load_elem_rt(const void* base, std::int64_t i, 
   }
 }
 
-/// The CPU's dequantised values of elements [d0, d0 + cnt) (cnt <= 16, d0 a multiple of 16) of the row
-/// at element offset `off`: the same arithmetic as prepare_kernel, so the same floats.
+// ---- preparation of both index tensors ------------------------------------------------------------------
+//
+// A selector call prepares its two index tensors (queries, keys) in two launches, each covering both
+// tensors (CTAs [0, blocks0) take tensor 0, the rest tensor 1): the amax words (fp8, fp4), then the
+// codes and norms. A warp takes kPrepRows rows at a time and issues the loads of all of them before it
+// uses any (one row per warp and step left each warp waiting a full memory latency per row: 20-25 us for
+// 8 MB of keys). Lane l holds elements [b + 4 l, b + 4 l + 4) of each 128-element stretch b, so all lanes
+// are busy at Di = 128; fp4: the 4 lanes of a quad hold one 16-element block and share its amax by
+// shuffles (a max is order-free, so it equals the CPU's).
+
+constexpr int kPrepG = 4;       // elements per lane and stretch
+constexpr int kPrepRows = 4;    // rows per warp and step
+constexpr int kPrepThreads = 256;
+static_assert(kGroup % kPrepG == 0 && 32 * kPrepG % kGroup == 0);
+
+struct PrepOut {
+  __nv_bfloat16* codes;    // [rows, Dp]
+  float* norms;            // [rows]
+  unsigned int* group_max; // [B, H, ceil(L / 128)] float bits, zeroed by the caller
+  std::int64_t Dp;
+};
+
+/// Two index tensors of one launch; blocks0 CTAs serve tensor 0.
+struct IndexPair {
+  IndexSrc src[2];
+  In type[2];
+  PrepOut out[2];           // prepare only
+  unsigned int* amax;       // [2] float bits: written by the amax launch, read by the preparation
+  unsigned int blocks0;
+};
+
+// Elements [d0, d0 + cnt) (cnt <= kPrepG) of the row at element offset `off` as floats, zero past cnt or
+// when off < 0 (no row); one 8- or 16-byte load where the four elements are aligned for it.
+__device__ __forceinline__ void load_group(const void* x, In t, std::int64_t off, int d0, int cnt, float (&v)[kPrepG]) {
+#pragma unroll
+  for (int i = 0; i < kPrepG; ++i) v[i] = 0.0f;
+  if (off < 0 || cnt <= 0) return;
+  const std::int64_t e = off + d0;
+  if (cnt == kPrepG) {
+    if (t == In::f32) {
+      const float* a = static_cast<const float*>(x) + e;
+      if (reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(a));
+        v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+        return;
+      }
+    } else {
+      const auto* a = static_cast<const unsigned short*>(x) + e;
+      if (reinterpret_cast<std::uintptr_t>(a) % 8 == 0) {
+        const uint2 w = __ldg(reinterpret_cast<const uint2*>(a));
+        const unsigned h[4] = {w.x & 0xffffu, w.x >> 16, w.y & 0xffffu, w.y >> 16};  // lower address first
+#pragma unroll
+        for (int i = 0; i < kPrepG; ++i)
+          v[i] = t == In::bf16 ? __uint_as_float(h[i] << 16) : __half2float(__ushort_as_half(static_cast<unsigned short>(h[i])));
+        return;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPrepG; ++i)
+    if (i < cnt) v[i] = load_elem_rt(x, e + i, t);  // unrolled: a dynamic index would put v in local memory
+}
+
+/// The dequantised values (as the CPU's) of elements [d0, d0 + cnt) (cnt <= 16, d0 a multiple of 16) of
+/// the row at element offset `off`: the same loads and arithmetic as prepare_pair_kernel, so the same floats.
 __device__ __forceinline__ void group_values(const IndexSrc& s, In t, int prec, float ts, std::int64_t off,
                                              std::int64_t d0, int cnt, float* v) {
   float x[kGroup], c[kGroup];
-  for (int i = 0; i < cnt; ++i) x[i] = load_elem_rt(s.x, off + d0 + i, t);
+#pragma unroll
+  for (int g = 0; g < kGroup / kPrepG; ++g) {
+    float part[kPrepG];
+    load_group(s.x, t, off, static_cast<int>(d0) + g * kPrepG, imax(0, imin(kPrepG, cnt - g * kPrepG)), part);
+#pragma unroll
+    for (int i = 0; i < kPrepG; ++i) x[g * kPrepG + i] = part[i];
+  }
   if (prec == static_cast<int>(Prec::bf16)) quantize_codes<Prec::bf16>(x, cnt, ts, v, c);
   else if (prec == static_cast<int>(Prec::fp8)) quantize_codes<Prec::fp8>(x, cnt, ts, v, c);
   else quantize_codes<Prec::fp4>(x, cnt, ts, v, c);
 }
 
-/// Launches amax (fp8, fp4) and the preparation of one index tensor on `stream`.
-inline void launch_prepare(const TensorView& t, IndexPrecision prec, unsigned int* amax, const PrepOut& o,
-                           cudaStream_t stream) {
-  const IndexSrc s = index_src(t);
+struct PairSlice {
+  int which;
+  unsigned block, blocks;  // this CTA among the CTAs of its tensor
+};
+__device__ __forceinline__ PairSlice pair_slice(const IndexPair& pp) {
+  const int which = blockIdx.x < pp.blocks0 ? 0 : 1;
+  return {which, which ? blockIdx.x - pp.blocks0 : blockIdx.x, which ? gridDim.x - pp.blocks0 : pp.blocks0};
+}
+
+/// Largest |x| over each tensor as float bits (non-negative floats order like their bits); NaN is skipped
+/// by fmaxf, as std::fmax does on the CPU. (A template so that the header can be included by several
+/// translation units.)
+template <int R = kPrepRows>
+__global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_constant__ IndexPair pp) {
+  constexpr int G = kPrepG;
+  const PairSlice ps = pair_slice(pp);
+  const IndexSrc s = ps.which ? pp.src[1] : pp.src[0];
+  const In t = ps.which ? pp.type[1] : pp.type[0];
   const std::int64_t rows = s.B * s.L * s.H;
-  const In in = sel::in_type(t.dtype);
-  if (prec != IndexPrecision::bf16) {
-    const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 512));
-    switch (in) {
-      case In::f32: amax_kernel<In::f32><<<blocks, 256, 0, stream>>>(s, amax); break;
-      case In::f16: amax_kernel<In::f16><<<blocks, 256, 0, stream>>>(s, amax); break;
-      case In::bf16: amax_kernel<In::bf16><<<blocks, 256, 0, stream>>>(s, amax); break;
+  const int lane = threadIdx.x % 32, D = static_cast<int>(s.D);
+  const std::int64_t warps = static_cast<std::int64_t>(ps.blocks) * (kPrepThreads / 32);
+  float m = 0.0f;
+  // A dense tensor is one flat array: 16-byte loads with a grid stride, no row arithmetic.
+  const int es = t == In::f32 ? 4 : 2;
+  const std::int64_t n = rows * s.D;
+  const bool flat = (s.H == 1 || s.sh == s.D) && s.sl == s.H * s.D && (s.B == 1 || s.sb == s.L * s.H * s.D) &&
+                    reinterpret_cast<std::uintptr_t>(s.x) % 16 == 0 && n * es % 16 == 0;
+  if (flat) {
+    const auto* v = static_cast<const uint4*>(s.x);
+    for (std::int64_t i = static_cast<std::int64_t>(ps.block) * kPrepThreads + threadIdx.x; i < n * es / 16;
+         i += static_cast<std::int64_t>(ps.blocks) * kPrepThreads) {
+      const uint4 w = __ldg(v + i);
+      const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (t == In::f32) {
+          m = fmaxf(m, fabsf(__uint_as_float(u[k])));
+        } else if (t == In::bf16) {
+          m = fmaxf(m, fabsf(__uint_as_float(u[k] << 16)));
+          m = fmaxf(m, fabsf(__uint_as_float(u[k] & 0xffff0000u)));
+        } else {
+          m = fmaxf(m, fabsf(__half2float(__ushort_as_half(static_cast<unsigned short>(u[k] & 0xffffu)))));
+          m = fmaxf(m, fabsf(__half2float(__ushort_as_half(static_cast<unsigned short>(u[k] >> 16)))));
+        }
+      }
     }
   }
-  const unsigned blocks = static_cast<unsigned>(imin<std::int64_t>((rows + 7) / 8, 8192));
-  const int p = prec == IndexPrecision::bf16 ? static_cast<int>(Prec::bf16)
-                : prec == IndexPrecision::fp8_e4m3 ? static_cast<int>(Prec::fp8)
-                                                   : static_cast<int>(Prec::fp4);
-  auto go = [&](auto kernel) { kernel<<<blocks, 256, 0, stream>>>(s, p, amax, o); };
-#define SA_TC_PREP(T)                                                                         \
-  switch (prec) {                                                                             \
-    case IndexPrecision::bf16: go(prepare_kernel<T, Prec::bf16>); break;                      \
-    case IndexPrecision::fp8_e4m3: go(prepare_kernel<T, Prec::fp8>); break;                   \
-    case IndexPrecision::fp4_e2m1: go(prepare_kernel<T, Prec::fp4>); break;                   \
+  for (std::int64_t row0 = (static_cast<std::int64_t>(ps.block) * (kPrepThreads / 32) + threadIdx.x / 32) * R;
+       !flat && row0 < rows; row0 += warps * R) {
+    std::int64_t off[R];
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) off[rr] = row0 + rr < rows ? s.offset(row0 + rr) : -1;
+    for (int base = 0; base < D; base += 32 * G) {
+      const int d0 = base + lane * G, cnt = imax(0, imin(G, D - d0));
+      float x[R][G];
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) load_group(s.x, t, off[rr], d0, cnt, x[rr]);
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr)
+#pragma unroll
+        for (int i = 0; i < G; ++i) m = fmaxf(m, fabsf(x[rr][i]));
+    }
   }
-  switch (in) {
-    case In::f32: SA_TC_PREP(In::f32) break;
-    case In::f16: SA_TC_PREP(In::f16) break;
-    case In::bf16: SA_TC_PREP(In::bf16) break;
+  // One atomic per block: atomics on one address serialise in L2, so per-warp atomics from thousands
+  // of warps would cost more than reading the tensor.
+  __shared__ float red[kPrepThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kPrepThreads / 32; ++w) m = fmaxf(m, red[w]);
+    atomicMax(pp.amax + ps.which, __float_as_uint(m));
   }
-#undef SA_TC_PREP
+}
+
+/// Codes, norms and group maxima of both tensors. Elements past Di (padding up to Dp) get zero codes.
+template <Prec P>
+__global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid_constant__ IndexPair pp) {
+  constexpr int R = kPrepRows, G = kPrepG;
+  const PairSlice ps = pair_slice(pp);
+  // Selected by value, not by a dynamic index into the parameter arrays (which the compiler copies to the stack).
+  const IndexSrc s = ps.which ? pp.src[1] : pp.src[0];
+  const In t = ps.which ? pp.type[1] : pp.type[0];
+  const PrepOut o = ps.which ? pp.out[1] : pp.out[0];
+  const std::int64_t rows = s.B * s.L * s.H;
+  const int lane = threadIdx.x % 32, D = static_cast<int>(s.D), Dp = static_cast<int>(o.Dp);
+  const float ts = tensor_scale(static_cast<int>(P), pp.amax + ps.which);
+  constexpr int kCtaRows = R * (kPrepThreads / 32);  // consecutive rows of one CTA step
+  // Group maxima of the step's rows: one atomic per run of rows in the same group (a group holds 128
+  // consecutive rows when H = 1). An atomic per row put 128 on each address, which serialise in L2:
+  // about 10 us at 40K rows.
+  __shared__ long long step_group[kCtaRows];
+  __shared__ float step_norm[kCtaRows];
+  const int warp = threadIdx.x / 32;
+  // The loop is uniform over the CTA (barriers inside): the CTA's warps take consecutive rows.
+  for (std::int64_t cta_row = static_cast<std::int64_t>(ps.block) * kCtaRows; cta_row < rows;
+       cta_row += static_cast<std::int64_t>(ps.blocks) * kCtaRows) {
+    const std::int64_t row0 = cta_row + warp * R;
+    std::int64_t off[R];
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) off[rr] = row0 + rr < rows ? s.offset(row0 + rr) : -1;
+    // Sum of squares rounded upward (every term is >= 0, so each upward rounding keeps an upper bound);
+    // an overflow gives +inf, which the bound treats like a non-finite row.
+    float sq[R];
+    bool finite[R];
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) sq[rr] = 0.0f, finite[rr] = true;
+    for (int base = 0; base < Dp; base += 32 * G) {  // uniform across the warp (shuffles inside)
+      const int d0 = base + lane * G;
+      const int cnt = imax(0, imin(G, D - d0));
+      float x[R][G];
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) load_group(s.x, t, off[rr], d0, cnt, x[rr]);
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        if (off[rr] < 0) continue;  // warp-uniform
+        const std::int64_t row = row0 + rr;
+        float v[G], c[G];
+        if constexpr (P == Prec::fp4) {
+          float am = 0.0f;
+#pragma unroll
+          for (int i = 0; i < G; ++i) am = fmaxf(am, fabsf(x[rr][i]));
+          am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+          am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+          fp4_values(x[rr], G, ts, am, v, c);
+        } else {
+          quantize_codes<P>(x[rr], G, ts, v, c);
+        }
+        float cz[G];
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+          const float ci = i < cnt ? c[i] : 0.0f;
+          cz[i] = ci;
+          if (i < cnt) {
+            finite[rr] = finite[rr] && isfinite(ci) && isfinite(v[i]);
+            sq[rr] = __fmaf_ru(ci, ci, sq[rr]);
+          }
+        }
+        static_assert(G == 4);
+        if (d0 < Dp) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(cz[0], cz[1]), hi = __floats2bfloat162_rn(cz[2], cz[3]);
+          *reinterpret_cast<uint2*>(o.codes + row * o.Dp + d0) =
+              make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+        }
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) {
+      float n = 0.0f;
+      if (off[rr] >= 0) {  // warp-uniform
+        float q = sq[rr];
+        for (int w = 16; w > 0; w >>= 1) q = __fadd_ru(q, __shfl_xor_sync(0xffffffffu, q, w));
+        const bool fin = __all_sync(0xffffffffu, finite[rr]);
+        n = fin ? __fsqrt_ru(q) : INFINITY;
+        if (lane == 0) o.norms[row0 + rr] = n;
+      }
+      if (lane == 0) {
+        step_group[warp * R + rr] = off[rr] >= 0 ? s.group(row0 + rr) : -1;
+        step_norm[warp * R + rr] = n;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kCtaRows) {
+      const int i = threadIdx.x;
+      const long long gi = step_group[i];
+      if (gi >= 0 && (i == 0 || step_group[i - 1] != gi)) {  // the first row of a run
+        float m = step_norm[i];  // norms are >= 0 (or +inf): their float bits order like the values
+        for (int j = i + 1; j < kCtaRows && step_group[j] == gi; ++j) m = fmaxf(m, step_norm[j]);
+        atomicMax(o.group_max + gi, __float_as_uint(m));
+      }
+    }
+    __syncthreads();  // the step's arrays are rewritten by the next step
+  }
+}
+
+/// CTAs per tensor of a pair launch: enough warps for every group of kPrepRows rows, at most `cap`.
+inline unsigned pair_blocks(const IndexSrc& s, std::int64_t cap) {
+  const std::int64_t rows = s.B * s.L * s.H, per_block = kPrepRows * (kPrepThreads / 32);
+  return static_cast<unsigned>(imin<std::int64_t>((rows + per_block - 1) / per_block, cap));
+}
+
+/// The amax words of both tensors (amax[0], amax[1], zeroed by the caller), in one launch on `stream`.
+/// `b` may be null (then only `a` is measured).
+inline void launch_amax_pair(const TensorView& a, const TensorView* b, unsigned int* amax, cudaStream_t stream) {
+  IndexPair pp{};
+  pp.src[0] = index_src(a), pp.type[0] = sel::in_type(a.dtype);
+  if (b != nullptr) pp.src[1] = index_src(*b), pp.type[1] = sel::in_type(b->dtype);
+  pp.amax = amax;
+  // A few CTAs per SM in all: the max needs no more parallelism than the bandwidth does.
+  pp.blocks0 = pair_blocks(pp.src[0], 512);
+  const unsigned grid = pp.blocks0 + (b != nullptr ? pair_blocks(pp.src[1], 512) : 0u);
+  if (grid > 0) amax_pair_kernel<><<<grid, kPrepThreads, 0, stream>>>(pp);
+}
+
+/// Launches the amax (fp8, fp4) and the preparation of both index tensors on `stream`: two launches.
+inline void launch_prepare_pair(const TensorView& q, const TensorView& k, IndexPrecision prec, unsigned int* amax,
+                                const PrepOut& oq, const PrepOut& ok, cudaStream_t stream) {
+  if (prec != IndexPrecision::bf16) launch_amax_pair(q, &k, amax, stream);
+  IndexPair pp{};
+  pp.src[0] = index_src(q), pp.type[0] = sel::in_type(q.dtype), pp.out[0] = oq;
+  pp.src[1] = index_src(k), pp.type[1] = sel::in_type(k.dtype), pp.out[1] = ok;
+  pp.amax = amax;
+  pp.blocks0 = pair_blocks(pp.src[0], 4096);
+  const unsigned grid = pp.blocks0 + pair_blocks(pp.src[1], 4096);
+  if (grid == 0) return;
+  switch (prec) {
+    case IndexPrecision::bf16: prepare_pair_kernel<Prec::bf16><<<grid, kPrepThreads, 0, stream>>>(pp); break;
+    case IndexPrecision::fp8_e4m3: prepare_pair_kernel<Prec::fp8><<<grid, kPrepThreads, 0, stream>>>(pp); break;
+    case IndexPrecision::fp4_e2m1: prepare_pair_kernel<Prec::fp4><<<grid, kPrepThreads, 0, stream>>>(pp); break;
+  }
 }
 
 // ---- the screening bound -----------------------------------------------------------------------------
