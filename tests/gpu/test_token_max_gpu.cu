@@ -33,7 +33,8 @@ namespace {
     if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU token_max test skipped"; \
   } while (0)
 
-// SPARSE_ATTN_TOKEN_MAX_SCREEN=1 runs the whole binary on the mma.sync screening kernel instead of wgmma.
+// SPARSE_ATTN_TOKEN_MAX_SCREEN=1 (mma.sync) or 2 (wgmma with cp.async) runs the whole binary on another
+// screening kernel than the default warp-specialised one.
 const bool kScreenFromEnv = [] {
   const char* e = std::getenv("SPARSE_ATTN_TOKEN_MAX_SCREEN");
   if (e != nullptr) sa::cuda_backend::set_token_max_screen(std::atoi(e));
@@ -513,7 +514,7 @@ std::vector<float> time_calls_on(cudaStream_t stream, int iters, Fn&& fn) {
 
 // tile16 shape (B = 2, Lq = 4096, Hkv = 1, Di = 128, non-causal, top-16 TileLists), Lk 4K / 16K / 32K:
 // median of 25 timed calls after 3 warm-ups, and the share of candidate blocks re-scored in float64, for
-// both screening kernels.
+// each screening kernel.
 TEST(TokenMaxGpu, Timing) {
   SKIP_WITHOUT_GPU();
   const char* env = std::getenv("SPARSE_ATTN_TIMING");
@@ -529,7 +530,7 @@ TEST(TokenMaxGpu, Timing) {
     const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
     Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, top_k})), dcnt(poisoned_i32({B, 1, Tq}));
     for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16, sa::IndexPrecision::fp4_e2m1})
-    for (int screen : {0, 1}) {
+    for (int screen : {0, 1, 2}) {
       sa::cuda_backend::set_token_max_screen(screen);
       sa::TokenMaxOptions o;
       o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = stream;
@@ -552,7 +553,8 @@ TEST(TokenMaxGpu, Timing) {
       const double med_us = 1000.0 * ms[iters / 2];
       const double tflops = 2.0 * B * Lq * Lk * Di / (med_us * 1e-6) / 1e12;
       std::printf("TIMING token_max %s %s Lk=%lld median_us=%.1f min_us=%.1f index_tflops=%.0f rescored=%llu/%llu\n",
-                  sa::precision_name(prec), screen == 0 ? "wgmma" : "mma.sync", static_cast<long long>(Lk), med_us,
+                  sa::precision_name(prec), screen == 0 ? "wgmma-ws" : screen == 1 ? "mma.sync" : "wgmma",
+                  static_cast<long long>(Lk), med_us,
                   1000.0 * ms[0], tflops, rescored, cand);
     }
   }

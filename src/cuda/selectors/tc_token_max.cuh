@@ -11,7 +11,8 @@ namespace sparse_attn::cuda_backend {
 /// must be device memory holding two unsigned long long; pass nullptr to stop counting.
 void set_token_max_stats(unsigned long long* device_counters);
 
-/// Screening GEMM of later calls: 0 = wgmma (m64n128k16), 1 = mma.sync (m16n8k16). Both give the same ids.
+/// Screening GEMM of later calls: 0 = warp-specialised wgmma with TMA (the default), 1 = mma.sync
+/// (m16n8k16), 2 = wgmma (m64n128k16) with cp.async, every warp loading. All give the same ids.
 void set_token_max_screen(int kernel);
 
 /// While non-null, later calls record events[0 .. 5] on their stream: after the scratch memset, after

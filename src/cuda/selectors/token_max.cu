@@ -34,6 +34,8 @@
 #include <mutex>
 #include <utility>
 
+#include "cuda/common/sync.cuh"
+#include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
@@ -328,10 +330,220 @@ __global__ void __launch_bounds__(kScreenThreads, 2) screen_wgmma_kernel(const S
   }
 }
 
+// The same product, warp-specialised (the default screen): a producer warp streams the Q tile and the
+// KV blocks with TMA (128B-swizzled boxes of 128 rows x 64 columns, rows past L read as zero, which the
+// visibility limits exclude) through a ring of kStages K slots; two consumer warpgroups own 64 query rows
+// each and keep two accumulator sets, so the wgmmas of block j + 1 run while the maxima of block j are
+// formed. TileLists: each consumer warp writes its own partial maximum (the maximum over its 16 rows), so
+// no barrier joins the warps; the decision takes the maximum of the kScreenParts partials. QueryLists: a
+// row's maximum is complete in its quad of lanes. Persistent: CTA c owns units [c U, (c + 1) U) of the
+// (Q tile, KV block) sequence, tile-major; a new run (Q tile) waits until the consumers are done with the
+// previous tile.
+constexpr int kScreenParts = 8;               // consumer warps: TileLists partial maxima
+constexpr int kWsThreads = 384;               // producer warpgroup + two consumer warpgroups
+constexpr int kWsConsumerThreads = 256;
+
+template <int kHalves>
+struct WsLayout {
+  static constexpr int kTile = kHalves * kWgHalfBytes;                 // a 128-row tile of codes
+  static constexpr int kStages = kHalves <= 2 ? 4 : 2;                 // K ring
+  static constexpr int kBarOffset = (1 + kStages) * kTile;             // after Q and the ring
+  static constexpr std::size_t kBytes = kBarOffset + 1024 + 1024;      // barriers, alignment slack
+};
+
+struct WsParams {
+  CUtensorMap qmap, kmap;  // codes [B, Lq, Hkv, Dp] and [B, Lk, Hk, Dp]
+  float* out;              // QueryLists [B, Hkv, Lq, Tk]; TileLists kScreenParts x [B, Hkv, Tq, Tk]
+  std::int64_t part_stride;
+  Shape s;
+  std::int64_t per_cta;    // (tile, block) units per CTA
+};
+
+// The run of units [u, ...) of one Q tile: its coordinates and the visible blocks [j_begin, j_end).
+struct WsRun {
+  std::int64_t t, bg, b, g, hk, i0, j_begin, j_end, next;
+};
+__device__ __forceinline__ WsRun ws_run(const Shape& s, std::int64_t u, std::int64_t u_end) {
+  WsRun r;
+  const std::int64_t tile = u / s.Tk, run_end = imin(u_end, (tile + 1) * s.Tk);
+  r.t = tile % s.Tq, r.bg = tile / s.Tq, r.b = r.bg / s.Hkv, r.g = r.bg % s.Hkv;
+  r.hk = s.Hk == 1 ? 0 : r.g;
+  r.i0 = r.t * kTileQ;
+  const std::int64_t i_hi = imin(s.Lq, r.i0 + kTileQ) - 1;
+  const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of the tile sees
+  r.j_begin = u - tile * s.Tk;
+  r.j_end = imin(jmax, run_end - tile * s.Tk);
+  r.next = run_end;
+  return r;
+}
+
+template <bool kTiles, int kHalves>
+__global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_constant__ WsParams p) {
+  using Lay = WsLayout<kHalves>;
+  constexpr int kStages = Lay::kStages;
+  namespace ck = cuda_kernels;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* qs = smem;
+  unsigned char* ks = smem + Lay::kTile;
+  auto* bars = reinterpret_cast<ck::MBarrier*>(smem + Lay::kBarOffset);
+  ck::MBarrier* full = bars;               // [kStages]: K slot loaded
+  ck::MBarrier* empty = bars + kStages;    // [kStages]: K slot released by every consumer thread
+  ck::MBarrier& q_full = bars[2 * kStages];
+  ck::MBarrier& q_empty = bars[2 * kStages + 1];
+  const Shape& s = p.s;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) full[i].init(1), empty[i].init(kWsConsumerThreads);
+    q_full.init(1);
+    q_empty.init(kWsConsumerThreads);
+    ck::fence_barrier_init();
+  }
+  __syncthreads();
+  const std::int64_t units = s.B * s.Hkv * s.Tq * s.Tk;
+  const std::int64_t u_first = static_cast<std::int64_t>(blockIdx.x) * p.per_cta, u_end = imin(units, u_first + p.per_cta);
+
+  if (tid < 128) {  // producer warpgroup: one thread issues every load
+    ck::warpgroup_reg_dealloc<40>();
+    if (tid != 0) return;
+    ck::tma_prefetch_descriptor(&p.qmap);
+    ck::tma_prefetch_descriptor(&p.kmap);
+    ck::PipelineState<kStages> ring;
+    int run = 0;
+    for (std::int64_t u = u_first; u < u_end;) {
+      const WsRun r = ws_run(s, u, u_end);
+      u = r.next;
+      if (r.j_begin >= r.j_end) continue;
+      if (run > 0) q_empty.wait(static_cast<std::uint32_t>((run - 1) & 1));
+      q_full.arrive_expect_tx(Lay::kTile);
+      for (int h = 0; h < kHalves; ++h)
+        ck::tma_load_bhld(qs + h * kWgHalfBytes, &p.qmap, h * 64, static_cast<int>(r.g), static_cast<int>(r.i0),
+                          static_cast<int>(r.b), &q_full.word);
+      ++run;
+      for (std::int64_t j = r.j_begin; j < r.j_end; ++j) {
+        const int st = ring.stage();
+        empty[st].wait(ring.phase() ^ 1u);
+        full[st].arrive_expect_tx(Lay::kTile);
+        for (int h = 0; h < kHalves; ++h)
+          ck::tma_load_bhld(ks + st * Lay::kTile + h * kWgHalfBytes, &p.kmap, h * 64, static_cast<int>(r.hk),
+                            static_cast<int>(j * kBlockK), static_cast<int>(r.b), &full[st].word);
+        ring.advance();
+      }
+    }
+    return;
+  }
+
+  ck::warpgroup_reg_alloc<232>();
+  const int ctid = tid - 128, wg = ctid / 128, warp = ctid / 32, w = warp % 4, lane = tid % 32;
+  constexpr int ksteps = kHalves * 4;
+  const std::uint32_t a_base = smem_addr(qs) + wg * 64 * 128;
+  ck::PipelineState<kStages> ring;
+  float acc[2][64];
+
+  // Maxima of block j from the accumulators `d` (complete), then the K slot goes back to the producer.
+  auto epilogue = [&](const float (&d)[64], const WsRun& r, std::int64_t j, int st) {
+    const std::int64_t k0 = j * kBlockK;
+    float m[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t i = r.i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
+      const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
+      float v = -INFINITY;
+      if (lim >= kBlockK) {
+#pragma unroll
+        for (int c = 0; c < 16; ++c) v = fmaxf(v, fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]));
+      } else {
+#pragma unroll
+        for (int c = 0; c < 16; ++c)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * c + 2 * (lane % 4) + e < lim) v = fmaxf(v, d[4 * c + 2 * h + e]);
+      }
+      m[h] = v;
+    }
+    empty[st].arrive();  // the accumulators hold everything this thread needs from the slot
+    if constexpr (kTiles) {
+      float v = fmaxf(m[0], m[1]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+      if (lane == 0) p.out[warp * p.part_stride + (r.bg * s.Tq + r.t) * s.Tk + j] = v;
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = m[h];
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+        const std::int64_t i = r.i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
+        if (lane % 4 == 0 && i < s.Lq) p.out[(r.bg * s.Lq + i) * s.Tk + j] = v;
+      }
+    }
+  };
+  // Issues the wgmmas of block j into `d` (K slot `st` loaded).
+  auto issue = [&](float (&d)[64], int st) {
+    const std::uint32_t b_base = smem_addr(ks + st * Lay::kTile);
+    ck::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < ksteps; ++kk) {
+      const std::uint32_t off = (kk / 4) * kWgHalfBytes + (kk % 4) * 32;
+      ck::wgmma_ss<ck::Bf16Tag>(d, ck::make_desc_sw128(a_base + off, 16, 1024), ck::make_desc_sw128(b_base + off, 16, 1024),
+                                kk > 0);
+    }
+    ck::wgmma_commit();
+  };
+
+  int run = 0;
+  for (std::int64_t u = u_first; u < u_end;) {
+    const WsRun r = ws_run(s, u, u_end);
+    u = r.next;
+    if (r.j_begin >= r.j_end) continue;
+    q_full.wait(static_cast<std::uint32_t>(run & 1));
+    ++run;
+    // Blocks in pairs: acc[0] takes j, acc[1] takes j + 1; each block's epilogue follows the issue of the
+    // next block, so the tensor cores are busy while it runs. Every path waits before it reads.
+    auto next_slot = [&]() {
+      const int st = ring.stage();
+      full[st].wait(ring.phase());
+      ring.advance();
+      return st;
+    };
+    int st0 = next_slot(), st1 = 0;
+    issue(acc[0], st0);
+    for (std::int64_t j = r.j_begin;; j += 2) {
+      if (j + 1 < r.j_end) {
+        st1 = next_slot();
+        issue(acc[1], st1);
+        ck::wgmma_wait<1>();
+        ck::fence_operands(acc[0]);
+        epilogue(acc[0], r, j, st0);
+      } else {
+        ck::wgmma_wait<0>();
+        ck::fence_operands(acc[0]);
+        epilogue(acc[0], r, j, st0);
+        break;
+      }
+      if (j + 2 < r.j_end) {
+        st0 = next_slot();
+        issue(acc[0], st0);
+        ck::wgmma_wait<1>();
+        ck::fence_operands(acc[1]);
+        epilogue(acc[1], r, j + 1, st1);
+      } else {
+        ck::wgmma_wait<0>();
+        ck::fence_operands(acc[1]);
+        epilogue(acc[1], r, j + 1, st1);
+        break;
+      }
+    }
+    q_empty.arrive();  // every wgmma that read the Q tile is complete
+  }
+}
+
 // ---- 3.-5. ranking -------------------------------------------------------------------------------------
 
 struct RankParams {
-  const float* m;                 // screened maxima [R, Tk] (code space)
+  const float* m;                 // screened maxima [parts][R, Tk] (code space)
+  int parts;                      // partial maxima per entry (their maximum is the screened maximum)
+  std::int64_t part_stride;       // R * Tk
   const float* qnorm;             // [B, Lq, Hkv] code-norm bounds (QueryLists)
   const unsigned int* qmax;       // [B, Hkv, Tq] float bits (TileLists)
   const unsigned int* kmax;       // [B, Hk, Tk] float bits
@@ -452,7 +664,9 @@ __global__ void __launch_bounds__(kRankThreads) decide_kernel(const RankParams p
       lo[j] = hi[j] = INFINITY;
     } else {
       const float nk = __uint_as_float(p.kmax[(L.b * s.Hk + L.hk) * s.Tk + j]);
-      score_interval(mrow[j], sq, sk, nq, nk, p.bc, lo[j], hi[j]);
+      float screened = mrow[j];
+      for (int q = 1; q < p.parts; ++q) screened = fmaxf(screened, mrow[q * p.part_stride + j]);
+      score_interval(screened, sq, sk, nq, nk, p.bc, lo[j], hi[j]);
     }
   }
   __syncthreads();
@@ -740,8 +954,22 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                "cudaFuncSetAttribute");
     have = bytes;
   };
-  const bool use_wgmma = g_screen == 0;
+  const bool use_ws = g_screen == 0, use_wgmma = g_screen == 2;
   const std::size_t wg_smem = screen_wg_smem(s.Dp);
+  using WsFn = void (*)(WsParams);
+  constexpr WsFn ws_by_halves[] = {screen_ws_kernel<kTiles, 1>, screen_ws_kernel<kTiles, 2>, screen_ws_kernel<kTiles, 3>,
+                                   screen_ws_kernel<kTiles, 4>};
+  constexpr std::size_t ws_bytes[] = {WsLayout<1>::kBytes, WsLayout<2>::kBytes, WsLayout<3>::kBytes, WsLayout<4>::kBytes};
+  const int halves = static_cast<int>(wg_width(s.Dp) / 64);
+  const WsFn ws = ws_by_halves[halves - 1];
+  const std::size_t ws_smem = ws_bytes[halves - 1];
+  if (use_ws) {
+    if (ws_smem > static_cast<std::size_t>(max_smem))
+      throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " needs " + std::to_string(ws_smem) +
+                                  " bytes of shared memory for the screening kernel; the device allows " +
+                                  std::to_string(max_smem));
+    attr(reinterpret_cast<const void*>(ws), ws_smem);
+  }
   using ScreenFn = void (*)(ScreenParams);
   ScreenFn screen = screen_kernel<kTiles>;
   if (use_wgmma) {
@@ -749,7 +977,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                                       screen_wgmma_kernel<kTiles, 3>, screen_wgmma_kernel<kTiles, 4>};
     screen = by_halves[wg_width(s.Dp) / 64 - 1];
   }
-  attr(reinterpret_cast<const void*>(screen), use_wgmma ? wg_smem : sc_smem);
+  if (!use_ws) attr(reinterpret_cast<const void*>(screen), use_wgmma ? wg_smem : sc_smem);
   attr(reinterpret_cast<const void*>(decide_kernel<kTiles>), rk_smem);
   attr(reinterpret_cast<const void*>(finish_kernel<kTiles>), rk_smem);
   attr(reinterpret_cast<const void*>(rescore_kernel<kTiles>), rs_smem);
@@ -772,7 +1000,9 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   const std::size_t o_kc = take(static_cast<std::size_t>(k_rows * s.Dp) * 2);
   const std::size_t o_qn = take(static_cast<std::size_t>(q_rows) * 4);
   const std::size_t o_kn = take(static_cast<std::size_t>(k_rows) * 4);
-  const std::size_t o_m = take(static_cast<std::size_t>(R * s.Tk) * 4);
+  // Screened maxima; the warp-specialised screen leaves kScreenParts partial maxima per TileLists entry.
+  const int parts = use_ws && kTiles ? kScreenParts : 1;
+  const std::size_t o_m = take(static_cast<std::size_t>(R * s.Tk * parts) * 4);
   const std::size_t o_cls = take(static_cast<std::size_t>(R * s.Tk));
   const std::size_t o_ex = take(static_cast<std::size_t>(R * s.Tk) * 8);
   const std::size_t o_pend = take(static_cast<std::size_t>(R) * 4);
@@ -808,11 +1038,29 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
     sp.per_split = ceil_div(units, ctas);
     sgrid = dim3(static_cast<unsigned>(ceil_div(units, sp.per_split)));
   }
-  screen<<<sgrid, kScreenThreads, use_wgmma ? wg_smem : sc_smem, stream>>>(sp);
+  if (use_ws) {  // one wave of persistent CTAs (one per SM) over contiguous unit ranges
+    WsParams wp{};
+    const int dev_ord = dev;
+    wp.qmap = cuda_kernels::make_bhld_tensor_map(
+        op, "qidx", TensorView::contiguous(scratch.as<void>(o_qc), DType::bf16, {s.B, s.Lq, s.Hkv, s.Dp}, Device::cuda, dev_ord));
+    wp.kmap = cuda_kernels::make_bhld_tensor_map(
+        op, "kidx", TensorView::contiguous(scratch.as<void>(o_kc), DType::bf16, {s.B, s.Lk, s.Hk, s.Dp}, Device::cuda, dev_ord));
+    wp.out = scratch.as<float>(o_m);
+    wp.part_stride = R * s.Tk;
+    wp.s = s;
+    const std::int64_t units = tiles * s.Tk;
+    const std::int64_t ctas = imin<std::int64_t>(units, static_cast<std::int64_t>(sms));
+    wp.per_cta = ceil_div(units, ctas);
+    ws<<<static_cast<unsigned>(ceil_div(units, wp.per_cta)), kWsThreads, ws_smem, stream>>>(wp);
+  } else {
+    screen<<<sgrid, kScreenThreads, use_wgmma ? wg_smem : sc_smem, stream>>>(sp);
+  }
   mark(2);
 
   RankParams rp{};
   rp.m = scratch.as<float>(o_m);
+  rp.parts = parts;
+  rp.part_stride = R * s.Tk;
   rp.qnorm = scratch.as<float>(o_qn);
   rp.qmax = scratch.as<unsigned int>(o_qmax);
   rp.kmax = scratch.as<unsigned int>(o_kmax);
