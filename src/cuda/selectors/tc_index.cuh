@@ -318,6 +318,107 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
   }
 }
 
+// Rows per CTA step of the dense path at most (Di = 16: two lanes per row).
+constexpr int kDenseMaxRows = kPrepThreads / 2;
+
+/// Whether a tensor takes the dense path of the preparation: rows contiguous (pitch Di), a 16-byte aligned
+/// base, Di in {16, 32, 64, 128, 256} (so Dp = Di and a row is a power-of-two segment of 8-element lanes
+/// within a warp).
+__device__ __forceinline__ bool dense_rows(const IndexSrc& s) {
+  const bool pow2 = s.D == 16 || s.D == 32 || s.D == 64 || s.D == 128 || s.D == 256;
+  return pow2 && (s.H == 1 || s.sh == s.D) && s.sl == s.H * s.D && (s.B == 1 || s.sb == s.L * s.H * s.D) &&
+         reinterpret_cast<std::uintptr_t>(s.x) % 16 == 0;
+}
+
+/// The dense path: lane l of a row's segment holds elements [8 l, 8 l + 8) (one or two 16-byte loads,
+/// one 16-byte store of codes); the segment reduces the row's sum of squares and finiteness; the CTA's
+/// step covers kPrepThreads / (Di / 8) consecutive rows and reduces their group maxima per run. Same
+/// values and codes as the row path (the same quantisation of the same floats), and an upper bound of
+/// the same norm (every partial sum rounds upward, in whatever order).
+template <Prec P>
+__device__ __forceinline__ void prepare_dense(const IndexSrc& s, In t, const PrepOut& o, float ts, unsigned block,
+                                              unsigned blocks, long long* step_group, float* step_norm) {
+  const std::int64_t rows = s.B * s.L * s.H;
+  const int lpr = static_cast<int>(s.D) / 8, rows_per_step = kPrepThreads / lpr;
+  const int seg = static_cast<int>(threadIdx.x) / lpr, sl = static_cast<int>(threadIdx.x) % lpr;
+  const unsigned lane = threadIdx.x % 32;
+  const unsigned seg_mask = lpr == 32 ? 0xffffffffu : ((1u << lpr) - 1u) << (lane & ~static_cast<unsigned>(lpr - 1));
+  for (std::int64_t step_row = static_cast<std::int64_t>(block) * rows_per_step; step_row < rows;
+       step_row += static_cast<std::int64_t>(blocks) * rows_per_step) {
+    const std::int64_t row = step_row + seg;
+    const bool in = row < rows;
+    float x[8];
+    if (in) {
+      const std::int64_t e = row * s.D + sl * 8;
+      if (t == In::f32) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(s.x) + e));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(s.x) + e + 4));
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+      } else {
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(s.x) + e));
+        const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (t == In::bf16) {
+            x[2 * k] = __uint_as_float(u[k] << 16);
+            x[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+          } else {
+            x[2 * k] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[k] & 0xffffu)));
+            x[2 * k + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[k] >> 16)));
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+    }
+    float v[8], c[8];
+    if constexpr (P == Prec::fp4) {
+      // A 16-element block is the two lanes 2 m, 2 m + 1 of the segment (lpr >= 2).
+      float am = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) am = fmaxf(am, fabsf(x[i]));
+      am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+      fp4_values(x, 8, ts, am, v, c);
+    } else {
+      quantize_codes<P>(x, 8, ts, v, c);
+    }
+    float sq = 0.0f;
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      finite = finite && isfinite(c[i]) && isfinite(v[i]);
+      sq = __fmaf_ru(c[i], c[i], sq);
+    }
+    if (in) {
+      const __nv_bfloat162 c01 = __floats2bfloat162_rn(c[0], c[1]), c23 = __floats2bfloat162_rn(c[2], c[3]);
+      const __nv_bfloat162 c45 = __floats2bfloat162_rn(c[4], c[5]), c67 = __floats2bfloat162_rn(c[6], c[7]);
+      *reinterpret_cast<uint4*>(o.codes + row * o.Dp + sl * 8) =
+          make_uint4(*reinterpret_cast<const unsigned*>(&c01), *reinterpret_cast<const unsigned*>(&c23),
+                     *reinterpret_cast<const unsigned*>(&c45), *reinterpret_cast<const unsigned*>(&c67));
+    }
+    for (int w = lpr / 2; w > 0; w /= 2) sq = __fadd_ru(sq, __shfl_xor_sync(0xffffffffu, sq, w));
+    const bool fin = (__ballot_sync(0xffffffffu, !finite) & seg_mask) == 0u;
+    if (sl == 0) {
+      const float n = fin ? __fsqrt_ru(sq) : INFINITY;
+      if (in) o.norms[row] = n;
+      step_group[seg] = in ? s.group(row) : -1;
+      step_norm[seg] = n;
+    }
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < rows_per_step) {
+      const int i = threadIdx.x;
+      const long long gi = step_group[i];
+      if (gi >= 0 && (i == 0 || step_group[i - 1] != gi)) {  // the first row of a run
+        float m = step_norm[i];  // norms are >= 0 (or +inf): their float bits order like the values
+        for (int j = i + 1; j < rows_per_step && step_group[j] == gi; ++j) m = fmaxf(m, step_norm[j]);
+        atomicMax(o.group_max + gi, __float_as_uint(m));
+      }
+    }
+    __syncthreads();  // the step's arrays are rewritten by the next step
+  }
+}
+
 /// Codes, norms and group maxima of both tensors. Elements past Di (padding up to Dp) get zero codes.
 template <Prec P>
 __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid_constant__ IndexPair pp) {
@@ -334,8 +435,13 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid
   // Group maxima of the step's rows: one atomic per run of rows in the same group (a group holds 128
   // consecutive rows when H = 1). An atomic per row put 128 on each address, which serialise in L2:
   // about 10 us at 40K rows.
-  __shared__ long long step_group[kCtaRows];
-  __shared__ float step_norm[kCtaRows];
+  static_assert(kDenseMaxRows >= kCtaRows);
+  __shared__ long long step_group[kDenseMaxRows];
+  __shared__ float step_norm[kDenseMaxRows];
+  if (dense_rows(s)) {  // uniform over the CTA
+    prepare_dense<P>(s, t, o, ts, ps.block, ps.blocks, step_group, step_norm);
+    return;
+  }
   const int warp = threadIdx.x / 32;
   // The loop is uniform over the CTA (barriers inside): the CTA's warps take consecutive rows.
   for (std::int64_t cta_row = static_cast<std::int64_t>(ps.block) * kCtaRows; cta_row < rows;
