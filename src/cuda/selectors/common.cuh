@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "sparse_attn/error.hpp"
 #include "sparse_attn/selectors.hpp"
@@ -193,6 +194,31 @@ __device__ inline int top_k_ascending(const double* scores, int n, int k, unsign
 inline void check_cuda(cudaError_t e, const std::string& op, const std::string& what) {
   if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
 }
+
+/// Launches `kernel` as a programmatic dependent of the previous kernel on `stream`: its launch and the
+/// part before its griddepcontrol.wait (pdl_wait) overlap the previous grid's tail. The kernel must call
+/// pdl_wait() before it touches memory that earlier work on the stream reads or writes.
+template <class... Params, class... Args>
+void launch_dependent(const std::string& op, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                      std::size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), op, what);
+}
+
+/// Device side of launch_dependent: wait for the previous grid (complete, its memory visible); a no-op in
+/// a grid launched without the attribute.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+/// Lets the next programmatic dependent grid start launching (it still waits in pdl_wait for this grid).
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
 
 // The tensor's device must be usable by this process; otherwise the Error names the argument (as the
 // CPU-only build's unsupported-device Error does) and the runtime's reason. Returns the largest

@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kRepMaxGroup) representatives_kernel(const __g
   __shared__ int red_i[kRepMaxGroup / 32];
   // The scoring kernel may be scheduled as soon as every CTA here has started (programmatic dependent
   // launch); it waits for this grid's completion before it reads anything this grid writes.
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_launch_dependents();
   if (blockIdx.x == 0)
     for (std::int64_t i = threadIdx.x; i < p.n_counters; i += blockDim.x) p.counters[i] = 0u;
 
@@ -950,7 +950,7 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   if (tid == 0) n_queued = 0;
   stamp(p, 0);
   // The representatives and counters come from the previous grid (a no-op without a programmatic launch).
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  pdl_wait();
   stamp(p, 1);
   // (stage_rows starts with a barrier)
 
@@ -1337,7 +1337,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
   }
   if (tid == 0) n_queued = 0;
   // The means and counters come from the representatives grid (a no-op without a programmatic launch).
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  pdl_wait();
   // (stage_and_multiply starts with a barrier)
 
   const int qchunks = (p.P + C::QM - 1) / C::QM;
@@ -1427,17 +1427,8 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
     throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
   prepare_kernel(op, fn, device, C::kThreads, smem);
   // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(C::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&cfg, pooled_score_kernel<C>, p), op, "scoring launch");
+  launch_dependent(op, "scoring launch", pooled_score_kernel<C>, dim3(static_cast<unsigned>(grid)), dim3(C::kThreads), smem,
+                   stream, p);
 }
 
 
@@ -1464,17 +1455,8 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
     throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
   prepare_kernel(op, fn, device, kThreads, smem);
   // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&cfg, pooled_score_kernel, p), op, "scoring launch");
+  launch_dependent(op, "scoring launch", pooled_score_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem,
+                   stream, p);
 }
 
 
