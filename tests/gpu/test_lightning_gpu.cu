@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "gpu/device_testing.hpp"
 #include "cuda/selectors/lightning_tokens.cuh"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -28,34 +29,15 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
+using st::cuda_ok;
+using st::Dev;
+using st::expect_equal_i32;
+using st::poisoned_i32;
+
 #define SKIP_WITHOUT_GPU()                                                                                        \
   do {                                                                                                            \
     if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU lightning test skipped"; \
   } while (0)
-
-void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
-
-struct Dev {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  sa::TensorView view;
-  explicit Dev(const sa::HostTensor& h) {
-    bytes = static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype());
-    cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc");
-    cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
-    view = sa::TensorView::contiguous(ptr, h.dtype(), h.shape(), sa::Device::cuda, 0);
-  }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  ~Dev() {
-    if (ptr) cudaFree(ptr);
-  }
-  sa::HostTensor download(const sa::HostTensor& like) const {
-    sa::HostTensor h(like.dtype(), like.shape());
-    cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
 
 // Scoped settings of the instrumentation hooks, restored on exit.
 struct Hooks {
@@ -84,35 +66,6 @@ struct Hooks {
     return h;
   }
 };
-
-sa::HostTensor poisoned_i32(const std::vector<std::int64_t>& shape) {
-  sa::HostTensor h(sa::DType::i32, shape);
-  std::memset(h.view().data, 0x5a, static_cast<std::size_t>(h.numel()) * 4);
-  return h;
-}
-
-void expect_equal_i32(const sa::HostTensor& gpu, const sa::HostTensor& cpu, const std::string& what) {
-  ASSERT_EQ(gpu.numel(), cpu.numel());
-  const auto* g = gpu.data<std::int32_t>();
-  const auto* c = cpu.data<std::int32_t>();
-  const auto& shape = cpu.shape();
-  int reported = 0;
-  std::int64_t bad = 0;
-  for (std::int64_t i = 0; i < cpu.numel(); ++i) {
-    if (g[i] == c[i]) continue;
-    ++bad;
-    if (reported++ < 5) {
-      std::string coord;
-      std::int64_t rest = i;
-      for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
-        coord = std::to_string(rest % shape[static_cast<std::size_t>(d)]) + (coord.empty() ? "" : ", ") + coord;
-        rest /= shape[static_cast<std::size_t>(d)];
-      }
-      ADD_FAILURE() << what << ": at [" << coord << "] gpu " << g[i] << " != cpu " << c[i];
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << cpu.numel() << " elements differ";
-}
 
 struct Case {
   std::string name;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "gpu/device_testing.hpp"
 #include "cuda/selectors/tc_index.cuh"
 #include "cuda/selectors/tc_token_max.cuh"
 #include "sparse_attn/sparse_attn.hpp"
@@ -27,6 +28,11 @@ namespace sa = sparse_attn;
 namespace st = sparse_attn::testing;
 
 namespace {
+
+using st::cuda_ok;
+using st::Dev;
+using st::expect_equal_i32;
+using st::poisoned_i32;
 
 #define SKIP_WITHOUT_GPU()                                                                                   \
   do {                                                                                                       \
@@ -43,30 +49,6 @@ const bool kScreenFromEnv = [] {
 
 constexpr sa::IndexPrecision kPrecisions[] = {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3,
                                               sa::IndexPrecision::fp4_e2m1};
-
-void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
-
-struct Dev {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  sa::TensorView view;
-  explicit Dev(const sa::HostTensor& h) {
-    bytes = static_cast<std::size_t>(h.numel()) * sa::dtype_size(h.dtype());
-    cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc");
-    cuda_ok(cudaMemcpy(ptr, h.view().data, bytes, cudaMemcpyHostToDevice), "upload");
-    view = sa::TensorView::contiguous(ptr, h.dtype(), h.shape(), sa::Device::cuda, 0);
-  }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  ~Dev() {
-    if (ptr) cudaFree(ptr);
-  }
-  sa::HostTensor download(const sa::HostTensor& like) const {
-    sa::HostTensor h(like.dtype(), like.shape());
-    cudaMemcpy(h.view().data, ptr, bytes, cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
 
 // Device counters of the selector (candidates ranked, pairs re-scored in float64) for one scope.
 struct Stats {
@@ -88,35 +70,6 @@ struct Stats {
     candidates = h[0], rescored = h[1];
   }
 };
-
-sa::HostTensor poisoned_i32(const std::vector<std::int64_t>& shape) {
-  sa::HostTensor h(sa::DType::i32, shape);
-  std::memset(h.view().data, 0x5a, static_cast<std::size_t>(h.numel()) * 4);
-  return h;
-}
-
-void expect_equal_i32(const sa::HostTensor& gpu, const sa::HostTensor& cpu, const std::string& what) {
-  ASSERT_EQ(gpu.numel(), cpu.numel());
-  const auto* g = gpu.data<std::int32_t>();
-  const auto* c = cpu.data<std::int32_t>();
-  const auto& shape = cpu.shape();
-  int reported = 0;
-  std::int64_t bad = 0;
-  for (std::int64_t i = 0; i < cpu.numel(); ++i) {
-    if (g[i] == c[i]) continue;
-    ++bad;
-    if (reported++ < 5) {
-      std::string coord;
-      std::int64_t rest = i;
-      for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
-        coord = std::to_string(rest % shape[static_cast<std::size_t>(d)]) + (coord.empty() ? "" : ", ") + coord;
-        rest /= shape[static_cast<std::size_t>(d)];
-      }
-      ADD_FAILURE() << what << ": at [" << coord << "] gpu " << g[i] << " != cpu " << c[i];
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << cpu.numel() << " elements differ";
-}
 
 struct Case {
   std::string name;
