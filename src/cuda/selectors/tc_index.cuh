@@ -167,11 +167,13 @@ __device__ __forceinline__ float load_elem_rt(const void* base, std::int64_t i, 
 //
 // A selector call prepares its two index tensors (queries, keys) in two launches, each covering both
 // tensors (CTAs [0, blocks0) take tensor 0, the rest tensor 1): the amax words (fp8, fp4), then the
-// codes and norms. A warp takes kPrepRows rows at a time and issues the loads of all of them before it
-// uses any (one row per warp and step left each warp waiting a full memory latency per row: 20-25 us for
-// 8 MB of keys). Lane l holds elements [b + 4 l, b + 4 l + 4) of each 128-element stretch b, so all lanes
-// are busy at Di = 128; fp4: the 4 lanes of a quad hold one 16-element block and share its amax by
-// shuffles (a max is order-free, so it equals the CPU's).
+// codes and norms. Dense tensors with Di a power of two take prepare_dense (8 elements per lane, one
+// 16-byte load); the others the row path: a warp takes kPrepRows rows at a time and issues the loads of
+// all of them before it uses any; lane l holds elements [b + 4 l, b + 4 l + 4) of each 128-element
+// stretch b, so all lanes are busy at Di = 128; fp4: the 4 lanes of a quad hold one 16-element block and
+// share its amax by shuffles (a max is order-free, so it equals the CPU's). On the H200 the row path
+// spends most of its instructions on index arithmetic (about 350 per row at Di = 128, ncu); the dense
+// path is about 1.4x faster at tile16 (docs/notes/selectors.md, token_max v3).
 
 constexpr int kPrepG = 4;       // elements per lane and stretch
 constexpr int kPrepRows = 4;    // rows per warp and step
@@ -433,8 +435,8 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid
   const float ts = tensor_scale(static_cast<int>(P), pp.amax + ps.which);
   constexpr int kCtaRows = R * (kPrepThreads / 32);  // consecutive rows of one CTA step
   // Group maxima of the step's rows: one atomic per run of rows in the same group (a group holds 128
-  // consecutive rows when H = 1). An atomic per row put 128 on each address, which serialise in L2:
-  // about 10 us at 40K rows.
+  // consecutive rows when H = 1) instead of one per row, which put 128 atomics on each address (same-
+  // address atomics serialise in L2; this alone did not change the kernel's time on the H200).
   static_assert(kDenseMaxRows >= kCtaRows);
   __shared__ long long step_group[kDenseMaxRows];
   __shared__ float step_norm[kDenseMaxRows];

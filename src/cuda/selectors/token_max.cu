@@ -1,12 +1,14 @@
-// MSA-style token-max selector on the GPU (DESIGN §5.7), version 2: tensor-core screening with an
+// MSA-style token-max selector on the GPU (DESIGN §5.7), version 3: tensor-core screening with an
 // exact float64 decision at the boundary. Kernels on the caller's stream:
 //  1. prepare (tc_index.cuh), one launch for both index tensors after one for their amax words (fp8,
 //     fp4): for every index row the bf16 codes (exact: value = code * scale up to rounding) and an upper
 //     bound of the code row's norm, maxed per 128 rows (Q tile, KV block);
-//  2. screen: one CTA per (Q tile, group, range of KV blocks) multiplies the 128 query code rows by
-//     each KV block's 128 key code rows with bf16 mma.sync (float32 accumulation) and keeps, per
-//     visible (query, block), the max over the block's keys; TileLists also max over the tile's
-//     queries. Only these maxima reach memory ([rows, Tk] floats), never the [Lq, Lk] scores;
+//  2. screen: the 128 query code rows of a Q tile times each KV block's 128 key code rows in bf16 with
+//     float32 accumulation, keeping per visible (query, block) the max over the block's keys; TileLists
+//     also max over the tile's queries (as partial maxima per consumer warp, maxed by the decision).
+//     Only these maxima reach memory, never the [Lq, Lk] scores. The default kernel is warp-specialised
+//     (TMA producer, wgmma consumers: screen_ws_kernel); wgmma with cp.async and mma.sync remain
+//     selectable for tests (set_token_max_screen);
 //  3. decide: per list, every candidate gets an interval [lo, hi] that provably holds its exact
 //     (CPU) score (tc_index.cuh: score_interval). A block that at most k - 1 others can rank before is
 //     in; one that at least k others certainly rank before is out; the rest are undecided. A list
@@ -752,8 +754,7 @@ struct RescoreShape {
   using KeyT = std::conditional_t<kTiles, double, float>;  // staged key values
   static_assert(QT >= 1 && QT * (kRescoreThreads / KU) == QC);
   // Key row pitch: odd (in elements), so the 32 lanes' rows at one column fall on distinct banks.
-  static std::int64_t key_pitch(std::int64_t Di) { return Di | 1; }
-  __device__ static int key_pitch_d(int Di) { return Di | 1; }
+  __host__ __device__ static std::int64_t key_pitch(std::int64_t Di) { return Di | 1; }
 };
 
 template <bool kTiles>
@@ -771,7 +772,7 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
   constexpr int QC = RS::QC, KU = RS::KU, KS = RS::KS, QT = RS::QT;
   extern __shared__ __align__(16) unsigned char smem[];
   const Shape& s = p.s;
-  const int Di = static_cast<int>(s.Di), kp = RS::key_pitch_d(Di);
+  const int Di = static_cast<int>(s.Di), kp = static_cast<int>(RS::key_pitch(Di));
   double* red = reinterpret_cast<double*>(smem);
   double* qs = red + 16;                               // [QC][Di]
   KeyT* kb = reinterpret_cast<KeyT*>(qs + QC * Di);    // [KU][kp]
