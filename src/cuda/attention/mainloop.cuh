@@ -296,14 +296,22 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     sm.k_full[ks.stage()].wait(ks.phase());
     const SlotBlock first = sm.k_block[ks.stage()];
     bool last = first.last != 0;
-    // The item's first softmax, once its QK has retired (o starts at 0: no rescale needed).
-    const auto first_softmax = [&]() {
+    // Block j's softmax, once its QK has retired: its K slot goes back, then the mask and the online
+    // update (for the item's first block o starts at 0: no rescale follows).
+    const auto softmax_block = [&](int j) {
       fence_operands(acc_s);
       release(sm.k_empty[ks.stage()]);
       ks.advance();
-      if (BlockPolicy::needs_mask(p, first.j, first_row))
-        OnlineSoftmax::apply_mask(acc_s, thread, first_row, first.j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+      if (BlockPolicy::needs_mask(p, j, first_row))
+        OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
       softmax.update(acc_s, p.scale_log2, factor);
+    };
+    // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
+    const auto pack_p = [&]() {
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
     };
     // Two straight-line paths: a wgmma group issued under a condition makes ptxas serialise them all.
     if (pending) {
@@ -315,7 +323,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       turns.end();
       release_staged_q();
       wgmma_wait<1>();
-      first_softmax();
+      softmax_block(first.j);
       wgmma_wait<0>();
       retire_pending();
     } else {
@@ -325,15 +333,11 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       turns.end();
       release_staged_q();
       wgmma_wait<0>();
-      first_softmax();
+      softmax_block(first.j);
     }
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
-    // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+    pack_p();
 
     // Steady state: one turn per further block, QK of the next block and P V of the current one.
     while (!last) {
@@ -348,22 +352,14 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       turns.end();
       release_staged_q();
       wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-      fence_operands(acc_s);
-      release(sm.k_empty[ks.stage()]);
-      ks.advance();
-      if (BlockPolicy::needs_mask(p, nb.j, first_row))
-        OnlineSoftmax::apply_mask(acc_s, thread, first_row, nb.j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
-      softmax.update(acc_s, p.scale_log2, factor);
+      softmax_block(nb.j);
       wgmma_wait<0>();
       fence_operands(acc_o);
       keep_live(pa);
       release(sm.v_empty[vs.stage()]);
       vs.advance();
       OnlineSoftmax::rescale(acc_o, factor);
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+      pack_p();
     }
     // Every QK of the item has retired: unless the output is staged there, the Q buffer may take the
     // item after next.
