@@ -196,6 +196,18 @@ struct IndexPair {
   unsigned int blocks0;
 };
 
+// A 16-bit element's bits (bf16 or f16) as a float.
+__device__ __forceinline__ float bits16_to_float(unsigned h, In t) {
+  return t == In::bf16 ? __uint_as_float(h << 16) : __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+
+// Whether the tensor's rows are contiguous (pitch D, dense batch and head strides) from a 16-byte aligned
+// base: then it is one flat array.
+__device__ __forceinline__ bool contiguous_rows(const IndexSrc& s) {
+  return (s.H == 1 || s.sh == s.D) && s.sl == s.H * s.D && (s.B == 1 || s.sb == s.L * s.H * s.D) &&
+         reinterpret_cast<std::uintptr_t>(s.x) % 16 == 0;
+}
+
 // Elements [d0, d0 + cnt) (cnt <= kPrepG) of the row at element offset `off` as floats, zero past cnt or
 // when off < 0 (no row); one 8- or 16-byte load where the four elements are aligned for it.
 __device__ __forceinline__ void load_group(const void* x, In t, std::int64_t off, int d0, int cnt, float (&v)[kPrepG]) {
@@ -217,8 +229,7 @@ __device__ __forceinline__ void load_group(const void* x, In t, std::int64_t off
         const uint2 w = __ldg(reinterpret_cast<const uint2*>(a));
         const unsigned h[4] = {w.x & 0xffffu, w.x >> 16, w.y & 0xffffu, w.y >> 16};  // lower address first
 #pragma unroll
-        for (int i = 0; i < kPrepG; ++i)
-          v[i] = t == In::bf16 ? __uint_as_float(h[i] << 16) : __half2float(__ushort_as_half(static_cast<unsigned short>(h[i])));
+        for (int i = 0; i < kPrepG; ++i) v[i] = bits16_to_float(h[i], t);
         return;
       }
     }
@@ -270,8 +281,7 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
   // A dense tensor is one flat array: 16-byte loads with a grid stride, no row arithmetic.
   const int es = t == In::f32 ? 4 : 2;
   const std::int64_t n = rows * s.D;
-  const bool flat = (s.H == 1 || s.sh == s.D) && s.sl == s.H * s.D && (s.B == 1 || s.sb == s.L * s.H * s.D) &&
-                    reinterpret_cast<std::uintptr_t>(s.x) % 16 == 0 && n * es % 16 == 0;
+  const bool flat = contiguous_rows(s) && n * es % 16 == 0;
   if (flat) {
     const auto* v = static_cast<const uint4*>(s.x);
     for (std::int64_t i = static_cast<std::int64_t>(ps.block) * kPrepThreads + threadIdx.x; i < n * es / 16;
@@ -282,12 +292,9 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
       for (int k = 0; k < 4; ++k) {
         if (t == In::f32) {
           m = fmaxf(m, fabsf(__uint_as_float(u[k])));
-        } else if (t == In::bf16) {
-          m = fmaxf(m, fabsf(__uint_as_float(u[k] << 16)));
-          m = fmaxf(m, fabsf(__uint_as_float(u[k] & 0xffff0000u)));
-        } else {
-          m = fmaxf(m, fabsf(__half2float(__ushort_as_half(static_cast<unsigned short>(u[k] & 0xffffu)))));
-          m = fmaxf(m, fabsf(__half2float(__ushort_as_half(static_cast<unsigned short>(u[k] >> 16)))));
+        } else {  // the element at the lower address is the low half
+          m = fmaxf(m, fabsf(bits16_to_float(u[k] & 0xffffu, t)));
+          m = fmaxf(m, fabsf(bits16_to_float(u[k] >> 16, t)));
         }
       }
     }
@@ -320,6 +327,25 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
   }
 }
 
+// The group maxima of one CTA step: rows [0, n) of the step have group ids `group` (-1: no row) and norms
+// `norm`; the first row of each run of equal ids issues one atomic with the run's maximum (a group holds
+// 128 consecutive rows when H = 1; one atomic per row put 128 on each address, and same-address atomics
+// serialise in L2). Every thread of the CTA calls it; it ends with the barrier after which the arrays may
+// be rewritten.
+__device__ __forceinline__ void flush_group_maxima(const long long* group, const float* norm, int n, unsigned int* group_max) {
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < n) {
+    const int i = threadIdx.x;
+    const long long gi = group[i];
+    if (gi >= 0 && (i == 0 || group[i - 1] != gi)) {  // the first row of a run
+      float m = norm[i];  // norms are >= 0 (or +inf): their float bits order like the values
+      for (int j = i + 1; j < n && group[j] == gi; ++j) m = fmaxf(m, norm[j]);
+      atomicMax(group_max + gi, __float_as_uint(m));
+    }
+  }
+  __syncthreads();
+}
+
 // Rows per CTA step of the dense path at most (Di = 16: two lanes per row).
 constexpr int kDenseMaxRows = kPrepThreads / 2;
 
@@ -328,8 +354,7 @@ constexpr int kDenseMaxRows = kPrepThreads / 2;
 /// within a warp).
 __device__ __forceinline__ bool dense_rows(const IndexSrc& s) {
   const bool pow2 = s.D == 16 || s.D == 32 || s.D == 64 || s.D == 128 || s.D == 256;
-  return pow2 && (s.H == 1 || s.sh == s.D) && s.sl == s.H * s.D && (s.B == 1 || s.sb == s.L * s.H * s.D) &&
-         reinterpret_cast<std::uintptr_t>(s.x) % 16 == 0;
+  return pow2 && contiguous_rows(s);
 }
 
 /// The dense path: lane l of a row's segment holds elements [8 l, 8 l + 8) (one or two 16-byte loads,
@@ -360,15 +385,7 @@ __device__ __forceinline__ void prepare_dense(const IndexSrc& s, In t, const Pre
         const uint4 w = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(s.x) + e));
         const unsigned u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (t == In::bf16) {
-            x[2 * k] = __uint_as_float(u[k] << 16);
-            x[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
-          } else {
-            x[2 * k] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[k] & 0xffffu)));
-            x[2 * k + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[k] >> 16)));
-          }
-        }
+        for (int k = 0; k < 4; ++k) x[2 * k] = bits16_to_float(u[k] & 0xffffu, t), x[2 * k + 1] = bits16_to_float(u[k] >> 16, t);
       }
     } else {
 #pragma unroll
@@ -407,17 +424,7 @@ __device__ __forceinline__ void prepare_dense(const IndexSrc& s, In t, const Pre
       step_group[seg] = in ? s.group(row) : -1;
       step_norm[seg] = n;
     }
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < rows_per_step) {
-      const int i = threadIdx.x;
-      const long long gi = step_group[i];
-      if (gi >= 0 && (i == 0 || step_group[i - 1] != gi)) {  // the first row of a run
-        float m = step_norm[i];  // norms are >= 0 (or +inf): their float bits order like the values
-        for (int j = i + 1; j < rows_per_step && step_group[j] == gi; ++j) m = fmaxf(m, step_norm[j]);
-        atomicMax(o.group_max + gi, __float_as_uint(m));
-      }
-    }
-    __syncthreads();  // the step's arrays are rewritten by the next step
+    flush_group_maxima(step_group, step_norm, rows_per_step, o.group_max);
   }
 }
 
@@ -434,9 +441,8 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid
   const int lane = threadIdx.x % 32, D = static_cast<int>(s.D), Dp = static_cast<int>(o.Dp);
   const float ts = tensor_scale(static_cast<int>(P), pp.amax + ps.which);
   constexpr int kCtaRows = R * (kPrepThreads / 32);  // consecutive rows of one CTA step
-  // Group maxima of the step's rows: one atomic per run of rows in the same group (a group holds 128
-  // consecutive rows when H = 1) instead of one per row, which put 128 atomics on each address (same-
-  // address atomics serialise in L2; this alone did not change the kernel's time on the H200).
+  // The step's group ids and norms for flush_group_maxima (reducing per run instead of one atomic per row
+  // did not by itself change the kernel's time on the H200).
   static_assert(kDenseMaxRows >= kCtaRows);
   __shared__ long long step_group[kDenseMaxRows];
   __shared__ float step_norm[kDenseMaxRows];
@@ -512,17 +518,7 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid
         step_norm[warp * R + rr] = n;
       }
     }
-    __syncthreads();
-    if (threadIdx.x < kCtaRows) {
-      const int i = threadIdx.x;
-      const long long gi = step_group[i];
-      if (gi >= 0 && (i == 0 || step_group[i - 1] != gi)) {  // the first row of a run
-        float m = step_norm[i];  // norms are >= 0 (or +inf): their float bits order like the values
-        for (int j = i + 1; j < kCtaRows && step_group[j] == gi; ++j) m = fmaxf(m, step_norm[j]);
-        atomicMax(o.group_max + gi, __float_as_uint(m));
-      }
-    }
-    __syncthreads();  // the step's arrays are rewritten by the next step
+    flush_group_maxima(step_group, step_norm, kCtaRows, o.group_max);
   }
 }
 
