@@ -84,19 +84,17 @@ sa::TokenMaxOptions options_of(const Case& c, sa::IndexPrecision prec) {
   return o;
 }
 
-// Runs the CPU on (cq, ck) and the GPU on (gq, gk) (the same tensors unless a test maps non-finite GPU
-// inputs to their CPU equivalents) and compares every output element.
-void compare(const Case& c, sa::IndexPrecision prec, bool tiles, const sa::HostTensor& cq, const sa::HostTensor& ck,
-             const sa::HostTensor& gq, const sa::HostTensor& gk) {
+// Runs the CPU on (cq, ck) and the GPU on the device views (gq, gk) and compares every output element.
+void compare_views(const Case& c, sa::IndexPrecision prec, bool tiles, const sa::HostTensor& cq, const sa::HostTensor& ck,
+                   const sa::TensorView& gq, const sa::TensorView& gk) {
   SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (tiles ? " TileLists" : " QueryLists"));
   const sa::TokenMaxOptions o = options_of(c, prec);
-  Dev dq(gq), dk(gk);
   if (tiles) {
     const std::int64_t Tq = sa::ceil_div(c.Lq, sa::kTileQ);
     sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, Tq, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, Tq});
     sa::token_max_select(cq.view(), ck.view(), sa::TileLists{idx.view(), cnt.view()}, o);
     Dev didx(poisoned_i32(idx.shape())), dcnt(poisoned_i32(cnt.shape()));
-    sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
+    sa::token_max_select(gq, gk, sa::TileLists{didx.view, dcnt.view}, o);
     cuda_ok(cudaDeviceSynchronize(), "token_max_select");
     expect_equal_i32(dcnt.download(cnt), cnt, "cnt");
     expect_equal_i32(didx.download(idx), idx, "idx");
@@ -104,10 +102,18 @@ void compare(const Case& c, sa::IndexPrecision prec, bool tiles, const sa::HostT
     sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, c.Lq, c.kmax});
     sa::token_max_select(cq.view(), ck.view(), sa::QueryLists{idx.view()}, o);
     Dev didx(poisoned_i32(idx.shape()));
-    sa::token_max_select(dq.view, dk.view, sa::QueryLists{didx.view}, o);
+    sa::token_max_select(gq, gk, sa::QueryLists{didx.view}, o);
     cuda_ok(cudaDeviceSynchronize(), "token_max_select");
     expect_equal_i32(didx.download(idx), idx, "idx");
   }
+}
+
+// The same with the GPU inputs uploaded from host tensors (gq, gk): the same tensors as (cq, ck) unless a
+// test maps non-finite GPU inputs to their CPU equivalents.
+void compare(const Case& c, sa::IndexPrecision prec, bool tiles, const sa::HostTensor& cq, const sa::HostTensor& ck,
+             const sa::HostTensor& gq, const sa::HostTensor& gk) {
+  Dev dq(gq), dk(gk);
+  compare_views(c, prec, tiles, cq, ck, dq.view, dk.view);
 }
 
 void run_random(const Case& c, sa::IndexPrecision prec, bool tiles, std::uint64_t seed,
@@ -276,7 +282,7 @@ TEST(TokenMaxGpu, StridedUnalignedViewsEqualCpu) {
   for (auto dtype : {sa::DType::bf16, sa::DType::f32})
     for (auto prec : kPrecisions)
       for (bool tiles : {false, true}) {
-        SCOPED_TRACE(std::string(sa::dtype_name(dtype)) + " " + sa::precision_name(prec) + (tiles ? " TileLists" : " QueryLists"));
+        SCOPED_TRACE(sa::dtype_name(dtype));
         const sa::HostTensor q = st::random_tensor(dtype, {c.B, c.Lq, c.Hkv, c.Di}, seed += 10);
         const sa::HostTensor k = st::random_tensor(dtype, {c.B, c.Lk, c.Hk, c.Di}, seed += 10);
         const std::int64_t pitch = c.Di + 3, es = static_cast<std::int64_t>(sa::dtype_size(dtype));
@@ -299,21 +305,7 @@ TEST(TokenMaxGpu, StridedUnalignedViewsEqualCpu) {
         };
         const sa::HostTensor hq = padded(q), hk = padded(k);
         Dev dq(hq), dk(hk);
-        const sa::TensorView vq = view_of(dq, q), vk = view_of(dk, k);
-        const sa::TokenMaxOptions o = options_of(c, prec);
-        const std::int64_t rows = tiles ? sa::ceil_div(c.Lq, sa::kTileQ) : c.Lq;
-        sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, rows, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, rows});
-        Dev didx(poisoned_i32(idx.shape())), dcnt(poisoned_i32(cnt.shape()));
-        if (tiles) {
-          sa::token_max_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, o);
-          sa::token_max_select(vq, vk, sa::TileLists{didx.view, dcnt.view}, o);
-        } else {
-          sa::token_max_select(q.view(), k.view(), sa::QueryLists{idx.view()}, o);
-          sa::token_max_select(vq, vk, sa::QueryLists{didx.view}, o);
-        }
-        cuda_ok(cudaDeviceSynchronize(), "token_max_select");
-        if (tiles) expect_equal_i32(dcnt.download(cnt), cnt, "cnt");
-        expect_equal_i32(didx.download(idx), idx, "idx");
+        compare_views(c, prec, tiles, q, k, view_of(dq, q), view_of(dk, k));
       }
 }
 
