@@ -26,6 +26,16 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
+// Sets an environment variable (a launcher knob) for one scope; unset again on exit, also when an
+// assertion leaves the scope early.
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() { unsetenv(name); }
+};
+
 #define SKIP_WITHOUT_GPU()                                                                   \
   do {                                                                                       \
     if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped"; \
@@ -225,10 +235,9 @@ TEST(TileAttentionGpu, SanitizerSmall) {
   run_case({"small D=64 lists", sa::DType::bf16, 1, 200, 300, 2, 1, false, false, false, 3, 0.0f, 64}, 3020);
   // Two CTAs for 24 work items (some with empty lists): every ring wraps, both Q buffers are reused,
   // items chain into one another.
-  setenv("SPARSE_ATTN_HOPPER_GRID", "2", 1);
+  const ScopedEnv grid("SPARSE_ATTN_HOPPER_GRID", "2");
   run_case({"small lists, 2 CTAs", sa::DType::bf16, 2, 700, 520, 4, 2, false, false, true, 3}, 3030);
   run_case({"small causal dense, 2 CTAs", sa::DType::bf16, 1, 520, 520, 4, 1, true, true}, 3040);
-  unsetenv("SPARSE_ATTN_HOPPER_GRID");
 }
 
 // Many work items per CTA on a problem larger than one wave: 512 items over 3 CTAs and over the full
@@ -237,10 +246,9 @@ TEST(TileAttentionGpu, ManyItemsPerCta) {
   SKIP_WITHOUT_GPU();
   const Case c{"bf16 512 items Hq=16Hkv", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3};
   run_case(c, 3100);
-  setenv("SPARSE_ATTN_HOPPER_GRID", "3", 1);
+  const ScopedEnv grid("SPARSE_ATTN_HOPPER_GRID", "3");
   run_case({"bf16 512 items, 3 CTAs", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3}, 3110);
   run_case({"bf16 causal dense, 3 CTAs", sa::DType::bf16, 1, 900, 900, 8, 2, true, true}, 3120);
-  unsetenv("SPARSE_ATTN_HOPPER_GRID");
 }
 
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV
@@ -325,9 +333,10 @@ TEST(TileAttentionGpu, AllBlocksEqualsDenseAndIsDeterministic) {
   for (const auto& [knob, value] : knobs) {
     sa::HostTensor out_d(out_a);
     DeviceTensor dd(out_a);
-    setenv(knob, value, 1);
-    gpu_dense(dq.view, dk.view, dv.view, dd.view, std::nullopt, opt);
-    unsetenv(knob);
+    {
+      const ScopedEnv set(knob, value);
+      gpu_dense(dq.view, dk.view, dv.view, dd.view, std::nullopt, opt);
+    }
     cuda_ok(cudaDeviceSynchronize(), "kernel");
     dd.download(out_d);
     EXPECT_EQ(0, std::memcmp(out_a.view().data, out_d.view().data, da.bytes)) << knob << "=" << value
