@@ -62,12 +62,20 @@ def parse_args(argv=None):
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
     ap.add_argument("--reps", type=int, default=15, help="timing samples per figure (median)")
     ap.add_argument("--inner", type=int, default=10, help="back-to-back calls per sample")
+    ap.add_argument("--selectors", help="comma-separated subset of: " + ", ".join(n for n, _ in SELECTORS))
     ap.add_argument("--selftest", action="store_true", help="check the pure-Python parts and exit (no GPU)")
     args = ap.parse_args(argv)
     if not args.selftest and not args.lib:
         ap.error("--lib is required (unless --selftest)")
     if args.reps < 1 or args.inner < 1:
         ap.error("--reps and --inner must be >= 1")
+    known = [n for n, _ in SELECTORS]
+    args.selector_names = known
+    if args.selectors:
+        args.selector_names = [x.strip() for x in args.selectors.split(",") if x.strip()]
+        unknown = [x for x in args.selector_names if x not in known]
+        if unknown or not args.selector_names:
+            ap.error("--selectors: unknown %r (choose from %s)" % (unknown or args.selectors, ", ".join(known)))
     return args
 
 
@@ -173,19 +181,21 @@ def write_json(path, meta, rows):
 def table(rows):
     """The short table printed last: ours (selector, attention, pipeline) then the Flex peer."""
     fmt = lambda x, w, p: ("%*.*f" % (w, p, x)) if isinstance(x, (int, float)) else "%*s" % (w, "-")
-    lines = ["%-14s %6s | %7s %7s %7s %7s %5s | %7s %7s %7s %7s %5s | %6s | %8s" % (
-        "selector", "Lk", "sel ms", "attn ms", "pipe ms", "TFLOP/s", "ratio", "mask ms", "flex ms", "fpipe", "TFLOP/s",
+    lines = ["%-14s %6s | %7s %7s %7s %7s %7s %7s %5s | %7s %7s %7s %7s %5s | %6s | %8s" % (
+        "selector", "Lk", "sel ms", "attn ms", "pipe ms", "sel in", "attn in", "TFLOP/s", "ratio", "mask ms", "flex ms", "fpipe", "TFLOP/s",
         "ratio", "x flex", "rel flex")]
     for r in rows:
-        lines.append("%-14s %6d | %s %s %s %s %s | %s %s %s %s %s | %s | %8s" % (
+        lines.append("%-14s %6d | %s %s %s %s %s %s %s | %s %s %s %s %s | %s | %8s" % (
             r["selector"], r["Lk"], fmt(r.get("selector_ms"), 7, 4), fmt(r.get("attention_ms"), 7, 4),
-            fmt(r.get("pipeline_ms"), 7, 4), fmt(r.get("effective_tflops"), 7, 1),
+            fmt(r.get("pipeline_ms"), 7, 4), fmt(r.get("selector_in_pipeline_ms"), 7, 4),
+            fmt(r.get("attention_in_pipeline_ms"), 7, 4), fmt(r.get("effective_tflops"), 7, 1),
             fmt(r.get("effective_over_attention_only"), 5, 3), fmt(r.get("flex_mask_ms"), 7, 4),
             fmt(r.get("flex_ms"), 7, 4), fmt(r.get("flex_pipeline_ms"), 7, 4), fmt(r.get("flex_effective_tflops"), 7, 1),
             fmt(r.get("flex_effective_over_flex_only"), 5, 3), fmt(r.get("pipeline_speedup_over_flex_pipeline"), 6, 2),
             "%.2e" % r["relerr_vs_flex"] if "relerr_vs_flex" in r else "-"))
     lines.append("TFLOP/s: useful FLOPs (4 * D * selected (head, query, key) triples) / pipeline time; ratio: over "
-                 "attention alone (ours) or flex alone (peer); x flex: peer pipeline time / ours.")
+                 "attention alone (ours) or flex alone (peer); x flex: peer pipeline time / ours; sel in / attn in: "
+                 "each part timed between events inside the pipeline.")
     return "\n".join(lines)
 
 
@@ -315,6 +325,34 @@ def pooled_reference_ids(q, k, r, top_k, selector):
 
 # ---- one (selector, Lk): verify, then time ----------------------------------------------------------
 
+def bench_split(fns, reps=15, inner=10):
+    """Median over `reps` samples of each part's mean time (ms) when the parts `fns` run back to back,
+    `inner` rounds per sample, with a CUDA event between consecutive parts: where a pipeline's time goes
+    beyond the parts timed alone (a part may run slower after the others, e.g. reading inputs that the
+    previous part evicted from L2). Also returns the median host time (ms) to enqueue one round: where it
+    reaches the GPU time, the host, not the GPU, sets the pace."""
+    import torch
+    for _ in range(3):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    samples, host = [], []
+    for _ in range(reps):
+        ev = [[torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)] for _ in range(inner)]
+        t0 = time.perf_counter()
+        for i in range(inner):
+            ev[i][0].record()
+            for j, fn in enumerate(fns):
+                fn()
+                ev[i][j + 1].record()
+        host.append((time.perf_counter() - t0) * 1e3 / inner)
+        ev[-1][-1].synchronize()
+        samples.append([sum(ev[i][j].elapsed_time(ev[i][j + 1]) for i in range(inner)) / inner
+                        for j in range(len(fns))])
+    parts = [sorted(x[j] for x in samples)[len(samples) // 2] for j in range(len(fns))]
+    return parts, sorted(host)[len(host) // 2]
+
+
 def run_case(ctx, name, code, Lk, q, k, v, flex_state):
     import torch
     from bench_attention import Ours, bench, relerr
@@ -396,6 +434,8 @@ def run_case(ctx, name, code, Lk, q, k, v, flex_state):
     row["selector_ms"] = timer(sel)
     row["attention_ms"] = timer(lambda: ours(trusted=True))
     row["pipeline_ms"] = timer(lambda: (sel(), ours(trusted=True)))
+    (row["selector_in_pipeline_ms"], row["attention_in_pipeline_ms"]), row["pipeline_host_ms"] = bench_split(
+        [sel, lambda: ours(trusted=True)], reps=ctx.args.reps, inner=ctx.args.inner)
     if run_flex is not None:
         graphs = compiled_graphs()
         row["flex_mask_ms"] = timer(mask)
@@ -448,11 +488,14 @@ def run(args):
         "command": " ".join(sys.argv),
         "lib": os.path.abspath(args.lib),
         "shape": dict(SHAPE, top_k=TOP_K, causal=False, dtype="bf16"),
-        "selectors": [n for n, _ in SELECTORS],
+        "selectors": args.selector_names,
         "timing": "median of %d samples of the mean of %d back-to-back calls after 5 warm-up calls, CUDA events"
                   % (args.reps, args.inner),
         "useful_flops": "4 * D * selected (query head, query, key) triples",
         "pipeline": "ours: selector + tile_sparse (trusted); peer: selector + BlockMask.from_kv_blocks + flex",
+        "in_pipeline": "selector_in_pipeline_ms / attention_in_pipeline_ms: each part of ours between CUDA events "
+                       "recorded around it while the two run back to back; pipeline_host_ms: host time to enqueue one "
+                       "selector + attention round",
     }
     rows, failure, t_start = [], None, time.time()
     B, Hq, Hkv, D, Lq = (SHAPE[x] for x in ("B", "Hq", "Hkv", "D", "Lq"))
@@ -462,6 +505,8 @@ def run(args):
             k = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
             v = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
             for name, code in SELECTORS:
+                if name not in args.selector_names:
+                    continue
                 row = run_case(ctx, name, code, Lk, q, k, v, flex_state)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

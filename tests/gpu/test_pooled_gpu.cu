@@ -157,16 +157,23 @@ void expect_same(const std::string& name, const Input& q, const Input& k, const 
                     sa::TileLists{idx.view(), cnt.view()}, o);
 
   DevCopy dq(q.buf), dk(k.buf);
-  // The public function (int8 screen) and the float32 screen of version 2a.
-  for (int screen = 0; screen < 2; ++screen) {
-    const char* sname = screen == 0 ? "int8 screen" : "fp32 screen";
+  // The public function (its automatic choice) and each scoring kernel explicitly: the float64 one where
+  // it applies, the int8 screen and the float32 screen of version 2a.
+  const bool exact_applies = sa::cuda_backend::pooled_exact_applies(q.H / k.H * opt.r, q.D);
+  for (int screen = 0; screen < 4; ++screen) {
+    using sa::cuda_backend::PooledScreen;
+    const PooledScreen kinds[4] = {PooledScreen::automatic, PooledScreen::exact_f64, PooledScreen::int8_tensor_cores,
+                                   PooledScreen::fp32};
+    const char* names[4] = {"public (automatic)", "float64 kernel", "int8 screen", "fp32 screen"};
+    if (kinds[screen] == PooledScreen::exact_f64 && !exact_applies) continue;
+    const char* sname = names[screen];
     sa::HostTensor gidx = poisoned(idx.shape()), gcnt = poisoned(cnt.shape());
     DevCopy didx(gidx), dcnt(gcnt);
     const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
                             sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
     const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
     if (screen == 0) sa::pooled_select(qv, kv, out, o);
-    else sa::cuda_backend::pooled_select(qv, kv, out, o, sa::cuda_backend::PooledScreen::fp32);
+    else sa::cuda_backend::pooled_select(qv, kv, out, o, kinds[screen]);
     cuda_ok(cudaDeviceSynchronize(), "pooled_select");
     didx.download(gidx);
     dcnt.download(gcnt);
@@ -266,6 +273,37 @@ TEST(PooledGpu, RandomEqualsCpu) {
       expect_same(R + "GQA24", q2, k2, {r, 6, 6, false, true, true});
     }
   }
+}
+
+// The float64 scoring kernel asked for explicitly where it does not apply (more than 64 query rows per
+// tile, or more staged rows than its shared memory holds): an Error naming q, the outputs untouched.
+TEST(PooledGpu, ExactKernelRefusesLargeGroups) {
+  POOLED_SKIP_WITHOUT_GPU();
+  using sa::cuda_backend::PooledScreen;
+  EXPECT_TRUE(sa::cuda_backend::pooled_exact_applies(64, 128));
+  EXPECT_FALSE(sa::cuda_backend::pooled_exact_applies(65, 64));
+  EXPECT_FALSE(sa::cuda_backend::pooled_exact_applies(32, 300));
+  const Input q = make_input(sa::DType::bf16, 1, 256, 32, 64, 77), k = make_input(sa::DType::bf16, 1, 512, 1, 64, 78);
+  DevCopy dq(q.buf), dk(k.buf);
+  sa::HostTensor gidx = poisoned({1, 1, 2, 4}), gcnt = poisoned({1, 1, 2});
+  DevCopy didx(gidx), dcnt(gcnt);
+  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
+                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
+  sa::PooledOptions o;
+  o.representatives = 4, o.top_k = 4;  // 32 heads x 4 = 128 query rows
+  try {
+    sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda), out, o,
+                                    PooledScreen::exact_f64);
+    ADD_FAILURE() << "expected an Error for 128 query rows";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "q");
+    EXPECT_NE(std::string(e.what()).find("group * r = 128"), std::string::npos) << e.what();
+  }
+  cuda_ok(cudaDeviceSynchronize(), "after the refused call");
+  sa::HostTensor after = poisoned(gidx.shape());
+  didx.download(after);
+  std::string where;
+  EXPECT_EQ(first_difference(after, gidx, where), 0) << "out.idx written at " << where;
 }
 
 // Enough (b, group, tile) jobs that each CTA takes all of a tile's key rows, several KV passes of 128
@@ -516,6 +554,9 @@ TEST(PooledGpu, SanitizerSmall) {
     for (std::int64_t i = 0; i < q3.buf.numel(); ++i) q3.set(i, 1.0f);
     for (std::int64_t i = 0; i < k3.buf.numel(); ++i) k3.set(i, 1.0f);
     expect_same(R + "sanitizer all equal", q3, k3, {r, 3, 3, false, true, false});
+    // causal with more than one slab of key rows per tile: the early tiles' later slabs hold no candidate
+    const Input q4 = make_input(sa::DType::bf16, 1, 9000, 2, 32, 88), k4 = make_input(sa::DType::bf16, 1, 9000, 1, 32, 89);
+    expect_same(R + "sanitizer causal, empty slabs", q4, k4, {r, 4, 4, true, true, false});
   }
 }
 
@@ -563,16 +604,23 @@ TEST(PooledGpu, Timing) {
     const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
                             sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
     const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
-    for (int variant = 0; variant < 4; ++variant) {
+    for (int variant = 0; variant < 8; ++variant) {
       const int r = variant % 2 == 0 ? 1 : 4;
-      const bool fp32 = variant >= 2;  // version 2a's float32 screen, for comparison
+      // The public function, then each scoring kernel for comparison (version 2a's float32 screen last).
+      using sa::cuda_backend::PooledScreen;
+      const PooledScreen screens[4] = {PooledScreen::automatic, PooledScreen::exact_f64, PooledScreen::int8_tensor_cores,
+                                       PooledScreen::fp32};
+      const char* labels[4] = {"", "float64-kernel ", "int8-screen ", "fp32-screen "};
+      const PooledScreen screen = screens[variant / 2];
+      const char* label = labels[variant / 2];
       const auto run = [&](const sa::PooledOptions& po) {
-        if (fp32) sa::cuda_backend::pooled_select(qv, kv, out, po, sa::cuda_backend::PooledScreen::fp32);
-        else sa::pooled_select(qv, kv, out, po);
+        if (screen == PooledScreen::automatic) sa::pooled_select(qv, kv, out, po);
+        else sa::cuda_backend::pooled_select(qv, kv, out, po, screen);
       };
       sa::PooledOptions o;
       o.representatives = r, o.top_k = static_cast<int>(top_k), o.stream = s;
-      if (Lk == 16384 && !fp32) expect_same("timing shape R" + std::to_string(r), q, k, {r, static_cast<int>(top_k), static_cast<int>(top_k), false, true, false});
+      // (expect_same checks every kernel on the shape)
+      if (Lk == 16384 && screen == PooledScreen::automatic) expect_same("timing shape R" + std::to_string(r), q, k, {r, static_cast<int>(top_k), static_cast<int>(top_k), false, true, false});
       for (int i = 0; i < 3; ++i) run(o);
       cuda_ok(cudaStreamSynchronize(s), "warm-up");
 
@@ -608,11 +656,11 @@ TEST(PooledGpu, Timing) {
         cold.push_back(1000.0 * ms);
       }
       const double wm = median(warm), cm = median(cold);
-      std::printf("pooled%s R%d tile16 Lk=%lld: warm median %.1f us (min %.1f, max %.1f, back-to-back mean %.1f), "
+      std::printf("pooled %sR%d tile16 Lk=%lld: warm median %.1f us (min %.1f, max %.1f, back-to-back mean %.1f), "
                   "cold-L2 median %.1f us, host enqueue %.1f us/call\n",
-                  fp32 ? " fp32-screen" : "", r, static_cast<long long>(Lk), wm, *std::min_element(warm.begin(), warm.end()),
+                  label, r, static_cast<long long>(Lk), wm, *std::min_element(warm.begin(), warm.end()),
                   *std::max_element(warm.begin(), warm.end()), 1000.0 * span_ms / kWarm, cm, host_us);
-      json += std::string(first_entry ? "" : ", ") + "\"" + (fp32 ? "fp32-screen " : "") + "R" + std::to_string(r) + " Lk=" + std::to_string(Lk) +
+      json += std::string(first_entry ? "" : ", ") + "\"" + label + "R" + std::to_string(r) + " Lk=" + std::to_string(Lk) +
               "\": {\"warm_median\": " + std::to_string(wm) + ", \"cold_median\": " + std::to_string(cm) + "}";
       first_entry = false;
     }
@@ -637,7 +685,8 @@ TEST(PooledGpu, ProfileTile16) {
   const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
                           sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
   const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
-  for (auto screen : {sa::cuda_backend::PooledScreen::int8_tensor_cores, sa::cuda_backend::PooledScreen::fp32}) {
+  for (auto screen : {sa::cuda_backend::PooledScreen::exact_f64, sa::cuda_backend::PooledScreen::int8_tensor_cores,
+                      sa::cuda_backend::PooledScreen::fp32}) {
     for (int r : {1, 4}) {
       sa::PooledOptions o;
       o.representatives = r, o.top_k = static_cast<int>(top_k);
@@ -647,7 +696,7 @@ TEST(PooledGpu, ProfileTile16) {
   cuda_ok(cudaDeviceSynchronize(), "profile calls");
 }
 
-// Where the int8 scoring kernel's time goes at Lk = 16K (skipped like Timing): one call per R with
+// Where the int8 and float64 scoring kernels' time goes at Lk = 16K (skipped like Timing): one call per R with
 // the phase stamps on, after warm-up calls; per phase the median and maximum over the CTAs, and the time
 // from the end of the representatives (the last CTA past its wait) to the last CTA's end.
 TEST(PooledGpu, PhaseTimes) {
@@ -665,15 +714,22 @@ TEST(PooledGpu, PhaseTimes) {
   constexpr int kMaxCtas = 1 << 14, P = sa::cuda_backend::kPooledPhases;
   unsigned long long* stamps = nullptr;
   cuda_ok(cudaMalloc(&stamps, sizeof(unsigned long long) * kMaxCtas * P), "cudaMalloc stamps");
-  constexpr int S = P - 1;  // stamps; the last value is the count of queued pairs
-  const char* names[S] = {"entry", "wait for representatives", "staging", "lower-bound screen", "test + queue",
-                          "float64 evaluation", "other key passes", "ranking"};
-  for (int r : {1, 4}) {
+  using sa::cuda_backend::PooledScreen;
+  constexpr int S = P - 1;  // stamps; the last value is the count of queued pairs (int8 kernel)
+  const char* int8_names[S] = {"entry", "wait for representatives", "staging", "lower-bound screen", "test + queue",
+                               "float64 evaluation", "other key passes", "ranking"};
+  const char* f64_names[S] = {"entry", "wait for representatives", "staging", "float64 dots", "block maxima",
+                              "ranking", nullptr, nullptr};
+  for (int variant = 0; variant < 4; ++variant) {
+    const int r = variant % 2 == 0 ? 1 : 4;
+    const PooledScreen screen = variant < 2 ? PooledScreen::int8_tensor_cores : PooledScreen::exact_f64;
+    const char* const* names = variant < 2 ? int8_names : f64_names;
+    const int last = variant < 2 ? S - 1 : 5;  // the kernel's last stamp
     sa::PooledOptions o;
     o.representatives = r, o.top_k = static_cast<int>(top_k);
-    for (int i = 0; i < 3; ++i) sa::pooled_select(qv, kv, out, o);
+    for (int i = 0; i < 3; ++i) sa::cuda_backend::pooled_select(qv, kv, out, o, screen);
     cuda_ok(cudaMemset(stamps, 0, sizeof(unsigned long long) * kMaxCtas * P), "cudaMemset stamps");
-    sa::cuda_backend::pooled_select(qv, kv, out, o, sa::cuda_backend::PooledScreen::int8_tensor_cores, stamps);
+    sa::cuda_backend::pooled_select(qv, kv, out, o, screen, stamps);
     cuda_ok(cudaDeviceSynchronize(), "phase call");
     std::vector<unsigned long long> h(static_cast<std::size_t>(kMaxCtas) * P);
     cuda_ok(cudaMemcpy(h.data(), stamps, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "download stamps");
@@ -685,23 +741,25 @@ TEST(PooledGpu, PhaseTimes) {
       const unsigned long long* t = h.data() + static_cast<std::size_t>(c) * P;
       if (t[0] == 0) continue;
       ++ctas;
-      for (int i = 1; i < S; ++i)
+      for (int i = 1; i <= last; ++i)
         if (t[i] != 0 && t[i - 1] != 0) d[static_cast<std::size_t>(i)].push_back(1e-3 * static_cast<double>(t[i] - t[i - 1]));
       first_wait_end = std::min(first_wait_end, t[1]);
       last_wait_end = std::max(last_wait_end, t[1]);
-      last_end = std::max(last_end, t[S - 1]);
+      last_end = std::max(last_end, t[last]);
       queued.push_back(static_cast<double>(t[S]));
     }
     ASSERT_GT(ctas, 0) << "no CTA wrote its stamps";
-    std::printf("pooled phases R%d Lk=%lld (%d CTAs): representatives end -> last CTA end %.1f us (waits end within %.1f us)\n", r,
-                static_cast<long long>(Lk), ctas, 1e-3 * static_cast<double>(last_end - last_wait_end),
+    const char* kernel = variant < 2 ? "int8" : "float64";
+    std::printf("pooled phases %s R%d Lk=%lld (%d CTAs): representatives end -> last CTA end %.1f us (waits end within %.1f us)\n",
+                kernel, r, static_cast<long long>(Lk), ctas, 1e-3 * static_cast<double>(last_end - last_wait_end),
                 1e-3 * static_cast<double>(last_wait_end - first_wait_end));
-    std::printf("pooled phases R%d   pairs queued for float64 per CTA: median %.0f, max %.0f\n", r, median(queued),
-                *std::max_element(queued.begin(), queued.end()));
-    for (int i = 1; i < S; ++i) {
+    if (variant < 2)
+      std::printf("pooled phases %s R%d   pairs queued for float64 per CTA: median %.0f, max %.0f\n", kernel, r, median(queued),
+                  *std::max_element(queued.begin(), queued.end()));
+    for (int i = 1; i <= last; ++i) {
       auto& v = d[static_cast<std::size_t>(i)];
       if (v.empty()) continue;
-      std::printf("pooled phases R%d   %-26s median %7.2f us, max %7.2f us\n", r, names[i], median(v),
+      std::printf("pooled phases %s R%d   %-26s median %7.2f us, max %7.2f us\n", kernel, r, names[i], median(v),
                   *std::max_element(v.begin(), v.end()));
     }
   }

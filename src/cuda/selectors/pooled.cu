@@ -393,9 +393,9 @@ __host__ __device__ inline ScoreSmem score_smem(int k32, int nblk) {
   return s;
 }
 
-// After the scores: 64 ints of per-warp counts, then 128 ints of half counts (blocks of <= 256 threads).
+// After the scores: 64 ints of per-warp counts, then 256 ints of half counts (blocks of <= 512 threads).
 __host__ __device__ inline std::size_t topk_smem(std::int64_t Tk) {
-  return static_cast<std::size_t>(Tk) * sizeof(double) + (64 + 128) * sizeof(int);
+  return static_cast<std::size_t>(Tk) * sizeof(double) + (64 + 256) * sizeof(int);
 }
 
 // Candidates of [lo, hi) that rank before candidate j (score sj), counted until k: eight comparisons
@@ -417,7 +417,7 @@ __device__ __forceinline__ int ranked_before(const double* scores, int lo, int h
 // count. A candidate is kept iff fewer than k candidates rank before it (the CPU's order is total, so
 // the set is the CPU's); kept ids are placed by warp ballots, so ascending order costs two barriers per
 // blockDim candidates instead of common.cuh's serial scan over the threads.
-// warp_kept: 64 + 128 ints (topk_smem). When 2 n <= blockDim, two threads count for each candidate at
+// warp_kept: 64 + 256 ints (topk_smem). When 2 n <= blockDim, two threads count for each candidate at
 // the same time (thread j over [0, n/2), thread n + j over [n/2, n)): the count is a dependent chain of
 // about n instructions per thread, which a CTA with one warp per scheduler runs at ten cycles each.
 __device__ __noinline__ int tile_top_k(const double* scores, int n, int k, int* warp_kept, std::int32_t* row, std::int64_t stride,
@@ -569,17 +569,16 @@ __device__ __forceinline__ TileJob tile_job(const ScoreParams& p) {
 // exact top-k of the tile. With `local` (a CTA that holds all of its tile's blocks) they are ranked
 // from that shared-memory array; otherwise they go through global memory and the last of the tile's
 // CTAs ranks them. `is_last` is a __shared__ int of the kernel.
-template <int kThreads>
 __device__ __forceinline__ void rank_tile(const ScoreParams& p, const TileJob& tj, const CtaView& v,
                                           unsigned char* smem, double* local, int& is_last) {
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, nthreads = static_cast<int>(blockDim.x);
   const int n = static_cast<int>(tj.n_cand);
   double* sc = local;
   if (local != nullptr) {
-    for (std::int64_t j = tid; j < tj.n_cand; j += kThreads) sc[j] = tj.forced(p, j) ? INFINITY : unkey64(v.ekey[j]);
+    for (std::int64_t j = tid; j < tj.n_cand; j += nthreads) sc[j] = tj.forced(p, j) ? INFINITY : unkey64(v.ekey[j]);
   } else {
     double* scores = p.scores + tj.job * p.Tk;
-    for (std::int64_t j = v.blk0 + tid; j * p.r < tj.row_end; j += kThreads)
+    for (std::int64_t j = v.blk0 + tid; j * p.r < tj.row_end; j += nthreads)
       scores[j] = tj.forced(p, j) ? INFINITY : unkey64(v.ekey[j - v.blk0]);
     __threadfence();
     __syncthreads();
@@ -588,7 +587,7 @@ __device__ __forceinline__ void rank_tile(const ScoreParams& p, const TileJob& t
     if (!is_last) return;
     __threadfence();  // the other CTAs' scores are visible (they fenced before counting)
     sc = reinterpret_cast<double*>(smem);
-    for (int j = tid; j < n; j += kThreads) sc[j] = __ldcg(scores + j);
+    for (int j = tid; j < n; j += nthreads) sc[j] = __ldcg(scores + j);
   }
   int* warp_kept = reinterpret_cast<int*>(sc + p.Tk);
   __syncthreads();
@@ -996,7 +995,7 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   stamp(p, 6);
 
   // A CTA that holds all of its tile's blocks ranks them from shared memory, behind the scoring region.
-  rank_tile<kThreads>(p, tj, v, smem, p.chunks == 1 ? reinterpret_cast<double*>(smem + L.total) : nullptr, is_last);
+  rank_tile(p, tj, v, smem, p.chunks == 1 ? reinterpret_cast<double*>(smem + L.total) : nullptr, is_last);
   stamp(p, 7);
 }
 
@@ -1026,13 +1025,14 @@ struct RepLayout {
   std::int64_t i8_stride;
 };
 
-RepLayout rep_layout(DType dtype, std::int64_t D) {
+// quantize_wanted: whether the scoring kernel reads the int8 copies (the float64 kernel does not).
+RepLayout rep_layout(DType dtype, std::int64_t D, bool quantize_wanted) {
   RepLayout l{};
   l.W = dtype == DType::f32 ? 1 : 2;
   l.cols = static_cast<int>(ceil_div(D, static_cast<std::int64_t>(l.W)));
   l.group = 1;
   while (l.group < l.cols && l.group < 2 * kRepMaxGroup) l.group *= 2;
-  l.quantize = D <= kMaxScreenD && l.group <= kRepMaxGroup;
+  l.quantize = quantize_wanted && D <= kMaxScreenD && l.group <= kRepMaxGroup;
   if (!l.quantize) l.group = l.cols;  // no reductions: any row width, one thread per W columns
   l.threads = l.quantize ? std::max(kRepThreads, l.group) : kRepThreads;
   l.i8_stride = static_cast<std::int64_t>(ceil_div(static_cast<std::int64_t>(l.group) * l.W, std::int64_t{16}) * 16);
@@ -1404,7 +1404,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
   }
   __syncthreads();
 
-  rank_tile<C::kThreads>(p, tj, v, smem, nullptr, is_last);
+  rank_tile(p, tj, v, smem, nullptr, is_last);
 }
 
 template <class C>
@@ -1433,6 +1433,227 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
 
 
 }  // namespace fp32_screen
+
+// ---- version 4: every counted pair in float64, no screen ---------------------------------------------
+//
+// Where a group has few query rows (P = group * r <= 64) the float64 dots of every pair cost less than
+// any screen around them: tile16 R1 at Lk = 16K is 16.8 M fused multiply-adds, about a microsecond of
+// the H200's float64 rate, while the int8 screen's phases (staging, two sweeps, queueing, ranking) ran
+// at about ten cycles per instruction each (docs/notes/selectors.md, pooled v3). A CTA stages the
+// job's query rows and a slab of 64 key rows in shared memory as doubles (each value converted once);
+// a thread forms 4 query rows x 2 key rows of dots, 8 independent chains each over the columns in
+// order (the CPU's dot_f64: products of floats are exact in float64, so each fma rounds as the CPU's
+// add), reading the query rows as broadcasts (a warp shares them) and its key rows conflict-free. A
+// thread's maximum over its counted pairs goes to the block's shared maximum (an order-preserving
+// integer atomicMax: max is exact in any order), and the ranking is the int8 kernel's.
+namespace exact_f64 {
+
+constexpr int kTM = 4;         // query rows per thread
+constexpr int kTN = 2;         // key rows per thread: lane and lane + 32 of the warp's 64-row slab
+constexpr int kSlab = 32 * kTN;  // key rows of a CTA
+constexpr int kMaxRows = 64;   // P: at most 16 warps, one per group of kTM query rows
+// Query rows and the slab's key rows as doubles: (P + kSlab) * (D + 2) <= kMaxStaged (200 KB).
+constexpr std::int64_t kMaxStaged = 25600;
+
+// Row strides in doubles: the query rows even (16-byte reads of two columns); the key rows an odd number
+// of 16-byte units, so that the 16-byte reads of eight consecutive rows fall on distinct banks.
+__host__ __device__ inline int q_stride(std::int64_t D) { return static_cast<int>((D + 1) / 2 * 2); }
+__host__ __device__ inline int k_stride(std::int64_t D) {
+  const int s = q_stride(D);
+  return (s / 2) % 2 == 1 ? s : s + 2;
+}
+
+// Whether a (group * r, D) problem runs here; the rest take a screen.
+inline bool applies(std::int64_t P, std::int64_t D) { return P <= kMaxRows && (P + kSlab) * (D + 4) <= kMaxStaged; }
+
+// The automatic choice takes this kernel up to kAutoMaxFma float64 fmas per call and the int8 screen
+// above. H200, tile16 (docs/notes/selectors.md, pooled v4), warm per call, this kernel / the int8 screen:
+// R1 at 4K, 16K, 32K (4.2 M, 16.8 M, 33.6 M fmas) 27.5 / 33.0, 34.3 / 45.5, 49.5 / 57.6 us; R4 at 4K
+// (67 M) 33.1 / 50.8 us; R4 at 16K and 32K (268 M, 537 M) 83.1 / 59.1 and 147.6 / 95.3 us.
+constexpr std::int64_t kAutoMaxFma = std::int64_t{128} << 20;
+inline bool preferred(std::int64_t fmas) { return fmas <= kAutoMaxFma; }
+
+struct Smem {
+  std::size_t q, k, qlim, ekey, total;
+};
+__host__ __device__ inline Smem smem_layout(std::int64_t P, std::int64_t D, std::int64_t nblk) {
+  auto up = [](std::size_t x) { return (x + 15) / 16 * 16; };
+  Smem s{};
+  std::size_t o = 0;
+  s.q = o, o = up(o + static_cast<std::size_t>(P * q_stride(D)) * sizeof(double));
+  s.k = o, o = up(o + static_cast<std::size_t>(kSlab * k_stride(D)) * sizeof(double));
+  s.qlim = o, o = up(o + static_cast<std::size_t>(P) * sizeof(long long));
+  s.ekey = o, o = up(o + static_cast<std::size_t>(nblk) * sizeof(unsigned long long));
+  s.total = o;
+  return s;
+}
+
+// acc[n][i] = the CPU's dot_f64 of query row qs + qoff[i] with key row ks + koff[n] (both in shared
+// memory, doubles). Columns outside, rows inside: consecutive fmas belong to the 16 independent chains
+// (a chain's next fma waits for the previous one's result), and every row is computed, so no predicate
+// keeps the compiler from interleaving them (the caller points rows past the group at valid rows and
+// ignores their sums).
+__device__ __forceinline__ void dot_tile(const double* qs, const int (&qoff)[kTM], const double* ks,
+                                         const int (&koff)[kTN], int D, double (&acc)[kTN][kTM]) {
+#pragma unroll
+  for (int n = 0; n < kTN; ++n)
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) acc[n][i] = 0.0;
+  const int even = D & ~1;
+#pragma unroll 2
+  for (int c = 0; c < even; c += 2) {
+    double2 x[kTM], y[kTN];
+#pragma unroll
+    for (int i = 0; i < kTM; ++i) x[i] = *reinterpret_cast<const double2*>(qs + qoff[i] + c);
+#pragma unroll
+    for (int n = 0; n < kTN; ++n) y[n] = *reinterpret_cast<const double2*>(ks + koff[n] + c);
+#pragma unroll
+    for (int n = 0; n < kTN; ++n)
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) acc[n][i] = fma(x[i].x, y[n].x, acc[n][i]);
+#pragma unroll
+    for (int n = 0; n < kTN; ++n)
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) acc[n][i] = fma(x[i].y, y[n].y, acc[n][i]);
+  }
+  if (D & 1) {
+#pragma unroll
+    for (int n = 0; n < kTN; ++n)
+#pragma unroll
+      for (int i = 0; i < kTM; ++i) acc[n][i] = fma(qs[qoff[i] + even], ks[koff[n] + even], acc[n][i]);
+  }
+}
+
+// Copies rows a[0, na) and b[0, nb) (D floats each, contiguous) into shared memory as doubles with row
+// strides sa and sb (even). With 16-byte rows a warp copies whole rows (lanes over the columns, no index
+// divisions) and every lane has 16 loads of 16 bytes in flight, so the copy waits for about one L2 round
+// trip per 16 rows per warp instead of one per element.
+__device__ __forceinline__ void stage_as_doubles(const float* a, int na, int D, double* da, int sa, const float* b,
+                                                 int nb, double* db, int sb) {
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid % 32, warp = tid / 32, nw = nt / 32;
+  const int n = na + nb;
+  if ((D & 3) == 0 && ((reinterpret_cast<std::uintptr_t>(a) | reinterpret_cast<std::uintptr_t>(b)) & 15) == 0) {
+    constexpr int kU = 16;
+    const int d4 = D / 4;
+    for (int c4 = lane; c4 < d4; c4 += 32) {
+      for (int r0 = warp; r0 < n; r0 += kU * nw) {
+        float4 v[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int r = r0 + u * nw;
+          if (r < n) v[u] = __ldg(reinterpret_cast<const float4*>(r < na ? a + r * D : b + (r - na) * D) + c4);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int r = r0 + u * nw;
+          if (r >= n) continue;
+          double* dst = (r < na ? da + r * sa : db + (r - na) * sb) + 4 * c4;
+          reinterpret_cast<double2*>(dst)[0] = make_double2(v[u].x, v[u].y);
+          reinterpret_cast<double2*>(dst)[1] = make_double2(v[u].z, v[u].w);
+        }
+      }
+    }
+  } else {
+    for (int e = tid; e < n * D; e += nt) {
+      const bool in_a = e < na * D;
+      const int j = in_a ? e : e - na * D, row = j / D, col = j - row * D;
+      (in_a ? da + row * sa : db + row * sb)[col] = static_cast<double>(__ldg((in_a ? a : b) + j));
+    }
+  }
+}
+
+// One CTA: one (b, group, Q tile) job and one slab of kSlab key rows; warp w takes query rows
+// [4 w, 4 w + 4) against all of the slab's rows (lane and lane + 32).
+__global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const __grid_constant__ ScoreParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int is_last;
+  const int D = static_cast<int>(p.D), qs_stride = q_stride(D), ks_stride = k_stride(D);
+  const int nblk = p.rows_per_cta / p.r;
+  const Smem L = smem_layout(p.P, p.D, nblk);
+  auto* qs = reinterpret_cast<double*>(smem + L.q);
+  auto* ks = reinterpret_cast<double*>(smem + L.k);
+  auto* qlim = reinterpret_cast<long long*>(smem + L.qlim);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+  const TileJob tj = tile_job(p);
+  CtaView v;
+  v.qrows = p.qmean + tj.job * p.P * p.D;
+  v.krows = p.kmean + tj.bg * p.Tk * p.r * p.D;
+  v.ekey = reinterpret_cast<unsigned long long*>(smem + L.ekey);
+  v.blk0 = tj.row_begin / p.r;
+
+  for (int i = tid; i < nblk; i += blockDim.x) v.ekey[i] = key64(-INFINITY);
+  // A pair counts iff its key group's first position is at most qlim of its query row: the last key
+  // position the query group sees under causality, kNever without it, -1 for an absent representative.
+  const std::int64_t offset = p.Lk - p.Lq;
+  for (int row = tid; row < p.P; row += blockDim.x) {
+    const std::int64_t qfirst = tj.i_first + (row % p.r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
+    qlim[row] = qn <= 0 ? -1 : (p.causal ? qfirst + qn - 1 + offset : kNever);
+  }
+  // The means and counters come from the representatives grid (a no-op without a programmatic launch).
+  stamp(p, 0);
+  pdl_wait();
+  stamp(p, 1);
+  // Staged once, converted once: the query rows of the job and the slab's key rows (zero past row_end).
+  // Key rows of the slab: none where causality ends the tile's candidates before it.
+  const int slab_rows = static_cast<int>(imax(std::int64_t{0}, tj.row_end - tj.row_begin));  // <= kSlab
+  if (slab_rows > 0) {  // uniform over the CTA
+    const float* kbase = v.krows + tj.row_begin * p.D;
+    for (int e = slab_rows * D + tid; e < kSlab * D; e += blockDim.x) ks[(e / D) * ks_stride + e % D] = 0.0;
+    stage_as_doubles(v.qrows, p.P, D, qs, qs_stride, kbase, slab_rows, ks, ks_stride);
+  }
+  __syncthreads();
+  stamp(p, 2);
+
+  const int q0 = warp * kTM, rows = imin(kTM, p.P - q0);
+  int qoff[kTM], koff[kTN];
+#pragma unroll
+  for (int i = 0; i < kTM; ++i) qoff[i] = imin(q0 + i, p.P - 1) * qs_stride;
+#pragma unroll
+  for (int n = 0; n < kTN; ++n) koff[n] = (lane + 32 * n) * ks_stride;
+  double acc[kTN][kTM];
+  if (slab_rows > 0) dot_tile(qs, qoff, ks, koff, D, acc);
+  stamp(p, 3);
+#pragma unroll
+  for (int n = 0; n < kTN; ++n) {
+    const std::int64_t krow = tj.row_begin + lane + 32 * n;
+    if (krow >= tj.row_end) continue;
+    const std::int64_t j = krow >> p.rshift;
+    const std::int64_t kfirst = j * kBlockK + (krow - (j << p.rshift)) * p.span;
+    if (tj.forced(p, j) || kfirst >= p.Lk) continue;
+    double best = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kTM; ++i)
+      if (i < rows && kfirst <= qlim[q0 + i]) best = fmax(best, sanitize(acc[n][i]));
+    if (best > -INFINITY) atomicMax(v.ekey + (j - v.blk0), key64(best));
+  }
+  __syncthreads();
+  stamp(p, 4);
+  // A CTA that holds all of its tile's blocks ranks them from shared memory, behind the scoring region.
+  rank_tile(p, tj, v, smem, p.chunks == 1 ? reinterpret_cast<double*>(smem + L.total) : nullptr, is_last);
+  stamp(p, 5);
+}
+
+void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int device,
+                   cudaStream_t stream) {
+  const int threads = 32 * static_cast<int>(ceil_div(static_cast<std::int64_t>(p.P), static_cast<std::int64_t>(kTM)));
+  // One slab of key rows per CTA: tile16 R1 at 16K is 128 CTAs of 128 threads, R4 512 CTAs of 512.
+  p.rows_per_cta = kSlab;
+  p.chunks = static_cast<int>(ceil_div(p.Tk * p.r, static_cast<std::int64_t>(p.rows_per_cta)));
+  const Smem L = smem_layout(p.P, p.D, p.rows_per_cta / p.r);
+  const std::size_t smem = p.chunks == 1 ? L.total + topk_smem(p.Tk) : std::max(L.total, topk_smem(p.Tk));
+  if (smem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
+                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
+  const std::int64_t grid = jobs * p.chunks;
+  if (grid > INT_MAX)
+    throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
+  prepare_kernel(op, reinterpret_cast<const void*>(exact_score_kernel), device, threads, smem);
+  launch_dependent(op, "scoring launch", exact_score_kernel, dim3(static_cast<unsigned>(grid)),
+                   dim3(static_cast<unsigned>(threads)), smem, stream, p);
+}
+
+}  // namespace exact_f64
 
 void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, int device,
                    cudaStream_t stream) {
@@ -1525,8 +1746,10 @@ void* scratch_for(const std::string& op, int device, cudaStream_t stream, std::s
 
 }  // namespace
 
+bool pooled_exact_applies(std::int64_t rows, std::int64_t D) { return exact_f64::applies(rows, D); }
+
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o) {
-  pooled_select(q, k, out, o, PooledScreen::int8_tensor_cores);
+  pooled_select(q, k, out, o, PooledScreen::automatic);
 }
 
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o,
@@ -1538,6 +1761,15 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const std::int64_t group = Hq / Hkv, P = group * r, jobs = B * Hkv * Tq;
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
+  if (screen == PooledScreen::automatic)
+    screen = exact_f64::applies(P, D) && exact_f64::preferred(jobs * P * Tk * r * D) ? PooledScreen::exact_f64
+                                                                                   : PooledScreen::int8_tensor_cores;
+  else if (screen == PooledScreen::exact_f64 && !exact_f64::applies(P, D))
+    throw Error(op, "q", "the float64 scoring kernel takes group * r <= " + std::to_string(exact_f64::kMaxRows) +
+                             " query rows and (group * r + " + std::to_string(exact_f64::kSlab) + ") * (D + 4) <= " +
+                             std::to_string(exact_f64::kMaxStaged) + ", got group * r = " + std::to_string(P) +
+                             " with D = " + std::to_string(D));
+  const bool exact = screen == PooledScreen::exact_f64;
   const DeviceFacts dev = device_facts(op, q);
   check_device_memory(op, "q", q);
   check_device_memory(op, "k", k);
@@ -1547,7 +1779,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
     throw Error(op, "q", "group * r = " + std::to_string(P) + " or Tk * r = " + std::to_string(Tk * r) +
                              " exceed the CUDA selector's row indices");
 
-  const RepLayout lay = rep_layout(q.dtype, D);
+  const RepLayout lay = rep_layout(q.dtype, D, !exact);
   const std::int64_t rows[2] = {B * Hq * Tq * r, B * Hkv * Tk * r};
   std::size_t offsets[9]{}, total = 0;
   auto carve = [&](std::size_t bytes) {
@@ -1599,7 +1831,8 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
   p.phase_ns = phase_ns;
   const int max_smem = dev.max_smem, sms = dev.sms;
-  if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, q.device_index, stream);
+  if (exact) exact_f64::launch_scores(op, p, jobs, max_smem, q.device_index, stream);
+  else if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, q.device_index, stream);
   else if (P <= fp32_screen::SmallTile::QM) fp32_screen::launch_scores<fp32_screen::SmallTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
   else fp32_screen::launch_scores<fp32_screen::LargeTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
 }
