@@ -1450,9 +1450,9 @@ namespace exact_f64 {
 
 constexpr int kTM = 4;         // query rows per thread
 constexpr int kTN = 2;         // key rows per thread: lane and lane + 32 of the warp's 64-row slab
-constexpr int kSlab = 32 * kTN;  // key rows of a CTA
+constexpr int kSlab = 32 * kTN;  // key rows of a warp; a CTA holds one or two slabs
 constexpr int kMaxRows = 64;   // P: at most 16 warps, one per group of kTM query rows
-// Query rows and the slab's key rows as doubles: (P + kSlab) * (D + 2) <= kMaxStaged (200 KB).
+// Query rows and the CTA's key rows as doubles: (P + key rows) * (D + 4) <= kMaxStaged (200 KB).
 constexpr std::int64_t kMaxStaged = 25600;
 
 // Row strides in doubles: the query rows even (16-byte reads of two columns); the key rows an odd number
@@ -1468,20 +1468,20 @@ inline bool applies(std::int64_t P, std::int64_t D) { return P <= kMaxRows && (P
 
 // The automatic choice takes this kernel up to kAutoMaxFma float64 fmas per call and the int8 screen
 // above. H200, tile16 (docs/notes/selectors.md, pooled v4), warm per call, this kernel / the int8 screen:
-// R1 at 4K, 16K, 32K (4.2 M, 16.8 M, 33.6 M fmas) 27.5 / 33.0, 34.3 / 45.5, 49.5 / 57.6 us; R4 at 4K
-// (67 M) 33.1 / 50.8 us; R4 at 16K and 32K (268 M, 537 M) 83.1 / 59.1 and 147.6 / 95.3 us.
+// R1 at 4K, 16K, 32K (4.2 M, 16.8 M, 33.6 M fmas) 27.8 / 33.0, 30.7 / 45.3, 40.9 / 57.8 us; R4 at 4K
+// (67 M) 33.2 / 50.8 us; R4 at 16K and 32K (268 M, 537 M) 83.5 / 58.7 and 149.3 / 95.1 us.
 constexpr std::int64_t kAutoMaxFma = std::int64_t{128} << 20;
 inline bool preferred(std::int64_t fmas) { return fmas <= kAutoMaxFma; }
 
 struct Smem {
   std::size_t q, k, qlim, ekey, total;
 };
-__host__ __device__ inline Smem smem_layout(std::int64_t P, std::int64_t D, std::int64_t nblk) {
+__host__ __device__ inline Smem smem_layout(std::int64_t P, std::int64_t D, std::int64_t krows, std::int64_t nblk) {
   auto up = [](std::size_t x) { return (x + 15) / 16 * 16; };
   Smem s{};
   std::size_t o = 0;
   s.q = o, o = up(o + static_cast<std::size_t>(P * q_stride(D)) * sizeof(double));
-  s.k = o, o = up(o + static_cast<std::size_t>(kSlab * k_stride(D)) * sizeof(double));
+  s.k = o, o = up(o + static_cast<std::size_t>(krows * k_stride(D)) * sizeof(double));
   s.qlim = o, o = up(o + static_cast<std::size_t>(P) * sizeof(long long));
   s.ekey = o, o = up(o + static_cast<std::size_t>(nblk) * sizeof(unsigned long long));
   s.total = o;
@@ -1562,14 +1562,15 @@ __device__ __forceinline__ void stage_as_doubles(const float* a, int na, int D, 
   }
 }
 
-// One CTA: one (b, group, Q tile) job and one slab of kSlab key rows; warp w takes query rows
-// [4 w, 4 w + 4) against all of the slab's rows (lane and lane + 32).
+// One CTA: one (b, group, Q tile) job and rows_per_cta key rows, one or two slabs of kSlab; warp w
+// takes query rows [4 g, 4 g + 4) (g = w mod the query groups) against the rows of slab w / groups
+// (lane and lane + 32 of it).
 __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const __grid_constant__ ScoreParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int is_last;
   const int D = static_cast<int>(p.D), qs_stride = q_stride(D), ks_stride = k_stride(D);
   const int nblk = p.rows_per_cta / p.r;
-  const Smem L = smem_layout(p.P, p.D, nblk);
+  const Smem L = smem_layout(p.P, p.D, p.rows_per_cta, nblk);
   auto* qs = reinterpret_cast<double*>(smem + L.q);
   auto* ks = reinterpret_cast<double*>(smem + L.k);
   auto* qlim = reinterpret_cast<long long*>(smem + L.qlim);
@@ -1594,29 +1595,30 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
   stamp(p, 0);
   pdl_wait();
   stamp(p, 1);
-  // Staged once, converted once: the query rows of the job and the slab's key rows (zero past row_end).
-  // Key rows of the slab: none where causality ends the tile's candidates before it.
-  const int slab_rows = static_cast<int>(imax(std::int64_t{0}, tj.row_end - tj.row_begin));  // <= kSlab
+  // Staged once, converted once: the query rows of the job and the CTA's key rows (zero past row_end).
+  // Key rows of the CTA: none where causality ends the tile's candidates before them.
+  const int slab_rows = static_cast<int>(imax(std::int64_t{0}, tj.row_end - tj.row_begin));  // <= rows_per_cta
   if (slab_rows > 0) {  // uniform over the CTA
     const float* kbase = v.krows + tj.row_begin * p.D;
-    for (int e = slab_rows * D + tid; e < kSlab * D; e += blockDim.x) ks[(e / D) * ks_stride + e % D] = 0.0;
+    for (int e = slab_rows * D + tid; e < p.rows_per_cta * D; e += blockDim.x) ks[(e / D) * ks_stride + e % D] = 0.0;
     stage_as_doubles(v.qrows, p.P, D, qs, qs_stride, kbase, slab_rows, ks, ks_stride);
   }
   __syncthreads();
   stamp(p, 2);
 
-  const int q0 = warp * kTM, rows = imin(kTM, p.P - q0);
+  const int qgroups = (p.P + kTM - 1) / kTM, slab = warp / qgroups;
+  const int q0 = (warp - slab * qgroups) * kTM, rows = imin(kTM, p.P - q0);
   int qoff[kTM], koff[kTN];
 #pragma unroll
   for (int i = 0; i < kTM; ++i) qoff[i] = imin(q0 + i, p.P - 1) * qs_stride;
 #pragma unroll
-  for (int n = 0; n < kTN; ++n) koff[n] = (lane + 32 * n) * ks_stride;
+  for (int n = 0; n < kTN; ++n) koff[n] = (slab * kSlab + lane + 32 * n) * ks_stride;
   double acc[kTN][kTM];
   if (slab_rows > 0) dot_tile(qs, qoff, ks, koff, D, acc);
   stamp(p, 3);
 #pragma unroll
   for (int n = 0; n < kTN; ++n) {
-    const std::int64_t krow = tj.row_begin + lane + 32 * n;
+    const std::int64_t krow = tj.row_begin + slab * kSlab + lane + 32 * n;
     if (krow >= tj.row_end) continue;
     const std::int64_t j = krow >> p.rshift;
     const std::int64_t kfirst = j * kBlockK + (krow - (j << p.rshift)) * p.span;
@@ -1636,11 +1638,15 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
 
 void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int device,
                    cudaStream_t stream) {
-  const int threads = 32 * static_cast<int>(ceil_div(static_cast<std::int64_t>(p.P), static_cast<std::int64_t>(kTM)));
-  // One slab of key rows per CTA: tile16 R1 at 16K is 128 CTAs of 128 threads, R4 512 CTAs of 512.
-  p.rows_per_cta = kSlab;
+  const int qgroups = static_cast<int>(ceil_div(static_cast<std::int64_t>(p.P), static_cast<std::int64_t>(kTM)));
+  // Two slabs per CTA where the warps and the shared memory allow and a tile has more than one slab:
+  // fewer CTAs rank through global memory (tile16 R1 at 16K: 64 CTAs of 256 threads, each ranking its
+  // tile from shared memory); R4 with 16 query heads keeps one slab (512 threads).
+  const int slabs = qgroups <= 8 && p.Tk * p.r > kSlab && (p.P + 2 * kSlab) * (p.D + 4) <= kMaxStaged ? 2 : 1;
+  const int threads = 32 * qgroups * slabs;
+  p.rows_per_cta = kSlab * slabs;
   p.chunks = static_cast<int>(ceil_div(p.Tk * p.r, static_cast<std::int64_t>(p.rows_per_cta)));
-  const Smem L = smem_layout(p.P, p.D, p.rows_per_cta / p.r);
+  const Smem L = smem_layout(p.P, p.D, p.rows_per_cta, p.rows_per_cta / p.r);
   const std::size_t smem = p.chunks == 1 ? L.total + topk_smem(p.Tk) : std::max(L.total, topk_smem(p.Tk));
   if (smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
