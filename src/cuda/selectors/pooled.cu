@@ -1440,7 +1440,8 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
 // any screen around them: tile16 R1 at Lk = 16K is 16.8 M fused multiply-adds, about a microsecond of
 // the H200's float64 rate, while the int8 screen's phases (staging, two sweeps, queueing, ranking) ran
 // at about ten cycles per instruction each (docs/notes/selectors.md, pooled v3). A CTA stages the
-// job's query rows and a slab of 64 key rows in shared memory as doubles (each value converted once);
+// job's query rows and one or two slabs of 64 key rows in shared memory as doubles (each value
+// converted once);
 // a thread forms 4 query rows x 2 key rows of dots, 8 independent chains each over the columns in
 // order (the CPU's dot_f64: products of floats are exact in float64, so each fma rounds as the CPU's
 // add), reading the query rows as broadcasts (a warp shares them) and its key rows conflict-free. A
