@@ -1472,7 +1472,7 @@ inline bool applies(std::int64_t P, std::int64_t D) { return P <= kMaxRows && (P
 // R1 at 4K, 16K, 32K (4.2 M, 16.8 M, 33.6 M fmas) 27.8 / 33.0, 30.7 / 45.3, 40.9 / 57.8 us; R4 at 4K
 // (67 M) 33.2 / 50.8 us; R4 at 16K and 32K (268 M, 537 M) 83.5 / 58.7 and 149.3 / 95.1 us.
 constexpr std::int64_t kAutoMaxFma = std::int64_t{128} << 20;
-inline bool preferred(std::int64_t fmas) { return fmas <= kAutoMaxFma; }
+inline bool preferred(double fmas) { return fmas <= static_cast<double>(kAutoMaxFma); }
 
 struct Smem {
   std::size_t q, k, qlim, ekey, total;
@@ -1768,9 +1768,12 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const std::int64_t group = Hq / Hkv, P = group * r, jobs = B * Hkv * Tq;
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
-  if (screen == PooledScreen::automatic)
-    screen = exact_f64::applies(P, D) && exact_f64::preferred(jobs * P * Tk * r * D) ? PooledScreen::exact_f64
-                                                                                   : PooledScreen::int8_tensor_cores;
+  if (screen == PooledScreen::automatic) {
+    // float64 fmas of the call, in double: the product of the extents may not fit an int64
+    const double fmas = static_cast<double>(jobs) * static_cast<double>(P * D) * static_cast<double>(Tk * r);
+    screen = exact_f64::applies(P, D) && exact_f64::preferred(fmas) ? PooledScreen::exact_f64
+                                                                     : PooledScreen::int8_tensor_cores;
+  }
   else if (screen == PooledScreen::exact_f64 && !exact_f64::applies(P, D))
     throw Error(op, "q", "the float64 scoring kernel takes group * r <= " + std::to_string(exact_f64::kMaxRows) +
                              " query rows and (group * r + " + std::to_string(exact_f64::kSlab) + ") * (D + 4) <= " +
