@@ -24,50 +24,55 @@ std::string shape_string(const TensorView& t) {
   return os.str();
 }
 
+// The checks below run on every call of every operator: each builds its message only when it fails
+// (formatting a shape through a stream costs about a microsecond).
 void check_tensor(const std::string& op, const std::string& name, const TensorView& t, int ndim,
                   std::initializer_list<DType> dtypes) {
-  require(t.defined(), op, name, "is missing (null data pointer)");
-  require(t.ndim == ndim, op, name,
-          "expected " + std::to_string(ndim) + " dimensions, got " + std::to_string(t.ndim) + " (shape " +
-              shape_string(t) + ")");
+  if (!t.defined()) throw Error(op, name, "is missing (null data pointer)");
+  if (t.ndim != ndim)
+    throw Error(op, name, "expected " + std::to_string(ndim) + " dimensions, got " + std::to_string(t.ndim) +
+                              " (shape " + shape_string(t) + ")");
   bool ok = false;
-  std::string allowed;
-  for (DType d : dtypes) {
-    ok = ok || d == t.dtype;
-    allowed += (allowed.empty() ? "" : ", ") + std::string(dtype_name(d));
+  for (DType d : dtypes) ok = ok || d == t.dtype;
+  if (!ok) {
+    std::string allowed;
+    for (DType d : dtypes) allowed += (allowed.empty() ? "" : ", ") + std::string(dtype_name(d));
+    throw Error(op, name,
+                std::string("dtype ") + dtype_name(t.dtype) + " is not supported (expected one of " + allowed + ")");
   }
-  require(ok, op, name, std::string("dtype ") + dtype_name(t.dtype) + " is not supported (expected one of " + allowed + ")");
   for (int i = 0; i < t.ndim; ++i)
-    require(t.shape[static_cast<std::size_t>(i)] >= 0, op, name, "negative extent in shape " + shape_string(t));
+    if (t.shape[static_cast<std::size_t>(i)] < 0) throw Error(op, name, "negative extent in shape " + shape_string(t));
 }
 
 void check_shape(const std::string& op, const std::string& name, const TensorView& t,
                  std::initializer_list<std::int64_t> shape) {
   bool ok = static_cast<int>(shape.size()) == t.ndim;
-  std::ostringstream want;
-  want << '[';
   int i = 0;
   for (std::int64_t s : shape) {
     if (ok && s >= 0 && t.shape[static_cast<std::size_t>(i)] != s) ok = false;
-    want << (i ? ", " : "") << (s >= 0 ? std::to_string(s) : std::string("*"));
     ++i;
   }
+  if (ok) return;
+  std::ostringstream want;
+  want << '[';
+  i = 0;
+  for (std::int64_t s : shape) want << (i++ ? ", " : "") << (s >= 0 ? std::to_string(s) : std::string("*"));
   want << ']';
-  require(ok, op, name, "expected shape " + want.str() + ", got " + shape_string(t));
+  throw Error(op, name, "expected shape " + want.str() + ", got " + shape_string(t));
 }
 
 void check_last_contiguous(const std::string& op, const std::string& name, const TensorView& t) {
-  require(t.ndim == 0 || t.shape[static_cast<std::size_t>(t.ndim - 1)] <= 1 ||
-              t.stride[static_cast<std::size_t>(t.ndim - 1)] == 1,
-          op, name, "the last dimension must be contiguous (stride 1), got stride " +
-                        std::to_string(t.stride[static_cast<std::size_t>(t.ndim - 1)]));
+  const auto last = static_cast<std::size_t>(t.ndim - 1);
+  if (t.ndim == 0 || t.shape[last] <= 1 || t.stride[last] == 1) return;
+  throw Error(op, name, "the last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride[last]));
 }
 
 void check_same_device(const std::string& op, const std::string& name, const TensorView& t,
                        const std::string& ref_name, const TensorView& ref) {
-  require(t.device == ref.device && t.device_index == ref.device_index, op, name,
-          std::string("is on ") + device_name(t.device) + ":" + std::to_string(t.device_index) + " but '" + ref_name +
-              "' is on " + device_name(ref.device) + ":" + std::to_string(ref.device_index));
+  if (t.device == ref.device && t.device_index == ref.device_index) return;
+  throw Error(op, name, std::string("is on ") + device_name(t.device) + ":" + std::to_string(t.device_index) +
+                            " but '" + ref_name + "' is on " + device_name(ref.device) + ":" +
+                            std::to_string(ref.device_index));
 }
 
 void unsupported_device(const std::string& op, const std::string& name, const TensorView& t) {

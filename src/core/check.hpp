@@ -6,6 +6,8 @@
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "sparse_attn/error.hpp"
@@ -16,6 +18,15 @@ namespace sparse_attn::detail {
 
 inline void require(bool ok, const std::string& op, const std::string& arg, const std::string& message) {
   if (!ok) throw Error(op, arg, message);
+}
+
+/// As above with the message built only on failure: `message` is a callable returning it. Checks run on
+/// every call of every operator, and a message that formats numbers or shapes costs allocations (a
+/// stream-formatted shape about a microsecond) whether or not it is thrown.
+template <class Message>
+  requires std::is_invocable_r_v<std::string, Message>
+inline void require(bool ok, const std::string& op, const std::string& arg, Message&& message) {
+  if (!ok) throw Error(op, arg, std::forward<Message>(message)());
 }
 
 /// "[0, 3, 17]"
