@@ -106,10 +106,11 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
   const auto a = make_args("query_sparse", q, k, v, out, lse, options);
   require(options.partials == PartialPrecision::f32 || options.partials == PartialPrecision::bf16, "query_sparse",
-          "options.partials", "unknown partial precision " + std::to_string(static_cast<int>(options.partials)));
+          "options.partials",
+          [&] { return "unknown partial precision " + std::to_string(static_cast<int>(options.partials)); });
   require(options.schedule == QuerySchedule::kv_centric || options.schedule == QuerySchedule::group_centric,
           "query_sparse", "options.schedule",
-          "unknown schedule " + std::to_string(static_cast<int>(options.schedule)));
+          [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
   check_selection("query_sparse", lists, a.p, q, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::query_sparse(a.p, q, k, v, lists, out, lse, options);

@@ -10,7 +10,7 @@ using detail::require;
 float resolve_scale(const std::string& op, const std::optional<float>& scale, std::int64_t D) {
   if (!scale) return 1.0f / std::sqrt(static_cast<float>(D));
   require(std::isfinite(*scale) && *scale > 0.0f, op, "softmax_scale",
-          "must be finite and > 0, got " + std::to_string(*scale));
+          [&] { return "must be finite and > 0, got " + std::to_string(*scale); });
   return *scale;
 }
 
@@ -32,12 +32,15 @@ ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorV
   p.Lk = k.shape[1];
   p.Hkv = k.shape[2];
   p.causal = causal;
-  require(p.B > 0 && p.Lq > 0 && p.Hq > 0 && p.D > 0, op, "q", "every extent must be > 0, got " + shape_string(q));
-  require(p.Lk > 0 && p.Hkv > 0, op, "k", "every extent must be > 0, got " + shape_string(k));
+  require(p.B > 0 && p.Lq > 0 && p.Hq > 0 && p.D > 0, op, "q",
+          [&] { return "every extent must be > 0, got " + shape_string(q); });
+  require(p.Lk > 0 && p.Hkv > 0, op, "k", [&] { return "every extent must be > 0, got " + shape_string(k); });
   check_shape(op, "k", k, {p.B, -1, -1, p.D});
   check_shape(op, "v", v, {p.B, p.Lk, p.Hkv, p.D});
   require(p.Hq % p.Hkv == 0, op, "k",
-          "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" + std::to_string(p.Hkv) + ")");
+          [&] { return
+              "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" +
+              std::to_string(p.Hkv) + ")"; });
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}})
     check_last_contiguous(op, name, *t);
   resolve_scale(op, scale, p.D);
@@ -58,12 +61,16 @@ ProblemShape check_attention_args(const std::string& op, const TensorView& q, co
     detail::check_tensor(op, "out", out, 4, {DType::bf16, DType::f16, DType::f32});
   else
     detail::check_tensor(op, "out", out, 4, {DType::bf16, DType::f16});
-  require(k.dtype == q.dtype, op, "k", std::string("dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
-  require(v.dtype == q.dtype, op, "v", std::string("dtype ") + dtype_name(v.dtype) + " differs from q's " + dtype_name(q.dtype));
-  require(out.dtype == q.dtype, op, "out", std::string("dtype ") + dtype_name(out.dtype) + " differs from q's " + dtype_name(q.dtype));
+  require(k.dtype == q.dtype, op, "k",
+          [&] { return std::string("dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype); });
+  require(v.dtype == q.dtype, op, "v",
+          [&] { return std::string("dtype ") + dtype_name(v.dtype) + " differs from q's " + dtype_name(q.dtype); });
+  require(out.dtype == q.dtype, op, "out",
+          [&] { return std::string("dtype ") + dtype_name(out.dtype) + " differs from q's " + dtype_name(q.dtype); });
   detail::check_same_device(op, "out", out, "q", q);
   detail::check_shape(op, "out", out, {p.B, p.Lq, p.Hq, p.D});
-  if (!cpu) require(p.D == 64 || p.D == 128, op, "q", "head dim must be 64 or 128 on the GPU, got " + std::to_string(p.D));
+  if (!cpu) require(p.D == 64 || p.D == 128, op, "q",
+                    [&] { return "head dim must be 64 or 128 on the GPU, got " + std::to_string(p.D); });
   detail::check_last_contiguous(op, "out", out);
   if (lse) {
     detail::check_tensor(op, "lse", *lse, 3, {DType::f32});

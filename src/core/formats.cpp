@@ -127,16 +127,18 @@ std::string range_string(std::int64_t hi) { return "[0, " + std::to_string(hi) +
 
 void check_problem(const std::string& op, const ProblemShape& p) {
   require(p.B > 0 && p.Lq > 0 && p.Lk > 0 && p.Hq > 0 && p.Hkv > 0, op, "problem",
-          "every extent must be > 0, got " + p.describe());
+          [&] { return "every extent must be > 0, got " + p.describe(); });
   require(p.Hq % p.Hkv == 0, op, "problem",
-          "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" + std::to_string(p.Hkv) + ")");
+          [&] { return
+              "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" +
+              std::to_string(p.Hkv) + ")"; });
 }
 
 std::int64_t check_groups(const std::string& op, const std::string& arg, const TensorView& t, const ProblemShape& p) {
   const std::int64_t G = t.shape[1];
   require(G == p.Hkv || G == p.Hq, op, arg,
-          "dimension 1 (groups) is " + std::to_string(G) + " but must be Hkv = " + std::to_string(p.Hkv) +
-              " or Hq = " + std::to_string(p.Hq) + " (shape " + detail::shape_string(t) + ")");
+          [&] { return "dimension 1 (groups) is " + std::to_string(G) + " but must be Hkv = " + std::to_string(p.Hkv) +
+              " or Hq = " + std::to_string(p.Hq) + " (shape " + detail::shape_string(t) + ")"; });
   return G;
 }
 
@@ -313,8 +315,8 @@ std::int64_t selection_groups(const Selection& s, const ProblemShape& p, const s
           const std::string arg = std::is_same_v<T, QueryLists> ? "lists.idx" : "tokens.idx";
           detail::check_tensor(op, arg, sel.idx, 4, {DType::i32});
           require(sel.idx.shape[1] == p.Hkv, op, arg,
-                  "dimension 1 (groups) is " + std::to_string(sel.idx.shape[1]) + " but must be Hkv = " +
-                      std::to_string(p.Hkv));
+                  [&] { return "dimension 1 (groups) is " + std::to_string(sel.idx.shape[1]) + " but must be Hkv = " +
+                      std::to_string(p.Hkv); });
           return p.Hkv;
         }
       },
@@ -541,9 +543,9 @@ void selection_row(const Selection& s, const ProblemShape& p, std::int64_t b, st
                    std::uint8_t* row) {
   const std::string op = "selection_row";
   check_problem(op, p);
-  require(b >= 0 && b < p.B, op, "b", std::to_string(b) + " is out of range " + range_string(p.B));
-  require(h >= 0 && h < p.Hq, op, "h", std::to_string(h) + " is out of range " + range_string(p.Hq));
-  require(i >= 0 && i < p.Lq, op, "i", std::to_string(i) + " is out of range " + range_string(p.Lq));
+  require(b >= 0 && b < p.B, op, "b", [&] { return std::to_string(b) + " is out of range " + range_string(p.B); });
+  require(h >= 0 && h < p.Hq, op, "h", [&] { return std::to_string(h) + " is out of range " + range_string(p.Hq); });
+  require(i >= 0 && i < p.Lq, op, "i", [&] { return std::to_string(i) + " is out of range " + range_string(p.Lq); });
   require(row != nullptr, op, "row", "is null");
   check_row_meta(op, s, p);
   fill_row(op, s, p, b, h, i, row);

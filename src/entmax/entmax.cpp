@@ -246,10 +246,12 @@ EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v
   attention.stream = options.stream;
   const ProblemShape p = check_attention_args(kOp, q, k, v, out, std::nullopt, attention);
   detail::require(std::isfinite(options.alpha) && options.alpha > 1.0f, kOp, "options.alpha",
-                  "must be finite and > 1, got " + std::to_string(options.alpha));
+                  [&] { return "must be finite and > 1, got " + std::to_string(options.alpha); });
   detail::require(options.histogram_bins >= 2 && options.histogram_bins <= kMaxHistogramBins, kOp,
                   "options.histogram_bins",
-                  "must be in [2, " + std::to_string(kMaxHistogramBins) + "], got " + std::to_string(options.histogram_bins));
+                  [&] { return
+                      "must be in [2, " + std::to_string(kMaxHistogramBins) + "], got " +
+                      std::to_string(options.histogram_bins); });
   if (options.block_bits) {
     const TensorView& bb = *options.block_bits;
     detail::check_tensor(kOp, "options.block_bits", bb, 4, {DType::u32});

@@ -118,7 +118,7 @@ GatedStats gated_cpu(const TensorView& q, const TensorView& k, const TensorView&
   for (std::int64_t h = 0; h < thresholds.shape[0]; ++h)
     for (std::int64_t c = 0; c < thresholds.shape[1]; ++c)
       detail::require(!std::isnan(threshold_at(thresholds, h, c)), kOp, "thresholds",
-                      "NaN at " + detail::coord_string({h, c}));
+                      [&] { return "NaN at " + detail::coord_string({h, c}); });
 
   const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
   const std::int64_t Tq = p.Tq();
@@ -159,7 +159,7 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, 
   detail::check_same_device(kOp, "thresholds", thresholds, "q", q);
   detail::check_shape(kOp, "thresholds", thresholds, {p.Hq, -1});
   detail::require(thresholds.shape[1] >= 1, kOp, "thresholds",
-                  "needs at least one Q tile column, got shape " + detail::shape_string(thresholds));
+                  [&] { return "needs at least one Q tile column, got shape " + detail::shape_string(thresholds); });
   if (options.kept_per_tile) {
     const TensorView& kp = *options.kept_per_tile;
     detail::check_tensor(kOp, "options.kept_per_tile", kp, 3, {DType::i32});

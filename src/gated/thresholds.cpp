@@ -29,18 +29,19 @@ static_assert(std::endian::native == std::endian::little, "safetensors I/O assum
 void check_table(const ThresholdTable& t, const std::string& op) {
   detail::require(!t.budgets.empty(), op, "budgets", "the table holds no budget slice");
   detail::require(t.n_layers > 0 && t.n_heads > 0 && t.n_qtiles > 0, op, "values",
-                  "every extent must be > 0, got n_layers " + std::to_string(t.n_layers) + ", n_heads " +
-                      std::to_string(t.n_heads) + ", n_qtiles " + std::to_string(t.n_qtiles));
+                  [&] { return "every extent must be > 0, got n_layers " + std::to_string(t.n_layers) + ", n_heads " +
+                      std::to_string(t.n_heads) + ", n_qtiles " + std::to_string(t.n_qtiles); });
   const auto expected = static_cast<std::uint64_t>(t.budgets.size()) * static_cast<std::uint64_t>(t.n_layers) *
                         static_cast<std::uint64_t>(t.n_heads) * static_cast<std::uint64_t>(t.n_qtiles);
   detail::require(t.values.size() == expected, op, "values",
-                  "holds " + std::to_string(t.values.size()) + " values, expected " + std::to_string(expected) +
-                      " = budgets (" + std::to_string(t.budgets.size()) + ") x layers x heads x q tiles");
+                  [&] { return
+                      "holds " + std::to_string(t.values.size()) + " values, expected " + std::to_string(expected) +
+                      " = budgets (" + std::to_string(t.budgets.size()) + ") x layers x heads x q tiles"; });
 }
 
 void check_index(const std::string& op, const std::string& name, std::int64_t i, std::int64_t n) {
   detail::require(i >= 0 && i < n, op, name,
-                  std::to_string(i) + " is out of range [0, " + std::to_string(n) + ")");
+                  [&] { return std::to_string(i) + " is out of range [0, " + std::to_string(n) + ")"; });
 }
 
 std::int64_t parse_int(const std::string& path, const std::string& key, const std::string& text) {
@@ -52,7 +53,7 @@ std::int64_t parse_int(const std::string& path, const std::string& key, const st
     used = 0;
   }
   detail::require(used == text.size() && !text.empty(), kTableOp, path,
-                  "metadata '" + key + "' is not an integer: '" + text + "'");
+                  [&] { return "metadata '" + key + "' is not an integer: '" + text + "'"; });
   return value;
 }
 
@@ -65,7 +66,7 @@ float ThresholdTable::at(std::int64_t budget, std::int64_t layer, std::int64_t h
   check_index(kTableOp, "budget", budget, static_cast<std::int64_t>(budgets.size()));
   check_index(kTableOp, "layer", layer, n_layers);
   check_index(kTableOp, "head", head, n_heads);
-  detail::require(qtile >= 0, kTableOp, "qtile", "must be >= 0, got " + std::to_string(qtile));
+  detail::require(qtile >= 0, kTableOp, "qtile", [&] { return "must be >= 0, got " + std::to_string(qtile); });
   // Positions past the calibrated length reuse the last calibrated position (DESIGN §5.5).
   const std::int64_t t = std::min(qtile, n_qtiles - 1);
   return values[static_cast<std::size_t>(((budget * n_layers + layer) * n_heads + head) * n_qtiles + t)];
@@ -121,31 +122,33 @@ ThresholdTable ThresholdTable::load(const std::string& path) {
   const detail::SafetensorsFile file = detail::read_safetensors(path);
   const auto meta = [&](const std::string& key) -> const std::string& {
     const auto it = file.metadata.find(key);
-    detail::require(it != file.metadata.end(), kTableOp, path, "metadata key '" + key + "' is missing");
+    detail::require(it != file.metadata.end(), kTableOp, path, [&] { return "metadata key '" + key + "' is missing"; });
     return it->second;
   };
   const std::string& format = meta("format");
   detail::require(format == kFormat, kTableOp, path,
-                  "format '" + format + "' is not a threshold table (expected '" + std::string(kFormat) + "')");
+                  [&] { return
+                      "format '" + format + "' is not a threshold table (expected '" + std::string(kFormat) + "')"; });
 
   ThresholdTable table;
   table.tile_q = parse_int(path, "tile_q", meta("tile_q"));
   table.tile_k = parse_int(path, "tile_k", meta("tile_k"));
   // Block maxima depend on the tile shape; thresholds calibrated for another one are meaningless here.
   detail::require(table.tile_q == kTileQ && table.tile_k == kBlockK, kTableOp, path,
-                  "thresholds were calibrated for tiles of " + std::to_string(table.tile_q) + " x " +
+                  [&] { return "thresholds were calibrated for tiles of " + std::to_string(table.tile_q) + " x " +
                       std::to_string(table.tile_k) + ", this library uses " + std::to_string(kTileQ) + " x " +
-                      std::to_string(kBlockK));
+                      std::to_string(kBlockK); });
   table.model = meta("model");
 
   const detail::SafetensorsEntry& t = file.get("thresholds");
   const detail::SafetensorsEntry& b = file.get("budgets");
   detail::require(t.dtype == "F32" && t.shape.size() == 4, kTableOp, path,
-                  "tensor 'thresholds' must be F32 with 4 dimensions, got " + t.dtype + " with " +
-                      std::to_string(t.shape.size()));
+                  [&] { return "tensor 'thresholds' must be F32 with 4 dimensions, got " + t.dtype + " with " +
+                      std::to_string(t.shape.size()); });
   detail::require(b.dtype == "I64" && b.shape.size() == 1 && b.shape[0] == t.shape[0], kTableOp, path,
-                  "tensor 'budgets' must be I64 [" + std::to_string(t.shape[0]) + "], got " + b.dtype + " with " +
-                      std::to_string(b.shape.size()) + " dimensions");
+                  [&] { return
+                      "tensor 'budgets' must be I64 [" + std::to_string(t.shape[0]) + "], got " + b.dtype + " with " +
+                      std::to_string(b.shape.size()) + " dimensions"; });
   table.budgets.resize(static_cast<std::size_t>(b.shape[0]));
   detail::require(b.data.size() == table.budgets.size() * sizeof(std::int64_t), kTableOp, path,
                   "tensor 'budgets' has a byte size that does not match its shape");
@@ -160,7 +163,8 @@ ThresholdTable ThresholdTable::load(const std::string& path) {
   std::memcpy(table.values.data(), t.data.data(), t.data.size());
   check_table(table, kTableOp);
   for (std::size_t i = 0; i < n; ++i)
-    detail::require(!std::isnan(table.values[i]), kTableOp, path, "threshold " + std::to_string(i) + " is NaN");
+    detail::require(!std::isnan(table.values[i]), kTableOp, path,
+                    [&] { return "threshold " + std::to_string(i) + " is NaN"; });
   return table;
 }
 
@@ -172,11 +176,14 @@ Calibrator::Calibrator(std::vector<std::int64_t> budgets, std::int64_t n_layers,
   std::set<std::int64_t> seen;
   for (std::size_t i = 0; i < budgets_.size(); ++i) {
     detail::require(budgets_[i] >= 1, kCalibOp, "budgets",
-                    "budget " + std::to_string(budgets_[i]) + " at [" + std::to_string(i) + "] must be >= 1");
+                    [&] { return
+                        "budget " + std::to_string(budgets_[i]) + " at [" + std::to_string(i) + "] must be >= 1"; });
     detail::require(seen.insert(budgets_[i]).second, kCalibOp, "budgets",
-                    "budget " + std::to_string(budgets_[i]) + " at [" + std::to_string(i) + "] is repeated");
+                    [&] { return
+                        "budget " + std::to_string(budgets_[i]) + " at [" + std::to_string(i) + "] is repeated"; });
   }
-  detail::require(n_layers_ >= 1, kCalibOp, "n_layers", "must be >= 1, got " + std::to_string(n_layers_));
+  detail::require(n_layers_ >= 1, kCalibOp, "n_layers",
+                  [&] { return "must be >= 1, got " + std::to_string(n_layers_); });
   const std::size_t slices = budgets_.size() * static_cast<std::size_t>(n_layers_);
   sum_.resize(slices);
   n_.resize(slices);
@@ -201,14 +208,20 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
   p.Lk = k.shape[1];
   p.Hkv = k.shape[2];
   p.causal = true;
-  detail::require(p.B == 1, kCalibOp, "q", "expected one sample [1, L, Hq, D], got " + detail::shape_string(q));
-  detail::require(p.Lq > 0 && p.Hq > 0 && p.D > 0, kCalibOp, "q", "every extent must be > 0, got " + detail::shape_string(q));
-  detail::require(p.Hkv > 0, kCalibOp, "k", "every extent must be > 0, got " + detail::shape_string(k));
+  detail::require(p.B == 1, kCalibOp, "q",
+                  [&] { return "expected one sample [1, L, Hq, D], got " + detail::shape_string(q); });
+  detail::require(p.Lq > 0 && p.Hq > 0 && p.D > 0, kCalibOp, "q",
+                  [&] { return "every extent must be > 0, got " + detail::shape_string(q); });
+  detail::require(p.Hkv > 0, kCalibOp, "k", [&] { return "every extent must be > 0, got " + detail::shape_string(k); });
   detail::check_shape(kCalibOp, "k", k, {1, p.Lq, -1, p.D});
   detail::require(p.Hq % p.Hkv == 0, kCalibOp, "k",
-                  "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" + std::to_string(p.Hkv) + ")");
+                  [&] { return
+                      "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" +
+                      std::to_string(p.Hkv) + ")"; });
   detail::require(n_heads_ < 0 || n_heads_ == p.Hq, kCalibOp, "q",
-                  "has " + std::to_string(p.Hq) + " query heads, earlier samples had " + std::to_string(n_heads_));
+                  [&] { return
+                      "has " + std::to_string(p.Hq) + " query heads, earlier samples had " +
+                      std::to_string(n_heads_); });
   const float scale = resolve_scale(kCalibOp, softmax_scale, p.D);
 
   const std::int64_t T = p.Tq(), nb = static_cast<std::int64_t>(budgets_.size());
@@ -285,7 +298,7 @@ ThresholdTable Calibrator::finish() const {
   table.model = model_;
   for (std::int64_t l = 0; l < n_layers_; ++l) {
     detail::require(qtiles_[static_cast<std::size_t>(l)] > 0, kCalibOp, "layer",
-                    "layer " + std::to_string(l) + " has no calibration sample");
+                    [&] { return "layer " + std::to_string(l) + " has no calibration sample"; });
     table.n_qtiles = std::max(table.n_qtiles, qtiles_[static_cast<std::size_t>(l)]);
   }
   const std::int64_t nq = table.n_qtiles;

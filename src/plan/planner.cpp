@@ -119,9 +119,9 @@ SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p) {
 PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape& p, PartialPrecision partials,
                                 const CostModel& model) {
   const std::string op = "estimate_schedules";
-  require(p.D > 0 && p.Hkv > 0 && p.Hq % p.Hkv == 0, op, "p", "invalid problem shape " + p.describe());
+  require(p.D > 0 && p.Hkv > 0 && p.Hq % p.Hkv == 0, op, "p", [&] { return "invalid problem shape " + p.describe(); });
   require(partials == PartialPrecision::f32 || partials == PartialPrecision::bf16, op, "partials",
-          "unknown partial precision " + std::to_string(static_cast<int>(partials)));
+          [&] { return "unknown partial precision " + std::to_string(static_cast<int>(partials)); });
   const double group = double(p.group_size());
   // Both kernels' work per block is linear in D past the fixed per-visit costs the D = 64
   // measurement already includes; other head dims are scaled from the nearer measured one.

@@ -17,14 +17,14 @@ using detail::require;
 
 void check_partials(const std::string& op, PartialPrecision prec) {
   require(prec == PartialPrecision::f32 || prec == PartialPrecision::bf16, op, "options.partials",
-          "unknown partial precision " + std::to_string(static_cast<int>(prec)));
+          [&] { return "unknown partial precision " + std::to_string(static_cast<int>(prec)); });
 }
 
 // plan.hpp says why the group-centric schedule has no plan step.
 void check_schedule(const std::string& op, QuerySchedule s) {
   require(s == QuerySchedule::kv_centric, op, "options.schedule",
-          std::string("plan() and run() are the KV-centric schedule; ") + query_schedule_name(s) +
-              " has no plan step (call query_sparse with that schedule)");
+          [&] { return std::string("plan() and run() are the KV-centric schedule; ") + query_schedule_name(s) +
+              " has no plan step (call query_sparse with that schedule)"; });
 }
 
 void check_lists(const std::string& op, const QueryLists& lists, const ProblemShape& p, const TensorView& q) {
@@ -41,7 +41,7 @@ std::string shape_mismatch(const ProblemShape& got, const ProblemShape& planned)
 
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
   check_partials("query_sparse_workspace_bytes", partials);
-  require(Kq >= 0, "query_sparse_workspace_bytes", "Kq", "must be >= 0, got " + std::to_string(Kq));
+  require(Kq >= 0, "query_sparse_workspace_bytes", "Kq", [&] { return "must be >= 0, got " + std::to_string(Kq); });
 #if defined(SPARSE_ATTN_WITH_CUDA)
   return cuda_backend::query_sparse_workspace_bytes(p, Kq, partials);
 #else
@@ -76,11 +76,12 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
 #if defined(SPARSE_ATTN_WITH_CUDA)
   detail::check_tensor(op, "workspace", workspace, 1, {DType::u8});
   detail::check_same_device(op, "workspace", workspace, "q", q);
-  require(workspace.stride[0] == 1, op, "workspace", "must be contiguous, got " + workspace.describe());
+  require(workspace.stride[0] == 1, op, "workspace", [&] { return "must be contiguous, got " + workspace.describe(); });
   const std::size_t need = cuda_backend::query_sparse_workspace_bytes(p, plan.Kq, options.partials);
   require(static_cast<std::size_t>(workspace.shape[0]) >= need, op, "workspace",
-          "holds " + std::to_string(workspace.shape[0]) + " bytes; this problem needs " + std::to_string(need) +
-              " (query_sparse_workspace_bytes)");
+          [&] { return
+              "holds " + std::to_string(workspace.shape[0]) + " bytes; this problem needs " + std::to_string(need) +
+              " (query_sparse_workspace_bytes)"; });
   cuda_backend::query_sparse_plan(p, lists, workspace.data, static_cast<std::size_t>(workspace.shape[0]), options);
   plan.workspace = workspace;
   plan.planned = true;
@@ -97,17 +98,19 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
   require(plan.planned, op, "plan", "was not made by query_sparse_plan");
   const ProblemShape p = check_attention_args(op, q, k, v, out, lse, options);
   const ProblemShape& s = plan.shape;
-  require(p.B == s.B && p.Lq == s.Lq && p.Hq == s.Hq && p.D == s.D, op, "q", shape_mismatch(p, s));
-  require(p.Lk == s.Lk && p.Hkv == s.Hkv, op, "k", shape_mismatch(p, s));
+  require(p.B == s.B && p.Lq == s.Lq && p.Hq == s.Hq && p.D == s.D, op, "q", [&] { return shape_mismatch(p, s); });
+  require(p.Lk == s.Lk && p.Hkv == s.Hkv, op, "k", [&] { return shape_mismatch(p, s); });
   require(p.causal == s.causal, op, "options.causal",
-          std::string("is ") + (p.causal ? "true" : "false") + " but the plan was made with " + (s.causal ? "true" : "false"));
+          [&] { return
+              std::string("is ") + (p.causal ? "true" : "false") + " but the plan was made with " +
+              (s.causal ? "true" : "false"); });
   require(options.partials == plan.partials, op, "options.partials", "differs from the plan's");
   check_schedule(op, options.schedule);
   const float scale = resolve_scale(op, options.softmax_scale, p.D);
   require(scale == plan.scale, op, "softmax_scale",
-          std::to_string(scale) + " differs from the plan's " + std::to_string(plan.scale));
+          [&] { return std::to_string(scale) + " differs from the plan's " + std::to_string(plan.scale); });
   require(q.device == plan.device && q.device_index == plan.device_index, op, "q",
-          "is on " + q.describe() + ", not on the plan's device");
+          [&] { return "is on " + q.describe() + ", not on the plan's device"; });
   if (q.device == Device::cpu) {
     detail::cpu::AttentionArgs a{q, k, v, out, lse, p, scale};
     detail::cpu::query_sparse(a, plan.lists, plan.partials);

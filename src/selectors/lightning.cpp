@@ -30,7 +30,7 @@ struct LightningShape {
 
 LightningShape check_lightning_args(const std::string& op, const TensorView& qI, const TensorView& w,
                                     const TensorView& kI, const TensorView& idx, const LightningOptions& o) {
-  require(o.top_k >= 1, op, "options.top_k", "must be >= 1, got " + std::to_string(o.top_k));
+  require(o.top_k >= 1, op, "options.top_k", [&] { return "must be >= 1, got " + std::to_string(o.top_k); });
   detail::check_precision(op, o.precision);
   require(o.precision != IndexPrecision::fp4_e2m1, op, "options.precision",
           "fp4_e2m1 is not supported by the lightning indexer (use bf16 or fp8_e4m3)");
@@ -46,17 +46,21 @@ LightningShape check_lightning_args(const std::string& op, const TensorView& qI,
   s.Di = qI.shape[3];
   s.Lk = kI.shape[1];
   s.causal = o.causal;
-  require(s.B > 0 && s.Lq > 0 && s.HI > 0 && s.Di > 0, op, "qI", "every extent must be > 0, got " + detail::shape_string(qI));
-  require(s.Lk > 0, op, "kI", "every extent must be > 0, got " + detail::shape_string(kI));
+  require(s.B > 0 && s.Lq > 0 && s.HI > 0 && s.Di > 0, op, "qI",
+          [&] { return "every extent must be > 0, got " + detail::shape_string(qI); });
+  require(s.Lk > 0, op, "kI", [&] { return "every extent must be > 0, got " + detail::shape_string(kI); });
   detail::check_shape(op, "w", w, {s.B, s.Lq, s.HI});
   detail::check_shape(op, "kI", kI, {s.B, -1, s.Di});
   detail::check_last_contiguous(op, "qI", qI);
   detail::check_last_contiguous(op, "kI", kI);
   detail::check_tensor(op, "out.idx", idx, 4, {DType::i32});
   detail::check_shape(op, "out.idx", idx, {s.B, -1, s.Lq, -1});
-  require(idx.shape[1] > 0, op, "out.idx", "needs at least one group, got shape " + detail::shape_string(idx));
+  require(idx.shape[1] > 0, op, "out.idx",
+          [&] { return "needs at least one group, got shape " + detail::shape_string(idx); });
   require(idx.shape[3] >= o.top_k, op, "out.idx",
-          "capacity " + std::to_string(idx.shape[3]) + " is smaller than options.top_k = " + std::to_string(o.top_k));
+          [&] { return
+              "capacity " + std::to_string(idx.shape[3]) + " is smaller than options.top_k = " +
+              std::to_string(o.top_k); });
   detail::check_same_device(op, "out.idx", idx, "qI", qI);
   return s;
 }
@@ -75,7 +79,8 @@ LightningInputs prepare(const std::string& op, const TensorView& qI, const Tenso
       for (std::int64_t j = 0; j < s.HI; ++j) {
         const float x = *static_cast<const float*>(w.at({b, t, j}));
         require(std::isfinite(x), op, "w",
-                "holds the non-finite value " + std::to_string(x) + " at " + detail::coord_string({b, t, j}));
+                [&] { return
+                    "holds the non-finite value " + std::to_string(x) + " at " + detail::coord_string({b, t, j}); });
         in.w[static_cast<std::size_t>((b * s.Lq + t) * s.HI + j)] = x;
       }
   return in;

@@ -65,12 +65,13 @@ Representatives build_representatives(const TensorView& x, std::int64_t B, std::
 
 void check_pooled_args(const std::string& op, const TensorView& q, const TensorView& k, const TileLists& out,
                        const PooledOptions& o, PooledShape& s) {
-  require(o.top_k >= 1, op, "options.top_k", "must be >= 1, got " + std::to_string(o.top_k));
+  require(o.top_k >= 1, op, "options.top_k", [&] { return "must be >= 1, got " + std::to_string(o.top_k); });
   require(o.representatives == 1 || o.representatives == 4, op, "options.representatives",
-          "must be 1 or 4, got " + std::to_string(o.representatives));
+          [&] { return "must be 1 or 4, got " + std::to_string(o.representatives); });
   detail::check_tensor(op, "q", q, 4, {DType::bf16, DType::f16, DType::f32});
   detail::check_tensor(op, "k", k, 4, {DType::bf16, DType::f16, DType::f32});
-  require(k.dtype == q.dtype, op, "k", std::string("dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype));
+  require(k.dtype == q.dtype, op, "k",
+          [&] { return std::string("dtype ") + dtype_name(k.dtype) + " differs from q's " + dtype_name(q.dtype); });
   detail::check_same_device(op, "k", k, "q", q);
   s.B = q.shape[0];
   s.Lq = q.shape[1];
@@ -78,11 +79,14 @@ void check_pooled_args(const std::string& op, const TensorView& q, const TensorV
   s.D = q.shape[3];
   s.Lk = k.shape[1];
   s.Hkv = k.shape[2];
-  require(s.B > 0 && s.Lq > 0 && s.Hq > 0 && s.D > 0, op, "q", "every extent must be > 0, got " + detail::shape_string(q));
-  require(s.Lk > 0 && s.Hkv > 0, op, "k", "every extent must be > 0, got " + detail::shape_string(k));
+  require(s.B > 0 && s.Lq > 0 && s.Hq > 0 && s.D > 0, op, "q",
+          [&] { return "every extent must be > 0, got " + detail::shape_string(q); });
+  require(s.Lk > 0 && s.Hkv > 0, op, "k", [&] { return "every extent must be > 0, got " + detail::shape_string(k); });
   detail::check_shape(op, "k", k, {s.B, -1, -1, s.D});
   require(s.Hq % s.Hkv == 0, op, "k",
-          "query heads (" + std::to_string(s.Hq) + ") must be a multiple of KV heads (" + std::to_string(s.Hkv) + ")");
+          [&] { return
+              "query heads (" + std::to_string(s.Hq) + ") must be a multiple of KV heads (" +
+              std::to_string(s.Hkv) + ")"; });
   detail::check_last_contiguous(op, "q", q);
   detail::check_last_contiguous(op, "k", k);
   s.Tq = ceil_div(s.Lq, kTileQ);
@@ -92,7 +96,9 @@ void check_pooled_args(const std::string& op, const TensorView& q, const TensorV
   detail::check_tensor(op, "out.idx", out.idx, 4, {DType::i32});
   detail::check_shape(op, "out.idx", out.idx, {s.B, s.Hkv, s.Tq, -1});
   require(out.idx.shape[3] >= o.top_k, op, "out.idx",
-          "capacity Kmax = " + std::to_string(out.idx.shape[3]) + " is smaller than options.top_k = " + std::to_string(o.top_k));
+          [&] { return
+              "capacity Kmax = " + std::to_string(out.idx.shape[3]) + " is smaller than options.top_k = " +
+              std::to_string(o.top_k); });
   detail::check_tensor(op, "out.cnt", out.cnt, 3, {DType::i32});
   detail::check_shape(op, "out.cnt", out.cnt, {s.B, s.Hkv, s.Tq});
   detail::check_same_device(op, "out.idx", out.idx, "q", q);

@@ -87,19 +87,19 @@ const char* precision_name(IndexPrecision p) {
 void quantize_dequantize(float* row, std::int64_t n, IndexPrecision p, float tensor_scale) {
   const std::string op = "quantize_dequantize";
   detail::check_precision(op, p);
-  detail::require(n >= 0, op, "n", "must be >= 0, got " + std::to_string(n));
+  detail::require(n >= 0, op, "n", [&] { return "must be >= 0, got " + std::to_string(n); });
   detail::require(n == 0 || row != nullptr, op, "row", "is null");
   if (p == IndexPrecision::bf16) {
     for (std::int64_t i = 0; i < n; ++i) row[i] = round_bf16(row[i]);
     return;
   }
   detail::require(std::isfinite(tensor_scale) && tensor_scale >= 0.0f, op, "tensor_scale",
-                  "must be finite and >= 0, got " + std::to_string(tensor_scale));
+                  [&] { return "must be finite and >= 0, got " + std::to_string(tensor_scale); });
   if (tensor_scale == 0.0f) {
     // Only an all-zero tensor has scale 0; anything else in the row has no representation.
     for (std::int64_t i = 0; i < n; ++i)
       detail::require(row[i] == 0.0f, op, "tensor_scale",
-                      "is 0 but element " + std::to_string(i) + " is " + std::to_string(row[i]));
+                      [&] { return "is 0 but element " + std::to_string(i) + " is " + std::to_string(row[i]); });
     return;
   }
   if (p == IndexPrecision::fp8_e4m3) {
@@ -122,7 +122,7 @@ namespace detail {
 
 void check_precision(const std::string& op, IndexPrecision p) {
   require(p == IndexPrecision::bf16 || p == IndexPrecision::fp8_e4m3 || p == IndexPrecision::fp4_e2m1, op,
-          "options.precision", "unknown precision value " + std::to_string(static_cast<int>(p)));
+          "options.precision", [&] { return "unknown precision value " + std::to_string(static_cast<int>(p)); });
 }
 
 float precision_tensor_scale(IndexPrecision p, float amax) {
@@ -153,8 +153,8 @@ QuantizedTensor load_quantized(const std::string& op, const std::string& name, c
       // A non-finite value would poison the per-tensor scale (fp8, fp4) or every score it touches.
       for (std::int64_t d = 0; d < q.D; ++d)
         require(std::isfinite(dst[d]), op, name,
-                "holds the non-finite value " + std::to_string(dst[d]) + " at " +
-                    (three ? coord_string({b, l, d}) : coord_string({b, l, h, d})));
+                [&] { return "holds the non-finite value " + std::to_string(dst[d]) + " at " +
+                    (three ? coord_string({b, l, d}) : coord_string({b, l, h, d})); });
     }
   });
   float amax = 0.0f;

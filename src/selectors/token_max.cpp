@@ -37,7 +37,7 @@ struct IndexShape {
 
 IndexShape check_token_max_args(const std::string& op, const TensorView& qidx, const TensorView& kidx,
                                 const TokenMaxOptions& o) {
-  require(o.top_k >= 1, op, "options.top_k", "must be >= 1, got " + std::to_string(o.top_k));
+  require(o.top_k >= 1, op, "options.top_k", [&] { return "must be >= 1, got " + std::to_string(o.top_k); });
   detail::check_precision(op, o.precision);
   detail::check_tensor(op, "qidx", qidx, 4, {DType::bf16, DType::f16, DType::f32});
   detail::check_tensor(op, "kidx", kidx, 4, {DType::bf16, DType::f16, DType::f32});
@@ -51,11 +51,11 @@ IndexShape check_token_max_args(const std::string& op, const TensorView& qidx, c
   s.Hk = kidx.shape[2];
   s.causal = o.causal;
   require(s.B > 0 && s.Lq > 0 && s.Hkv > 0 && s.Di > 0, op, "qidx",
-          "every extent must be > 0, got " + detail::shape_string(qidx));
-  require(s.Lk > 0, op, "kidx", "every extent must be > 0, got " + detail::shape_string(kidx));
+          [&] { return "every extent must be > 0, got " + detail::shape_string(qidx); });
+  require(s.Lk > 0, op, "kidx", [&] { return "every extent must be > 0, got " + detail::shape_string(kidx); });
   detail::check_shape(op, "kidx", kidx, {s.B, -1, -1, s.Di});
   require(s.Hk == 1 || s.Hk == s.Hkv, op, "kidx",
-          "must have 1 or Hkv = " + std::to_string(s.Hkv) + " heads, got " + std::to_string(s.Hk));
+          [&] { return "must have 1 or Hkv = " + std::to_string(s.Hkv) + " heads, got " + std::to_string(s.Hk); });
   detail::check_last_contiguous(op, "qidx", qidx);
   detail::check_last_contiguous(op, "kidx", kidx);
   s.Tq = ceil_div(s.Lq, kTileQ);
@@ -65,7 +65,9 @@ IndexShape check_token_max_args(const std::string& op, const TensorView& qidx, c
 
 void check_capacity(const std::string& op, const std::string& name, const TensorView& idx, int top_k) {
   require(idx.shape[3] >= top_k, op, name,
-          "capacity " + std::to_string(idx.shape[3]) + " is smaller than options.top_k = " + std::to_string(top_k));
+          [&] { return
+              "capacity " + std::to_string(idx.shape[3]) + " is smaller than options.top_k = " +
+              std::to_string(top_k); });
 }
 
 // scores[j] = max over visible keys s of block j of q . k_s (kNone for blocks without one).

@@ -101,15 +101,17 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
          const TileLists* tiles, const TensorView& out, const std::optional<TensorView>& lse,
          const AttentionOptions& options) {
   using detail::require;
-  require(q.device == Device::cuda, op, "q", "the CUDA backend needs device tensors, got " + q.describe());
-  require(s.D == 64 || s.D == 128, op, "q", "the CUDA backend implements head dim 64 and 128, got " + std::to_string(s.D));
+  require(q.device == Device::cuda, op, "q",
+          [&] { return "the CUDA backend needs device tensors, got " + q.describe(); });
+  require(s.D == 64 || s.D == 128, op, "q",
+          [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(s.D); });
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   require(s.Lq <= kIntMax && s.Lk <= kIntMax && s.B * s.Hq * ceil_div(s.Lq, kTileQ) <= kIntMax, op, "q",
-          "problem too large for 32-bit tile indices: " + s.describe());
+          [&] { return "problem too large for 32-bit tile indices: " + s.describe(); });
   const auto out_addr = reinterpret_cast<std::uintptr_t>(out.data);
   require(out_addr % 4 == 0 && out.stride[0] % 2 == 0 && out.stride[1] % 2 == 0 && out.stride[2] % 2 == 0, op, "out",
-          "needs a 4-byte aligned base and even strides (pairs of elements are stored at once), got " +
-              out.describe());
+          [&] { return "needs a 4-byte aligned base and even strides (pairs of elements are stored at once), got " +
+              out.describe(); });
   if (lse) detail::check_same_device(op, "lse", *lse, "q", q);
 
   DeviceGuard guard(q.device_index, op);
@@ -156,11 +158,12 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
     detail::check_same_device(op, "tiles.cnt", cnt, "q", q);
     const std::int64_t G = idx.shape[1];
     require(G == s.Hkv || G == s.Hq, op, "tiles.idx",
-            "dim 1 must be Hkv (" + std::to_string(s.Hkv) + ") or Hq (" + std::to_string(s.Hq) + "), got " +
-                std::to_string(G));
+            [&] { return
+                "dim 1 must be Hkv (" + std::to_string(s.Hkv) + ") or Hq (" + std::to_string(s.Hq) + "), got " +
+                std::to_string(G); });
     detail::check_shape(op, "tiles.idx", idx, {s.B, G, s.Tq(), -1});
     detail::check_shape(op, "tiles.cnt", cnt, {s.B, G, s.Tq()});
-    require(idx.shape[3] <= kIntMax, op, "tiles.idx", "Kmax too large: " + idx.describe());
+    require(idx.shape[3] <= kIntMax, op, "tiles.idx", [&] { return "Kmax too large: " + idx.describe(); });
     p.idx = static_cast<const std::int32_t*>(idx.data);
     p.cnt = static_cast<const std::int32_t*>(cnt.data);
     p.Kmax = static_cast<int>(idx.shape[3]);

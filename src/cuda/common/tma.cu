@@ -53,7 +53,7 @@ bool tma_addressable(const TensorView& t) { return tma_obstacle(t).empty(); }
 CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t,
                                  std::uint32_t box_rows) {
   const std::string obstacle = tma_obstacle(t);
-  detail::require(obstacle.empty(), op, name, obstacle);
+  detail::require(obstacle.empty(), op, name, [&] { return obstacle; });
   constexpr std::int64_t elem = 2;
   const std::int64_t strides[3] = {t.stride[2], t.stride[1], t.stride[0]};
   CUtensorMap map;
@@ -69,8 +69,9 @@ CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name,
                                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   detail::require(r == CUDA_SUCCESS, op, name,
-                  "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)) + " for " +
-                      t.describe());
+                  [&] { return
+                      "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(r)) + " for " +
+                      t.describe(); });
   return map;
 }
 

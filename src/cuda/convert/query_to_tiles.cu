@@ -220,18 +220,21 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
   const long long tiles = p.B * p.Hkv * Tq;
   // A tile's slots and the chunk past them are indexed in int.
   const long long most_slots = (kIntMax - cv::kThreads * cv::kPer) / kTileQ;
-  require(Kq <= most_slots, kOp, "in.idx", "holds " + std::to_string(Kq) + " slots per query; the CUDA conversion takes at most " +
-                                               std::to_string(most_slots));
-  require(Kmax <= kIntMax, kOp, "out.idx", "capacity Kmax = " + std::to_string(Kmax) + " exceeds the 32-bit range");
+  require(Kq <= most_slots, kOp, "in.idx",
+          [&] { return "holds " + std::to_string(Kq) + " slots per query; the CUDA conversion takes at most " +
+                                               std::to_string(most_slots); });
+  require(Kmax <= kIntMax, kOp, "out.idx",
+          [&] { return "capacity Kmax = " + std::to_string(Kmax) + " exceeds the 32-bit range"; });
   require(p.Lk <= kIntMax && tiles <= kIntMax && p.B * p.Hkv * p.Lq * Kq < (1LL << 61), kOp, "p",
-          "too large for the CUDA conversion's 32-bit grid and ids: " + p.describe() + " with " + std::to_string(Kq) +
-              " slots per query");
+          [&] { return
+              "too large for the CUDA conversion's 32-bit grid and ids: " + p.describe() + " with " + std::to_string(Kq) +
+              " slots per query"; });
   if (options.trusted) {
     const long long most = std::min(Tk, std::min<long long>(kTileQ, p.Lq) * Kq);
     require(Kmax >= most, kOp, "out.idx",
-            "trusted conversion needs room for the largest possible union, min(Tk, min(128, Lq) * Kq) = " +
+            [&] { return "trusted conversion needs room for the largest possible union, min(Tk, min(128, Lq) * Kq) = " +
                 std::to_string(most) + " ids per tile, but Kmax is " + std::to_string(Kmax) +
-                " (without options.trusted the capacity is checked against the actual unions)");
+                " (without options.trusted the capacity is checked against the actual unions)"; });
   }
   DeviceGuard guard(in.idx.device_index);
   const auto stream = static_cast<cudaStream_t>(options.stream);
@@ -261,9 +264,9 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
                "cudaDeviceGetAttribute");
     const std::size_t room = static_cast<std::size_t>(optin) - sizeof(int) * cv::kWarps;
     require(smem <= room, kOp, "p",
-            "Lk = " + std::to_string(p.Lk) + " (" + std::to_string(Tk) + " blocks) needs a bit set of " +
+            [&] { return "Lk = " + std::to_string(p.Lk) + " (" + std::to_string(Tk) + " blocks) needs a bit set of " +
                 std::to_string(smem) + " bytes per Q tile, more than the " + std::to_string(room) +
-                " bytes of shared memory a CTA of this device can have");
+                " bytes of shared memory a CTA of this device can have"; });
     check_cuda(cudaFuncSetAttribute(cv::union_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                "shared memory attribute");
   }

@@ -65,12 +65,14 @@ Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
 
 void check_shape(const ProblemShape& p, std::int64_t Kq) {
   require(p.D == 64 || p.D == 128, kOp, "q",
-          "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D));
+          [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D); });
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   const Layout l = layout(p, Kq, PartialPrecision::f32);
   require(p.Lq <= kIntMax && p.Lk <= kIntMax && p.Lq * Kq <= kIntMax && l.rows <= kIntMax && l.max_items <= kIntMax,
           kOp, "lists.idx",
-          "problem too large for 32-bit entry indices: " + p.describe() + " with " + std::to_string(Kq) + " slots per query");
+          [&] { return
+              "problem too large for 32-bit entry indices: " + p.describe() + " with " + std::to_string(Kq) +
+              " slots per query"; });
 }
 
 qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
@@ -78,9 +80,10 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
   const std::int64_t Kq = lists.idx.shape[3];
   check_shape(p, Kq);
   const Layout l = layout(p, Kq, prec);
-  require(workspace != nullptr || l.total == 0, kOp, "workspace", "is empty; it needs " + std::to_string(l.total) + " bytes");
+  require(workspace != nullptr || l.total == 0, kOp, "workspace",
+          [&] { return "is empty; it needs " + std::to_string(l.total) + " bytes"; });
   require(bytes >= l.total, kOp, "workspace",
-          "holds " + std::to_string(bytes) + " bytes; this problem needs " + std::to_string(l.total));
+          [&] { return "holds " + std::to_string(bytes) + " bytes; this problem needs " + std::to_string(l.total); });
   require(reinterpret_cast<std::uintptr_t>(workspace) % 16 == 0, kOp, "workspace", "must be 16-byte aligned");
   qs::Params q;
   q.B = static_cast<int>(p.B);
@@ -111,12 +114,15 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
 
 // Rows are moved by 16-byte vector loads.
 void check_rows(const std::string& name, const TensorView& t) {
-  require(t.device == Device::cuda, kOp, name, "the CUDA backend needs device tensors, got " + t.describe());
+  require(t.device == Device::cuda, kOp, name,
+          [&] { return "the CUDA backend needs device tensors, got " + t.describe(); });
   require(t.dtype == DType::bf16 || t.dtype == DType::f16, kOp, name,
-          std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(t.dtype));
+          [&] { return std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(t.dtype); });
   require(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 &&
               t.stride[2] % 8 == 0,
-          kOp, name, "needs a 16-byte aligned base and strides that are multiples of 8 elements, got " + t.describe());
+          kOp, name,
+          [&] { return
+              "needs a 16-byte aligned base and strides that are multiples of 8 elements, got " + t.describe(); });
 }
 
 std::int32_t read_index(const std::int32_t* ptr, cudaStream_t stream) {
@@ -181,10 +187,12 @@ void* cached_workspace(int device, void* stream, std::size_t need) {
 // ---- group-centric ---------------------------------------------------------------------------------
 
 void check_out(const TensorView& out, const std::optional<TensorView>& lse) {
-  require(out.device == Device::cuda, kOp, "out", "the CUDA backend needs device tensors, got " + out.describe());
+  require(out.device == Device::cuda, kOp, "out",
+          [&] { return "the CUDA backend needs device tensors, got " + out.describe(); });
   require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
-          std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype));
-  if (lse) require(lse->device == Device::cuda, kOp, "lse", "must be on the device, got " + lse->describe());
+          [&] { return std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype); });
+  if (lse) require(lse->device == Device::cuda, kOp, "lse",
+                   [&] { return "must be on the device, got " + lse->describe(); });
 }
 
 qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int device, int version) {
@@ -192,9 +200,10 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
   const std::int64_t Kq = lists.idx.shape[3], G = p.group_size();
   const std::int64_t head_tiles = ceil_div(G, 16);
   require(head_tiles <= qs::kGroupWarps, kOp, "options.schedule",
-          "group_centric runs one query's heads of a group in one CTA of " + std::to_string(qs::kGroupWarps) +
+          [&] { return
+              "group_centric runs one query's heads of a group in one CTA of " + std::to_string(qs::kGroupWarps) +
               " x 16 rows: at most " + std::to_string(16 * qs::kGroupWarps) + " query heads per KV head, got " +
-              std::to_string(G) + " (use kv_centric)");
+              std::to_string(G) + " (use kv_centric)"; });
   qs::GroupParams g;
   g.B = static_cast<int>(p.B);
   g.Lq = static_cast<int>(p.Lq);
@@ -209,8 +218,8 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
   const std::int64_t per_bg = ceil_div(p.Lq, static_cast<std::int64_t>(g.cta_queries));
   require(p.Lq <= kIntMax && p.Lk <= kIntMax && Kq * g.cta_queries <= kIntMax && p.B * p.Hkv * per_bg <= kIntMax, kOp,
           "lists.idx",
-          "problem too large for the group-centric grid: " + p.describe() + " with " + std::to_string(Kq) +
-              " slots per query");
+          [&] { return "problem too large for the group-centric grid: " + p.describe() + " with " + std::to_string(Kq) +
+              " slots per query"; });
   g.ctas_per_bg = static_cast<int>(per_bg);
   g.words = static_cast<int>(ceil_div(p.Tk(), 32));
   g.union_cap = static_cast<int>(std::min<std::int64_t>(p.Tk(), Kq * g.cta_queries));
@@ -224,9 +233,9 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
              "cudaDeviceGetAttribute");
   const std::size_t smem = qs::group_smem_bytes(g, static_cast<int>(p.D));
   require(smem <= static_cast<std::size_t>(optin), kOp, "lists.idx",
-          "group_centric keeps the union of " + std::to_string(g.cta_queries) + " queries' lists (" +
+          [&] { return "group_centric keeps the union of " + std::to_string(g.cta_queries) + " queries' lists (" +
               std::to_string(Kq) + " slots each, " + std::to_string(p.Tk()) + " KV blocks) in shared memory: " +
-              std::to_string(smem) + " bytes exceed the device's " + std::to_string(optin) + " (use kv_centric)");
+              std::to_string(smem) + " bytes exceed the device's " + std::to_string(optin) + " (use kv_centric)"; });
   return g;
 }
 
@@ -235,18 +244,21 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
 void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
                         const QuerySparseOptions& options, int version) {
-  require(version >= 1 && version <= 3, kOp, "version", "group-centric kernel versions are 1 to 3, got " +
-                                                             std::to_string(version));
+  require(version >= 1 && version <= 3, kOp, "version", [&] { return "group-centric kernel versions are 1 to 3, got " +
+                                                             std::to_string(version); });
   check_rows("q", q);
   check_rows("k", k);
   check_rows("v", v);
   check_out(out, lse);
   require(reinterpret_cast<std::uintptr_t>(out.data) % 4 == 0 && out.stride[0] % 2 == 0 && out.stride[1] % 2 == 0 &&
               out.stride[2] % 2 == 0,
-          kOp, "out", "group_centric writes pairs of elements: it needs a 4-byte aligned base and even strides, got " +
-                          out.describe());
-  require(lists.idx.device == Device::cuda, kOp, "lists.idx", "must be on the device, got " + lists.idx.describe());
-  require(p.D == 64 || p.D == 128, kOp, "q", "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D));
+          kOp, "out",
+          [&] { return "group_centric writes pairs of elements: it needs a 4-byte aligned base and even strides, got " +
+                          out.describe(); });
+  require(lists.idx.device == Device::cuda, kOp, "lists.idx",
+          [&] { return "must be on the device, got " + lists.idx.describe(); });
+  require(p.D == 64 || p.D == 128, kOp, "q",
+          [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D); });
   DeviceGuard guard(q.device_index);
   qs::GroupParams g = group_params(p, lists, q.device_index, version);
   const auto stream = static_cast<cudaStream_t>(options.stream);
@@ -296,7 +308,8 @@ std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq,
 
 void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
                        const QuerySparseOptions& options) {
-  require(lists.idx.device == Device::cuda, kOp, "lists.idx", "must be on the device, got " + lists.idx.describe());
+  require(lists.idx.device == Device::cuda, kOp, "lists.idx",
+          [&] { return "must be on the device, got " + lists.idx.describe(); });
   DeviceGuard guard(lists.idx.device_index);
   const auto stream = static_cast<cudaStream_t>(options.stream);
   const qs::Params q = base_params(p, lists, workspace, bytes, options.partials);
@@ -333,8 +346,9 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
              "cudaDeviceGetAttribute");
   const std::size_t smem = qs::attend_smem(static_cast<int>(p.D));
   require(smem <= static_cast<std::size_t>(optin), kOp, "q",
-          "the KV-centric attention kernel needs " + std::to_string(smem) + " bytes of shared memory per CTA, the "
-              "device offers " + std::to_string(optin) + " (it is built for Hopper, sm_90a)");
+          [&] { return
+              "the KV-centric attention kernel needs " + std::to_string(smem) + " bytes of shared memory per CTA, the "
+              "device offers " + std::to_string(optin) + " (it is built for Hopper, sm_90a)"; });
   check_cuda(qs::launch_attend(prm, q.dtype == DType::bf16, static_cast<int>(p.D),
                                options.partials == PartialPrecision::bf16, &tm_k, &tm_v, sms, l.max_items,
                                static_cast<cudaStream_t>(options.stream)),
@@ -344,10 +358,12 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
 void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
                           const TensorView& out, const std::optional<TensorView>& lse,
                           const QuerySparseOptions& options) {
-  require(out.device == Device::cuda, kOp, "out", "the CUDA backend needs device tensors, got " + out.describe());
+  require(out.device == Device::cuda, kOp, "out",
+          [&] { return "the CUDA backend needs device tensors, got " + out.describe(); });
   require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
-          std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype));
-  if (lse) require(lse->device == Device::cuda, kOp, "lse", "must be on the device, got " + lse->describe());
+          [&] { return std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype); });
+  if (lse) require(lse->device == Device::cuda, kOp, "lse",
+                   [&] { return "must be on the device, got " + lse->describe(); });
   DeviceGuard guard(out.device_index);
   qs::Params prm = base_params(p, lists, workspace, bytes, options.partials);
   prm.out = out.data;
@@ -367,7 +383,7 @@ void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& 
   if (options.schedule == QuerySchedule::group_centric)
     return query_sparse_group(p, q, k, v, lists, out, lse, options, kGroupVersion);
   require(options.schedule == QuerySchedule::kv_centric, kOp, "options.schedule",
-          "unknown schedule " + std::to_string(static_cast<int>(options.schedule)));
+          [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
   check_rows("q", q);
   check_shape(p, lists.idx.shape[3]);
   const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
