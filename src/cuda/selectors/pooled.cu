@@ -1490,7 +1490,7 @@ __host__ __device__ inline Smem smem_layout(std::int64_t P, std::int64_t D, std:
 }
 
 // acc[n][i] = the CPU's dot_f64 of query row qs + qoff[i] with key row ks + koff[n] (both in shared
-// memory, doubles). Columns outside, rows inside: consecutive fmas belong to the 16 independent chains
+// memory, doubles). Columns outside, rows inside: consecutive fmas belong to the kTM x kTN independent chains
 // (a chain's next fma waits for the previous one's result), and every row is computed, so no predicate
 // keeps the compiler from interleaving them (the caller points rows past the group at valid rows and
 // ignores their sums).
