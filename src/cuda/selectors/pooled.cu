@@ -565,6 +565,34 @@ __device__ __forceinline__ TileJob tile_job(const ScoreParams& p) {
   return tj;
 }
 
+// The CTA's rows of means and its shared block maxima (ekey, one per block of the CTA).
+__device__ __forceinline__ CtaView cta_view(const ScoreParams& p, const TileJob& tj, unsigned long long* ekey) {
+  CtaView v;
+  v.qrows = p.qmean + tj.job * p.P * p.D;
+  v.krows = p.kmean + tj.bg * p.Tk * p.r * p.D;
+  v.ekey = ekey;
+  v.blk0 = tj.row_begin / p.r;
+  return v;
+}
+
+// Visibility of the pairs, shared by every scoring kernel: a pair counts iff key_first(its key row) <=
+// query_limit(its query row). query_limit: the last key position that query row `row` of the tile
+// starting at query i_first sees (causal), kNever - 1 without causality, -1 for an absent representative.
+__device__ __forceinline__ long long query_limit(const ScoreParams& p, std::int64_t i_first, int row) {
+  const std::int64_t first = i_first + static_cast<std::int64_t>(row % p.r) * p.span;
+  const std::int64_t qn = imin(p.Lq, first + p.span) - first;
+  if (qn <= 0) return -1;
+  return p.causal ? first + qn - 1 + (p.Lk - p.Lq) : kNever - 1;
+}
+// key_first: the first key position of key row `row` (>= 0), or kNever (above every limit) for an absent
+// representative or a block forced into the list (scored +inf, not by its pairs).
+__device__ __forceinline__ long long key_first(const ScoreParams& p, std::int64_t row, std::int64_t local_lo,
+                                               std::int64_t local_hi) {
+  const std::int64_t j = row >> p.rshift, first = j * kBlockK + (row - (j << p.rshift)) * p.span;
+  const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
+  return !forced && imin(p.Lk, first + p.span) > first ? first : kNever;
+}
+
 // The CTA's block scores (forced +inf, else the exact maximum; -inf where no pair counts), then the
 // exact top-k of the tile. With `local` (a CTA that holds all of its tile's blocks) they are ranked
 // from that shared-memory array; otherwise they go through global memory and the last of the tile's
@@ -617,7 +645,6 @@ __device__ __forceinline__ void evaluate_queued(const ScoreParams& p, const Tile
                                                 const uint2* cand, const unsigned* full, int n_queued, int cap,
                                                 std::int64_t k0, int krows) {
   const int tid = threadIdx.x;
-  const std::int64_t offset = p.Lk - p.Lq;
   const int queued = imin(n_queued, cap);
   for (int i = tid; i < queued; i += kThreads) evaluate_pair(p, v, cand[i].x, cand[i].y);
   if (n_queued <= cap) return;
@@ -626,10 +653,8 @@ __device__ __forceinline__ void evaluate_queued(const ScoreParams& p, const Tile
     const std::int64_t j = j0 + e / pairs;
     if (!full[j - v.blk0]) continue;
     const std::int64_t qrow = (e % pairs) / r, krow = j * r + e % r;
-    const std::int64_t qfirst = tj.i_first + (qrow % r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
-    const std::int64_t kfirst_pos = j * kBlockK + (krow % r) * p.span;
-    if (qn <= 0 || imin(p.Lk, kfirst_pos + p.span) <= kfirst_pos) continue;
-    if (p.causal && kfirst_pos > qfirst + qn - 1 + offset) continue;
+    // (a full block is never forced: a forced block's pairs are never queued)
+    if (key_first(p, krow, tj.local_lo, tj.local_hi) > query_limit(p, tj.i_first, static_cast<int>(qrow))) continue;
     evaluate_pair(p, v, static_cast<unsigned>(qrow), static_cast<unsigned>(krow));
   }
 }
@@ -659,7 +684,6 @@ __device__ __forceinline__ void stage_rows(const ScoreParams& p, unsigned char* 
   float* ql1 = reinterpret_cast<float*>(smem + L.ql1);
   float* kl1 = reinterpret_cast<float*>(smem + L.kl1);
   const int tid = threadIdx.x;
-  const std::int64_t offset = p.Lk - p.Lq;
   const int rs = smem_i8_stride(p.k32);
 
   __syncthreads();  // the previous pass is done with every staged array
@@ -711,28 +735,18 @@ __device__ __forceinline__ void stage_rows(const ScoreParams& p, unsigned char* 
     if (base == tid) {  // the row data, while the first batch is in flight
       for (int i = tid; i < kQM + kKN; i += kThreads) {
         if (i < kQM) {
-          long long lim = -1;
+          qlim[i] = i < qrows ? query_limit(p, i_first, q0 + i) : -1;
           if (i < qrows) {
-            const int a = (q0 + i) % p.r;
-            const std::int64_t first = i_first + static_cast<std::int64_t>(a) * p.span;
-            const std::int64_t qn = imin(p.Lq, first + p.span) - first;
-            if (qn > 0) lim = p.causal ? first + qn - 1 + offset : kNever - 1;
             qsc[i] = p.qscale[qbase + i];
             ql1[i] = p.ql1[qbase + i];
           }
-          qlim[i] = lim;
         } else {
           const int k = i - kQM;
-          long long first_key = kNever;
+          kfirst[k] = k < krows ? key_first(p, k0 + k, local_lo, local_hi) : kNever;
           if (k < krows) {
-            const std::int64_t row = k0 + k, j = row / p.r, c = row % p.r;
-            const std::int64_t first = j * kBlockK + c * p.span;
-            const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-            if (!forced && imin(p.Lk, first + p.span) > first) first_key = first;
             ksc[k] = p.kscale[kbase + k];
             kl1[k] = p.kl1[kbase + k];
           }
-          kfirst[k] = first_key;
         }
       }
     }
@@ -935,11 +949,7 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
   const int tid = threadIdx.x;
 
   const TileJob tj = tile_job(p);
-  CtaView v;
-  v.qrows = p.qmean + tj.job * p.P * p.D;
-  v.krows = p.kmean + tj.bg * p.Tk * p.r * p.D;
-  v.ekey = reinterpret_cast<unsigned long long*>(smem + L.ekey);
-  v.blk0 = tj.row_begin / p.r;
+  const CtaView v = cta_view(p, tj, reinterpret_cast<unsigned long long*>(smem + L.ekey));
 
   for (int i = tid; i < nblk; i += kThreads) {
     lkey[i] = key32(-INFINITY);
@@ -1204,29 +1214,14 @@ __device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, const C
   auto* qlim = reinterpret_cast<long long*>(smem + L.qlim);
   auto* kfirst = reinterpret_cast<long long*>(smem + L.kfirst);
   const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
-  const std::int64_t offset = p.Lk - p.Lq;
 
   __syncthreads();  // the previous pass is done with every staged array
   for (int i = tid; i < C::QM; i += C::kThreads) {
-    long long lim = -1;
-    if (i < qrows) {
-      const int a = (q0 + i) % p.r;
-      const std::int64_t first = i_first + static_cast<std::int64_t>(a) * p.span;
-      const std::int64_t qn = imin(p.Lq, first + p.span) - first;
-      if (qn > 0) lim = p.causal ? first + qn - 1 + offset : kNever - 1;
-    }
-    qlim[i] = lim;
+    qlim[i] = i < qrows ? query_limit(p, i_first, q0 + i) : -1;
     qss[i] = 0.0f;
   }
   for (int i = tid; i < C::KN; i += C::kThreads) {
-    long long first_key = kNever;
-    if (i < krows) {
-      const std::int64_t row = k0 + i, j = row / p.r, c = row % p.r;
-      const std::int64_t first = j * kBlockK + c * p.span;
-      const bool forced = (p.force_block0 && j == 0) || (j >= local_lo && j <= local_hi);
-      if (!forced && imin(p.Lk, first + p.span) > first) first_key = first;
-    }
-    kfirst[i] = first_key;
+    kfirst[i] = i < krows ? key_first(p, k0 + i, local_lo, local_hi) : kNever;
     kss[i] = 0.0f;
   }
 
@@ -1321,14 +1316,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kerne
   const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
 
   const TileJob tj = tile_job(p);
-  const std::int64_t job = tj.job, bg = tj.bg, i_first = tj.i_first;
+  const std::int64_t i_first = tj.i_first;
   const std::int64_t local_lo = tj.local_lo, local_hi = tj.local_hi, row_begin = tj.row_begin, row_end = tj.row_end;
 
-  CtaView v;
-  v.qrows = p.qmean + job * p.P * p.D;
-  v.krows = p.kmean + bg * p.Tk * p.r * p.D;
-  v.ekey = reinterpret_cast<unsigned long long*>(smem + L.ekey);
-  v.blk0 = row_begin / p.r;
+  const CtaView v = cta_view(p, tj, reinterpret_cast<unsigned long long*>(smem + L.ekey));
 
   for (int i = tid; i < nblk; i += C::kThreads) {
     lkey[i] = key32(-INFINITY);
@@ -1578,20 +1569,10 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
   const TileJob tj = tile_job(p);
-  CtaView v;
-  v.qrows = p.qmean + tj.job * p.P * p.D;
-  v.krows = p.kmean + tj.bg * p.Tk * p.r * p.D;
-  v.ekey = reinterpret_cast<unsigned long long*>(smem + L.ekey);
-  v.blk0 = tj.row_begin / p.r;
+  const CtaView v = cta_view(p, tj, reinterpret_cast<unsigned long long*>(smem + L.ekey));
 
   for (int i = tid; i < nblk; i += blockDim.x) v.ekey[i] = key64(-INFINITY);
-  // A pair counts iff its key group's first position is at most qlim of its query row: the last key
-  // position the query group sees under causality, kNever without it, -1 for an absent representative.
-  const std::int64_t offset = p.Lk - p.Lq;
-  for (int row = tid; row < p.P; row += blockDim.x) {
-    const std::int64_t qfirst = tj.i_first + (row % p.r) * p.span, qn = imin(p.Lq, qfirst + p.span) - qfirst;
-    qlim[row] = qn <= 0 ? -1 : (p.causal ? qfirst + qn - 1 + offset : kNever);
-  }
+  for (int row = tid; row < p.P; row += blockDim.x) qlim[row] = query_limit(p, tj.i_first, row);
   // The means and counters come from the representatives grid (a no-op without a programmatic launch).
   stamp(p, 0);
   pdl_wait();
@@ -1621,9 +1602,9 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
   for (int n = 0; n < kTN; ++n) {
     const std::int64_t krow = tj.row_begin + slab * kSlab + lane + 32 * n;
     if (krow >= tj.row_end) continue;
+    const long long kfirst = key_first(p, krow, tj.local_lo, tj.local_hi);
+    if (kfirst == kNever) continue;
     const std::int64_t j = krow >> p.rshift;
-    const std::int64_t kfirst = j * kBlockK + (krow - (j << p.rshift)) * p.span;
-    if (tj.forced(p, j) || kfirst >= p.Lk) continue;
     double best = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kTM; ++i)
