@@ -140,6 +140,12 @@ int first_difference(const sa::HostTensor& gpu, const sa::HostTensor& cpu, std::
   return bad;
 }
 
+// The public function (its automatic choice), then each scoring kernel explicitly: the float64 one (where
+// it applies), the int8 screen and the float32 screen of version 2a.
+using sa::cuda_backend::PooledScreen;
+constexpr PooledScreen kKernels[4] = {PooledScreen::automatic, PooledScreen::exact_f64, PooledScreen::int8_tensor_cores,
+                                      PooledScreen::fp32};
+
 struct Options {
   int r = 1, top_k = 4, kmax = 4;
   bool causal = false, force_local = true, force_block0 = false;
@@ -157,15 +163,10 @@ void expect_same(const std::string& name, const Input& q, const Input& k, const 
                     sa::TileLists{idx.view(), cnt.view()}, o);
 
   DevCopy dq(q.buf), dk(k.buf);
-  // The public function (its automatic choice) and each scoring kernel explicitly: the float64 one where
-  // it applies, the int8 screen and the float32 screen of version 2a.
   const bool exact_applies = sa::cuda_backend::pooled_exact_applies(q.H / k.H * opt.r, q.D);
   for (int screen = 0; screen < 4; ++screen) {
-    using sa::cuda_backend::PooledScreen;
-    const PooledScreen kinds[4] = {PooledScreen::automatic, PooledScreen::exact_f64, PooledScreen::int8_tensor_cores,
-                                   PooledScreen::fp32};
     const char* names[4] = {"public (automatic)", "float64 kernel", "int8 screen", "fp32 screen"};
-    if (kinds[screen] == PooledScreen::exact_f64 && !exact_applies) continue;
+    if (kKernels[screen] == PooledScreen::exact_f64 && !exact_applies) continue;
     const char* sname = names[screen];
     sa::HostTensor gidx = poisoned(idx.shape()), gcnt = poisoned(cnt.shape());
     DevCopy didx(gidx), dcnt(gcnt);
@@ -173,7 +174,7 @@ void expect_same(const std::string& name, const Input& q, const Input& k, const 
                             sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
     const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
     if (screen == 0) sa::pooled_select(qv, kv, out, o);
-    else sa::cuda_backend::pooled_select(qv, kv, out, o, kinds[screen]);
+    else sa::cuda_backend::pooled_select(qv, kv, out, o, kKernels[screen]);
     cuda_ok(cudaDeviceSynchronize(), "pooled_select");
     didx.download(gidx);
     dcnt.download(gcnt);
@@ -279,7 +280,6 @@ TEST(PooledGpu, RandomEqualsCpu) {
 // tile, or more staged rows than its shared memory holds): an Error naming q, the outputs untouched.
 TEST(PooledGpu, ExactKernelRefusesLargeGroups) {
   POOLED_SKIP_WITHOUT_GPU();
-  using sa::cuda_backend::PooledScreen;
   EXPECT_TRUE(sa::cuda_backend::pooled_exact_applies(64, 128));
   EXPECT_FALSE(sa::cuda_backend::pooled_exact_applies(65, 64));
   EXPECT_FALSE(sa::cuda_backend::pooled_exact_applies(32, 300));
@@ -606,12 +606,8 @@ TEST(PooledGpu, Timing) {
     const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
     for (int variant = 0; variant < 8; ++variant) {
       const int r = variant % 2 == 0 ? 1 : 4;
-      // The public function, then each scoring kernel for comparison (version 2a's float32 screen last).
-      using sa::cuda_backend::PooledScreen;
-      const PooledScreen screens[4] = {PooledScreen::automatic, PooledScreen::exact_f64, PooledScreen::int8_tensor_cores,
-                                       PooledScreen::fp32};
       const char* labels[4] = {"", "float64-kernel ", "int8-screen ", "fp32-screen "};
-      const PooledScreen screen = screens[variant / 2];
+      const PooledScreen screen = kKernels[variant / 2];
       const char* label = labels[variant / 2];
       const auto run = [&](const sa::PooledOptions& po) {
         if (screen == PooledScreen::automatic) sa::pooled_select(qv, kv, out, po);
@@ -714,7 +710,6 @@ TEST(PooledGpu, PhaseTimes) {
   constexpr int kMaxCtas = 1 << 14, P = sa::cuda_backend::kPooledPhases;
   unsigned long long* stamps = nullptr;
   cuda_ok(cudaMalloc(&stamps, sizeof(unsigned long long) * kMaxCtas * P), "cudaMalloc stamps");
-  using sa::cuda_backend::PooledScreen;
   constexpr int S = P - 1;  // stamps; the last value is the count of queued pairs (int8 kernel)
   const char* int8_names[S] = {"entry", "wait for representatives", "staging", "lower-bound screen", "test + queue",
                                "float64 evaluation", "other key passes", "ranking"};
