@@ -1134,6 +1134,22 @@ int rows_per_cta(std::int64_t jobs, std::int64_t rows_total, std::int64_t r, std
 }
 
 
+// Checks a scoring grid of `jobs` tiles x p.chunks CTAs with `smem` bytes of shared memory each and
+// launches it as a programmatic dependent of the representatives: its launch and prologue overlap
+// their tail.
+void launch_scoring(const std::string& op, void (*kernel)(ScoreParams), const ScoreParams& p, std::int64_t jobs,
+                    int threads, std::size_t smem, int max_smem, int device, cudaStream_t stream) {
+  if (smem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
+                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
+  const std::int64_t grid = jobs * p.chunks;
+  if (grid > INT_MAX)
+    throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
+  prepare_kernel(op, reinterpret_cast<const void*>(kernel), device, threads, smem);
+  launch_dependent(op, "scoring launch", kernel, dim3(static_cast<unsigned>(grid)), dim3(static_cast<unsigned>(threads)),
+                   smem, stream, p);
+}
+
 // ---- version 2a: the float32 screen on the CUDA cores (kept to compare with the int8 screen) --------
 //
 // Proof of its bound. Let f = the float32 dot (fmaf over d in any order), S the CPU's float64 chain,
@@ -1410,16 +1426,7 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
   const ScoreSmem L = score_smem(C::QM, C::KN, p.rows_per_cta / p.r);
   const std::size_t smem = std::max(L.total, topk_smem_threads(p.Tk, C::kThreads));
-  if (smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
-                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
-  const std::int64_t grid = jobs * p.chunks;
-  if (grid > INT_MAX)
-    throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
-  prepare_kernel(op, fn, device, C::kThreads, smem);
-  // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
-  launch_dependent(op, "scoring launch", pooled_score_kernel<C>, dim3(static_cast<unsigned>(grid)), dim3(C::kThreads), smem,
-                   stream, p);
+  launch_scoring(op, pooled_score_kernel<C>, p, jobs, C::kThreads, smem, max_smem, device, stream);
 }
 
 
@@ -1630,15 +1637,7 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   p.chunks = static_cast<int>(ceil_div(p.Tk * p.r, static_cast<std::int64_t>(p.rows_per_cta)));
   const Smem L = smem_layout(p.P, p.D, p.rows_per_cta, p.rows_per_cta / p.r);
   const std::size_t smem = p.chunks == 1 ? L.total + topk_smem(p.Tk) : std::max(L.total, topk_smem(p.Tk));
-  if (smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
-                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
-  const std::int64_t grid = jobs * p.chunks;
-  if (grid > INT_MAX)
-    throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
-  prepare_kernel(op, reinterpret_cast<const void*>(exact_score_kernel), device, threads, smem);
-  launch_dependent(op, "scoring launch", exact_score_kernel, dim3(static_cast<unsigned>(grid)),
-                   dim3(static_cast<unsigned>(threads)), smem, stream, p);
+  launch_scoring(op, exact_score_kernel, p, jobs, threads, smem, max_smem, device, stream);
 }
 
 }  // namespace exact_f64
@@ -1656,16 +1655,7 @@ void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int 
   p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
   const std::size_t scoring = score_smem(p.k32, p.rows_per_cta / p.r).total;
   const std::size_t smem = p.chunks == 1 ? scoring + topk_smem(p.Tk) : std::max(scoring, topk_smem(p.Tk));
-  if (smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "k", "Lk = " + std::to_string(p.Lk) + " gives " + std::to_string(p.Tk) +
-                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
-  const std::int64_t grid = jobs * p.chunks;
-  if (grid > INT_MAX)
-    throw Error(op, "q", "B * Hkv * Tq = " + std::to_string(jobs) + " tiles exceed the CUDA selector's grid");
-  prepare_kernel(op, fn, device, kThreads, smem);
-  // Programmatic dependent launch: the grid's launch and prologue overlap the representatives' tail.
-  launch_dependent(op, "scoring launch", pooled_score_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), smem,
-                   stream, p);
+  launch_scoring(op, pooled_score_kernel, p, jobs, kThreads, smem, max_smem, device, stream);
 }
 
 
