@@ -276,6 +276,44 @@ TEST(PooledGpu, RandomEqualsCpu) {
   }
 }
 
+// Every load width of the representatives kernel (16, 8 and 4-byte vectors, single elements) gives the CPU's
+// lists: the automatic choice takes the narrowest vector on shapes this small, so each width is forced here,
+// on views that allow 16 bytes (bf16 D = 128, f32 D = 80), only 8 or 4 (f16 D = 68, bf16 D = 30 + padding)
+// or none (a view one element into its buffer). A bad width is an Error naming `bytes`.
+TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
+  POOLED_SKIP_WITHOUT_GPU();
+  struct Reset {
+    ~Reset() { sa::cuda_backend::set_pooled_rep_vec(0); }
+  } reset;
+  const auto bf16 = sa::DType::bf16, f16 = sa::DType::f16, f32 = sa::DType::f32;
+  std::uint64_t seed = 7000;
+  for (int bytes : {16, 8, 4, 1}) {
+    sa::cuda_backend::set_pooled_rep_vec(bytes);
+    const std::string W = "load width " + std::to_string(bytes) + " ";
+    for (int r : {1, 4}) {
+      const std::string R = W + "R" + std::to_string(r) + " ";
+      const Input q = make_input(bf16, 2, 300, 8, 128, seed++), k = make_input(bf16, 2, 1000, 2, 128, seed++);
+      expect_same(R + "bf16 D=128", q, k, {r, 4, 4, true, true, false});
+      const Input q2 = make_input(f32, 1, 260, 4, 80, seed++), k2 = make_input(f32, 1, 700, 2, 80, seed++);
+      expect_same(R + "f32 D=80", q2, k2, {r, 3, 3, false, true, true});
+      const Input q3 = make_input(f16, 1, 200, 4, 68, seed++), k3 = make_input(f16, 1, 600, 1, 68, seed++);
+      expect_same(R + "f16 D=68", q3, k3, {r, 3, 4, true, false, false});
+      const Input q4 = make_input(bf16, 1, 150, 2, 30, seed++, 2, 0), k4 = make_input(bf16, 1, 500, 1, 30, seed++, 2, 0);
+      expect_same(R + "bf16 D=30 rows of 32", q4, k4, {r, 2, 2, false, true, false});
+      const Input q5 = make_input(bf16, 1, 140, 4, 64, seed++, 0, 1), k5 = make_input(bf16, 1, 520, 2, 64, seed++, 0, 1);
+      expect_same(R + "bf16 views one element in", q5, k5, {r, 3, 3, true, true, true});
+    }
+  }
+  for (int bad : {-1, 2, 32}) {
+    try {
+      sa::cuda_backend::set_pooled_rep_vec(bad);
+      ADD_FAILURE() << "width " << bad << " accepted";
+    } catch (const sa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("bytes"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // The float64 scoring kernel asked for explicitly where it does not apply (more than 64 query rows per
 // tile, or more staged rows than its shared memory holds): an Error naming q, the outputs untouched.
 TEST(PooledGpu, ExactKernelRefusesLargeGroups) {
@@ -582,6 +620,12 @@ TEST(PooledGpu, Timing) {
   POOLED_SKIP_WITHOUT_GPU();
   const char* env = std::getenv("SPARSE_ATTN_TIMING");
   if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time the pooled selector";
+  // SPARSE_ATTN_POOLED_REP_VEC forces the representatives' load width (set_pooled_rep_vec) for A/B runs.
+  const char* vec = std::getenv("SPARSE_ATTN_POOLED_REP_VEC");
+  sa::cuda_backend::set_pooled_rep_vec(vec != nullptr ? std::atoi(vec) : 0);
+  struct Reset {
+    ~Reset() { sa::cuda_backend::set_pooled_rep_vec(0); }
+  } reset;
   cudaDeviceProp prop{};
   cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const std::int64_t B = 2, Lq = 4096, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;

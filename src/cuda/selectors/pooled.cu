@@ -4,12 +4,14 @@
 // launch of the first:
 //
 //  1. representatives (q and k in one launch): a thread owns one row of means (one head, 128 / r
-//     tokens) and the W columns of 4 bytes of it (2 bf16/f16 values or 1 f32), so it runs W independent
-//     float64 column sums, each over the tokens in order (the CPU's order), with two batches of 16
-//     token loads in flight. On the H200 it reaches 45 % of the DRAM bandwidth at tile16 R1 (20 us at
-//     16K) whether a thread owns 8 or 4 bytes (15 % or 29 % of the warp slots filled) and with 28-40 %
-//     SM throughput: neither the float -> double conversions nor the warp count limit it (what does is
-//     open; see docs/notes/selectors.md, pooled v3). The float means are written
+//     tokens) and W of its columns, read as one aligned vector of 16, 8 or 4 bytes per token (single
+//     elements for views that allow none), so it runs W independent float64 column sums, each over the
+//     tokens in order (the CPU's order), with two batches of token loads in flight. The widest vector
+//     that still leaves 8 warps per SM is taken (rep_layout; more bytes per thread and fewer warps put
+//     fewer bytes in flight). On the H200 it reads 42 MB in 18-19 us at tile16 (R1 and R4, 16K), about
+//     half the DRAM bandwidth, with 18-31 % of the issue slots busy: the time follows neither the
+//     instruction count (halved by 16-byte loads without a gain) nor the warp count beyond that floor
+//     (docs/notes/selectors.md, pooled v3 and v5). The float means are written
 //     in a layout where the group * r query rows of one (b, group, Q tile) are contiguous, and beside
 //     them a two-level int8 copy for the screen: M = rint(mean / s), s = 2^e with max|mean| < 16256 s,
 //     split as M = 128 H + L with H in [-127, 127] and L in [-64, 63]; plus s and L1 = sum |M| (a
@@ -55,11 +57,13 @@
 // a synchronisation of that stream) only when a call needs more; a call being captured into a CUDA
 // graph takes stream-ordered memory instead (the graph owns it; capture never synchronises).
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <type_traits>
 
@@ -111,43 +115,63 @@ struct RepParams {
   std::int64_t n_counters;
 };
 
-// Loads of W columns of one token: one 4-byte word (kVec) or W elements, as floats in column order.
-template <In T, bool kVec>
+// Loads of W columns of one token, as floats in column order: one aligned vector of kVecBytes (16, 8 or
+// 4; W = kVecBytes / element size), or, with kVecBytes = 0, W = 4 / element size single elements.
+template <In T, int kVecBytes>
 struct RepIO {
   static constexpr int kBytes = T == In::f32 ? 4 : 2;
-  static constexpr int W = 4 / kBytes;
+  static constexpr int W = (kVecBytes ? kVecBytes : 4) / kBytes;
+  static constexpr int kWords = kVecBytes / 4;
   // Tokens of loads per batch; two batches are in flight per thread.
-  static constexpr int kBatch = kVec ? 16 : 8;
+  static constexpr int kBatch = kVecBytes == 16 ? 8 : 16;
   struct Raw {
-    std::conditional_t<kVec, unsigned, float[W]> v;
+    std::conditional_t<kVecBytes == 0, float[W], unsigned[kWords ? kWords : 1]> v;
   };
 
   __device__ static __forceinline__ void load(const char* p, int valid, Raw& r) {
-    if constexpr (kVec) {
-      r.v = __ldg(reinterpret_cast<const unsigned*>(p));
+    if constexpr (kVecBytes == 16) {
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+      r.v[0] = u.x, r.v[1] = u.y, r.v[2] = u.z, r.v[3] = u.w;
+    } else if constexpr (kVecBytes == 8) {
+      const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+      r.v[0] = u.x, r.v[1] = u.y;
+    } else if constexpr (kVecBytes == 4) {
+      r.v[0] = __ldg(reinterpret_cast<const unsigned*>(p));
     } else {
 #pragma unroll
       for (int e = 0; e < W; ++e) r.v[e] = e < valid ? load_elem<T>(p, e) : 0.0f;
     }
   }
   __device__ static __forceinline__ void to_float(const Raw& r, float (&f)[W]) {
-    if constexpr (!kVec) {
+    if constexpr (kVecBytes == 0) {
 #pragma unroll
       for (int e = 0; e < W; ++e) f[e] = r.v[e];
     } else {
-      const unsigned w = r.v;
-      if constexpr (T == In::f32) {
-        f[0] = __uint_as_float(w);
-      } else if constexpr (T == In::bf16) {  // the element at the lower address is the low half
-        f[0] = __uint_as_float(w << 16);
-        f[1] = __uint_as_float(w & 0xffff0000u);
-      } else {
-        f[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
-        f[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) {
+        const unsigned w = r.v[i];
+        if constexpr (T == In::f32) {
+          f[i] = __uint_as_float(w);
+        } else if constexpr (T == In::bf16) {  // the element at the lower address is the low half
+          f[2 * i] = __uint_as_float(w << 16);
+          f[2 * i + 1] = __uint_as_float(w & 0xffff0000u);
+        } else {
+          f[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+          f[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+        }
       }
     }
   }
 };
+
+// Stores the low W bytes of v (W = 1, 2, 4 or 8) at p, which is aligned to W bytes.
+template <int W>
+__device__ __forceinline__ void store_bytes(signed char* p, unsigned long long v) {
+  if constexpr (W == 8) *reinterpret_cast<unsigned long long*>(p) = v;
+  else if constexpr (W == 4) *reinterpret_cast<unsigned*>(p) = static_cast<unsigned>(v);
+  else if constexpr (W == 2) *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(v);
+  else *p = static_cast<signed char>(v);
+}
 
 // Reductions over the `group` threads of one row: an aligned power-of-two segment of a warp, or (group
 // > 32, then blockDim == group) the whole CTA through `red` (one slot per warp). Every thread of the
@@ -178,9 +202,9 @@ __device__ __forceinline__ int row_sum(int v, int group, int* red) {
   return v;
 }
 
-template <In T, bool kVec>
+template <In T, int kVecBytes>
 __global__ void __launch_bounds__(kRepMaxGroup) representatives_kernel(const __grid_constant__ RepParams p) {
-  using IO = RepIO<T, kVec>;
+  using IO = RepIO<T, kVecBytes>;
   constexpr int W = IO::W, U = IO::kBatch;
   __shared__ float red_f[kRepMaxGroup / 32];
   __shared__ int red_i[kRepMaxGroup / 32];
@@ -285,7 +309,7 @@ __global__ void __launch_bounds__(kRepMaxGroup) representatives_kernel(const __g
     }
   }
   const float inv = s > 0.0f ? 1.0f / s : 0.0f;  // a power of two: exact
-  unsigned hi = 0u, lo = 0u;
+  unsigned long long hi = 0u, lo = 0u;
   int l1 = 0;
 #pragma unroll
   for (int e = 0; e < W; ++e) {
@@ -293,18 +317,13 @@ __global__ void __launch_bounds__(kRepMaxGroup) representatives_kernel(const __g
     const int H = (M + 64) >> 7;  // floor: L = M - 128 H in [-64, 63], |H| <= 127 for |M| <= 16256
     const int Lo = M - 128 * H;
     l1 += abs(M);
-    hi |= (static_cast<unsigned>(H) & 0xffu) << (8 * e);
-    lo |= (static_cast<unsigned>(Lo) & 0xffu) << (8 * e);
+    hi |= static_cast<unsigned long long>(static_cast<unsigned>(H) & 0xffu) << (8 * e);
+    lo |= static_cast<unsigned long long>(static_cast<unsigned>(Lo) & 0xffu) << (8 * e);
   }
   l1 = row_sum(l1, p.group, red_i);
   signed char* d8 = x.i8 + row * 2 * p.i8_stride + col;
-  if constexpr (W == 2) {
-    *reinterpret_cast<unsigned short*>(d8) = static_cast<unsigned short>(hi);
-    *reinterpret_cast<unsigned short*>(d8 + p.i8_stride) = static_cast<unsigned short>(lo);
-  } else {
-    *d8 = static_cast<signed char>(hi);
-    d8[p.i8_stride] = static_cast<signed char>(lo);
-  }
+  store_bytes<W>(d8, hi);
+  store_bytes<W>(d8 + p.i8_stride, lo);
   if (c == 0) {
     x.scale[row] = s;
     x.l1[row] = static_cast<float>(l1);
@@ -1011,14 +1030,20 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
 
 // ---- host ---------------------------------------------------------------------------------------------
 
-bool aligned4(const TensorView& x, std::int64_t width) {
-  return reinterpret_cast<std::uintptr_t>(x.data) % 4 == 0 && x.stride[0] % width == 0 &&
-         x.stride[1] % width == 0 && x.stride[2] % width == 0 && x.shape[3] % width == 0;
+// Whether every token's D elements of x can be read as whole aligned vectors of `bytes`.
+bool vectorizable(const TensorView& x, int bytes) {
+  const auto es = static_cast<std::int64_t>(dtype_size(x.dtype));
+  return reinterpret_cast<std::uintptr_t>(x.data) % static_cast<std::uintptr_t>(bytes) == 0 &&
+         (x.stride[0] * es) % bytes == 0 && (x.stride[1] * es) % bytes == 0 && (x.stride[2] * es) % bytes == 0 &&
+         (x.shape[3] * es) % bytes == 0;
 }
 
-template <In T, bool kVec>
+// Load width of the representatives kernel forced by set_pooled_rep_vec (0: rep_layout chooses).
+std::atomic<int> g_rep_vec{0};
+
+template <In T, int kVecBytes>
 void launch_reps(const RepParams& p, std::int64_t blocks, int threads, cudaStream_t stream) {
-  representatives_kernel<T, kVec><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
+  representatives_kernel<T, kVecBytes><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p);
 }
 
 struct RepBuffers {
@@ -1028,31 +1053,63 @@ struct RepBuffers {
   float* l1[2];
 };
 
-// Columns per thread (W), threads per row and per CTA of the representatives kernel for this dtype and D.
+// Load width (vec bytes, 0 = single elements), columns per thread (W), threads per row and per CTA of the
+// representatives kernel for these inputs.
 struct RepLayout {
-  int W, cols, group, threads;
+  int vec, W, cols, group, threads;
   bool quantize;
   std::int64_t i8_stride;
 };
 
+// The widest load is taken only while it leaves this many warps per SM: every thread keeps two batches of
+// loads in flight, so wider loads with fewer warps put fewer bytes in flight per SM. H200, tile16 at 16K
+// (ncu, one launch; bf16, D = 128): R1 (1280 rows) 22.1 / 18.2 / 18.8 us with 16 / 8 / 4-byte loads (4.8,
+// 9.7 and 19.4 warps per SM), R4 (5120 rows) 18.8 / 19.6 / 19.8 us (19.4, 39 and 78 warps per SM).
+constexpr std::int64_t kRepMinWarpsPerSm = 8;
+
 // quantize_wanted: whether the scoring kernel reads the int8 copies (the float64 kernel does not).
-RepLayout rep_layout(DType dtype, std::int64_t D, bool quantize_wanted) {
-  RepLayout l{};
-  l.W = dtype == DType::f32 ? 1 : 2;
-  l.cols = static_cast<int>(ceil_div(D, static_cast<std::int64_t>(l.W)));
-  l.group = 1;
-  while (l.group < l.cols && l.group < 2 * kRepMaxGroup) l.group *= 2;
-  l.quantize = quantize_wanted && D <= kMaxScreenD && l.group <= kRepMaxGroup;
-  if (!l.quantize) l.group = l.cols;  // no reductions: any row width, one thread per W columns
-  l.threads = l.quantize ? std::max(kRepThreads, l.group) : kRepThreads;
-  l.i8_stride = static_cast<std::int64_t>(ceil_div(static_cast<std::int64_t>(l.group) * l.W, std::int64_t{16}) * 16);
-  return l;
+// rows: representative rows of q and k together.
+RepLayout rep_layout(const TensorView& q, const TensorView& k, std::int64_t rows, bool quantize_wanted, int sms) {
+  const std::int64_t D = q.shape[3];
+  const int es = static_cast<int>(dtype_size(q.dtype));
+  auto with = [&](int vec) {
+    RepLayout l{};
+    l.vec = vec;
+    l.W = (vec ? vec : 4) / es;
+    l.cols = static_cast<int>(ceil_div(D, static_cast<std::int64_t>(l.W)));
+    l.group = 1;
+    while (l.group < l.cols && l.group < 2 * kRepMaxGroup) l.group *= 2;
+    l.quantize = quantize_wanted && D <= kMaxScreenD && l.group <= kRepMaxGroup;
+    if (!l.quantize) l.group = l.cols;  // no reductions: any row width, one thread per W columns
+    l.threads = l.quantize ? std::max(kRepThreads, l.group) : kRepThreads;
+    l.i8_stride = static_cast<std::int64_t>(ceil_div(static_cast<std::int64_t>(l.group) * l.W, std::int64_t{16}) * 16);
+    return l;
+  };
+  // The widest vector the views allow that keeps kRepMinWarpsPerSm, else the narrowest they allow; a
+  // forced width takes the widest the views allow up to it (single elements for 1).
+  const int forced = g_rep_vec.load(std::memory_order_relaxed);
+  RepLayout pick = with(0);
+  for (int bytes : {4, 8, 16}) {
+    if ((forced != 0 && bytes > forced) || bytes < es || !vectorizable(q, bytes) || !vectorizable(k, bytes)) continue;
+    const RepLayout l = with(bytes);
+    if (forced != 0 || pick.vec == 0 || rows * l.group >= kRepMinWarpsPerSm * 32 * sms) pick = l;
+  }
+  return pick;
+}
+
+template <In T>
+void launch_reps_for(int vec, const RepParams& p, std::int64_t blocks, int threads, cudaStream_t stream) {
+  switch (vec) {
+    case 16: return launch_reps<T, 16>(p, blocks, threads, stream);
+    case 8: return launch_reps<T, 8>(p, blocks, threads, stream);
+    case 4: return launch_reps<T, 4>(p, blocks, threads, stream);
+    default: return launch_reps<T, 0>(p, blocks, threads, stream);
+  }
 }
 
 void representatives(const TensorView& q, const TensorView& k, std::int64_t r, std::int64_t group, const RepLayout& lay,
                      const RepBuffers& buf, unsigned* counters, std::int64_t n_counters, cudaStream_t stream) {
   const In type = in_type(q.dtype);
-  const bool vec = aligned4(q, lay.W) && aligned4(k, lay.W);
   RepParams p{};
   p.D = q.shape[3], p.r = r, p.span = kTileQ / r;
   p.cols = lay.cols, p.group = lay.group, p.quantize = lay.quantize, p.i8_stride = lay.i8_stride;
@@ -1075,9 +1132,9 @@ void representatives(const TensorView& q, const TensorView& k, std::int64_t r, s
   }
   const int th = lay.threads;
   switch (type) {
-    case In::f32: return vec ? launch_reps<In::f32, true>(p, blocks, th, stream) : launch_reps<In::f32, false>(p, blocks, th, stream);
-    case In::f16: return vec ? launch_reps<In::f16, true>(p, blocks, th, stream) : launch_reps<In::f16, false>(p, blocks, th, stream);
-    case In::bf16: return vec ? launch_reps<In::bf16, true>(p, blocks, th, stream) : launch_reps<In::bf16, false>(p, blocks, th, stream);
+    case In::f32: return launch_reps_for<In::f32>(lay.vec, p, blocks, th, stream);
+    case In::f16: return launch_reps_for<In::f16>(lay.vec, p, blocks, th, stream);
+    case In::bf16: return launch_reps_for<In::bf16>(lay.vec, p, blocks, th, stream);
   }
 }
 
@@ -1724,6 +1781,12 @@ void* scratch_for(const std::string& op, int device, cudaStream_t stream, std::s
 
 }  // namespace
 
+void set_pooled_rep_vec(int bytes) {
+  if (bytes != 0 && bytes != 16 && bytes != 8 && bytes != 4 && bytes != 1)
+    throw Error("set_pooled_rep_vec", "bytes", "is " + std::to_string(bytes) + "; expected 0, 16, 8, 4 or 1");
+  g_rep_vec.store(bytes, std::memory_order_relaxed);
+}
+
 bool pooled_exact_applies(std::int64_t rows, std::int64_t D) { return exact_f64::applies(rows, D); }
 
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o) {
@@ -1760,8 +1823,8 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
     throw Error(op, "q", "group * r = " + std::to_string(P) + " or Tk * r = " + std::to_string(Tk * r) +
                              " exceed the CUDA selector's row indices");
 
-  const RepLayout lay = rep_layout(q.dtype, D, !exact);
   const std::int64_t rows[2] = {B * Hq * Tq * r, B * Hkv * Tk * r};
+  const RepLayout lay = rep_layout(q, k, rows[0] + rows[1], !exact, multiprocessors(op, q.device_index));
   std::size_t offsets[9]{}, total = 0;
   auto carve = [&](std::size_t bytes) {
     const std::size_t at = total;

@@ -20,6 +20,12 @@ enum class PooledScreen {
 /// head dimension D (the automatic choice takes it then).
 bool pooled_exact_applies(std::int64_t rows, std::int64_t D);
 
+/// Load width of the representatives kernel, for tests and A/B timings (every width gives the same bits):
+/// 0 lets each call choose (the default: the widest aligned vector that leaves 8 warps per SM); 16, 8 or 4
+/// takes the widest vector up to that many bytes that the views allow; 1 loads single elements. Any other
+/// value throws an Error naming `bytes`. Process-wide.
+void set_pooled_rep_vec(int bytes);
+
 /// Values per CTA of a scoring kernel's profiling record (see kPhases in pooled.cu). The int8 kernel: eight
 /// global-timer stamps, then the number of pairs queued for float64 in the first key pass. The float64
 /// kernel: six stamps (entry, after the wait, after the staging, after the dots, after the block maxima,
