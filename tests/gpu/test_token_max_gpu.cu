@@ -183,6 +183,68 @@ __global__ void quantize_rows_kernel(const float* x, int rows, int n, float ts, 
 
 bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, 4) == 0; }
 
+// Quotients x / d of tc::div_rn against __fdiv_rn, bit for bit: `mode` 0 sweeps every exponent pair of
+// [-70, 70]^2 (past the fast path's [-60, 60] on both sides) with hashed mantissas and signs; mode 1 divides
+// every mantissa of one binade of x, both signs, by the divisor ds[blockIdx.y].
+__device__ unsigned test_hash(unsigned v) {
+  v ^= v >> 16;
+  v *= 0x7feb352du;
+  v ^= v >> 15;
+  v *= 0x846ca68bu;
+  return v ^ (v >> 16);
+}
+
+__global__ void division_mismatches(int mode, const float* ds, unsigned long long* bad, unsigned* example) {
+  const unsigned tid = blockIdx.x * blockDim.x + threadIdx.x;
+  float x, d;
+  if (mode == 0) {
+    const unsigned ex = tid / (141u * 64u), ed = (tid / 64u) % 141u, h = test_hash(tid);
+    if (ex >= 141u) return;
+    x = __uint_as_float(((h & 1u) << 31) | ((ex + 127u - 70u) << 23) | (test_hash(h) & 0x7fffffu));
+    d = __uint_as_float(((h & 2u) << 30) | ((ed + 127u - 70u) << 23) | (test_hash(h + 1u) & 0x7fffffu));
+  } else {
+    if (tid >= 2u << 23) return;
+    x = __uint_as_float(((tid >> 23) << 31) | (127u << 23) | (tid & 0x7fffffu));
+    d = ds[blockIdx.y];
+  }
+  const float a = sparse_attn::cuda_backend::tc::div_rn(x, sparse_attn::cuda_backend::tc::make_divisor(d));
+  const float b = __fdiv_rn(x, d);
+  if (__float_as_uint(a) != __float_as_uint(b)) {
+    if (atomicAdd(bad, 1ull) == 0ull) example[0] = __float_as_uint(x), example[1] = __float_as_uint(d);
+  }
+}
+
+TEST(TokenMaxGpu, DivisionMatchesFdivRn) {
+  SKIP_WITHOUT_GPU();
+  // Divisors as the tensor scales of the fp8 and fp4 paths produce them (amax / 448, amax / 2688) and
+  // block scales, plus mantissas at the ends of the binade.
+  const std::vector<float> divisors = {3.7f / 448.0f, 11.25f / 448.0f, 0.031f / 2688.0f, 1.0f, 1.0000001f, 1.9999999f,
+                                       0.75f * 0.0625f, 6.5e-7f, 12345.678f};
+  struct Buf {
+    void* ptr = nullptr;
+    explicit Buf(std::size_t bytes) { cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc"); }
+    ~Buf() { cudaFree(ptr); }
+  } dds(divisors.size() * sizeof(float)), dbad(sizeof(unsigned long long) + 2 * sizeof(unsigned));
+  cuda_ok(cudaMemcpy(dds.ptr, divisors.data(), divisors.size() * sizeof(float), cudaMemcpyHostToDevice), "upload");
+  for (int mode : {0, 1}) {
+    cuda_ok(cudaMemset(dbad.ptr, 0, sizeof(unsigned long long) + 2 * sizeof(unsigned)), "cudaMemset");
+    auto* bad = static_cast<unsigned long long*>(dbad.ptr);
+    auto* example = reinterpret_cast<unsigned*>(bad + 1);
+    const unsigned n = mode == 0 ? 141u * 141u * 64u : 2u << 23;
+    const dim3 grid((n + 255u) / 256u, mode == 0 ? 1u : static_cast<unsigned>(divisors.size()));
+    division_mismatches<<<grid, 256>>>(mode, static_cast<const float*>(dds.ptr), bad, example);
+    cuda_ok(cudaDeviceSynchronize(), "division_mismatches");
+    unsigned long long h_bad = 0;
+    unsigned h_ex[2] = {0, 0};
+    cuda_ok(cudaMemcpy(&h_bad, bad, sizeof(h_bad), cudaMemcpyDeviceToHost), "download");
+    cuda_ok(cudaMemcpy(h_ex, example, sizeof(h_ex), cudaMemcpyDeviceToHost), "download");
+    float x = 0, d = 0;
+    std::memcpy(&x, &h_ex[0], 4);
+    std::memcpy(&d, &h_ex[1], 4);
+    EXPECT_EQ(h_bad, 0u) << "mode " << mode << ": " << h_bad << " quotients differ, e.g. " << x << " / " << d;
+  }
+}
+
 // The device values equal the CPU's quantize_dequantize bit for bit (ties, subnormals, saturation, the
 // format boundaries, NaN), and the codes are exact in bf16 with value = fl(code * scale) for fp8.
 TEST(TokenMaxGpu, QuantisationEqualsCpu) {
@@ -258,6 +320,19 @@ std::vector<Case> shapes() {
 TEST(TokenMaxGpu, RandomEqualsCpu) {
   SKIP_WITHOUT_GPU();
   std::uint64_t seed = 7000;
+  for (auto prec : kPrecisions)
+    for (bool tiles : {false, true})
+      for (const auto& c : shapes()) run_random(c, prec, tiles, seed += 10);
+}
+
+// The same cases with plain launches instead of the programmatic chain (set_token_max_pdl(false)).
+TEST(TokenMaxGpu, PlainLaunchesEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  struct Reset {
+    ~Reset() { sa::cuda_backend::set_token_max_pdl(true); }
+  } reset;
+  sa::cuda_backend::set_token_max_pdl(false);
+  std::uint64_t seed = 9000;
   for (auto prec : kPrecisions)
     for (bool tiles : {false, true})
       for (const auto& c : shapes()) run_random(c, prec, tiles, seed += 10);
@@ -475,8 +550,10 @@ TEST(TokenMaxGpu, Timing) {
     const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
     Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, top_k})), dcnt(poisoned_i32({B, 1, Tq}));
     for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16, sa::IndexPrecision::fp4_e2m1})
-    for (int screen : {0, 1, 2}) {
+    for (int variant : {0, 3, 1, 2}) {  // 3: the default screen with plain launches (the programmatic chain off)
+      const int screen = variant == 3 ? 0 : variant;
       sa::cuda_backend::set_token_max_screen(screen);
+      sa::cuda_backend::set_token_max_pdl(variant != 3);
       sa::TokenMaxOptions o;
       o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = stream;
       const sa::TileLists out{didx.view, dcnt.view};
@@ -498,12 +575,14 @@ TEST(TokenMaxGpu, Timing) {
       const double med_us = 1000.0 * ms[iters / 2];
       const double tflops = 2.0 * B * Lq * Lk * Di / (med_us * 1e-6) / 1e12;
       std::printf("TIMING token_max %s %s Lk=%lld median_us=%.1f min_us=%.1f index_tflops=%.0f rescored=%llu/%llu\n",
-                  sa::precision_name(prec), screen == 0 ? "wgmma-ws" : screen == 1 ? "mma.sync" : "wgmma",
+                  sa::precision_name(prec),
+                  variant == 0 ? "wgmma-ws" : variant == 3 ? "wgmma-ws-plain" : screen == 1 ? "mma.sync" : "wgmma",
                   static_cast<long long>(Lk), med_us,
                   1000.0 * ms[0], tflops, rescored, cand);
     }
   }
   sa::cuda_backend::set_token_max_screen(0);
+  sa::cuda_backend::set_token_max_pdl(true);
   {  // stage breakdown of one TileLists call at Lk = 16K per precision (wgmma screen)
     const std::int64_t Lk = 16384, Tq = sa::ceil_div(Lq, sa::kTileQ);
     const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 15);

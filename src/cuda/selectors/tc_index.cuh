@@ -83,18 +83,13 @@ __device__ __forceinline__ float tensor_scale(int p, const unsigned int* amax_bi
 // the CPU's m = 2^(mant + 1) does; below the smallest normal (2^-6, 1): multiples of the subnormal
 // quantum (2^-9, 1/2) by rintf of an exact power-of-two scaling; saturation (448, 6) as the CPU's.
 __device__ __forceinline__ float e4m3_value(float y) {
-  if (isnan(y)) return __int_as_float(0x7fc00000);
+  // Every candidate is formed and one is selected, so a warp takes no branches here.
   const float a = fabsf(y);
-  float r;
-  if (a >= 448.0f) {
-    r = 448.0f;
-  } else if (a >= 0x1p-6f) {
-    const std::uint32_t u = __float_as_uint(a);
-    r = __uint_as_float((u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu);
-  } else {
-    r = rintf(a * 512.0f) * 0x1p-9f;
-  }
-  return copysignf(r, y);
+  const std::uint32_t u = __float_as_uint(a);
+  const float normal = __uint_as_float((u + 0x7ffffu + ((u >> 20) & 1u)) & ~0xfffffu);
+  const float sub = rintf(a * 512.0f) * 0x1p-9f;
+  const float r = a >= 448.0f ? 448.0f : a >= 0x1p-6f ? normal : sub;
+  return isnan(y) ? __int_as_float(0x7fc00000) : copysignf(r, y);
 }
 
 __device__ __forceinline__ float e2m1_value(float y) {
@@ -112,6 +107,33 @@ __device__ __forceinline__ float e2m1_value(float y) {
   return copysignf(r, y);
 }
 
+// x / d rounded to nearest even (IEEE, as __fdiv_rn), for a divisor shared by many quotients: its
+// reciprocal is refined once. The quotient is __fdiv_rn's own fast path (y0 = rcp.approx(d), y = y0 +
+// y0 (1 - d y0), q = x y, r = x - q d, q + r y: the same operations in the same order), taken only where
+// |x| and |d| lie in [2^-60, 2^60], far inside the range that path serves; anything else (zeros,
+// subnormals, huge values, NaN, infinities) goes through __fdiv_rn itself. DivisionMatchesFdivRn in the
+// token_max GPU tests compares the two bit for bit over every exponent pair of that range.
+struct Divisor {
+  float d, y;
+  bool fast;
+};
+
+__device__ __forceinline__ Divisor make_divisor(float d) {
+  float y0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(d));
+  const float ad = fabsf(d);
+  return {d, fmaf(y0, fmaf(-d, y0, 1.0f), y0), ad >= 0x1p-60f && ad <= 0x1p60f};
+}
+
+__device__ __forceinline__ float div_rn(float x, const Divisor& v) {
+  const float ax = fabsf(x);
+  if (v.fast && ax >= 0x1p-60f && ax <= 0x1p60f) {
+    const float q = __fmul_rn(x, v.y);
+    return fmaf(fmaf(-q, v.d, x), v.y, q);
+  }
+  return __fdiv_rn(x, v.d);
+}
+
 // fp4 values and codes of x[0, cnt), part of a 16-element block whose largest |x| is `amax` (the CPU's
 // block scale e4m3(amax / 6 / ts) * ts).
 __device__ __forceinline__ void fp4_values(const float* x, int cnt, float ts, float amax, float* v, float* code) {
@@ -121,11 +143,12 @@ __device__ __forceinline__ void fp4_values(const float* x, int cnt, float ts, fl
   }
   const float bs_code = e4m3_value(__fdiv_rn(__fdiv_rn(amax, 6.0f), ts));
   const float bs = __fmul_rn(bs_code, ts);
+  const Divisor by_bs = make_divisor(bs);
   for (int i = 0; i < cnt; ++i) {
     if (bs == 0.0f) {
       v[i] = code[i] = 0.0f;
     } else {
-      const float e = e2m1_value(__fdiv_rn(x[i], bs));
+      const float e = e2m1_value(div_rn(x[i], by_bs));
       v[i] = __fmul_rn(e, bs);
       code[i] = __fmul_rn(e, bs_code);  // exact: at most 6 significant bits
     }
@@ -143,8 +166,9 @@ __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts
       return;
     }
     if constexpr (P == Prec::fp8) {
+      const Divisor by_ts = make_divisor(ts);
       for (int i = 0; i < cnt; ++i) {
-        code[i] = e4m3_value(__fdiv_rn(x[i], ts));
+        code[i] = e4m3_value(div_rn(x[i], by_ts));
         v[i] = __fmul_rn(code[i], ts);
       }
     } else {
@@ -270,6 +294,8 @@ __device__ __forceinline__ PairSlice pair_slice(const IndexPair& pp) {
 /// translation units.)
 template <int R = kPrepRows>
 __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_constant__ IndexPair pp) {
+  sel::pdl_wait();  // no-ops unless launched as a programmatic dependent (launch_prepare_pair)
+  sel::pdl_launch_dependents();
   constexpr int G = kPrepG;
   const PairSlice ps = pair_slice(pp);
   const IndexSrc s = ps.which ? pp.src[1] : pp.src[0];
@@ -284,9 +310,7 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
   const bool flat = contiguous_rows(s) && n * es % 16 == 0;
   if (flat) {
     const auto* v = static_cast<const uint4*>(s.x);
-    for (std::int64_t i = static_cast<std::int64_t>(ps.block) * kPrepThreads + threadIdx.x; i < n * es / 16;
-         i += static_cast<std::int64_t>(ps.blocks) * kPrepThreads) {
-      const uint4 w = __ldg(v + i);
+    auto fold = [&](const uint4& w) {
       const unsigned u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -297,7 +321,19 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
           m = fmaxf(m, fabsf(bits16_to_float(u[k] >> 16, t)));
         }
       }
+    };
+    // Four loads in flight per thread (one at a time left the kernel at a third of the DRAM bandwidth).
+    constexpr int kInFlight = 4;
+    const std::int64_t nv = n * es / 16, stride = static_cast<std::int64_t>(ps.blocks) * kPrepThreads;
+    std::int64_t i = static_cast<std::int64_t>(ps.block) * kPrepThreads + threadIdx.x;
+    for (; i + (kInFlight - 1) * stride < nv; i += kInFlight * stride) {
+      uint4 w[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) w[u] = __ldg(v + i + u * stride);
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) fold(w[u]);
     }
+    for (; i < nv; i += stride) fold(__ldg(v + i));
   }
   for (std::int64_t row0 = (static_cast<std::int64_t>(ps.block) * (kPrepThreads / 32) + threadIdx.x / 32) * R;
        !flat && row0 < rows; row0 += warps * R) {
@@ -328,20 +364,23 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
 }
 
 // The group maxima of one CTA step: rows [0, n) of the step have group ids `group` (-1: no row) and norms
-// `norm`; the first row of each run of equal ids issues one atomic with the run's maximum (a group holds
-// 128 consecutive rows when H = 1; one atomic per row put 128 on each address, and same-address atomics
-// serialise in L2). Every thread of the CTA calls it; it ends with the barrier after which the arrays may
-// be rewritten.
+// `norm`. Each warp takes 32 of them at a time; the lanes holding one group id (__match_any_sync) reduce
+// their norms with __reduce_max_sync (norms are >= 0 or +inf, so their float bits order like the values)
+// and the lowest of them issues one atomic for the group. A group holds 128 consecutive rows when H = 1,
+// so a step usually issues one atomic per group it touches (one per row put 128 on each address, and
+// same-address atomics serialise in L2; a single thread scanning the run left the CTA waiting at the
+// barrier for a third of the kernel's time on the H200). Every thread of the CTA calls it; it ends with
+// the barrier after which the arrays may be rewritten.
 __device__ __forceinline__ void flush_group_maxima(const long long* group, const float* norm, int n, unsigned int* group_max) {
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < n) {
-    const int i = threadIdx.x;
-    const long long gi = group[i];
-    if (gi >= 0 && (i == 0 || group[i - 1] != gi)) {  // the first row of a run
-      float m = norm[i];  // norms are >= 0 (or +inf): their float bits order like the values
-      for (int j = i + 1; j < n && group[j] == gi; ++j) m = fmaxf(m, norm[j]);
-      atomicMax(group_max + gi, __float_as_uint(m));
-    }
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int base = static_cast<int>(threadIdx.x) - lane; base < n; base += static_cast<int>(blockDim.x)) {  // warp-uniform
+    const int i = base + lane;
+    const long long gi = i < n ? group[i] : -1;
+    const unsigned bits = i < n ? __float_as_uint(norm[i]) : 0u;
+    const unsigned same = __match_any_sync(0xffffffffu, gi);
+    const unsigned m = __reduce_max_sync(same, bits);
+    if (gi >= 0 && lane == __ffs(static_cast<int>(same)) - 1) atomicMax(group_max + gi, m);
   }
   __syncthreads();
 }
@@ -431,6 +470,8 @@ __device__ __forceinline__ void prepare_dense(const IndexSrc& s, In t, const Pre
 /// Codes, norms and group maxima of both tensors. Elements past Di (padding up to Dp) get zero codes.
 template <Prec P>
 __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid_constant__ IndexPair pp) {
+  sel::pdl_wait();  // no-ops unless launched as a programmatic dependent (launch_prepare_pair)
+  sel::pdl_launch_dependents();
   constexpr int R = kPrepRows, G = kPrepG;
   const PairSlice ps = pair_slice(pp);
   // Selected by value, not by a dynamic index into the parameter arrays (which the compiler copies to the stack).
@@ -541,10 +582,13 @@ inline void launch_amax_pair(const TensorView& a, const TensorView* b, unsigned 
   if (grid > 0) amax_pair_kernel<><<<grid, kPrepThreads, 0, stream>>>(pp);
 }
 
-/// Launches the amax (fp8, fp4) and the preparation of both index tensors on `stream`: two launches.
+/// Launches the amax (fp8, fp4) and the preparation of both index tensors on `stream`: two launches. With
+/// `dependent`, the preparation is a programmatic dependent of the amax (it waits for it in-kernel), so its
+/// launch overlaps the amax's tail; the first launch is always plain.
 inline void launch_prepare_pair(const TensorView& q, const TensorView& k, IndexPrecision prec, unsigned int* amax,
-                                const PrepOut& oq, const PrepOut& ok, cudaStream_t stream) {
-  if (prec != IndexPrecision::bf16) launch_amax_pair(q, &k, amax, stream);
+                                const PrepOut& oq, const PrepOut& ok, cudaStream_t stream, bool dependent = false) {
+  const bool has_amax = prec != IndexPrecision::bf16;
+  if (has_amax) launch_amax_pair(q, &k, amax, stream);
   IndexPair pp{};
   pp.src[0] = index_src(q), pp.type[0] = sel::in_type(q.dtype), pp.out[0] = oq;
   pp.src[1] = index_src(k), pp.type[1] = sel::in_type(k.dtype), pp.out[1] = ok;
@@ -552,11 +596,11 @@ inline void launch_prepare_pair(const TensorView& q, const TensorView& k, IndexP
   pp.blocks0 = pair_blocks(pp.src[0], 4096);
   const unsigned grid = pp.blocks0 + pair_blocks(pp.src[1], 4096);
   if (grid == 0) return;
-  switch (prec) {
-    case IndexPrecision::bf16: prepare_pair_kernel<Prec::bf16><<<grid, kPrepThreads, 0, stream>>>(pp); break;
-    case IndexPrecision::fp8_e4m3: prepare_pair_kernel<Prec::fp8><<<grid, kPrepThreads, 0, stream>>>(pp); break;
-    case IndexPrecision::fp4_e2m1: prepare_pair_kernel<Prec::fp4><<<grid, kPrepThreads, 0, stream>>>(pp); break;
-  }
+  void (*kernel)(IndexPair) = prec == IndexPrecision::bf16       ? prepare_pair_kernel<Prec::bf16>
+                              : prec == IndexPrecision::fp8_e4m3 ? prepare_pair_kernel<Prec::fp8>
+                                                                 : prepare_pair_kernel<Prec::fp4>;
+  if (dependent && has_amax) sel::launch_dependent("token_max_select", "preparation launch", kernel, dim3(grid), dim3(kPrepThreads), 0, stream, pp);
+  else kernel<<<grid, kPrepThreads, 0, stream>>>(pp);
 }
 
 // ---- the screening bound -----------------------------------------------------------------------------

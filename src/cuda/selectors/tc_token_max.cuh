@@ -15,6 +15,11 @@ void set_token_max_stats(unsigned long long* device_counters);
 /// (m16n8k16), 2 = wgmma (m64n128k16) with cp.async, every warp loading. All give the same ids.
 void set_token_max_screen(int kernel);
 
+/// Whether later calls launch each kernel after the first as a programmatic dependent of the one before
+/// (on by default; off for A/B timings). The ids are the same either way. Calls that record stage events
+/// (set_token_max_events) launch plainly.
+void set_token_max_pdl(bool on);
+
 /// While non-null, later calls record events[0 .. 5] on their stream: after the scratch memset, after
 /// the index preparation, the screening GEMM, the decision, the float64 re-scoring and the final ranking.
 void set_token_max_events(cudaEvent_t* events);

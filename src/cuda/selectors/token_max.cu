@@ -31,6 +31,7 @@
 // "Can rank before": hi_i > lo_j, or hi_i == lo_j and i < j; "certainly": lo_i > hi_j, or lo_i == hi_j
 // and i < j (equal bounds force equal scores, and the tie goes to the lower id).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -66,6 +67,7 @@ enum Cls : unsigned char { kOut = 0, kUndecided = 1, kIn = 2 };
 
 unsigned long long* g_stats = nullptr;  // optional device counters, see tc_token_max.cuh
 int g_screen = 0;                       // screening kernel, see tc_token_max.cuh
+std::atomic<bool> g_pdl{true};          // programmatic launches, see tc_token_max.cuh
 cudaEvent_t* g_events = nullptr;        // optional stage events, see tc_token_max.cuh
 
 struct Shape {
@@ -96,10 +98,23 @@ std::size_t screen_smem(std::int64_t Dp) {
   return static_cast<std::size_t>(3 * kTileQ * (Dp + kPitchPad)) * 2 + 2 * kTileQ * sizeof(float);
 }
 
+// Every kernel after the preparation starts here. With programmatic launches (set_token_max_pdl, on by
+// default) each is a dependent of the kernel before it: it may be scheduled while that one drains and
+// waits here until it has completed (its memory visible). The short kernels then let the next one be
+// scheduled at once (kTrigger); the screens do not, so the decision's CTAs are not resident beside them
+// for the whole screen (which cost the 32K fp8 call 22 us on the H200): their trigger is their exit.
+// Launched plainly, both are no-ops.
+template <bool kTrigger = true>
+__device__ __forceinline__ void chain_start() {
+  sel::pdl_wait();
+  if constexpr (kTrigger) sel::pdl_launch_dependents();
+}
+
 // grid: (Tq, B * Hkv, splits). The CTA's 128 query code rows stay in shared memory; KV blocks stream
 // through two cp.async stages.
 template <bool kTiles>
 __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const ScreenParams p) {
+  chain_start<false>();
   extern __shared__ __align__(128) unsigned char smem[];
   const Shape& s = p.s;
   const int pitch = static_cast<int>(s.Dp) + kPitchPad;
@@ -224,6 +239,7 @@ std::size_t screen_wg_smem(std::int64_t Dp) {
 // runs). One wave of CTAs: no tail of partial waves, one Q load per run.
 template <bool kTiles, int kHalves>
 __global__ void __launch_bounds__(kScreenThreads, 2) screen_wgmma_kernel(const ScreenParams p) {
+  chain_start<false>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Shape& s = p.s;
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -381,6 +397,7 @@ __device__ __forceinline__ WsRun ws_run(const Shape& s, std::int64_t u, std::int
 
 template <bool kTiles, int kHalves>
 __global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_constant__ WsParams p) {
+  chain_start<false>();
   using Lay = WsLayout<kHalves>;
   constexpr int kStages = Lay::kStages;
   namespace ck = cuda_kernels;
@@ -646,6 +663,7 @@ std::size_t finish_smem(std::int64_t Tk) {
 // grid: R lists.
 template <bool kTiles>
 __global__ void __launch_bounds__(kRankThreads) decide_kernel(const RankParams p) {
+  chain_start();
   extern __shared__ __align__(16) unsigned char smem[];
   const Shape& s = p.s;
   float* lo = reinterpret_cast<float*>(smem);
@@ -767,6 +785,7 @@ std::size_t rescore_smem(std::int64_t Di) {
 // grid: any; each CTA walks the units of the queue (item u / KS, key part u % KS).
 template <bool kTiles>
 __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreParams p) {
+  chain_start();
   using RS = RescoreShape<kTiles>;
   using KeyT = typename RS::KeyT;
   constexpr int QC = RS::QC, KU = RS::KU, KS = RS::KS, QT = RS::QT;
@@ -875,6 +894,7 @@ __global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreP
 // grid: R lists; only lists with undecided blocks work.
 template <bool kTiles>
 __global__ void __launch_bounds__(kRankThreads) finish_kernel(const RankParams p) {
+  chain_start();
   extern __shared__ __align__(16) unsigned char smem[];
   const Shape& s = p.s;
   const std::int64_t row = blockIdx.x;
@@ -1011,6 +1031,13 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   sel::StreamScratch scratch(off, stream, op);
   check_cuda(cudaMemsetAsync(scratch.as<void>(0), 0, zero_bytes, stream), op, "cudaMemsetAsync");
   auto* words = scratch.as<unsigned int>(o_words);  // [0], [1]: amax of qidx, kidx; [2]: queue length
+  // Every launch after the first a programmatic dependent of the one before (chain_start), unless the
+  // stage events are being recorded between them.
+  const bool pdl = g_pdl.load(std::memory_order_relaxed) && g_events == nullptr;
+  auto launch = [&](const char* what, auto kernel, dim3 grid, dim3 block, std::size_t smem, const auto& params) {
+    if (pdl) sel::launch_dependent(op, what, kernel, grid, block, smem, stream, params);
+    else kernel<<<grid, block, smem, stream>>>(params);
+  };
   auto mark = [&](int stage) {
     if (g_events != nullptr) check_cuda(cudaEventRecord(g_events[stage], stream), op, "cudaEventRecord");
   };
@@ -1019,7 +1046,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   launch_prepare_pair(qidx, kidx, o.precision, words,
                       PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned int>(o_qmax), s.Dp},
                       PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned int>(o_kmax), s.Dp},
-                      stream);
+                      stream, pdl);
 
   mark(1);
   int sms = 0;
@@ -1052,9 +1079,9 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
     const std::int64_t units = tiles * s.Tk;
     const std::int64_t ctas = imin<std::int64_t>(units, static_cast<std::int64_t>(sms));
     wp.per_cta = ceil_div(units, ctas);
-    ws<<<static_cast<unsigned>(ceil_div(units, wp.per_cta)), kWsThreads, ws_smem, stream>>>(wp);
+    launch("screen launch", ws, dim3(static_cast<unsigned>(ceil_div(units, wp.per_cta))), dim3(kWsThreads), ws_smem, wp);
   } else {
-    screen<<<sgrid, kScreenThreads, use_wgmma ? wg_smem : sc_smem, stream>>>(sp);
+    launch("screen launch", screen, sgrid, dim3(kScreenThreads), use_wgmma ? wg_smem : sc_smem, sp);
   }
   mark(2);
 
@@ -1086,7 +1113,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   rp.s = s;
   rp.top_k = o.top_k;
   rp.reserve_local = o.reserve_local;
-  decide_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
+  launch("decision launch", decide_kernel<kTiles>, dim3(static_cast<unsigned>(R)), dim3(kRankThreads), rk_smem, rp);
   mark(3);
 
   RescoreParams xp{index_src(qidx), index_src(kidx), scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc),
@@ -1094,9 +1121,10 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   // Enough CTAs for every unit of a typical queue to start at once (a handful of undecided blocks per
   // list); a long queue is walked by the same CTAs.
   const std::int64_t rgrid = imin<std::int64_t>(4 * static_cast<std::int64_t>(sms), cap * RescoreShape<kTiles>::KS);
-  rescore_kernel<kTiles><<<static_cast<unsigned>(imax<std::int64_t>(1, rgrid)), kRescoreThreads, rs_smem, stream>>>(xp);
+  launch("re-scoring launch", rescore_kernel<kTiles>, dim3(static_cast<unsigned>(imax<std::int64_t>(1, rgrid))),
+         dim3(kRescoreThreads), rs_smem, xp);
   mark(4);
-  finish_kernel<kTiles><<<static_cast<unsigned>(R), kRankThreads, rk_smem, stream>>>(rp);
+  launch("ranking launch", finish_kernel<kTiles>, dim3(static_cast<unsigned>(R)), dim3(kRankThreads), rk_smem, rp);
   mark(5);
   check_cuda(cudaGetLastError(), op, "kernel launch");
 }
@@ -1105,6 +1133,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
 
 void set_token_max_stats(unsigned long long* device_counters) { g_stats = device_counters; }
 void set_token_max_screen(int kernel) { g_screen = kernel; }
+void set_token_max_pdl(bool on) { g_pdl.store(on, std::memory_order_relaxed); }
 void set_token_max_events(cudaEvent_t* events) { g_events = events; }
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
