@@ -19,6 +19,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/selectors/common.cuh"
@@ -322,8 +323,8 @@ __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_co
         }
       }
     };
-    // Four loads in flight per thread (one at a time left the kernel at a third of the DRAM bandwidth).
-    constexpr int kInFlight = 4;
+    // Eight loads in flight per thread.
+    constexpr int kInFlight = 8;
     const std::int64_t nv = n * es / 16, stride = static_cast<std::int64_t>(ps.blocks) * kPrepThreads;
     std::int64_t i = static_cast<std::int64_t>(ps.block) * kPrepThreads + threadIdx.x;
     for (; i + (kInFlight - 1) * stride < nv; i += kInFlight * stride) {
@@ -576,9 +577,16 @@ inline void launch_amax_pair(const TensorView& a, const TensorView* b, unsigned 
   pp.src[0] = index_src(a), pp.type[0] = sel::in_type(a.dtype);
   if (b != nullptr) pp.src[1] = index_src(*b), pp.type[1] = sel::in_type(b->dtype);
   pp.amax = amax;
-  // A few CTAs per SM in all: the max needs no more parallelism than the bandwidth does.
-  pp.blocks0 = pair_blocks(pp.src[0], 512);
-  const unsigned grid = pp.blocks0 + (b != nullptr ? pair_blocks(pp.src[1], 512) : 0u);
+  // About two CTAs per SM in all, shared in proportion to the tensors' elements: the max needs no more
+  // parallelism than the bandwidth does, and every CTA ends in an atomic on one of two words (768 CTAs,
+  // one load per thread, took 8.7 us for the 10 MB of tile16 at 16K on the H200).
+  constexpr std::int64_t kCtas = 256;
+  const double na = static_cast<double>(a.numel()), nb = b != nullptr ? static_cast<double>(b->numel()) : 0.0;
+  const auto share = [&](double n) {
+    return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::llround(kCtas * n / std::max(1.0, na + nb))));
+  };
+  pp.blocks0 = pair_blocks(pp.src[0], share(na));
+  const unsigned grid = pp.blocks0 + (b != nullptr ? pair_blocks(pp.src[1], share(nb)) : 0u);
   if (grid > 0) amax_pair_kernel<><<<grid, kPrepThreads, 0, stream>>>(pp);
 }
 
