@@ -62,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
     ap.add_argument("--reps", type=int, default=15, help="timing samples per figure (median)")
     ap.add_argument("--inner", type=int, default=10, help="back-to-back calls per sample")
+    ap.add_argument("--token-max-plain", action="store_true",
+                    help="launch token_max's kernels plainly instead of as a programmatic chain (A/B runs)")
     ap.add_argument("--selectors", help="comma-separated subset of: " + ", ".join(n for n, _ in SELECTORS))
     ap.add_argument("--selftest", action="store_true", help="check the pure-Python parts and exit (no GPU)")
     args = ap.parse_args(argv)
@@ -467,6 +469,7 @@ def run(args):
     ctx.args = args
     ctx.attention = load_lib(args.lib)
     ctx.select = load_select(args.lib)
+    ctypes.CDLL(args.lib).sa_bench_set_token_max_pdl(ctypes.c_int(0 if args.token_max_plain else 1))
     ctx.gen = torch.Generator().manual_seed(4321)
     torch.manual_seed(1234)
     dev = torch.device("cuda")
@@ -489,6 +492,7 @@ def run(args):
         "lib": os.path.abspath(args.lib),
         "shape": dict(SHAPE, top_k=TOP_K, causal=False, dtype="bf16"),
         "selectors": args.selector_names,
+        "token_max_launches": "plain" if args.token_max_plain else "programmatic chain",
         "timing": "median of %d samples of the mean of %d back-to-back calls after 5 warm-up calls, CUDA events"
                   % (args.reps, args.inner),
         "useful_flops": "4 * D * selected (query head, query, key) triples",

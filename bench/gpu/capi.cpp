@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "cuda/backend.hpp"
+#include "cuda/selectors/tc_token_max.cuh"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
@@ -26,6 +27,10 @@ void copy_error(const std::exception& e, char* err, int err_len) {
 }
 
 }  // namespace
+
+// token_max's launches after the first as a programmatic chain (1, the default) or plain launches (0): for
+// A/B timings of the pipeline.
+extern "C" void sa_bench_set_token_max_pdl(int on) { sa::cuda_backend::set_token_max_pdl(on != 0); }
 
 extern "C" int sa_bench_attention(int dtype_code, void* q, void* k, void* v, void* out, float* lse, std::int64_t B,
                                   std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv, std::int64_t D,

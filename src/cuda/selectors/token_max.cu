@@ -20,6 +20,8 @@
 //     QueryLists) with the values staged as doubles, combined by an atomic max on an order-preserving
 //     integer encoding;
 //  5. finish: lists with undecided blocks rank (class, exact score, id) and are written.
+// Each launch after the first is a programmatic dependent of the one before (chain_start), unless
+// set_token_max_pdl turns that off or stage events are being recorded.
 //
 // Why the ids equal the CPU's: let T be the CPU's top-k set under its strict total order (score
 // descending, id ascending; reserved blocks score +inf), and let every candidate's exact score lie in
