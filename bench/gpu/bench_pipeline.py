@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
     ap.add_argument("--reps", type=int, default=15, help="timing samples per figure (median)")
     ap.add_argument("--inner", type=int, default=10, help="back-to-back calls per sample")
+    ap.add_argument("--gap", action="store_true",
+                    help="also time the attention right after three stand-ins for a selector: a tiny kernel, a "
+                         "read of q and k (the selector's input bytes), a 30 us GPU sleep")
     ap.add_argument("--token-max-plain", action="store_true",
                     help="launch token_max's kernels plainly instead of as a programmatic chain (A/B runs)")
     ap.add_argument("--selectors", help="comma-separated subset of: " + ", ".join(n for n, _ in SELECTORS))
@@ -438,6 +441,18 @@ def run_case(ctx, name, code, Lk, q, k, v, flex_state):
     row["pipeline_ms"] = timer(lambda: (sel(), ours(trusted=True)))
     (row["selector_in_pipeline_ms"], row["attention_in_pipeline_ms"]), row["pipeline_host_ms"] = bench_split(
         [sel, lambda: ours(trusted=True)], reps=ctx.args.reps, inner=ctx.args.inner)
+    if ctx.args.gap:
+        # What the attention pays for running right after something else: launch and SM reconfiguration
+        # (any kernel), L2 contents (a read of the selector's input bytes), clock and power (an idle wait).
+        tiny_buf = torch.zeros(1, device=q.device)
+        stand_ins = {
+            "tiny": lambda: tiny_buf.add_(1.0),
+            "read": lambda: (torch.sum(q, dtype=torch.float32), torch.sum(k, dtype=torch.float32)),
+            "sleep": lambda: torch.cuda._sleep(int(30e-6 * ctx.sm_clock_hz)),  # >= 30 us
+        }
+        for what, fn in stand_ins.items():
+            (row["%s_ms" % what], row["attention_after_%s_ms" % what]), _ = bench_split(
+                [fn, lambda: ours(trusted=True)], reps=ctx.args.reps, inner=ctx.args.inner)
     if run_flex is not None:
         graphs = compiled_graphs()
         row["flex_mask_ms"] = timer(mask)
@@ -469,6 +484,7 @@ def run(args):
     ctx.args = args
     ctx.attention = load_lib(args.lib)
     ctx.select = load_select(args.lib)
+    ctx.sm_clock_hz = 1.98e9  # the H200's top SM clock: the --gap sleep lasts at least 30 us
     ctypes.CDLL(args.lib).sa_bench_set_token_max_pdl(ctypes.c_int(0 if args.token_max_plain else 1))
     ctx.gen = torch.Generator().manual_seed(4321)
     torch.manual_seed(1234)
@@ -497,6 +513,9 @@ def run(args):
                   % (args.reps, args.inner),
         "useful_flops": "4 * D * selected (query head, query, key) triples",
         "pipeline": "ours: selector + tile_sparse (trusted); peer: selector + BlockMask.from_kv_blocks + flex",
+        "gap": "with --gap: attention_after_{tiny,read,sleep}_ms: the attention between events right after a tiny "
+               "kernel, a float32 sum of q and of k (the selector's input bytes), or a >= 30 us GPU sleep; "
+               "{tiny,read,sleep}_ms: the stand-in itself",
         "in_pipeline": "selector_in_pipeline_ms / attention_in_pipeline_ms: each part of ours between CUDA events "
                        "recorded around it while the two run back to back; pipeline_host_ms: host time to enqueue one "
                        "selector + attention round",
