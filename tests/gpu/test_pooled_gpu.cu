@@ -286,22 +286,30 @@ TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
     ~Reset() { sa::cuda_backend::set_pooled_rep_vec(0); }
   } reset;
   const auto bf16 = sa::DType::bf16, f16 = sa::DType::f16, f32 = sa::DType::f32;
+  struct Case {
+    const char* name;
+    sa::DType dtype;
+    std::int64_t B, Lq, Hq, Lk, Hkv, D, pad, shift;
+    int top_k, kmax;
+    bool causal, force_local, force_block0;
+  };
+  const Case cases[] = {
+      {"bf16 D=128", bf16, 2, 300, 8, 1000, 2, 128, 0, 0, 4, 4, true, true, false},
+      {"f32 D=80", f32, 1, 260, 4, 700, 2, 80, 0, 0, 3, 3, false, true, true},
+      {"f16 D=68", f16, 1, 200, 4, 600, 1, 68, 0, 0, 3, 4, true, false, false},
+      {"bf16 D=30 rows of 32", bf16, 1, 150, 2, 500, 1, 30, 2, 0, 2, 2, false, true, false},
+      {"bf16 views one element in", bf16, 1, 140, 4, 520, 2, 64, 0, 1, 3, 3, true, true, true},
+  };
   std::uint64_t seed = 7000;
   for (int bytes : {16, 8, 4, 1}) {
     sa::cuda_backend::set_pooled_rep_vec(bytes);
-    const std::string W = "load width " + std::to_string(bytes) + " ";
     for (int r : {1, 4}) {
-      const std::string R = W + "R" + std::to_string(r) + " ";
-      const Input q = make_input(bf16, 2, 300, 8, 128, seed++), k = make_input(bf16, 2, 1000, 2, 128, seed++);
-      expect_same(R + "bf16 D=128", q, k, {r, 4, 4, true, true, false});
-      const Input q2 = make_input(f32, 1, 260, 4, 80, seed++), k2 = make_input(f32, 1, 700, 2, 80, seed++);
-      expect_same(R + "f32 D=80", q2, k2, {r, 3, 3, false, true, true});
-      const Input q3 = make_input(f16, 1, 200, 4, 68, seed++), k3 = make_input(f16, 1, 600, 1, 68, seed++);
-      expect_same(R + "f16 D=68", q3, k3, {r, 3, 4, true, false, false});
-      const Input q4 = make_input(bf16, 1, 150, 2, 30, seed++, 2, 0), k4 = make_input(bf16, 1, 500, 1, 30, seed++, 2, 0);
-      expect_same(R + "bf16 D=30 rows of 32", q4, k4, {r, 2, 2, false, true, false});
-      const Input q5 = make_input(bf16, 1, 140, 4, 64, seed++, 0, 1), k5 = make_input(bf16, 1, 520, 2, 64, seed++, 0, 1);
-      expect_same(R + "bf16 views one element in", q5, k5, {r, 3, 3, true, true, true});
+      for (const Case& c : cases) {
+        const Input q = make_input(c.dtype, c.B, c.Lq, c.Hq, c.D, seed++, c.pad, c.shift);
+        const Input k = make_input(c.dtype, c.B, c.Lk, c.Hkv, c.D, seed++, c.pad, c.shift);
+        expect_same("load width " + std::to_string(bytes) + " R" + std::to_string(r) + " " + c.name, q, k,
+                    {r, c.top_k, c.kmax, c.causal, c.force_local, c.force_block0});
+      }
     }
   }
   for (int bad : {-1, 2, 32}) {

@@ -1063,7 +1063,7 @@ struct RepLayout {
 
 // The widest load is taken only while it leaves this many warps per SM: every thread keeps two batches of
 // loads in flight, so wider loads with fewer warps put fewer bytes in flight per SM. H200, tile16 at 16K
-// (ncu, one launch; bf16, D = 128): R1 (1280 rows) 22.1 / 18.2 / 18.8 us with 16 / 8 / 4-byte loads (4.8,
+// (ncu, one launch; bf16, D = 128): R1 (1280 rows) 22.1 / 18.2 / 18.8 us with 16 / 8 / 4-byte loads (grid of 4.8,
 // 9.7 and 19.4 warps per SM), R4 (5120 rows) 18.8 / 19.6 / 19.8 us (19.4, 39 and 78 warps per SM).
 constexpr std::int64_t kRepMinWarpsPerSm = 8;
 
