@@ -317,12 +317,16 @@ std::vector<Case> shapes() {
   };
 }
 
-TEST(TokenMaxGpu, RandomEqualsCpu) {
-  SKIP_WITHOUT_GPU();
-  std::uint64_t seed = 7000;
+// Every shape of shapes() in every precision, as TileLists and as QueryLists; seeds from `seed` on.
+void run_all_shapes(std::uint64_t seed) {
   for (auto prec : kPrecisions)
     for (bool tiles : {false, true})
       for (const auto& c : shapes()) run_random(c, prec, tiles, seed += 10);
+}
+
+TEST(TokenMaxGpu, RandomEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  run_all_shapes(7000);
 }
 
 // The same cases with plain launches instead of the programmatic chain (set_token_max_pdl(false)).
@@ -332,10 +336,7 @@ TEST(TokenMaxGpu, PlainLaunchesEqualCpu) {
     ~Reset() { sa::cuda_backend::set_token_max_pdl(true); }
   } reset;
   sa::cuda_backend::set_token_max_pdl(false);
-  std::uint64_t seed = 9000;
-  for (auto prec : kPrecisions)
-    for (bool tiles : {false, true})
-      for (const auto& c : shapes()) run_random(c, prec, tiles, seed += 10);
+  run_all_shapes(9000);
 }
 
 TEST(TokenMaxGpu, InputDtypesEqualCpu) {
