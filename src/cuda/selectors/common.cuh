@@ -195,12 +195,13 @@ inline void check_cuda(cudaError_t e, const std::string& op, const std::string& 
   if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
 }
 
-/// Launches `kernel` as a programmatic dependent of the previous kernel on `stream`: its launch and the
-/// part before its griddepcontrol.wait (pdl_wait) overlap the previous grid's tail. The kernel must call
-/// pdl_wait() before it touches memory that earlier work on the stream reads or writes.
+/// Launches `kernel` on `stream`; with `programmatic`, as a programmatic dependent of the previous kernel
+/// there: its launch and the part before its griddepcontrol.wait (pdl_wait) overlap the previous grid's
+/// tail, and the kernel must call pdl_wait() before it touches memory that earlier work on the stream reads
+/// or writes. Without it, a plain launch.
 template <class... Params, class... Args>
-void launch_dependent(const std::string& op, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
-                      std::size_t smem, cudaStream_t stream, Args&&... args) {
+void launch_kernel(const std::string& op, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   std::size_t smem, cudaStream_t stream, bool programmatic, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -210,8 +211,15 @@ void launch_dependent(const std::string& op, const char* what, void (*kernel)(Pa
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = programmatic ? 1 : 0;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), op, what);
+}
+
+/// launch_kernel as a programmatic dependent.
+template <class... Params, class... Args>
+void launch_dependent(const std::string& op, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                      std::size_t smem, cudaStream_t stream, Args&&... args) {
+  launch_kernel(op, what, kernel, grid, block, smem, stream, true, std::forward<Args>(args)...);
 }
 
 /// Device side of launch_dependent: wait for the previous grid (complete, its memory visible); a no-op in

@@ -1221,7 +1221,7 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     launch_prepare_pair(qI, kI, o.precision, amax,
                         PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned>(o_qg), Dp},
                         PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned>(o_kg), Dp},
-                        stream);
+                        stream, op);
     mark(1);
     ScreenParams sp{};
     sp.qc = scratch.as<__nv_bfloat16>(o_qc), sp.qn = scratch.as<float>(o_qn);

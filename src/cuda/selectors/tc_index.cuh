@@ -295,7 +295,7 @@ __device__ __forceinline__ PairSlice pair_slice(const IndexPair& pp) {
 /// translation units.)
 template <int R = kPrepRows>
 __global__ void __launch_bounds__(kPrepThreads) amax_pair_kernel(const __grid_constant__ IndexPair pp) {
-  sel::pdl_wait();  // no-ops unless launched as a programmatic dependent (launch_prepare_pair)
+  // Always a plain launch; lets a preparation launched as its programmatic dependent be scheduled.
   sel::pdl_launch_dependents();
   constexpr int G = kPrepG;
   const PairSlice ps = pair_slice(pp);
@@ -471,7 +471,9 @@ __device__ __forceinline__ void prepare_dense(const IndexSrc& s, In t, const Pre
 /// Codes, norms and group maxima of both tensors. Elements past Di (padding up to Dp) get zero codes.
 template <Prec P>
 __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid_constant__ IndexPair pp) {
-  sel::pdl_wait();  // no-ops unless launched as a programmatic dependent (launch_prepare_pair)
+  // As a programmatic dependent of the amax (launch_prepare_pair): wait for its words, then let the next
+  // kernel be scheduled. Both are no-ops in a plain launch.
+  sel::pdl_wait();
   sel::pdl_launch_dependents();
   constexpr int R = kPrepRows, G = kPrepG;
   const PairSlice ps = pair_slice(pp);
@@ -483,8 +485,7 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_pair_kernel(const __grid
   const int lane = threadIdx.x % 32, D = static_cast<int>(s.D), Dp = static_cast<int>(o.Dp);
   const float ts = tensor_scale(static_cast<int>(P), pp.amax + ps.which);
   constexpr int kCtaRows = R * (kPrepThreads / 32);  // consecutive rows of one CTA step
-  // The step's group ids and norms for flush_group_maxima (reducing per run instead of one atomic per row
-  // did not by itself change the kernel's time on the H200).
+  // The step's group ids and norms for flush_group_maxima.
   static_assert(kDenseMaxRows >= kCtaRows);
   __shared__ long long step_group[kDenseMaxRows];
   __shared__ float step_norm[kDenseMaxRows];
@@ -592,9 +593,10 @@ inline void launch_amax_pair(const TensorView& a, const TensorView* b, unsigned 
 
 /// Launches the amax (fp8, fp4) and the preparation of both index tensors on `stream`: two launches. With
 /// `dependent`, the preparation is a programmatic dependent of the amax (it waits for it in-kernel), so its
-/// launch overlaps the amax's tail; the first launch is always plain.
+/// launch overlaps the amax's tail; the first launch is always plain. `op` names the caller in errors.
 inline void launch_prepare_pair(const TensorView& q, const TensorView& k, IndexPrecision prec, unsigned int* amax,
-                                const PrepOut& oq, const PrepOut& ok, cudaStream_t stream, bool dependent = false) {
+                                const PrepOut& oq, const PrepOut& ok, cudaStream_t stream, const std::string& op,
+                                bool dependent = false) {
   const bool has_amax = prec != IndexPrecision::bf16;
   if (has_amax) launch_amax_pair(q, &k, amax, stream);
   IndexPair pp{};
@@ -607,8 +609,8 @@ inline void launch_prepare_pair(const TensorView& q, const TensorView& k, IndexP
   void (*kernel)(IndexPair) = prec == IndexPrecision::bf16       ? prepare_pair_kernel<Prec::bf16>
                               : prec == IndexPrecision::fp8_e4m3 ? prepare_pair_kernel<Prec::fp8>
                                                                  : prepare_pair_kernel<Prec::fp4>;
-  if (dependent && has_amax) sel::launch_dependent("token_max_select", "preparation launch", kernel, dim3(grid), dim3(kPrepThreads), 0, stream, pp);
-  else kernel<<<grid, kPrepThreads, 0, stream>>>(pp);
+  sel::launch_kernel(op, "preparation launch", kernel, dim3(grid), dim3(kPrepThreads), 0, stream, dependent && has_amax,
+                     pp);
 }
 
 // ---- the screening bound -----------------------------------------------------------------------------

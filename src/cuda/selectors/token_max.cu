@@ -1037,8 +1037,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   // stage events are being recorded between them.
   const bool pdl = g_pdl.load(std::memory_order_relaxed) && g_events == nullptr;
   auto launch = [&](const char* what, auto kernel, dim3 grid, dim3 block, std::size_t smem, const auto& params) {
-    if (pdl) sel::launch_dependent(op, what, kernel, grid, block, smem, stream, params);
-    else kernel<<<grid, block, smem, stream>>>(params);
+    sel::launch_kernel(op, what, kernel, grid, block, smem, stream, pdl, params);
   };
   auto mark = [&](int stage) {
     if (g_events != nullptr) check_cuda(cudaEventRecord(g_events[stage], stream), op, "cudaEventRecord");
@@ -1048,7 +1047,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   launch_prepare_pair(qidx, kidx, o.precision, words,
                       PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned int>(o_qmax), s.Dp},
                       PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned int>(o_kmax), s.Dp},
-                      stream, pdl);
+                      stream, op, pdl);
 
   mark(1);
   int sms = 0;
