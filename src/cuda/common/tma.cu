@@ -53,7 +53,7 @@ bool tma_addressable(const TensorView& t) { return tma_obstacle(t).empty(); }
 CUtensorMap make_bhld_tensor_map(const std::string& op, const std::string& name, const TensorView& t,
                                  std::uint32_t box_rows) {
   const std::string obstacle = tma_obstacle(t);
-  detail::require(obstacle.empty(), op, name, [&] { return obstacle; });
+  detail::require(obstacle.empty(), op, name, obstacle);
   constexpr std::int64_t elem = 2;
   const std::int64_t strides[3] = {t.stride[2], t.stride[1], t.stride[0]};
   CUtensorMap map;
