@@ -29,6 +29,7 @@
 #include "cuda/query_sparse/backend.hpp"
 #include "cuda/query_sparse/kernels.cuh"
 #include "cuda/query_sparse/launch.hpp"
+#include "cuda/query_sparse/partials.cuh"
 #include "sparse_attn/plan.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -522,9 +523,14 @@ void check_combine(const CombineCase& c, std::uint64_t seed) {
   DeviceBuffer dlse_part(lse_part.size() * sizeof(float));
   cuda_ok(cudaMemcpy(dlse_part.ptr, lse_part.data(), dlse_part.bytes, cudaMemcpyHostToDevice), "upload");
   DeviceBuffer dpart(part.size() * (c.bf16_partials ? 2 : 4));
-  if (c.bf16_partials) {
+  if (c.bf16_partials) {  // stored in the attention kernel's fragment order (qs::bf16_part_position)
     std::vector<std::uint16_t> h(part.size());
-    for (std::size_t e = 0; e < part.size(); ++e) h[e] = sa::float_to_bf16(part[e]);
+    for (std::size_t e = 0; e < part.size(); ++e) {
+      const std::size_t row = e / static_cast<std::size_t>(D);
+      const int d = static_cast<int>(e % static_cast<std::size_t>(D));
+      h[row * static_cast<std::size_t>(D) + static_cast<std::size_t>(qs::bf16_part_position(d))] =
+          sa::float_to_bf16(part[e]);
+    }
     cuda_ok(cudaMemcpy(dpart.ptr, h.data(), dpart.bytes, cudaMemcpyHostToDevice), "upload");
   } else {
     cuda_ok(cudaMemcpy(dpart.ptr, part.data(), dpart.bytes, cudaMemcpyHostToDevice), "upload");

@@ -36,16 +36,19 @@ namespace {
 constexpr int kC = kAttendConsumers;
 constexpr int kTileRowsQ = 64;  // rows of one consumer tile (one m64 wgmma row block)
 // Consumer warpgroups + one producer warpgroup (a whole one, so that register reallocation, which works
-// per warpgroup, can hand its registers to the consumers): 3 x 128 x 152 + 128 x 56 = 65536.
+// per warpgroup, can hand its registers to the consumers): 3 x 128 x 136 + 128 x 104 = 65536. A
+// consumer needs S (64 f32) or P (32) with O (D / 2) and fits 136 without spills; the producer holds
+// the CSR entries of two items' tiles (2 x kTilesPerItem) besides its addressing.
 constexpr int kAttendThreads = 128 * (kC + 1);
-constexpr std::uint32_t kConsumerRegs = 152;
-constexpr std::uint32_t kProducerRegs = 56;
+constexpr std::uint32_t kConsumerRegs = 136;
+constexpr std::uint32_t kProducerRegs = 104;
 static_assert(kC == 3, "the register split above is for three consumer warpgroups");
 constexpr int kKvStages = 2;
 constexpr int kQBuffers = 2;  // per consumer: the tile being computed and the next one's gather
 constexpr std::uint32_t kKvHalfBytes = kKeys * 128;      // 128 keys x 64 columns of 16-bit
 constexpr std::uint32_t kQHalfBytes = kTileRowsQ * 128;  // 64 rows x 64 columns of 16-bit
 static_assert(kRowsPerItem % (kTileRowsQ * kC) == 0, "an item is whole rounds of tiles");
+constexpr int kTilesPerItem = kRowsPerItem / kTileRowsQ;
 
 struct TileHeader {
   int kv_stage;
@@ -82,19 +85,26 @@ struct ItemInfo {
   int nrows = 0;  // rows of the item
 };
 
+// The loads behind an item's ItemInfo: its (block, first row) and the block's two CSR offsets. The
+// producer issues them one and two items ahead and derives the ItemInfo only when it needs it, so their
+// latency hides behind the current item's tiles.
+struct ItemLoads {
+  int2 it = make_int2(0, 0);
+  int o0 = 0, o1 = 0;
+};
+
 // 32-bit arithmetic throughout: check_shape bounds B * Hkv * Tk, every CSR position and every partial
 // row by INT_MAX, and a 64-bit division is a long subroutine (registers the producer does not have).
-__device__ __forceinline__ ItemInfo item_info(const Params& p, int item) {
-  const int2 it = p.items[item];
+__device__ __forceinline__ ItemInfo item_info(const Params& p, const ItemLoads& l) {
   ItemInfo f;
-  const int x = it.x;
+  const int x = l.it.x;
   f.bg = x / p.Tk;
   f.b = f.bg / p.Hkv;
   f.g = f.bg - f.b * p.Hkv;
   f.j = x - f.bg * p.Tk;
-  f.e0 = p.offsets[x];
-  f.y = it.y;
-  const int rows = (p.offsets[x + 1] - f.e0) * p.group - it.y;
+  f.e0 = l.o0;
+  f.y = l.it.y;
+  const int rows = (l.o1 - l.o0) * p.group - l.it.y;
   f.nrows = rows < kRowsPerItem ? rows : kRowsPerItem;
   return f;
 }
@@ -125,7 +135,7 @@ __device__ __forceinline__ void arrive_count(MBarrier& bar, std::uint32_t count)
 /// CSR entry (query * Kq + slot) of the thread's row of a tile; -1 past the item.
 __device__ __forceinline__ int row_entry(const Params& p, const ItemInfo& f, int tile, int t) {
   const int row = tile * kTileRowsQ + t / 2;
-  return row < f.nrows ? p.entries[f.e0 + (f.y + row) / p.group] : -1;
+  return row < f.nrows ? p.entries[f.e0 + p.div_group.div(f.y + row)] : -1;
 }
 
 // The tile's Q rows into a swizzled buffer, and its partial rows ((bg, query, slot) entry times group
@@ -137,11 +147,11 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
                                          int* row_part, int t) {
   constexpr int kChunks = D / 8;
   const int r = t / 2;
-  const int head = (f.y + tile * kTileRowsQ + r) % p.group;
+  const int head = p.div_group.mod(f.y + tile * kTileRowsQ + r);
   const auto* src = static_cast<const std::uint16_t*>(p.q);
   int bytes = 0;
   if (ent >= 0) {
-    src += f.b * p.q_stride[0] + (ent / p.Kq) * p.q_stride[1] + (f.g * p.group + head) * p.q_stride[2];
+    src += f.b * p.q_stride[0] + p.div_kq.div(ent) * p.q_stride[1] + (f.g * p.group + head) * p.q_stride[2];
     bytes = 16;
   }
   if (t % 2 == 0) row_part[r] = ent >= 0 ? (f.bg * p.Lq * p.Kq + ent) * p.group + head : -1;
@@ -155,26 +165,32 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
 
 template <class Tag, int D>
 __device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
-  wgmma_ss_first<Tag>(acc_s, make_desc_sw128(s_q, 16, 1024), make_desc_sw128(s_k, 16, 1024));
+  const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
+  wgmma_ss_first<Tag>(acc_s, da, db);
 #pragma unroll
   for (int kk = 1; kk < D / 16; ++kk)
-    wgmma_ss<Tag>(acc_s, make_desc_sw128(s_q + (kk / 4) * kQHalfBytes + (kk % 4) * 32, 16, 1024),
-                  make_desc_sw128(s_k + (kk / 4) * kKvHalfBytes + (kk % 4) * 32, 16, 1024), 1);
+    wgmma_ss<Tag>(acc_s, desc_advance(da, (kk / 4) * kQHalfBytes + (kk % 4) * 32),
+                  desc_advance(db, (kk / 4) * kKvHalfBytes + (kk % 4) * 32), 1);
   wgmma_commit();
 }
 
 template <class Tag, int N>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t (&pa)[8][4], std::uint32_t s_v) {
-  wgmma_rs_tb_first<Tag, N>(acc_o, pa[0], make_desc_sw128(s_v, kKvHalfBytes, 1024));
+  const std::uint64_t dv = make_desc_sw128(s_v, kKvHalfBytes, 1024);
+  wgmma_rs_tb_first<Tag, N>(acc_o, pa[0], dv);
 #pragma unroll
-  for (int kk = 1; kk < 8; ++kk)
-    wgmma_rs_tb<Tag>(acc_o, pa[kk], make_desc_sw128(s_v + kk * 16 * 128, kKvHalfBytes, 1024), 1);
+  for (int kk = 1; kk < 8; ++kk) wgmma_rs_tb<Tag>(acc_o, pa[kk], desc_advance(dv, kk * 16 * 128), 1);
   wgmma_commit();
 }
 
 // The producer warpgroup walks the CTA's tiles in order (items blockIdx.x, blockIdx.x + gridDim.x, ...;
 // tile t of an item goes to consumer t % kC), so each buffer's barrier phases are waited for in order.
 // Thread 0 also loads each item's K and V when the item starts.
+//
+// Every global load of the walk is issued an item ahead of its use, so no tile waits on one: at the top
+// of item n the producer issues the CSR entries of every tile of item n + 1 (one per thread and tile,
+// held in registers), the CSR offsets of item n + 2 and the (block, first row) of item n + 3. Only the
+// first item's loads are waited for.
 template <int D>
 __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
                                          const CUtensorMap& tm_v, int n_items, int t) {
@@ -183,44 +199,83 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
     tma_prefetch_descriptor(&tm_k);
     tma_prefetch_descriptor(&tm_v);
   }
+  const int step = static_cast<int>(gridDim.x);
+  int item = static_cast<int>(blockIdx.x);
   int produced[kC] = {};  // tiles handed to each consumer so far
-  PipelineState<kKvStages> kv;
-  for (int item = blockIdx.x; item < n_items; item += gridDim.x, kv.advance()) {
-    const ItemInfo f = item_info(p, item);
-    const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
-    const int s = kv.stage();
-    if (t == 0) {
-      sm.kv_empty[s].wait(kv.phase() ^ 1u);
-      sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
-      for (int half = 0; half < kHalves; ++half) {
-        tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
-        tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
-      }
-      // Consumers without a tile in this item: their release, at once.
-      if (tiles < kC) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(kC - tiles));
+  const auto load_it = [&](int i) { return i < n_items ? p.items[i] : make_int2(0, 0); };
+  const auto load_offsets = [&](ItemLoads& l, int i) {
+    if (i < n_items) {
+      l.o0 = p.offsets[l.it.x];
+      l.o1 = p.offsets[l.it.x + 1];
     }
-#pragma unroll 1
-    for (int tile = 0; tile < tiles; ++tile) {
-      const int c = tile % kC;
-      int n = 0;
+  };
+  // The thread's CSR entry in every tile of an item (-1 past it, or for no item).
+  const auto load_entries = [&](int (&ent)[kTilesPerItem], const ItemInfo& f, bool valid) {
 #pragma unroll
-      for (int i = 0; i < kC; ++i) {
-        n = i == c ? produced[i] : n;
-        produced[i] += i == c ? 1 : 0;
-      }
-      const int b = n & 1;
-      sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-      gather_q<D>(p, f, tile, row_entry(p, f, tile, t), smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t);
-      cp_async_arrive(sm.q_full[c][b]);
+    for (int k = 0; k < kTilesPerItem; ++k) ent[k] = valid ? row_entry(p, f, k, t) : -1;
+  };
+  if (item < n_items) {
+    PipelineState<kKvStages> kv;
+    ItemLoads l1;  // item n + 1: landed at the top of item n
+    l1.it = load_it(item);
+    load_offsets(l1, item);
+    ItemInfo f = item_info(p, l1);
+    int ent_cur[kTilesPerItem];
+    load_entries(ent_cur, f, true);
+    l1.it = load_it(item + step);
+    load_offsets(l1, item + step);
+    int2 it2 = load_it(item + 2 * step);  // item n + 2's (block, first row)
+    for (; item < n_items; item += step, kv.advance()) {
+      int ent_nxt[kTilesPerItem];
+      load_entries(ent_nxt, item_info(p, l1), item + step < n_items);
+      ItemLoads l2;
+      l2.it = it2;
+      load_offsets(l2, item + 2 * step);
+      const int2 it3 = load_it(item + 3 * step);
+
+      const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
+      const int s = kv.stage();
       if (t == 0) {
-        TileHeader& h = sm.head[c][b];
-        h.kv_stage = s;
-        h.kv_phase = kv.phase();
-        h.block = f.j;
-        h.last = tile + kC >= tiles;
-        h.end = 0;
+        sm.kv_empty[s].wait(kv.phase() ^ 1u);
+        sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
+        for (int half = 0; half < kHalves; ++half) {
+          tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
+          tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
+        }
+        // Consumers without a tile in this item: their release, at once.
+        if (tiles < kC) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(kC - tiles));
       }
-      sm.q_full[c][b].arrive();
+#pragma unroll 1
+      for (int tile = 0; tile < tiles; ++tile) {
+        int ent = ent_cur[0];  // ent_cur[tile] without dynamic indexing (which would put it in local memory)
+#pragma unroll
+        for (int k = 1; k < kTilesPerItem; ++k) ent = tile == k ? ent_cur[k] : ent;
+        const int c = tile % kC;
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < kC; ++i) {
+          n = i == c ? produced[i] : n;
+          produced[i] += i == c ? 1 : 0;
+        }
+        const int b = n & 1;
+        sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+        gather_q<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t);
+        cp_async_arrive(sm.q_full[c][b]);
+        if (t == 0) {
+          TileHeader& h = sm.head[c][b];
+          h.kv_stage = s;
+          h.kv_phase = kv.phase();
+          h.block = f.j;
+          h.last = tile + kC >= tiles;
+          h.end = 0;
+        }
+        sm.q_full[c][b].arrive();
+      }
+      f = item_info(p, l1);
+#pragma unroll
+      for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
+      l1 = l2;
+      it2 = it3;
     }
   }
   // One end-of-work tile per consumer (two plain arrivals per thread: no copies).
@@ -235,7 +290,12 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
 }
 
 template <class Tag, int D, class Part>
-__device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int c, int t) {
+__device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int c) {
+  // The thread index is read here, after the register reallocation: values derived from it before the
+  // role split would be carried across it, and ptxas spills them there.
+  std::uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int t = static_cast<int>(tid % 128);
   const int warp = t / 32, g8 = (t % 32) / 4, q4 = t % 4;
   for (int n = 0;; ++n) {
     const int b = n & 1;
@@ -253,27 +313,34 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
     fence_operands(acc_s);
     sm.q_empty[c][b].arrive();
 
-    // Last visible key of each row relative to the block: past Lk, or (causal) past the query's
-    // diagonal; -1 for padding rows (their scores are garbage-free zeros but never stored).
-    long long lim[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      long long last = p.Lk - 1;
-      if (p.causal && rows[r] >= 0) {
-        const int qi = (rows[r] / p.group / p.Kq) % p.Lq;
-        if (qi + p.offset < last) last = qi + p.offset;
-      }
-      lim[r] = rows[r] < 0 ? -1 : last - static_cast<long long>(h.block) * kKeys;
-    }
+    // Keys past Lk, and (causal) keys past the query's diagonal, are masked; only a block that reaches
+    // past Lk, or any block under causal masking, can hold such keys. lim: the row's last visible key
+    // relative to the block, clamped to [-1, 127]; padding rows (their Q is zero, so their scores are
+    // finite) are never stored and need no mask.
     float m[2] = {-INFINITY, -INFINITY};
+    if (p.causal || static_cast<long long>(h.block + 1) * kKeys > p.Lk) {
+      int lim[2];
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = 8 * i + 2 * q4 + (j % 2);
-        if (col > lim[j / 2]) acc_s[4 * i + j] = -INFINITY;
-        m[j / 2] = fmaxf(m[j / 2], acc_s[4 * i + j]);
+      for (int r = 0; r < 2; ++r) {
+        long long last = p.Lk - 1;
+        if (p.causal && rows[r] >= 0) {
+          const int qi = p.div_lq.mod(p.div_kq.div(p.div_group.div(rows[r])));
+          if (qi + p.offset < last) last = qi + p.offset;
+        }
+        const long long rel = last - static_cast<long long>(h.block) * kKeys;
+        lim[r] = rel < -1 ? -1 : rel > kKeys - 1 ? kKeys - 1 : static_cast<int>(rel);
       }
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (8 * i + 2 * q4 + (j % 2) > lim[j / 2]) acc_s[4 * i + j] = -INFINITY;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      m[0] = fmaxf(m[0], fmaxf(acc_s[4 * i], acc_s[4 * i + 1]));
+      m[1] = fmaxf(m[1], fmaxf(acc_s[4 * i + 2], acc_s[4 * i + 3]));
+    }
     float base[2], l[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -314,9 +381,7 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
     for (int r = 0; r < 2; ++r) {
       if (rows[r] < 0) continue;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      typename Part::Elem* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D + 2 * q4;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) Part::put2(dst + 8 * i, acc_o[4 * i + 2 * r] * inv, acc_o[4 * i + 2 * r + 1] * inv);
+      Part::put_row(static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D, acc_o, r, inv, q4);
       if (q4 == 0) p.lse_part[rows[r]] = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
     }
   }
@@ -327,8 +392,10 @@ __global__ void __launch_bounds__(kAttendThreads, 1)
     attend_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v) {
   extern __shared__ std::uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<AttendSmem<D>*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~static_cast<std::uintptr_t>(1023));
+  // Aligned by an offset into the shared array (not by rounding a generic address), so that every access
+  // through `sm` stays a 32-bit shared-window access.
+  const std::uint32_t raw = smem_addr(smem_raw);
+  auto& sm = *reinterpret_cast<AttendSmem<D>*>(smem_raw + ((1024u - (raw & 1023u)) & 1023u));
   const int tid = threadIdx.x;
   const int n_items = p.item_offsets[p.nblk];
   if (tid == 0) {
@@ -349,7 +416,7 @@ __global__ void __launch_bounds__(kAttendThreads, 1)
     producer<D>(p, sm, tm_k, tm_v, n_items, tid - 128 * kC);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer<Tag, D, Part>(p, sm, tid / 128, tid % 128);
+    consumer<Tag, D, Part>(p, sm, tid / 128);
   }
 }
 
@@ -386,7 +453,11 @@ std::size_t attend_smem(int D) { return D == 128 ? attend_smem_bytes<128>() : at
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
                           const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream) {
   if (max_items <= 0) return cudaSuccess;
-  return dispatch<AttendOp>(bf16, D, bf16_partials, p, tm_k, tm_v, sms, max_items, stream);
+  Params q = p;
+  q.div_group = FastDiv::make(p.group);
+  q.div_kq = FastDiv::make(p.Kq);
+  q.div_lq = FastDiv::make(p.Lq);
+  return dispatch<AttendOp>(bf16, D, bf16_partials, q, tm_k, tm_v, sms, max_items, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs

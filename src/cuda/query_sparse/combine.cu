@@ -47,6 +47,21 @@ __device__ __forceinline__ unsigned word(const uint4& v, int i) { return i == 0 
 template <class Part>
 struct PartChunk;
 
+// Packed words x[0..3] of the lanes of a quad: afterwards lane q holds word q of every lane of its quad
+// in lane order (x[j] = the old x[q] of lane j). Two xor-shuffle rounds; every lane must take part.
+__device__ __forceinline__ void quad_transpose(std::uint32_t (&x)[4], int lane) {
+  const bool odd = lane & 1, hi = lane & 2;
+  std::uint32_t r0 = __shfl_xor_sync(kFull, odd ? x[0] : x[1], 1);
+  std::uint32_t r1 = __shfl_xor_sync(kFull, odd ? x[2] : x[3], 1);
+  const std::uint32_t u[4] = {odd ? r0 : x[0], odd ? x[1] : r0, odd ? r1 : x[2], odd ? x[3] : r1};
+  r0 = __shfl_xor_sync(kFull, hi ? u[0] : u[2], 2);
+  r1 = __shfl_xor_sync(kFull, hi ? u[1] : u[3], 2);
+  x[0] = hi ? r0 : u[0];
+  x[1] = hi ? r1 : u[1];
+  x[2] = hi ? u[2] : r0;
+  x[3] = hi ? u[3] : r1;
+}
+
 template <>
 struct PartChunk<PartF32> {
   static constexpr int kElems = 4;
@@ -239,20 +254,28 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   char* out = static_cast<char*>(p.out);
 #pragma unroll
   for (int c = 0; c < C; ++c) {
+    std::uint32_t packed[kV / 2];
+#pragma unroll
+    for (int k = 0; k < kV / 2; ++k) packed[k] = T::pack(acc[c][2 * k], acc[c][2 * k + 1]);
+    if constexpr (Part::kFragmentOrder) {
+      // The chunk of row chunk index cc holds columns 8 (4 (cc / 4) + t) + 2 (cc % 4) + {0, 1}, t = 0..3
+      // (bf16_part_position); cc % 4 is lane % 4 and a quad's chunks are consecutive, so a transpose
+      // inside the quad gives each lane the 8 contiguous columns at col[c].
+      quad_transpose(packed, lane);
+    }
     if (!ok[c] || grp != 0) continue;
     const long long h = g * p.group + h0 + hh[c];
     char* o = out + sizeof(std::uint16_t) * (b * p.out_stride[0] + qi * p.out_stride[1] + h * p.out_stride[2] + col[c]);
     if (cs.vec_out) {
-      std::uint32_t packed[kV / 2];
-#pragma unroll
-      for (int k = 0; k < kV / 2; ++k) packed[k] = T::pack(acc[c][2 * k], acc[c][2 * k + 1]);
       if constexpr (kV == 8)
         *reinterpret_cast<uint4*>(o) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       else
         *reinterpret_cast<uint2*>(o) = make_uint2(packed[0], packed[1]);
     } else {
 #pragma unroll
-      for (int k = 0; k < kV; ++k) T::store(o + sizeof(std::uint16_t) * k, acc[c][k]);
+      for (int k = 0; k < kV; ++k)
+        *reinterpret_cast<std::uint16_t*>(o + sizeof(std::uint16_t) * k) =
+            static_cast<std::uint16_t>(k % 2 == 0 ? packed[k / 2] : packed[k / 2] >> 16);
     }
   }
   if (lane < nh && p.lse != nullptr)

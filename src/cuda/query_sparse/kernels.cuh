@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/fast_div.hpp"
+
 namespace sparse_attn::cuda_kernels::qs {
 
 // Rows (query, head pairs) of one attention work item: 12 tiles of 64 rows, 4 for each of the three
@@ -51,6 +53,8 @@ struct Params {
   long long q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {};
   float scale = 1.0f;       // natural-log units
   float scale_log2 = 1.0f;  // scale * log2(e)
+  // Divisions of the attention kernel's index arithmetic (set by launch_attend).
+  FastDiv div_group, div_kq, div_lq;
 
   // combine
   void* out = nullptr;

@@ -5,29 +5,51 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "cuda/query_sparse/mma.cuh"
 
 namespace sparse_attn::cuda_kernels::qs {
 
+// Where column d of a bf16 partial row is stored. The attention kernel's output fragment gives lane q
+// of a quad the column pairs (8i + 2q, 8i + 2q + 1), i = 0 .. D / 8 - 1; a row stores pair (q, i) at
+// pair position 16 (i / 4) + 4 q + i % 4, so each lane writes four of its pairs as one 16-byte store
+// and a quad's four stores fill 64 contiguous bytes (whole sectors). The combine reads the row in
+// 16-byte chunks in this order and puts the columns back in place with a transpose inside each quad
+// before it writes `out`. f32 partials keep the natural order: there a quad's 8-byte stores already
+// fill a 32-byte sector.
+__host__ __device__ constexpr int bf16_part_position(int d) {
+  const int i = d / 8, q = (d % 8) / 2;
+  return 2 * (16 * (i / 4) + 4 * q + i % 4) + d % 2;
+}
+
 struct PartF32 {
   using Elem = float;
-  __device__ static void put2(float* dst, float x, float y) { *reinterpret_cast<float2*>(dst) = make_float2(x, y); }
-  __device__ static void store2(void* base, long long e, float x, float y) {
-    *reinterpret_cast<float2*>(static_cast<float*>(base) + e) = make_float2(x, y);
+  static constexpr bool kFragmentOrder = false;
+  /// Row r (0: the lane's row g, 1: row g + 8) of a 64 x D output fragment (N = D / 2 values per
+  /// lane), times inv, into the partial row at dst.
+  template <int N>
+  __device__ static void put_row(float* dst, const float (&o)[N], int r, float inv, int q4) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i)
+      *reinterpret_cast<float2*>(dst + 8 * i + 2 * q4) = make_float2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
   }
-  __device__ static float load(const void* base, long long e) { return static_cast<const float*>(base)[e]; }
 };
 
 struct PartBf16 {
   using Elem = __nv_bfloat16;
-  __device__ static void put2(__nv_bfloat16* dst, float x, float y) {
-    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
-  }
-  __device__ static void store2(void* base, long long e, float x, float y) {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + e) = __floats2bfloat162_rn(x, y);
-  }
-  __device__ static float load(const void* base, long long e) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[e]);
+  static constexpr bool kFragmentOrder = true;  // bf16_part_position
+  template <int N>
+  __device__ static void put_row(__nv_bfloat16* dst, const float (&o)[N], int r, float inv, int q4) {
+    std::uint32_t w[N / 4];
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+      w[i] = *reinterpret_cast<const std::uint32_t*>(&v);
+    }
+    auto* row = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int s = 0; s < N / 16; ++s) row[4 * s + q4] = make_uint4(w[4 * s], w[4 * s + 1], w[4 * s + 2], w[4 * s + 3]);
   }
 };
 
