@@ -134,10 +134,12 @@ namespace sparse_attn::cuda_kernels {
 template <class Tag, int kHeadDim>
 __device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
   // k-step kk covers head-dim columns [16kk, 16kk + 16): half kk / 4, +32 B inside the swizzled row.
+  const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk)
-    wgmma_ss<Tag>(acc_s, make_desc_sw128(s_q + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024),
-                  make_desc_sw128(s_k + (kk / 4) * kHalfTileBytes + (kk % 4) * 32, 16, 1024), kk > 0);
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const std::uint32_t off = (kk / 4) * kHalfTileBytes + (kk % 4) * 32;
+    wgmma_ss<Tag>(acc_s, desc_advance(da, off), desc_advance(db, off), kk > 0);
+  }
   wgmma_commit();
 }
 
@@ -145,9 +147,9 @@ template <class Tag, int N>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t (&pa)[8][4], std::uint32_t s_v) {
   // B = V rows [16kk, 16kk + 16) x D head-dim columns, MN-major: LBO = the distance between the
   // 64-column halves (unused for D = 64), a k-step is 16 rows = 2048 B.
+  const std::uint64_t dv = make_desc_sw128(s_v, kHalfTileBytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-    wgmma_rs_tb<Tag>(acc_o, pa[kk], make_desc_sw128(s_v + kk * 16 * 128, kHalfTileBytes, 1024), 1);
+  for (int kk = 0; kk < 8; ++kk) wgmma_rs_tb<Tag>(acc_o, pa[kk], desc_advance(dv, kk * 16 * 128), 1);
   wgmma_commit();
 }
 
