@@ -214,6 +214,11 @@ extern "C" int sa_bench_selectors(std::int64_t B, std::int64_t Lq, std::int64_t 
 #include "cuda/query_sparse/backend.hpp"
 #include "sparse_attn/plan.hpp"
 
+// Cache hints of the KV-centric attention kernel (bits as set_query_sparse_attend_hints), for A/B timings.
+extern "C" void sa_bench_set_kv_attend_hints(int hints) {
+  sa::cuda_backend::set_query_sparse_attend_hints(static_cast<unsigned>(hints));
+}
+
 namespace {
 
 sa::QuerySchedule schedule_from_code(const char* op, int code) {

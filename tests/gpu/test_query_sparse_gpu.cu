@@ -176,6 +176,27 @@ TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
   }
 }
 
+// The attention kernel's cache hints change where data sits in L2, never the values.
+TEST(QuerySparseGpu, CacheHintsDoNotChangeOutputs) {
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  struct Reset {
+    ~Reset() { sa::cuda_backend::set_query_sparse_attend_hints(sa::cuda_kernels::qs::kAttendHintsDefault); }
+  } reset;
+  for (auto prec : {sa::PartialPrecision::f32, sa::PartialPrecision::bf16}) {
+    const Case c{"qs hints", sa::DType::bf16, prec, 1, 600, 1100, 8, 2, 128, true, 6, false, true};
+    const Inputs in = make_inputs(c, 56);
+    sa::cuda_backend::set_query_sparse_attend_hints(sa::cuda_kernels::qs::kAttendHintsDefault);
+    const Result ref = run_gpu(c, in);
+    for (unsigned hints : {0u, 1u, 2u, 3u}) {
+      SCOPED_TRACE("hints " + std::to_string(hints));
+      sa::cuda_backend::set_query_sparse_attend_hints(hints);
+      const Result r = run_gpu(c, in);
+      EXPECT_EQ(0, std::memcmp(r.out.view().data, ref.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2));
+      EXPECT_EQ(0, std::memcmp(r.lse.view().data, ref.lse.view().data, static_cast<std::size_t>(r.lse.numel()) * 4));
+    }
+  }
+}
+
 // plan() once with a caller-owned workspace, run() for two different q: each equals the one-call
 // operator bit for bit.
 TEST(QuerySparseGpu, PlanOnceRunMany) {

@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "cuda/attention/softmax.cuh"
@@ -32,6 +33,8 @@
 
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
+
+std::atomic<unsigned> g_attend_hints{kAttendHintsDefault};
 
 constexpr int kC = kAttendConsumers;
 constexpr int kTileRowsQ = 64;  // rows of one consumer tile (one m64 wgmma row block)
@@ -117,6 +120,20 @@ __device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, i
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+/// cp_async16 under an L2 cache policy (createpolicy).
+__device__ __forceinline__ void cp_async16_policy(std::uint32_t dst, const void* src, int src_bytes,
+                                                  std::uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ std::uint64_t evict_last_policy() {
+  std::uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 /// One arrival on `bar` once every cp.async this thread has issued so far has landed (counted in the
 /// barrier's expected arrivals: .noinc).
 __device__ __forceinline__ void cp_async_arrive(MBarrier& bar) {
@@ -142,9 +159,12 @@ __device__ __forceinline__ int row_entry(const Params& p, const ItemInfo& f, int
 // plus the head). Chunk c of row r goes to half c / 8, position (c % 8) ^ (r % 8) of the row's 128
 // bytes (TMA's SWIZZLE_128B pattern on a 1024-aligned base). Rows past the item are zero-filled
 // (src-size 0) and get partial row -1.
+// With kKeepQ the rows are read under an evict-last policy: the items run block by block within a (b,
+// group), so every row of the group's Q is read Kq times while the group's items run, and the streamed
+// partials should not push it out of L2 in between.
 template <int D>
 __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int tile, int ent, std::uint32_t buf,
-                                         int* row_part, int t) {
+                                         int* row_part, int t, std::uint64_t policy) {
   constexpr int kChunks = D / 8;
   const int r = t / 2;
   const int head = p.div_group.mod(f.y + tile * kTileRowsQ + r);
@@ -156,10 +176,19 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
   }
   if (t % 2 == 0) row_part[r] = ent >= 0 ? (f.bg * p.Lq * p.Kq + ent) * p.group + head : -1;
   const std::uint32_t dst_row = buf + r * 128;
+  if (p.hints & kKeepQ) {
 #pragma unroll
-  for (int k = 0; k < kChunks / 2; ++k) {
-    const int cc = t % 2 + 2 * k;
-    cp_async16(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0), bytes);
+    for (int k = 0; k < kChunks / 2; ++k) {
+      const int cc = t % 2 + 2 * k;
+      cp_async16_policy(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0),
+                        bytes, policy);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kChunks / 2; ++k) {
+      const int cc = t % 2 + 2 * k;
+      cp_async16(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0), bytes);
+    }
   }
 }
 
@@ -199,6 +228,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
     tma_prefetch_descriptor(&tm_k);
     tma_prefetch_descriptor(&tm_v);
   }
+  const std::uint64_t policy = evict_last_policy();
   const int step = static_cast<int>(gridDim.x);
   int item = static_cast<int>(blockIdx.x);
   int produced[kC] = {};  // tiles handed to each consumer so far
@@ -259,7 +289,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
         }
         const int b = n & 1;
         sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-        gather_q<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t);
+        gather_q<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
         cp_async_arrive(sm.q_full[c][b]);
         if (t == 0) {
           TileHeader& h = sm.head[c][b];
@@ -297,6 +327,13 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
   const int t = static_cast<int>(tid % 128);
   const int warp = t / 32, g8 = (t % 32) / 4, q4 = t % 4;
+  const auto store_lse = [&](int row, float lse) {
+    if (q4 != 0) return;
+    if (p.hints & kStreamPartials)
+      __stcs(p.lse_part + row, lse);
+    else
+      p.lse_part[row] = lse;
+  };
   for (int n = 0;; ++n) {
     const int b = n & 1;
     sm.q_full[c][b].wait((n >> 1) & 1u);
@@ -379,10 +416,15 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (rows[r] < 0) continue;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      Part::put_row(static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D, acc_o, r, inv, q4);
-      if (q4 == 0) p.lse_part[rows[r]] = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
+      const float lse = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
+      if (rows[r] < 0) continue;
+      auto* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D;
+      if (p.hints & kStreamPartials)
+        Part::template put_row<true>(dst, acc_o, r, inv, q4);
+      else
+        Part::template put_row<false>(dst, acc_o, r, inv, q4);
+      store_lse(rows[r], lse);
     }
   }
 }
@@ -448,12 +490,16 @@ struct AttendOp {
 
 }  // namespace
 
+void set_attend_cache_hints(unsigned hints) { g_attend_hints.store(hints, std::memory_order_relaxed); }
+unsigned attend_cache_hints() { return g_attend_hints.load(std::memory_order_relaxed); }
+
 std::size_t attend_smem(int D) { return D == 128 ? attend_smem_bytes<128>() : attend_smem_bytes<64>(); }
 
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
                           const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream) {
   if (max_items <= 0) return cudaSuccess;
   Params q = p;
+  q.hints = g_attend_hints.load(std::memory_order_relaxed);
   q.div_group = FastDiv::make(p.group);
   q.div_kq = FastDiv::make(p.Kq);
   q.div_lq = FastDiv::make(p.Lq);

@@ -43,6 +43,11 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
                           const TensorView& out, const std::optional<TensorView>& lse,
                           const QuerySparseOptions& options);
 
+/// Cache hints of the KV-centric attention kernel's later launches (bits: 1 partials stored with the
+/// streaming hint, 2 Q rows gathered under an L2 evict-last policy; default 3), for A/B timings. The
+/// outputs do not depend on them.
+void set_query_sparse_attend_hints(unsigned hints);
+
 /// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
 /// cp.async ring, 2 TMA stages released per block, 3 TMA ring of half blocks).
 inline constexpr int kGroupVersion = 2;

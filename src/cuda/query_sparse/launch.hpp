@@ -19,6 +19,11 @@ cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream);
 /// come through TMA maps made by make_bhld_tensor_map.
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
                           const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream);
+inline constexpr unsigned kAttendHintsDefault = kStreamPartials | kKeepQ;
+/// Cache hints (AttendHint bits) of later attention launches; the default is kAttendHintsDefault. The
+/// output does not depend on them.
+void set_attend_cache_hints(unsigned hints);
+unsigned attend_cache_hints();
 /// Dynamic shared memory of the attention kernel for head dim D.
 std::size_t attend_smem(int D);
 cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials, cudaStream_t stream);

@@ -302,6 +302,8 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
              "group_centric launch");
 }
 
+void set_query_sparse_attend_hints(unsigned hints) { qs::set_attend_cache_hints(hints); }
+
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
   return layout(p, Kq, partials).total;
 }
