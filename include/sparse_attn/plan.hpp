@@ -117,7 +117,8 @@ struct CostModel {
   double q_visit_ns_d64 = 10.1;     // the same at D = 64
   double q_fixed_us = 20.0;         // the device conversion in the pipeline: its launch, tile_sparse's ramp after it
   double q_tile_ns = 7.0;           // the device conversion per (b, group, Q tile), Kq = 16
-  double kv_row_block_ns = 0.146;   // attention of one (query, head, slot) against one block, D = 128
+  double kv_row_block_ns = 0.13;    // attention of one (query, head, slot) against one block, D = 128, f32 partials
+  double kv_row_block_bf16_ns = 0.097;  // the same with bf16 partials
   double kv_bytes_per_ns = 4270.0;  // HBM rate for the partials written and read back (4.27 TB/s)
   double kv_slot_ns = 0.017;        // reverse index work per (query, slot)
   double kv_fixed_us = 30.0;        // the reverse index's fixed part and the pipeline's launches

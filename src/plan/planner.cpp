@@ -133,7 +133,8 @@ PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape&
   const double rows = double(stats.query_blocks) * group;
   const double part_bytes = double(p.D) * (partials == PartialPrecision::f32 ? 4.0 : 2.0);
   const double row_bytes = 2.0 * (part_bytes + 4.0);  // partial and its LSE, written then read back
-  const double kv_ns = model.kv_fixed_us * 1e3 + rows * model.kv_row_block_ns * double(p.D) / 128.0 +
+  const double row_ns = partials == PartialPrecision::f32 ? model.kv_row_block_ns : model.kv_row_block_bf16_ns;
+  const double kv_ns = model.kv_fixed_us * 1e3 + rows * row_ns * double(p.D) / 128.0 +
                        rows * row_bytes / model.kv_bytes_per_ns + double(stats.query_blocks) * model.kv_slot_ns;
 
   // Group-centric: padded m16 tiles of each query against its own blocks, plus the K and V bytes
