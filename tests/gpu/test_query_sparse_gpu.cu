@@ -197,6 +197,37 @@ TEST(QuerySparseGpu, CacheHintsDoNotChangeOutputs) {
   }
 }
 
+// A few CTAs over many work items (the producer's loads run an item ahead across item boundaries, K/V
+// slots and Q buffers cycle many times): the outputs equal those of one CTA per SM bit for bit.
+TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  struct Reset {
+    ~Reset() { sa::cuda_backend::set_query_sparse_attend_grid(0); }
+  } reset;
+  const Case cases[] = {
+      {"qs few CTAs GQA16", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 3000, 1024, 16, 1, 128, false, 4},
+      {"qs few CTAs causal f32", sa::DType::f16, sa::PartialPrecision::f32, 2, 1500, 1500, 8, 2, 128, true, 5},
+      {"qs few CTAs D=64", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 2500, 700, 12, 1, 64, false, 3},
+      {"qs few CTAs popular block", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 2000, 2048, 16, 1, 128, false, 4,
+       false, true},
+  };
+  std::uint64_t seed = 70;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Inputs in = make_inputs(c, ++seed);
+    sa::cuda_backend::set_query_sparse_attend_grid(0);
+    const Result ref = run_gpu(c, in);
+    EXPECT_TRUE(st::all_finite(ref.out));
+    for (int ctas : {1, 2, 3, 7}) {
+      SCOPED_TRACE("ctas " + std::to_string(ctas));
+      sa::cuda_backend::set_query_sparse_attend_grid(ctas);
+      const Result r = run_gpu(c, in);
+      EXPECT_EQ(0, std::memcmp(r.out.view().data, ref.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2));
+      EXPECT_EQ(0, std::memcmp(r.lse.view().data, ref.lse.view().data, static_cast<std::size_t>(r.lse.numel()) * 4));
+    }
+  }
+}
+
 // plan() once with a caller-owned workspace, run() for two different q: each equals the one-call
 // operator bit for bit.
 TEST(QuerySparseGpu, PlanOnceRunMany) {

@@ -35,6 +35,7 @@ namespace sparse_attn::cuda_kernels::qs {
 namespace {
 
 std::atomic<unsigned> g_attend_hints{kAttendHintsDefault};
+std::atomic<int> g_attend_grid_cap{0};
 
 constexpr int kC = kAttendConsumers;
 constexpr int kTileRowsQ = 64;  // rows of one consumer tile (one m64 wgmma row block)
@@ -491,6 +492,7 @@ struct AttendOp {
 }  // namespace
 
 void set_attend_cache_hints(unsigned hints) { g_attend_hints.store(hints, std::memory_order_relaxed); }
+void set_attend_grid_cap(int ctas) { g_attend_grid_cap.store(ctas, std::memory_order_relaxed); }
 unsigned attend_cache_hints() { return g_attend_hints.load(std::memory_order_relaxed); }
 
 std::size_t attend_smem(int D) { return D == 128 ? attend_smem_bytes<128>() : attend_smem_bytes<64>(); }
@@ -503,7 +505,9 @@ cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials,
   q.div_group = FastDiv::make(p.group);
   q.div_kq = FastDiv::make(p.Kq);
   q.div_lq = FastDiv::make(p.Lq);
-  return dispatch<AttendOp>(bf16, D, bf16_partials, q, tm_k, tm_v, sms, max_items, stream);
+  const int cap = g_attend_grid_cap.load(std::memory_order_relaxed);
+  return dispatch<AttendOp>(bf16, D, bf16_partials, q, tm_k, tm_v, cap > 0 && cap < sms ? cap : sms, max_items,
+                            stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs

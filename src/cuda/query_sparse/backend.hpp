@@ -47,6 +47,9 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
 /// streaming hint, 2 Q rows gathered under an L2 evict-last policy; default 3), for A/B timings. The
 /// outputs do not depend on them.
 void set_query_sparse_attend_hints(unsigned hints);
+/// At most `ctas` CTAs for the KV-centric attention kernel's later launches (0: one per SM); tests
+/// use it to give every CTA many work items. The outputs do not depend on it.
+void set_query_sparse_attend_grid(int ctas);
 
 /// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
 /// cp.async ring, 2 TMA stages released per block, 3 TMA ring of half blocks).

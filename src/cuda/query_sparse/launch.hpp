@@ -24,6 +24,9 @@ inline constexpr unsigned kAttendHintsDefault = kStreamPartials | kKeepQ;
 /// output does not depend on them.
 void set_attend_cache_hints(unsigned hints);
 unsigned attend_cache_hints();
+/// At most `ctas` CTAs for later attention launches (0: one per SM), so that tests can give each CTA
+/// many items.
+void set_attend_grid_cap(int ctas);
 /// Dynamic shared memory of the attention kernel for head dim D.
 std::size_t attend_smem(int D);
 cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials, cudaStream_t stream);

@@ -303,6 +303,7 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
 }
 
 void set_query_sparse_attend_hints(unsigned hints) { qs::set_attend_cache_hints(hints); }
+void set_query_sparse_attend_grid(int ctas) { qs::set_attend_grid_cap(ctas); }
 
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
   return layout(p, Kq, partials).total;
