@@ -3,7 +3,8 @@
 // The phase streams every chosen partial row once, so its floor is those bytes at DRAM bandwidth
 // (query-long: 4.3 GB of bf16 partials, about 1.1 ms on the H200). One warp owns one (b, group,
 // query) and a tile of the group's heads: the partial rows of those heads for one slot are
-// contiguous ([B, Hkv, Lq, Kq, group, D]), so each lane moves 16 bytes per load (streaming hint: the
+// contiguous ([B, Hkv, Lq, Kq, group, D]; a bf16 row's columns in the attention kernel's fragment
+// order, bf16_part_position), so each lane moves 16 bytes per load (streaming hint: the
 // partials are read once), the idx row is read once per warp (a ballot gives the chosen slots), and
 // the tile's lse_part values feed one pass that gives every head's LSE. The tile is as wide as
 // kMaxChunks 16-byte loads per lane allow (4 heads of f32 or 8 of bf16 partials at D = 128); a

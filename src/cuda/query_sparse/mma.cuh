@@ -25,7 +25,6 @@ struct Bf16 {
     memcpy(&u, &v, 4);
     return u;
   }
-  __device__ static void store(void* p, float x) { *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(x); }
   __device__ static void mma(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -42,7 +41,6 @@ struct F16 {
     memcpy(&u, &v, 4);
     return u;
   }
-  __device__ static void store(void* p, float x) { *static_cast<__half*>(p) = __float2half_rn(x); }
   __device__ static void mma(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
