@@ -67,6 +67,12 @@ struct Result {
   sa::HostTensor out, lse;
 };
 
+// out and lse equal `ref`'s bit for bit.
+void expect_same_bits(const sa::HostTensor& out, const sa::HostTensor& lse, const Result& ref) {
+  EXPECT_EQ(0, std::memcmp(out.view().data, ref.out.view().data, static_cast<std::size_t>(out.numel()) * 2));
+  EXPECT_EQ(0, std::memcmp(lse.view().data, ref.lse.view().data, static_cast<std::size_t>(lse.numel()) * 4));
+}
+
 // Through the public operator (front-end checks, dispatch, cached workspace).
 Result run_gpu(const Case& c, const Inputs& in) {
   Result r{sa::HostTensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}), sa::HostTensor(sa::DType::f32, {c.B, c.Hq, c.Lq})};
@@ -170,8 +176,7 @@ TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
     const Case c{"qs determinism", sa::DType::bf16, prec, 2, 700, 900, 16, 1, 128, true, 8, false, true};
     const Inputs in = make_inputs(c, 55);
     const Result a = run_gpu(c, in), b = run_gpu(c, in);
-    EXPECT_EQ(0, std::memcmp(a.out.view().data, b.out.view().data, static_cast<std::size_t>(a.out.numel()) * 2));
-    EXPECT_EQ(0, std::memcmp(a.lse.view().data, b.lse.view().data, static_cast<std::size_t>(a.lse.numel()) * 4));
+    expect_same_bits(a.out, a.lse, b);
     EXPECT_TRUE(st::all_finite(a.out));
   }
 }
@@ -191,8 +196,7 @@ TEST(QuerySparseGpu, CacheHintsDoNotChangeOutputs) {
       SCOPED_TRACE("hints " + std::to_string(hints));
       sa::cuda_backend::set_query_sparse_attend_hints(hints);
       const Result r = run_gpu(c, in);
-      EXPECT_EQ(0, std::memcmp(r.out.view().data, ref.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2));
-      EXPECT_EQ(0, std::memcmp(r.lse.view().data, ref.lse.view().data, static_cast<std::size_t>(r.lse.numel()) * 4));
+      expect_same_bits(r.out, r.lse, ref);
     }
   }
 }
@@ -222,8 +226,7 @@ TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
       SCOPED_TRACE("ctas " + std::to_string(ctas));
       sa::cuda_backend::set_query_sparse_attend_grid(ctas);
       const Result r = run_gpu(c, in);
-      EXPECT_EQ(0, std::memcmp(r.out.view().data, ref.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2));
-      EXPECT_EQ(0, std::memcmp(r.lse.view().data, ref.lse.view().data, static_cast<std::size_t>(r.lse.numel()) * 4));
+      expect_same_bits(r.out, r.lse, ref);
     }
   }
 }
@@ -254,8 +257,7 @@ TEST(QuerySparseGpu, PlanOnceRunMany) {
     dout.download(out);
     dlse.download(lse);
     const Result one = run_gpu(c, in2);
-    EXPECT_EQ(0, std::memcmp(out.view().data, one.out.view().data, static_cast<std::size_t>(out.numel()) * 2));
-    EXPECT_EQ(0, std::memcmp(lse.view().data, one.lse.view().data, static_cast<std::size_t>(lse.numel()) * 4));
+    expect_same_bits(out, lse, one);
     EXPECT_TRUE(st::all_finite(out));
   }
   // A workspace one byte short is refused before anything is launched.
@@ -297,8 +299,7 @@ TEST(QuerySparseGpu, PackedQkvStrides) {
   dout.download(out);
   dlse.download(lse);
   EXPECT_TRUE(st::all_finite(out));
-  EXPECT_EQ(0, std::memcmp(out.view().data, ref.out.view().data, static_cast<std::size_t>(out.numel()) * 2));
-  EXPECT_EQ(0, std::memcmp(lse.view().data, ref.lse.view().data, static_cast<std::size_t>(lse.numel()) * 4));
+  expect_same_bits(out, lse, ref);
 }
 
 TEST(QuerySparseGpu, ValidationReportsFirstBadEntry) {

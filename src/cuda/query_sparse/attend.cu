@@ -302,7 +302,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
         }
         sm.q_full[c][b].arrive();
       }
-      f = item_info(p, l1);
+      f = item_info(p, l1);  // derived again rather than held through the tiles: the producer is short of registers
 #pragma unroll
       for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
       l1 = l2;
@@ -493,7 +493,6 @@ struct AttendOp {
 
 void set_attend_cache_hints(unsigned hints) { g_attend_hints.store(hints, std::memory_order_relaxed); }
 void set_attend_grid_cap(int ctas) { g_attend_grid_cap.store(ctas, std::memory_order_relaxed); }
-unsigned attend_cache_hints() { return g_attend_hints.load(std::memory_order_relaxed); }
 
 std::size_t attend_smem(int D) { return D == 128 ? attend_smem_bytes<128>() : attend_smem_bytes<64>(); }
 

@@ -23,7 +23,6 @@ inline constexpr unsigned kAttendHintsDefault = kStreamPartials | kKeepQ;
 /// Cache hints (AttendHint bits) of later attention launches; the default is kAttendHintsDefault. The
 /// output does not depend on them.
 void set_attend_cache_hints(unsigned hints);
-unsigned attend_cache_hints();
 /// At most `ctas` CTAs for later attention launches (0: one per SM), so that tests can give each CTA
 /// many items.
 void set_attend_grid_cap(int ctas);

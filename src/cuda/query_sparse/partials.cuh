@@ -50,10 +50,7 @@ struct PartBf16 {
   __device__ static void put_row(__nv_bfloat16* dst, const float (&o)[N], int r, float inv, int q4) {
     std::uint32_t w[N / 4];
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      const __nv_bfloat162 v = __floats2bfloat162_rn(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-      w[i] = *reinterpret_cast<const std::uint32_t*>(&v);
-    }
+    for (int i = 0; i < N / 4; ++i) w[i] = Bf16::pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
     auto* row = reinterpret_cast<uint4*>(dst);
 #pragma unroll
     for (int s = 0; s < N / 16; ++s) {
