@@ -26,14 +26,21 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
-// Sets an environment variable (a launcher knob) for one scope; unset again on exit, also when an
-// assertion leaves the scope early.
+// Sets an environment variable (a launcher knob) for one scope; restored on exit (unset if it was),
+// also when an assertion leaves the scope early.
 struct ScopedEnv {
   const char* name;
-  ScopedEnv(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
+  std::optional<std::string> previous;
+  ScopedEnv(const char* n, const char* value) : name(n) {
+    if (const char* old = std::getenv(n)) previous = old;
+    setenv(n, value, 1);
+  }
   ScopedEnv(const ScopedEnv&) = delete;
   ScopedEnv& operator=(const ScopedEnv&) = delete;
-  ~ScopedEnv() { unsetenv(name); }
+  ~ScopedEnv() {
+    if (previous) setenv(name, previous->c_str(), 1);
+    else unsetenv(name);
+  }
 };
 
 #define SKIP_WITHOUT_GPU()                                                                   \
@@ -161,38 +168,56 @@ void check_against_reference(const Case& c, const sa::HostTensor& q, const sa::H
   std::printf("[ %-34s ] relerr %.3e  max_abs %.3e  lse_err %.3e\n", c.name.c_str(), rel, max_abs, lse_err);
 }
 
-void run_case(const Case& c, std::uint64_t seed) {
+// A case's inputs: random q, k, v (and lists unless dense) from the seed.
+struct CaseData {
   sa::ProblemShape p;
-  p.B = c.B, p.Lq = c.Lq, p.Lk = c.Lk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.D = c.D, p.causal = c.causal;
-  const sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, seed);
-  const sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 1);
-  const sa::HostTensor v = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 2);
+  sa::HostTensor q, k, v, idx, cnt;
+  sa::AttentionOptions opt;
+  double scale = 0.0;
+};
+
+CaseData make_case(const Case& c, std::uint64_t seed) {
+  CaseData d;
+  d.p.B = c.B, d.p.Lq = c.Lq, d.p.Lk = c.Lk, d.p.Hq = c.Hq, d.p.Hkv = c.Hkv, d.p.D = c.D, d.p.causal = c.causal;
+  d.q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, seed);
+  d.k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 1);
+  d.v = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 2);
+  if (!c.dense) make_lists(c, d.p, seed + 3, d.idx, d.cnt);
+  d.opt.causal = c.causal;
+  if (c.scale > 0) d.opt.softmax_scale = c.scale;
+  d.scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.D));
+  return d;
+}
+
+sa::Selection selection_of(const Case& c, const CaseData& d) {
+  if (c.dense) return sa::AllBlocks{};
+  return sa::TileLists{d.idx.view(), d.cnt.view()};
+}
+
+// One GPU call on the case's inputs, into poisoned outputs: (out, lse).
+std::pair<sa::HostTensor, sa::HostTensor> run_gpu(const Case& c, const CaseData& d) {
   sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D});
   sa::HostTensor lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
   st::poison(out);
   st::poison(lse);
-  DeviceTensor dq(q), dk(k), dv(v), dout(out), dlse(lse);
-
-  sa::AttentionOptions opt;
-  opt.causal = c.causal;
-  if (c.scale > 0) opt.softmax_scale = c.scale;
-  const double scale = c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.D));
-
-  sa::HostTensor idx, cnt;
-  sa::Selection sel = sa::AllBlocks{};
+  DeviceTensor dq(d.q), dk(d.k), dv(d.v), dout(out), dlse(lse);
   if (c.dense) {
-    gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, opt);
+    gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, d.opt);
   } else {
-    make_lists(c, p, seed + 3, idx, cnt);
-    DeviceTensor didx(idx), dcnt(cnt);
-    gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, dout.view, dlse.view, opt);
-    sel = sa::TileLists{idx.view(), cnt.view()};
+    DeviceTensor didx(d.idx), dcnt(d.cnt);
+    gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, dout.view, dlse.view, d.opt);
     cuda_ok(cudaDeviceSynchronize(), "kernel");
   }
   cuda_ok(cudaDeviceSynchronize(), "kernel");
   dout.download(out);
   dlse.download(lse);
-  check_against_reference(c, q, k, v, sel, p, out, lse, scale);
+  return {std::move(out), std::move(lse)};
+}
+
+void run_case(const Case& c, std::uint64_t seed) {
+  const CaseData d = make_case(c, seed);
+  const auto [out, lse] = run_gpu(c, d);
+  check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, out, lse, d.scale);
 }
 
 }  // namespace
@@ -249,6 +274,78 @@ TEST(TileAttentionGpu, ManyItemsPerCta) {
   const ScopedEnv grid("SPARSE_ATTN_HOPPER_GRID", "3");
   run_case({"bf16 512 items, 3 CTAs", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3}, 3110);
   run_case({"bf16 causal dense, 3 CTAs", sa::DType::bf16, 1, 900, 900, 8, 2, true, true}, 3120);
+}
+
+// Non-causal units of the last, partial wave are computed in pieces by several CTAs and combined by
+// the last piece to arrive (scheduler.cuh; store_piece, arrive_piece and combine_pieces in
+// epilogue.cuh). The launcher splits only where its cost model expects a gain; the knob forces the
+// split wherever one is possible, so these small cases exercise it. Each case is checked against
+// the reference, run twice (bit for bit the same: the arrival counters reset themselves and the combine
+// order is fixed), with each scheduling knob off (the same bits), and with the split off (the same
+// values up to the order of the sums). Grid caps set up the tails: one unit in four pieces (7 CTAs),
+// four units over five CTAs with short and empty lists (empty pieces), and below one wave on the full
+// grid, where every unit is cut into several pieces.
+TEST(TileAttentionGpu, SplitTail) {
+  SKIP_WITHOUT_GPU();
+  struct Setting {
+    const char* grid;  // SPARSE_ATTN_HOPPER_GRID, or null for the full grid
+    Case c;
+  };
+  const Setting settings[] = {
+      {"7", {"split: 64 dense units on 7 CTAs", sa::DType::bf16, 2, 900, 1100, 4, 2, false, true}},
+      {"5", {"split: 64 list units on 5 CTAs", sa::DType::bf16, 2, 900, 1100, 4, 2, false, false, false, 9}},
+      {nullptr, {"split: 24 dense units, full grid", sa::DType::f16, 1, 700, 2000, 4, 1, false, true}},
+      {nullptr, {"split: D=64 per-head lists, full grid", sa::DType::bf16, 1, 300, 3000, 8, 2, false, false, true, 24,
+                 0.0f, 64}},
+  };
+  std::uint64_t seed = 6000;
+  for (const Setting& setting : settings) {
+    const Case& c = setting.c;
+    std::optional<ScopedEnv> grid;
+    if (setting.grid != nullptr) grid.emplace("SPARSE_ATTN_HOPPER_GRID", setting.grid);
+    const ScopedEnv force("SPARSE_ATTN_HOPPER_SPLIT", "force");
+    const CaseData d = make_case(c, seed += 10);
+    const auto [out, lse] = run_gpu(c, d);
+    check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, out, lse, d.scale);
+    const auto same_bits = [&](const std::pair<sa::HostTensor, sa::HostTensor>& again, const std::string& what) {
+      EXPECT_EQ(0, std::memcmp(out.view().data, again.first.view().data, out.numel() * sa::dtype_size(c.dtype)))
+          << c.name << ": out differs " << what;
+      EXPECT_EQ(0, std::memcmp(lse.view().data, again.second.view().data, lse.numel() * 4))
+          << c.name << ": lse differs " << what;
+    };
+    same_bits(run_gpu(c, d), "between two runs");
+    for (const char* knob : {"SPARSE_ATTN_HOPPER_PINGPONG", "SPARSE_ATTN_HOPPER_TMA_STORE", "SPARSE_ATTN_HOPPER_CHAIN"}) {
+      const ScopedEnv off(knob, "0");
+      same_bits(run_gpu(c, d), std::string("with ") + knob + "=0");
+    }
+    std::pair<sa::HostTensor, sa::HostTensor> whole;
+    {
+      const ScopedEnv off("SPARSE_ATTN_HOPPER_SPLIT", "0");
+      whole = run_gpu(c, d);
+    }
+    check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, whole.first, whole.second, d.scale);
+    // Each piece rounds its P to the 16-bit type against its own running max, so the two differ by
+    // about the rounding error of P: bounded as the reference comparison bounds it, with the whole
+    // walk's output as the reference.
+    const Tolerance tol = tolerance(c.dtype);
+    std::vector<double> whole_out(static_cast<std::size_t>(out.numel()));
+    double whole_max = 1.0, worst_lse = 0.0;
+    for (std::int64_t i = 0; i < out.numel(); ++i) {
+      whole_out[static_cast<std::size_t>(i)] = st::element(whole.first, i);
+      whole_max = std::max(whole_max, std::abs(whole_out[static_cast<std::size_t>(i)]));
+    }
+    for (std::int64_t i = 0; i < lse.numel(); ++i) {
+      const double a = st::element(lse, i), b = st::element(whole.second, i);
+      if (std::isinf(b)) {
+        EXPECT_EQ(a, b) << c.name << ": lse[" << i << "] split " << a << ", whole " << b;
+        continue;
+      }
+      worst_lse = std::max(worst_lse, std::abs(a - b));
+    }
+    EXPECT_LE(st::rel_err(out, whole_out), tol.rel) << c.name << ": split against whole, relative";
+    EXPECT_LE(st::max_abs_err(out, whole_out), tol.max_abs_frac * whole_max) << c.name << ": split against whole, max";
+    EXPECT_LE(worst_lse, 1e-5) << c.name << ": split and whole lse";
+  }
 }
 
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV

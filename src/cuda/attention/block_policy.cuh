@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda/attention/params.hpp"
+#include "cuda/common/scheduler.cuh"
 
 namespace sparse_attn::cuda_kernels {
 
@@ -15,11 +16,13 @@ inline constexpr int kBlockKeys = 128;  // keys per KV block
 
 struct BlockPolicy {
   const std::int32_t* list = nullptr;  // ids of this tile's list (null for dense)
-  int count = 0;                       // entries to walk: cnt, or Tk for dense
+  int begin = 0;                       // first position of the walk (a piece of a split unit starts later)
+  int count = 0;                       // end of the walk: cnt, or Tk for dense, cut at the piece's end
   int Tk = 0;
   int last_visible_key = 0;            // keys past this are in every row's future (causal); Lk - 1 otherwise
 
-  __device__ __forceinline__ static BlockPolicy make(const TileAttentionParams& p, int b, int q_tile, int head) {
+  __device__ __forceinline__ static BlockPolicy make(const TileAttentionParams& p, const WorkItem& w) {
+    const int b = w.b, q_tile = w.q_tile, head = w.head;
     BlockPolicy bp;
     bp.Tk = p.Tk;
     if (p.dense) {
@@ -32,6 +35,8 @@ struct BlockPolicy {
       // a bad trusted list can never read past its row.
       bp.count = c < 0 ? 0 : (c > p.Kmax ? p.Kmax : c);
     }
+    bp.begin = w.lo;
+    bp.count = min(bp.count, w.hi);
     const int last_row = min((q_tile + 1) * kTileRows, p.Lq) - 1;
     bp.last_visible_key = p.causal ? min(last_row + (p.Lk - p.Lq), p.Lk - 1) : p.Lk - 1;
     return bp;

@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   }
   __syncthreads();
 
-  const StaticPersistentScheduler sched{p.num_units, p.B, p.Hkv, p.group_size, p.Tq, p.causal};
+  const StaticPersistentScheduler sched{p.num_units, p.B,        p.Hkv,       p.group_size, p.Tq,
+                                        p.causal,    p.dp_units, p.tail_ctas, p.tail_len};
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     if (thread == 0) producer_loop<typename Tag::Elem, kHeadDim>(p, sched, sm, &tm_q, &tm_k, &tm_v);
@@ -69,12 +70,12 @@ constexpr std::size_t tile_attention_smem_bytes() {
   return sizeof(SharedStorage<typename Tag::Elem, kHeadDim>) + 1024;  // + slack for the manual alignment
 }
 
-/// Launches one instantiation on `stream` with a persistent grid of min(items, SMs) CTAs. Returns the
-/// CUDA error of the launch (cudaSuccess on success).
+/// Launches one instantiation on `stream` with a persistent grid of `grid` CTAs (at most one per SM;
+/// the scheduler's split of the work assumes exactly this grid). Returns the CUDA error of the launch
+/// (cudaSuccess on success).
 template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
-                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int num_sms,
-                                  cudaStream_t stream);
+                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda_kernels
 
@@ -83,15 +84,13 @@ namespace sparse_attn::cuda_kernels {
 
 template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
-                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int num_sms,
-                                  cudaStream_t stream) {
+                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
   auto* kernel = &tile_attention_kernel<Tag, kHeadDim>;
   // Setting the attribute is cheap but not free; once per process and instantiation is enough.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
-  const int grid = p.num_units < num_sms ? p.num_units : num_sms;
   kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out);
   return cudaGetLastError();
 }

@@ -3,9 +3,11 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <string>
 
 #include "core/check.hpp"
@@ -14,6 +16,7 @@
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/tma.hpp"
+#include "cuda/common/workspace_cache.hpp"
 
 namespace sparse_attn::cuda_kernels {
 namespace {
@@ -95,6 +98,47 @@ void validate_on_device(const std::string& op, const TileAttentionParams& p, int
   const int prev = read_int(row + (slot - 1) * p.idx_stride[3], stream, op);
   throw Error(op, "tiles.idx", "block id " + std::to_string(j) + " at " + at + " does not follow " +
                                    std::to_string(prev) + ": ids must be distinct and ascending");
+}
+
+// Split tail (scheduler.cuh): the units of the last, partial wave are cut into pieces spread over more
+// CTAs. A piece covers at least kMinPieceLen walk positions and a unit about kMaxPiecesPerUnit pieces at
+// most, which bounds what the last piece's combine reads. The split shortens the last wave from
+// walk_len positions to walk_len * rest / share, and costs each CTA of the tail about
+// kPieceCostPositions positions' time (a second Q tile, the partials, the arrival, and the combine at
+// the end of the range; measured on the H200, docs/notes/hopper.md "split tail"): it is taken only
+// where the first exceeds the second, unless forced.
+constexpr int kMaxPiecesPerUnit = 8;
+constexpr int kMinPieceLen = 2;
+constexpr double kPieceCostPositions = 6.0;
+
+struct TailSplit {
+  int dp_units;   // units walked whole
+  int tail_ctas;  // CTAs sharing the rest (0: no split)
+};
+
+TailSplit split_tail(int units, int ctas, int walk_len, bool force) {
+  const int rest = units % ctas;  // all of them when units < ctas
+  if (rest == 0) return {units, 0};
+  const long long positions = static_cast<long long>(rest) * walk_len;
+  const long long share = std::min({static_cast<long long>(ctas), static_cast<long long>(kMaxPiecesPerUnit) * rest,
+                                    positions / kMinPieceLen});
+  if (share <= rest) return {units, 0};  // no more than one CTA per unit: nothing to gain
+  // The kernel cuts the tail in 32-bit arithmetic (scheduler.cuh); beyond that (a tail of more than
+  // 2^31 / 132 blocks, Lk of about 2 million keys per unit of a full last wave) it stays whole.
+  if (positions * share >= (1ll << 31)) return {units, 0};
+  const double saved = walk_len * (1.0 - static_cast<double>(rest) / static_cast<double>(share));
+  if (!force && saved < kPieceCostPositions) return {units, 0};
+  return {units - rest, static_cast<int>(share)};
+}
+
+// The split tail's counters and partials per (device, stream), sized once for the device's SM count:
+// counters for up to one tail unit per SM (2 per unit: one per consumer warpgroup), then up to two
+// slots per SM. The counters start at zero and every launch leaves them at zero.
+cuda_backend::WorkspaceCache g_tail_workspaces;
+
+std::size_t tail_counter_bytes(int sms) { return (static_cast<std::size_t>(sms) * 2 * sizeof(unsigned) + 255) / 256 * 256; }
+std::size_t tail_workspace_bytes(int sms) {
+  return tail_counter_bytes(sms) + static_cast<std::size_t>(2 * sms) * 2 * kTailPartFloats * sizeof(float);
 }
 
 void run(const std::string& op, const ProblemShape& s, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -179,21 +223,49 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   // Each consumer warpgroup stores its 64 rows: the out box is 64 rows. Unused on the register path.
   const CUtensorMap tm_out = p.tma_store ? make_bhld_tensor_map(op, "out", out, kRowsPerConsumer) : tm_q;
 
-  int device = 0, num_sms = 0;
+  int device = 0, device_sms = 0;
   check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device), op, "device query");
+  check_cuda(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device), op, "device query");
+  int num_sms = device_sms;
   // Test knob: SPARSE_ATTN_HOPPER_GRID=n caps the persistent grid at n CTAs, so small problems still
   // give every CTA a long run of work items (ring wrap-around, Q buffer reuse, chained items).
   if (const char* g = std::getenv("SPARSE_ATTN_HOPPER_GRID")) {
     const int cap = std::atoi(g);
     if (cap > 0 && cap < num_sms) num_sms = cap;
   }
+  int grid = std::min(p.num_units, num_sms);
+  p.dp_units = p.num_units;
+  // Knob: SPARSE_ATTN_HOPPER_SPLIT=0 walks the last wave's units whole, =force splits them wherever a
+  // split is possible, gain or not (tests; benchmarks). The outputs of split units differ from whole
+  // ones in the last bits: each piece rounds its P against its own running max. Causal units are not
+  // split: their pairs of tiles already balance the CTAs.
+  const char* split_knob = std::getenv("SPARSE_ATTN_HOPPER_SPLIT");
+  const bool split_off = split_knob != nullptr && split_knob[0] == '0';
+  const bool split_forced = split_knob != nullptr && std::string(split_knob) == "force";
+  std::unique_lock<std::mutex> tail_lock;
+  if (!split_off && !p.causal && p.num_units > 0) {
+    const int walk_len = p.dense ? p.Tk : p.Kmax;
+    const TailSplit t = split_tail(p.num_units, num_sms, walk_len, split_forced);
+    if (t.tail_ctas > 0) {
+      p.dp_units = t.dp_units;
+      p.tail_ctas = t.tail_ctas;
+      p.tail_len = walk_len;
+      grid = t.dp_units > 0 ? num_sms : t.tail_ctas;
+      tail_lock = std::unique_lock<std::mutex>(g_tail_workspaces.mutex());
+      bool grown = false;
+      auto* ws = static_cast<char*>(g_tail_workspaces.get(op, device, options.stream,
+                                                          tail_workspace_bytes(device_sms), &grown));
+      if (grown) check_cuda(cudaMemsetAsync(ws, 0, tail_counter_bytes(device_sms), stream), op, "tail counters");
+      p.tail_count = reinterpret_cast<unsigned*>(ws);
+      p.tail_part = reinterpret_cast<float*>(ws + tail_counter_bytes(device_sms));
+    }
+  }
   const bool bf16 = q.dtype == DType::bf16;
   const cudaError_t e =
-      s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream)
-                         : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream))
-                 : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream)
-                         : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, num_sms, stream));
+      s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                         : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream))
+                 : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                         : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
   check_cuda(e, op, "kernel launch");
 }
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/attention/block_policy.cuh"
 #include "cuda/attention/params.hpp"
@@ -56,6 +57,11 @@ struct alignas(1024) SharedStorage {
   // Written before the slot's full barrier is armed, read after it completes, before the slot is released.
   int q_has_blocks[kQStages];
   SlotBlock k_block[kKStages];
+  // Per consumer warpgroup: the piece of a split unit whose arrival is pending, and the verdict of its
+  // arrival (epilogue.cuh, arrive_piece).
+  WorkItem piece_item[kConsumerWarpgroups];
+  int piece_last[kConsumerWarpgroups];
+  WorkItem combine_item[kConsumerWarpgroups];  // the unit whose pieces this warpgroup is to combine
   MBarrier q_full[kQStages], q_empty[kQStages];
   MBarrier k_full[kKStages], k_empty[kKStages];
   MBarrier v_full[kVStages], v_empty[kVStages];
@@ -88,8 +94,8 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
-    const BlockPolicy bp = BlockPolicy::make(p, w.b, w.q_tile, w.head);
-    int pos = 0;
+    const BlockPolicy bp = BlockPolicy::make(p, w);
+    int pos = bp.begin;
     int j = bp.next(pos);
     // An item without blocks loads no K, so the previous item's last V cannot wait for the next K: the
     // consumers need that V to finish the previous item, and with the TMA store they release its Q
@@ -227,8 +233,35 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   OnlineSoftmax done_softmax;
   WorkItem done_w{0, 0, 0};
   int done_qst = 0;
+  // A piece of a split unit leaves its partial in the workspace at its epilogue; its arrival (a fence
+  // and an atomic, a round trip to L2 that the warpgroup must wait for) is deferred to just after the
+  // next wgmmas are issued, where the tensor cores have work while it completes. Where it completes its
+  // unit, the combine is due: it runs at the next epilogue, a few columns at a time since accumulators
+  // are live there (kTightGroup), or after the last item with all columns at once.
+  constexpr int kTightGroup = 2, kRoomyGroup = kHeadDim / 8;
+  bool arrival = false, combine_due = false;
+  const auto settle_arrival = [&]() {
+    if (!arrival) return;
+    arrival = false;
+    combine_due = arrive_piece(p, consumer, thread, sm.piece_item[consumer], sm.piece_last[consumer],
+                               sm.combine_item[consumer]);
+  };
+  const auto run_combine = [&](auto group) {
+    if (!combine_due) return;
+    combine_due = false;
+    combine_pieces<Tag, kHeadDim / 2, decltype(group)::value>(p, sm.combine_item[consumer], consumer, thread);
+  };
   const auto epilogue = [&](const OnlineSoftmax& sm_state, const WorkItem& w, int qst) {
     const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
+    settle_arrival();  // an earlier piece still pending (two epilogues in a row)
+    run_combine(std::integral_constant<int, kTightGroup>{});
+    if (w.pieces > 1) {
+      store_piece(p, acc_o, sm_state, w.slot, consumer, thread);
+      if (thread == 0) sm.piece_item[consumer] = w;
+      arrival = true;
+      if (p.tma_store) sm.q_empty[qst].arrive();  // nothing staged: the Q buffer is free now
+      return;
+    }
     if (p.tma_store) {
       release_staged_q();  // two epilogues in a row (an item without blocks after a pending one)
       auto* tile = reinterpret_cast<std::uint8_t*>(&sm.q[qst][0][0][0]);
@@ -266,6 +299,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
     turns.end();
     release_staged_q();
+    settle_arrival();
     wgmma_wait<0>();
     retire_pending();
   };
@@ -324,6 +358,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));  // the previous item's last P V
       turns.end();
       release_staged_q();
+      settle_arrival();
       wgmma_wait<1>();
       softmax_block(first.j);
       wgmma_wait<0>();
@@ -334,6 +369,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
       turns.end();
       release_staged_q();
+      settle_arrival();
       wgmma_wait<0>();
       softmax_block(first.j);
     }
@@ -353,6 +389,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
       turns.end();
       release_staged_q();
+      settle_arrival();
       wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
       softmax_block(nb.j);
       wgmma_wait<0>();
@@ -374,6 +411,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   }
   finish_pending();
   release_staged_q();
+  settle_arrival();
+  run_combine(std::integral_constant<int, kRoomyGroup>{});
   turns.finish();
 }
 

@@ -32,6 +32,20 @@ struct TileAttentionParams {
   bool pingpong = true;  // consumer warpgroups take turns issuing their wgmmas (see mainloop.cuh)
   bool tma_store = false;  // out is written through shared memory by TMA (tm_out); else from registers
   bool chain_items = true;  // an item's last P V shares a turn with the next item's first QK (mainloop.cuh)
+
+  // Split tail (scheduler.cuh): units [dp_units, num_units) are computed in pieces by tail_ctas CTAs,
+  // tail_len walk positions per unit (tail_ctas = 0: no split). Each piece leaves its unnormalised
+  // output and (m, l) in a slot of tail_part; per tail unit and consumer warpgroup, tail_count counts
+  // the pieces that have arrived (the last one resets it to 0 as it combines).
+  int dp_units = 0;
+  int tail_ctas = 0;
+  int tail_len = 0;
+  unsigned* tail_count = nullptr;  // [num_units - dp_units][2]
+  float* tail_part = nullptr;      // [slots][2][kTailPartFloats]
 };
+
+// One piece of one consumer warpgroup: its 64 x D output fragment (D / 2 floats per thread, up to 64)
+// as float4 columns [D / 8][128 threads], then (m0, m1, l0, l1) per thread. Sized for D = 128.
+inline constexpr int kTailPartFloats = (128 / 8 + 1) * 128 * 4;
 
 }  // namespace sparse_attn::cuda_kernels

@@ -8,14 +8,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <map>
 #include <mutex>
 #include <string>
-#include <utility>
 
 #include "core/check.hpp"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/common/workspace_cache.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "cuda/query_sparse/launch.hpp"
 
@@ -156,33 +155,8 @@ void validate_on_device(const qs::Params& q, cudaStream_t stream) {
                                     " repeats an earlier slot of the same query: ids must be distinct");
 }
 
-// One workspace per (device, stream), never freed: the one-call entry point reuses it across calls,
-// and freeing at exit could run after the CUDA runtime has shut down.
-struct CachedWorkspace {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-};
-
-std::mutex g_cache_mutex;
-std::map<std::pair<int, void*>, CachedWorkspace>& cache() {
-  static auto* m = new std::map<std::pair<int, void*>, CachedWorkspace>();
-  return *m;
-}
-
-// The cached workspace of (device, stream), grown to at least `need` bytes. The caller holds
-// g_cache_mutex through its launches: two host threads sharing a stream must not interleave their
-// use of one workspace.
-void* cached_workspace(int device, void* stream, std::size_t need) {
-  CachedWorkspace& ws = cache()[{device, stream}];
-  if (ws.bytes < need) {
-    check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "workspace growth");  // earlier calls may still read it
-    if (ws.ptr != nullptr) check_cuda(cudaFree(ws.ptr), "workspace growth");
-    ws = CachedWorkspace{};
-    check_cuda(cudaMalloc(&ws.ptr, need), "workspace of " + std::to_string(need) + " bytes");
-    ws.bytes = need;
-  }
-  return ws.ptr;
-}
+// The one-call entry point's workspace (and the validation's fault word) per (device, stream).
+WorkspaceCache g_workspaces;
 
 // ---- group-centric ---------------------------------------------------------------------------------
 
@@ -265,12 +239,12 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
   const std::int64_t Kq = lists.idx.shape[3];
   if (!options.trusted && p.B * p.Hkv * p.Lq * Kq > 0) {
     // Validation needs one device word for the first fault; it lives in the cached workspace.
-    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    std::lock_guard<std::mutex> lock(g_workspaces.mutex());
     qs::Params vq;
     vq.B = g.B, vq.Lq = g.Lq, vq.Lk = g.Lk, vq.Hq = g.Hq, vq.Hkv = g.Hkv, vq.Tk = g.Tk, vq.Kq = g.Kq, vq.group = g.group;
     vq.idx = g.idx;
     for (int i = 0; i < 4; ++i) vq.idx_stride[i] = g.idx_stride[i];
-    vq.bad = static_cast<unsigned long long*>(cached_workspace(q.device_index, options.stream, 256));
+    vq.bad = static_cast<unsigned long long*>(g_workspaces.get(kOp, q.device_index, options.stream, 256));
     validate_on_device(vq, stream);
   }
   g.q = q.data;
@@ -392,8 +366,8 @@ void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& 
   const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
   const std::size_t need = query_sparse_workspace_bytes(p, lists.idx.shape[3], options.partials);
   DeviceGuard guard(q.device_index);
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  void* ws = cached_workspace(q.device_index, options.stream, need);
+  std::lock_guard<std::mutex> lock(g_workspaces.mutex());
+  void* ws = g_workspaces.get(kOp, q.device_index, options.stream, need);
   query_sparse_plan(p, lists, ws, need, options);
   query_sparse_attend(p, q, k, v, lists, ws, need, scale, options);
   query_sparse_combine(p, lists, ws, need, out, lse, options);

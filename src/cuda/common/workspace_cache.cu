@@ -1,0 +1,25 @@
+#include "cuda/common/workspace_cache.hpp"
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda/common/device_guard.hpp"
+
+namespace sparse_attn::cuda_backend {
+
+void* WorkspaceCache::get(const std::string& op, int device, void* stream, std::size_t need, bool* grown) {
+  Entry& ws = entries_[{device, stream}];
+  if (grown != nullptr) *grown = false;
+  if (ws.bytes < need) {
+    cuda_kernels::check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), op, "workspace growth");
+    if (ws.ptr != nullptr) cuda_kernels::check_cuda(cudaFree(ws.ptr), op, "workspace growth");
+    ws = Entry{};
+    cuda_kernels::check_cuda(cudaMalloc(&ws.ptr, need), op, "workspace of " + std::to_string(need) + " bytes");
+    ws.bytes = need;
+    if (grown != nullptr) *grown = true;
+  }
+  return ws.ptr;
+}
+
+}  // namespace sparse_attn::cuda_backend
