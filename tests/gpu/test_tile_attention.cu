@@ -348,6 +348,37 @@ TEST(TileAttentionGpu, SplitTail) {
   }
 }
 
+// TileLists whose slots are not adjacent (idx stride 3 = 2, the other slots holding valid but wrong
+// ids): the kernel must read the slots the strides name, as the validation and the reference do.
+TEST(TileAttentionGpu, StridedListSlots) {
+  SKIP_WITHOUT_GPU();
+  for (const bool causal : {false, true}) {
+    const Case c{causal ? "strided slots, causal" : "strided slots", sa::DType::bf16, 2, 700, 900, 4, 2, causal,
+                 false, false, 5};
+    const CaseData d = make_case(c, causal ? 7100 : 7000);
+    const sa::HostTensor& idx = d.idx;
+    const std::int64_t rows = idx.numel() / c.kmax, Tk = d.p.Tk();
+    sa::HostTensor wide(sa::DType::i32, {idx.shape()[0], idx.shape()[1], idx.shape()[2], 2 * c.kmax});
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (int s = 0; s < c.kmax; ++s) {
+        const std::int32_t j = idx.data<std::int32_t>()[r * c.kmax + s];
+        wide.data<std::int32_t>()[r * 2 * c.kmax + 2 * s] = j;
+        wide.data<std::int32_t>()[r * 2 * c.kmax + 2 * s + 1] = static_cast<std::int32_t>((std::max(j, 0) + 1) % Tk);
+      }
+    sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D}), lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
+    st::poison(out);
+    st::poison(lse);
+    DeviceTensor dq(d.q), dk(d.k), dv(d.v), dwide(wide), dcnt(d.cnt), dout(out), dlse(lse);
+    sa::TensorView strided = sa::TensorView::contiguous(dwide.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0);
+    strided.stride = {idx.shape()[1] * idx.shape()[2] * 2 * c.kmax, idx.shape()[2] * 2 * c.kmax, 2 * c.kmax, 2};
+    gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{strided, dcnt.view}, dout.view, dlse.view, d.opt);
+    cuda_ok(cudaDeviceSynchronize(), "kernel");
+    dout.download(out);
+    dlse.download(lse);
+    check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, out, lse, d.scale);
+  }
+}
+
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV
 // projection produces them.
 TEST(TileAttentionGpu, PackedQkvStrides) {

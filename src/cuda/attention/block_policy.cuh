@@ -16,6 +16,7 @@ inline constexpr int kBlockKeys = 128;  // keys per KV block
 
 struct BlockPolicy {
   const std::int32_t* list = nullptr;  // ids of this tile's list (null for dense)
+  std::int64_t list_stride = 1;        // elements between consecutive entries (idx stride 3)
   int begin = 0;                       // first position of the walk (a piece of a split unit starts later)
   int count = 0;                       // end of the walk: cnt, or Tk for dense, cut at the piece's end
   int Tk = 0;
@@ -30,6 +31,7 @@ struct BlockPolicy {
     } else {
       const int g = head / p.heads_per_list;
       bp.list = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + q_tile * p.idx_stride[2];
+      bp.list_stride = p.idx_stride[3];
       const int c = __ldg(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + q_tile * p.cnt_stride[2]);
       // Validation rejects counts outside [0, Kmax] unless the caller vouched for them; clamp anyway so
       // a bad trusted list can never read past its row.
@@ -45,7 +47,7 @@ struct BlockPolicy {
   /// Block id at position i of the walk, or -1 when it is skipped (entirely in the future, or an id
   /// out of range in a trusted list).
   __device__ __forceinline__ int block(int i) const {
-    const int j = list ? __ldg(list + i) : i;
+    const int j = list ? __ldg(list + i * list_stride) : i;
     if (j < 0 || j >= Tk) return -1;
     return j * kBlockKeys <= last_visible_key ? j : -1;
   }
