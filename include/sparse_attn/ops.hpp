@@ -7,8 +7,14 @@
 //
 // dtypes: bf16 and f16 on every backend, f32 on the CPU. The CPU backend computes in float32
 // with exact float32 softmax; device tensors go to the CUDA backend, which runs on
-// `options.stream` without host synchronisation or allocation. An operator that has no
-// implementation for the tensors' device throws Error; it never falls back silently.
+// `options.stream` without host synchronisation or allocation, with two exceptions: validating a
+// selection that is not `trusted` reads the verdict back (one synchronisation), and dense and
+// tile_sparse allocate a scratch buffer (about 140 KB per SM) once per (device, stream), on the
+// first non-causal call whose last, partial wave of work they split over more CTAs. A call captured
+// into a CUDA graph on a stream without that buffer does not split (it computes the same attention
+// with the sums in another order); make one eager call on the stream first to capture split calls.
+// An operator that has no implementation for the tensors' device throws Error; it never falls back
+// silently.
 #pragma once
 
 #include <cstdint>

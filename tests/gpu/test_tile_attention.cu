@@ -348,6 +348,58 @@ TEST(TileAttentionGpu, SplitTail) {
   }
 }
 
+// The split tail's workspace is allocated on a stream's first split; a call captured into a CUDA graph
+// on a stream that has none yet must not allocate (it runs unsplit), and once the stream has one a
+// captured call splits like an eager one: same bits.
+TEST(TileAttentionGpu, GraphCaptureOfSplitProblems) {
+  SKIP_WITHOUT_GPU();
+  // 12 units, far below one wave: the launcher splits them (dense, non-causal).
+  const Case c{"graph capture", sa::DType::bf16, 1, 700, 2000, 2, 1, false, true};
+  const CaseData d = make_case(c, 8000);
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  sa::AttentionOptions opt = d.opt;
+  opt.stream = stream;
+  DeviceTensor dq(d.q), dk(d.k), dv(d.v);
+  const auto run = [&](bool capture) {
+    sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D}), lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
+    st::poison(out);
+    st::poison(lse);
+    DeviceTensor dout(out), dlse(lse);
+    if (capture) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+      gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, opt);
+      cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+      cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+      cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+      cuda_ok(cudaStreamSynchronize(stream), "graph");
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    } else {
+      gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, opt);
+      cuda_ok(cudaStreamSynchronize(stream), "kernel");
+    }
+    dout.download(out);
+    dlse.download(lse);
+    check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, out, lse, d.scale);
+    return std::make_pair(std::move(out), std::move(lse));
+  };
+  const auto fresh = run(true);   // captured before the stream has a workspace: unsplit
+  const auto eager = run(false);  // allocates, splits
+  const auto again = run(true);   // captured with the workspace in place: split
+  EXPECT_EQ(0, std::memcmp(eager.first.view().data, again.first.view().data, eager.first.numel() * 2))
+      << "a captured split call differs from the eager one";
+  {
+    const ScopedEnv off("SPARSE_ATTN_HOPPER_SPLIT", "0");
+    const auto whole = run(false);
+    EXPECT_EQ(0, std::memcmp(fresh.first.view().data, whole.first.view().data, fresh.first.numel() * 2))
+        << "the call captured on a fresh stream is not the unsplit one";
+  }
+  cudaStreamDestroy(stream);
+}
+
 // TileLists whose slots are not adjacent (idx stride 3 = 2, the other slots holding valid but wrong
 // ids): the kernel must read the slots the strides name, as the validation and the reference do.
 TEST(TileAttentionGpu, StridedListSlots) {

@@ -247,17 +247,27 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
     const int walk_len = p.dense ? p.Tk : p.Kmax;
     const TailSplit t = split_tail(p.num_units, num_sms, walk_len, split_forced);
     if (t.tail_ctas > 0) {
-      p.dp_units = t.dp_units;
-      p.tail_ctas = t.tail_ctas;
-      p.tail_len = walk_len;
-      grid = t.dp_units > 0 ? num_sms : t.tail_ctas;
+      // The workspace is allocated on the first split of a (device, stream). Not while the stream is
+      // being captured into a graph, where allocation is not allowed: such a call runs unsplit.
       tail_lock = std::unique_lock<std::mutex>(g_tail_workspaces.mutex());
-      bool grown = false;
-      auto* ws = static_cast<char*>(g_tail_workspaces.get(op, device, options.stream,
-                                                          tail_workspace_bytes(device_sms), &grown));
-      if (grown) check_cuda(cudaMemsetAsync(ws, 0, tail_counter_bytes(device_sms), stream), op, "tail counters");
-      p.tail_count = reinterpret_cast<unsigned*>(ws);
-      p.tail_part = reinterpret_cast<float*>(ws + tail_counter_bytes(device_sms));
+      const std::size_t need = tail_workspace_bytes(device_sms);
+      auto* ws = static_cast<char*>(g_tail_workspaces.find(device, options.stream, need));
+      if (ws == nullptr) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        check_cuda(cudaStreamIsCapturing(stream, &capture), op, "stream capture query");
+        if (capture == cudaStreamCaptureStatusNone) {
+          ws = static_cast<char*>(g_tail_workspaces.get(op, device, options.stream, need));
+          check_cuda(cudaMemsetAsync(ws, 0, tail_counter_bytes(device_sms), stream), op, "tail counters");
+        }
+      }
+      if (ws != nullptr) {
+        p.dp_units = t.dp_units;
+        p.tail_ctas = t.tail_ctas;
+        p.tail_len = walk_len;
+        p.tail_count = reinterpret_cast<unsigned*>(ws);
+        p.tail_part = reinterpret_cast<float*>(ws + tail_counter_bytes(device_sms));
+        grid = t.dp_units > 0 ? num_sms : t.tail_ctas;
+      }
     }
   }
   const bool bf16 = q.dtype == DType::bf16;

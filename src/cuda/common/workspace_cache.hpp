@@ -14,11 +14,14 @@ namespace sparse_attn::cuda_backend {
 
 class WorkspaceCache {
  public:
-  /// The workspace of (device, stream), grown to at least `need` bytes. Growth waits for the stream
-  /// (earlier calls may still use the old buffer), then frees and allocates. `grown` (if given) is set
-  /// when the buffer is new: its contents are undefined. Errors name `op`. The caller holds mutex() from this call
-  /// through its launches, so two host threads sharing a stream never interleave their use of it.
-  void* get(const std::string& op, int device, void* stream, std::size_t need, bool* grown = nullptr);
+  /// The workspace of (device, stream), grown to at least `need` bytes; a new buffer's contents are
+  /// undefined. Growth waits for the stream when there is an old buffer (earlier calls may still use
+  /// it), then frees and allocates. Errors name `op`. The caller holds mutex() from this call through
+  /// its launches, so two host threads sharing a stream never interleave their use of it.
+  void* get(const std::string& op, int device, void* stream, std::size_t need);
+  /// The workspace of (device, stream) if it holds at least `need` bytes, else null; never allocates.
+  /// (Also under mutex().)
+  void* find(int device, void* stream, std::size_t need) const;
   std::mutex& mutex() { return mutex_; }
 
  private:
