@@ -37,10 +37,7 @@ ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorV
   require(p.Lk > 0 && p.Hkv > 0, op, "k", [&] { return "every extent must be > 0, got " + shape_string(k); });
   check_shape(op, "k", k, {p.B, -1, -1, p.D});
   check_shape(op, "v", v, {p.B, p.Lk, p.Hkv, p.D});
-  require(p.Hq % p.Hkv == 0, op, "k",
-          [&] { return
-              "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" +
-              std::to_string(p.Hkv) + ")"; });
+  check_head_ratio(op, "k", p.Hq, p.Hkv);
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}})
     check_last_contiguous(op, name, *t);
   resolve_scale(op, scale, p.D);

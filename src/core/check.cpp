@@ -67,6 +67,12 @@ void check_last_contiguous(const std::string& op, const std::string& name, const
   throw Error(op, name, "the last dimension must be contiguous (stride 1), got stride " + std::to_string(t.stride[last]));
 }
 
+void check_head_ratio(const std::string& op, const std::string& name, std::int64_t Hq, std::int64_t Hkv) {
+  if (Hkv > 0 && Hq % Hkv == 0) return;
+  throw Error(op, name,
+              "query heads (" + std::to_string(Hq) + ") must be a multiple of KV heads (" + std::to_string(Hkv) + ")");
+}
+
 void check_same_device(const std::string& op, const std::string& name, const TensorView& t,
                        const std::string& ref_name, const TensorView& ref) {
   if (t.device == ref.device && t.device_index == ref.device_index) return;

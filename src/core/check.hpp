@@ -41,6 +41,9 @@ void check_shape(const std::string& op, const std::string& name, const TensorVie
                  std::initializer_list<std::int64_t> shape);
 /// The last dimension is contiguous (stride 1).
 void check_last_contiguous(const std::string& op, const std::string& name, const TensorView& t);
+
+/// GQA: every KV head serves the same number of query heads. Throws Error(op, name) otherwise.
+void check_head_ratio(const std::string& op, const std::string& name, std::int64_t Hq, std::int64_t Hkv);
 /// `t` is on the same device as `ref`.
 void check_same_device(const std::string& op, const std::string& name, const TensorView& t,
                        const std::string& ref_name, const TensorView& ref);

@@ -128,10 +128,7 @@ std::string range_string(std::int64_t hi) { return "[0, " + std::to_string(hi) +
 void check_problem(const std::string& op, const ProblemShape& p) {
   require(p.B > 0 && p.Lq > 0 && p.Lk > 0 && p.Hq > 0 && p.Hkv > 0, op, "problem",
           [&] { return "every extent must be > 0, got " + p.describe(); });
-  require(p.Hq % p.Hkv == 0, op, "problem",
-          [&] { return
-              "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" +
-              std::to_string(p.Hkv) + ")"; });
+  detail::check_head_ratio(op, "problem", p.Hq, p.Hkv);
 }
 
 std::int64_t check_groups(const std::string& op, const std::string& arg, const TensorView& t, const ProblemShape& p) {

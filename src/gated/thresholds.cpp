@@ -214,10 +214,7 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
                   [&] { return "every extent must be > 0, got " + detail::shape_string(q); });
   detail::require(p.Hkv > 0, kCalibOp, "k", [&] { return "every extent must be > 0, got " + detail::shape_string(k); });
   detail::check_shape(kCalibOp, "k", k, {1, p.Lq, -1, p.D});
-  detail::require(p.Hq % p.Hkv == 0, kCalibOp, "k",
-                  [&] { return
-                      "query heads (" + std::to_string(p.Hq) + ") must be a multiple of KV heads (" +
-                      std::to_string(p.Hkv) + ")"; });
+  detail::check_head_ratio(kCalibOp, "k", p.Hq, p.Hkv);
   detail::require(n_heads_ < 0 || n_heads_ == p.Hq, kCalibOp, "q",
                   [&] { return
                       "has " + std::to_string(p.Hq) + " query heads, earlier samples had " +

@@ -83,10 +83,7 @@ void check_pooled_args(const std::string& op, const TensorView& q, const TensorV
           [&] { return "every extent must be > 0, got " + detail::shape_string(q); });
   require(s.Lk > 0 && s.Hkv > 0, op, "k", [&] { return "every extent must be > 0, got " + detail::shape_string(k); });
   detail::check_shape(op, "k", k, {s.B, -1, -1, s.D});
-  require(s.Hq % s.Hkv == 0, op, "k",
-          [&] { return
-              "query heads (" + std::to_string(s.Hq) + ") must be a multiple of KV heads (" +
-              std::to_string(s.Hkv) + ")"; });
+  detail::check_head_ratio(op, "k", s.Hq, s.Hkv);
   detail::check_last_contiguous(op, "q", q);
   detail::check_last_contiguous(op, "k", k);
   s.Tq = ceil_div(s.Lq, kTileQ);
