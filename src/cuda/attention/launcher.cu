@@ -240,10 +240,9 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   // ones in the last bits: each piece rounds its P against its own running max. Causal units are not
   // split: their pairs of tiles already balance the CTAs.
   const char* split_knob = std::getenv("SPARSE_ATTN_HOPPER_SPLIT");
-  const bool split_off = split_knob != nullptr && split_knob[0] == '0';
   const bool split_forced = split_knob != nullptr && std::string(split_knob) == "force";
   std::unique_lock<std::mutex> tail_lock;
-  if (!split_off && !p.causal && p.num_units > 0) {
+  if (knob("SPARSE_ATTN_HOPPER_SPLIT") && !p.causal && p.num_units > 0) {
     const int walk_len = p.dense ? p.Tk : p.Kmax;
     const TailSplit t = split_tail(p.num_units, num_sms, walk_len, split_forced);
     if (t.tail_ctas > 0) {

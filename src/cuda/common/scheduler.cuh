@@ -20,8 +20,8 @@ namespace sparse_attn::cuda_kernels {
 
 struct WorkItem {
   int b, q_tile, head;
-  int lo, hi;   // walk positions [lo, hi) of this piece (the whole walk: [0, INT_MAX))
-  int pieces;   // pieces of this unit (1: computed whole, written straight out)
+  int lo, hi;      // walk positions [lo, hi) of this piece (the whole walk: [0, INT_MAX))
+  int pieces;      // pieces of this unit (1: computed whole, written straight out)
   int slot;        // workspace slot of this piece (pieces > 1)
   int first_slot;  // slot of the unit's first piece; its pieces hold first_slot .. first_slot + pieces - 1
   int tail;        // index of the unit in the tail (pieces > 1)
@@ -65,7 +65,7 @@ struct StaticPersistentScheduler {
   __device__ __forceinline__ Cursor tail_first() const {
     const int c = static_cast<int>(blockIdx.x);
     if (c >= tail_ctas) return {num_units, 0, 0, 0};
-    return tail_piece(static_cast<int>(cut(c) / tail_len));
+    return tail_piece(cut(c) / tail_len);
   }
 
   __device__ __forceinline__ WorkItem decode(Cursor c) const {
