@@ -55,34 +55,23 @@ __device__ __forceinline__ void stage_output(const float (&o)[N], const OnlineSo
   }
 }
 
-/// This thread's row r (0 or 1) of the warpgroup's 64 rows starting at `first_row`, in `out`; nullptr
-/// for a row at or past Lq, which is never stored.
-template <class Tag>
-__device__ __forceinline__ typename Tag::Elem* output_row(const TileAttentionParams& p, int thread, int b, int head,
-                                                          int first_row, int r) {
-  const int row = first_row + 16 * (thread / 32) + (thread % 32) / 4 + 8 * r;
-  if (row >= p.Lq) return nullptr;
-  return static_cast<typename Tag::Elem*>(p.out) + b * p.out_stride[0] + static_cast<std::int64_t>(row) * p.out_stride[1] +
-         head * p.out_stride[2];
-}
-
-/// Columns 8c + 2q and 8c + 2q + 1 of a row (q = thread % 4): where fragment elements 4c + 2r and
-/// 4c + 2r + 1 of row r belong.
-template <class Tag>
-__device__ __forceinline__ void store_pair(typename Tag::Elem* row, int c, int thread, float x, float y) {
-  *reinterpret_cast<std::uint32_t*>(row + 8 * c + 2 * (thread % 4)) = Tag::pack(x, y);
-}
-
 template <class Tag, int N>
 __device__ __forceinline__ void store_output(const TileAttentionParams& p, const float (&o)[N],
                                              const OnlineSoftmax& sm, int thread, int b, int head, int first_row) {
+  using Elem = typename Tag::Elem;
+  const int w = thread / 32, g = (thread % 32) / 4, q = thread % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    typename Tag::Elem* dst = output_row<Tag>(p, thread, b, head, first_row, r);
-    if (dst == nullptr) continue;
+    const int row = first_row + 16 * w + g + 8 * r;
+    if (row >= p.Lq) continue;
     const float inv = sm.l[r] > 0.0f ? 1.0f / sm.l[r] : 0.0f;
+    Elem* dst = static_cast<Elem*>(p.out) + b * p.out_stride[0] + static_cast<std::int64_t>(row) * p.out_stride[1] +
+                head * p.out_stride[2];
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) store_pair<Tag>(dst, i, thread, o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+    for (int i = 0; i < N / 4; ++i) {
+      const std::uint32_t v = Tag::pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+      *reinterpret_cast<std::uint32_t*>(dst + 8 * i + 2 * q) = v;
+    }
   }
   store_lse(p, sm, thread, b, head, first_row);
 }
@@ -131,109 +120,80 @@ __device__ __forceinline__ bool arrive_piece(const TileAttentionParams& p, int c
   return *reinterpret_cast<volatile int*>(&flag) != 0;
 }
 
-/// `*src` through L2 where `pred`, else `fallback`; predicated rather than branched, so the loads of a
-/// batch are issued together and the ones not taken move no data.
-__device__ __forceinline__ float4 load_cg_if(bool pred, const float4* src, float4 fallback) {
-  float4 v = fallback;
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %4, 0;\n @p ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%5];\n}\n"
-      : "+f"(v.x), "+f"(v.y), "+f"(v.z), "+f"(v.w)
-      : "r"(static_cast<int>(pred)), "l"(src));
-  return v;
-}
-
 /// The combine of a unit's pieces, straight from their slots to out and lse, in piece order: m = max of
 /// the pieces' m, l = sum of l_k 2^(m_k - m), o = sum of o_k 2^(m_k - m) / l, so whichever piece arrives
 /// last writes the same bits. A piece that saw no visible key (m = -inf) weighs 0; if all did, the row
-/// gets 0 and -inf.
-///
-/// Every load is a trip to L2 (the slots were written by other SMs), so the loads of kBatch pieces go
-/// out together as predicated loads (a load behind a loop guard would wait for the previous trip).
-/// (m, l) is combined online batch by batch; o then kGroup float4 columns at a time (4 kGroup
-/// accumulators and up to kBatch (kGroup + 1) float4 loads in registers: small where the caller's
-/// registers are in use, larger after the last item). Where the caller still holds its own piece's
-/// fragment (`own` = its piece index, -1 if none; kOwn), that piece's columns come from registers
-/// rather than L2, which halves what a combine of two pieces reads.
-template <class Tag, int N, int kGroup, int kBatch, bool kOwn>
-__device__ __forceinline__ void combine_pieces(const TileAttentionParams& p, const WorkItem& w, int consumer, int thread,
-                                               const float (&own_o)[N], int own) {
+/// gets 0 and -inf. kGroup float4 columns are combined at a time (4 kGroup accumulators): small where
+/// the caller still holds its accumulators, all N / 4 where it does not.
+template <class Tag, int N, int kGroup>
+__device__ __forceinline__ void combine_pieces(const TileAttentionParams& p, const WorkItem& w, int consumer, int thread) {
   static_assert((N / 4) % kGroup == 0, "groups must tile the fragment");
+  using Elem = typename Tag::Elem;
   const auto part = [&](int k) {
-    const int slot = w.first_slot + min(k, w.pieces - 1);  // a valid address even where not loaded
-    return reinterpret_cast<const float4*>(p.tail_part + (static_cast<std::int64_t>(slot) * 2 + consumer) * kTailPartFloats);
+    return reinterpret_cast<const float4*>(p.tail_part +
+                                           (static_cast<std::int64_t>(w.first_slot + k) * 2 + consumer) * kTailPartFloats);
   };
-  const float4 no_ml = make_float4(-INFINITY, -INFINITY, 0.0f, 0.0f), zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const auto ml_of = [&](int k) { return load_cg_if(k < w.pieces, part(k) + (N / 4) * 128 + thread, no_ml); };
-  // The weight 2^(m_k - m) of a piece whose row maximum is m_k, 0 for a row that saw no key.
-  const auto weight = [](float mk, float m) { return mk == -INFINITY ? 0.0f : fast_exp2(mk - m); };
   OnlineSoftmax st;
   st.reset();
-#pragma unroll 1
-  for (int k0 = 0; k0 < w.pieces; k0 += kBatch) {
-    float4 ml[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) ml[i] = ml_of(k0 + i);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float m = st.m[r];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) m = fmaxf(m, r == 0 ? ml[i].x : ml[i].y);
-      float l = st.l[r] * weight(st.m[r], m);
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) l = fmaf(r == 0 ? ml[i].z : ml[i].w, weight(r == 0 ? ml[i].x : ml[i].y, m), l);
-      st.m[r] = m;
-      st.l[r] = l;
-    }
+  // (Unrolled so that the loads of several pieces are in flight at once: each pass is a trip to L2.)
+#pragma unroll 4
+  for (int k = 0; k < w.pieces; ++k) {
+    const float4 ml = __ldcg(part(k) + (N / 4) * 128 + thread);
+    st.m[0] = fmaxf(st.m[0], ml.x);
+    st.m[1] = fmaxf(st.m[1], ml.y);
+  }
+  const auto weights = [&](const float4& ml, float (&wt)[2]) {
+    wt[0] = ml.x == -INFINITY ? 0.0f : fast_exp2(ml.x - st.m[0]);
+    wt[1] = ml.y == -INFINITY ? 0.0f : fast_exp2(ml.y - st.m[1]);
+  };
+#pragma unroll 4
+  for (int k = 0; k < w.pieces; ++k) {
+    const float4 ml = __ldcg(part(k) + (N / 4) * 128 + thread);
+    float wt[2];
+    weights(ml, wt);
+    st.l[0] = fmaf(ml.z, wt[0], st.l[0]);
+    st.l[1] = fmaf(ml.w, wt[1], st.l[1]);
   }
   const int first_row = w.q_tile * kTileRows + consumer * (kTileRows / 2);
   store_lse(p, st, thread, w.b, w.head, first_row);
+  const int wq = thread / 32, g = (thread % 32) / 4, q = thread % 4;
   float inv[2];
-  typename Tag::Elem* dst[2];
+  Elem* dst[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     inv[r] = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;
-    dst[r] = output_row<Tag>(p, thread, w.b, w.head, first_row, r);
+    const int row = first_row + 16 * wq + g + 8 * r;
+    dst[r] = row < p.Lq ? static_cast<Elem*>(p.out) + w.b * p.out_stride[0] + static_cast<std::int64_t>(row) * p.out_stride[1] +
+                              w.head * p.out_stride[2]
+                        : nullptr;
   }
-  // With the own fragment the columns must be compile-time indices into it: every group unrolled.
-#pragma unroll(kOwn ? N / 4 / kGroup : 1)
+#pragma unroll 1
   for (int c0 = 0; c0 < N / 4; c0 += kGroup) {
     float a[4 * kGroup];
 #pragma unroll
     for (int i = 0; i < 4 * kGroup; ++i) a[i] = 0.0f;
-#pragma unroll 1
-    for (int k0 = 0; k0 < w.pieces; k0 += kBatch) {
-      float4 ml[kBatch], v[kBatch][kGroup];
+#pragma unroll(kGroup > 2 ? 2 : 1)
+    for (int k = 0; k < w.pieces; ++k) {
+      const float4* src = part(k);
+      float wt[2];
+      weights(__ldcg(src + (N / 4) * 128 + thread), wt);
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int k = k0 + i;
-        ml[i] = ml_of(k);
-        const bool from_l2 = k < w.pieces && !(kOwn && k == own);
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) v[i][j] = load_cg_if(from_l2, part(k) + (c0 + j) * 128 + thread, zero);
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (kOwn && k0 + i == own) {
-#pragma unroll
-          for (int j = 0; j < kGroup; ++j)
-            v[i][j] = make_float4(own_o[4 * (c0 + j)], own_o[4 * (c0 + j) + 1], own_o[4 * (c0 + j) + 2],
-                                  own_o[4 * (c0 + j) + 3]);
-        }
-        const float w0 = weight(ml[i].x, st.m[0]), w1 = weight(ml[i].y, st.m[1]);
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) {  // fragment element 4c + e belongs to row e / 2
-          a[4 * j] = fmaf(v[i][j].x, w0, a[4 * j]);
-          a[4 * j + 1] = fmaf(v[i][j].y, w0, a[4 * j + 1]);
-          a[4 * j + 2] = fmaf(v[i][j].z, w1, a[4 * j + 2]);
-          a[4 * j + 3] = fmaf(v[i][j].w, w1, a[4 * j + 3]);
-        }
+      for (int j = 0; j < kGroup; ++j) {
+        const float4 v = __ldcg(src + (c0 + j) * 128 + thread);
+        // Fragment element 4c + i belongs to row i / 2 of the thread's two rows.
+        a[4 * j] = fmaf(v.x, wt[0], a[4 * j]);
+        a[4 * j + 1] = fmaf(v.y, wt[0], a[4 * j + 1]);
+        a[4 * j + 2] = fmaf(v.z, wt[1], a[4 * j + 2]);
+        a[4 * j + 3] = fmaf(v.w, wt[1], a[4 * j + 3]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kGroup; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        if (dst[r] != nullptr) store_pair<Tag>(dst[r], c0 + j, thread, a[4 * j + 2 * r] * inv[r], a[4 * j + 2 * r + 1] * inv[r]);
+        if (dst[r] != nullptr)  // columns 8c + 2q, 8c + 2q + 1 of the row, as store_output writes them
+          *reinterpret_cast<std::uint32_t*>(dst[r] + 8 * (c0 + j) + 2 * q) =
+              Tag::pack(a[4 * j + 2 * r] * inv[r], a[4 * j + 2 * r + 1] * inv[r]);
   }
 }
 

@@ -236,39 +236,30 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   // A piece of a split unit leaves its partial in the workspace at its epilogue; its arrival (a fence
   // and an atomic, a round trip to L2 that the warpgroup must wait for) is deferred to just after the
   // next wgmmas are issued, where the tensor cores have work while it completes. Where it completes its
-  // unit, the combine is due: it runs at the end of the next epilogue, where the output accumulators are
-  // spent but the next item's scores are live (kTightGroup columns at a time), or after the last item
-  // (kRoomyGroup). Either way the loads of kCombineBatch pieces go out together. After the last item
-  // acc_o may still hold this warpgroup's own piece of the due unit (own_slot, -1 once acc_o is reused):
-  // the combine then takes that piece from registers.
-  constexpr int kTightGroup = 2, kRoomyGroup = 8, kCombineBatch = 4;
+  // unit, the combine is due: it runs at the next epilogue, a few columns at a time since accumulators
+  // are live there (kTightGroup), or after the last item with all columns at once.
+  constexpr int kTightGroup = 2, kRoomyGroup = kHeadDim / 8;
   bool arrival = false, combine_due = false;
-  int own_slot = -1;
   const auto settle_arrival = [&]() {
     if (!arrival) return;
     arrival = false;
     combine_due = arrive_piece(p, consumer, thread, sm.piece_item[consumer], sm.piece_last[consumer],
                                sm.combine_item[consumer]);
   };
-  const auto run_combine = [&](auto group, auto with_own) {
+  const auto run_combine = [&](auto group) {
     if (!combine_due) return;
     combine_due = false;
-    const WorkItem& due = sm.combine_item[consumer];
-    const int own = own_slot >= due.first_slot && own_slot < due.first_slot + due.pieces ? own_slot - due.first_slot : -1;
-    combine_pieces<Tag, kHeadDim / 2, decltype(group)::value, kCombineBatch, decltype(with_own)::value>(
-        p, due, consumer, thread, acc_o, own);
+    combine_pieces<Tag, kHeadDim / 2, decltype(group)::value>(p, sm.combine_item[consumer], consumer, thread);
   };
   const auto epilogue = [&](const OnlineSoftmax& sm_state, const WorkItem& w, int qst) {
     const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
     settle_arrival();  // an earlier piece still pending (two epilogues in a row)
-    const auto combine = [&]() { run_combine(std::integral_constant<int, kTightGroup>{}, std::false_type{}); };
+    run_combine(std::integral_constant<int, kTightGroup>{});
     if (w.pieces > 1) {
       store_piece(p, acc_o, sm_state, w.slot, consumer, thread);
-      own_slot = w.slot;
       if (thread == 0) sm.piece_item[consumer] = w;
       arrival = true;
       if (p.tma_store) sm.q_empty[qst].arrive();  // nothing staged: the Q buffer is free now
-      combine();
       return;
     }
     if (p.tma_store) {
@@ -288,7 +279,6 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     } else {
       store_output<Tag, kHeadDim / 2>(p, acc_o, sm_state, thread, w.b, w.head, first_row);
     }
-    combine();
   };
   // Once the wait for the pending item's last P V has been issued: release its V slot, run its epilogue.
   const auto retire_pending = [&]() {
@@ -333,7 +323,6 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       if (!p.tma_store) sm.q_empty[qst].arrive();
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
-      own_slot = -1;
       softmax.finish();
       epilogue(softmax, w, qst);
       continue;
@@ -386,7 +375,6 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     }
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
-    own_slot = -1;
     pack_p();
 
     // Steady state: one turn per further block, QK of the next block and P V of the current one.
@@ -424,7 +412,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   finish_pending();
   release_staged_q();
   settle_arrival();
-  run_combine(std::integral_constant<int, kRoomyGroup>{}, std::true_type{});
+  run_combine(std::integral_constant<int, kRoomyGroup>{});
   turns.finish();
 }
 
