@@ -57,23 +57,25 @@ class Ours:
         return self.out
 
 
+def sample(fn, inner=10):
+    """One sample: the mean time (ms) of `inner` back-to-back launches, timed with CUDA events.
+    Launching several per sample keeps the GPU queue ahead of the host, so per-call host work (tensor
+    maps, ctypes) stays out of the figure as it would in a real pipeline."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(inner):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / inner
+
+
 def bench(fn, reps=15, inner=10):
-    """Median over `reps` samples of the mean time (ms) of `inner` back-to-back launches, timed with
-    CUDA events. Launching several per sample keeps the GPU queue ahead of the host, so per-call host
-    work (tensor maps, ctypes) stays out of the figure as it would in a real pipeline."""
+    """Median over `reps` samples (`sample`) after five warm-up launches."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    times.sort()
+    times = sorted(sample(fn, inner) for _ in range(reps))
     return times[len(times) // 2]
 
 

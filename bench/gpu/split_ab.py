@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import BLOCK, Ours, load_lib, make_lists, relerr  # noqa: E402
+from bench_attention import BLOCK, Ours, load_lib, make_lists, relerr, sample  # noqa: E402
 
 
 def set_split(on):
@@ -41,13 +41,7 @@ def compare(name, call, useful, rows, samples):
     for i in range(samples):
         for variant in (("split", "whole") if i % 2 == 0 else ("whole", "split")):
             set_split(variant == "split")
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(10):
-                call()
-            b.record()
-            b.synchronize()
-            ts[variant].append(a.elapsed_time(b) / 10)
+            ts[variant].append(sample(call))
     for variant, t in ts.items():
         t.sort()
         row[variant + "_ms"] = t[len(t) // 2]

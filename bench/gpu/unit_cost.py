@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import BLOCK, Ours, load_lib, make_lists, relerr  # noqa: E402
+from bench_attention import BLOCK, Ours, load_lib, make_lists, relerr, sample  # noqa: E402
 
 NS = [4, 8, 16, 32, 64]
 UNITS_PER_CTA = 8  # 1024 units on 132 CTAs: the busiest runs 8
@@ -63,13 +63,7 @@ def main():
     times = {n: [] for n in NS}
     for _ in range(args.samples):
         for n, o in calls.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(10):
-                o(trusted=True)
-            b.record()
-            b.synchronize()
-            times[n].append(a.elapsed_time(b) / 10)
+            times[n].append(sample(lambda: o(trusted=True)))
     med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
     ys = [med[n] * 1000 / UNITS_PER_CTA for n in NS]
     mx, my = sum(NS) / len(NS), sum(ys) / len(ys)
