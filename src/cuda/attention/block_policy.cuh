@@ -22,6 +22,8 @@ struct BlockPolicy {
   int Tk = 0;
   int last_visible_key = 0;            // keys past this are in every row's future (causal); Lk - 1 otherwise
 
+  /// kCausal: p.causal, known at compile time (each kernel instantiation serves one setting).
+  template <bool kCausal>
   __device__ __forceinline__ static BlockPolicy make(const TileAttentionParams& p, const WorkItem& w) {
     const int b = w.b, q_tile = w.q_tile, head = w.head;
     BlockPolicy bp;
@@ -40,7 +42,7 @@ struct BlockPolicy {
     bp.begin = w.lo;
     bp.count = min(bp.count, w.hi);
     const int last_row = min((q_tile + 1) * kTileRows, p.Lq) - 1;
-    bp.last_visible_key = p.causal ? min(last_row + (p.Lk - p.Lq), p.Lk - 1) : p.Lk - 1;
+    bp.last_visible_key = kCausal ? min(last_row + (p.Lk - p.Lq), p.Lk - 1) : p.Lk - 1;
     return bp;
   }
 
@@ -64,10 +66,11 @@ struct BlockPolicy {
 
   /// Whether block j needs the element mask for rows starting at `first_row` (a consumer's 64 rows):
   /// it straddles the causal diagonal of those rows or runs past Lk.
+  template <bool kCausal>
   __device__ __forceinline__ static bool needs_mask(const TileAttentionParams& p, int j, int first_row) {
     const int key_end = (j + 1) * kBlockKeys;  // exclusive
     if (key_end > p.Lk) return true;
-    return p.causal && key_end - 1 > first_row + (p.Lk - p.Lq);
+    return kCausal && key_end - 1 > first_row + (p.Lk - p.Lq);
   }
 };
 

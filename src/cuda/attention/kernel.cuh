@@ -20,7 +20,8 @@ inline constexpr std::uint32_t kProducerRegs = 24;
 inline constexpr std::uint32_t kConsumerRegs = 240;
 static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
 
-template <class Tag, int kHeadDim>
+// One instantiation per (causal, split tail) setting: kCausal = p.causal, kSplit = (p.tail_ctas > 0).
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -54,14 +55,15 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   }
   __syncthreads();
 
-  const StaticPersistentScheduler sched{p.num_units, p.B,        p.Hkv,       p.group_size, p.Tq,
-                                        p.causal,    p.dp_units, p.tail_ctas, p.tail_len};
+  const StaticPersistentScheduler sched{p.num_units, p.B,        p.Hkv,
+                                        p.group_size, p.Tq,      kCausal,
+                                        kSplit ? p.dp_units : p.num_units, kSplit ? p.tail_ctas : 0, p.tail_len};
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
-    if (thread == 0) producer_loop<typename Tag::Elem, kHeadDim>(p, sched, sm, &tm_q, &tm_k, &tm_v);
+    if (thread == 0) producer_loop<typename Tag::Elem, kHeadDim, kCausal>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kHeadDim>(p, sched, sm, warpgroup - 1, thread, &tm_out);
+    consumer_loop<Tag, kHeadDim, kCausal, kSplit>(p, sched, sm, warpgroup - 1, thread, &tm_out);
   }
 }
 
@@ -82,17 +84,30 @@ cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMa
 #if defined(SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION)
 namespace sparse_attn::cuda_kernels {
 
-template <class Tag, int kHeadDim>
-cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
-                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
+cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                                          const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid,
+                                          cudaStream_t stream) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
-  auto* kernel = &tile_attention_kernel<Tag, kHeadDim>;
+  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit>;
   // Setting the attribute is cheap but not free; once per process and instantiation is enough.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(smem));
   if (attr != cudaSuccess) return attr;
   kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out);
   return cudaGetLastError();
+}
+
+template <class Tag, int kHeadDim>
+cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
+                                  const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
+  const bool split = p.tail_ctas > 0;
+  if (p.causal) {
+    return split ? launch_tile_attention_variant<Tag, kHeadDim, true, true>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                 : launch_tile_attention_variant<Tag, kHeadDim, true, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
+  }
+  return split ? launch_tile_attention_variant<Tag, kHeadDim, false, true>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+               : launch_tile_attention_variant<Tag, kHeadDim, false, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels

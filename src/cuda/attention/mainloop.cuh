@@ -71,7 +71,7 @@ inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column 
 template <int kHeadDim>
 inline constexpr std::uint32_t kTileBytes = kHeadDim / 64 * kHalfTileBytes;
 
-template <class Elem, int kHeadDim>
+template <class Elem, int kHeadDim, bool kCausal>
 __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<Elem, kHeadDim>& sm, const CUtensorMap* tm_q,
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
@@ -94,7 +94,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
-    const BlockPolicy bp = BlockPolicy::make(p, w);
+    const BlockPolicy bp = BlockPolicy::make<kCausal>(p, w);
     int pos = bp.begin;
     int j = bp.next(pos);
     // An item without blocks loads no K, so the previous item's last V cannot wait for the next K: the
@@ -126,7 +126,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   if (pend_j >= 0) load_pending_v();
 }
 
-template <class Tag, int kHeadDim>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out);
@@ -199,7 +199,11 @@ struct MmaTurns {
 // item's epilogue runs after the next item's first softmax, so an item boundary costs no turn of its
 // own and no exposed QK + softmax (`chain_items`; without it the last PV has a turn to itself and the
 // epilogue follows at once).
-template <class Tag, int kHeadDim>
+//
+// kCausal and kSplit are p.causal and whether the launch has a split tail (p.tail_ctas > 0), fixed per
+// instantiation: a kernel without them carries neither the causal mask nor the pieces' stores, arrivals
+// and combine.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out) {
@@ -241,13 +245,13 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   constexpr int kTightGroup = 2, kRoomyGroup = kHeadDim / 8;
   bool arrival = false, combine_due = false;
   const auto settle_arrival = [&]() {
-    if (!arrival) return;
+    if (!kSplit || !arrival) return;
     arrival = false;
     combine_due = arrive_piece(p, consumer, thread, sm.piece_item[consumer], sm.piece_last[consumer],
                                sm.combine_item[consumer]);
   };
   const auto run_combine = [&](auto group) {
-    if (!combine_due) return;
+    if (!kSplit || !combine_due) return;
     combine_due = false;
     combine_pieces<Tag, kHeadDim / 2, decltype(group)::value>(p, sm.combine_item[consumer], consumer, thread);
   };
@@ -255,7 +259,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
     settle_arrival();  // an earlier piece still pending (two epilogues in a row)
     run_combine(std::integral_constant<int, kTightGroup>{});
-    if (w.pieces > 1) {
+    if (kSplit && w.pieces > 1) {
       store_piece(p, acc_o, sm_state, w.slot, consumer, thread);
       if (thread == 0) sm.piece_item[consumer] = w;
       arrival = true;
@@ -338,8 +342,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       fence_operands(acc_s);
       release(sm.k_empty[ks.stage()]);
       ks.advance();
-      if (BlockPolicy::needs_mask(p, j, first_row))
-        OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+      if (BlockPolicy::needs_mask<kCausal>(p, j, first_row))
+        OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
       softmax.update(acc_s, p.scale_log2, factor);
     };
     // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
