@@ -39,6 +39,27 @@ __device__ __forceinline__ void add4(double (&acc)[4], uint2 u) {
   acc[3] += (double)__uint_as_float(u.y & 0xffff0000u);
 }
 
+// Float64 column sums over the SPAN tokens at base, base + stride, ...: each token one vector load (Vec,
+// added by add), two batches of U tokens in flight, the tokens added in order.
+template <class Vec, int U, int W>
+__device__ __forceinline__ void sum_span(const char* base, int stride, double (&acc)[W], void (*add)(double (&)[W], Vec)) {
+  Vec b0[U], b1[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) b0[u] = __ldg((const Vec*)(base + (size_t)u * stride));
+  for (int s = 0; s < SPAN; s += 2 * U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) b1[u] = __ldg((const Vec*)(base + (size_t)(s + U + u) * stride));
+#pragma unroll
+    for (int u = 0; u < U; ++u) add(acc, b0[u]);
+    if (s + 2 * U < SPAN) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) b0[u] = __ldg((const Vec*)(base + (size_t)(s + 2 * U + u) * stride));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) add(acc, b1[u]);
+  }
+}
+
 // Segment s: q rows (b, tile) -> 128 tokens x 4096 B, stride 4096; k rows (b, block) -> 128 x 256 B.
 // Output: mean[s][col] floats, q segments first (64 x 2048 floats), then k (256 x 128).
 constexpr int QSEG = B * (LQ / SPAN), KSEG = B * (LK / SPAN);
@@ -53,22 +74,7 @@ __global__ void __launch_bounds__(64) v0(const char* q, const char* k, float* mq
   if (row < qrows) { int s = row / HQ, h = row % HQ; base = q + (size_t)s * SPAN * QW + h * 256 + c * 8; stride = QW; dst = mq + (size_t)s * HQ * D + h * D + c * 4; }
   else { int s = row - qrows; if (s >= KSEG) return; base = k + (size_t)s * SPAN * KW + c * 8; stride = KW; dst = mk + (size_t)s * D + c * 4; }
   double acc[4] = {0, 0, 0, 0};
-  constexpr int U = 16;
-  uint2 b0[U], b1[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) b0[u] = __ldg((const uint2*)(base + (size_t)u * stride));
-  for (int s = 0; s < SPAN; s += 2 * U) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) b1[u] = __ldg((const uint2*)(base + (size_t)(s + U + u) * stride));
-#pragma unroll
-    for (int u = 0; u < U; ++u) add4(acc, b0[u]);
-    if (s + 2 * U < SPAN) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) b0[u] = __ldg((const uint2*)(base + (size_t)(s + 2 * U + u) * stride));
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) add4(acc, b1[u]);
-  }
+  sum_span<uint2, 16>(base, stride, acc, add4);
   for (int e = 0; e < 4; ++e) dst[e] = (float)(acc[e] / 128.0);
 }
 
@@ -148,21 +154,7 @@ __global__ void __launch_bounds__(256) v2(const char* q, const char* k, float* m
   if (item < qitems) { int s = item / (QW / 16), c = item % (QW / 16); base = q + (size_t)s * SPAN * QW + c * 16; stride = QW; dst = mq + (size_t)s * HQ * D + c * 8; }
   else { int it = item - qitems; int s = it / (KW / 16), c = it % (KW / 16); if (s >= KSEG) return; base = k + (size_t)s * SPAN * KW + c * 16; stride = KW; dst = mk + (size_t)s * D + c * 8; }
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  uint4 b0[U], b1[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) b0[u] = __ldg((const uint4*)(base + (size_t)u * stride));
-  for (int s = 0; s < SPAN; s += 2 * U) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) b1[u] = __ldg((const uint4*)(base + (size_t)(s + U + u) * stride));
-#pragma unroll
-    for (int u = 0; u < U; ++u) add8(acc, b0[u]);
-    if (s + 2 * U < SPAN) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) b0[u] = __ldg((const uint4*)(base + (size_t)(s + 2 * U + u) * stride));
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) add8(acc, b1[u]);
-  }
+  sum_span<uint4, U>(base, stride, acc, add8);
   for (int e = 0; e < 8; ++e) dst[e] = (float)(acc[e] / 128.0);
 }
 
