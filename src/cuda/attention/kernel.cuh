@@ -20,7 +20,8 @@ inline constexpr std::uint32_t kProducerRegs = 24;
 inline constexpr std::uint32_t kConsumerRegs = 240;
 static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
 
-// One instantiation per (causal, split tail) setting: kCausal = p.causal, kSplit = (p.tail_ctas > 0).
+// One instantiation per (causal, split tail) setting: kCausal = p.causal, kSplit = (p.tail_ctas > 0); the
+// launcher instantiates (false, false), (false, true) and (true, false).
 template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
@@ -101,13 +102,14 @@ cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CU
 template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
-  const bool split = p.tail_ctas > 0;
-  if (p.causal) {
-    return split ? launch_tile_attention_variant<Tag, kHeadDim, true, true>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-                 : launch_tile_attention_variant<Tag, kHeadDim, true, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
-  }
-  return split ? launch_tile_attention_variant<Tag, kHeadDim, false, true>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-               : launch_tile_attention_variant<Tag, kHeadDim, false, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
+  // Causal launches are never split (launcher.cu: their units of paired tiles already balance the
+  // CTAs), so there is no causal instantiation with the split code.
+  if (p.causal)
+    return p.tail_ctas > 0 ? cudaErrorInvalidValue
+                           : launch_tile_attention_variant<Tag, kHeadDim, true, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
+  return p.tail_ctas > 0
+             ? launch_tile_attention_variant<Tag, kHeadDim, false, true>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+             : launch_tile_attention_variant<Tag, kHeadDim, false, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels
