@@ -163,15 +163,16 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t 
 // one warpgroup's GEMMs while the other does its softmax, instead of both contending at once and both
 // idling the tensor cores during their softmax. Warpgroup c waits on its own barrier (its 128 threads
 // plus the other warpgroup's 128 arrivals) and, once its wgmmas are issued, arrives on the other's.
-struct MmaTurns {
+//
+// The same alternation guards each warpgroup's exponentials (ExpTurns): they keep the SFU (16 ex2 per SM
+// per clock, 512 cycles for a warpgroup's 64 x 128 block) to one warpgroup at a time, so that a
+// warpgroup's softmax does not run at half speed next to the other's.
+template <NamedBarrier kTurn0, NamedBarrier kTurn1>
+struct Turns {
   bool enabled;
   int consumer;
-  __device__ __forceinline__ NamedBarrier mine() const {
-    return consumer == 0 ? NamedBarrier::kMmaTurnWG0 : NamedBarrier::kMmaTurnWG1;
-  }
-  __device__ __forceinline__ NamedBarrier other() const {
-    return consumer == 0 ? NamedBarrier::kMmaTurnWG1 : NamedBarrier::kMmaTurnWG0;
-  }
+  __device__ __forceinline__ NamedBarrier mine() const { return consumer == 0 ? kTurn0 : kTurn1; }
+  __device__ __forceinline__ NamedBarrier other() const { return consumer == 0 ? kTurn1 : kTurn0; }
   /// Warpgroup 0 takes the first turn: its own arrival stands in for the other's.
   __device__ __forceinline__ void init() const {
     if (enabled && consumer == 0) named_barrier_arrive(mine(), kConsumerThreads);
@@ -188,6 +189,8 @@ struct MmaTurns {
     if (enabled && consumer == 0) named_barrier_sync(mine(), kConsumerThreads);
   }
 };
+using MmaTurns = Turns<NamedBarrier::kMmaTurnWG0, NamedBarrier::kMmaTurnWG1>;
+using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 
 // Intra-warpgroup overlap (FA3): while the tensor cores run O += P_i V_i, the warpgroup already has
 // S_{i+1} = Q K_{i+1} in flight and does the softmax of block i + 1 as soon as that lands; the O
@@ -231,6 +234,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   float acc_o[kHeadDim / 2];  // 64 x D output fragment of this warpgroup
   std::uint32_t pa[8][4];
   const MmaTurns turns{p.pingpong, consumer};
+  const ExpTurns exp_turns{p.pingpong, consumer};
 
   // The item whose last P V has not been issued yet (pa holds its P), and what its epilogue needs.
   bool pending = false;
@@ -309,6 +313,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   };
 
   turns.init();
+  exp_turns.init();
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int first_row = w.q_tile * kTileRows + consumer * kRowsPerConsumer;
@@ -344,7 +349,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       ks.advance();
       if (BlockPolicy::needs_mask<kCausal>(p, j, first_row))
         OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
-      softmax.update(acc_s, p.scale_log2, factor);
+      softmax.update(acc_s, p.scale_log2, factor, [&] { exp_turns.begin(); }, [&] { exp_turns.end(); });
     };
     // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
     const auto pack_p = [&]() {
@@ -418,6 +423,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   settle_arrival();
   run_combine(std::integral_constant<int, kRoomyGroup>{});
   turns.finish();
+  exp_turns.finish();
 }
 
 }  // namespace sparse_attn::cuda_kernels

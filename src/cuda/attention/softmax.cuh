@@ -46,7 +46,10 @@ struct OnlineSoftmax {
 
   /// Turns scores s into p (in place) and updates m and l. `factor` receives what o must be scaled by
   /// (1 when m did not move); the caller applies it with rescale() once no wgmma is accumulating into o.
-  __device__ __forceinline__ void update(float (&s)[64], float scale_log2, float (&factor)[2]) {
+  /// before_exp() and after_exp() run around the exponentials.
+  template <class BeforeExp, class AfterExp>
+  __device__ __forceinline__ void update(float (&s)[64], float scale_log2, float (&factor)[2], BeforeExp before_exp,
+                                         AfterExp after_exp) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -73,6 +76,7 @@ struct OnlineSoftmax {
       // (2^-inf) instead of NaN (-inf - -inf).
       m_use[r] = m[r] == -INFINITY ? 0.0f : m[r];
     }
+    before_exp();
 #pragma unroll
     for (int i = 0; i < 16; ++i)
 #pragma unroll
@@ -82,6 +86,7 @@ struct OnlineSoftmax {
         s[4 * i + j] = p;
         l[r] += p;
       }
+    after_exp();
   }
 
   template <int N>

@@ -18,6 +18,8 @@ enum class NamedBarrier : std::uint32_t {
   kMmaTurnWG1 = 2,  // consumer warpgroup 1 may issue its wgmmas
   kEpilogueWG0 = 3,  // consumer warpgroup 0 has staged its output tile in shared memory
   kEpilogueWG1 = 4,  // consumer warpgroup 1 has staged its output tile in shared memory
+  kExpTurnWG0 = 5,   // consumer warpgroup 0 may compute its exponentials (pingpong)
+  kExpTurnWG1 = 6,   // consumer warpgroup 1 may compute its exponentials
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {
