@@ -100,6 +100,14 @@ def relerr(x, ref):
     return ((x - ref).norm() / ref.norm()).item()
 
 
+def random_qkv(B, Lq, Lk, Hq, Hkv, D, device):
+    """q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D]: standard normal bf16, drawn in that order."""
+    q = torch.randn(B, Lq, Hq, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(B, Lk, Hkv, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(B, Lk, Hkv, D, device=device, dtype=torch.bfloat16)
+    return q, k, v
+
+
 def make_lists(B, Tq, Tk, nsel, pattern, gen, device):
     """idx [B, 1, Tq, nsel] ascending distinct ids, cnt [B, 1, Tq] = nsel. 'pairs': tiles 2t, 2t+1 share."""
     idx = torch.empty(B, 1, Tq, nsel, dtype=torch.int32)
@@ -156,9 +164,7 @@ def main():
     B, Hq, Hkv, D, Lq, nsel = 2, 16, 1, 128, 4096, 16
     lks = [4096, 16384, 65536] if args.quick else [4096, 8192, 16384, 32768, 65536]
     for Lk in lks:
-        q = torch.randn(B, Lq, Hq, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
+        q, k, v = random_qkv(B, Lq, Lk, Hq, Hkv, D, dev)
         Tq, Tk = Lq // BLOCK, Lk // BLOCK
         for pattern in ["independent", "pairs"]:
             idx, cnt = make_lists(B, Tq, Tk, nsel, pattern, gen, dev)
@@ -195,9 +201,7 @@ def main():
     # ---- dense ----------------------------------------------------------------------------------------
     B, Hq, Hkv = 2, 16, 16
     for D, L in [(128, 4096), (128, 16384), (64, 4096)]:
-        q = torch.randn(B, L, Hq, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(B, L, Hkv, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(B, L, Hkv, D, device=dev, dtype=torch.bfloat16)
+        q, k, v = random_qkv(B, L, L, Hq, Hkv, D, dev)
         for causal in [False, True]:
             ours = Ours(fn, q, k, v, causal)
             pairs = B * Hq * (L * (L + 1) // 2 if causal else L * L)

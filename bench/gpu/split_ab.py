@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import BLOCK, Ours, load_lib, make_lists, relerr, sample  # noqa: E402
+from bench_attention import BLOCK, Ours, load_lib, make_lists, random_qkv, relerr, sample  # noqa: E402
 
 
 def set_split(on):
@@ -62,18 +62,14 @@ def main():
     rows = []
     B, Hq, Hkv, D, Lq, nsel = 2, 16, 1, 128, 4096, 16
     for Lk, pattern in [(4096, "independent"), (16384, "pairs"), (65536, "independent")]:
-        q = torch.randn(B, Lq, Hq, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
+        q, k, v = random_qkv(B, Lq, Lk, Hq, Hkv, D, dev)
         idx, cnt = make_lists(B, Lq // BLOCK, Lk // BLOCK, nsel, pattern, gen, dev)
         ours = Ours(fn, q, k, v, False, idx, cnt)
         ours(trusted=False)
         compare("tile16 %s %dK" % (pattern, Lk // 1024), lambda: ours(trusted=True),
                 4 * D * B * Hq * (Lq // BLOCK) * nsel * BLOCK * BLOCK, rows, args.samples)
     for b, h, d, L in [(2, 16, 128, 4096), (2, 16, 128, 16384), (2, 16, 64, 4096), (1, 2, 128, 4096)]:
-        q = torch.randn(b, L, h, d, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(b, L, h, d, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(b, L, h, d, device=dev, dtype=torch.bfloat16)
+        q, k, v = random_qkv(b, L, L, h, h, d, dev)
         ours = Ours(fn, q, k, v, False)
         compare("dense B%d H%d D%d %dK" % (b, h, d, L // 1024), lambda: ours(), 4 * d * b * h * L * L, rows, args.samples)
     with open(args.out, "w") as f:

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import BLOCK, Ours, load_lib, make_lists, relerr, sample  # noqa: E402
+from bench_attention import BLOCK, Ours, load_lib, make_lists, random_qkv, relerr, sample  # noqa: E402
 
 NS = [4, 8, 16, 32, 64]
 UNITS_PER_CTA = 8  # 1024 units on 132 CTAs: the busiest runs 8
@@ -35,9 +35,7 @@ def main():
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(3)
     B, Hq, Hkv, D, Lq, Lk = 2, 16, 1, 128, 4096, 16384
-    q = torch.randn(B, Lq, Hq, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
+    q, k, v = random_qkv(B, Lq, Lk, Hq, Hkv, D, dev)
     calls = {}
     for n in NS:
         idx, cnt = make_lists(B, Lq // BLOCK, Lk // BLOCK, n, "independent", gen, dev)

@@ -101,7 +101,6 @@ void validate_on_device(const std::string& op, const TileAttentionParams& p, int
                                    std::to_string(prev) + ": ids must be distinct and ascending");
 }
 
-
 // The split tail's counters and partials per (device, stream), sized once for the device's SM count:
 // counters for up to one tail unit per SM (2 per unit: one per consumer warpgroup), then up to two
 // slots per SM. The counters start at zero and every launch leaves them at zero.
