@@ -377,9 +377,13 @@ Operands operands(const sa::ProblemShape& p, sa::DType dt, void* q, void* k, voi
   return o;
 }
 
+// options.merge_window of every later query_sparse call made through this library (0: automatic).
+int g_merge_window = 0;
+
 sa::QuerySparseOptions query_options(const sa::ProblemShape& p, int bf16_partials, int schedule, int trusted,
                                      void* stream) {
   sa::QuerySparseOptions opt;
+  opt.merge_window = g_merge_window;
   opt.causal = p.causal;
   opt.partials = bf16_partials ? sa::PartialPrecision::bf16 : sa::PartialPrecision::f32;
   opt.schedule = schedule_from_code("sa_query_sparse", schedule);
@@ -417,6 +421,10 @@ void copy_text(const std::string& text, char* buf, int len) {
 }
 
 }  // namespace
+
+/// options.merge_window of the KV-centric calls that follow (sa_query_sparse, sa_bench_query_sparse*,
+/// sa_kv_phases_create): 0 automatic, 1 off, 2, 4 or 8.
+extern "C" void sa_bench_set_kv_merge_window(int window) { g_merge_window = window; }
 
 /// One call of the public query_sparse with the given schedule (QuerySchedule code) and partials.
 extern "C" int sa_query_sparse(int dtype_code, void* q, void* k, void* v, void* out, float* lse, std::int64_t B,

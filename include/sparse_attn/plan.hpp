@@ -51,6 +51,7 @@ struct QuerySparsePlan {
   ProblemShape shape;  // causal included
   std::int64_t Kq = 0;
   PartialPrecision partials = PartialPrecision::f32;
+  int merge_window = 1;  // the merge window in effect (QuerySparseOptions::merge_window resolved)
   QueryLists lists;      // the lists the reverse index was built from (read again by the combine)
   TensorView workspace;  // u8 [bytes] on the device of q; empty on the CPU
   float scale = 1.0f;    // softmax scale in effect
@@ -66,7 +67,8 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
                                   const QuerySparseOptions& options = {});
 
 /// Attention and combine of a plan: q, k, v and out must have the plan's shapes and q's device;
-/// options.stream, softmax_scale, causal and partials must match the plan's (Error otherwise).
+/// options.stream, softmax_scale, causal, partials and merge_window (as resolved) must match the plan's
+/// (Error otherwise).
 void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const TensorView& k,
                       const TensorView& v, const TensorView& out,
                       const std::optional<TensorView>& lse = std::nullopt,

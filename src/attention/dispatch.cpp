@@ -7,6 +7,7 @@
 
 #include "attention/cpu_backend.hpp"
 #include "core/check.hpp"
+#include "cuda/query_sparse/merge_window.hpp"
 #include "sparse_attn/ops.hpp"
 #if defined(SPARSE_ATTN_WITH_CUDA)
 #include "cuda/backend.hpp"
@@ -112,6 +113,9 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
           "query_sparse", "options.schedule",
           [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
   check_selection("query_sparse", lists, a.p, q, options);
+  // Checked on every device (the CPU reference computes the same attention without merging).
+  cuda_backend::resolve_merge_window(a.p.Tk(), lists.idx.shape[3], a.p.group_size() * a.p.Lq, options.merge_window,
+                                     "query_sparse", "options.merge_window");
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::query_sparse(a.p, q, k, v, lists, out, lse, options);
 #endif

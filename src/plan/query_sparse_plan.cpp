@@ -5,6 +5,7 @@
 
 #include "attention/cpu_backend.hpp"
 #include "core/check.hpp"
+#include "cuda/query_sparse/merge_window.hpp"
 #include "sparse_attn/plan.hpp"
 #if defined(SPARSE_ATTN_WITH_CUDA)
 #include "cuda/query_sparse/backend.hpp"
@@ -31,6 +32,12 @@ void check_lists(const std::string& op, const QueryLists& lists, const ProblemSh
   detail::check_tensor(op, "lists.idx", lists.idx, 4, {DType::i32});
   detail::check_shape(op, "lists.idx", lists.idx, {p.B, p.Hkv, p.Lq, -1});
   detail::check_same_device(op, "lists.idx", lists.idx, "q", q);
+}
+
+// The merge window in effect: resolved the same way on every device (the CPU reference ignores it).
+int merge_window_of(const std::string& op, const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
+  return cuda_backend::resolve_merge_window(p.Tk(), Kq, p.group_size() * p.Lq, options.merge_window, op,
+                                            "options.merge_window");
 }
 
 std::string shape_mismatch(const ProblemShape& got, const ProblemShape& planned) {
@@ -64,6 +71,7 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
   plan.shape = p;
   plan.Kq = lists.idx.shape[3];
   plan.partials = options.partials;
+  plan.merge_window = merge_window_of(op, p, plan.Kq, options);
   plan.lists = lists;
   plan.scale = resolve_scale(op, options.softmax_scale, p.D);
   plan.device = q.device;
@@ -105,6 +113,11 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
               std::string("is ") + (p.causal ? "true" : "false") + " but the plan was made with " +
               (s.causal ? "true" : "false"); });
   require(options.partials == plan.partials, op, "options.partials", "differs from the plan's");
+  const int window = merge_window_of(op, p, plan.Kq, options);
+  require(window == plan.merge_window, op, "options.merge_window", [&] {
+    return "resolves to " + std::to_string(window) + " but the plan was made with " +
+           std::to_string(plan.merge_window);
+  });
   check_schedule(op, options.schedule);
   const float scale = resolve_scale(op, options.softmax_scale, p.D);
   require(scale == plan.scale, op, "softmax_scale",

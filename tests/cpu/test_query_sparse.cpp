@@ -269,4 +269,42 @@ TEST(QuerySparse, WrongShapesAreRejected) {
   } catch (const sa::Error& e) {
     EXPECT_EQ(e.argument(), "options.partials") << e.what();
   }
+  o.partials = sa::PartialPrecision::f32;
+  for (int w : {3, -1, 16}) {
+    o.merge_window = w;
+    try {
+      sa::query_sparse(pr.q.view(), pr.k.view(), pr.v.view(), pr.lists(), pr.out.view(), std::nullopt, o);
+      ADD_FAILURE() << "expected an Error for options.merge_window " << w;
+    } catch (const sa::Error& e) {
+      EXPECT_EQ(e.argument(), "options.merge_window") << e.what();
+    }
+  }
+}
+
+// The merge window is a GPU schedule detail: on the CPU every accepted value gives the same result, and
+// run() holds a plan to the window it was made with.
+TEST(QuerySparse, MergeWindowOnTheCpu) {
+  Problem pr({1, 96, 1024, 4, 2, 32, false}, sa::DType::f32, 6, 9);
+  sa::QuerySparseOptions o = pr.options();
+  o.merge_window = 1;
+  sa::query_sparse(pr.q.view(), pr.k.view(), pr.v.view(), pr.lists(), pr.out.view(), std::nullopt, o);
+  const sa::HostTensor ref = pr.out;
+  for (int w : {0, 2, 4, 8}) {
+    o.merge_window = w;
+    st::poison(pr.out);
+    sa::query_sparse(pr.q.view(), pr.k.view(), pr.v.view(), pr.lists(), pr.out.view(), std::nullopt, o);
+    EXPECT_EQ(0, std::memcmp(pr.out.view().data, ref.view().data, static_cast<std::size_t>(ref.numel()) * 4))
+        << "merge_window " << w;
+  }
+  o.merge_window = 8;
+  const sa::QuerySparsePlan plan =
+      sa::query_sparse_plan(pr.q.view(), pr.k.view(), pr.v.view(), pr.lists(), sa::TensorView{}, o);
+  EXPECT_EQ(plan.merge_window, 8);
+  o.merge_window = 1;
+  try {
+    sa::query_sparse_run(plan, pr.q.view(), pr.k.view(), pr.v.view(), pr.out.view(), std::nullopt, o);
+    ADD_FAILURE() << "expected an Error for a merge window other than the plan's";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "options.merge_window") << e.what();
+  }
 }

@@ -51,6 +51,7 @@ struct Case {
   std::int64_t kq = 4;
   bool empty_tile = false;    // queries 128..255 select nothing
   bool popular = false;       // every query selects block 0
+  int merge = 1;              // options.merge_window (1: off, 0: automatic)
 };
 
 sa::ProblemShape shape_of(const Case& c) {
@@ -82,6 +83,7 @@ Result run_gpu(const Case& c, const Inputs& in) {
   sa::QuerySparseOptions opt;
   opt.causal = c.causal;
   opt.partials = c.partials;
+  opt.merge_window = c.merge;
   sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
   cuda_ok(cudaDeviceSynchronize(), "query_sparse");
   out.download(r.out);
@@ -161,6 +163,28 @@ TEST(QuerySparseGpu, Shapes) {
   for (const Case& c : cases) check_case(c, ++seed);
 }
 
+// Merged slots: a query's blocks in one window are one piece (online softmax over up to 8 blocks in
+// one tile, one partial). Lists dense enough (Kq / Tk up to 1/2) that most pieces hold several blocks:
+// each window, causal with the diagonal inside a piece, a last window and block past Lk, an empty tile
+// and a popular block, Kq = 40 (two ballots in the combine), D = 64, f16, both partial precisions, and
+// the automatic choice on a query16of32-like shape.
+TEST(QuerySparseGpu, MergedSlots) {
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  using P = sa::PartialPrecision;
+  const std::vector<Case> cases = {
+      {"merge8 GQA16 bf16 part", sa::DType::bf16, P::bf16, 1, 700, 2048, 16, 1, 128, false, 8, false, false, 8},
+      {"merge4 causal GQA4 f32 part", sa::DType::bf16, P::f32, 2, 900, 1000, 8, 2, 128, true, 5, false, false, 4},
+      {"merge2 D=64 f16 last block", sa::DType::f16, P::bf16, 1, 500, 1300, 4, 1, 64, false, 6, false, false, 2},
+      {"merge8 Lq>Lk causal empty rows", sa::DType::bf16, P::f32, 1, 300, 129, 4, 1, 128, true, 2, false, false, 8},
+      {"merge8 popular empty tile", sa::DType::bf16, P::bf16, 1, 1013, 3000, 16, 1, 128, false, 9, true, true, 8},
+      {"merge4 Kq=40", sa::DType::bf16, P::f32, 1, 300, 8192, 4, 2, 128, true, 40, false, false, 4},
+      {"merge8 causal D=64 f16", sa::DType::f16, P::f32, 2, 400, 2048, 8, 1, 64, true, 10, false, false, 8},
+      {"merge auto q16of32-like", sa::DType::bf16, P::bf16, 1, 1024, 4096, 16, 1, 128, false, 16, false, false, 0},
+  };
+  std::uint64_t seed = 300;
+  for (const Case& c : cases) check_case(c, ++seed);
+}
+
 // Small enough for compute-sanitizer (memcheck, racecheck, synccheck): both head dims, causal with a
 // partial last block, GQA, B = 2, both partial precisions, an empty tile and a popular block.
 TEST(QuerySparseGpu, SanitizerSmall) {
@@ -168,16 +192,20 @@ TEST(QuerySparseGpu, SanitizerSmall) {
   using P = sa::PartialPrecision;
   check_case({"qs sanitizer D=128", sa::DType::bf16, P::f32, 2, 260, 300, 4, 2, 128, true, 3, true, true}, 7);
   check_case({"qs sanitizer D=64", sa::DType::f16, P::bf16, 1, 140, 200, 2, 1, 64, false, 2}, 8);
+  check_case({"qs sanitizer merged", sa::DType::bf16, P::f32, 2, 200, 1024, 4, 2, 128, true, 4, false, true, 4}, 9);
 }
 
 TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
   QUERY_SPARSE_SKIP_WITHOUT_GPU();
   for (auto prec : {sa::PartialPrecision::f32, sa::PartialPrecision::bf16}) {
-    const Case c{"qs determinism", sa::DType::bf16, prec, 2, 700, 900, 16, 1, 128, true, 8, false, true};
-    const Inputs in = make_inputs(c, 55);
-    const Result a = run_gpu(c, in), b = run_gpu(c, in);
-    expect_same_bits(a.out, a.lse, b);
-    EXPECT_TRUE(st::all_finite(a.out));
+    for (int merge : {1, 8}) {
+      const Case c{"qs determinism", sa::DType::bf16, prec, 2, 700, 900, 16, 1, 128, true, 8, false, true, merge};
+      SCOPED_TRACE("merge " + std::to_string(merge));
+      const Inputs in = make_inputs(c, 55);
+      const Result a = run_gpu(c, in), b = run_gpu(c, in);
+      expect_same_bits(a.out, a.lse, b);
+      EXPECT_TRUE(st::all_finite(a.out));
+    }
   }
 }
 
@@ -214,6 +242,10 @@ TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
       {"qs few CTAs D=64", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 2500, 700, 12, 1, 64, false, 3},
       {"qs few CTAs popular block", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 2000, 2048, 16, 1, 128, false, 4,
        false, true},
+      {"qs few CTAs merged causal", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 2000, 2048, 16, 1, 128, true, 6,
+       false, false, 8},
+      {"qs few CTAs merged D=64", sa::DType::f16, sa::PartialPrecision::f32, 2, 1200, 1024, 4, 2, 64, false, 3, false,
+       false, 4},
   };
   std::uint64_t seed = 70;
   for (const Case& c : cases) {
@@ -235,15 +267,19 @@ TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
 // operator bit for bit.
 TEST(QuerySparseGpu, PlanOnceRunMany) {
   QUERY_SPARSE_SKIP_WITHOUT_GPU();
-  const Case c{"qs plan/run", sa::DType::bf16, sa::PartialPrecision::f32, 2, 333, 640, 8, 2, 128, true, 4};
+  // merge_window 0: the automatic choice, which merges on this shape (5 blocks, 4 slots per query).
+  const Case c{"qs plan/run", sa::DType::bf16, sa::PartialPrecision::f32, 2, 333, 640, 8, 2, 128, true, 4, false, false,
+               0};
   const Inputs in = make_inputs(c, 77);
   sa::QuerySparseOptions opt;
   opt.causal = c.causal;
+  opt.merge_window = c.merge;
   const std::size_t bytes = sa::query_sparse_workspace_bytes(in.p, c.kq, opt.partials);
   ASSERT_GT(bytes, 0u);
   DeviceBuffer ws(bytes), k(in.k), v(in.v), idx(in.idx), q0(in.q);
   const sa::QuerySparsePlan plan = sa::query_sparse_plan(q0.view, k.view, v.view, sa::QueryLists{idx.view}, ws.view, opt);
   ASSERT_TRUE(plan.planned);
+  EXPECT_GT(plan.merge_window, 1);
   for (std::uint64_t seed : {1u, 2u}) {
     Inputs in2 = in;
     in2.q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, 900 + seed);
@@ -294,6 +330,7 @@ TEST(QuerySparseGpu, PackedQkvStrides) {
   DeviceBuffer dout(out), dlse(lse);
   sa::QuerySparseOptions opt;
   opt.causal = c.causal;
+  opt.merge_window = c.merge;
   sa::query_sparse(views[0], views[1], views[2], sa::QueryLists{idx.view}, dout.view, dlse.view, opt);
   cuda_ok(cudaDeviceSynchronize(), "packed run");
   dout.download(out);
@@ -418,6 +455,7 @@ qs::Params kernel_params(const sa::ProblemShape& p, std::int64_t Kq, const Devic
   q.offset = p.offset();
   q.causal = p.causal;
   q.nblk = p.B * p.Hkv * p.Tk();
+  q.bins = q.Tk;
   q.slots = p.B * p.Hkv * p.Lq * Kq;
   q.idx = static_cast<const std::int32_t*>(lists.buf->ptr);
   for (int i = 0; i < 4; ++i) q.idx_stride[i] = lists.stride[i];

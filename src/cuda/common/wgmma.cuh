@@ -52,9 +52,10 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 /// Keeps the register A operand of an in-flight RS wgmma (P: 8 k-steps x 4 registers) live until the
 /// wait that retires it: without this the compiler may reuse the registers as soon as the wgmma
 /// instruction has been issued.
-__device__ __forceinline__ void keep_live(std::uint32_t (&pa)[8][4]) {
+template <int K>
+__device__ __forceinline__ void keep_live(std::uint32_t (&pa)[K][4]) {
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
+  for (int kk = 0; kk < K; ++kk)
 #pragma unroll
     for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[kk][r])::"memory");
 }
@@ -105,6 +106,32 @@ __device__ __forceinline__ void wgmma_ss<F16Tag>(float (&d)[64], std::uint64_t d
                : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+#define SA_D32 SA_D8(0), SA_D8(8), SA_D8(16), SA_D8(24)
+#define SA_DREGS32 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
+/// d (+)= A(64x16, smem, K-major) * B(16x64, smem, K-major): scores of 64 keys.
+template <class Tag>
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b, int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_ss<Bf16Tag>(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                  int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SA_DREGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : SA_D32
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<F16Tag>(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b,
+                                                 int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " SA_DREGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : SA_D32
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 /// d (+)= A(64x16, registers) * B(16x128, smem, MN-major: imm-trans-b = 1).
 template <class Tag>
 __device__ __forceinline__ void wgmma_rs_tb(float (&d)[64], const std::uint32_t (&a)[4], std::uint64_t desc_b,
@@ -129,10 +156,6 @@ __device__ __forceinline__ void wgmma_rs_tb<F16Tag>(float (&d)[64], const std::u
                : SA_D64
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
-
-#define SA_D32 SA_D8(0), SA_D8(8), SA_D8(16), SA_D8(24)
-#define SA_DREGS32 \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 
 /// d (+)= A(64x16, registers) * B(16x64, smem, MN-major): the P V product for head dim 64.
 template <class Tag>
@@ -174,9 +197,11 @@ __device__ __forceinline__ void wgmma_rs_tb<F16Tag>(float (&d)[32], const std::u
 #define SA_REGS32 \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 
-/// d = A(64x16, smem, K-major) * B(16x128, smem, K-major).
+/// d = A(64x16, smem, K-major) * B(16x128, smem, K-major), or B(16x64) for d[32].
 template <class Tag>
 __device__ __forceinline__ void wgmma_ss_first(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b);
+template <class Tag>
+__device__ __forceinline__ void wgmma_ss_first(float (&d)[32], std::uint64_t desc_a, std::uint64_t desc_b);
 /// d = A(64x16, registers) * B(16xN, smem, MN-major), N = 128 (d[64]) or 64 (d[32]).
 template <class Tag, int N>
 __device__ __forceinline__ void wgmma_rs_tb_first(float (&d)[N], const std::uint32_t (&a)[4], std::uint64_t desc_b);
@@ -189,6 +214,15 @@ __device__ __forceinline__ void wgmma_rs_tb_first(float (&d)[N], const std::uint
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " SA_REGS64                       \
                  ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                           \
                  : SA_OUT64                                                                                \
+                 : "l"(desc_a), "l"(desc_b));                                                              \
+  }                                                                                                        \
+  template <>                                                                                              \
+  __device__ __forceinline__ void wgmma_ss_first<TAG>(float (&d)[32], std::uint64_t desc_a,                \
+                                                      std::uint64_t desc_b) {                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"                                                \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " SA_REGS32                        \
+                 ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                           \
+                 : SA_OUT32                                                                                \
                  : "l"(desc_a), "l"(desc_b));                                                              \
   }                                                                                                        \
   template <>                                                                                              \

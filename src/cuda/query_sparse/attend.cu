@@ -1,21 +1,22 @@
 // Phase 2 of query_sparse: per-block attention over gathered rows (combine.cu is phase 3).
 //
-// Persistent CTAs on Hopper, one per SM, warp-specialised. A work item is (KV block, up to
-// kRowsPerItem gathered (query, head) rows of it), cut into 64-row tiles; tile t of an item belongs to
-// consumer warpgroup t % kAttendConsumers.
-//  - Producer warpgroup: one thread loads each item's K and V by TMA into a two-slot ring
-//    (128B-swizzled, 128 keys x D, rows past Lk read as zero), so the next item's K/V land while this
-//    one runs. All 128 threads gather the Q rows of each tile with cp.async into the owning consumer's
-//    next buffer (the 128B-swizzled layout TMA would write, so the wgmma descriptors are those of the
-//    Q-centric kernel) and write the tile's row metadata (the partial row of each Q row) and header
-//    (K/V slot, block, whether it is the consumer's last tile of the item). Every global-memory
-//    latency of the gather (CSR entries, then Q rows) is the producer's.
-//  - Consumer warpgroups: per tile S = Q K^T (SS wgmma), the softmax of the single block (no running
-//    max: a partial covers exactly one block), O = P V with P from registers (RS wgmma), and the
-//    normalised partial and its LSE written to the workspace. The Q buffer is released as soon as QK
-//    retires, the K/V slot after the consumer's last tile of the item.
+// Persistent CTAs on Hopper, one per SM, warp-specialised. A work item is (bin, up to kRowsPerItem
+// gathered (query, head) rows of it), cut into 64-row tiles; consecutive tiles go to consecutive
+// consumer warpgroups. A bin is a KV block, or with merged slots (Params::win > 1) a piece: the blocks
+// of one window that a query chose, the same for every row of the item.
+//  - Producer warpgroup: one thread loads K and V by TMA into a two-slot ring (128B-swizzled, 128 keys
+//    x D, rows past Lk read as zero): a single block once per item, a piece's blocks once per round of
+//    up to kAttendConsumers tiles. All 128 threads gather the Q rows of each tile with cp.async into
+//    the owning consumer's next buffer (the 128B-swizzled layout TMA would write) and write the tile's
+//    row metadata (the partial row of each Q row) and header (first K/V slot, the blocks, whether the
+//    consumer releases the slots). Every global-memory latency of the gather (CSR entries, then Q rows)
+//    is the producer's.
+//  - Consumer warpgroups: per tile and block, in two 64-key halves, S = Q K^T (SS wgmma), the online
+//    softmax, O += P V with P from registers (RS wgmma); then the normalised partial and its LSE are
+//    written to the workspace. The Q buffer is released after the last Q K, each K/V slot after its
+//    last P V.
 // Every row is computed by the same instructions wherever it lands in a tile, so partials (and the
-// combine's output) are bitwise identical run to run although the CSR order inside a block is not.
+// combine's output) are bitwise identical run to run although the CSR order inside a bin is not.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -57,10 +58,11 @@ constexpr int kTilesPerItem = kRowsPerItem / kTileRowsQ;
 struct TileHeader {
   int kv_stage;
   unsigned kv_phase;
-  int block;  // KV block id j (keys [128 j, 128 j + 128))
-  int last;   // the consumer's last tile of the item: it releases the K/V slot
-  int end;    // no more tiles for this consumer
-  int pad[3];
+  int block;      // first KV block of the item's window (keys [128 j, 128 j + 128) for block j)
+  unsigned mask;  // the item's blocks: bit t for block `block + t` (1 without merged slots)
+  int last;       // one block: the consumer's last tile of the item, it releases the K/V slot
+  int end;        // no more tiles for this consumer
+  int pad[2];
 };
 
 template <int D>
@@ -83,7 +85,8 @@ static_assert(attend_smem_bytes<128>() <= 227 * 1024, "shared memory over budget
 
 struct ItemInfo {
   int b = 0, g = 0, bg = 0;
-  int j = 0;      // KV block
+  int j = 0;          // KV block, or the first block of the piece's window (merged slots)
+  unsigned mask = 1;  // blocks j + t for the set bits t
   int e0 = 0;     // first CSR entry of the block
   int y = 0;      // first row of the item inside the block's rows
   int nrows = 0;  // rows of the item
@@ -102,10 +105,16 @@ struct ItemLoads {
 __device__ __forceinline__ ItemInfo item_info(const Params& p, const ItemLoads& l) {
   ItemInfo f;
   const int x = l.it.x;
-  f.bg = x / p.Tk;
+  f.bg = x / p.bins;
   f.b = f.bg / p.Hkv;
   f.g = f.bg - f.b * p.Hkv;
-  f.j = x - f.bg * p.Tk;
+  const int bin = x - f.bg * p.bins;
+  if (p.win > 1) {
+    f.j = (bin >> p.win) << p.win_log2;
+    f.mask = static_cast<unsigned>(bin) & ((1u << p.win) - 1u);
+  } else {
+    f.j = bin;
+  }
   f.e0 = l.o0;
   f.y = l.it.y;
   const int rows = (l.o1 - l.o0) * p.group - l.it.y;
@@ -193,29 +202,9 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
   }
 }
 
-template <class Tag, int D>
-__device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
-  const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
-  wgmma_ss_first<Tag>(acc_s, da, db);
-#pragma unroll
-  for (int kk = 1; kk < D / 16; ++kk)
-    wgmma_ss<Tag>(acc_s, desc_advance(da, (kk / 4) * kQHalfBytes + (kk % 4) * 32),
-                  desc_advance(db, (kk / 4) * kKvHalfBytes + (kk % 4) * 32), 1);
-  wgmma_commit();
-}
-
-template <class Tag, int N>
-__device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t (&pa)[8][4], std::uint32_t s_v) {
-  const std::uint64_t dv = make_desc_sw128(s_v, kKvHalfBytes, 1024);
-  wgmma_rs_tb_first<Tag, N>(acc_o, pa[0], dv);
-#pragma unroll
-  for (int kk = 1; kk < 8; ++kk) wgmma_rs_tb<Tag>(acc_o, pa[kk], desc_advance(dv, kk * 16 * 128), 1);
-  wgmma_commit();
-}
-
 // The producer warpgroup walks the CTA's tiles in order (items blockIdx.x, blockIdx.x + gridDim.x, ...;
-// tile t of an item goes to consumer t % kC), so each buffer's barrier phases are waited for in order.
-// Thread 0 also loads each item's K and V when the item starts.
+// the CTA's n-th tile goes to consumer n % kC), so each buffer's barrier phases are waited for in order.
+// Thread 0 also loads the items' K and V.
 //
 // Every global load of the walk is issued an item ahead of its use, so no tile waits on one: at the top
 // of item n the producer issues the CSR entries of every tile of item n + 1 (one per thread and tile,
@@ -233,6 +222,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
   const int step = static_cast<int>(gridDim.x);
   int item = static_cast<int>(blockIdx.x);
   int produced[kC] = {};  // tiles handed to each consumer so far
+  int turn = 0;           // the consumer of the next tile
   const auto load_it = [&](int i) { return i < n_items ? p.items[i] : make_int2(0, 0); };
   const auto load_offsets = [&](ItemLoads& l, int i) {
     if (i < n_items) {
@@ -256,7 +246,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
     l1.it = load_it(item + step);
     load_offsets(l1, item + step);
     int2 it2 = load_it(item + 2 * step);  // item n + 2's (block, first row)
-    for (; item < n_items; item += step, kv.advance()) {
+    for (; item < n_items; item += step) {
       int ent_nxt[kTilesPerItem];
       load_entries(ent_nxt, item_info(p, l1), item + step < n_items);
       ItemLoads l2;
@@ -265,23 +255,29 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
       const int2 it3 = load_it(item + 3 * step);
 
       const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
-      const int s = kv.stage();
-      if (t == 0) {
-        sm.kv_empty[s].wait(kv.phase() ^ 1u);
-        sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
-        for (int half = 0; half < kHalves; ++half) {
-          tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
-          tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, f.j * kKeys, f.b, &sm.kv_full[s].word);
+      // Block j into the ring's next stage (thread 0), with the releases of the `absent` consumers
+      // that have no tile reading it, at once.
+      const auto load_kv = [&](int j, int absent) {
+        const int s = kv.stage();
+        if (t == 0) {
+          sm.kv_empty[s].wait(kv.phase() ^ 1u);
+          sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
+          for (int half = 0; half < kHalves; ++half) {
+            tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+            tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+          }
+          if (absent > 0) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(absent));
         }
-        // Consumers without a tile in this item: their release, at once.
-        if (tiles < kC) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(kC - tiles));
-      }
-#pragma unroll 1
-      for (int tile = 0; tile < tiles; ++tile) {
+        kv.advance();
+      };
+      // Tile `tile` to the next consumer in turn: its Q rows and header. Consecutive tiles go to
+      // consecutive consumers (across items too, so that items of one tile spread over all of them).
+      const auto hand_out = [&](int tile, int kv_stage, std::uint32_t kv_phase, bool last) {
         int ent = ent_cur[0];  // ent_cur[tile] without dynamic indexing (which would put it in local memory)
 #pragma unroll
         for (int k = 1; k < kTilesPerItem; ++k) ent = tile == k ? ent_cur[k] : ent;
-        const int c = tile % kC;
+        const int c = turn;
+        turn = turn + 1 == kC ? 0 : turn + 1;
         int n = 0;
 #pragma unroll
         for (int i = 0; i < kC; ++i) {
@@ -294,13 +290,41 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
         cp_async_arrive(sm.q_full[c][b]);
         if (t == 0) {
           TileHeader& h = sm.head[c][b];
-          h.kv_stage = s;
-          h.kv_phase = kv.phase();
+          h.kv_stage = kv_stage;
+          h.kv_phase = kv_phase;
           h.block = f.j;
-          h.last = tile + kC >= tiles;
+          h.mask = f.mask;
+          h.last = last;
           h.end = 0;
         }
         sm.q_full[c][b].arrive();
+      };
+      if ((f.mask & (f.mask - 1u)) == 0) {
+        // One block: loaded once for the whole item; each consumer releases it after its last tile.
+        const int s = kv.stage();
+        const std::uint32_t ph = kv.phase();
+        load_kv(f.j + __ffs(static_cast<int>(f.mask)) - 1, tiles < kC ? kC - tiles : 0);
+#pragma unroll 1
+        for (int tile = 0; tile < tiles; ++tile) hand_out(tile, s, ph, tile + kC >= tiles);
+      } else {
+        // A piece of several blocks: rounds of up to kC tiles, one per consumer, and per round the
+        // piece's blocks stream through the ring in order, each released by every consumer of the
+        // round after its P V. The round's first kKvStages blocks are requested before its gathers;
+        // the rest wait for free stages, i.e. for the round's consumers, so they come after them.
+#pragma unroll 1
+        for (int r0 = 0; r0 < tiles; r0 += kC) {
+          const int rt = tiles - r0 < kC ? tiles - r0 : kC;
+          const int s = kv.stage();
+          const std::uint32_t ph = kv.phase();
+          unsigned bits = f.mask;
+#pragma unroll 1
+          for (int k = 0; k < kKvStages && bits != 0; ++k, bits &= bits - 1u)
+            load_kv(f.j + __ffs(static_cast<int>(bits)) - 1, kC - rt);
+#pragma unroll 1
+          for (int tile = r0; tile < r0 + rt; ++tile) hand_out(tile, s, ph, true);
+#pragma unroll 1
+          for (; bits != 0; bits &= bits - 1u) load_kv(f.j + __ffs(static_cast<int>(bits)) - 1, kC - rt);
+        }
       }
       f = item_info(p, l1);  // derived again rather than held through the tiles: the producer is short of registers
 #pragma unroll
@@ -320,6 +344,249 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
   }
 }
 
+// The tile's normalised partial rows and their LSE (rows[r] < 0: padding, not stored). l holds each
+// thread's share of its two rows' sums; the quad's shares are added here.
+template <class Part, int N>
+__device__ __forceinline__ void store_partials(const Params& p, const int (&rows)[2], const float (&acc_o)[N],
+                                               const float (&m)[2], float (&l)[2], int q4) {
+  constexpr int D = 2 * N;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float lse = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
+    if (rows[r] < 0) continue;
+    auto* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D;
+    const bool stream = p.hints & kStreamPartials;
+    if (stream)
+      Part::template put_row<true>(dst, acc_o, r, inv, q4);
+    else
+      Part::template put_row<false>(dst, acc_o, r, inv, q4);
+    if (q4 == 0) {
+      if (stream)
+        __stcs(p.lse_part + rows[r], lse);
+      else
+        p.lse_part[rows[r]] = lse;
+    }
+  }
+}
+
+// The last key each of the thread's two rows may see (absolute index): Lk - 1, or under causal masking
+// the query's diagonal if that comes first. Padding rows see everything (never stored).
+__device__ __forceinline__ void row_limits(const Params& p, const int (&rows)[2], long long (&last)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    last[r] = p.Lk - 1;
+    if (p.causal && rows[r] >= 0) {
+      const int qi = p.div_lq.mod(p.div_kq.div(p.div_group.div(rows[r])));
+      if (qi + p.offset < last[r]) last[r] = qi + p.offset;
+    }
+  }
+}
+
+template <class Tag, int D>
+__device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
+  const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
+  wgmma_ss_first<Tag>(acc_s, da, db);
+#pragma unroll
+  for (int kk = 1; kk < D / 16; ++kk)
+    wgmma_ss<Tag>(acc_s, desc_advance(da, (kk / 4) * kQHalfBytes + (kk % 4) * 32),
+                  desc_advance(db, (kk / 4) * kKvHalfBytes + (kk % 4) * 32), 1);
+  wgmma_commit();
+}
+
+template <class Tag, int N>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t (&pa)[8][4], std::uint32_t s_v) {
+  const std::uint64_t dv = make_desc_sw128(s_v, kKvHalfBytes, 1024);
+  wgmma_rs_tb_first<Tag, N>(acc_o, pa[0], dv);
+#pragma unroll
+  for (int kk = 1; kk < 8; ++kk) wgmma_rs_tb<Tag>(acc_o, pa[kk], desc_advance(dv, kk * 16 * 128), 1);
+  wgmma_commit();
+}
+
+template <class Tag, int D>
+__device__ __forceinline__ void issue_qk_half(float (&acc_s)[32], std::uint32_t s_q, std::uint32_t s_k) {
+  const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
+  wgmma_ss_first<Tag>(acc_s, da, db);
+#pragma unroll
+  for (int kk = 1; kk < D / 16; ++kk)
+    wgmma_ss<Tag>(acc_s, desc_advance(da, (kk / 4) * kQHalfBytes + (kk % 4) * 32),
+                  desc_advance(db, (kk / 4) * kKvHalfBytes + (kk % 4) * 32), 1);
+  wgmma_commit();
+}
+
+template <class Tag, int N>
+__device__ __forceinline__ void issue_pv_half(float (&acc_o)[N], const std::uint32_t (&pa)[4][4], std::uint32_t s_v) {
+  const std::uint64_t dv = make_desc_sw128(s_v, kKvHalfBytes, 1024);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<Tag>(acc_o, pa[kk], desc_advance(dv, kk * 16 * 128), 1);
+  wgmma_commit();
+}
+
+// One tile: attention of its rows over the blocks of h.mask in ascending order (one block, or a merged
+// piece of several). The first block runs whole: S of 128 keys, its softmax, and a P V that writes O,
+// so nothing but S is live during its Q K. Later blocks (pieces only) continue the online softmax in
+// two 64-key halves, so that S (32 registers) and the live O fit the consumer's registers. Each
+// block's stage is released after its P V when the header says so (a piece's tiles always; a single
+// block's last tile of each consumer), the Q buffer after the last Q K. The later blocks' P V always
+// accumulate: a branch between an overwriting and an accumulating wgmma made ptxas serialise every
+// wgmma of the kernel (C7520).
+template <class Tag, int D, class Part>
+__device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, int c, int b, const TileHeader& h,
+                                           const int (&rows)[2], int q4) {
+  constexpr std::uint32_t kHalfKeyBytes = 64 * 128;  // 64 keys of one 64-column half
+  const std::uint32_t s_q = smem_addr(&sm.q[c][b][0][0][0]);
+  int stage = h.kv_stage;
+  std::uint32_t phase = h.kv_phase;
+  unsigned bits = h.mask;
+  int j = h.block + __ffs(static_cast<int>(bits)) - 1;
+  bits &= bits - 1u;
+  const auto release_stage = [&] {
+    if (h.last) sm.kv_empty[stage].arrive();
+    if (++stage == kKvStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  };
+  sm.kv_full[stage].wait(phase);
+
+  float acc_s[64];  // written by the first k-step (wgmma_ss_first): live only for the first block
+  wgmma_fence();
+  issue_qk<Tag, D>(acc_s, s_q, smem_addr(&sm.k[stage][0][0][0]));
+  wgmma_wait<0>();
+  fence_operands(acc_s);
+  if (bits == 0) sm.q_empty[c][b].arrive();
+
+  // Keys past Lk, and (causal) keys past the query's diagonal, are masked; only a block that reaches
+  // past Lk, or any block under causal masking, can hold such keys. lim: the row's last visible key
+  // relative to the block, clamped to [-1, 127]; padding rows (their Q is zero, so their scores are
+  // finite) are never stored and need no mask.
+  float m[2] = {-INFINITY, -INFINITY};
+  if (p.causal || static_cast<long long>(j + 1) * kKeys > p.Lk) {
+    long long last[2];
+    row_limits(p, rows, last);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const long long rel = last[r] - static_cast<long long>(j) * kKeys;
+      const int lim = rel < -1 ? -1 : rel > kKeys - 1 ? kKeys - 1 : static_cast<int>(rel);
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * i + 2 * q4 + e > lim) acc_s[4 * i + 2 * r + e] = -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    m[0] = fmaxf(m[0], fmaxf(acc_s[4 * i], acc_s[4 * i + 1]));
+    m[1] = fmaxf(m[1], fmaxf(acc_s[4 * i + 2], acc_s[4 * i + 3]));
+  }
+  float base[2], l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
+    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+    base[r] = m[r] == -INFINITY ? 0.0f : m[r] * p.scale_log2;  // no visible key: p = 0, not NaN
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // The row sum (and so the LSE) uses the float32 probabilities; PV sees them rounded to the
+      // 16-bit type, as in FlashAttention.
+      const float x = fast_exp2(fmaf(acc_s[4 * i + e], p.scale_log2, -base[e / 2]));
+      acc_s[4 * i + e] = x;
+      l[e / 2] += x;
+    }
+  std::uint32_t pa[8][4];
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+
+  float acc_o[D / 2];
+  wgmma_fence();
+  issue_pv<Tag>(acc_o, pa, smem_addr(&sm.v[stage][0][0][0]));
+  wgmma_wait<0>();
+  fence_operands(acc_o);
+  keep_live(pa);
+  release_stage();
+
+  while (bits != 0) {
+    j = h.block + __ffs(static_cast<int>(bits)) - 1;
+    bits &= bits - 1u;
+    sm.kv_full[stage].wait(phase);
+    const bool edge = p.causal || static_cast<long long>(j + 1) * kKeys > p.Lk;
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      float acc_h[32];
+      wgmma_fence();
+      issue_qk_half<Tag, D>(acc_h, s_q, smem_addr(&sm.k[stage][0][0][0]) + half * kHalfKeyBytes);
+      wgmma_wait<0>();
+      fence_operands(acc_h);
+      if (bits == 0 && half == 1) sm.q_empty[c][b].arrive();
+      if (edge) {
+        long long last[2];
+        row_limits(p, rows, last);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const long long rel = last[r] - (static_cast<long long>(j) * kKeys + 64 * half);
+          const int lim = rel < -1 ? -1 : rel > 63 ? 63 : static_cast<int>(rel);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (8 * i + 2 * q4 + e > lim) acc_h[4 * i + 2 * r + e] = -INFINITY;
+        }
+      }
+      float mx[2] = {m[0], m[1]};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        mx[0] = fmaxf(mx[0], fmaxf(acc_h[4 * i], acc_h[4 * i + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(acc_h[4 * i + 2], acc_h[4 * i + 3]));
+      }
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        base[r] = mx[r] == -INFINITY ? 0.0f : mx[r] * p.scale_log2;
+        alpha[r] = mx[r] == -INFINITY ? 1.0f : fast_exp2(fmaf(m[r], p.scale_log2, -base[r]));
+        m[r] = mx[r];
+        l[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = fast_exp2(fmaf(acc_h[4 * i + e], p.scale_log2, -base[e / 2]));
+          acc_h[4 * i + e] = x;
+          l[e / 2] += x;
+        }
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[4 * i + e] *= alpha[e / 2];
+      std::uint32_t ph[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ph[kk][r] = Tag::pack(acc_h[8 * kk + 2 * r], acc_h[8 * kk + 2 * r + 1]);
+      wgmma_fence();
+      issue_pv_half<Tag>(acc_o, ph, smem_addr(&sm.v[stage][0][0][0]) + half * kHalfKeyBytes);
+      wgmma_wait<0>();
+      fence_operands(acc_o);
+      keep_live(ph);
+    }
+    release_stage();
+  }
+  store_partials<Part>(p, rows, acc_o, m, l, q4);
+}
+
 template <class Tag, int D, class Part>
 __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int c) {
   // The thread index is read here, after the register reallocation: values derived from it before the
@@ -328,13 +595,6 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
   const int t = static_cast<int>(tid % 128);
   const int warp = t / 32, g8 = (t % 32) / 4, q4 = t % 4;
-  const auto store_lse = [&](int row, float lse) {
-    if (q4 != 0) return;
-    if (p.hints & kStreamPartials)
-      __stcs(p.lse_part + row, lse);
-    else
-      p.lse_part[row] = lse;
-  };
   for (int n = 0;; ++n) {
     const int b = n & 1;
     sm.q_full[c][b].wait((n >> 1) & 1u);
@@ -342,91 +602,7 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
     if (h.end) break;
     const int rows[2] = {sm.row_part[c][b][16 * warp + g8], sm.row_part[c][b][16 * warp + g8 + 8]};
     fence_async_shared();  // the gathered rows (generic-proxy writes) before wgmma reads them
-    sm.kv_full[h.kv_stage].wait(h.kv_phase);
-
-    float acc_s[64];  // written by the first k-step (wgmma_ss_first): live only inside this tile
-    wgmma_fence();
-    issue_qk<Tag, D>(acc_s, smem_addr(&sm.q[c][b][0][0][0]), smem_addr(&sm.k[h.kv_stage][0][0][0]));
-    wgmma_wait<0>();
-    fence_operands(acc_s);
-    sm.q_empty[c][b].arrive();
-
-    // Keys past Lk, and (causal) keys past the query's diagonal, are masked; only a block that reaches
-    // past Lk, or any block under causal masking, can hold such keys. lim: the row's last visible key
-    // relative to the block, clamped to [-1, 127]; padding rows (their Q is zero, so their scores are
-    // finite) are never stored and need no mask.
-    float m[2] = {-INFINITY, -INFINITY};
-    if (p.causal || static_cast<long long>(h.block + 1) * kKeys > p.Lk) {
-      int lim[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        long long last = p.Lk - 1;
-        if (p.causal && rows[r] >= 0) {
-          const int qi = p.div_lq.mod(p.div_kq.div(p.div_group.div(rows[r])));
-          if (qi + p.offset < last) last = qi + p.offset;
-        }
-        const long long rel = last - static_cast<long long>(h.block) * kKeys;
-        lim[r] = rel < -1 ? -1 : rel > kKeys - 1 ? kKeys - 1 : static_cast<int>(rel);
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (8 * i + 2 * q4 + (j % 2) > lim[j / 2]) acc_s[4 * i + j] = -INFINITY;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      m[0] = fmaxf(m[0], fmaxf(acc_s[4 * i], acc_s[4 * i + 1]));
-      m[1] = fmaxf(m[1], fmaxf(acc_s[4 * i + 2], acc_s[4 * i + 3]));
-    }
-    float base[2], l[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
-      m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
-      base[r] = m[r] == -INFINITY ? 0.0f : m[r] * p.scale_log2;  // no visible key: p = 0, not NaN
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // The row sum (and so the LSE) uses the float32 probabilities; PV sees them rounded to the
-        // 16-bit type, as in FlashAttention.
-        const float e = fast_exp2(fmaf(acc_s[4 * i + j], p.scale_log2, -base[j / 2]));
-        acc_s[4 * i + j] = e;
-        l[j / 2] += e;
-      }
-    std::uint32_t pa[8][4];
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-
-    float acc_o[D / 2];
-    wgmma_fence();
-    issue_pv<Tag>(acc_o, pa, smem_addr(&sm.v[h.kv_stage][0][0][0]));
-    wgmma_wait<0>();
-    fence_operands(acc_o);
-    keep_live(pa);
-    if (h.last) sm.kv_empty[h.kv_stage].arrive();
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      const float lse = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
-      if (rows[r] < 0) continue;
-      auto* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D;
-      if (p.hints & kStreamPartials)
-        Part::template put_row<true>(dst, acc_o, r, inv, q4);
-      else
-        Part::template put_row<false>(dst, acc_o, r, inv, q4);
-      store_lse(rows[r], lse);
-    }
+    attend_tile<Tag, D, Part>(p, sm, c, b, h, rows, q4);
   }
 }
 

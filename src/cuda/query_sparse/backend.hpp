@@ -28,6 +28,10 @@ namespace sparse_attn::cuda_backend {
 /// Workspace bytes of the KV-centric pipeline (see query_sparse_workspace_bytes in plan.hpp).
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials);
 
+/// The merge window the KV-centric pipeline runs for these lists and options (merge_window.hpp;
+/// Error for an invalid options.merge_window).
+int query_sparse_merge_window(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options);
+
 /// Reverse index of `lists` into `workspace` (device memory of at least the bytes above). Unless
 /// options.trusted, validates the lists on the device first (one host synchronisation).
 void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,

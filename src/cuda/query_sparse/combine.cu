@@ -324,7 +324,8 @@ struct CombineOp {
 
 cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials, cudaStream_t stream) {
   if (static_cast<long long>(p.B) * p.Hkv * p.Lq * p.group == 0) return cudaSuccess;
-  return dispatch<CombineOp>(bf16, D, bf16_partials, p, stream);
+  // With merged slots the merged lists say which slots hold a partial (one per piece).
+  return dispatch<CombineOp>(bf16, D, bf16_partials, index_view(p), stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs

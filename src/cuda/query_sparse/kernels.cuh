@@ -36,11 +36,18 @@ struct Params {
   int B = 0, Lq = 0, Lk = 0, Hq = 0, Hkv = 0, Tk = 0, Kq = 0, group = 0;
   long long offset = 0;  // Lk - Lq: query i sees key j iff j <= i + offset (causal)
   bool causal = false;
-  long long nblk = 0;   // B * Hkv * Tk
+  // Merged slots (merge_window.hpp): with win > 1 a query's chosen blocks in one window of `win`
+  // consecutive blocks are one piece, computed and combined as one partial. A piece's bin within its
+  // (b, group) is (window << win) | mask, bit t of the mask standing for block window * win + t;
+  // `bins` is the number of bins per (b, group): Tk without merging, ceil(Tk / win) << win with it.
+  int win = 1, win_log2 = 0, bins = 0;
+  long long nblk = 0;   // B * Hkv * bins: the CSR's lists
   long long slots = 0;  // B * Hkv * Lq * Kq
 
   const std::int32_t* idx = nullptr;
   long long idx_stride[4] = {};
+  // [B, Hkv, Lq, Kq] (win > 1): the piece's bin at the first slot of each piece, -1 at every other slot
+  std::int32_t* merged = nullptr;
 
   // workspace
   int* counts = nullptr;        // [nblk]: counts, then fill cursors
@@ -84,6 +91,21 @@ __device__ __forceinline__ int slot_block(const Params& p, long long f, int& i, 
   bg = r / p.Lq;
   const long long b = bg / p.Hkv, g = bg % p.Hkv;
   return p.idx[b * p.idx_stride[0] + g * p.idx_stride[1] + i * p.idx_stride[2] + s * p.idx_stride[3]];
+}
+
+/// The view of `p` that the reverse index and the combine read: with merging, the merged lists, whose
+/// entries are bins (already restricted to visible blocks) and whose slots hold one piece each.
+__host__ __device__ inline Params index_view(const Params& p) {
+  if (p.win <= 1) return p;
+  Params q = p;
+  q.idx = p.merged;
+  q.idx_stride[3] = 1;
+  q.idx_stride[2] = p.Kq;
+  q.idx_stride[1] = static_cast<long long>(p.Lq) * p.Kq;
+  q.idx_stride[0] = q.idx_stride[1] * p.Hkv;
+  q.Tk = p.bins;
+  q.causal = false;
+  return q;
 }
 
 __device__ __forceinline__ long long items_of(const Params& p, long long count) {

@@ -17,6 +17,7 @@
 #include "cuda/common/workspace_cache.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "cuda/query_sparse/launch.hpp"
+#include "cuda/query_sparse/merge_window.hpp"
 
 namespace sparse_attn::cuda_backend {
 namespace {
@@ -32,15 +33,20 @@ struct DeviceGuard : cuda_kernels::DeviceGuard {
   explicit DeviceGuard(int device) : cuda_kernels::DeviceGuard(device, kOp) {}
 };
 
-// Byte offsets of the workspace's arrays; each starts on a 256-byte boundary.
+// Byte offsets of the workspace's arrays; each starts on a 256-byte boundary. The index arrays are
+// sized for the largest merge window the lists allow (merge_window.hpp), so one workspace size serves
+// every window: nblk counts the bins of that window, merged the merged lists (absent when Kq is too
+// large to merge).
 struct Layout {
   std::int64_t nblk = 0, slots = 0, rows = 0, max_items = 0;
-  std::size_t counts = 0, offsets = 0, item_offsets = 0, entries = 0, items = 0, bad = 0, lse = 0, part = 0, total = 0;
+  std::size_t counts = 0, offsets = 0, item_offsets = 0, entries = 0, items = 0, bad = 0, lse = 0, part = 0,
+              merged = 0, total = 0;
 };
 
 Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
   Layout l;
-  l.nblk = p.B * p.Hkv * p.Tk();
+  const bool can_merge = Kq <= kMaxMergeSlots;
+  l.nblk = p.B * p.Hkv * (can_merge ? std::max(p.Tk(), merge_bins(p.Tk(), kMaxMergeWindow)) : p.Tk());
   l.slots = p.B * p.Hkv * p.Lq * Kq;
   l.rows = l.slots * p.group_size();
   l.max_items = ceil_div(l.rows, qs::kRowsPerItem) + l.nblk;
@@ -58,6 +64,7 @@ Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
   l.bad = take(1, sizeof(unsigned long long));
   l.lse = take(l.rows, sizeof(float));
   l.part = take(l.rows * p.D, prec == PartialPrecision::f32 ? 4 : 2);
+  l.merged = take(can_merge ? l.slots : 0, sizeof(int));
   l.total = at;
   return l;
 }
@@ -74,9 +81,15 @@ void check_shape(const ProblemShape& p, std::int64_t Kq) {
               " slots per query"; });
 }
 
+int merge_window_of(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
+  return resolve_merge_window(p.Tk(), Kq, p.group_size() * p.Lq, options.merge_window, kOp, "options.merge_window");
+}
+
 qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
-                       PartialPrecision prec) {
+                       const QuerySparseOptions& options) {
   const std::int64_t Kq = lists.idx.shape[3];
+  const PartialPrecision prec = options.partials;
+  const int win = merge_window_of(p, Kq, options);
   check_shape(p, Kq);
   const Layout l = layout(p, Kq, prec);
   require(workspace != nullptr || l.total == 0, kOp, "workspace",
@@ -95,7 +108,10 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
   q.group = static_cast<int>(p.group_size());
   q.offset = p.offset();
   q.causal = p.causal;
-  q.nblk = l.nblk;
+  q.win = win;
+  q.win_log2 = win == 8 ? 3 : win == 4 ? 2 : win == 2 ? 1 : 0;
+  q.bins = static_cast<int>(merge_bins(p.Tk(), win));
+  q.nblk = p.B * p.Hkv * q.bins;
   q.slots = l.slots;
   q.idx = static_cast<const std::int32_t*>(lists.idx.data);
   for (int i = 0; i < 4; ++i) q.idx_stride[i] = lists.idx.stride[i];
@@ -108,6 +124,7 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
   q.bad = reinterpret_cast<unsigned long long*>(w + l.bad);
   q.lse_part = reinterpret_cast<float*>(w + l.lse);
   q.part = w + l.part;
+  q.merged = win > 1 ? reinterpret_cast<std::int32_t*>(w + l.merged) : nullptr;
   return q;
 }
 
@@ -283,13 +300,17 @@ std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq,
   return layout(p, Kq, partials).total;
 }
 
+int query_sparse_merge_window(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
+  return merge_window_of(p, Kq, options);
+}
+
 void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
                        const QuerySparseOptions& options) {
   require(lists.idx.device == Device::cuda, kOp, "lists.idx",
           [&] { return "must be on the device, got " + lists.idx.describe(); });
   DeviceGuard guard(lists.idx.device_index);
   const auto stream = static_cast<cudaStream_t>(options.stream);
-  const qs::Params q = base_params(p, lists, workspace, bytes, options.partials);
+  const qs::Params q = base_params(p, lists, workspace, bytes, options);
   if (!options.trusted && q.slots > 0) validate_on_device(q, stream);
   check_cuda(qs::launch_reverse_index(q, stream), "reverse index launch");
 }
@@ -301,7 +322,7 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
   check_rows("k", k);
   check_rows("v", v);
   DeviceGuard guard(q.device_index);
-  qs::Params prm = base_params(p, lists, workspace, bytes, options.partials);
+  qs::Params prm = base_params(p, lists, workspace, bytes, options);
   if (prm.slots == 0) return;
   prm.q = q.data;
   prm.k = k.data;
@@ -342,7 +363,7 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
   if (lse) require(lse->device == Device::cuda, kOp, "lse",
                    [&] { return "must be on the device, got " + lse->describe(); });
   DeviceGuard guard(out.device_index);
-  qs::Params prm = base_params(p, lists, workspace, bytes, options.partials);
+  qs::Params prm = base_params(p, lists, workspace, bytes, options);
   prm.out = out.data;
   for (int i = 0; i < 3; ++i) prm.out_stride[i] = out.stride[i];
   if (lse) {

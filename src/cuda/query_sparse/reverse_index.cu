@@ -16,6 +16,10 @@
 // kHistBins blocks per row (no shared histogram) the kernels fall back to per-slot global atomics.
 // Entry order inside a block's list depends on which CTA reserves first; the attend and combine
 // phases do not depend on it (backend.hpp).
+//
+// With merged slots (Params::win > 1) a fourth launch comes first: `merge` writes each query's
+// pieces (its visible blocks grouped by window) as bins into the merged lists, and the counting sort
+// above runs over those lists and bins (index_view) instead of the blocks.
 #include <cuda_runtime.h>
 
 #include "cuda/query_sparse/kernels.cuh"
@@ -65,6 +69,37 @@ __global__ void validate_kernel(Params p) {
         break;
       }
     }
+  }
+}
+
+// One thread per slot: the slot's piece bin if it is the first chosen slot of its window, else -1.
+// Each thread reads its query's whole row (Kq loads, from L1 after the first thread of the row), so
+// the cost grows with Kq^2 per query; merge_window.hpp keeps Kq small enough.
+__global__ void merge_kernel(const __grid_constant__ Params p) {
+  const long long slots = p.slots;
+  for (long long f = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; f < slots;
+       f += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const int s = static_cast<int>(f % p.Kq);
+    const long long r = f / p.Kq;
+    const int i = static_cast<int>(r % p.Lq);
+    const long long bg = r / p.Lq;
+    const std::int32_t* row =
+        p.idx + (bg / p.Hkv) * p.idx_stride[0] + (bg % p.Hkv) * p.idx_stride[1] + i * p.idx_stride[2];
+    const int j = row[static_cast<long long>(s) * p.idx_stride[3]];
+    int out = -1;
+    if (chosen(p, i, j)) {
+      const int w = j >> p.win_log2;
+      unsigned mask = 0;
+      bool first = true;
+      for (int t = 0; t < p.Kq; ++t) {
+        const int jt = row[static_cast<long long>(t) * p.idx_stride[3]];
+        if (jt < 0 || (jt >> p.win_log2) != w || !chosen(p, i, jt)) continue;
+        mask |= 1u << (jt & (p.win - 1));
+        first = first && t >= s;
+      }
+      if (first) out = (w << p.win) | static_cast<int>(mask);
+    }
+    p.merged[f] = out;
   }
 }
 
@@ -328,7 +363,13 @@ cudaError_t launch_validate(const Params& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream) {
+cudaError_t launch_reverse_index(const Params& full, cudaStream_t stream) {
+  if (full.win > 1) {
+    merge_kernel<<<grid_for(full.slots, 256), 256, 0, stream>>>(full);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  const Params p = index_view(full);
   zero_kernel<<<grid_for(p.nblk + 1, 256), 256, 0, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

@@ -1,0 +1,102 @@
+// Merged slots of the KV-centric query_sparse (host only): the choice of the merge window. Used by
+// query_sparse.cu and the plan; tested on the CPU (tests/cpu/test_merge_window.cpp).
+//
+// With a merge window of W blocks, a query's chosen blocks that fall in one window of W consecutive
+// blocks (window w: blocks [W w, W w + W)) form one piece: the attention kernel runs the online softmax
+// over the piece's blocks and writes one partial for it, so the partials written and read back by the
+// combine shrink from one per chosen block to one per non-empty window. A piece's work item holds the
+// rows of every query with the same blocks in that window (its bin: window and block mask, 2^W masks
+// per window), so the bins must stay populated: a bin of a few rows still costs a whole 64-row tile.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "core/check.hpp"
+
+namespace sparse_attn::cuda_backend {
+
+inline constexpr int kMaxMergeWindow = 8;
+// The merge pass reads each query's whole list once per slot (Kq^2 loads per query).
+inline constexpr std::int64_t kMaxMergeSlots = 64;
+// A merged piece is worth its bin when the typical multi-block piece shares its bin with at least
+// one tile of rows (kAttendRows: the attention kernel's 64-row tile).
+inline constexpr double kMinRowsPerBin = 64.0;
+// A piece of several blocks runs its later blocks in 64-key halves, slower per block than a single
+// block's tile, and its bins cost the reverse index more; merging paid on the H200 only where it
+// removed most partials (docs/notes/kv_attention.md, merged slots: query16of32 with W = 8 saves 3/4 of
+// the slots, whole call -8.8 %; W = 4 saves about half, no gain; query-long with W = 8 saves a fifth,
+// +31 %). So the automatic choice asks for at least this share of the slots saved.
+inline constexpr double kMinSavedShare = 0.6;
+// The reverse index keeps a per-(b, group) histogram of the bins in shared memory up to this many
+// bins (reverse_index.cu, kHistBins); past it every slot costs a global atomic.
+inline constexpr std::int64_t kMaxMergeBins = 12 * 1024;
+
+/// Bins per (b, group) of the CSR for Tk KV blocks and merge window W (1: the blocks themselves).
+inline std::int64_t merge_bins(std::int64_t Tk, int W) {
+  if (W <= 1) return Tk;
+  return (Tk + W - 1) / W << W;
+}
+
+/// For lists of Kq random distinct blocks of Tk (each block chosen with probability rho = Kq / Tk),
+/// `rows` (query, head) rows per (b, group) and window W: the share of the slots that merging saves
+/// (E[(k - 1)+] per window over Kq, k ~ Binomial(W, rho)), and the rows in the bin of a typical piece
+/// of two or more blocks (sum over k >= 2 of P(k) * rows * P(k) / C(W, k), over P(k >= 2)).
+struct MergeEstimate {
+  double saved = 0.0;
+  double rows_per_bin = 0.0;
+};
+
+inline MergeEstimate merge_estimate(std::int64_t Tk, std::int64_t Kq, std::int64_t rows, int W) {
+  MergeEstimate e;
+  if (W <= 1 || Tk <= 0 || Kq <= 0) return e;
+  const double rho = std::min(1.0, static_cast<double>(Kq) / static_cast<double>(Tk));
+  const double windows = std::ceil(static_cast<double>(Tk) / W);
+  double multi = 0.0, weighted = 0.0, extra = 0.0, choose = 1.0;
+  for (int k = 0; k <= W; ++k) {
+    if (k > 0) choose = choose * (W - k + 1) / k;
+    const double pk = choose * std::pow(rho, k) * std::pow(1.0 - rho, W - k);
+    if (k < 2) continue;
+    multi += pk;
+    weighted += pk * static_cast<double>(rows) * pk / choose;
+    extra += (k - 1) * pk;
+  }
+  e.saved = extra * windows / static_cast<double>(Kq);
+  e.rows_per_bin = multi > 0.0 ? weighted / multi : 0.0;
+  return e;
+}
+
+/// The merge window to run: `requested` if it is 1, 2, 4 or 8 (1: no merging), or for 0 (automatic)
+/// the window among 8, 4, 2 that saves the most partials, at least kMinSavedShare of the slots, while
+/// its bins stay populated (kMinRowsPerBin), and 1 if none does. Tk KV blocks, Kq slots per query, rows = group size x Lq.
+/// Errors name `argument` for a value outside {0, 1, 2, 4, 8} and for merging with more than
+/// kMaxMergeSlots slots per query.
+inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t rows, int requested,
+                                const std::string& op, const std::string& argument) {
+  detail::require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8, op,
+                  argument, [&] { return "is 0 (automatic), 1 (off), 2, 4 or 8 blocks, got " + std::to_string(requested); });
+  if (requested == 1) return 1;
+  if (requested > 1) {
+    detail::require(Kq <= kMaxMergeSlots, op, argument, [&] {
+      return "merging slots takes at most " + std::to_string(kMaxMergeSlots) + " slots per query, the lists have " +
+             std::to_string(Kq) + " (use 1)";
+    });
+    return requested;
+  }
+  if (Kq < 2 || Kq > kMaxMergeSlots) return 1;
+  int best = 1;
+  double best_saved = 0.0;
+  for (const int W : {8, 4, 2}) {
+    if (merge_bins(Tk, W) > kMaxMergeBins) continue;
+    const MergeEstimate e = merge_estimate(Tk, Kq, rows, W);
+    if (e.rows_per_bin >= kMinRowsPerBin && e.saved >= kMinSavedShare && e.saved > best_saved) {
+      best = W;
+      best_saved = e.saved;
+    }
+  }
+  return best;
+}
+
+}  // namespace sparse_attn::cuda_backend
