@@ -179,6 +179,9 @@ TEST(QuerySparseGpu, MergedSlots) {
       {"merge8 popular empty tile", sa::DType::bf16, P::bf16, 1, 1013, 3000, 16, 1, 128, false, 9, true, true, 8},
       {"merge4 Kq=40", sa::DType::bf16, P::f32, 1, 300, 8192, 4, 2, 128, true, 40, false, false, 4},
       {"merge8 causal D=64 f16", sa::DType::f16, P::f32, 2, 400, 2048, 8, 1, 64, true, 10, false, false, 8},
+      {"merge3 causal last window", sa::DType::bf16, P::bf16, 1, 777, 1900, 8, 2, 128, true, 7, false, false, 3},
+      {"merge7 GQA16", sa::DType::bf16, P::f32, 1, 600, 4096, 16, 1, 128, false, 16, false, false, 7},
+      {"merge5 D=64 popular", sa::DType::f16, P::bf16, 1, 500, 2000, 4, 1, 64, false, 8, false, true, 5},
       {"merge auto q16of32-like", sa::DType::bf16, P::bf16, 1, 1024, 4096, 16, 1, 128, false, 16, false, false, 0},
   };
   std::uint64_t seed = 300;

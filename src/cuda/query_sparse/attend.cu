@@ -110,7 +110,7 @@ __device__ __forceinline__ ItemInfo item_info(const Params& p, const ItemLoads& 
   f.g = f.bg - f.b * p.Hkv;
   const int bin = x - f.bg * p.bins;
   if (p.win > 1) {
-    f.j = (bin >> p.win) << p.win_log2;
+    f.j = (bin >> p.win) * p.win;
     f.mask = static_cast<unsigned>(bin) & ((1u << p.win) - 1u);
   } else {
     f.j = bin;
@@ -210,7 +210,7 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
 // of item n the producer issues the CSR entries of every tile of item n + 1 (one per thread and tile,
 // held in registers), the CSR offsets of item n + 2 and the (block, first row) of item n + 3. Only the
 // first item's loads are waited for.
-template <int D>
+template <int D, bool kPieces>
 __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
                                          const CUtensorMap& tm_v, int n_items, int t) {
   constexpr int kHalves = D / 64;
@@ -299,7 +299,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
         }
         sm.q_full[c][b].arrive();
       };
-      if ((f.mask & (f.mask - 1u)) == 0) {
+      if (!kPieces || (f.mask & (f.mask - 1u)) == 0) {
         // One block: loaded once for the whole item; each consumer releases it after its last tile.
         const int s = kv.stage();
         const std::uint32_t ph = kv.phase();
@@ -435,7 +435,7 @@ __device__ __forceinline__ void issue_pv_half(float (&acc_o)[N], const std::uint
 // block's last tile of each consumer), the Q buffer after the last Q K. The later blocks' P V always
 // accumulate: a branch between an overwriting and an accumulating wgmma made ptxas serialise every
 // wgmma of the kernel (C7520).
-template <class Tag, int D, class Part>
+template <class Tag, int D, class Part, bool kPieces>
 __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, int c, int b, const TileHeader& h,
                                            const int (&rows)[2], int q4) {
   constexpr std::uint32_t kHalfKeyBytes = 64 * 128;  // 64 keys of one 64-column half
@@ -516,7 +516,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
   keep_live(pa);
   release_stage();
 
-  while (bits != 0) {
+  while (kPieces && bits != 0) {
     j = h.block + __ffs(static_cast<int>(bits)) - 1;
     bits &= bits - 1u;
     sm.kv_full[stage].wait(phase);
@@ -587,7 +587,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
   store_partials<Part>(p, rows, acc_o, m, l, q4);
 }
 
-template <class Tag, int D, class Part>
+template <class Tag, int D, class Part, bool kPieces>
 __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int c) {
   // The thread index is read here, after the register reallocation: values derived from it before the
   // role split would be carried across it, and ptxas spills them there.
@@ -602,11 +602,14 @@ __device__ __forceinline__ void consumer(const Params& p, AttendSmem<D>& sm, int
     if (h.end) break;
     const int rows[2] = {sm.row_part[c][b][16 * warp + g8], sm.row_part[c][b][16 * warp + g8 + 8]};
     fence_async_shared();  // the gathered rows (generic-proxy writes) before wgmma reads them
-    attend_tile<Tag, D, Part>(p, sm, c, b, h, rows, q4);
+    attend_tile<Tag, D, Part, kPieces>(p, sm, c, b, h, rows, q4);
   }
 }
 
-template <class Tag, int D, class Part>
+// kPieces: the instantiation for merged slots (Params::win > 1), which carries the multi-block code;
+// without merging the kernel runs the instantiation without it, whose registers and schedule are those
+// of the single-block kernel.
+template <class Tag, int D, class Part, bool kPieces>
 __global__ void __launch_bounds__(kAttendThreads, 1)
     attend_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap tm_k,
                   const __grid_constant__ CUtensorMap tm_v) {
@@ -632,10 +635,10 @@ __global__ void __launch_bounds__(kAttendThreads, 1)
   __syncthreads();
   if (tid >= 128 * kC) {
     warpgroup_reg_dealloc<kProducerRegs>();
-    producer<D>(p, sm, tm_k, tm_v, n_items, tid - 128 * kC);
+    producer<D, kPieces>(p, sm, tm_k, tm_v, n_items, tid - 128 * kC);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer<Tag, D, Part>(p, sm, tid / 128);
+    consumer<Tag, D, Part, kPieces>(p, sm, tid / 128);
   }
 }
 
@@ -654,7 +657,8 @@ template <class T, int D, class Part>
 struct AttendOp {
   static cudaError_t run(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sms,
                          long long max_items, cudaStream_t stream) {
-    auto* kernel = attend_kernel<typename TagOf<T>::type, D, Part>;
+    auto* kernel = p.win > 1 ? attend_kernel<typename TagOf<T>::type, D, Part, true>
+                             : attend_kernel<typename TagOf<T>::type, D, Part, false>;
     constexpr std::size_t smem = attend_smem_bytes<D>();
     const cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -40,7 +40,7 @@ struct Params {
   // consecutive blocks are one piece, computed and combined as one partial. A piece's bin within its
   // (b, group) is (window << win) | mask, bit t of the mask standing for block window * win + t;
   // `bins` is the number of bins per (b, group): Tk without merging, ceil(Tk / win) << win with it.
-  int win = 1, win_log2 = 0, bins = 0;
+  int win = 1, bins = 0;
   long long nblk = 0;   // B * Hkv * bins: the CSR's lists
   long long slots = 0;  // B * Hkv * Lq * Kq
 

@@ -27,8 +27,9 @@ inline constexpr double kMinRowsPerBin = 64.0;
 // A piece of several blocks runs its later blocks in 64-key halves, slower per block than a single
 // block's tile, and its bins cost the reverse index more; merging paid on the H200 only where it
 // removed most partials (docs/notes/kv_attention.md, merged slots: query16of32 with W = 8 saves 3/4 of
-// the slots, whole call -8.8 %; W = 4 saves about half, no gain; query-long with W = 8 saves a fifth,
-// +31 %). So the automatic choice asks for at least this share of the slots saved.
+// the slots, whole call -9 %; W = 5 to 7 save 0.6-0.7, -5 to -9 %; W = 4 saves about half, no gain;
+// query-long loses at every window from 4 to 8, +11 to +34 %, with a fifth of the slots saved at W = 8).
+// So the automatic choice asks for at least this share of the slots saved.
 inline constexpr double kMinSavedShare = 0.6;
 // The reverse index keeps a per-(b, group) histogram of the bins in shared memory up to this many
 // bins (reverse_index.cu, kHistBins); past it every slot costs a global atomic.
@@ -42,8 +43,9 @@ inline std::int64_t merge_bins(std::int64_t Tk, int W) {
 
 /// For lists of Kq random distinct blocks of Tk (each block chosen with probability rho = Kq / Tk),
 /// `rows` (query, head) rows per (b, group) and window W: the share of the slots that merging saves
-/// (E[(k - 1)+] per window over Kq, k ~ Binomial(W, rho)), and the rows in the bin of a typical piece
-/// of two or more blocks (sum over k >= 2 of P(k) * rows * P(k) / C(W, k), over P(k >= 2)).
+/// (E[(k - 1)+] per window over Kq, k ~ Binomial(n, rho) for a window of n blocks: Tk / W windows of W
+/// and one of Tk % W), and the rows in the bin of a typical piece of two or more blocks (sum over
+/// windows and k >= 2 of P(k) * rows * P(k) / C(n, k), over the sum of P(k >= 2)).
 struct MergeEstimate {
   double saved = 0.0;
   double rows_per_bin = 0.0;
@@ -53,30 +55,43 @@ inline MergeEstimate merge_estimate(std::int64_t Tk, std::int64_t Kq, std::int64
   MergeEstimate e;
   if (W <= 1 || Tk <= 0 || Kq <= 0) return e;
   const double rho = std::min(1.0, static_cast<double>(Kq) / static_cast<double>(Tk));
-  const double windows = std::ceil(static_cast<double>(Tk) / W);
-  double multi = 0.0, weighted = 0.0, extra = 0.0, choose = 1.0;
-  for (int k = 0; k <= W; ++k) {
-    if (k > 0) choose = choose * (W - k + 1) / k;
-    const double pk = choose * std::pow(rho, k) * std::pow(1.0 - rho, W - k);
-    if (k < 2) continue;
-    multi += pk;
-    weighted += pk * static_cast<double>(rows) * pk / choose;
-    extra += (k - 1) * pk;
-  }
-  e.saved = extra * windows / static_cast<double>(Kq);
+  // One window of n blocks: E[(k - 1)+] and the sums behind rows_per_bin.
+  struct Window {
+    double extra = 0.0, multi = 0.0, weighted = 0.0;
+  };
+  const auto window = [&](int n) {
+    Window w;
+    double choose = 1.0;
+    for (int k = 0; k <= n; ++k) {
+      if (k > 0) choose = choose * (n - k + 1) / k;
+      const double pk = choose * std::pow(rho, k) * std::pow(1.0 - rho, n - k);
+      if (k < 2) continue;
+      w.multi += pk;
+      w.weighted += pk * static_cast<double>(rows) * pk / choose;
+      w.extra += (k - 1) * pk;
+    }
+    return w;
+  };
+  const std::int64_t full = Tk / W;
+  const int rest = static_cast<int>(Tk % W);
+  const Window a = window(W), b = window(rest);
+  e.saved = (static_cast<double>(full) * a.extra + (rest > 1 ? b.extra : 0.0)) / static_cast<double>(Kq);
+  const double multi = static_cast<double>(full) * a.multi + b.multi, weighted = static_cast<double>(full) * a.weighted + b.weighted;
   e.rows_per_bin = multi > 0.0 ? weighted / multi : 0.0;
   return e;
 }
 
-/// The merge window to run: `requested` if it is 1, 2, 4 or 8 (1: no merging), or for 0 (automatic)
-/// the window among 8, 4, 2 that saves the most partials, at least kMinSavedShare of the slots, while
+/// The merge window to run: `requested` if it is 1 to 8 (1: no merging), or for 0 (automatic)
+/// the window of 2 to 8 blocks that saves the most partials, at least kMinSavedShare of the slots, while
 /// its bins stay populated (kMinRowsPerBin), and 1 if none does. Tk KV blocks, Kq slots per query, rows = group size x Lq.
-/// Errors name `argument` for a value outside {0, 1, 2, 4, 8} and for merging with more than
+/// Errors name `argument` for a value outside [0, 8] and for merging with more than
 /// kMaxMergeSlots slots per query.
 inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t rows, int requested,
                                 const std::string& op, const std::string& argument) {
-  detail::require(requested == 0 || requested == 1 || requested == 2 || requested == 4 || requested == 8, op,
-                  argument, [&] { return "is 0 (automatic), 1 (off), 2, 4 or 8 blocks, got " + std::to_string(requested); });
+  detail::require(requested >= 0 && requested <= kMaxMergeWindow, op, argument, [&] {
+    return "is 0 (automatic), 1 (off) or a window of 2 to " + std::to_string(kMaxMergeWindow) + " blocks, got " +
+           std::to_string(requested);
+  });
   if (requested == 1) return 1;
   if (requested > 1) {
     detail::require(Kq <= kMaxMergeSlots, op, argument, [&] {
@@ -88,7 +103,7 @@ inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t r
   if (Kq < 2 || Kq > kMaxMergeSlots) return 1;
   int best = 1;
   double best_saved = 0.0;
-  for (const int W : {8, 4, 2}) {
+  for (int W = kMaxMergeWindow; W >= 2; --W) {
     if (merge_bins(Tk, W) > kMaxMergeBins) continue;
     const MergeEstimate e = merge_estimate(Tk, Kq, rows, W);
     if (e.rows_per_bin >= kMinRowsPerBin && e.saved >= kMinSavedShare && e.saved > best_saved) {

@@ -109,7 +109,6 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
   q.offset = p.offset();
   q.causal = p.causal;
   q.win = win;
-  q.win_log2 = win == 8 ? 3 : win == 4 ? 2 : win == 2 ? 1 : 0;
   q.bins = static_cast<int>(merge_bins(p.Tk(), win));
   q.nblk = p.B * p.Hkv * q.bins;
   q.slots = l.slots;

@@ -88,13 +88,13 @@ __global__ void merge_kernel(const __grid_constant__ Params p) {
     const int j = row[static_cast<long long>(s) * p.idx_stride[3]];
     int out = -1;
     if (chosen(p, i, j)) {
-      const int w = j >> p.win_log2;
+      const int w = j / p.win, lo = w * p.win;
       unsigned mask = 0;
       bool first = true;
       for (int t = 0; t < p.Kq; ++t) {
         const int jt = row[static_cast<long long>(t) * p.idx_stride[3]];
-        if (jt < 0 || (jt >> p.win_log2) != w || !chosen(p, i, jt)) continue;
-        mask |= 1u << (jt & (p.win - 1));
+        if (jt < lo || jt >= lo + p.win || !chosen(p, i, jt)) continue;
+        mask |= 1u << (jt - lo);
         first = first && t >= s;
       }
       if (first) out = (w << p.win) | static_cast<int>(mask);
