@@ -28,6 +28,7 @@
 // so a caller who needs allocation-free calls (CUDA graphs) uses plan() and run() with its own buffer.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -110,6 +111,11 @@ struct SelectionStats {
   std::int64_t group_ctas = 0;
   std::int64_t group_cta_union = 0;
   double union_per_group_cta = 0.0;  // group_cta_union / group_ctas
+  /// Merged slots (QuerySparseOptions::merge_window): window_pieces[W] counts, for windows of W
+  /// consecutive blocks, the (b, group, query, window) pieces with a visible selected block: the
+  /// partials the KV-centric schedule writes with merge window W. window_pieces[1] = query_blocks;
+  /// [0] is unused.
+  std::array<std::int64_t, 9> window_pieces{};
 };
 
 /// Constants of the cost model, in nanoseconds on one H200 (docs/notes/planner.md records the
@@ -124,6 +130,8 @@ struct CostModel {
   double kv_bytes_per_ns = 4270.0;  // HBM rate for the partials written and read back (4.27 TB/s)
   double kv_slot_ns = 0.017;        // reverse index work per (query, slot)
   double kv_fixed_us = 30.0;        // the reverse index's fixed part and the pipeline's launches
+  double kv_bin_ns = 5.0;           // merged slots: reverse index work per (b, group, window, mask) bin
+  double kv_piece_row_factor = 1.64;  // merged slots: attention per row and block, relative to kv_row_block
   double g_tile_block_ns_d128 = 2.83;  // one (query, 16-head tile, KV block) of the group-centric kernel, D = 128
   double g_tile_block_ns_d64 = 1.6;    // the same at D = 64 (scaled, not measured)
   double g_l2_bytes_per_ns = 4560.0;   // rate at which CTAs stream K/V blocks from L2 (4.56 TB/s)
@@ -136,6 +144,7 @@ struct PlanEstimate {
   double kv_centric_ms = 0.0;
   /// +inf where the group-centric kernel does not run the shape (G > 256).
   double group_centric_ms = 0.0;
+  int merge_window = 1;  // the KV-centric schedule's merge window the estimate assumes
   SelectionStats stats;
   std::string reason;  // one line: the three estimates and what decided
 };
@@ -144,11 +153,14 @@ struct PlanEstimate {
 SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p);
 
 /// Estimated times of the three schedules from `stats` and the chosen one (the smallest estimate).
+/// merge_window is the KV-centric schedule's QuerySparseOptions::merge_window (0: the automatic
+/// choice the executor makes); the estimate uses the window it resolves to.
 PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape& p, PartialPrecision partials,
-                                const CostModel& model = {});
+                                const CostModel& model = {}, int merge_window = 0);
 
 /// selection_stats + estimate_schedules; validates the lists first.
 PlanEstimate plan_schedule(const QueryLists& lists, const ProblemShape& p,
-                           PartialPrecision partials = PartialPrecision::f32, const CostModel& model = {});
+                           PartialPrecision partials = PartialPrecision::f32, const CostModel& model = {},
+                           int merge_window = 0);
 
 }  // namespace sparse_attn

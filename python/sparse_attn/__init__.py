@@ -180,15 +180,18 @@ def bits_sparse(q, k, v, bits, *, softmax_scale=None, causal=False, return_lse=F
 
 
 def query_sparse(q, k, v, idx, *, partials="f32", softmax_scale=None, causal=False, return_lse=False,
-                 out=None, trusted=False, schedule="kv_centric"):
+                 out=None, trusted=False, schedule="kv_centric", merge_window=0):
     """Attention over QueryLists (idx [B, Hkv, Lq, Kq], -1 = empty slot). schedule: "kv_centric"
     (reverse index, partial outputs, combine) or "group_centric" (one query's heads of a group as
     the rows of an MMA tile; suits large GQA groups); the CPU runs its reference for either.
-    partials: storage of the KV-centric per-slot partial outputs, "f32" or "bf16"."""
+    partials: storage of the KV-centric per-slot partial outputs, "f32" or "bf16".
+    merge_window: KV-centric on the GPU, a query's blocks within one window of this many blocks leave
+    one partial (0: chosen from the lists' shape, 1: off, 2 to 8); the result is the same attention."""
     out, lse = _outputs("query_sparse", q, out, return_lse)
     _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
                       softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
-                      partials=str(partials), schedule=str(schedule), stream=_stream(q))
+                      partials=str(partials), schedule=str(schedule), merge_window=int(merge_window),
+                      stream=_stream(q))
     return _result(out, lse, return_lse)
 
 

@@ -93,7 +93,7 @@ void bind_ops(nb::module_& m) {
       "query_sparse",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle idx, nb::handle out, nb::handle lse,
          std::optional<float> scale, bool causal, bool trusted, const std::string& partials,
-         const std::string& schedule, std::uintptr_t stream) {
+         const std::string& schedule, int merge_window, std::uintptr_t stream) {
         Imports im("query_sparse");
         const TensorView qv = im.in(q, "q"), kv = im.in(k, "k"), vv = im.in(v, "v");
         const QueryLists lists{im.in(idx, "lists.idx")};
@@ -103,13 +103,16 @@ void bind_ops(nb::module_& m) {
         static_cast<AttentionOptions&>(o) = attention_options(scale, causal, trusted, stream);
         o.partials = parse_partials("query_sparse", partials);
         o.schedule = parse_schedule("query_sparse", schedule);
+        o.merge_window = merge_window;
         nb::gil_scoped_release release;
         sparse_attn::query_sparse(qv, kv, vv, lists, ov, lv, o);
       },
       "q"_a, "k"_a, "v"_a, "idx"_a, "out"_a, "lse"_a.none() = nb::none(), "softmax_scale"_a.none() = nb::none(),
-      "causal"_a = false, "trusted"_a = false, "partials"_a = "f32", "schedule"_a = "kv_centric", "stream"_a = 0,
+      "causal"_a = false, "trusted"_a = false, "partials"_a = "f32", "schedule"_a = "kv_centric",
+      "merge_window"_a = 0, "stream"_a = 0,
       "Attention over QueryLists (idx [B, Hkv, Lq, Kq], -1 = empty slot); schedule 'kv_centric' or "
-      "'group_centric' (GPU; the CPU runs its reference for either).");
+      "'group_centric' (GPU; the CPU runs its reference for either); merge_window: the KV-centric "
+      "schedule's window of blocks merged into one partial (0 automatic, 1 off, 2 to 8).");
 
   m.def(
       "token_sparse",

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/check.hpp"
+#include "cuda/query_sparse/merge_window.hpp"
 #include "sparse_attn/plan.hpp"
 
 namespace sparse_attn {
@@ -89,6 +90,10 @@ SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p) {
           }
           std::sort(cur.begin(), cur.end());
           st.query_blocks += static_cast<std::int64_t>(cur.size());
+          // Pieces: distinct windows j / W of the sorted visible blocks.
+          for (int W = 1; W < static_cast<int>(st.window_pieces.size()); ++W)
+            for (std::size_t k = 0; k < cur.size(); ++k)
+              if (k == 0 || cur[k] / W != cur[k - 1] / W) ++st.window_pieces[static_cast<std::size_t>(W)];
           if (i > i0) {
             std::vector<std::int32_t> common;
             std::set_intersection(cur.begin(), cur.end(), prev.begin(), prev.end(), std::back_inserter(common));
@@ -117,7 +122,7 @@ SelectionStats selection_stats(const QueryLists& lists, const ProblemShape& p) {
 }
 
 PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape& p, PartialPrecision partials,
-                                const CostModel& model) {
+                                const CostModel& model, int merge_window) {
   const std::string op = "estimate_schedules";
   require(p.D > 0 && p.Hkv > 0 && p.Hq % p.Hkv == 0, op, "p", [&] { return "invalid problem shape " + p.describe(); });
   require(partials == PartialPrecision::f32 || partials == PartialPrecision::bf16, op, "partials",
@@ -130,12 +135,20 @@ PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape&
   const double q_ns = model.q_fixed_us * 1e3 + double(stats.tiles) * model.q_tile_ns +
                       double(stats.tile_union) * group * visit_ns;
 
+  // KV-centric with merge window W: the attention of every (row, block) (slower per block inside a
+  // piece), the partials of the pieces written and read back, the reverse index per slot and, with
+  // merging, per bin.
+  const std::int64_t Kq = stats.queries ? stats.list_slots / stats.queries : 0;
+  const int W = cuda_backend::resolve_merge_window(p.Tk(), Kq, p.group_size() * p.Lq, merge_window, op, "merge_window");
   const double rows = double(stats.query_blocks) * group;
+  const double piece_rows = double(W > 1 ? stats.window_pieces[static_cast<std::size_t>(W)] : stats.query_blocks) * group;
   const double part_bytes = double(p.D) * (partials == PartialPrecision::f32 ? 4.0 : 2.0);
   const double row_bytes = 2.0 * (part_bytes + 4.0);  // partial and its LSE, written then read back
-  const double row_ns = partials == PartialPrecision::f32 ? model.kv_row_block_ns : model.kv_row_block_bf16_ns;
-  const double kv_ns = model.kv_fixed_us * 1e3 + rows * row_ns * double(p.D) / 128.0 +
-                       rows * row_bytes / model.kv_bytes_per_ns + double(stats.query_blocks) * model.kv_slot_ns;
+  const double row_ns = (partials == PartialPrecision::f32 ? model.kv_row_block_ns : model.kv_row_block_bf16_ns) *
+                        (W > 1 ? model.kv_piece_row_factor : 1.0);
+  const double bins = W > 1 ? double(p.B * p.Hkv * cuda_backend::merge_bins(p.Tk(), W)) : 0.0;
+  const double kv_ns = model.kv_fixed_us * 1e3 + bins * model.kv_bin_ns + rows * row_ns * double(p.D) / 128.0 +
+                       piece_rows * row_bytes / model.kv_bytes_per_ns + double(stats.query_blocks) * model.kv_slot_ns;
 
   // Group-centric: padded m16 tiles of each query against its own blocks, plus the K and V bytes
   // every CTA pulls from L2 for its union.
@@ -152,25 +165,27 @@ PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape&
   e.q_centric_ms = q_ns * 1e-6;
   e.kv_centric_ms = kv_ns * 1e-6;
   e.group_centric_ms = group_runs ? g_ns * 1e-6 : std::numeric_limits<double>::infinity();
+  e.merge_window = W;
   e.schedule = Schedule::q_centric;
   double best = e.q_centric_ms;
   if (e.kv_centric_ms < best) e.schedule = Schedule::kv_centric, best = e.kv_centric_ms;
   if (e.group_centric_ms < best) e.schedule = Schedule::group_centric, best = e.group_centric_ms;
-  char buf[384];
+  char buf[512];
   std::snprintf(buf, sizeof(buf),
                 "%s: q_centric %.3f ms (union %.1f blocks per tile) vs kv_centric %.3f ms (%.1f blocks per query, "
-                "tile union used %.0f%%) vs group_centric %.3f ms (union %.1f blocks per CTA of %lld queries)",
+                "merge window %d, tile union used %.0f%%) vs group_centric %.3f ms (union %.1f blocks per CTA of "
+                "%lld queries)",
                 schedule_name(e.schedule), e.q_centric_ms, stats.union_per_tile, e.kv_centric_ms,
-                stats.blocks_per_query, 100.0 * stats.union_utilisation, e.group_centric_ms,
+                stats.blocks_per_query, W, 100.0 * stats.union_utilisation, e.group_centric_ms,
                 stats.union_per_group_cta, static_cast<long long>(group_centric_cta_queries(p.group_size())));
   e.reason = buf;
   return e;
 }
 
 PlanEstimate plan_schedule(const QueryLists& lists, const ProblemShape& p, PartialPrecision partials,
-                           const CostModel& model) {
+                           const CostModel& model, int merge_window) {
   validate(lists, p, "plan_schedule");
-  return estimate_schedules(selection_stats(lists, p), p, partials, model);
+  return estimate_schedules(selection_stats(lists, p), p, partials, model, merge_window);
 }
 
 }  // namespace sparse_attn

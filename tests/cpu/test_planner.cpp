@@ -90,6 +90,11 @@ sa::SelectionStats brute_force(const sa::HostTensor& idx, const sa::ProblemShape
         const auto cur = visible_set(bg, i);
         uni.insert(cur.begin(), cur.end());
         s.query_blocks += static_cast<std::int64_t>(cur.size());
+        for (int W = 1; W <= 8; ++W) {
+          std::set<std::int32_t> windows;
+          for (std::int32_t j : cur) windows.insert(j / W);
+          s.window_pieces[static_cast<std::size_t>(W)] += static_cast<std::int64_t>(windows.size());
+        }
         for (std::int32_t j : cur)
           for (std::int64_t key = j * sa::kBlockK; key < std::min(p.Lk, (j + 1) * sa::kBlockK); ++key)
             s.selected_pairs += p.visible(i, key) ? 1 : 0;
@@ -131,6 +136,8 @@ void expect_stats_equal(const sa::SelectionStats& got, const sa::SelectionStats&
   EXPECT_EQ(got.queries, p.B * p.Hkv * p.Lq);
   EXPECT_EQ(got.list_slots, ref.list_slots);
   EXPECT_EQ(got.query_blocks, ref.query_blocks);
+  EXPECT_EQ(got.window_pieces, ref.window_pieces);
+  EXPECT_EQ(got.window_pieces[1], got.query_blocks);
   EXPECT_EQ(got.tile_union, ref.tile_union);
   EXPECT_EQ(got.max_tile_union, ref.max_tile_union);
   EXPECT_EQ(got.selected_pairs, ref.selected_pairs);
@@ -231,6 +238,34 @@ TEST(Planner, ListsSharedWithinACtaPickGroupCentric) {
   EXPECT_GT(e.q_centric_ms, 2.0 * e.group_centric_ms) << e.reason;
   EXPECT_GT(e.kv_centric_ms, 1.5 * e.group_centric_ms) << e.reason;
   EXPECT_NE(e.reason.find("group_centric"), std::string::npos);
+}
+
+// query16of32 (16 random blocks of 32 per query, G = 16): the executor merges each query's blocks in
+// windows of 8 (about 4 pieces instead of 16 partials), which makes KV-centric the fastest schedule on
+// the H200 (1.669-1.673 ms against Q-centric over the dense union, about 1.78); without merging it is
+// not (1.858-1.860 ms). docs/notes/planner.md, merged slots.
+TEST(Planner, MergedSlotsOnQuery16of32) {
+  const auto p = shape(8, 4096, 4096, 16, 1, 128, false);
+  const auto idx = make_lists(p, 16, 16, 0.0, 9, false);
+  const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p, sa::PartialPrecision::bf16);
+  EXPECT_EQ(e.merge_window, 8);
+  EXPECT_EQ(e.schedule, sa::Schedule::kv_centric) << e.reason;
+  EXPECT_NEAR(e.kv_centric_ms, 1.67, 0.03) << e.reason;
+  EXPECT_NE(e.reason.find("merge window 8"), std::string::npos) << e.reason;
+  // About 4 pieces per query of 16 blocks.
+  EXPECT_NEAR(double(e.stats.window_pieces[8]) / double(e.stats.queries), 4.0, 0.1);
+  const sa::PlanEstimate off =
+      sa::estimate_schedules(e.stats, p, sa::PartialPrecision::bf16, sa::CostModel{}, /*merge_window=*/1);
+  EXPECT_EQ(off.merge_window, 1);
+  EXPECT_NEAR(off.kv_centric_ms, 1.87, 0.03) << off.reason;
+  EXPECT_EQ(off.schedule, sa::Schedule::q_centric) << off.reason;
+  EXPECT_DOUBLE_EQ(off.q_centric_ms, e.q_centric_ms);
+  try {
+    sa::estimate_schedules(e.stats, p, sa::PartialPrecision::bf16, sa::CostModel{}, 9);
+    ADD_FAILURE() << "merge_window 9 accepted";
+  } catch (const sa::Error& err) {
+    EXPECT_EQ(err.argument(), "merge_window") << err.what();
+  }
 }
 
 // The group-centric kernel runs up to 256 query heads per KV head: past that it is never chosen.

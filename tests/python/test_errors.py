@@ -65,6 +65,8 @@ def test_bad_options(rng):
     _raises(lambda: sa.dense(q, k, v, softmax_scale=float("nan")), r"softmax_scale")
     _raises(lambda: sa.query_sparse(q, k, v, np.full((1, 1, 4, 1), -1, np.int32), partials="f8"),
             r"query_sparse: argument 'partials'.*'f8'")
+    _raises(lambda: sa.query_sparse(q, k, v, np.full((1, 1, 4, 1), -1, np.int32), merge_window=9),
+            r"query_sparse: argument 'options.merge_window'.*9")
     _raises(lambda: sa.token_max_select(q, k, precision="int4"), r"token_max_select: argument 'precision'.*'int4'")
     _raises(lambda: sa.token_max_select(q, k, format="rows"), r"token_max_select: argument 'format'")
     _raises(lambda: sa.entmax(q, k, v, alpha=1.0), r"entmax: argument '[^']*alpha'")

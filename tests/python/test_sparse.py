@@ -80,6 +80,16 @@ def test_query_sparse(rng, shape, dtype, partials):
     assert np.all(out[0, 0, : Hq // Hkv].astype(np.float32) == 0)  # the empty list
 
 
+def test_query_sparse_merge_window_is_the_same_attention_on_the_cpu(rng):
+    # The merge window changes how the GPU's KV-centric schedule groups its work, never the result: the
+    # CPU reference gives the same bits for every window it accepts.
+    q, k, v = qkv(rng, 1, 96, 1024, 4, 2, 32, "float32")
+    idx = random_query_lists(rng, 1, 2, 96, _tk(1024), kq=6)
+    base = sa.query_sparse(q, k, v, idx, merge_window=1)
+    for w in (0, 2, 5, 8):
+        assert np.array_equal(sa.query_sparse(q, k, v, idx, merge_window=w), base)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_token_sparse(rng, shape, dtype):

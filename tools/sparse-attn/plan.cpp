@@ -26,6 +26,7 @@ struct PlanConfig {
   std::vector<double> overlap{0.0};
   bool causal = false;
   std::string partials = "f32";
+  int merge_window = 0;
   std::uint64_t seed = 1;
   std::string json;
 };
@@ -68,12 +69,12 @@ int run_plan(const PlanConfig& c) {
   nlohmann::json rows = nlohmann::json::array();
   for (double keep : c.overlap) {
     const HostTensor idx = make_lists(c, p, keep);
-    const PlanEstimate e = plan_schedule(QueryLists{idx.view()}, p, prec);
+    const PlanEstimate e = plan_schedule(QueryLists{idx.view()}, p, prec, CostModel{}, c.merge_window);
     const SelectionStats& s = e.stats;
     fmt::print("overlap {:.2f}: neighbour jaccard {:.3f}  union/tile {:7.1f}  union/CTA {:6.1f}  blocks/query {:5.1f}  "
-               "q_centric {:8.3f} ms  kv_centric {:8.3f} ms  group_centric {:8.3f} ms  -> {}\n",
+               "q_centric {:8.3f} ms  kv_centric {:8.3f} ms (merge window {})  group_centric {:8.3f} ms  -> {}\n",
                keep, s.neighbour_overlap, s.union_per_tile, s.union_per_group_cta, s.blocks_per_query, e.q_centric_ms,
-               e.kv_centric_ms, e.group_centric_ms, schedule_name(e.schedule));
+               e.kv_centric_ms, e.merge_window, e.group_centric_ms, schedule_name(e.schedule));
     rows.push_back({{"keep", keep},
                     {"neighbour_overlap", s.neighbour_overlap},
                     {"union_per_tile", s.union_per_tile},
@@ -83,6 +84,7 @@ int run_plan(const PlanConfig& c) {
                     {"selected_pairs", s.selected_pairs},
                     {"q_centric_ms", e.q_centric_ms},
                     {"kv_centric_ms", e.kv_centric_ms},
+                    {"merge_window", e.merge_window},
                     {"union_per_group_cta", s.union_per_group_cta},
                     {"group_centric_ms", std::isinf(e.group_centric_ms) ? nlohmann::json(nullptr)
                                                                         : nlohmann::json(e.group_centric_ms)},
@@ -117,6 +119,10 @@ void add_plan_command(CLI::App& app) {
   cmd->add_flag("--causal", cfg->causal, "Causal mask (bottom-right aligned)");
   cmd->add_option("--partials", cfg->partials, "Partial output precision of the KV-centric schedule")
       ->capture_default_str()->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_option("--merge-window", cfg->merge_window,
+                  "KV-centric merge window in blocks (0: the executor's automatic choice, 1: off)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 8));
   cmd->add_option("--seed", cfg->seed, "Seed of the synthetic lists")->capture_default_str();
   cmd->add_option("--json", cfg->json, "Write the estimates as JSON to this file");
   cmd->callback([cfg]() {
