@@ -388,8 +388,9 @@ __device__ __forceinline__ void row_limits(const Params& p, const int (&rows)[2]
   }
 }
 
-template <class Tag, int D>
-__device__ __forceinline__ void issue_qk(float (&acc_s)[64], std::uint32_t s_q, std::uint32_t s_k) {
+/// S = Q K^T for the 128 keys of a stage (acc_s[64]) or, from a key-half's base, its 64 keys (acc_s[32]).
+template <class Tag, int D, int N>
+__device__ __forceinline__ void issue_qk(float (&acc_s)[N], std::uint32_t s_q, std::uint32_t s_k) {
   const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
   wgmma_ss_first<Tag>(acc_s, da, db);
 #pragma unroll
@@ -405,17 +406,6 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t 
   wgmma_rs_tb_first<Tag, N>(acc_o, pa[0], dv);
 #pragma unroll
   for (int kk = 1; kk < 8; ++kk) wgmma_rs_tb<Tag>(acc_o, pa[kk], desc_advance(dv, kk * 16 * 128), 1);
-  wgmma_commit();
-}
-
-template <class Tag, int D>
-__device__ __forceinline__ void issue_qk_half(float (&acc_s)[32], std::uint32_t s_q, std::uint32_t s_k) {
-  const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
-  wgmma_ss_first<Tag>(acc_s, da, db);
-#pragma unroll
-  for (int kk = 1; kk < D / 16; ++kk)
-    wgmma_ss<Tag>(acc_s, desc_advance(da, (kk / 4) * kQHalfBytes + (kk % 4) * 32),
-                  desc_advance(db, (kk / 4) * kKvHalfBytes + (kk % 4) * 32), 1);
   wgmma_commit();
 }
 
@@ -525,7 +515,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
     for (int half = 0; half < 2; ++half) {
       float acc_h[32];
       wgmma_fence();
-      issue_qk_half<Tag, D>(acc_h, s_q, smem_addr(&sm.k[stage][0][0][0]) + half * kHalfKeyBytes);
+      issue_qk<Tag, D>(acc_h, s_q, smem_addr(&sm.k[stage][0][0][0]) + half * kHalfKeyBytes);
       wgmma_wait<0>();
       fence_operands(acc_h);
       if (bits == 0 && half == 1) sm.q_empty[c][b].arrive();

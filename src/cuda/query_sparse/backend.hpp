@@ -4,12 +4,14 @@
 // options.stream.
 //
 // KV-centric pipeline, every kernel on one stream:
-//   plan:    [validate lists -> host]  count (atomics per (b, g, block)) -> scan (one CTA) ->
-//            fill (CSR entries query * Kq + slot) + items (each block's rows cut into <= kRowsPerItem)
-//   attend:  persistent CTAs (attend.cu): per work item (a KV block and up to kRowsPerItem of its
-//            gathered (query, head) rows) K and V by TMA once, 64-row tiles of gathered Q, QK and PV
-//            on wgmma, partial output (normalised) and partial LSE per (query, head, slot)
-//   combine: one warp per (query, head): LSE-weighted sum of its slots in slot order
+//   plan:    [validate lists -> host]  [merge: the pieces of each query's lists, merge window > 1]
+//            count (per (b, g, bin): a KV block, or a window and block mask) -> scan (one CTA) ->
+//            fill (CSR entries query * Kq + slot) + items (each bin's rows cut into <= kRowsPerItem)
+//   attend:  persistent CTAs (attend.cu): per work item (a bin and up to kRowsPerItem of its
+//            gathered (query, head) rows) K and V by TMA, 64-row tiles of gathered Q, QK and PV on
+//            wgmma over the bin's blocks, partial output (normalised) and partial LSE per (query,
+//            head, slot or piece)
+//   combine: one warp per (query, head tile): LSE-weighted sum of its slots in slot order
 // The order of entries inside a block's CSR list depends on atomics, but every row's partial is
 // computed by the same instructions wherever it lands in a CTA, and the combine walks slots in a
 // fixed order, so outputs are bitwise identical run to run.
