@@ -17,6 +17,10 @@ int resolve(std::int64_t Tk, std::int64_t Kq, std::int64_t rows, int requested) 
 }
 
 TEST(MergeWindow, Bins) {
+  EXPECT_EQ(cb::max_merge_bins(256, 16), 8192);      // W = 8
+  EXPECT_EQ(cb::max_merge_bins(1024, 16), 10944);  // W = 7 and 8 exceed 12288 bins: W = 6 (171 windows x 64)
+  EXPECT_EQ(cb::max_merge_bins(100000, 16), 100000);  // no window fits: the blocks
+  EXPECT_EQ(cb::max_merge_bins(256, 65), 256);        // too many slots to merge
   EXPECT_EQ(cb::merge_bins(256, 1), 256);
   EXPECT_EQ(cb::merge_bins(256, 8), 32 * 256);
   EXPECT_EQ(cb::merge_bins(11, 2), 6 * 4);   // a last window of one block still has 2^W masks
@@ -83,6 +87,14 @@ TEST(MergeWindow, RejectsValuesItDoesNotTake) {
       EXPECT_EQ(e.argument(), "options.merge_window") << e.what();
     }
   }
+  try {
+    resolve(1024, 16, 4096, 8);  // 128 windows x 256 masks
+    ADD_FAILURE() << "expected an Error for 32768 bins";
+  } catch (const sparse_attn::Error& e) {
+    EXPECT_EQ(e.argument(), "options.merge_window");
+    EXPECT_NE(std::string(e.what()).find("32768"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(resolve(1024, 16, 4096, 4), 4);  // 256 windows x 16 masks
   try {
     resolve(256, 65, 4096, 4);
     ADD_FAILURE() << "expected an Error for 65 slots";

@@ -32,13 +32,23 @@ inline constexpr double kMinRowsPerBin = 64.0;
 // So the automatic choice asks for at least this share of the slots saved.
 inline constexpr double kMinSavedShare = 0.6;
 // The reverse index keeps a per-(b, group) histogram of the bins in shared memory up to this many
-// bins (reverse_index.cu, kHistBins); past it every slot costs a global atomic.
+// bins (reverse_index.cu, kHistBins); past it every slot would cost a global atomic. Merging is not
+// offered past it, which also bounds the workspace reserved for the bins.
 inline constexpr std::int64_t kMaxMergeBins = 12 * 1024;
 
 /// Bins per (b, group) of the CSR for Tk KV blocks and merge window W (1: the blocks themselves).
 inline std::int64_t merge_bins(std::int64_t Tk, int W) {
   if (W <= 1) return Tk;
   return (Tk + W - 1) / W << W;
+}
+
+/// The most bins per (b, group) any window the lists allow can make: what the workspace reserves.
+inline std::int64_t max_merge_bins(std::int64_t Tk, std::int64_t Kq) {
+  std::int64_t most = Tk;
+  if (Kq > kMaxMergeSlots) return most;
+  for (int W = 2; W <= kMaxMergeWindow; ++W)
+    if (merge_bins(Tk, W) <= kMaxMergeBins) most = std::max(most, merge_bins(Tk, W));
+  return most;
 }
 
 /// For lists of Kq random distinct blocks of Tk (each block chosen with probability rho = Kq / Tk),
@@ -84,8 +94,8 @@ inline MergeEstimate merge_estimate(std::int64_t Tk, std::int64_t Kq, std::int64
 /// The merge window to run: `requested` if it is 1 to 8 (1: no merging), or for 0 (automatic)
 /// the window of 2 to 8 blocks that saves the most partials, at least kMinSavedShare of the slots, while
 /// its bins stay populated (kMinRowsPerBin), and 1 if none does. Tk KV blocks, Kq slots per query, rows = group size x Lq.
-/// Errors name `argument` for a value outside [0, 8] and for merging with more than
-/// kMaxMergeSlots slots per query.
+/// Errors name `argument` for a value outside [0, 8], for merging with more than kMaxMergeSlots slots
+/// per query, and for a window whose bins exceed kMaxMergeBins.
 inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t rows, int requested,
                                 const std::string& op, const std::string& argument) {
   detail::require(requested >= 0 && requested <= kMaxMergeWindow, op, argument, [&] {
@@ -97,6 +107,11 @@ inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t r
     detail::require(Kq <= kMaxMergeSlots, op, argument, [&] {
       return "merging slots takes at most " + std::to_string(kMaxMergeSlots) + " slots per query, the lists have " +
              std::to_string(Kq) + " (use 1)";
+    });
+    detail::require(merge_bins(Tk, requested) <= kMaxMergeBins, op, argument, [&] {
+      return "a window of " + std::to_string(requested) + " blocks over " + std::to_string(Tk) + " KV blocks makes " +
+             std::to_string(merge_bins(Tk, requested)) + " bins per (batch, KV head), more than " +
+             std::to_string(kMaxMergeBins) + " (use a smaller window or 1)";
     });
     return requested;
   }

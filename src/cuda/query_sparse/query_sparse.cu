@@ -34,9 +34,8 @@ struct DeviceGuard : cuda_kernels::DeviceGuard {
 };
 
 // Byte offsets of the workspace's arrays; each starts on a 256-byte boundary. The index arrays are
-// sized for the largest merge window the lists allow (merge_window.hpp), so one workspace size serves
-// every window: nblk counts the bins of that window, merged the merged lists (absent when Kq is too
-// large to merge).
+// sized for the most bins any merge window the lists allow makes (max_merge_bins), so one workspace
+// size serves every window; merged holds the merged lists (absent when Kq is too large to merge).
 struct Layout {
   std::int64_t nblk = 0, slots = 0, rows = 0, max_items = 0;
   std::size_t counts = 0, offsets = 0, item_offsets = 0, entries = 0, items = 0, bad = 0, lse = 0, part = 0,
@@ -46,7 +45,7 @@ struct Layout {
 Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
   Layout l;
   const bool can_merge = Kq <= kMaxMergeSlots;
-  l.nblk = p.B * p.Hkv * (can_merge ? std::max(p.Tk(), merge_bins(p.Tk(), kMaxMergeWindow)) : p.Tk());
+  l.nblk = p.B * p.Hkv * max_merge_bins(p.Tk(), Kq);
   l.slots = p.B * p.Hkv * p.Lq * Kq;
   l.rows = l.slots * p.group_size();
   l.max_items = ceil_div(l.rows, qs::kRowsPerItem) + l.nblk;
