@@ -76,8 +76,10 @@ struct QuerySparseOptions : AttentionOptions {
   /// kv_centric on the GPU: a query's chosen blocks within one window of this many consecutive
   /// blocks are computed together and leave one partial output instead of one per block (fewer bytes
   /// written and combined; the work items group the queries with the same blocks in a window).
-  /// 1: off; 2 to 8: that window (at most 64 slots per query); 0: chosen from the lists' shape
-  /// (docs/notes/kv_attention.md). The result is the same attention either way; the CPU ignores it.
+  /// 1: off; 2 to 8: that window (at most 64 slots per query, and at most 12288 window-and-mask bins
+  /// per batch and KV head: ceil(Tk / W) * 2^W); 0: chosen from the lists' shape, merging only where
+  /// most partials go away (docs/notes/kv_attention.md). The result is the same attention either way;
+  /// the CPU checks the value and ignores it.
   int merge_window = 0;
 };
 
