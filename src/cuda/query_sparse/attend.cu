@@ -389,6 +389,21 @@ __device__ __forceinline__ void row_limits(const Params& p, const int (&rows)[2]
 }
 
 /// S = Q K^T for the 128 keys of a stage (acc_s[64]) or, from a key-half's base, its 64 keys (acc_s[32]).
+/// Scores of a 64-row fragment (N values per thread: its two rows' columns) to exp2(s * scale_log2 -
+/// base[row]) in place, each row's sum added to l. The row sum (and so the LSE) uses the float32
+/// probabilities; P V sees them rounded to the 16-bit type, as in FlashAttention.
+template <int N>
+__device__ __forceinline__ void exponentiate(float (&acc)[N], const float (&base)[2], float (&l)[2], float scale_log2) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = fast_exp2(fmaf(acc[4 * i + e], scale_log2, -base[e / 2]));
+      acc[4 * i + e] = x;
+      l[e / 2] += x;
+    }
+}
+
 template <class Tag, int D, int N>
 __device__ __forceinline__ void issue_qk(float (&acc_s)[N], std::uint32_t s_q, std::uint32_t s_k) {
   const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
@@ -482,16 +497,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
     m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
     base[r] = m[r] == -INFINITY ? 0.0f : m[r] * p.scale_log2;  // no visible key: p = 0, not NaN
   }
-#pragma unroll
-  for (int i = 0; i < 16; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      // The row sum (and so the LSE) uses the float32 probabilities; PV sees them rounded to the
-      // 16-bit type, as in FlashAttention.
-      const float x = fast_exp2(fmaf(acc_s[4 * i + e], p.scale_log2, -base[e / 2]));
-      acc_s[4 * i + e] = x;
-      l[e / 2] += x;
-    }
+  exponentiate(acc_s, base, l, p.scale_log2);
   std::uint32_t pa[8][4];
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk)
@@ -549,14 +555,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
         m[r] = mx[r];
         l[r] *= alpha[r];
       }
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = fast_exp2(fmaf(acc_h[4 * i + e], p.scale_log2, -base[e / 2]));
-          acc_h[4 * i + e] = x;
-          l[e / 2] += x;
-        }
+      exponentiate(acc_h, base, l, p.scale_log2);
 #pragma unroll
       for (int i = 0; i < D / 8; ++i)
 #pragma unroll
