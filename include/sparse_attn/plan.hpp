@@ -48,6 +48,11 @@ namespace sparse_attn {
 /// backend: the CPU path keeps its scratch to itself.
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials);
 
+/// The merge window the KV-centric schedule runs on the GPU for lists of Kq slots per query:
+/// options.merge_window as given (1 to 8) or, for 0, the automatic choice (docs/notes/kv_attention.md).
+/// Error naming options.merge_window for a value it does not take. The CPU reference does not merge.
+int query_sparse_merge_window(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options = {});
+
 struct QuerySparsePlan {
   ProblemShape shape;  // causal included
   std::int64_t Kq = 0;

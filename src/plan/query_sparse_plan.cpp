@@ -57,6 +57,11 @@ std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq,
 #endif
 }
 
+int query_sparse_merge_window(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
+  require(Kq >= 0, "query_sparse_merge_window", "Kq", [&] { return "must be >= 0, got " + std::to_string(Kq); });
+  return merge_window_of("query_sparse_merge_window", p, Kq, options);
+}
+
 QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, const TensorView& v,
                                   const QueryLists& lists, const TensorView& workspace,
                                   const QuerySparseOptions& options) {

@@ -296,6 +296,17 @@ TEST(QuerySparse, MergeWindowOnTheCpu) {
     EXPECT_EQ(0, std::memcmp(pr.out.view().data, ref.view().data, static_cast<std::size_t>(ref.numel()) * 4))
         << "merge_window " << w;
   }
+  // What the GPU would run. Automatic: 2 x 96 query rows leave the bins of a window of 8 blocks nearly
+  // empty, so no merging here, while query16of32 (16 x 4096 rows, 16 of 32 blocks) merges windows of 8.
+  o.merge_window = 0;
+  EXPECT_EQ(sa::query_sparse_merge_window(pr.p, 6, o), 1);
+  sa::ProblemShape q16;
+  q16.B = 8, q16.Lq = 4096, q16.Lk = 4096, q16.Hq = 16, q16.Hkv = 1, q16.D = 128;
+  EXPECT_EQ(sa::query_sparse_merge_window(q16, 16), 8);
+  o.merge_window = 3;
+  EXPECT_EQ(sa::query_sparse_merge_window(pr.p, 6, o), 3);
+  o.merge_window = 9;
+  EXPECT_THROW(sa::query_sparse_merge_window(pr.p, 6, o), sa::Error);
   o.merge_window = 8;
   const sa::QuerySparsePlan plan =
       sa::query_sparse_plan(pr.q.view(), pr.k.view(), pr.v.view(), pr.lists(), sa::TensorView{}, o);

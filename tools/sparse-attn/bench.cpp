@@ -510,7 +510,9 @@ void Bench::query(bool long_variant) {
         },
         selection_reference(in, host_sel), nullptr);
     r.pairs = selected_pairs(host_sel, p);
-    record(name, p, {{"blocks_per_query", blocks}}, std::move(r));
+    // The KV-centric merge window the GPU ran (the automatic choice); the CPU reference does not merge.
+    const int merge_window = where_.cuda ? query_sparse_merge_window(p, blocks) : 1;
+    record(name, p, {{"blocks_per_query", blocks}, {"merge_window", merge_window}}, std::move(r));
   }
 }
 
