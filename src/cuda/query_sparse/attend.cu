@@ -11,10 +11,10 @@
 //    row metadata (the partial row of each Q row) and header (first K/V slot, the blocks, whether the
 //    consumer releases the slots). Every global-memory latency of the gather (CSR entries, then Q rows)
 //    is the producer's.
-//  - Consumer warpgroups: per tile and block, in two 64-key halves, S = Q K^T (SS wgmma), the online
-//    softmax, O += P V with P from registers (RS wgmma); then the normalised partial and its LSE are
-//    written to the workspace. The Q buffer is released after the last Q K, each K/V slot after its
-//    last P V.
+//  - Consumer warpgroups: per tile, S = Q K^T (SS wgmma) over the first block, its softmax and
+//    O = P V with P from registers (RS wgmma); a piece's later blocks continue the online softmax in
+//    64-key halves. Then the normalised partial and its LSE are written to the workspace. The Q buffer
+//    is released after the last Q K, each K/V slot after its last P V.
 // Every row is computed by the same instructions wherever it lands in a tile, so partials (and the
 // combine's output) are bitwise identical run to run although the CSR order inside a bin is not.
 #include <cuda_bf16.h>
@@ -388,7 +388,50 @@ __device__ __forceinline__ void row_limits(const Params& p, const int (&rows)[2]
   }
 }
 
-/// S = Q K^T for the 128 keys of a stage (acc_s[64]) or, from a key-half's base, its 64 keys (acc_s[32]).
+// Helpers over a 64-row score fragment of N values per thread: 2N keys per row, value 4i + 2r + e at
+// row r of the thread and key 8i + 2 q4 + e (wgmma.cuh gives the layout).
+
+/// Keys past each row's last visible key (`last`, absolute) masked to -inf; key0 is the fragment's
+/// first key.
+template <int N>
+__device__ __forceinline__ void mask_keys(float (&acc)[N], const long long (&last)[2], long long key0, int q4) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const long long rel = last[r] - key0;
+    const int lim = rel < -1 ? -1 : rel > 2 * N - 1 ? 2 * N - 1 : static_cast<int>(rel);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (8 * i + 2 * q4 + e > lim) acc[4 * i + 2 * r + e] = -INFINITY;
+  }
+}
+
+/// The thread's share of each row's maximum, folded into m (quad_max completes it).
+template <int N>
+__device__ __forceinline__ void row_max(const float (&acc)[N], float (&m)[2]) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    m[0] = fmaxf(m[0], fmaxf(acc[4 * i], acc[4 * i + 1]));
+    m[1] = fmaxf(m[1], fmaxf(acc[4 * i + 2], acc[4 * i + 3]));
+  }
+}
+
+/// Row r's maximum over the four lanes of the quad that share it.
+__device__ __forceinline__ float quad_max(float m) {
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+}
+
+/// The probabilities as the 16-bit A operand of the P V wgmma, 16 keys per k-step.
+template <class Tag, int N>
+__device__ __forceinline__ void pack_p(const float (&acc)[N], std::uint32_t (&pa)[N / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 8; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
+}
+
 /// Scores of a 64-row fragment (N values per thread: its two rows' columns) to exp2(s * scale_log2 -
 /// base[row]) in place, each row's sum added to l. The row sum (and so the LSE) uses the float32
 /// probabilities; P V sees them rounded to the 16-bit type, as in FlashAttention.
@@ -404,6 +447,7 @@ __device__ __forceinline__ void exponentiate(float (&acc)[N], const float (&base
     }
 }
 
+/// S = Q K^T for the 128 keys of a stage (acc_s[64]) or, from a key-half's base, its 64 keys (acc_s[32]).
 template <class Tag, int D, int N>
 __device__ __forceinline__ void issue_qk(float (&acc_s)[N], std::uint32_t s_q, std::uint32_t s_k) {
   const std::uint64_t da = make_desc_sw128(s_q, 16, 1024), db = make_desc_sw128(s_k, 16, 1024);
@@ -474,35 +518,18 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
   if (p.causal || static_cast<long long>(j + 1) * kKeys > p.Lk) {
     long long last[2];
     row_limits(p, rows, last);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const long long rel = last[r] - static_cast<long long>(j) * kKeys;
-      const int lim = rel < -1 ? -1 : rel > kKeys - 1 ? kKeys - 1 : static_cast<int>(rel);
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (8 * i + 2 * q4 + e > lim) acc_s[4 * i + 2 * r + e] = -INFINITY;
-    }
+    mask_keys(acc_s, last, static_cast<long long>(j) * kKeys, q4);
   }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    m[0] = fmaxf(m[0], fmaxf(acc_s[4 * i], acc_s[4 * i + 1]));
-    m[1] = fmaxf(m[1], fmaxf(acc_s[4 * i + 2], acc_s[4 * i + 3]));
-  }
+  row_max(acc_s, m);
   float base[2], l[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
-    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+    m[r] = quad_max(m[r]);
     base[r] = m[r] == -INFINITY ? 0.0f : m[r] * p.scale_log2;  // no visible key: p = 0, not NaN
   }
   exponentiate(acc_s, base, l, p.scale_log2);
   std::uint32_t pa[8][4];
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+  pack_p<Tag>(acc_s, pa);
 
   float acc_o[D / 2];
   wgmma_fence();
@@ -528,28 +555,14 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
       if (edge) {
         long long last[2];
         row_limits(p, rows, last);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const long long rel = last[r] - (static_cast<long long>(j) * kKeys + 64 * half);
-          const int lim = rel < -1 ? -1 : rel > 63 ? 63 : static_cast<int>(rel);
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (8 * i + 2 * q4 + e > lim) acc_h[4 * i + 2 * r + e] = -INFINITY;
-        }
+        mask_keys(acc_h, last, static_cast<long long>(j) * kKeys + 64 * half, q4);
       }
       float mx[2] = {m[0], m[1]};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        mx[0] = fmaxf(mx[0], fmaxf(acc_h[4 * i], acc_h[4 * i + 1]));
-        mx[1] = fmaxf(mx[1], fmaxf(acc_h[4 * i + 2], acc_h[4 * i + 3]));
-      }
+      row_max(acc_h, mx);
       float alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mx[r] = quad_max(mx[r]);
         base[r] = mx[r] == -INFINITY ? 0.0f : mx[r] * p.scale_log2;
         alpha[r] = mx[r] == -INFINITY ? 1.0f : fast_exp2(fmaf(m[r], p.scale_log2, -base[r]));
         m[r] = mx[r];
@@ -561,10 +574,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[4 * i + e] *= alpha[e / 2];
       std::uint32_t ph[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) ph[kk][r] = Tag::pack(acc_h[8 * kk + 2 * r], acc_h[8 * kk + 2 * r + 1]);
+      pack_p<Tag>(acc_h, ph);
       wgmma_fence();
       issue_pv_half<Tag>(acc_o, ph, smem_addr(&sm.v[stage][0][0][0]) + half * kHalfKeyBytes);
       wgmma_wait<0>();
