@@ -114,7 +114,7 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
           [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
   check_selection("query_sparse", lists, a.p, q, options);
   // Checked on every device (the CPU reference computes the same attention without merging).
-  cuda_backend::resolve_merge_window(a.p.Tk(), lists.idx.shape[3], a.p.group_size() * a.p.Lq, options.merge_window,
+  cuda_backend::resolve_merge_window(a.p, lists.idx.shape[3], options.merge_window,
                                      "query_sparse", "options.merge_window");
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::query_sparse(a.p, q, k, v, lists, out, lse, options);

@@ -139,7 +139,7 @@ PlanEstimate estimate_schedules(const SelectionStats& stats, const ProblemShape&
   // piece), the partials of the pieces written and read back, the reverse index per slot and, with
   // merging, per bin.
   const std::int64_t Kq = stats.queries ? stats.list_slots / stats.queries : 0;
-  const int W = cuda_backend::resolve_merge_window(p.Tk(), Kq, p.group_size() * p.Lq, merge_window, op, "merge_window");
+  const int W = cuda_backend::resolve_merge_window(p, Kq, merge_window, op, "merge_window");
   const double rows = double(stats.query_blocks) * group;
   const double piece_rows = double(W > 1 ? stats.window_pieces[static_cast<std::size_t>(W)] : stats.query_blocks) * group;
   const double part_bytes = double(p.D) * (partials == PartialPrecision::f32 ? 4.0 : 2.0);

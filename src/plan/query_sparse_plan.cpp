@@ -36,7 +36,7 @@ void check_lists(const std::string& op, const QueryLists& lists, const ProblemSh
 
 // The merge window in effect: resolved the same way on every device (the CPU reference ignores it).
 int merge_window_of(const std::string& op, const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
-  return cuda_backend::resolve_merge_window(p.Tk(), Kq, p.group_size() * p.Lq, options.merge_window, op,
+  return cuda_backend::resolve_merge_window(p, Kq, options.merge_window, op,
                                             "options.merge_window");
 }
 

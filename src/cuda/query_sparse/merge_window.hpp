@@ -15,6 +15,7 @@
 #include <string>
 
 #include "core/check.hpp"
+#include "sparse_attn/formats.hpp"
 
 namespace sparse_attn::cuda_backend {
 
@@ -127,6 +128,12 @@ inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t r
     }
   }
   return best;
+}
+
+/// The same for a problem shape and lists of Kq slots per query (rows = group size x Lq).
+inline int resolve_merge_window(const ProblemShape& p, std::int64_t Kq, int requested, const std::string& op,
+                                const std::string& argument) {
+  return resolve_merge_window(p.Tk(), Kq, p.group_size() * p.Lq, requested, op, argument);
 }
 
 }  // namespace sparse_attn::cuda_backend

@@ -81,7 +81,7 @@ void check_shape(const ProblemShape& p, std::int64_t Kq) {
 }
 
 int merge_window_of(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
-  return resolve_merge_window(p.Tk(), Kq, p.group_size() * p.Lq, options.merge_window, kOp, "options.merge_window");
+  return resolve_merge_window(p, Kq, options.merge_window, kOp, "options.merge_window");
 }
 
 qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
