@@ -84,15 +84,6 @@ __device__ __forceinline__ bool chosen(const Params& p, int i, int j) {
   return j >= 0 && j < p.Tk && (!p.causal || static_cast<long long>(j) * kKeys <= i + p.offset);
 }
 
-__device__ __forceinline__ int slot_block(const Params& p, long long f, int& i, int& s, long long& bg) {
-  s = static_cast<int>(f % p.Kq);
-  const long long r = f / p.Kq;
-  i = static_cast<int>(r % p.Lq);
-  bg = r / p.Lq;
-  const long long b = bg / p.Hkv, g = bg % p.Hkv;
-  return p.idx[b * p.idx_stride[0] + g * p.idx_stride[1] + i * p.idx_stride[2] + s * p.idx_stride[3]];
-}
-
 /// The view of `p` that the reverse index and the combine read: with merging, the merged lists, whose
 /// entries are bins (already restricted to visible blocks) and whose slots hold one piece each.
 __host__ __device__ inline Params index_view(const Params& p) {
