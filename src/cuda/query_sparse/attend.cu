@@ -6,11 +6,14 @@
 // of one window that a query chose, the same for every row of the item.
 //  - Producer warpgroup: one thread loads K and V by TMA into a two-slot ring (128B-swizzled, 128 keys
 //    x D, rows past Lk read as zero): a single block once per item, a piece's blocks once per round of
-//    up to kAttendConsumers tiles. All 128 threads gather the Q rows of each tile with cp.async into
-//    the owning consumer's next buffer (the 128B-swizzled layout TMA would write) and write the tile's
-//    row metadata (the partial row of each Q row) and header (first K/V slot, the blocks, whether the
+//    up to kAttendConsumers tiles. Gather threads copy the Q rows of each tile with cp.async into the
+//    owning consumer's next buffer (the 128B-swizzled layout TMA would write) and write the tile's row
+//    metadata (the partial row of each Q row) and header (first K/V slot, the blocks, whether the
 //    consumer releases the slots). Every global-memory latency of the gather (CSR entries, then Q rows)
-//    is the producer's.
+//    is the producer's. Without merged slots all 128 threads gather and thread 0 loads K/V in the same
+//    walk (`producer`); with them, two warps gather and one more thread loads K/V, each walking the
+//    items on its own (`gather_walk`, `kv_walk`), so that a round waiting for ring stages does not
+//    hold up the next tiles' gathers.
 //  - Consumer warpgroups: per tile, S = Q K^T (SS wgmma) over the first block, its softmax and
 //    O = P V with P from registers (RS wgmma); a piece's later blocks continue the online softmax in
 //    64-key halves. Then the normalised partial and its LSE are written to the workspace. The Q buffer
@@ -49,6 +52,9 @@ constexpr std::uint32_t kConsumerRegs = 136;
 constexpr std::uint32_t kProducerRegs = 104;
 static_assert(kC == 3, "the register split above is for three consumer warpgroups");
 constexpr int kKvStages = 2;
+// The piece instantiation's producer: two gather warps and one K/V thread (see gather_walk).
+constexpr int kGatherThreads = 64;
+constexpr int kKvThread = 96;
 constexpr int kQBuffers = 2;  // per consumer: the tile being computed and the next one's gather
 constexpr std::uint32_t kKvHalfBytes = kKeys * 128;      // 128 keys x 64 columns of 16-bit
 constexpr std::uint32_t kQHalfBytes = kTileRowsQ * 128;  // 64 rows x 64 columns of 16-bit
@@ -62,7 +68,8 @@ struct TileHeader {
   unsigned mask;  // the item's blocks: bit t for block `block + t` (1 without merged slots)
   int last;       // one block: the consumer's last tile of the item, it releases the K/V slot
   int end;        // no more tiles for this consumer
-  int pad[2];
+  int kv_pos;     // pieces: ring position (count of K/V loads before it) of the first block
+  int pad;
 };
 
 template <int D>
@@ -75,6 +82,11 @@ struct alignas(1024) AttendSmem {
   TileHeader head[kC][kQBuffers];
   MBarrier kv_full[kKvStages], kv_empty[kKvStages];
   MBarrier q_full[kC][kQBuffers], q_empty[kC][kQBuffers];
+  // Pieces: K/V loads issued so far, published by the K/V walk. Its gathers run ahead of the ring, so
+  // a consumer can hold a tile whose block is two or more positions past the last load; a parity wait
+  // on that stage would then see an older phase as the one it waits for. Consumers wait for the load
+  // to be issued first (wait_issued).
+  int kv_issued;
 };
 
 template <int D>
@@ -124,6 +136,23 @@ __device__ __forceinline__ ItemInfo item_info(const Params& p, const ItemLoads& 
 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* ptr) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// The K/V walk publishes and the consumers read the count with shared-memory atomics, after and before
+// a CTA fence: the count orders nothing but the parity waits, and atomics keep it out of racecheck's
+// hazards.
+__device__ __forceinline__ void publish_issued(int* at, int n) {
+  __threadfence_block();
+  atomicExch(at, n);
+}
+
+/// Returns once the K/V load of ring position `pos` has been issued (its full barrier armed). One lane
+/// per warp polls, with a short sleep, so that waiting consumers leave the issue slots to the others.
+__device__ __forceinline__ void wait_issued(int* at, int pos) {
+  if ((threadIdx.x & 31) == 0)
+    while (atomicAdd(at, 0) <= pos) __nanosleep(64);
+  __syncwarp();
+  __threadfence_block();
 }
 
 __device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, int src_bytes) {
@@ -202,15 +231,222 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
   }
 }
 
-// The producer warpgroup walks the CTA's tiles in order (items blockIdx.x, blockIdx.x + gridDim.x, ...;
-// the CTA's n-th tile goes to consumer n % kC), so each buffer's barrier phases are waited for in order.
-// Thread 0 also loads the items' K and V.
+/// CSR entry of row t of a tile (the piece producer's gather threads own one row each); -1 past the item.
+__device__ __forceinline__ int row_entry_own(const Params& p, const ItemInfo& f, int tile, int t) {
+  const int row = tile * kTileRowsQ + t;
+  return row < f.nrows ? p.entries[f.e0 + p.div_group.div(f.y + row)] : -1;
+}
+
+template <int D>
+__device__ __forceinline__ void gather_q_pairs(const Params& p, const ItemInfo& f, int tile, int ent, std::uint32_t buf,
+                                         int* row_part, int t, std::uint64_t policy) {
+  constexpr int kChunks = D / 8;
+  const int head = p.div_group.mod(f.y + tile * kTileRowsQ + t);
+  const auto* own = static_cast<const std::uint16_t*>(p.q);
+  int own_bytes = 0;
+  if (ent >= 0) {
+    own += f.b * p.q_stride[0] + p.div_kq.div(ent) * p.q_stride[1] + (f.g * p.group + head) * p.q_stride[2];
+    own_bytes = 16;
+  }
+  row_part[t] = ent >= 0 ? (f.bg * p.Lq * p.Kq + ent) * p.group + head : -1;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int r = (t & ~1) | pass;
+    const int lane = r % 32;
+    const auto* src = reinterpret_cast<const std::uint16_t*>(
+        __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(own), lane));
+    const int bytes = __shfl_sync(0xffffffffu, own_bytes, lane);
+    const std::uint32_t dst_row = buf + r * 128;
+#pragma unroll
+    for (int k = 0; k < kChunks / 2; ++k) {
+      const int cc = t % 2 + 2 * k;
+      const std::uint32_t dst = dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16);
+      if (p.hints & kKeepQ)
+        cp_async16_policy(dst, src + (bytes ? cc * 8 : 0), bytes, policy);
+      else
+        cp_async16(dst, src + (bytes ? cc * 8 : 0), bytes);
+    }
+  }
+}
+
+// The producer warpgroup of the piece instantiation: warps 0-1 (kGatherThreads) gather each tile's Q rows and write its header;
+// lane 0 of warp 3 loads K and V. The two walk the CTA's items (blockIdx.x, blockIdx.x + gridDim.x,
+// ...) independently and agree on the ring position of every load by counting them the same way, so
+// neither waits for the other: the gathers run ahead as far as the Q buffers allow, the K/V loads as
+// far as the ring allows. A single block takes one ring position per item; a piece takes one per
+// block and round of up to kC tiles.
+
+// The gather walk (threads t < kGatherThreads). The CTA's n-th tile goes to consumer n % kC, so each
+// buffer's barrier phases are waited for in order, and items of one tile spread over the consumers.
+//
+// Every global load of the walk is issued an item ahead of its use, so no tile waits on one: at the top
+// of item n the walk issues the CSR entries of every tile of item n + 1 (one per thread and tile, held
+// in registers), the CSR offsets of item n + 2 and the (bin, first row) of item n + 3. Only the first
+// item's loads are waited for.
+template <int D>
+__device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, int n_items, int t) {
+  const std::uint64_t policy = evict_last_policy();
+  const int step = static_cast<int>(gridDim.x);
+  int item = static_cast<int>(blockIdx.x);
+  int produced[kC] = {};  // tiles handed to each consumer so far
+  int turn = 0;           // the consumer of the next tile
+  const auto load_it = [&](int i) { return i < n_items ? p.items[i] : make_int2(0, 0); };
+  const auto load_offsets = [&](ItemLoads& l, int i) {
+    if (i < n_items) {
+      l.o0 = p.offsets[l.it.x];
+      l.o1 = p.offsets[l.it.x + 1];
+    }
+  };
+  // The thread's CSR entry in every tile of an item (-1 past it, or for no item).
+  const auto load_entries = [&](int (&ent)[kTilesPerItem], const ItemInfo& f, bool valid) {
+#pragma unroll
+    for (int k = 0; k < kTilesPerItem; ++k) ent[k] = valid ? row_entry_own(p, f, k, t) : -1;
+  };
+  if (item < n_items) {
+    PipelineState<kKvStages> kv;  // the ring position of the K/V walk's next load
+    ItemLoads l1;                 // item n + 1: landed at the top of item n
+    l1.it = load_it(item);
+    load_offsets(l1, item);
+    ItemInfo f = item_info(p, l1);
+    int ent_cur[kTilesPerItem];
+    load_entries(ent_cur, f, true);
+    l1.it = load_it(item + step);
+    load_offsets(l1, item + step);
+    int2 it2 = load_it(item + 2 * step);  // item n + 2's (bin, first row)
+    for (; item < n_items; item += step) {
+      int ent_nxt[kTilesPerItem];
+      load_entries(ent_nxt, item_info(p, l1), item + step < n_items);
+      ItemLoads l2;
+      l2.it = it2;
+      load_offsets(l2, item + 2 * step);
+      const int2 it3 = load_it(item + 3 * step);
+
+      const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
+      const bool single = (f.mask & (f.mask - 1u)) == 0;
+      const int per_round = single ? 1 : __popc(f.mask);
+      int s = kv.stage();
+      std::uint32_t ph = kv.phase();
+      int pos = static_cast<int>(kv.count);
+#pragma unroll 1
+      for (int tile = 0; tile < tiles; ++tile) {
+        // A piece's round starts at every kC-th tile with the ring position of its first block.
+        if (!single && tile % kC == 0) {
+          s = kv.stage();
+          ph = kv.phase();
+          pos = static_cast<int>(kv.count);
+          for (int k = 0; k < per_round; ++k) kv.advance();
+        }
+        int ent = ent_cur[0];  // ent_cur[tile] without dynamic indexing (which would put it in local memory)
+#pragma unroll
+        for (int k = 1; k < kTilesPerItem; ++k) ent = tile == k ? ent_cur[k] : ent;
+        const int c = turn;
+        turn = turn + 1 == kC ? 0 : turn + 1;
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < kC; ++i) {
+          n = i == c ? produced[i] : n;
+          produced[i] += i == c ? 1 : 0;
+        }
+        const int b = n & 1;
+        sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+        gather_q_pairs<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
+        cp_async_arrive(sm.q_full[c][b]);
+        if (t == 0) {
+          TileHeader& h = sm.head[c][b];
+          h.kv_stage = s;
+          h.kv_phase = ph;
+          h.kv_pos = pos;
+          h.block = f.j;
+          h.mask = f.mask;
+          // One block: loaded once for the item, released by each consumer after its last tile; a
+          // piece's blocks: released after every tile's use.
+          h.last = !single || tile + kC >= tiles;
+          h.end = 0;
+        }
+        sm.q_full[c][b].arrive();
+      }
+      if (single) kv.advance();
+      f = item_info(p, l1);  // derived again rather than held through the tiles: the producer is short of registers
+#pragma unroll
+      for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
+      l1 = l2;
+      it2 = it3;
+    }
+  }
+  // One end-of-work tile per consumer (two plain arrivals per thread: no copies).
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int n = produced[c], b = n & 1;
+    sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+    if (t == 0) sm.head[c][b].end = 1;
+    sm.q_full[c][b].arrive();
+    sm.q_full[c][b].arrive();
+  }
+}
+
+// The K/V walk (one thread): per item, the single block once, or per round of up to kC tiles the
+// piece's blocks in ascending order, each into the ring's next stage once the consumers have freed it,
+// with the releases of the consumers that have no tile reading it (`absent`) at once, and the count of
+// loads issued published after each (kv_issued). The next item's (bin, first row) and offsets are
+// loaded an item ahead.
+template <int D>
+__device__ __forceinline__ void kv_walk(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
+                                        const CUtensorMap& tm_v, int n_items) {
+  constexpr int kHalves = D / 64;
+  tma_prefetch_descriptor(&tm_k);
+  tma_prefetch_descriptor(&tm_v);
+  const int step = static_cast<int>(gridDim.x);
+  PipelineState<kKvStages> kv;
+  const auto load = [&](const ItemInfo& f, int j, int absent) {
+    const int s = kv.stage();
+    sm.kv_empty[s].wait(kv.phase() ^ 1u);
+    sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
+    for (int half = 0; half < kHalves; ++half) {
+      tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+      tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+    }
+    if (absent > 0) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(absent));
+    kv.advance();
+    publish_issued(&sm.kv_issued, static_cast<int>(kv.count));
+  };
+  ItemLoads next;
+  int item = static_cast<int>(blockIdx.x);
+  if (item < n_items) {
+    next.it = p.items[item];
+    next.o0 = p.offsets[next.it.x];
+    next.o1 = p.offsets[next.it.x + 1];
+  }
+  for (; item < n_items; item += step) {
+    const ItemInfo f = item_info(p, next);
+    if (item + step < n_items) {
+      next.it = p.items[item + step];
+      next.o0 = p.offsets[next.it.x];
+      next.o1 = p.offsets[next.it.x + 1];
+    }
+    const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
+    if ((f.mask & (f.mask - 1u)) != 0) {
+#pragma unroll 1
+      for (int r0 = 0; r0 < tiles; r0 += kC) {
+        const int rt = tiles - r0 < kC ? tiles - r0 : kC;
+#pragma unroll 1
+        for (unsigned bits = f.mask; bits != 0; bits &= bits - 1u)
+          load(f, f.j + __ffs(static_cast<int>(bits)) - 1, kC - rt);
+      }
+      continue;
+    }
+    load(f, f.j + __ffs(static_cast<int>(f.mask)) - 1, tiles < kC ? kC - tiles : 0);
+  }
+}
+
+// The producer warpgroup of the single-block instantiation walks the CTA's tiles in order (items
+// blockIdx.x, blockIdx.x + gridDim.x, ...; the CTA's n-th tile goes to consumer n % kC), so each buffer's
+// barrier phases are waited for in order. Thread 0 also loads the items' K and V, one block per item.
 //
 // Every global load of the walk is issued an item ahead of its use, so no tile waits on one: at the top
 // of item n the producer issues the CSR entries of every tile of item n + 1 (one per thread and tile,
 // held in registers), the CSR offsets of item n + 2 and the (block, first row) of item n + 3. Only the
 // first item's loads are waited for.
-template <int D, bool kPieces>
+template <int D>
 __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
                                          const CUtensorMap& tm_v, int n_items, int t) {
   constexpr int kHalves = D / 64;
@@ -299,33 +535,12 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
         }
         sm.q_full[c][b].arrive();
       };
-      if (!kPieces || (f.mask & (f.mask - 1u)) == 0) {
-        // One block: loaded once for the whole item; each consumer releases it after its last tile.
-        const int s = kv.stage();
-        const std::uint32_t ph = kv.phase();
-        load_kv(f.j + __ffs(static_cast<int>(f.mask)) - 1, tiles < kC ? kC - tiles : 0);
+      // One block: loaded once for the whole item; each consumer releases it after its last tile.
+      const int s = kv.stage();
+      const std::uint32_t ph = kv.phase();
+      load_kv(f.j + __ffs(static_cast<int>(f.mask)) - 1, tiles < kC ? kC - tiles : 0);
 #pragma unroll 1
-        for (int tile = 0; tile < tiles; ++tile) hand_out(tile, s, ph, tile + kC >= tiles);
-      } else {
-        // A piece of several blocks: rounds of up to kC tiles, one per consumer, and per round the
-        // piece's blocks stream through the ring in order, each released by every consumer of the
-        // round after its P V. The round's first kKvStages blocks are requested before its gathers;
-        // the rest wait for free stages, i.e. for the round's consumers, so they come after them.
-#pragma unroll 1
-        for (int r0 = 0; r0 < tiles; r0 += kC) {
-          const int rt = tiles - r0 < kC ? tiles - r0 : kC;
-          const int s = kv.stage();
-          const std::uint32_t ph = kv.phase();
-          unsigned bits = f.mask;
-#pragma unroll 1
-          for (int k = 0; k < kKvStages && bits != 0; ++k, bits &= bits - 1u)
-            load_kv(f.j + __ffs(static_cast<int>(bits)) - 1, kC - rt);
-#pragma unroll 1
-          for (int tile = r0; tile < r0 + rt; ++tile) hand_out(tile, s, ph, true);
-#pragma unroll 1
-          for (; bits != 0; bits &= bits - 1u) load_kv(f.j + __ffs(static_cast<int>(bits)) - 1, kC - rt);
-        }
-      }
+      for (int tile = 0; tile < tiles; ++tile) hand_out(tile, s, ph, tile + kC >= tiles);
       f = item_info(p, l1);  // derived again rather than held through the tiles: the producer is short of registers
 #pragma unroll
       for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
@@ -491,16 +706,19 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
   const std::uint32_t s_q = smem_addr(&sm.q[c][b][0][0][0]);
   int stage = h.kv_stage;
   std::uint32_t phase = h.kv_phase;
+  int pos = h.kv_pos;
   unsigned bits = h.mask;
   int j = h.block + __ffs(static_cast<int>(bits)) - 1;
   bits &= bits - 1u;
   const auto release_stage = [&] {
     if (h.last) sm.kv_empty[stage].arrive();
+    ++pos;
     if (++stage == kKvStages) {
       stage = 0;
       phase ^= 1u;
     }
   };
+  if constexpr (kPieces) wait_issued(&sm.kv_issued, pos);
   sm.kv_full[stage].wait(phase);
 
   float acc_s[64];  // written by the first k-step (wgmma_ss_first): live only for the first block
@@ -542,6 +760,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
   while (kPieces && bits != 0) {
     j = h.block + __ffs(static_cast<int>(bits)) - 1;
     bits &= bits - 1u;
+    wait_issued(&sm.kv_issued, pos);
     sm.kv_full[stage].wait(phase);
     const bool edge = p.causal || static_cast<long long>(j + 1) * kKeys > p.Lk;
 #pragma unroll 1
@@ -626,15 +845,25 @@ __global__ void __launch_bounds__(kAttendThreads, 1)
     }
     for (int c = 0; c < kC; ++c)
       for (int b = 0; b < kQBuffers; ++b) {
-        sm.q_full[c][b].init(2 * 128);  // per producer thread: its copies landed + its metadata written
+        // per gathering producer thread: its copies landed + its metadata written
+        sm.q_full[c][b].init(2 * (kPieces ? kGatherThreads : 128));
         sm.q_empty[c][b].init(128);
       }
+    if constexpr (kPieces) sm.kv_issued = 0;
     fence_barrier_init();
   }
   __syncthreads();
   if (tid >= 128 * kC) {
     warpgroup_reg_dealloc<kProducerRegs>();
-    producer<D, kPieces>(p, sm, tm_k, tm_v, n_items, tid - 128 * kC);
+    const int t = tid - 128 * kC;
+    if constexpr (kPieces) {
+      if (t < kGatherThreads)
+        gather_walk<D>(p, sm, n_items, t);
+      else if (t == kKvThread)
+        kv_walk<D>(p, sm, tm_k, tm_v, n_items);
+    } else {
+      producer<D>(p, sm, tm_k, tm_v, n_items, t);
+    }
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
     consumer<Tag, D, Part, kPieces>(p, sm, tid / 128);
