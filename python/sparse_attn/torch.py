@@ -97,16 +97,17 @@ def _(q, k, v, bits, softmax_scale, causal, trusted):
 
 @torch.library.custom_op("sparse_attn::query_sparse", mutates_args=())
 def _query_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, softmax_scale: Optional[float], causal: bool,
-                  trusted: bool, partials: str, schedule: str) -> Tuple[Tensor, Tensor]:
+                  trusted: bool, partials: str, schedule: str, merge_window: int) -> Tuple[Tensor, Tensor]:
     out, lse = _out_like(q), _lse_like(q)
     with _device(q):
         _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse), softmax_scale=softmax_scale,
-                          causal=causal, trusted=trusted, partials=partials, schedule=schedule, stream=_stream(q))
+                          causal=causal, trusted=trusted, partials=partials, schedule=schedule,
+                          merge_window=merge_window, stream=_stream(q))
     return out, lse
 
 
 @_query_sparse.register_fake
-def _(q, k, v, idx, softmax_scale, causal, trusted, partials, schedule):
+def _(q, k, v, idx, softmax_scale, causal, trusted, partials, schedule, merge_window):
     return _fake_out_lse(q)
 
 
@@ -208,14 +209,15 @@ def _(q, k, v, bits, out, lse, softmax_scale, causal, trusted):
 @torch.library.custom_op("sparse_attn::query_sparse_out", mutates_args=("out", "lse"))
 def _query_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor],
                       softmax_scale: Optional[float], causal: bool, trusted: bool, partials: str,
-                      schedule: str) -> None:
+                      schedule: str, merge_window: int) -> None:
     with _device(q):
         _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse), softmax_scale=softmax_scale,
-                          causal=causal, trusted=trusted, partials=partials, schedule=schedule, stream=_stream(q))
+                          causal=causal, trusted=trusted, partials=partials, schedule=schedule,
+                          merge_window=merge_window, stream=_stream(q))
 
 
 @_query_sparse_out.register_fake
-def _(q, k, v, idx, out, lse, softmax_scale, causal, trusted, partials, schedule):
+def _(q, k, v, idx, out, lse, softmax_scale, causal, trusted, partials, schedule, merge_window):
     return None
 
 
@@ -353,14 +355,15 @@ def bits_sparse(q, k, v, bits, *, softmax_scale=None, causal=False, return_lse=F
 
 
 def query_sparse(q, k, v, idx, *, partials="f32", softmax_scale=None, causal=False, return_lse=False, out=None,
-                 trusted=False, schedule="kv_centric"):
+                 trusted=False, schedule="kv_centric", merge_window=0):
     if out is None:
         o, lse = torch.ops.sparse_attn.query_sparse(q, k, v, idx, _scale(softmax_scale), bool(causal),
-                                                    bool(trusted), str(partials), str(schedule))
+                                                    bool(trusted), str(partials), str(schedule),
+                                                    int(merge_window))
         return _finish(o, lse, return_lse)
     lse = _lse_for(q, return_lse)
     torch.ops.sparse_attn.query_sparse_out(q, k, v, idx, out, lse, _scale(softmax_scale), bool(causal),
-                                           bool(trusted), str(partials), str(schedule))
+                                           bool(trusted), str(partials), str(schedule), int(merge_window))
     return _finish(out, lse, return_lse)
 
 

@@ -124,6 +124,24 @@ def test_custom_ops_compute_the_reference():
     assert bits.shape == (1, Hq, 2, 1)
 
 
+def test_query_sparse_ops_take_the_merge_window():
+    # The window regroups the GPU's KV-centric work and never changes the result; the ops pass it through
+    # (the CPU reference gives the same bits for every accepted window) and refuse a bad one by name.
+    q, k, v = _qkv(1, 96, 1024, 4, 2, 32)
+    ql = torch.from_numpy(random_query_lists(np.random.default_rng(11), 1, 2, 96, 8, kq=6))
+    base = sat.query_sparse(q, k, v, ql, merge_window=1)
+    _check(base, ref.attention(_np(q), _np(k), _np(v), ref.mask_from_query_lists(ql.numpy(), 1024, 4))[0],
+           torch.float32)
+    for w in (0, 4, 8):
+        assert torch.equal(sat.query_sparse(q, k, v, ql, merge_window=w), base)
+        out = sat.query_sparse(q, k, v, ql, merge_window=w, out=torch.empty_like(q))
+        assert torch.equal(out, base)
+    with pytest.raises(ValueError, match=r"merge_window.*9"):
+        sat.query_sparse(q, k, v, ql, merge_window=9)
+    schema = str(torch.ops.sparse_attn.query_sparse.default._schema)
+    assert "merge_window" in schema
+
+
 def test_opcheck_fake_kernels():
     q, k, v = _qkv(1, 17, 200, 4, 2, 16)
     rng = np.random.default_rng(5)
@@ -135,6 +153,9 @@ def test_opcheck_fake_kernels():
         (torch.ops.sparse_attn.dense_out.default, (q, k, v, torch.empty_like(q), torch.empty(1, 4, 17), None, True)),
         (torch.ops.sparse_attn.pooled_select.default, (q, k, 2, 3, 1, True, False, False)),
         (torch.ops.sparse_attn.entmax.default, (q, k, v, 1.5, None, False, 64)),
+        (torch.ops.sparse_attn.query_sparse.default,
+         (q, k, v, torch.from_numpy(random_query_lists(rng, 1, 2, 17, 2, kq=2)), None, False, False, "f32",
+          "kv_centric", 2)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=tests)
@@ -255,7 +276,8 @@ def _on_cuda_or_skip(fn):
 
 @pytest.mark.cuda
 @requires_cuda
-@pytest.mark.parametrize("op", ["tile_sparse", "bits_sparse", "query_sparse", "token_sparse", "pooled_select"])
+@pytest.mark.parametrize("op", ["tile_sparse", "bits_sparse", "query_sparse", "query_sparse_merged", "token_sparse",
+                                "pooled_select"])
 def test_cuda_sparse_executors_and_selectors(op):
     B, Lq, Lk, Hq, Hkv, D = 2, 300, 1000, 8, 2, 128
     q, k, v = _qkv(B, Lq, Lk, Hq, Hkv, D, torch.bfloat16, device="cuda")
@@ -276,6 +298,15 @@ def test_cuda_sparse_executors_and_selectors(op):
         ql = random_query_lists(rng, B, Hkv, Lq, 8, kq=3)
         out = _on_cuda_or_skip(lambda: sat.query_sparse(q, k, v, cuda(ql)))
         _check(out, ref.attention(qn, kn, vn, ref.mask_from_query_lists(ql, Lk, Hq))[0], torch.bfloat16)
+    elif op == "query_sparse_merged":
+        # Lk = 1000: 8 blocks, three chosen per query; windows of 4 and 8 merge a query's blocks into pieces.
+        ql = random_query_lists(rng, B, Hkv, Lq, 8, kq=3)
+        expected = ref.attention(qn, kn, vn, ref.mask_from_query_lists(ql, Lk, Hq))[0]
+        for w in (4, 8):
+            out = _on_cuda_or_skip(lambda: sat.query_sparse(q, k, v, cuda(ql), partials="bf16", merge_window=w))
+            _check(out, expected, torch.bfloat16)
+            out2 = sat.query_sparse(q, k, v, cuda(ql), partials="bf16", merge_window=w, out=torch.empty_like(q))
+            _check(out2, expected, torch.bfloat16)
     elif op == "token_sparse":
         tl = random_token_lists(rng, B, Hkv, Lq, Lk, kt=64)
         out = _on_cuda_or_skip(lambda: sat.token_sparse(q, k, v, cuda(tl), causal=True))
