@@ -90,11 +90,13 @@ void validate(const Selection& s, const ProblemShape& p, const std::string& op);
 /// The G dimension of a block selection (Hkv or Hq); throws if it is neither.
 std::int64_t selection_groups(const Selection& s, const ProblemShape& p, const std::string& op);
 
-// ---- conversions (CPU tensors) -----------------------------------------------------------------
+// ---- conversions --------------------------------------------------------------------------------
 
 /// TileLists -> BlockBits of the same [B, G, Tq] layout.
 void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p);
-/// BlockBits -> TileLists (ascending ids). Throws if a tile holds more than Kmax blocks.
+/// BlockBits -> TileLists (ascending ids, -1 past the count). Throws if a tile holds more than Kmax
+/// blocks (Error naming out.idx) or a bit at or past Tk is set (naming in.bits). in and out on one
+/// device; device tensors run on the default stream, the overload below takes a stream.
 void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p);
 /// QueryLists -> TileLists: the union of the lists of the (up to 128) queries of each tile,
 /// ascending, -1 past the count (causal visibility is not applied: a block a query selected is in its
@@ -120,6 +122,15 @@ struct ConvertOptions {
 /// same first offending coordinate and message. After an error the contents of `out` are unspecified.
 void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
                                const ConvertOptions& options);
+
+/// BlockBits -> TileLists with options. On the device it is one kernel (a warp per Q tile row) on
+/// options.stream; unless options.trusted, the same kernel checks for stray bits and rows over Kmax and
+/// its one fault word is read back (one synchronisation), so that errors are those of the CPU
+/// function. options.trusted: nothing is read back (CUDA-graph safe), bits at or past Tk are ignored,
+/// and out.idx must hold every block, Kmax >= Tk (Error otherwise). After an error the contents of
+/// `out` are unspecified.
+void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p,
+                              const ConvertOptions& options);
 
 // ---- masks -------------------------------------------------------------------------------------
 

@@ -52,7 +52,10 @@ void tile_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                  const std::optional<TensorView>& lse = std::nullopt,
                  const AttentionOptions& options = {});
 
-/// Block-sparse attention over per-tile bit sets (walks the set bits).
+/// Block-sparse attention over per-tile bit sets (walks the set bits). On the GPU the bit sets are
+/// converted to ascending TileLists on the device (in a workspace cached per device and stream, of
+/// B x G x Tq x Tk ids, allocated by the first call on a stream) and run by the tile_sparse kernel;
+/// unless options.trusted, stray bits are reported as on the CPU (one synchronisation).
 void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                  const BlockBits& bits, const TensorView& out,
                  const std::optional<TensorView>& lse = std::nullopt,

@@ -365,13 +365,16 @@ def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape):
     return bits
 
 
-def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None):
-    """BlockBits -> TileLists (ascending ids; slots past cnt hold -1). kmax defaults to Tk."""
+def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None, trusted=False):
+    """BlockBits -> TileLists (ascending ids; slots past cnt hold -1). kmax defaults to Tk. CUDA
+    tensors are converted on the device, on the current stream; trusted=True skips their check for
+    stray bits and capacity (no synchronisation), ignores bits at or past Tk and needs kmax >= Tk."""
     B, G, Tq, _ = _shape(bits, "block_bits_to_tile_lists", "in.bits", 4)
     kmax = shape.Tk if kmax is None else int(kmax)
     idx = _full(bits, (B, G, Tq, kmax), -1, "int32")
     cnt = _empty(bits, (B, G, Tq), "int32")
-    _ext.block_bits_to_tile_lists(_dl(bits), _dl(idx), _dl(cnt), shape)
+    _ext.block_bits_to_tile_lists(_dl(bits), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
+                                  stream=_stream(bits))
     return idx, cnt
 
 

@@ -92,14 +92,17 @@ void bind_formats(nb::module_& m) {
 
   m.def(
       "block_bits_to_tile_lists",
-      [](nb::handle bits, nb::handle idx, nb::handle cnt, const ProblemShape& p) {
+      [](nb::handle bits, nb::handle idx, nb::handle cnt, const ProblemShape& p, bool trusted, std::uintptr_t stream) {
         Imports im("block_bits_to_tile_lists");
         const BlockBits in{im.in(bits, "in.bits")};
         const TileLists out{im.out(idx, "out.idx"), im.out(cnt, "out.cnt")};
+        ConvertOptions o;
+        o.trusted = trusted;
+        o.stream = stream_ptr(stream);
         nb::gil_scoped_release release;
-        sparse_attn::block_bits_to_tile_lists(in, out, p);
+        sparse_attn::block_bits_to_tile_lists(in, out, p, o);
       },
-      "bits"_a, "idx"_a, "cnt"_a, "shape"_a);
+      "bits"_a, "idx"_a, "cnt"_a, "shape"_a, "trusted"_a = false, "stream"_a = 0);
 
   m.def(
       "query_lists_to_tile_lists",

@@ -91,6 +91,9 @@ void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v, 
                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = make_args("bits_sparse", q, k, v, out, lse, options);
   check_selection("bits_sparse", bits, a.p, q, options);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) return cuda_backend::bits_sparse(a.p, q, k, v, bits, out, lse, options);
+#endif
   if (q.device == Device::cuda) detail::unsupported_device("bits_sparse", "q", q);
   detail::cpu::bits_sparse(a, bits);
 }

@@ -16,6 +16,18 @@ std::string coord_string(std::initializer_list<std::int64_t> c) {
   return os.str();
 }
 
+std::string stray_bit_message(int bit, std::int64_t W, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t Tk) {
+  return "stray bit " + std::to_string(bit) + " (block " + std::to_string((W - 1) * 32 + bit) +
+         ") set in the word at " + coord_string({b, g, t, W - 1}) + ": bits of blocks at or past Tk = " +
+         std::to_string(Tk) + " must be zero";
+}
+
+std::string over_capacity_message(const char* what, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t n,
+                                  std::int64_t Kmax) {
+  return std::string(what) + " of tile " + coord_string({b, g, t}) + " holds " + std::to_string(n) +
+         " blocks but Kmax is " + std::to_string(Kmax);
+}
+
 std::string shape_string(const TensorView& t) {
   std::ostringstream os;
   os << '[';

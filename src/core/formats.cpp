@@ -207,10 +207,7 @@ std::optional<Fault> bits_row_fault(const BlockBits& s, const std::string& name,
   const auto word = load4<std::uint32_t>(s.bits, b, g, t, W - 1);
   const std::uint32_t stray = word & ~((std::uint32_t{1} << (Tk % 32)) - 1u);
   if (stray == 0) return std::nullopt;
-  const int bit = std::countr_zero(stray);
-  return Fault{name + ".bits", "stray bit " + std::to_string(bit) + " (block " + std::to_string((W - 1) * 32 + bit) +
-                                   ") set in the word at " + coord_string({b, g, t, W - 1}) +
-                                   ": bits of blocks at or past Tk = " + std::to_string(Tk) + " must be zero"};
+  return Fault{name + ".bits", detail::stray_bit_message(std::countr_zero(stray), W, b, g, t, Tk)};
 }
 
 /// One row (b, g, i) of a QueryLists (`tokens` false) or TokenLists: entries >= -1, ids in range,
@@ -360,12 +357,16 @@ void write_tile_row(const TileLists& out, std::int64_t b, std::int64_t g, std::i
   store3_i32(out.cnt, b, g, t, static_cast<std::int32_t>(n));
 }
 
-void check_tile_output(const std::string& op, const TileLists& out, const ProblemShape& p, std::int64_t G) {
+void check_tile_output_shape(const std::string& op, const TileLists& out, const ProblemShape& p, std::int64_t G) {
   detail::check_tensor(op, "out.idx", out.idx, 4, {DType::i32});
   detail::check_tensor(op, "out.cnt", out.cnt, 3, {DType::i32});
   detail::check_shape(op, "out.idx", out.idx, {p.B, G, p.Tq(), -1});
   detail::check_shape(op, "out.cnt", out.cnt, {p.B, G, p.Tq()});
   detail::check_last_contiguous(op, "out.idx", out.idx);
+}
+
+void check_tile_output(const std::string& op, const TileLists& out, const ProblemShape& p, std::int64_t G) {
+  check_tile_output_shape(op, out, p, G);
   require_cpu(op, "out.idx", out.idx);
   require_cpu(op, "out.cnt", out.cnt);
 }
@@ -378,18 +379,32 @@ void check_capacity(const std::string& op, const std::vector<std::uint32_t>& wor
     std::int64_t n = 0;
     for (std::int64_t w = 0; w < W; ++w) n += std::popcount(words[static_cast<std::size_t>(r * W + w)]);
     if (n <= Kmax) return std::nullopt;
-    return Fault{"out.idx", std::string(what) + " of tile " + coord_string({r / (G * Tq), r / Tq % G, r % Tq}) +
-                                " holds " + std::to_string(n) + " blocks but Kmax is " + std::to_string(Kmax)};
+    return Fault{"out.idx", detail::over_capacity_message(what, r / (G * Tq), r / Tq % G, r % Tq, n, Kmax)};
   });
 }
 
 }  // namespace
 
 void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p) {
+  block_bits_to_tile_lists(in, out, p, ConvertOptions{});
+}
+
+void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p,
+                              const ConvertOptions& options) {
   const std::string op = "block_bits_to_tile_lists";
-  require_cpu(op, "in.bits", in.bits);
   validate(in, p, op, "in");
   const std::int64_t G = in.bits.shape[1], Tq = p.Tq(), W = bit_words(p);
+  if (in.bits.device != Device::cpu) {
+    // Metadata here, contents on the device (the backend reports them as the CPU path below does).
+    check_tile_output_shape(op, out, p, G);
+    detail::check_same_device(op, "out.idx", out.idx, "in.bits", in.bits);
+    detail::check_same_device(op, "out.cnt", out.cnt, "in.bits", in.bits);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+    if (in.bits.device == Device::cuda) return cuda_backend::block_bits_to_tile_lists(in, out, p, options, op, "in");
+#endif
+    detail::unsupported_device(op, "in.bits", in.bits);
+  }
+  (void)options;
   check_tile_output(op, out, p, G);
   // Gather the words densely first so the capacity check runs before anything is written.
   std::vector<std::uint32_t> words(static_cast<std::size_t>(p.B * G * Tq * W));
@@ -414,11 +429,7 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
   if (in.idx.device != Device::cpu) {
     // Metadata here, contents on the device (the backend reports them as the CPU path below does).
     validate(in, p, op, "in");
-    detail::check_tensor(op, "out.idx", out.idx, 4, {DType::i32});
-    detail::check_tensor(op, "out.cnt", out.cnt, 3, {DType::i32});
-    detail::check_shape(op, "out.idx", out.idx, {p.B, p.Hkv, p.Tq(), -1});
-    detail::check_shape(op, "out.cnt", out.cnt, {p.B, p.Hkv, p.Tq()});
-    detail::check_last_contiguous(op, "out.idx", out.idx);
+    check_tile_output_shape(op, out, p, p.Hkv);
     detail::check_same_device(op, "out.idx", out.idx, "in.idx", in.idx);
     detail::check_same_device(op, "out.cnt", out.cnt, "in.idx", in.idx);
 #if defined(SPARSE_ATTN_WITH_CUDA)

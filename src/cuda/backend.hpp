@@ -21,4 +21,11 @@ void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k
                  const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
                  const AttentionOptions& options);
 
+/// Block-sparse attention over BlockBits on the GPU: the bit sets are converted to TileLists in a
+/// workspace cached per (device, stream) (B x G x Tq x Tk ids; the first call on a stream allocates
+/// it), checked on the device unless options.trusted (one synchronisation), then run by tile_sparse.
+void bits_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                 const BlockBits& bits, const TensorView& out, const std::optional<TensorView>& lse,
+                 const AttentionOptions& options);
+
 }  // namespace sparse_attn::cuda_backend

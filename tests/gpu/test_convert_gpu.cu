@@ -1,4 +1,4 @@
-// GPU tests of query_lists_to_tile_lists on device tensors: ids, order, counts and -1 padding equal to
+// GPU tests of query_lists_to_tile_lists (and, at the end, block_bits_to_tile_lists) on device tensors: ids, order, counts and -1 padding equal to
 // the CPU function's on random lists (empty slots, empty queries, an empty tile, a block every query
 // chose), on awkward shapes (Lq = 1, 17, 1013; Lk not a multiple of 128; causal with Lq < Lk and
 // Lq > Lk; Hkv > 1; B > 1 with different lists; Tk past one compaction round; no slots at all),
@@ -343,6 +343,188 @@ TEST(ConvertGpu, SanitizerSmall) {
   at(bad, p, 1, 0, 150, 4) = 5;  // Tk = 8
   at(bad, p, 1, 0, 150, 3) = 5;
   ASSERT_NO_FATAL_FAILURE(expect_same_error(bad, p, p.Tk(), "in.idx", "duplicate block id 5"));
+}
+
+// ---- BlockBits -> TileLists ------------------------------------------------------------------------
+
+/// Random bit sets [B, G, Tq, W]: each word with density `density` (0..1), bits at or past Tk zero,
+/// tile 1 of every (b, g) empty; G is Hkv unless `G` says otherwise.
+sa::HostTensor random_bits(const sa::ProblemShape& p, std::int64_t G, double density, std::uint64_t seed) {
+  const std::int64_t W = (p.Tk() + 31) / 32;
+  sa::HostTensor bits(sa::DType::u32, {p.B, G, p.Tq(), W});
+  std::mt19937_64 rng(seed);
+  std::bernoulli_distribution on(density);
+  auto* w = bits.data<std::uint32_t>();
+  for (std::int64_t r = 0; r < p.B * G * p.Tq(); ++r)
+    for (std::int64_t x = 0; x < W; ++x) {
+      std::uint32_t word = 0;
+      for (int bit = 0; bit < 32; ++bit)
+        if (x * 32 + bit < p.Tk() && r % p.Tq() != 1 && on(rng)) word |= 1u << bit;
+      w[r * W + x] = word;
+    }
+  return bits;
+}
+
+Tiles poisoned_tiles_g(const sa::ProblemShape& p, std::int64_t G, std::int64_t kmax) {
+  Tiles t{sa::HostTensor(sa::DType::i32, {p.B, G, p.Tq(), kmax}), sa::HostTensor(sa::DType::i32, {p.B, G, p.Tq()})};
+  std::fill(t.idx.data<std::int32_t>(), t.idx.data<std::int32_t>() + t.idx.numel(), kPoison);
+  std::fill(t.cnt.data<std::int32_t>(), t.cnt.data<std::int32_t>() + t.cnt.numel(), kPoison);
+  return t;
+}
+
+Tiles cpu_bits(const sa::HostTensor& bits, const sa::ProblemShape& p, std::int64_t kmax) {
+  Tiles t = poisoned_tiles_g(p, bits.shape()[1], kmax);
+  sa::block_bits_to_tile_lists(sa::BlockBits{bits.view()}, sa::TileLists{t.idx.view(), t.cnt.view()}, p);
+  return t;
+}
+
+Tiles gpu_bits(const sa::HostTensor& bits, const sa::ProblemShape& p, std::int64_t kmax,
+               const sa::ConvertOptions& options = {}) {
+  Tiles t = poisoned_tiles_g(p, bits.shape()[1], kmax);
+  DeviceBuffer db(bits), di(t.idx), dc(t.cnt);
+  sa::block_bits_to_tile_lists(sa::BlockBits{db.view}, sa::TileLists{di.view, dc.view}, p, options);
+  cuda_ok(cudaDeviceSynchronize(), "bits conversion");
+  di.download(t.idx);
+  dc.download(t.cnt);
+  return t;
+}
+
+// Shapes with Tk below, at and past one word and past one warp round of 32 words (Tk 1094: 35 words);
+// G = Hkv and G = Hq; densities from empty to full; roomy, tight and trusted capacities.
+TEST(ConvertGpu, BitsEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  struct BitsCase {
+    const char* name;
+    std::int64_t B, Lq, Lk, Hkv, G;
+    double density;
+  };
+  const BitsCase cases[] = {
+      {"Tk 1", 1, 200, 100, 1, 1, 0.5},         {"Tk 9, Hkv 2", 2, 1013, 1100, 2, 2, 0.3},
+      {"Tk 32, full", 1, 300, 4096, 1, 1, 1.0}, {"Tk 33, G = Hq", 2, 256, 4100, 2, 4, 0.2},
+      {"Tk 1094 (35 words)", 1, 640, 140000, 1, 1, 0.05}, {"empty", 1, 129, 5000, 2, 2, 0.0},
+  };
+  std::uint64_t seed = 40;
+  for (const BitsCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const sa::ProblemShape p = shape(c.B, c.Lq, c.Lk, c.Hkv);
+    const sa::HostTensor bits = random_bits(p, c.G, c.density, ++seed);
+    const std::int64_t roomy = p.Tk() + 3;
+    const Tiles want = cpu_bits(bits, p, roomy);
+    const std::int64_t tight = std::max<std::int64_t>(largest_union(want), 1);  // a host tensor needs storage
+    sa::ConvertOptions trusted;
+    trusted.trusted = true;
+    ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_bits(bits, p, roomy), "roomy Kmax"));
+    ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_bits(bits, p, tight), gpu_bits(bits, p, tight), "tight Kmax"));
+    ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_bits(bits, p, roomy, trusted), "trusted"));
+  }
+}
+
+void expect_same_bits_error(const sa::HostTensor& bits, const sa::ProblemShape& p, std::int64_t kmax,
+                            const std::string& want_arg, const std::string& want_text) {
+  std::optional<sa::Error> cpu_err, gpu_err;
+  try {
+    cpu_bits(bits, p, kmax);
+  } catch (const sa::Error& e) {
+    cpu_err = e;
+  }
+  try {
+    gpu_bits(bits, p, kmax);
+  } catch (const sa::Error& e) {
+    gpu_err = e;
+  }
+  ASSERT_TRUE(cpu_err.has_value()) << "the CPU accepted bits the test made invalid";
+  ASSERT_TRUE(gpu_err.has_value()) << "the device accepted bits the CPU rejects: " << cpu_err->what();
+  EXPECT_EQ(cpu_err->argument(), want_arg) << cpu_err->what();
+  EXPECT_NE(std::string(cpu_err->what()).find(want_text), std::string::npos) << cpu_err->what();
+  EXPECT_EQ(gpu_err->argument(), cpu_err->argument());
+  EXPECT_STREQ(gpu_err->what(), cpu_err->what());
+}
+
+// Stray bits (the first row in row-major order, its lowest stray bit) before any row over capacity;
+// a trusted conversion drops stray bits and needs Kmax >= Tk.
+TEST(ConvertGpu, BitsErrorsAsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 600, 1100, 2);  // Tk = 9, Tq = 5, one word
+  const sa::HostTensor base = random_bits(p, p.Hkv, 0.3, 7);
+  auto word = [&](sa::HostTensor& b, std::int64_t bb, std::int64_t g, std::int64_t t) -> std::uint32_t& {
+    return b.data<std::uint32_t>()[(bb * p.Hkv + g) * p.Tq() + t];
+  };
+  {
+    sa::HostTensor b = base;
+    word(b, 1, 1, 4) |= 1u << 20;
+    word(b, 1, 0, 2) |= (1u << 12) | (1u << 30);  // earlier row: bit 12 (block 12) reported
+    ASSERT_NO_FATAL_FAILURE(expect_same_bits_error(b, p, p.Tk(), "in.bits", "stray bit 12 (block 12) set in the word at [1, 0, 2, 0]"));
+  }
+  {
+    sa::HostTensor b = base;
+    word(b, 0, 1, 3) = 0x1ffu;  // 9 blocks: over a Kmax of 8
+    word(b, 1, 1, 0) = 0x1ffu;
+    ASSERT_NO_FATAL_FAILURE(expect_same_bits_error(b, p, 8, "out.idx", "the bit set of tile [0, 1, 3] holds 9 blocks but Kmax is 8"));
+    word(b, 1, 1, 4) |= 1u << 9;  // a stray bit in a later row still comes first
+    ASSERT_NO_FATAL_FAILURE(expect_same_bits_error(b, p, 8, "in.bits", "stray bit 9 (block 9)"));
+  }
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  try {
+    gpu_bits(base, p, p.Tk() - 1, trusted);
+    FAIL() << "a trusted conversion with Kmax below Tk must be refused";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "out.idx") << e.what();
+  }
+  sa::HostTensor stray = base;
+  word(stray, 0, 0, 0) |= 0xfffffe00u;
+  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_bits(base, p, p.Tk()), gpu_bits(stray, p, p.Tk(), trusted), "trusted, stray bits"));
+}
+
+// Bits that are a column slice of wider rows, outputs with padded rows, on a caller's stream.
+TEST(ConvertGpu, BitsStridedOnAStream) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 300, 9000, 2);  // Tk = 71, W = 3
+  const std::int64_t W = 3, wide = W + 2, kmax = p.Tk(), kpad = kmax + 4;
+  const sa::HostTensor packed = random_bits(p, p.Hkv, 0.3, 5);
+  sa::HostTensor wide_bits(sa::DType::u32, {p.B, p.Hkv, p.Tq(), wide});
+  std::fill(wide_bits.data<std::uint32_t>(), wide_bits.data<std::uint32_t>() + wide_bits.numel(), 0xffffffffu);
+  for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r)
+    std::memcpy(wide_bits.data<std::uint32_t>() + r * wide, packed.data<std::uint32_t>() + r * W, W * 4);
+  const Tiles want = cpu_bits(packed, p, kmax);
+  Tiles got = poisoned_tiles_g(p, p.Hkv, kpad);
+  DeviceBuffer db(wide_bits), di(got.idx), dc(got.cnt);
+  sa::TensorView bv = db.view;
+  bv.shape[3] = W;
+  sa::TensorView iv = di.view;
+  iv.shape[3] = kmax;
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  sa::ConvertOptions options;
+  options.stream = stream;
+  sa::block_bits_to_tile_lists(sa::BlockBits{bv}, sa::TileLists{iv, dc.view}, p, options);
+  cuda_ok(cudaStreamSynchronize(stream), "conversion on the stream");
+  cuda_ok(cudaStreamDestroy(stream), "stream");
+  di.download(got.idx);
+  dc.download(got.cnt);
+  for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r) {
+    for (std::int64_t k = 0; k < kmax; ++k)
+      ASSERT_EQ(want.idx.data<std::int32_t>()[r * kmax + k], got.idx.data<std::int32_t>()[r * kpad + k]) << r << ", " << k;
+    for (std::int64_t k = kmax; k < kpad; ++k) ASSERT_EQ(got.idx.data<std::int32_t>()[r * kpad + k], kPoison) << r;
+    ASSERT_EQ(want.cnt.data<std::int32_t>()[r], got.cnt.data<std::int32_t>()[r]) << r;
+  }
+}
+
+// Small enough for compute-sanitizer: checked, tight and trusted bit conversions, then a stray bit.
+TEST(ConvertGpu, BitsSanitizerSmall) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 300, 4300, 2);  // Tk = 34, W = 2
+  const sa::HostTensor bits = random_bits(p, p.Hkv, 0.3, 3);
+  const Tiles want = cpu_bits(bits, p, p.Tk());
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_bits(bits, p, p.Tk()), "checked"));
+  ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_bits(bits, p, p.Tk(), trusted), "trusted"));
+  const std::int64_t tight = largest_union(want);
+  ASSERT_NO_FATAL_FAILURE(expect_equal(cpu_bits(bits, p, tight), gpu_bits(bits, p, tight), "tight"));
+  sa::HostTensor bad = bits;
+  bad.data<std::uint32_t>()[5 * 2 + 1] |= 1u << 3;  // row 5, word 1: block 35 >= Tk
+  ASSERT_NO_FATAL_FAILURE(expect_same_bits_error(bad, p, p.Tk(), "in.bits", "stray bit 3 (block 35)"));
 }
 
 // Time of the conversion on the shapes of the planner's fit (trusted: one launch; checked: the launch,

@@ -639,3 +639,93 @@ TEST(TileAttentionGpu, PublicOperatorsDispatchToCuda) {
   EXPECT_EQ(0, std::memcmp(a.view().data, b.view().data, da.bytes)) << "sparse_attn::dense";
   EXPECT_EQ(0, std::memcmp(c.view().data, d.view().data, da.bytes)) << "sparse_attn::tile_sparse";
 }
+
+// bits_sparse on the GPU: the public operator on device bit sets (made from random lists by the CPU
+// conversion) against the reference of the same BlockBits, per group and per head, causal and not,
+// D = 64 and 128; where no tail is split (causal) its output equals tile_sparse's on the same lists bit
+// for bit. Stray bits are reported as on the CPU; trusted bits skip the check.
+TEST(TileAttentionGpu, BitsSparse) {
+  SKIP_WITHOUT_GPU();
+  const Case cases[] = {
+      {"bits bf16 per group", sa::DType::bf16, 2, 1013, 1500, 2, 2, false, false, false, 5},
+      {"bits bf16 causal per head", sa::DType::bf16, 2, 1013, 1500, 4, 2, true, false, true, 6},
+      {"bits f16 causal Lq>Lk", sa::DType::f16, 2, 400, 333, 4, 1, true, false, false, 3},
+      {"bits D=64 bf16 Tk=35", sa::DType::bf16, 1, 300, 4400, 4, 1, false, false, false, 12, 0.0f, 64},
+  };
+  std::uint64_t seed = 9000;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const CaseData d = make_case(c, seed += 10);
+    const std::int64_t G = c.per_head ? d.p.Hq : d.p.Hkv;
+    sa::HostTensor bits(sa::DType::u32, {d.p.B, G, d.p.Tq(), sa::ceil_div(d.p.Tk(), std::int64_t{32})});
+    sa::tile_lists_to_block_bits(sa::TileLists{d.idx.view(), d.cnt.view()}, sa::BlockBits{bits.view()}, d.p);
+    sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D}), lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
+    st::poison(out);
+    st::poison(lse);
+    DeviceTensor dq(d.q), dk(d.k), dv(d.v), dbits(bits), dout(out), dlse(lse);
+    sa::bits_sparse(dq.view, dk.view, dv.view, sa::BlockBits{dbits.view}, dout.view, dlse.view, d.opt);
+    cuda_ok(cudaDeviceSynchronize(), "bits_sparse");
+    dout.download(out);
+    dlse.download(lse);
+    check_against_reference(c, d.q, d.k, d.v, sa::BlockBits{bits.view()}, d.p, out, lse, d.scale);
+    if (c.causal) {
+      const auto [tout, tlse] = run_gpu(c, d);
+      EXPECT_EQ(0, std::memcmp(out.view().data, tout.view().data, dout.bytes)) << "out differs from tile_sparse";
+      EXPECT_EQ(0, std::memcmp(lse.view().data, tlse.view().data, dlse.bytes)) << "lse differs from tile_sparse";
+    }
+    // Trusted: the same bits give the same result without the check.
+    sa::AttentionOptions trusted = d.opt;
+    trusted.trusted = true;
+    sa::HostTensor out2 = out;
+    st::poison(out2);
+    DeviceTensor dout2(out2);
+    sa::bits_sparse(dq.view, dk.view, dv.view, sa::BlockBits{dbits.view}, dout2.view, std::nullopt, trusted);
+    cuda_ok(cudaDeviceSynchronize(), "bits_sparse trusted");
+    dout2.download(out2);
+    EXPECT_EQ(0, std::memcmp(out.view().data, out2.view().data, dout.bytes)) << "trusted run differs";
+  }
+  // A stray bit (block 12 of Tk = 12) in row (1, 1, 3): the CPU's error, argument and text.
+  const Case c{"bits stray", sa::DType::bf16, 2, 600, 1500, 2, 2, false, false, false, 3};
+  const CaseData d = make_case(c, 9100);
+  sa::HostTensor bits(sa::DType::u32, {d.p.B, d.p.Hkv, d.p.Tq(), 1});
+  sa::tile_lists_to_block_bits(sa::TileLists{d.idx.view(), d.cnt.view()}, sa::BlockBits{bits.view()}, d.p);
+  bits.data<std::uint32_t>()[(1 * 2 + 1) * d.p.Tq() + 3] |= 1u << 12;
+  sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D});
+  std::string cpu_msg;
+  try {
+    sa::bits_sparse(d.q.view(), d.k.view(), d.v.view(), sa::BlockBits{bits.view()}, out.view());
+  } catch (const sa::Error& e) {
+    cpu_msg = e.what();
+  }
+  ASSERT_FALSE(cpu_msg.empty()) << "the CPU accepted a stray bit";
+  DeviceTensor dq(d.q), dk(d.k), dv(d.v), dbits(bits), dout(out);
+  try {
+    sa::bits_sparse(dq.view, dk.view, dv.view, sa::BlockBits{dbits.view}, dout.view);
+    ADD_FAILURE() << "the device accepted a stray bit";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.argument(), "bits.bits") << e.what();
+    EXPECT_EQ(std::string(e.what()), cpu_msg);
+    EXPECT_NE(cpu_msg.find("stray bit 12 (block 12) set in the word at [1, 1, 3, 0]"), std::string::npos) << cpu_msg;
+  }
+}
+
+// Small enough for compute-sanitizer: the public bits_sparse on device bits, checked and trusted.
+TEST(TileAttentionGpu, BitsSanitizerSmall) {
+  SKIP_WITHOUT_GPU();
+  const Case c{"small bits causal", sa::DType::bf16, 2, 300, 520, 2, 1, true, false, false, 3};
+  const CaseData d = make_case(c, 3030);
+  sa::HostTensor bits(sa::DType::u32, {d.p.B, d.p.Hkv, d.p.Tq(), 1});
+  sa::tile_lists_to_block_bits(sa::TileLists{d.idx.view(), d.cnt.view()}, sa::BlockBits{bits.view()}, d.p);
+  sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D}), lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
+  st::poison(out);
+  st::poison(lse);
+  DeviceTensor dq(d.q), dk(d.k), dv(d.v), dbits(bits), dout(out), dlse(lse);
+  sa::bits_sparse(dq.view, dk.view, dv.view, sa::BlockBits{dbits.view}, dout.view, dlse.view, d.opt);
+  sa::AttentionOptions trusted = d.opt;
+  trusted.trusted = true;
+  sa::bits_sparse(dq.view, dk.view, dv.view, sa::BlockBits{dbits.view}, dout.view, dlse.view, trusted);
+  cuda_ok(cudaDeviceSynchronize(), "bits_sparse");
+  dout.download(out);
+  dlse.download(lse);
+  check_against_reference(c, d.q, d.k, d.v, sa::BlockBits{bits.view()}, d.p, out, lse, d.scale);
+}

@@ -319,6 +319,25 @@ def test_cuda_sparse_executors_and_selectors(op):
 
 @pytest.mark.cuda
 @requires_cuda
+def test_cuda_block_bits_to_tile_lists_equals_the_cpu():
+    p = sa.ProblemShape(B=2, Lq=300, Lk=4400, Hq=4, Hkv=2, D=128)  # Tk = 35: two words per tile
+    idx, cnt = random_tile_lists(np.random.default_rng(4), 2, 2, 3, 35, kmax=9)
+    bits = sa.tile_lists_to_block_bits(idx, cnt, p)
+    want_idx, want_cnt = sa.block_bits_to_tile_lists(bits, p, kmax=35)
+    dbits = torch.from_numpy(bits.view(np.int32)).cuda().view(torch.uint32)
+    for trusted in (False, True):
+        got_idx, got_cnt = sa.block_bits_to_tile_lists(dbits, p, kmax=35, trusted=trusted)
+        assert got_idx.is_cuda
+        np.testing.assert_array_equal(got_idx.cpu().numpy(), want_idx)
+        np.testing.assert_array_equal(got_cnt.cpu().numpy(), want_cnt)
+    bad = bits.copy()
+    bad[1, 0, 2, 1] |= np.uint32(1 << 5)  # block 37 >= Tk
+    with pytest.raises(ValueError, match=r"block_bits_to_tile_lists: argument 'in\.bits'.*stray bit 5 \(block 37\)"):
+        sa.block_bits_to_tile_lists(torch.from_numpy(bad.view(np.int32)).cuda().view(torch.uint32), p)
+
+
+@pytest.mark.cuda
+@requires_cuda
 def test_cuda_graph_capture_of_a_custom_op():
     q, k, v = _qkv(1, 256, 512, 4, 1, 128, torch.bfloat16, device="cuda")
     out = torch.empty_like(q)

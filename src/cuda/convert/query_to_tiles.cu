@@ -18,13 +18,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <map>
 #include <mutex>
 #include <string>
 
 #include "core/check.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/convert/backend.hpp"
+#include "cuda/convert/fault_word.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
 
@@ -36,7 +36,6 @@ constexpr int kWarps = kThreads / 32;
 // function reports them: every list fault (validation runs over all rows first) before any capacity
 // fault. List fault: (row-major slot position << 1) | code. Capacity fault: bit 63, then the tile
 // (row-major (b, group, Q tile)) above the union's size, which needs 25 bits for Tk <= 2^24.
-constexpr unsigned long long kNoFault = ~0ull;
 constexpr unsigned long long kCapacityClass = 1ull << 63;
 constexpr int kUnionBits = 25;
 constexpr unsigned kBadValue = 0;  // below -1 or at or past Tk
@@ -169,23 +168,9 @@ struct DeviceGuard : cuda_kernels::DeviceGuard {
   explicit DeviceGuard(int device) : cuda_kernels::DeviceGuard(device, kOp) {}
 };
 
-// One fault word per device, never freed (freeing at exit could run after the runtime has shut
-// down). g_fault_mutex is held from the reset to the read-back: calls on different streams or host
-// threads must not share the word at the same time.
-std::mutex g_fault_mutex;
-unsigned long long* fault_word(int device) {
-  static auto* words = new std::map<int, unsigned long long*>();
-  unsigned long long*& w = (*words)[device];
-  if (w == nullptr) check_cuda(cudaMalloc(&w, sizeof(unsigned long long)), "fault word allocation");
-  return w;
-}
-
 template <class T>
 T read_back(const T* ptr, cudaStream_t stream) {
-  T v{};
-  check_cuda(cudaMemcpyAsync(&v, ptr, sizeof(T), cudaMemcpyDeviceToHost, stream), "reading the fault back");
-  check_cuda(cudaStreamSynchronize(stream), "reading the fault back");
-  return v;
+  return cv::read_back(ptr, stream, kOp);
 }
 
 // The CPU function's message for the fault `f` (formats.cpp: list_row_fault and check_capacity).
@@ -194,8 +179,8 @@ T read_back(const T* ptr, cudaStream_t stream) {
     const long long tile = static_cast<long long>((f & ~cv::kCapacityClass) >> cv::kUnionBits);
     const long long n = static_cast<long long>(f & ((1ull << cv::kUnionBits) - 1));
     const long long Tq = p.Tq();
-    throw Error(kOp, "out.idx", "the union of tile " + coord_string({tile / (p.Hkv * Tq), tile / Tq % p.Hkv, tile % Tq}) +
-                                    " holds " + std::to_string(n) + " blocks but Kmax is " + std::to_string(prm.Kmax));
+    throw Error(kOp, "out.idx",
+                detail::over_capacity_message("the union", tile / (p.Hkv * Tq), tile / Tq % p.Hkv, tile % Tq, n, prm.Kmax));
   }
   const unsigned code = static_cast<unsigned>(f & 1u);
   const long long pos = static_cast<long long>(f >> 1);
@@ -277,8 +262,8 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
   };
   if (options.trusted) return launch();
 
-  std::lock_guard<std::mutex> lock(g_fault_mutex);
-  prm.fault = fault_word(in.idx.device_index);
+  std::lock_guard<std::mutex> lock(cv::fault_mutex());
+  prm.fault = cv::fault_word(in.idx.device_index, kOp);
   check_cuda(cudaMemsetAsync(prm.fault, 0xff, sizeof(unsigned long long), stream), "fault word reset");
   launch();
   const unsigned long long f = read_back(prm.fault, stream);
