@@ -93,7 +93,11 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                   const std::optional<TensorView>& lse = std::nullopt,
                   const QuerySparseOptions& options = {});
 
-/// Attention over per-query key positions, shared by the heads of a group.
+/// Attention over per-query key positions, shared by the heads of a group. On the GPU one warp takes
+/// a query and up to 16 heads of its group and gathers the listed K/V rows (docs/notes/token_sparse.md);
+/// unless options.trusted the lists are checked on the device first (one synchronisation; errors as
+/// on the CPU). Checked lists need a bit set of Lk positions in shared memory (Lk up to about 1.8 M on
+/// the H200).
 void token_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                   const TokenLists& tokens, const TensorView& out,
                   const std::optional<TensorView>& lse = std::nullopt,

@@ -130,6 +130,9 @@ void token_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = make_args("token_sparse", q, k, v, out, lse, options);
   check_selection("token_sparse", tokens, a.p, q, options);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) return cuda_backend::token_sparse(a.p, q, k, v, tokens, out, lse, options);
+#endif
   if (q.device == Device::cuda) detail::unsupported_device("token_sparse", "q", q);
   detail::cpu::token_sparse(a, tokens);
 }

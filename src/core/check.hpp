@@ -58,6 +58,15 @@ std::string stray_bit_message(int bit, std::int64_t W, std::int64_t b, std::int6
 std::string over_capacity_message(const char* what, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t n,
                                   std::int64_t Kmax);
 
+/// The first fault of one row of a QueryLists (`tokens` false: block ids below `extent` = Tk) or
+/// TokenLists (key positions below `extent` = Lk) of K contiguous entries, as validate() reports it
+/// (entries >= -1, in range, no repeat: a repeat at its second occurrence), with the row's coordinates
+/// (b, g, i) and the slot in the message; nullopt for a valid row. `scratch` holds duplicate stamps
+/// keyed by the row number r (reused across rows).
+std::optional<std::string> list_row_message(const std::int32_t* row, std::int64_t K, std::int64_t extent, bool tokens,
+                                            std::int64_t b, std::int64_t g, std::int64_t i, std::int64_t r,
+                                            std::vector<std::int64_t>& scratch);
+
 /// Throws the standard "no implementation on this device" error.
 [[noreturn]] void unsupported_device(const std::string& op, const std::string& name, const TensorView& t);
 

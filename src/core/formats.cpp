@@ -214,23 +214,11 @@ std::optional<Fault> bits_row_fault(const BlockBits& s, const std::string& name,
 /// no duplicates.
 std::optional<Fault> list_row_fault(const TensorView& idx, const std::string& arg, const ProblemShape& p, bool tokens,
                                     std::int64_t r, std::vector<std::int64_t>& scratch) {
-  const std::int64_t K = idx.shape[3];
   const std::int64_t extent = tokens ? p.Lk : p.Tk();
-  const char* what = tokens ? "token position " : "block id ";
   const std::int64_t b = r / (p.Hkv * p.Lq), g = r / p.Lq % p.Hkv, i = r % p.Lq;
   const auto* row = reinterpret_cast<const std::int32_t*>(detail::addr4(idx, b, g, i, 0));
-  for (std::int64_t k = 0; k < K; ++k) {
-    const std::int32_t v = row[k];
-    if (v == -1) continue;
-    if (v >= 0 && v < extent && !seen_before(scratch, extent, r, v)) continue;
-    // Fault path only: build the coordinate string now.
-    const std::string at = coord_string({b, g, i, k});
-    if (v < -1)
-      return Fault{arg, "invalid value " + std::to_string(v) + " at " + at + " (only -1 may mark an empty slot)"};
-    if (v >= extent)
-      return Fault{arg, what + std::to_string(v) + " at " + at + " is out of range " + range_string(extent)};
-    return Fault{arg, "duplicate " + (what + std::to_string(v)) + " at " + at};
-  }
+  if (std::optional<std::string> m = detail::list_row_message(row, idx.shape[3], extent, tokens, b, g, i, r, scratch))
+    return Fault{arg, std::move(*m)};
   return std::nullopt;
 }
 
@@ -239,6 +227,27 @@ void require_cpu(const std::string& op, const std::string& arg, const TensorView
 }
 
 }  // namespace
+
+namespace detail {
+
+std::optional<std::string> list_row_message(const std::int32_t* row, std::int64_t K, std::int64_t extent, bool tokens,
+                                            std::int64_t b, std::int64_t g, std::int64_t i, std::int64_t r,
+                                            std::vector<std::int64_t>& scratch) {
+  const char* what = tokens ? "token position " : "block id ";
+  for (std::int64_t k = 0; k < K; ++k) {
+    const std::int32_t v = row[k];
+    if (v == -1) continue;
+    if (v >= 0 && v < extent && !seen_before(scratch, extent, r, v)) continue;
+    // Fault path only: build the coordinate string now.
+    const std::string at = coord_string({b, g, i, k});
+    if (v < -1) return "invalid value " + std::to_string(v) + " at " + at + " (only -1 may mark an empty slot)";
+    if (v >= extent) return what + std::to_string(v) + " at " + at + " is out of range " + range_string(extent);
+    return "duplicate " + (what + std::to_string(v)) + " at " + at;
+  }
+  return std::nullopt;
+}
+
+}  // namespace detail
 
 // ---- validation --------------------------------------------------------------------------------
 

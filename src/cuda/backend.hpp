@@ -28,4 +28,11 @@ void bits_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k
                  const BlockBits& bits, const TensorView& out, const std::optional<TensorView>& lse,
                  const AttentionOptions& options);
 
+/// Attention over TokenLists on the GPU (one warp per query and up to 16 heads of its group, the
+/// listed K/V rows gathered by cp.async, mma.sync). Unless options.trusted, the lists are checked on
+/// the device first (one kernel and a synchronisation; errors as the CPU's).
+void token_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TokenLists& tokens, const TensorView& out, const std::optional<TensorView>& lse,
+                  const AttentionOptions& options);
+
 }  // namespace sparse_attn::cuda_backend
