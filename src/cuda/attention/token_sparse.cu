@@ -5,8 +5,8 @@
 // m16n8k16 (groups above 16 heads take several units). A unit belongs to one warp, which
 //   1. copies its Q rows into shared memory (rows past the group zero-filled) and keeps them as A
 //      fragments in registers;
-//   2. walks the list in chunks of 32 slots: lane l reads slot l's position (two chunks ahead, so the
-//      load is never waited for), and the warp gathers the chunk's K and V rows with cp.async into one
+//   2. walks the list in chunks of 32 slots: lane l reads slot l's position two chunks ahead (the
+//      load is consumed a step later, so it is never waited for), and the warp gathers the chunk's K and V rows with cp.async into one
 //      of two shared-memory stages (a chunk ahead of its use), whole rows per instruction; empty slots,
 //      positions out of range and keys in the query's causal future are zero-filled and masked;
 //   3. runs the online softmax over each chunk: S = Q K^T (4 n-tiles of 8 keys), P from the S
@@ -118,21 +118,23 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
   }
   cp_async_commit();
 
-  // Slot l of chunk c: its position if it is a key this query sees, else -1.
+  // Slot l of chunk c as listed (-1 past Kt). The load is only consumed a step later (`visible` is
+  // applied where the position is used), so no step waits for it.
   const auto position = [&](int c) {
     const int s = c * kChunk + lane;
-    if (s >= p.Kt) return -1;
-    const int x = list[static_cast<long long>(s) * p.idx_stride[3]];
-    return x >= 0 && x < p.Lk && x <= limit ? x : -1;
+    return s < p.Kt ? list[static_cast<long long>(s) * p.idx_stride[3]] : -1;
   };
+  // A key this query sees: listed, in range (also for trusted lists) and not in its causal future.
+  const auto visible = [&](int x) { return x >= 0 && x < p.Lk && x <= limit; };
   // The chunk's K and V rows into `stage`, whole rows per instruction; masked slots are zero-filled.
   const auto gather = [&](int pos, int stage) {
 #pragma unroll
     for (int it = 0; it < kChunk / kRowsPerCopy; ++it) {
       const int r = it * kRowsPerCopy + lane / kPieces, c = lane % kPieces;
       const int x = __shfl_sync(0xffffffffu, pos, r);
-      const int bytes = x >= 0 ? 16 : 0;
-      const long long xr = x >= 0 ? x : 0;
+      const bool ok = visible(x);
+      const int bytes = ok ? 16 : 0;
+      const long long xr = ok ? x : 0;
       cp_async_16(smem_addr(&sm.k[stage][r * kRow + c * 8]), row_ptr(p.k, p.k_stride, b, xr, g) + c * 8, bytes);
       cp_async_16(smem_addr(&sm.v[stage][r * kRow + c * 8]), row_ptr(p.v, p.v_stride, b, xr, g) + c * 8, bytes);
     }
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
       cp_async_wait<0>();
     }
     __syncwarp();
-    const unsigned valid = __ballot_sync(0xffffffffu, pos_c >= 0);
+    const unsigned valid = __ballot_sync(0xffffffffu, visible(pos_c));
     if (valid != 0u) {
       // S = Q K^T for 4 n-tiles of 8 keys.
       float s[4][4];
