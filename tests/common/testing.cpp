@@ -6,6 +6,7 @@
 #include <random>
 
 #include "core/cpu.hpp"
+#include <gtest/gtest.h>
 
 namespace sparse_attn::testing {
 
@@ -129,6 +130,31 @@ double lse_max_err(const HostTensor& lse, const std::vector<double>& ref) {
     m = std::max(m, std::abs(x - r));
   }
   return m;
+}
+
+std::int64_t expect_empty_rows(const HostTensor& out, const HostTensor& lse, const Reference& ref, const std::string& what) {
+  const auto& os = out.shape();
+  const std::int64_t B = os[0], Lq = os[1], Hq = os[2], D = os[3];
+  std::int64_t empty = 0;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t i = 0; i < Lq; ++i) {
+        const std::int64_t li = (b * Hq + h) * Lq + i;
+        if (!std::isinf(ref.lse[static_cast<std::size_t>(li)])) continue;
+        ++empty;
+        const double l = element(lse, li);
+        if (!(std::isinf(l) && l < 0)) {
+          ADD_FAILURE() << what << ": lse of (b " << b << ", head " << h << ", query " << i << ") sees no key but is " << l;
+          return empty;
+        }
+        for (std::int64_t e = 0; e < D; ++e)
+          if (element(out, ((b * Lq + i) * Hq + h) * D + e) != 0.0) {
+            ADD_FAILURE() << what << ": out of (b " << b << ", head " << h << ", query " << i
+                          << ") sees no key but element " << e << " is " << element(out, ((b * Lq + i) * Hq + h) * D + e);
+            return empty;
+          }
+      }
+  return empty;
 }
 
 }  // namespace sparse_attn::testing

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "sparse_attn/sparse_attn.hpp"
@@ -22,6 +23,11 @@ struct Reference {
   std::vector<double> out;  // [B, Lq, Hq, D]
   std::vector<double> lse;  // [B, Hq, Lq]; -inf for a query that sees no key
 };
+
+/// Queries that see no key (reference lse -inf): requires lse exactly -inf and out exactly 0 in the
+/// result (out [B, Lq, Hq, D] and lse [B, Hq, Lq], densely packed); failures name `what` and the
+/// (b, head, query). Returns the number of such rows.
+std::int64_t expect_empty_rows(const HostTensor& out, const HostTensor& lse, const Reference& ref, const std::string& what);
 
 /// Softmax attention in float64 over the explicit mask of `selection` (selection_row), with the
 /// inputs read exactly as stored. A query with an empty row gets out = 0, lse = -inf.

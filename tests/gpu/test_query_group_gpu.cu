@@ -107,18 +107,7 @@ void check_against_reference(const Case& c, const Inputs& in, const Result& r) {
   EXPECT_LE(rel, tol.rel);
   EXPECT_LE(max_abs, tol.max_abs_frac * ref_max) << "max |ref| " << ref_max;
   EXPECT_LE(lse_err, tol.lse_abs);
-  std::int64_t empty = 0;
-  for (std::int64_t b = 0; b < c.B; ++b)
-    for (std::int64_t h = 0; h < c.Hq; ++h)
-      for (std::int64_t i = 0; i < c.Lq; ++i) {
-        const std::int64_t li = (b * c.Hq + h) * c.Lq + i;
-        if (!std::isinf(ref.lse[static_cast<std::size_t>(li)])) continue;
-        ++empty;
-        ASSERT_TRUE(std::isinf(st::element(r.lse, li)) && st::element(r.lse, li) < 0) << "lse[" << li << "]";
-        for (std::int64_t d = 0; d < c.D; ++d)
-          ASSERT_EQ(st::element(r.out, ((b * c.Lq + i) * c.Hq + h) * c.D + d), 0.0)
-              << "empty row (b " << b << ", query " << i << ", head " << h << ")";
-      }
+  const std::int64_t empty = st::expect_empty_rows(r.out, r.lse, ref, c.name);
   std::printf("[ %-36s ] relerr %.3e  max_abs %.3e  lse_err %.3e  empty rows %lld\n", c.name.c_str(), rel, max_abs,
               lse_err, static_cast<long long>(empty));
 }

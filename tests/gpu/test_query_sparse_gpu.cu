@@ -91,10 +91,6 @@ Result run_gpu(const Case& c, const Inputs& in) {
   return r;
 }
 
-std::string coord(std::int64_t b, std::int64_t i, std::int64_t h) {
-  return "(b " + std::to_string(b) + ", query " + std::to_string(i) + ", head " + std::to_string(h) + ")";
-}
-
 struct Tolerance {
   double rel, max_abs_frac, lse_abs;
 };
@@ -132,17 +128,7 @@ void check_case(const Case& c, std::uint64_t seed) {
   EXPECT_LE(max_abs, tol.max_abs_frac * ref_max) << "max |ref| " << ref_max;
   EXPECT_LE(lse_err, tol.lse_abs);
   // Queries that see nothing: lse exactly -inf and out exactly 0.
-  std::int64_t empty = 0;
-  for (std::int64_t b = 0; b < c.B; ++b)
-    for (std::int64_t h = 0; h < c.Hq; ++h)
-      for (std::int64_t i = 0; i < c.Lq; ++i) {
-        const std::int64_t li = (b * c.Hq + h) * c.Lq + i;
-        if (!std::isinf(ref.lse[static_cast<std::size_t>(li)])) continue;
-        ++empty;
-        ASSERT_TRUE(std::isinf(st::element(r.lse, li)) && st::element(r.lse, li) < 0) << "lse[" << li << "]";
-        for (std::int64_t d = 0; d < c.D; ++d)
-          ASSERT_EQ(st::element(r.out, ((b * c.Lq + i) * c.Hq + h) * c.D + d), 0.0) << "empty row " << coord(b, i, h);
-      }
+  const std::int64_t empty = st::expect_empty_rows(r.out, r.lse, ref, c.name);
   std::printf("[ %-34s ] relerr %.3e  max_abs %.3e  lse_err %.3e  empty rows %lld\n", c.name.c_str(), rel, max_abs,
               lse_err, static_cast<long long>(empty));
 }

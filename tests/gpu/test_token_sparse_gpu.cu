@@ -163,19 +163,7 @@ void check_result(const Case& c, const st::Reference& ref, const Result& r) {
   EXPECT_LE(rel, tol.rel) << c.name << ": relative error";
   EXPECT_LE(max_abs, tol.max_abs_frac * ref_max) << c.name << ": max element error (max |ref| " << ref_max << ")";
   EXPECT_LE(lse_err, tol.lse_abs) << c.name << ": lse error";
-  std::int64_t empty = 0;
-  for (std::int64_t b = 0; b < c.B; ++b)
-    for (std::int64_t h = 0; h < c.Hq; ++h)
-      for (std::int64_t i = 0; i < c.Lq; ++i) {
-        const std::int64_t li = (b * c.Hq + h) * c.Lq + i;
-        if (!std::isinf(ref.lse[static_cast<std::size_t>(li)])) continue;
-        ++empty;
-        ASSERT_TRUE(std::isinf(st::element(r.lse, li)) && st::element(r.lse, li) < 0)
-            << c.name << ": lse of (b " << b << ", head " << h << ", query " << i << ") is " << st::element(r.lse, li);
-        for (std::int64_t e = 0; e < c.D; ++e)
-          ASSERT_EQ(st::element(r.out, ((b * c.Lq + i) * c.Hq + h) * c.D + e), 0.0)
-              << c.name << ": out of (b " << b << ", head " << h << ", query " << i << ") sees no key, element " << e;
-      }
+  const std::int64_t empty = st::expect_empty_rows(r.out, r.lse, ref, c.name);
   std::printf("[ %-40s ] relerr %.3e  max_abs %.3e  lse_err %.3e  empty rows %lld\n", c.name.c_str(), rel, max_abs,
               lse_err, static_cast<long long>(empty));
 }
