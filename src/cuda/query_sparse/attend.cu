@@ -231,6 +231,28 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
   }
 }
 
+/// One end-of-work tile per consumer after `produced[c]` tiles (two plain arrivals per gathering
+/// thread: no copies).
+template <int D>
+__device__ __forceinline__ void end_of_work(AttendSmem<D>& sm, const int (&produced)[kC], int t) {
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int n = produced[c], b = n & 1;
+    sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+    if (t == 0) sm.head[c][b].end = 1;
+    sm.q_full[c][b].arrive();
+    sm.q_full[c][b].arrive();
+  }
+}
+
+/// ent[tile] without dynamic indexing (which would put the array in local memory).
+__device__ __forceinline__ int entry_of(const int (&ent)[kTilesPerItem], int tile) {
+  int e = ent[0];
+#pragma unroll
+  for (int k = 1; k < kTilesPerItem; ++k) e = tile == k ? ent[k] : e;
+  return e;
+}
+
 /// CSR entry of row t of a tile (the piece producer's gather threads own one row each); -1 past the item.
 __device__ __forceinline__ int row_entry_own(const Params& p, const ItemInfo& f, int tile, int t) {
   const int row = tile * kTileRowsQ + t;
@@ -336,9 +358,7 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
           pos = static_cast<int>(kv.count);
           for (int k = 0; k < per_round; ++k) kv.advance();
         }
-        int ent = ent_cur[0];  // ent_cur[tile] without dynamic indexing (which would put it in local memory)
-#pragma unroll
-        for (int k = 1; k < kTilesPerItem; ++k) ent = tile == k ? ent_cur[k] : ent;
+        const int ent = entry_of(ent_cur, tile);
         const int c = turn;
         turn = turn + 1 == kC ? 0 : turn + 1;
         int n = 0;
@@ -373,15 +393,7 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
       it2 = it3;
     }
   }
-  // One end-of-work tile per consumer (two plain arrivals per thread: no copies).
-#pragma unroll
-  for (int c = 0; c < kC; ++c) {
-    const int n = produced[c], b = n & 1;
-    sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-    if (t == 0) sm.head[c][b].end = 1;
-    sm.q_full[c][b].arrive();
-    sm.q_full[c][b].arrive();
-  }
+  end_of_work(sm, produced, t);
 }
 
 // The K/V walk (one thread): per item, the single block once, or per round of up to kC tiles the
@@ -509,9 +521,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
       // Tile `tile` to the next consumer in turn: its Q rows and header. Consecutive tiles go to
       // consecutive consumers (across items too, so that items of one tile spread over all of them).
       const auto hand_out = [&](int tile, int kv_stage, std::uint32_t kv_phase, bool last) {
-        int ent = ent_cur[0];  // ent_cur[tile] without dynamic indexing (which would put it in local memory)
-#pragma unroll
-        for (int k = 1; k < kTilesPerItem; ++k) ent = tile == k ? ent_cur[k] : ent;
+        const int ent = entry_of(ent_cur, tile);
         const int c = turn;
         turn = turn + 1 == kC ? 0 : turn + 1;
         int n = 0;
@@ -548,15 +558,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
       it2 = it3;
     }
   }
-  // One end-of-work tile per consumer (two plain arrivals per thread: no copies).
-#pragma unroll
-  for (int c = 0; c < kC; ++c) {
-    const int n = produced[c], b = n & 1;
-    sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-    if (t == 0) sm.head[c][b].end = 1;
-    sm.q_full[c][b].arrive();
-    sm.q_full[c][b].arrive();
-  }
+  end_of_work(sm, produced, t);
 }
 
 // The tile's normalised partial rows and their LSE (rows[r] < 0: padding, not stored). l holds each
