@@ -92,7 +92,8 @@ std::int64_t selection_groups(const Selection& s, const ProblemShape& p, const s
 
 // ---- conversions --------------------------------------------------------------------------------
 
-/// TileLists -> BlockBits of the same [B, G, Tq] layout.
+/// TileLists -> BlockBits of the same [B, G, Tq] layout. in and out on one device; device tensors run
+/// on the default stream, the overload below takes a stream.
 void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p);
 /// BlockBits -> TileLists (ascending ids, -1 past the count). Throws if a tile holds more than Kmax
 /// blocks (Error naming out.idx) or a bit at or past Tk is set (naming in.bits). in and out on one
@@ -122,6 +123,14 @@ struct ConvertOptions {
 /// same first offending coordinate and message. After an error the contents of `out` are unspecified.
 void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
                                const ConvertOptions& options);
+
+/// TileLists -> BlockBits with options. On the device it is one kernel (a warp per Q tile) on
+/// options.stream; unless options.trusted, the same kernel checks the lists and the first faulty tile
+/// is read back (one synchronisation) and reported as the CPU function reports it. options.trusted:
+/// nothing is read back (CUDA-graph safe), counts are clamped to [0, Kmax] and ids outside [0, Tk)
+/// are ignored. After an error the contents of `out` are unspecified.
+void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p,
+                              const ConvertOptions& options);
 
 /// BlockBits -> TileLists with options. On the device it is one kernel (a warp per Q tile row) on
 /// options.stream; unless options.trusted, the same kernel checks for stray bits and rows over Kmax and

@@ -357,11 +357,13 @@ def validate(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, to
     _ext.validate(kind, a, b, shape, op)
 
 
-def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape):
-    """TileLists -> BlockBits uint32 [B, G, Tq, ceil(Tk / 32)] (CPU arrays)."""
+def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape, *, trusted=False):
+    """TileLists -> BlockBits uint32 [B, G, Tq, ceil(Tk / 32)]. CUDA tensors are converted on the
+    device, on the current stream; trusted=True skips their check (no synchronisation): counts are
+    clamped to [0, Kmax] and ids outside [0, Tk) ignored."""
     B, G, Tq, _ = _shape(idx, "tile_lists_to_block_bits", "in.idx", 4)
     bits = _empty(idx, (B, G, Tq, _ceil_div(shape.Tk, 32)), "uint32")
-    _ext.tile_lists_to_block_bits(_dl(idx), _dl(cnt), _dl(bits), shape)
+    _ext.tile_lists_to_block_bits(_dl(idx), _dl(cnt), _dl(bits), shape, trusted=bool(trusted), stream=_stream(idx))
     return bits
 
 

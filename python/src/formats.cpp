@@ -81,14 +81,17 @@ void bind_formats(nb::module_& m) {
 
   m.def(
       "tile_lists_to_block_bits",
-      [](nb::handle idx, nb::handle cnt, nb::handle bits, const ProblemShape& p) {
+      [](nb::handle idx, nb::handle cnt, nb::handle bits, const ProblemShape& p, bool trusted, std::uintptr_t stream) {
         Imports im("tile_lists_to_block_bits");
         const TileLists in{im.in(idx, "in.idx"), im.in(cnt, "in.cnt")};
         const BlockBits out{im.out(bits, "out.bits")};
+        ConvertOptions o;
+        o.trusted = trusted;
+        o.stream = stream_ptr(stream);
         nb::gil_scoped_release release;
-        sparse_attn::tile_lists_to_block_bits(in, out, p);
+        sparse_attn::tile_lists_to_block_bits(in, out, p, o);
       },
-      "idx"_a, "cnt"_a, "bits"_a, "shape"_a);
+      "idx"_a, "cnt"_a, "bits"_a, "shape"_a, "trusted"_a = false, "stream"_a = 0);
 
   m.def(
       "block_bits_to_tile_lists",

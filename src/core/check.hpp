@@ -58,6 +58,13 @@ std::string stray_bit_message(int bit, std::int64_t W, std::int64_t b, std::int6
 std::string over_capacity_message(const char* what, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t n,
                                   std::int64_t Kmax);
 
+/// The first fault of TileLists row (b, g, t) as validate() reports it: its count c against [0, Kmax],
+/// then its first c ids (`stride` elements apart) against [0, Tk) and strict ascent. Returns the
+/// argument's part ("cnt" or "idx") and the message; nullopt for a valid row.
+std::optional<std::pair<std::string, std::string>> tile_row_message(const std::int32_t* ids, std::int64_t stride,
+                                                                    std::int32_t c, std::int64_t Kmax, std::int64_t Tk,
+                                                                    std::int64_t b, std::int64_t g, std::int64_t t);
+
 /// The first fault of one row of a QueryLists (`tokens` false: block ids below `extent` = Tk) or
 /// TokenLists (key positions below `extent` = Lk) of K contiguous entries, as validate() reports it
 /// (entries >= -1, in range, no repeat: a repeat at its second occurrence), with the row's coordinates

@@ -172,30 +172,11 @@ void check_list_meta(const std::string& op, const std::string& arg, const Tensor
 
 std::optional<Fault> tile_row_fault(const TileLists& s, const std::string& name, const ProblemShape& p,
                                     std::int64_t G, std::int64_t r) {
-  const std::int64_t Tq = p.Tq(), Tk = p.Tk(), Kmax = s.idx.shape[3];
+  const std::int64_t Tq = p.Tq();
   const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
-  const std::int32_t c = load3_i32(s.cnt, b, g, t);
-  if (c < 0)
-    return Fault{name + ".cnt", "negative count " + std::to_string(c) + " at " + coord_string({b, g, t})};
-  if (c > Kmax)
-    return Fault{name + ".cnt", "count " + std::to_string(c) + " at " + coord_string({b, g, t}) +
-                                    " exceeds the list capacity Kmax = " + std::to_string(Kmax)};
-  std::int32_t prev = -1;
-  for (std::int64_t k = 0; k < c; ++k) {
-    const auto id = load4<std::int32_t>(s.idx, b, g, t, k);
-    const bool ok = id >= 0 && id < Tk && (k == 0 || id > prev);
-    prev = id;
-    if (ok) continue;  // the message (and its coordinate string) is built only for a fault
-    const std::string at = coord_string({b, g, t, k});
-    prev = k > 0 ? load4<std::int32_t>(s.idx, b, g, t, k - 1) : -1;
-    if (id < 0 || id >= Tk)
-      return Fault{name + ".idx", "block id " + std::to_string(id) + " at " + at + " is out of range " + range_string(Tk)};
-    if (k > 0 && id == prev)
-      return Fault{name + ".idx", "duplicate block id " + std::to_string(id) + " at " + at};
-    if (k > 0 && id < prev)
-    return Fault{name + ".idx", "block ids must be strictly ascending: " + std::to_string(id) + " at " + at +
-                                    " follows " + std::to_string(prev)};
-  }
+  const auto* ids = reinterpret_cast<const std::int32_t*>(detail::addr4(s.idx, b, g, t, 0));
+  if (auto m = detail::tile_row_message(ids, s.idx.stride[3], load3_i32(s.cnt, b, g, t), s.idx.shape[3], p.Tk(), b, g, t))
+    return Fault{name + "." + m->first, std::move(m->second)};
   return std::nullopt;
 }
 
@@ -229,6 +210,31 @@ void require_cpu(const std::string& op, const std::string& arg, const TensorView
 }  // namespace
 
 namespace detail {
+
+std::optional<std::pair<std::string, std::string>> tile_row_message(const std::int32_t* ids, std::int64_t stride,
+                                                                    std::int32_t c, std::int64_t Kmax, std::int64_t Tk,
+                                                                    std::int64_t b, std::int64_t g, std::int64_t t) {
+  if (c < 0) return std::pair{std::string("cnt"), "negative count " + std::to_string(c) + " at " + coord_string({b, g, t})};
+  if (c > Kmax)
+    return std::pair{std::string("cnt"), "count " + std::to_string(c) + " at " + coord_string({b, g, t}) +
+                                             " exceeds the list capacity Kmax = " + std::to_string(Kmax)};
+  std::int32_t prev = -1;
+  for (std::int64_t k = 0; k < c; ++k) {
+    const std::int32_t id = ids[k * stride];
+    const bool ok = id >= 0 && id < Tk && (k == 0 || id > prev);
+    prev = id;
+    if (ok) continue;  // the message (and its coordinate string) is built only for a fault
+    const std::string at = coord_string({b, g, t, k});
+    prev = k > 0 ? ids[(k - 1) * stride] : -1;
+    if (id < 0 || id >= Tk)
+      return std::pair{std::string("idx"),
+                       "block id " + std::to_string(id) + " at " + at + " is out of range " + range_string(Tk)};
+    if (id == prev) return std::pair{std::string("idx"), "duplicate block id " + std::to_string(id) + " at " + at};
+    return std::pair{std::string("idx"), "block ids must be strictly ascending: " + std::to_string(id) + " at " + at +
+                                             " follows " + std::to_string(prev)};
+  }
+  return std::nullopt;
+}
 
 std::optional<std::string> list_row_message(const std::int32_t* row, std::int64_t K, std::int64_t extent, bool tokens,
                                             std::int64_t b, std::int64_t g, std::int64_t i, std::int64_t r,
@@ -329,13 +335,26 @@ std::int64_t selection_groups(const Selection& s, const ProblemShape& p, const s
 // ---- conversions -------------------------------------------------------------------------------
 
 void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p) {
+  tile_lists_to_block_bits(in, out, p, ConvertOptions{});
+}
+
+void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p,
+                              const ConvertOptions& options) {
   const std::string op = "tile_lists_to_block_bits";
-  require_cpu(op, "in.idx", in.idx);
   validate(in, p, op, "in");
   const std::int64_t G = in.idx.shape[1];
   detail::check_tensor(op, "out.bits", out.bits, 4, {DType::u32});
   detail::check_shape(op, "out.bits", out.bits, {p.B, G, p.Tq(), bit_words(p)});
   detail::check_last_contiguous(op, "out.bits", out.bits);
+  if (in.idx.device != Device::cpu) {
+    // Metadata here, contents on the device (the backend reports them as the CPU path below does).
+    detail::check_same_device(op, "out.bits", out.bits, "in.idx", in.idx);
+#if defined(SPARSE_ATTN_WITH_CUDA)
+    if (in.idx.device == Device::cuda) return cuda_backend::tile_lists_to_block_bits(in, out, p, options);
+#endif
+    detail::unsupported_device(op, "in.idx", in.idx);
+  }
+  (void)options;
   require_cpu(op, "out.bits", out.bits);
   const std::int64_t Tq = p.Tq(), W = bit_words(p);
   detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {

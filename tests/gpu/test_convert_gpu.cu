@@ -527,6 +527,192 @@ TEST(ConvertGpu, BitsSanitizerSmall) {
   ASSERT_NO_FATAL_FAILURE(expect_same_bits_error(bad, p, p.Tk(), "in.bits", "stray bit 3 (block 35)"));
 }
 
+// ---- TileLists -> BlockBits ------------------------------------------------------------------------
+
+struct TileListsHost {
+  sa::HostTensor idx, cnt;
+};
+
+/// Valid TileLists [B, G, Tq, kmax] from random bit sets (the CPU conversion), -1 past each count.
+TileListsHost random_tile_lists(const sa::ProblemShape& p, std::int64_t G, std::int64_t kmax, double density,
+                                std::uint64_t seed) {
+  const sa::HostTensor bits = random_bits(p, G, density, seed);
+  const Tiles t = cpu_bits(bits, p, std::max<std::int64_t>(largest_union(cpu_bits(bits, p, p.Tk())), kmax));
+  TileListsHost out{sa::HostTensor(sa::DType::i32, {p.B, G, p.Tq(), t.idx.shape()[3]}), t.cnt};
+  std::memcpy(out.idx.data<std::int32_t>(), t.idx.data<std::int32_t>(), static_cast<std::size_t>(t.idx.numel()) * 4);
+  return out;
+}
+
+sa::HostTensor cpu_tiles_to_bits(const TileListsHost& l, const sa::ProblemShape& p) {
+  sa::HostTensor bits(sa::DType::u32, {p.B, l.idx.shape()[1], p.Tq(), (p.Tk() + 31) / 32});
+  std::memset(bits.view().data, 0x5a, static_cast<std::size_t>(bits.numel()) * 4);
+  sa::tile_lists_to_block_bits(sa::TileLists{l.idx.view(), l.cnt.view()}, sa::BlockBits{bits.view()}, p);
+  return bits;
+}
+
+sa::HostTensor gpu_tiles_to_bits(const TileListsHost& l, const sa::ProblemShape& p, const sa::ConvertOptions& options = {}) {
+  sa::HostTensor bits(sa::DType::u32, {p.B, l.idx.shape()[1], p.Tq(), (p.Tk() + 31) / 32});
+  std::memset(bits.view().data, 0x5a, static_cast<std::size_t>(bits.numel()) * 4);
+  DeviceBuffer di(l.idx), dc(l.cnt), db(bits);
+  sa::tile_lists_to_block_bits(sa::TileLists{di.view, dc.view}, sa::BlockBits{db.view}, p, options);
+  cuda_ok(cudaDeviceSynchronize(), "tile lists to bits");
+  db.download(bits);
+  return bits;
+}
+
+void expect_same_words(const sa::HostTensor& want, const sa::HostTensor& got, const std::string& what) {
+  ASSERT_EQ(want.numel(), got.numel()) << what;
+  for (std::int64_t e = 0; e < want.numel(); ++e)
+    ASSERT_EQ(want.data<std::uint32_t>()[e], got.data<std::uint32_t>()[e]) << what << ": word " << e;
+}
+
+TEST(ConvertGpu, TilesToBitsEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  struct C {
+    const char* name;
+    std::int64_t B, Lq, Lk, Hkv, G;
+    double density;
+  };
+  const C cases[] = {{"Tk 1", 1, 200, 100, 1, 1, 0.5},
+                     {"Tk 9 Hkv 2", 2, 1013, 1100, 2, 2, 0.3},
+                     {"Tk 33 G = Hq", 2, 256, 4100, 2, 4, 0.2},
+                     {"Tk 1094", 1, 640, 140000, 1, 1, 0.05}};
+  std::uint64_t seed = 70;
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  for (const C& c : cases) {
+    SCOPED_TRACE(c.name);
+    const sa::ProblemShape p = shape(c.B, c.Lq, c.Lk, c.Hkv);
+    const TileListsHost l = random_tile_lists(p, c.G, 1, c.density, ++seed);
+    const sa::HostTensor want = cpu_tiles_to_bits(l, p);
+    ASSERT_NO_FATAL_FAILURE(expect_same_words(want, gpu_tiles_to_bits(l, p), "checked"));
+    ASSERT_NO_FATAL_FAILURE(expect_same_words(want, gpu_tiles_to_bits(l, p, trusted), "trusted"));
+  }
+}
+
+void expect_same_tiles_error(const TileListsHost& l, const sa::ProblemShape& p, const std::string& want_arg,
+                             const std::string& want_text) {
+  std::optional<sa::Error> cpu_err, gpu_err;
+  try {
+    cpu_tiles_to_bits(l, p);
+  } catch (const sa::Error& e) {
+    cpu_err = e;
+  }
+  try {
+    gpu_tiles_to_bits(l, p);
+  } catch (const sa::Error& e) {
+    gpu_err = e;
+  }
+  ASSERT_TRUE(cpu_err.has_value()) << "the CPU accepted lists the test made invalid";
+  ASSERT_TRUE(gpu_err.has_value()) << "the device accepted lists the CPU rejects: " << cpu_err->what();
+  EXPECT_EQ(cpu_err->argument(), want_arg) << cpu_err->what();
+  EXPECT_NE(std::string(cpu_err->what()).find(want_text), std::string::npos) << cpu_err->what();
+  EXPECT_EQ(gpu_err->argument(), cpu_err->argument());
+  EXPECT_STREQ(gpu_err->what(), cpu_err->what());
+}
+
+// Counts outside [0, Kmax], ids out of range, repeated or descending: the first faulty tile in row-major
+// order, its first fault, as on the CPU. Trusted lists with such entries are clamped and never written
+// out of bounds.
+TEST(ConvertGpu, TilesToBitsErrorsAsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 600, 2000, 2);  // Tk = 16, Tq = 5
+  const TileListsHost base = random_tile_lists(p, p.Hkv, 6, 0.3, 5);
+  const std::int64_t kmax = base.idx.shape()[3];
+  auto cnt = [&](TileListsHost& l, std::int64_t r) -> std::int32_t& { return l.cnt.data<std::int32_t>()[r]; };
+  auto id = [&](TileListsHost& l, std::int64_t r, std::int64_t k) -> std::int32_t& {
+    return l.idx.data<std::int32_t>()[r * kmax + k];
+  };
+  // Row r = (b * Hkv + g) * Tq + t; rows 12 = [1, 0, 2] and 17 = [1, 1, 2].
+  auto with = [&](auto mutate) {
+    TileListsHost l{base.idx, base.cnt};
+    for (std::int64_t r = 0; r < 20; ++r) {  // three ids 1, 5, 9 in every tile
+      cnt(l, r) = 3;
+      id(l, r, 0) = 1, id(l, r, 1) = 5, id(l, r, 2) = 9;
+    }
+    mutate(l);
+    return l;
+  };
+  ASSERT_NO_FATAL_FAILURE(expect_same_tiles_error(with([&](TileListsHost& l) { cnt(l, 17) = -1; cnt(l, 12) = -3; }),
+                                                  p, "in.cnt", "negative count -3 at [1, 0, 2]"));
+  ASSERT_NO_FATAL_FAILURE(expect_same_tiles_error(with([&](TileListsHost& l) { cnt(l, 12) = static_cast<std::int32_t>(kmax + 1); }),
+                                                  p, "in.cnt", "exceeds the list capacity"));
+  ASSERT_NO_FATAL_FAILURE(expect_same_tiles_error(with([&](TileListsHost& l) { id(l, 12, 2) = 16; id(l, 17, 0) = -4; }),
+                                                  p, "in.idx", "block id 16 at [1, 0, 2, 2] is out of range [0, 16)"));
+  ASSERT_NO_FATAL_FAILURE(expect_same_tiles_error(with([&](TileListsHost& l) { id(l, 12, 1) = 1; }), p, "in.idx",
+                                                  "duplicate block id 1 at [1, 0, 2, 1]"));
+  ASSERT_NO_FATAL_FAILURE(expect_same_tiles_error(with([&](TileListsHost& l) { id(l, 12, 2) = 3; }), p, "in.idx",
+                                                  "block ids must be strictly ascending: 3 at [1, 0, 2, 2] follows 5"));
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  TileListsHost bad = with([&](TileListsHost& l) {
+    cnt(l, 3) = static_cast<std::int32_t>(kmax + 50);
+    cnt(l, 4) = -8;
+    id(l, 12, 1) = 1 << 30;
+    id(l, 12, 2) = -9;
+  });
+  for (std::int64_t k = 3; k < kmax; ++k) id(bad, 3, k) = 9;  // the count clamped to Kmax reads them: repeats
+  // Expected: {1, 5, 9} everywhere, nothing in row 4 (count clamped to 0), only block 1 in row 12.
+  const sa::HostTensor got = gpu_tiles_to_bits(bad, p, trusted);
+  sa::HostTensor want(sa::DType::u32, {p.B, p.Hkv, p.Tq(), 1});
+  for (std::int64_t r = 0; r < 20; ++r) want.data<std::uint32_t>()[r] = (1u << 1) | (1u << 5) | (1u << 9);
+  want.data<std::uint32_t>()[4] = 0u;
+  want.data<std::uint32_t>()[12] = 1u << 1;
+  ASSERT_NO_FATAL_FAILURE(expect_same_words(want, got, "trusted, bad entries"));
+}
+
+// Lists with padded rows and a count tensor with padded rows, on a caller's stream, into padded bit rows.
+TEST(ConvertGpu, TilesToBitsStridedOnAStream) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 300, 9000, 2);  // Tk = 71, W = 3, Tq = 3
+  const TileListsHost l = random_tile_lists(p, p.Hkv, 1, 0.3, 9);
+  const std::int64_t kmax = l.idx.shape()[3], kpad = kmax + 3, W = 3, wpad = W + 2, tpad = p.Tq() + 2;
+  const sa::HostTensor want = cpu_tiles_to_bits(l, p);
+  sa::HostTensor wide_idx(sa::DType::i32, {p.B, p.Hkv, p.Tq(), kpad}), wide_cnt(sa::DType::i32, {p.B, p.Hkv, tpad});
+  std::fill(wide_idx.data<std::int32_t>(), wide_idx.data<std::int32_t>() + wide_idx.numel(), 1 << 30);
+  std::fill(wide_cnt.data<std::int32_t>(), wide_cnt.data<std::int32_t>() + wide_cnt.numel(), -7);
+  for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r) {
+    std::memcpy(wide_idx.data<std::int32_t>() + r * kpad, l.idx.data<std::int32_t>() + r * kmax, kmax * 4);
+    wide_cnt.data<std::int32_t>()[r / p.Tq() * tpad + r % p.Tq()] = l.cnt.data<std::int32_t>()[r];
+  }
+  sa::HostTensor bits(sa::DType::u32, {p.B, p.Hkv, p.Tq(), wpad});
+  std::fill(bits.data<std::uint32_t>(), bits.data<std::uint32_t>() + bits.numel(), 0xabcdef01u);
+  DeviceBuffer di(wide_idx), dc(wide_cnt), db(bits);
+  sa::TensorView iv = di.view;
+  iv.shape[3] = kmax;
+  sa::TensorView cv = dc.view;
+  cv.shape[2] = p.Tq();
+  sa::TensorView bv = db.view;
+  bv.shape[3] = W;
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  sa::ConvertOptions options;
+  options.stream = stream;
+  sa::tile_lists_to_block_bits(sa::TileLists{iv, cv}, sa::BlockBits{bv}, p, options);
+  cuda_ok(cudaStreamSynchronize(stream), "conversion on the stream");
+  cuda_ok(cudaStreamDestroy(stream), "stream");
+  db.download(bits);
+  for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r) {
+    for (std::int64_t w = 0; w < W; ++w)
+      ASSERT_EQ(want.data<std::uint32_t>()[r * W + w], bits.data<std::uint32_t>()[r * wpad + w]) << r << ", " << w;
+    for (std::int64_t w = W; w < wpad; ++w) ASSERT_EQ(bits.data<std::uint32_t>()[r * wpad + w], 0xabcdef01u) << r;
+  }
+}
+
+// Small enough for compute-sanitizer: TileLists -> BlockBits checked, trusted, then an error.
+TEST(ConvertGpu, TilesToBitsSanitizerSmall) {
+  SKIP_WITHOUT_GPU();
+  const sa::ProblemShape p = shape(2, 300, 4300, 2);  // Tk = 34, W = 2
+  TileListsHost l = random_tile_lists(p, p.Hkv, 1, 0.3, 3);
+  const sa::HostTensor words = cpu_tiles_to_bits(l, p);
+  sa::ConvertOptions trusted;
+  trusted.trusted = true;
+  ASSERT_NO_FATAL_FAILURE(expect_same_words(words, gpu_tiles_to_bits(l, p), "checked"));
+  ASSERT_NO_FATAL_FAILURE(expect_same_words(words, gpu_tiles_to_bits(l, p, trusted), "trusted"));
+  l.cnt.data<std::int32_t>()[7] = -2;
+  ASSERT_NO_FATAL_FAILURE(expect_same_tiles_error(l, p, "in.cnt", "negative count -2"));
+}
+
 // Time of the conversion on the shapes of the planner's fit (trusted: one launch; checked: the launch,
 // the fault word read back and the synchronisation), CUDA events around back-to-back calls; the
 // output is compared with the CPU's where the CPU conversion is quick.

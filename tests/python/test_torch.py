@@ -319,7 +319,7 @@ def test_cuda_sparse_executors_and_selectors(op):
 
 @pytest.mark.cuda
 @requires_cuda
-def test_cuda_block_bits_to_tile_lists_equals_the_cpu():
+def test_cuda_bits_and_tile_list_conversions_equal_the_cpu():
     p = sa.ProblemShape(B=2, Lq=300, Lk=4400, Hq=4, Hkv=2, D=128)  # Tk = 35: two words per tile
     idx, cnt = random_tile_lists(np.random.default_rng(4), 2, 2, 3, 35, kmax=9)
     bits = sa.tile_lists_to_block_bits(idx, cnt, p)
@@ -330,6 +330,10 @@ def test_cuda_block_bits_to_tile_lists_equals_the_cpu():
         assert got_idx.is_cuda
         np.testing.assert_array_equal(got_idx.cpu().numpy(), want_idx)
         np.testing.assert_array_equal(got_cnt.cpu().numpy(), want_cnt)
+    # and back on the device: the same words as the CPU conversion of the lists
+    back = sa.tile_lists_to_block_bits(torch.from_numpy(idx).cuda(), torch.from_numpy(cnt).cuda(), p)
+    assert back.is_cuda
+    np.testing.assert_array_equal(back.cpu().view(torch.int32).numpy().view(np.uint32), bits)
     bad = bits.copy()
     bad[1, 0, 2, 1] |= np.uint32(1 << 5)  # block 37 >= Tk
     with pytest.raises(ValueError, match=r"block_bits_to_tile_lists: argument 'in\.bits'.*stray bit 5 \(block 37\)"):

@@ -9,6 +9,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/check.hpp"
 #include "cuda/attention/kernel.cuh"
@@ -78,27 +79,25 @@ void validate_on_device(const std::string& op, const TileAttentionParams& p, int
   check_cuda(cudaStreamSynchronize(stream), op, "tile list validation");
   if (found == none) return;
 
-  const unsigned code = static_cast<unsigned>(found & 3u);
+  // The first faulty tile, read back and reported as the CPU reports it (detail::tile_row_message).
   const unsigned long long pos = found >> 2;
   const long long f = static_cast<long long>(pos / (p.Kmax + 1));
-  const int slot = static_cast<int>(pos % (p.Kmax + 1)) - 1;
   const int t = static_cast<int>(f % p.Tq);
   const int g = static_cast<int>((f / p.Tq) % G);
   const int b = static_cast<int>(f / (static_cast<long long>(p.Tq) * G));
-  if (code == kBadCount) {
-    const int c = read_int(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2], stream, op);
-    throw Error(op, "tiles.cnt", "count " + std::to_string(c) + " at " + detail::coord_string({b, g, t}) +
-                                     " is outside [0, " + std::to_string(p.Kmax) + "]");
+  const int c = read_int(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2], stream, op);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(std::clamp(c, 0, p.Kmax)));
+  if (!ids.empty()) {
+    const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2];
+    check_cuda(cudaMemcpy2DAsync(ids.data(), sizeof(std::int32_t), row,
+                                 static_cast<std::size_t>(p.idx_stride[3]) * sizeof(std::int32_t), sizeof(std::int32_t),
+                                 ids.size(), cudaMemcpyDeviceToHost, stream),
+               op, "reading tiles");
+    check_cuda(cudaStreamSynchronize(stream), op, "reading tiles");
   }
-  const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2];
-  const int j = read_int(row + slot * p.idx_stride[3], stream, op);
-  const std::string at = detail::coord_string({b, g, t, slot});
-  if (code == kBadRange)
-    throw Error(op, "tiles.idx", "block id " + std::to_string(j) + " at " + at + " is out of range [0, " +
-                                     std::to_string(p.Tk) + ")");
-  const int prev = read_int(row + (slot - 1) * p.idx_stride[3], stream, op);
-  throw Error(op, "tiles.idx", "block id " + std::to_string(j) + " at " + at + " does not follow " +
-                                   std::to_string(prev) + ": ids must be distinct and ascending");
+  if (auto m = detail::tile_row_message(ids.data(), 1, c, p.Kmax, p.Tk, b, g, t)) throw Error(op, "tiles." + m->first, m->second);
+  throw Error(op, "tiles.idx", "the device check found a fault in tile " + detail::coord_string({b, g, t}) +
+                                   " that the tile read back does not show");
 }
 
 // The split tail's counters and partials per (device, stream), sized once for the device's SM count:

@@ -1,7 +1,7 @@
-// CUDA backends of query_lists_to_tile_lists and block_bits_to_tile_lists (formats.hpp). The front
-// end (src/core/formats.cpp) has checked shapes, dtypes, contiguity and devices; these check the
-// contents on the device and report them with the CPU function's argument names, coordinates and
-// messages.
+// CUDA backends of query_lists_to_tile_lists, block_bits_to_tile_lists and tile_lists_to_block_bits
+// (formats.hpp). The front end (src/core/formats.cpp) has checked shapes, dtypes, contiguity and
+// devices; these check the contents on the device and report them with the CPU function's argument
+// names, coordinates and messages.
 //
 // query_lists_to_tile_lists: one kernel, one CTA per (b, group, Q tile): the tile's up to 128 lists are read once (coalesced
 // when the lists are packed, eight ids per thread in flight), each id sets its bit in a shared-memory
@@ -30,5 +30,12 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
 /// required (checked on the host).
 void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p,
                               const ConvertOptions& options, const std::string& op, const std::string& in_name);
+
+/// TileLists -> BlockBits: one warp per (b, group, Q tile), the tile's words zeroed, then one atomicOr
+/// per id. Unless options.trusted, counts outside [0, Kmax] and ids out of range or not ascending mark
+/// the tile in the fault word, and the first such tile is read back and reported with the CPU's
+/// message. Trusted: counts are clamped and ids out of range dropped.
+void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p,
+                              const ConvertOptions& options);
 
 }  // namespace sparse_attn::cuda_backend
