@@ -6,17 +6,18 @@
 //   1. copies its Q rows into shared memory (rows past the group zero-filled) and keeps them as A
 //      fragments in registers;
 //   2. walks the list in chunks of 32 slots: lane l reads slot l's position two chunks ahead (the
-//      load is consumed a step later, so it is never waited for), and the warp gathers the chunk's K and V rows with cp.async into one
-//      of two shared-memory stages (a chunk ahead of its use), whole rows per instruction; empty slots,
-//      positions out of range and keys in the query's causal future are zero-filled and masked;
+//      load is consumed a step later, so it is never waited for), and the warp gathers the chunk's K
+//      and V rows with cp.async into one of two shared-memory stages (a chunk ahead of its use), whole
+//      rows per instruction; empty slots, positions out of range and keys in the query's causal
+//      future are zero-filled and masked;
 //   3. runs the online softmax over each chunk: S = Q K^T (4 n-tiles of 8 keys), P from the S
 //      fragments in registers, O += P V with V by transposing ldmatrix;
 //   4. writes out (normalised, 16-bit) and the natural-log LSE; a query that sees no key gets 0 and
 //      -inf.
 // Every row is computed by the same instructions in the list's slot order, so results are bitwise
 // identical run to run. The kernel reads every gathered byte once per unit: with G heads per unit it
-// does 4 G flops per byte of K and V, so small groups are bound by the gather (L2 and HBM), not by the
-// tensor cores.
+// does 4 G D flops per 4 D bytes of K and V (G flops per byte), so small groups are bound by the
+// gather (L2 and HBM), not by the tensor cores.
 //
 // Unless trusted, a validation kernel checks the lists first (one CTA per row at a time, a bit set of
 // the Lk positions in shared memory): entries >= -1, positions < Lk, no repeat in a row. It records the
