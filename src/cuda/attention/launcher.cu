@@ -17,20 +17,19 @@
 #include "cuda/attention/split_tail.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/common/fault_word.hpp"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/workspace_cache.hpp"
 
 namespace sparse_attn::cuda_kernels {
 namespace {
 
-// First offending entry found by the validation kernel, as ((position << 2) | code); all ones = none.
-// position orders entries as (b, g, tile, slot) with the count check of a tile before its slots, so
-// the minimum is the first offending coordinate in row-major order.
-__device__ unsigned long long g_first_bad_entry;
-
+// The validation kernel's fault word (checked_launch) takes the first offending entry as
+// ((position << 2) | code); position orders entries as (b, g, tile, slot) with the count check of a
+// tile before its slots, so the minimum is the first offending coordinate in row-major order.
 enum : unsigned { kBadCount = 1, kBadRange = 2, kBadOrder = 3 };
 
-__global__ void validate_tile_lists_kernel(TileAttentionParams p, int G) {
+__global__ void validate_tile_lists_kernel(TileAttentionParams p, int G, unsigned long long* fault) {
   const long long tiles = static_cast<long long>(p.B) * G * p.Tq;
   for (long long f = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; f < tiles;
        f += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -40,7 +39,7 @@ __global__ void validate_tile_lists_kernel(TileAttentionParams p, int G) {
     const unsigned long long base = static_cast<unsigned long long>(f) * (p.Kmax + 1);
     const int c = p.cnt[b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2]];
     if (c < 0 || c > p.Kmax) {
-      atomicMin(&g_first_bad_entry, (base << 2) | kBadCount);
+      atomicMin(fault, (base << 2) | kBadCount);
       continue;
     }
     const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2];
@@ -49,7 +48,7 @@ __global__ void validate_tile_lists_kernel(TileAttentionParams p, int G) {
       const int j = row[s * p.idx_stride[3]];
       const unsigned code = (j < 0 || j >= p.Tk) ? kBadRange : (j <= prev ? kBadOrder : 0u);
       if (code != 0) {
-        atomicMin(&g_first_bad_entry, ((base + 1 + s) << 2) | code);
+        atomicMin(fault, ((base + 1 + s) << 2) | code);
         break;
       }
       prev = j;
@@ -57,27 +56,15 @@ __global__ void validate_tile_lists_kernel(TileAttentionParams p, int G) {
   }
 }
 
-int read_int(const std::int32_t* device_ptr, cudaStream_t stream, const std::string& op) {
-  std::int32_t v = 0;
-  check_cuda(cudaMemcpyAsync(&v, device_ptr, sizeof(v), cudaMemcpyDeviceToHost, stream), op, "reading tiles");
-  check_cuda(cudaStreamSynchronize(stream), op, "reading tiles");
-  return v;
-}
-
-void validate_on_device(const std::string& op, const TileAttentionParams& p, int G, cudaStream_t stream) {
-  const unsigned long long none = std::numeric_limits<unsigned long long>::max();
-  check_cuda(cudaMemcpyToSymbolAsync(g_first_bad_entry, &none, sizeof(none), 0, cudaMemcpyHostToDevice, stream), op,
-             "tile list validation");
+void validate_on_device(const std::string& op, const TileAttentionParams& p, int G, int device, cudaStream_t stream) {
   const long long tiles = static_cast<long long>(p.B) * G * p.Tq;
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<long long>((tiles + threads - 1) / threads, 4096));
-  validate_tile_lists_kernel<<<blocks, threads, 0, stream>>>(p, G);
-  check_cuda(cudaGetLastError(), op, "tile list validation launch");
-  unsigned long long found = none;
-  check_cuda(cudaMemcpyFromSymbolAsync(&found, g_first_bad_entry, sizeof(found), 0, cudaMemcpyDeviceToHost, stream),
-             op, "tile list validation");
-  check_cuda(cudaStreamSynchronize(stream), op, "tile list validation");
-  if (found == none) return;
+  const unsigned long long found = checked_launch(device, stream, op, [&](unsigned long long* fault) {
+    validate_tile_lists_kernel<<<blocks, threads, 0, stream>>>(p, G, fault);
+    check_cuda(cudaGetLastError(), op, "tile list validation launch");
+  });
+  if (found == kNoFault) return;
 
   // The first faulty tile, read back and reported as the CPU reports it (detail::tile_row_message).
   const unsigned long long pos = found >> 2;
@@ -85,16 +72,10 @@ void validate_on_device(const std::string& op, const TileAttentionParams& p, int
   const int t = static_cast<int>(f % p.Tq);
   const int g = static_cast<int>((f / p.Tq) % G);
   const int b = static_cast<int>(f / (static_cast<long long>(p.Tq) * G));
-  const int c = read_int(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2], stream, op);
-  std::vector<std::int32_t> ids(static_cast<std::size_t>(std::clamp(c, 0, p.Kmax)));
-  if (!ids.empty()) {
-    const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2];
-    check_cuda(cudaMemcpy2DAsync(ids.data(), sizeof(std::int32_t), row,
-                                 static_cast<std::size_t>(p.idx_stride[3]) * sizeof(std::int32_t), sizeof(std::int32_t),
-                                 ids.size(), cudaMemcpyDeviceToHost, stream),
-               op, "reading tiles");
-    check_cuda(cudaStreamSynchronize(stream), op, "reading tiles");
-  }
+  const int c = read_back(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2], stream, op);
+  const std::vector<std::int32_t> ids =
+      read_back_row(p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2], p.idx_stride[3],
+                    static_cast<std::size_t>(std::clamp(c, 0, p.Kmax)), stream, op);
   if (auto m = detail::tile_row_message(ids.data(), 1, c, p.Kmax, p.Tk, b, g, t)) throw Error(op, "tiles." + m->first, m->second);
   throw Error(op, "tiles.idx", "the device check found a fault in tile " + detail::coord_string({b, g, t}) +
                                    " that the tile read back does not show");
@@ -183,7 +164,7 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
     for (int i = 0; i < 4; ++i) p.idx_stride[i] = idx.stride[i];
     for (int i = 0; i < 3; ++i) p.cnt_stride[i] = cnt.stride[i];
     p.heads_per_list = static_cast<int>(s.Hq / G);
-    if (!options.trusted) validate_on_device(op, p, static_cast<int>(G), stream);
+    if (!options.trusted) validate_on_device(op, p, static_cast<int>(G), q.device_index, stream);
   }
 
   const CUtensorMap tm_q = make_bhld_tensor_map(op, "q", q);

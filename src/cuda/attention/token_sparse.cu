@@ -28,14 +28,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/check.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
-#include "cuda/convert/fault_word.hpp"
+#include "cuda/common/fault_word.hpp"
 #include "cuda/query_sparse/mma.cuh"
 
 namespace sparse_attn::cuda_kernels::tok {
@@ -335,7 +334,6 @@ const std::string kOp = "token_sparse";
 std::size_t seen_bytes(std::int64_t Lk) { return static_cast<std::size_t>((Lk + 31) / 32) * sizeof(unsigned); }
 
 void check_lists(const ProblemShape& p, const TokenLists& tokens, int device, cudaStream_t stream) {
-  namespace cv = cuda_kernels::convert;
   const std::size_t smem = seen_bytes(p.Lk);
   int optin = 0;
   cuda_kernels::check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), kOp,
@@ -360,24 +358,19 @@ void check_lists(const ProblemShape& p, const TokenLists& tokens, int device, cu
   int sms = 0;
   cuda_kernels::check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), kOp, "device query");
 
-  std::lock_guard<std::mutex> lock(cv::fault_mutex());
-  c.fault = cv::fault_word(device, kOp);
-  cuda_kernels::check_cuda(cudaMemsetAsync(c.fault, 0xff, sizeof(unsigned long long), stream), kOp, "fault word reset");
   const long long ctas = std::min<long long>(c.rows, 8LL * sms);
-  tk::check_kernel<<<static_cast<unsigned>(ctas), tk::kCheckThreads, smem, stream>>>(c);
-  cuda_kernels::check_cuda(cudaGetLastError(), kOp, "list validation launch");
-  const unsigned long long f = cv::read_back(c.fault, stream, kOp);
-  if (f == cv::kNoFault) return;
+  const unsigned long long f = cuda_kernels::checked_launch(device, stream, kOp, [&](unsigned long long* w) {
+    c.fault = w;
+    tk::check_kernel<<<static_cast<unsigned>(ctas), tk::kCheckThreads, smem, stream>>>(c);
+    cuda_kernels::check_cuda(cudaGetLastError(), kOp, "list validation launch");
+  });
+  if (f == cuda_kernels::kNoFault) return;
   // The faulty row, read back and reported as the CPU reports it.
   const long long r = static_cast<long long>(f);
   const long long i = r % p.Lq, g = r / p.Lq % p.Hkv, b = r / (p.Lq * p.Hkv);
-  std::vector<std::int32_t> row(static_cast<std::size_t>(c.Kt));
-  const std::int32_t* src = c.idx + b * c.idx_stride[0] + g * c.idx_stride[1] + i * c.idx_stride[2];
-  cuda_kernels::check_cuda(cudaMemcpy2DAsync(row.data(), sizeof(std::int32_t), src,
-                                             static_cast<std::size_t>(c.idx_stride[3]) * sizeof(std::int32_t),
-                                             sizeof(std::int32_t), row.size(), cudaMemcpyDeviceToHost, stream),
-                           kOp, "reading the faulty row");
-  cuda_kernels::check_cuda(cudaStreamSynchronize(stream), kOp, "reading the faulty row");
+  const std::vector<std::int32_t> row = cuda_kernels::read_back_row(
+      c.idx + b * c.idx_stride[0] + g * c.idx_stride[1] + i * c.idx_stride[2], c.idx_stride[3],
+      static_cast<std::size_t>(c.Kt), stream, kOp);
   std::vector<std::int64_t> scratch;
   if (auto m = detail::list_row_message(row.data(), c.Kt, p.Lk, true, b, g, i, r, scratch))
     throw Error(kOp, "tokens.idx", *m);

@@ -5,13 +5,12 @@
 
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <string>
 
 #include "core/check.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/common/fault_word.hpp"
 #include "cuda/convert/backend.hpp"
-#include "cuda/convert/fault_word.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
 
@@ -128,13 +127,11 @@ void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const P
   };
   if (options.trusted) return launch();
 
-  std::lock_guard<std::mutex> lock(cv::fault_mutex());
-  prm.fault = cv::fault_word(in.bits.device_index, op);
-  cuda_kernels::check_cuda(cudaMemsetAsync(prm.fault, 0xff, sizeof(unsigned long long), stream), op,
-                           "fault word reset");
-  launch();
-  const unsigned long long f = cv::read_back(prm.fault, stream, op);
-  if (f == cv::kNoFault) return;
+  const unsigned long long f = cuda_kernels::checked_launch(in.bits.device_index, stream, op, [&](unsigned long long* w) {
+    prm.fault = w;
+    launch();
+  });
+  if (f == cuda_kernels::kNoFault) return;
   const bool capacity = (f & cv::kOverCapacity) != 0;
   const long long r = static_cast<long long>(capacity ? (f & ~cv::kOverCapacity) >> cv::kCountBits : f >> 5);
   const long long t = r % Tq, g = r / Tq % G, b = r / (Tq * G);

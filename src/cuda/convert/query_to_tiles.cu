@@ -18,13 +18,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <string>
 
 #include "core/check.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/common/fault_word.hpp"
 #include "cuda/convert/backend.hpp"
-#include "cuda/convert/fault_word.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
 
@@ -170,7 +169,7 @@ struct DeviceGuard : cuda_kernels::DeviceGuard {
 
 template <class T>
 T read_back(const T* ptr, cudaStream_t stream) {
-  return cv::read_back(ptr, stream, kOp);
+  return cuda_kernels::read_back(ptr, stream, kOp);
 }
 
 // The CPU function's message for the fault `f` (formats.cpp: list_row_fault and check_capacity).
@@ -262,12 +261,11 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
   };
   if (options.trusted) return launch();
 
-  std::lock_guard<std::mutex> lock(cv::fault_mutex());
-  prm.fault = cv::fault_word(in.idx.device_index, kOp);
-  check_cuda(cudaMemsetAsync(prm.fault, 0xff, sizeof(unsigned long long), stream), "fault word reset");
-  launch();
-  const unsigned long long f = read_back(prm.fault, stream);
-  if (f != cv::kNoFault) throw_fault(f, prm, p, stream);
+  const unsigned long long f = cuda_kernels::checked_launch(in.idx.device_index, stream, kOp, [&](unsigned long long* w) {
+    prm.fault = w;
+    launch();
+  });
+  if (f != cuda_kernels::kNoFault) throw_fault(f, prm, p, stream);
 }
 
 }  // namespace sparse_attn::cuda_backend

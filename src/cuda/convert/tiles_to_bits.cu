@@ -7,14 +7,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/check.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/common/fault_word.hpp"
 #include "cuda/convert/backend.hpp"
-#include "cuda/convert/fault_word.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
 
@@ -104,27 +103,19 @@ void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const P
   };
   if (options.trusted) return launch();
 
-  std::lock_guard<std::mutex> lock(cv::fault_mutex());
-  prm.fault = cv::fault_word(in.idx.device_index, op);
-  cuda_kernels::check_cuda(cudaMemsetAsync(prm.fault, 0xff, sizeof(unsigned long long), stream), op,
-                           "fault word reset");
-  launch();
-  const unsigned long long f = cv::read_back(prm.fault, stream, op);
-  if (f == cv::kNoFault) return;
+  const unsigned long long f = cuda_kernels::checked_launch(in.idx.device_index, stream, op, [&](unsigned long long* w) {
+    prm.fault = w;
+    launch();
+  });
+  if (f == cuda_kernels::kNoFault) return;
   // The faulty tile, read back and reported as the CPU reports it.
   const long long r = static_cast<long long>(f);
   const long long t = r % Tq, g = r / Tq % G, b = r / (Tq * G);
-  const std::int32_t c = cv::read_back(prm.cnt + b * prm.cnt_stride[0] + g * prm.cnt_stride[1] + t * prm.cnt_stride[2],
-                                       stream, op);
-  std::vector<std::int32_t> ids(static_cast<std::size_t>(std::clamp<long long>(c, 0, Kmax)));
-  if (!ids.empty()) {
-    const std::int32_t* row = prm.idx + b * prm.idx_stride[0] + g * prm.idx_stride[1] + t * prm.idx_stride[2];
-    cuda_kernels::check_cuda(cudaMemcpy2DAsync(ids.data(), sizeof(std::int32_t), row,
-                                               static_cast<std::size_t>(prm.idx_stride[3]) * sizeof(std::int32_t),
-                                               sizeof(std::int32_t), ids.size(), cudaMemcpyDeviceToHost, stream),
-                             op, "reading the faulty tile");
-    cuda_kernels::check_cuda(cudaStreamSynchronize(stream), op, "reading the faulty tile");
-  }
+  const std::int32_t c = cuda_kernels::read_back(
+      prm.cnt + b * prm.cnt_stride[0] + g * prm.cnt_stride[1] + t * prm.cnt_stride[2], stream, op);
+  const std::vector<std::int32_t> ids = cuda_kernels::read_back_row(
+      prm.idx + b * prm.idx_stride[0] + g * prm.idx_stride[1] + t * prm.idx_stride[2], prm.idx_stride[3],
+      static_cast<std::size_t>(std::clamp<long long>(c, 0, Kmax)), stream, op);
   if (auto m = detail::tile_row_message(ids.data(), 1, c, Kmax, p.Tk(), b, g, t)) throw Error(op, "in." + m->first, m->second);
   throw Error(op, "in.idx", "the device check found a fault in tile " + detail::coord_string({b, g, t}) +
                                 " that the tile read back does not show");
