@@ -188,27 +188,33 @@ TEST(ConvertGpu, StridedTensorsOnAStream) {
   }
 }
 
-/// The CPU's and the device's errors for the same lists and Kmax: both must throw, with the same
-/// argument and the same text.
-void expect_same_error(const sa::HostTensor& lists, const sa::ProblemShape& p, std::int64_t kmax,
-                       const std::string& want_arg, const std::string& want_text) {
+/// Runs the same conversion on the CPU and on the device: both must throw, with the same argument and
+/// the same text, and the CPU's must be `want_arg` and contain `want_text`.
+template <class Cpu, class Gpu>
+void expect_same_error_of(Cpu&& cpu, Gpu&& gpu, const std::string& want_arg, const std::string& want_text) {
   std::optional<sa::Error> cpu_err, gpu_err;
   try {
-    cpu_convert(lists, p, kmax);
+    cpu();
   } catch (const sa::Error& e) {
     cpu_err = e;
   }
   try {
-    gpu_convert(lists, p, kmax);
+    gpu();
   } catch (const sa::Error& e) {
     gpu_err = e;
   }
-  ASSERT_TRUE(cpu_err.has_value()) << "the CPU accepted lists the test made invalid";
-  ASSERT_TRUE(gpu_err.has_value()) << "the device accepted lists the CPU rejects: " << cpu_err->what();
+  ASSERT_TRUE(cpu_err.has_value()) << "the CPU accepted input the test made invalid";
+  ASSERT_TRUE(gpu_err.has_value()) << "the device accepted input the CPU rejects: " << cpu_err->what();
   EXPECT_EQ(cpu_err->argument(), want_arg) << cpu_err->what();
   EXPECT_NE(std::string(cpu_err->what()).find(want_text), std::string::npos) << cpu_err->what();
   EXPECT_EQ(gpu_err->argument(), cpu_err->argument());
   EXPECT_STREQ(gpu_err->what(), cpu_err->what());
+}
+
+/// The QueryLists conversion of `lists` into Kmax = kmax on both.
+void expect_same_error(const sa::HostTensor& lists, const sa::ProblemShape& p, std::int64_t kmax,
+                       const std::string& want_arg, const std::string& want_text) {
+  expect_same_error_of([&] { cpu_convert(lists, p, kmax); }, [&] { gpu_convert(lists, p, kmax); }, want_arg, want_text);
 }
 
 std::int32_t& at(sa::HostTensor& l, const sa::ProblemShape& p, std::int64_t b, std::int64_t g, std::int64_t i,
@@ -421,23 +427,7 @@ TEST(ConvertGpu, BitsEqualCpu) {
 
 void expect_same_bits_error(const sa::HostTensor& bits, const sa::ProblemShape& p, std::int64_t kmax,
                             const std::string& want_arg, const std::string& want_text) {
-  std::optional<sa::Error> cpu_err, gpu_err;
-  try {
-    cpu_bits(bits, p, kmax);
-  } catch (const sa::Error& e) {
-    cpu_err = e;
-  }
-  try {
-    gpu_bits(bits, p, kmax);
-  } catch (const sa::Error& e) {
-    gpu_err = e;
-  }
-  ASSERT_TRUE(cpu_err.has_value()) << "the CPU accepted bits the test made invalid";
-  ASSERT_TRUE(gpu_err.has_value()) << "the device accepted bits the CPU rejects: " << cpu_err->what();
-  EXPECT_EQ(cpu_err->argument(), want_arg) << cpu_err->what();
-  EXPECT_NE(std::string(cpu_err->what()).find(want_text), std::string::npos) << cpu_err->what();
-  EXPECT_EQ(gpu_err->argument(), cpu_err->argument());
-  EXPECT_STREQ(gpu_err->what(), cpu_err->what());
+  expect_same_error_of([&] { cpu_bits(bits, p, kmax); }, [&] { gpu_bits(bits, p, kmax); }, want_arg, want_text);
 }
 
 // Stray bits (the first row in row-major order, its lowest stray bit) before any row over capacity;
@@ -592,23 +582,7 @@ TEST(ConvertGpu, TilesToBitsEqualCpu) {
 
 void expect_same_tiles_error(const TileListsHost& l, const sa::ProblemShape& p, const std::string& want_arg,
                              const std::string& want_text) {
-  std::optional<sa::Error> cpu_err, gpu_err;
-  try {
-    cpu_tiles_to_bits(l, p);
-  } catch (const sa::Error& e) {
-    cpu_err = e;
-  }
-  try {
-    gpu_tiles_to_bits(l, p);
-  } catch (const sa::Error& e) {
-    gpu_err = e;
-  }
-  ASSERT_TRUE(cpu_err.has_value()) << "the CPU accepted lists the test made invalid";
-  ASSERT_TRUE(gpu_err.has_value()) << "the device accepted lists the CPU rejects: " << cpu_err->what();
-  EXPECT_EQ(cpu_err->argument(), want_arg) << cpu_err->what();
-  EXPECT_NE(std::string(cpu_err->what()).find(want_text), std::string::npos) << cpu_err->what();
-  EXPECT_EQ(gpu_err->argument(), cpu_err->argument());
-  EXPECT_STREQ(gpu_err->what(), cpu_err->what());
+  expect_same_error_of([&] { cpu_tiles_to_bits(l, p); }, [&] { gpu_tiles_to_bits(l, p); }, want_arg, want_text);
 }
 
 // Counts outside [0, Kmax], ids out of range, repeated or descending: the first faulty tile in row-major
