@@ -20,6 +20,7 @@ enum class NamedBarrier : std::uint32_t {
   kEpilogueWG1 = 4,  // consumer warpgroup 1 has staged its output tile in shared memory
   kExpTurnWG0 = 5,   // consumer warpgroup 0 may compute its exponentials (pingpong)
   kExpTurnWG1 = 6,   // consumer warpgroup 1 may compute its exponentials
+  kItemWalk = 7,     // KV-centric attention: the threads of one item walk read the next item ids
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {

@@ -61,6 +61,19 @@ constexpr std::uint32_t kQHalfBytes = kTileRowsQ * 128;  // 64 rows x 64 columns
 static_assert(kRowsPerItem % (kTileRowsQ * kC) == 0, "an item is whole rounds of tiles");
 constexpr int kTilesPerItem = kRowsPerItem / kTileRowsQ;
 
+// The CTA's items come from a work queue (Params::queue): every CTA takes the next item when it needs
+// one, so CTAs that run faster take more and all finish within about an item of each other (a fixed
+// split, items blockIdx.x + k * gridDim.x, left CTAs idle for up to 8 % of the phase). Items are taken
+// in CSR order, so at any time the CTAs work on neighbouring blocks of one (b, group), as before. The
+// n-th item a CTA takes is sm.ids[n % kIdRing]: the prologue takes positions 0 .. kIdAhead - 1, and at
+// the top of its item n the taking thread (ItemQueue) writes position n + kIdAhead, taken an item
+// earlier so that the atomic's latency hides behind the item. The walks read position n + 3 (the
+// farthest item they load ahead) after a barrier of their threads, and the K/V walk of the piece kernel
+// position m + 1 at its item m, written long before (the ring stage it waited for was released after
+// tiles gathered later than that write).
+constexpr int kIdRing = 16;
+constexpr int kIdAhead = 5;
+
 struct TileHeader {
   int kv_stage;
   unsigned kv_phase;
@@ -87,6 +100,7 @@ struct alignas(1024) AttendSmem {
   // on that stage would then see an older phase as the one it waits for. Consumers wait for the load
   // to be issued first (wait_issued).
   int kv_issued;
+  int ids[kIdRing];  // the work queue's item ids, by position in the CTA's walk (ItemQueue)
 };
 
 template <int D>
@@ -133,6 +147,53 @@ __device__ __forceinline__ ItemInfo item_info(const Params& p, const ItemLoads& 
   f.nrows = rows < kRowsPerItem ? rows : kRowsPerItem;
   return f;
 }
+
+// The taking thread's side of the work queue, and the walk's reads of the ids.
+struct ItemQueue {
+  int n = 0;     // position of the walk's current item
+  int next = 0;  // taker: the id for position n + kIdAhead
+  bool taker = false;
+
+  template <class Smem>
+  __device__ __forceinline__ void start(const Params& p, const Smem& sm, int n_items, bool is_taker) {
+    taker = is_taker;
+    if (taker) next = sm.ids[kIdAhead - 1] < n_items ? atomicAdd(p.queue, 1) : n_items;
+  }
+  /// Position `pos` of the walk (written before the caller's last barrier, or by the prologue).
+  template <class Smem>
+  __device__ __forceinline__ int id(const Smem& sm, int pos) const {
+    return static_cast<const volatile int*>(sm.ids)[pos % kIdRing];
+  }
+  /// Position `pos` for the K/V walk, which meets the taker through the ring stages' barriers only: a
+  /// shared-memory atomic, as the taker's write is (racecheck does not follow that chain).
+  template <class Smem>
+  __device__ __forceinline__ int id_unsynced(Smem& sm, int pos) const {
+    return atomicAdd(&sm.ids[pos % kIdRing], 0);
+  }
+  /// At the top of item n: the taker publishes position n + kIdAhead and takes the next id (none once
+  /// the queue is empty: it stays empty); the walk's `threads` threads meet; returns position n + 3.
+  template <class Smem>
+  __device__ __forceinline__ int top(const Params& p, Smem& sm, int n_items, std::uint32_t threads) {
+    if (taker) {
+      atomicExch(&sm.ids[(n + kIdAhead) % kIdRing], next);
+      if (next < n_items) next = atomicAdd(p.queue, 1);
+    }
+    named_barrier_sync(NamedBarrier::kItemWalk, threads);
+    return id(sm, n + 3);
+  }
+  /// The taker's end, once the walk has met an id past the queue: its takes have all returned (`next`
+  /// is read), so when every CTA has counted itself here the last one empties the queue words for the
+  /// next launch.
+  __device__ __forceinline__ void finish(const Params& p) const {
+    if (!taker) return;
+    asm volatile("" ::"r"(next));
+    __threadfence();
+    if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      p.queue[0] = 0;
+      p.queue[1] = 0;
+    }
+  }
+};
 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* ptr) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
@@ -308,8 +369,9 @@ __device__ __forceinline__ void gather_q_pairs(const Params& p, const ItemInfo& 
 template <int D>
 __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, int n_items, int t) {
   const std::uint64_t policy = evict_last_policy();
-  const int step = static_cast<int>(gridDim.x);
-  int item = static_cast<int>(blockIdx.x);
+  ItemQueue queue;
+  queue.start(p, sm, n_items, t == 0);
+  int item = queue.id(sm, 0), item1 = queue.id(sm, 1), item2 = queue.id(sm, 2);
   int produced[kC] = {};  // tiles handed to each consumer so far
   int turn = 0;           // the consumer of the next tile
   const auto load_it = [&](int i) { return i < n_items ? p.items[i] : make_int2(0, 0); };
@@ -332,16 +394,17 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
     ItemInfo f = item_info(p, l1);
     int ent_cur[kTilesPerItem];
     load_entries(ent_cur, f, true);
-    l1.it = load_it(item + step);
-    load_offsets(l1, item + step);
-    int2 it2 = load_it(item + 2 * step);  // item n + 2's (bin, first row)
-    for (; item < n_items; item += step) {
+    l1.it = load_it(item1);
+    load_offsets(l1, item1);
+    int2 it2 = load_it(item2);  // item n + 2's (bin, first row)
+    while (item < n_items) {
+      const int item3 = queue.top(p, sm, n_items, kGatherThreads);
       int ent_nxt[kTilesPerItem];
-      load_entries(ent_nxt, item_info(p, l1), item + step < n_items);
+      load_entries(ent_nxt, item_info(p, l1), item1 < n_items);
       ItemLoads l2;
       l2.it = it2;
-      load_offsets(l2, item + 2 * step);
-      const int2 it3 = load_it(item + 3 * step);
+      load_offsets(l2, item2);
+      const int2 it3 = load_it(item3);
 
       const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
       const bool single = (f.mask & (f.mask - 1u)) == 0;
@@ -391,8 +454,13 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
       for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
       l1 = l2;
       it2 = it3;
+      item = item1;
+      item1 = item2;
+      item2 = item3;
+      ++queue.n;
     }
   }
+  queue.finish(p);
   end_of_work(sm, produced, t);
 }
 
@@ -407,7 +475,7 @@ __device__ __forceinline__ void kv_walk(const Params& p, AttendSmem<D>& sm, cons
   constexpr int kHalves = D / 64;
   tma_prefetch_descriptor(&tm_k);
   tma_prefetch_descriptor(&tm_v);
-  const int step = static_cast<int>(gridDim.x);
+  ItemQueue queue;  // read only: the gather walk takes the items
   PipelineState<kKvStages> kv;
   const auto load = [&](const ItemInfo& f, int j, int absent) {
     const int s = kv.stage();
@@ -422,16 +490,17 @@ __device__ __forceinline__ void kv_walk(const Params& p, AttendSmem<D>& sm, cons
     publish_issued(&sm.kv_issued, static_cast<int>(kv.count));
   };
   ItemLoads next;
-  int item = static_cast<int>(blockIdx.x);
+  int item = queue.id_unsynced(sm, 0);
   if (item < n_items) {
     next.it = p.items[item];
     next.o0 = p.offsets[next.it.x];
     next.o1 = p.offsets[next.it.x + 1];
   }
-  for (; item < n_items; item += step) {
+  for (; item < n_items; ++queue.n) {
     const ItemInfo f = item_info(p, next);
-    if (item + step < n_items) {
-      next.it = p.items[item + step];
+    item = queue.id_unsynced(sm, queue.n + 1);
+    if (item < n_items) {
+      next.it = p.items[item];
       next.o0 = p.offsets[next.it.x];
       next.o1 = p.offsets[next.it.x + 1];
     }
@@ -467,8 +536,9 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
     tma_prefetch_descriptor(&tm_v);
   }
   const std::uint64_t policy = evict_last_policy();
-  const int step = static_cast<int>(gridDim.x);
-  int item = static_cast<int>(blockIdx.x);
+  ItemQueue queue;
+  queue.start(p, sm, n_items, t == 0);
+  int item = queue.id(sm, 0), item1 = queue.id(sm, 1), item2 = queue.id(sm, 2);
   int produced[kC] = {};  // tiles handed to each consumer so far
   int turn = 0;           // the consumer of the next tile
   const auto load_it = [&](int i) { return i < n_items ? p.items[i] : make_int2(0, 0); };
@@ -491,16 +561,17 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
     ItemInfo f = item_info(p, l1);
     int ent_cur[kTilesPerItem];
     load_entries(ent_cur, f, true);
-    l1.it = load_it(item + step);
-    load_offsets(l1, item + step);
-    int2 it2 = load_it(item + 2 * step);  // item n + 2's (block, first row)
-    for (; item < n_items; item += step) {
+    l1.it = load_it(item1);
+    load_offsets(l1, item1);
+    int2 it2 = load_it(item2);  // item n + 2's (block, first row)
+    while (item < n_items) {
+      const int item3 = queue.top(p, sm, n_items, 128);
       int ent_nxt[kTilesPerItem];
-      load_entries(ent_nxt, item_info(p, l1), item + step < n_items);
+      load_entries(ent_nxt, item_info(p, l1), item1 < n_items);
       ItemLoads l2;
       l2.it = it2;
-      load_offsets(l2, item + 2 * step);
-      const int2 it3 = load_it(item + 3 * step);
+      load_offsets(l2, item2);
+      const int2 it3 = load_it(item3);
 
       const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
       // Block j into the ring's next stage (thread 0), with the releases of the `absent` consumers
@@ -556,8 +627,13 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
       for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
       l1 = l2;
       it2 = it3;
+      item = item1;
+      item1 = item2;
+      item2 = item3;
+      ++queue.n;
     }
   }
+  queue.finish(p);
   end_of_work(sm, produced, t);
 }
 
@@ -852,6 +928,9 @@ __global__ void __launch_bounds__(kAttendThreads, 1)
         sm.q_empty[c][b].init(128);
       }
     if constexpr (kPieces) sm.kv_issued = 0;
+    // The first kIdAhead items of the walk, taken at once.
+    const int first = atomicAdd(p.queue, kIdAhead);
+    for (int k = 0; k < kIdAhead; ++k) sm.ids[k] = first + k;
     fence_barrier_init();
   }
   __syncthreads();

@@ -55,6 +55,9 @@ struct Params {
   int* item_offsets = nullptr;  // [nblk + 1]: first work item of each block; [nblk] = number of items
   int* entries = nullptr;       // [slots]: query * Kq + slot
   int2* items = nullptr;        // [max items]: (block x, first row)
+  // The attention's work queue: [0] the next item to hand out, [1] CTAs done taking items. Zeroed by
+  // the reverse index; the last CTA of each attention launch zeroes it again.
+  int* queue = nullptr;
   unsigned long long* bad = nullptr;
   float* lse_part = nullptr;    // [B, Hkv, Lq, Kq, group]
   void* part = nullptr;         // [B, Hkv, Lq, Kq, group, D], f32 or bf16

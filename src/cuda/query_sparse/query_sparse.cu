@@ -39,7 +39,7 @@ struct DeviceGuard : cuda_kernels::DeviceGuard {
 struct Layout {
   std::int64_t nblk = 0, slots = 0, rows = 0, max_items = 0;
   std::size_t counts = 0, offsets = 0, item_offsets = 0, entries = 0, items = 0, bad = 0, lse = 0, part = 0,
-              merged = 0, total = 0;
+              merged = 0, queue = 0, total = 0;
 };
 
 Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
@@ -64,6 +64,7 @@ Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
   l.lse = take(l.rows, sizeof(float));
   l.part = take(l.rows * p.D, prec == PartialPrecision::f32 ? 4 : 2);
   l.merged = take(can_merge ? l.slots : 0, sizeof(int));
+  l.queue = take(2, sizeof(int));
   l.total = at;
   return l;
 }
@@ -123,6 +124,7 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
   q.lse_part = reinterpret_cast<float*>(w + l.lse);
   q.part = w + l.part;
   q.merged = win > 1 ? reinterpret_cast<std::int32_t*>(w + l.merged) : nullptr;
+  q.queue = reinterpret_cast<int*>(w + l.queue);
   return q;
 }
 

@@ -220,6 +220,7 @@ __global__ void zero_kernel(Params p) {
     if (x < p.nblk) p.counts[x] = 0;
     else p.offsets[p.nblk] = 0;  // arrivals of the count kernel's CTAs
   }
+  if (blockIdx.x == 0 && threadIdx.x < 2 && p.queue != nullptr) p.queue[threadIdx.x] = 0;
 }
 
 template <bool kShared>
