@@ -136,7 +136,7 @@ struct CostModel {
   double kv_slot_ns = 0.017;        // reverse index work per (query, slot)
   double kv_fixed_us = 30.0;        // the reverse index's fixed part and the pipeline's launches
   double kv_bin_ns = 5.0;           // merged slots: reverse index work per (b, group, window, mask) bin
-  double kv_piece_row_factor = 1.53;  // merged slots: attention per row and block, relative to kv_row_block
+  double kv_piece_row_factor = 1.43;  // merged slots: attention per row and block, relative to kv_row_block
   double g_tile_block_ns_d128 = 2.83;  // one (query, 16-head tile, KV block) of the group-centric kernel, D = 128
   double g_tile_block_ns_d64 = 1.6;    // the same at D = 64 (scaled, not measured)
   double g_l2_bytes_per_ns = 4560.0;   // rate at which CTAs stream K/V blocks from L2 (4.56 TB/s)

@@ -250,7 +250,7 @@ TEST(Planner, MergedSlotsOnQuery16of32) {
   const sa::PlanEstimate e = sa::plan_schedule(sa::QueryLists{idx.view()}, p, sa::PartialPrecision::bf16);
   EXPECT_EQ(e.merge_window, 8);
   EXPECT_EQ(e.schedule, sa::Schedule::kv_centric) << e.reason;
-  EXPECT_NEAR(e.kv_centric_ms, 1.58, 0.03) << e.reason;
+  EXPECT_NEAR(e.kv_centric_ms, 1.50, 0.03) << e.reason;
   EXPECT_NE(e.reason.find("merge window 8"), std::string::npos) << e.reason;
   // About 4 pieces per query of 16 blocks.
   EXPECT_NEAR(double(e.stats.window_pieces[8]) / double(e.stats.queries), 4.0, 0.1);

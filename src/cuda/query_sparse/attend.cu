@@ -353,8 +353,8 @@ __device__ __forceinline__ void gather_q_pairs(const Params& p, const ItemInfo& 
 }
 
 // The producer warpgroup of the piece instantiation: warps 0-1 (kGatherThreads) gather each tile's Q rows and write its header;
-// lane 0 of warp 3 loads K and V. The two walk the CTA's items (blockIdx.x, blockIdx.x + gridDim.x,
-// ...) independently and agree on the ring position of every load by counting them the same way, so
+// lane 0 of warp 3 loads K and V. The two walk the CTA's items (the ids the gather walk takes from the
+// work queue, ItemQueue) independently and agree on the ring position of every load by counting them the same way, so
 // neither waits for the other: the gathers run ahead as far as the Q buffers allow, the K/V loads as
 // far as the ring allows. A single block takes one ring position per item; a piece takes one per
 // block and round of up to kC tiles.
@@ -519,8 +519,8 @@ __device__ __forceinline__ void kv_walk(const Params& p, AttendSmem<D>& sm, cons
   }
 }
 
-// The producer warpgroup of the single-block instantiation walks the CTA's tiles in order (items
-// blockIdx.x, blockIdx.x + gridDim.x, ...; the CTA's n-th tile goes to consumer n % kC), so each buffer's
+// The producer warpgroup of the single-block instantiation walks the CTA's tiles in order (the items
+// thread 0 takes from the work queue, ItemQueue; the CTA's n-th tile goes to consumer n % kC), so each buffer's
 // barrier phases are waited for in order. Thread 0 also loads the items' K and V, one block per item.
 //
 // Every global load of the walk is issued an item ahead of its use, so no tile waits on one: at the top

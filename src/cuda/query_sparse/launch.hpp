@@ -14,9 +14,10 @@ namespace sparse_attn::cuda_kernels::qs {
 cudaError_t launch_validate(const Params& p, cudaStream_t stream);
 /// count -> scan -> fill -> items.
 cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream);
-/// Persistent attention over the work items: min(sms, max_items) CTAs (one per SM), each walking
-/// items blockIdx.x, blockIdx.x + gridDim.x, ... up to the count the reverse index wrote. K and V
-/// come through TMA maps made by make_bhld_tensor_map.
+/// Persistent attention over the work items: min(sms, max_items) CTAs (one per SM), each taking the
+/// next item from the work queue (p.queue, zeroed by launch_reverse_index and left zeroed by every
+/// launch) until the count the reverse index wrote. K and V come through TMA maps made by
+/// make_bhld_tensor_map.
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
                           const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream);
 inline constexpr unsigned kAttendHintsDefault = kStreamPartials | kKeepQ;
