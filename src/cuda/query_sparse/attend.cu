@@ -352,28 +352,27 @@ __device__ __forceinline__ void gather_q_pairs(const Params& p, const ItemInfo& 
   }
 }
 
-// The producer warpgroup of the piece instantiation: warps 0-1 (kGatherThreads) gather each tile's Q rows and write its header;
-// lane 0 of warp 3 loads K and V. The two walk the CTA's items (the ids the gather walk takes from the
-// work queue, ItemQueue) independently and agree on the ring position of every load by counting them the same way, so
-// neither waits for the other: the gathers run ahead as far as the Q buffers allow, the K/V loads as
-// far as the ring allows. A single block takes one ring position per item; a piece takes one per
-// block and round of up to kC tiles.
+// The producer warpgroup of the piece instantiation: warps 0-1 (kGatherThreads) gather each tile's Q
+// rows and write its header; lane 0 of warp 3 loads K and V. The two walk the CTA's items (the ids the
+// gather walk takes from the work queue, ItemQueue) independently and agree on the ring position of
+// every load by counting them the same way, so neither waits for the other: the gathers run ahead as far
+// as the Q buffers allow, the K/V loads as far as the ring allows. A single block takes one ring position
+// per item; a piece takes one per block and round of up to kC tiles.
 
-// The gather walk (threads t < kGatherThreads). The CTA's n-th tile goes to consumer n % kC, so each
+// The item walk of both producers. The CTA's n-th tile goes to consumer n % kC (next_consumer), so each
 // buffer's barrier phases are waited for in order, and items of one tile spread over the consumers.
 //
 // Every global load of the walk is issued an item ahead of its use, so no tile waits on one: at the top
-// of item n the walk issues the CSR entries of every tile of item n + 1 (one per thread and tile, held
-// in registers), the CSR offsets of item n + 2 and the (bin, first row) of item n + 3. Only the first
-// item's loads are waited for.
-template <int D>
-__device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, int n_items, int t) {
-  const std::uint64_t policy = evict_last_policy();
+// of item n the walk issues the CSR entries of every tile of item n + 1 (entry(f, tile): one per thread
+// and tile, held in registers), the CSR offsets of item n + 2 and the (bin, first row) of item n + 3.
+// Only the first item's loads are waited for. body(f, ent) runs each item's tiles; thread 0 (t) takes
+// the items from the work queue, and the walk's `threads` threads meet once per item.
+template <int D, class Entry, class Body>
+__device__ __forceinline__ void walk_items(const Params& p, AttendSmem<D>& sm, int n_items, int t,
+                                           std::uint32_t threads, Entry&& entry, Body&& body) {
   ItemQueue queue;
   queue.start(p, sm, n_items, t == 0);
   int item = queue.id(sm, 0), item1 = queue.id(sm, 1), item2 = queue.id(sm, 2);
-  int produced[kC] = {};  // tiles handed to each consumer so far
-  int turn = 0;           // the consumer of the next tile
   const auto load_it = [&](int i) { return i < n_items ? p.items[i] : make_int2(0, 0); };
   const auto load_offsets = [&](ItemLoads& l, int i) {
     if (i < n_items) {
@@ -384,11 +383,10 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
   // The thread's CSR entry in every tile of an item (-1 past it, or for no item).
   const auto load_entries = [&](int (&ent)[kTilesPerItem], const ItemInfo& f, bool valid) {
 #pragma unroll
-    for (int k = 0; k < kTilesPerItem; ++k) ent[k] = valid ? row_entry_own(p, f, k, t) : -1;
+    for (int k = 0; k < kTilesPerItem; ++k) ent[k] = valid ? entry(f, k) : -1;
   };
   if (item < n_items) {
-    PipelineState<kKvStages> kv;  // the ring position of the K/V walk's next load
-    ItemLoads l1;                 // item n + 1: landed at the top of item n
+    ItemLoads l1;  // item n + 1: landed at the top of item n
     l1.it = load_it(item);
     load_offsets(l1, item);
     ItemInfo f = item_info(p, l1);
@@ -398,57 +396,14 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
     load_offsets(l1, item1);
     int2 it2 = load_it(item2);  // item n + 2's (bin, first row)
     while (item < n_items) {
-      const int item3 = queue.top(p, sm, n_items, kGatherThreads);
+      const int item3 = queue.top(p, sm, n_items, threads);
       int ent_nxt[kTilesPerItem];
       load_entries(ent_nxt, item_info(p, l1), item1 < n_items);
       ItemLoads l2;
       l2.it = it2;
       load_offsets(l2, item2);
       const int2 it3 = load_it(item3);
-
-      const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
-      const bool single = (f.mask & (f.mask - 1u)) == 0;
-      const int per_round = single ? 1 : __popc(f.mask);
-      int s = kv.stage();
-      std::uint32_t ph = kv.phase();
-      int pos = static_cast<int>(kv.count);
-#pragma unroll 1
-      for (int tile = 0; tile < tiles; ++tile) {
-        // A piece's round starts at every kC-th tile with the ring position of its first block.
-        if (!single && tile % kC == 0) {
-          s = kv.stage();
-          ph = kv.phase();
-          pos = static_cast<int>(kv.count);
-          for (int k = 0; k < per_round; ++k) kv.advance();
-        }
-        const int ent = entry_of(ent_cur, tile);
-        const int c = turn;
-        turn = turn + 1 == kC ? 0 : turn + 1;
-        int n = 0;
-#pragma unroll
-        for (int i = 0; i < kC; ++i) {
-          n = i == c ? produced[i] : n;
-          produced[i] += i == c ? 1 : 0;
-        }
-        const int b = n & 1;
-        sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-        gather_q_pairs<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
-        cp_async_arrive(sm.q_full[c][b]);
-        if (t == 0) {
-          TileHeader& h = sm.head[c][b];
-          h.kv_stage = s;
-          h.kv_phase = ph;
-          h.kv_pos = pos;
-          h.block = f.j;
-          h.mask = f.mask;
-          // One block: loaded once for the item, released by each consumer after its last tile; a
-          // piece's blocks: released after every tile's use.
-          h.last = !single || tile + kC >= tiles;
-          h.end = 0;
-        }
-        sm.q_full[c][b].arrive();
-      }
-      if (single) kv.advance();
+      body(f, ent_cur);
       f = item_info(p, l1);  // derived again rather than held through the tiles: the producer is short of registers
 #pragma unroll
       for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
@@ -461,6 +416,70 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
     }
   }
   queue.finish(p);
+}
+
+/// The consumer of the walk's next tile (in turn) and the count of tiles it had before (its buffer and
+/// phase), without dynamic indexing of `produced`.
+__device__ __forceinline__ int next_consumer(int& turn, int (&produced)[kC], int& n) {
+  const int c = turn;
+  turn = turn + 1 == kC ? 0 : turn + 1;
+  n = 0;
+#pragma unroll
+  for (int i = 0; i < kC; ++i) {
+    n = i == c ? produced[i] : n;
+    produced[i] += i == c ? 1 : 0;
+  }
+  return c;
+}
+
+// The gather walk (threads t < kGatherThreads) of the piece instantiation (walk_items).
+template <int D>
+__device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, int n_items, int t) {
+  const std::uint64_t policy = evict_last_policy();
+  int produced[kC] = {};  // tiles handed to each consumer so far
+  int turn = 0;           // the consumer of the next tile
+  PipelineState<kKvStages> kv;  // the ring position of the K/V walk's next load
+  walk_items<D>(
+      p, sm, n_items, t, kGatherThreads, [&](const ItemInfo& f, int tile) { return row_entry_own(p, f, tile, t); },
+      [&](const ItemInfo& f, const int (&ent_cur)[kTilesPerItem]) {
+        const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
+        const bool single = (f.mask & (f.mask - 1u)) == 0;
+        const int per_round = single ? 1 : __popc(f.mask);
+        int s = kv.stage();
+        std::uint32_t ph = kv.phase();
+        int pos = static_cast<int>(kv.count);
+#pragma unroll 1
+        for (int tile = 0; tile < tiles; ++tile) {
+          // A piece's round starts at every kC-th tile with the ring position of its first block.
+          if (!single && tile % kC == 0) {
+            s = kv.stage();
+            ph = kv.phase();
+            pos = static_cast<int>(kv.count);
+            for (int k = 0; k < per_round; ++k) kv.advance();
+          }
+          const int ent = entry_of(ent_cur, tile);
+          int n;
+          const int c = next_consumer(turn, produced, n);
+          const int b = n & 1;
+          sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+          gather_q_pairs<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
+          cp_async_arrive(sm.q_full[c][b]);
+          if (t == 0) {
+            TileHeader& h = sm.head[c][b];
+            h.kv_stage = s;
+            h.kv_phase = ph;
+            h.kv_pos = pos;
+            h.block = f.j;
+            h.mask = f.mask;
+            // One block: loaded once for the item, released by each consumer after its last tile; a
+            // piece's blocks: released after every tile's use.
+            h.last = !single || tile + kC >= tiles;
+            h.end = 0;
+          }
+          sm.q_full[c][b].arrive();
+        }
+        if (single) kv.advance();
+      });
   end_of_work(sm, produced, t);
 }
 
@@ -519,14 +538,8 @@ __device__ __forceinline__ void kv_walk(const Params& p, AttendSmem<D>& sm, cons
   }
 }
 
-// The producer warpgroup of the single-block instantiation walks the CTA's tiles in order (the items
-// thread 0 takes from the work queue, ItemQueue; the CTA's n-th tile goes to consumer n % kC), so each buffer's
-// barrier phases are waited for in order. Thread 0 also loads the items' K and V, one block per item.
-//
-// Every global load of the walk is issued an item ahead of its use, so no tile waits on one: at the top
-// of item n the producer issues the CSR entries of every tile of item n + 1 (one per thread and tile,
-// held in registers), the CSR offsets of item n + 2 and the (block, first row) of item n + 3. Only the
-// first item's loads are waited for.
+// The producer warpgroup of the single-block instantiation: all 128 threads walk the items and gather
+// (walk_items); thread 0 also loads the items' K and V, one block per item.
 template <int D>
 __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
                                          const CUtensorMap& tm_v, int n_items, int t) {
@@ -536,104 +549,56 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
     tma_prefetch_descriptor(&tm_v);
   }
   const std::uint64_t policy = evict_last_policy();
-  ItemQueue queue;
-  queue.start(p, sm, n_items, t == 0);
-  int item = queue.id(sm, 0), item1 = queue.id(sm, 1), item2 = queue.id(sm, 2);
   int produced[kC] = {};  // tiles handed to each consumer so far
   int turn = 0;           // the consumer of the next tile
-  const auto load_it = [&](int i) { return i < n_items ? p.items[i] : make_int2(0, 0); };
-  const auto load_offsets = [&](ItemLoads& l, int i) {
-    if (i < n_items) {
-      l.o0 = p.offsets[l.it.x];
-      l.o1 = p.offsets[l.it.x + 1];
-    }
-  };
-  // The thread's CSR entry in every tile of an item (-1 past it, or for no item).
-  const auto load_entries = [&](int (&ent)[kTilesPerItem], const ItemInfo& f, bool valid) {
-#pragma unroll
-    for (int k = 0; k < kTilesPerItem; ++k) ent[k] = valid ? row_entry(p, f, k, t) : -1;
-  };
-  if (item < n_items) {
-    PipelineState<kKvStages> kv;
-    ItemLoads l1;  // item n + 1: landed at the top of item n
-    l1.it = load_it(item);
-    load_offsets(l1, item);
-    ItemInfo f = item_info(p, l1);
-    int ent_cur[kTilesPerItem];
-    load_entries(ent_cur, f, true);
-    l1.it = load_it(item1);
-    load_offsets(l1, item1);
-    int2 it2 = load_it(item2);  // item n + 2's (block, first row)
-    while (item < n_items) {
-      const int item3 = queue.top(p, sm, n_items, 128);
-      int ent_nxt[kTilesPerItem];
-      load_entries(ent_nxt, item_info(p, l1), item1 < n_items);
-      ItemLoads l2;
-      l2.it = it2;
-      load_offsets(l2, item2);
-      const int2 it3 = load_it(item3);
-
-      const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
-      // Block j into the ring's next stage (thread 0), with the releases of the `absent` consumers
-      // that have no tile reading it, at once.
-      const auto load_kv = [&](int j, int absent) {
-        const int s = kv.stage();
-        if (t == 0) {
-          sm.kv_empty[s].wait(kv.phase() ^ 1u);
-          sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
-          for (int half = 0; half < kHalves; ++half) {
-            tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
-            tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+  PipelineState<kKvStages> kv;
+  walk_items<D>(
+      p, sm, n_items, t, 128, [&](const ItemInfo& f, int tile) { return row_entry(p, f, tile, t); },
+      [&](const ItemInfo& f, const int (&ent_cur)[kTilesPerItem]) {
+        const int tiles = (f.nrows + kTileRowsQ - 1) / kTileRowsQ;
+        // Block j into the ring's next stage (thread 0), with the releases of the `absent` consumers
+        // that have no tile reading it, at once.
+        const auto load_kv = [&](int j, int absent) {
+          const int s = kv.stage();
+          if (t == 0) {
+            sm.kv_empty[s].wait(kv.phase() ^ 1u);
+            sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
+            for (int half = 0; half < kHalves; ++half) {
+              tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+              tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+            }
+            if (absent > 0) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(absent));
           }
-          if (absent > 0) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(absent));
-        }
-        kv.advance();
-      };
-      // Tile `tile` to the next consumer in turn: its Q rows and header. Consecutive tiles go to
-      // consecutive consumers (across items too, so that items of one tile spread over all of them).
-      const auto hand_out = [&](int tile, int kv_stage, std::uint32_t kv_phase, bool last) {
-        const int ent = entry_of(ent_cur, tile);
-        const int c = turn;
-        turn = turn + 1 == kC ? 0 : turn + 1;
-        int n = 0;
-#pragma unroll
-        for (int i = 0; i < kC; ++i) {
-          n = i == c ? produced[i] : n;
-          produced[i] += i == c ? 1 : 0;
-        }
-        const int b = n & 1;
-        sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-        gather_q<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
-        cp_async_arrive(sm.q_full[c][b]);
-        if (t == 0) {
-          TileHeader& h = sm.head[c][b];
-          h.kv_stage = kv_stage;
-          h.kv_phase = kv_phase;
-          h.block = f.j;
-          h.mask = f.mask;
-          h.last = last;
-          h.end = 0;
-        }
-        sm.q_full[c][b].arrive();
-      };
-      // One block: loaded once for the whole item; each consumer releases it after its last tile.
-      const int s = kv.stage();
-      const std::uint32_t ph = kv.phase();
-      load_kv(f.j + __ffs(static_cast<int>(f.mask)) - 1, tiles < kC ? kC - tiles : 0);
+          kv.advance();
+        };
+        // Tile `tile` to the next consumer in turn: its Q rows and header. Consecutive tiles go to
+        // consecutive consumers (across items too, so that items of one tile spread over all of them).
+        const auto hand_out = [&](int tile, int kv_stage, std::uint32_t kv_phase, bool last) {
+          const int ent = entry_of(ent_cur, tile);
+          int n;
+          const int c = next_consumer(turn, produced, n);
+          const int b = n & 1;
+          sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+          gather_q<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
+          cp_async_arrive(sm.q_full[c][b]);
+          if (t == 0) {
+            TileHeader& h = sm.head[c][b];
+            h.kv_stage = kv_stage;
+            h.kv_phase = kv_phase;
+            h.block = f.j;
+            h.mask = f.mask;
+            h.last = last;
+            h.end = 0;
+          }
+          sm.q_full[c][b].arrive();
+        };
+        // One block: loaded once for the whole item; each consumer releases it after its last tile.
+        const int s = kv.stage();
+        const std::uint32_t ph = kv.phase();
+        load_kv(f.j + __ffs(static_cast<int>(f.mask)) - 1, tiles < kC ? kC - tiles : 0);
 #pragma unroll 1
-      for (int tile = 0; tile < tiles; ++tile) hand_out(tile, s, ph, tile + kC >= tiles);
-      f = item_info(p, l1);  // derived again rather than held through the tiles: the producer is short of registers
-#pragma unroll
-      for (int k = 0; k < kTilesPerItem; ++k) ent_cur[k] = ent_nxt[k];
-      l1 = l2;
-      it2 = it3;
-      item = item1;
-      item1 = item2;
-      item2 = item3;
-      ++queue.n;
-    }
-  }
-  queue.finish(p);
+        for (int tile = 0; tile < tiles; ++tile) hand_out(tile, s, ph, tile + kC >= tiles);
+      });
   end_of_work(sm, produced, t);
 }
 
