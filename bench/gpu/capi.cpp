@@ -425,6 +425,8 @@ void copy_text(const std::string& text, char* buf, int len) {
 /// options.merge_window of the KV-centric calls that follow (sa_query_sparse, sa_bench_query_sparse*,
 /// sa_kv_phases_create): 0 automatic, 1 off, 2, 4 or 8.
 extern "C" void sa_bench_set_kv_merge_window(int window) { g_merge_window = window; }
+/// Query bands of later KV-centric plans (0 automatic, n > 0 forced; set_query_sparse_bands).
+extern "C" void sa_bench_set_kv_bands(int bands) { sa::cuda_backend::set_query_sparse_bands(bands); }
 
 /// One call of the public query_sparse with the given schedule (QuerySchedule code) and partials.
 extern "C" int sa_query_sparse(int dtype_code, void* q, void* k, void* v, void* out, float* lse, std::int64_t B,

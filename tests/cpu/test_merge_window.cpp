@@ -104,4 +104,27 @@ TEST(MergeWindow, RejectsValuesItDoesNotTake) {
   }
 }
 
+// Query bands: Q of a (b, group) in bands of at most 8 MiB, while every band's bins keep a work item
+// of rows; never with merging; a forced count is capped by Lq and the shared histogram (12288 bins).
+TEST(QueryBands, AutomaticAndForced) {
+  using cb::resolve_query_bands;
+  // query-long: 32768 queries x 4 heads x 128 x 2 bytes = 32 MiB of Q per (b, group): 4 bands.
+  EXPECT_EQ(resolve_query_bands(32768, 4, 128, 2, 256, 16, 1, 0), 4);
+  EXPECT_EQ(resolve_query_bands(32768, 4, 128, 2, 256, 16, 8, 0), 1);  // merged
+  // query16of32 without merging: 16 MiB of Q, 2 bands.
+  EXPECT_EQ(resolve_query_bands(4096, 16, 128, 2, 32, 16, 1, 0), 2);
+  EXPECT_EQ(resolve_query_bands(1000, 4, 128, 2, 64, 8, 1, 0), 1);  // 1 MiB of Q
+  // 8 MiB exactly is one band.
+  EXPECT_EQ(resolve_query_bands(16384, 2, 128, 2, 64, 16, 1, 0), 1);
+  // Bins too thin for a work item of rows (32768 x 16 x 4 rows over 4096 blocks: 512 rows per block).
+  EXPECT_EQ(resolve_query_bands(32768, 4, 128, 2, 4096, 16, 1, 0), 1);
+  // 64 MiB of Q (8 bands) but rows for only 5 bands of 768 rows per block.
+  EXPECT_EQ(resolve_query_bands(65536, 4, 128, 2, 1024, 15, 1, 0), 5);
+  EXPECT_EQ(resolve_query_bands(1000, 4, 128, 2, 64, 8, 1, 7), 7);
+  EXPECT_EQ(resolve_query_bands(1000, 4, 128, 2, 256, 8, 1, 100), 48);  // 48 x 256 = 12288 bins
+  EXPECT_EQ(resolve_query_bands(3, 4, 128, 2, 64, 8, 1, 5), 3);         // at most one band per query
+  EXPECT_EQ(resolve_query_bands(1000, 4, 128, 2, 64, 8, 4, 7), 1);      // merged: never
+  EXPECT_EQ(resolve_query_bands(100, 1, 64, 2, 20000, 4, 1, 3), 1);     // Tk past the histogram
+}
+
 }  // namespace

@@ -182,6 +182,11 @@ TEST(QuerySparseGpu, SanitizerSmall) {
   check_case({"qs sanitizer D=128", sa::DType::bf16, P::f32, 2, 260, 300, 4, 2, 128, true, 3, true, true}, 7);
   check_case({"qs sanitizer D=64", sa::DType::f16, P::bf16, 1, 140, 200, 2, 1, 64, false, 2}, 8);
   check_case({"qs sanitizer merged", sa::DType::bf16, P::f32, 2, 200, 1024, 4, 2, 128, true, 4, false, true, 4}, 9);
+  struct Reset {
+    ~Reset() { sa::cuda_backend::set_query_sparse_bands(0); }
+  } reset;
+  sa::cuda_backend::set_query_sparse_bands(3);
+  check_case({"qs sanitizer 3 query bands", sa::DType::bf16, P::bf16, 2, 301, 700, 8, 2, 128, true, 4, true, true}, 10);
 }
 
 TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
@@ -212,6 +217,38 @@ TEST(QuerySparseGpu, CacheHintsDoNotChangeOutputs) {
     for (unsigned hints : {0u, 1u, 2u, 3u}) {
       SCOPED_TRACE("hints " + std::to_string(hints));
       sa::cuda_backend::set_query_sparse_attend_hints(hints);
+      const Result r = run_gpu(c, in);
+      expect_same_bits(r.out, r.lse, ref);
+    }
+  }
+}
+
+// Query bands reorder the bins and work items (a band's rows of every block before the next band's),
+// never the values; with merged slots they are not used. Automatic bands (0) on these small shapes
+// are one band.
+TEST(QuerySparseGpu, QueryBandsDoNotChangeOutputs) {
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  struct Reset {
+    ~Reset() { sa::cuda_backend::set_query_sparse_bands(0); }
+  } reset;
+  const Case cases[] = {
+      {"qs bands GQA4 causal", sa::DType::bf16, sa::PartialPrecision::bf16, 2, 1013, 1500, 8, 2, 128, true, 5},
+      {"qs bands GQA16 popular f32", sa::DType::f16, sa::PartialPrecision::f32, 1, 2000, 2048, 16, 1, 128, false, 4,
+       false, true},
+      {"qs bands D=64 empty tile", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 700, 900, 4, 4, 64, false, 3, true},
+      {"qs bands merged", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 1200, 2048, 16, 1, 128, true, 6, false, false,
+       8},
+  };
+  std::uint64_t seed = 90;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Inputs in = make_inputs(c, ++seed);
+    sa::cuda_backend::set_query_sparse_bands(1);
+    const Result ref = run_gpu(c, in);
+    EXPECT_TRUE(st::all_finite(ref.out));
+    for (int bands : {2, 3, 7, 0}) {
+      SCOPED_TRACE("bands " + std::to_string(bands));
+      sa::cuda_backend::set_query_sparse_bands(bands);
       const Result r = run_gpu(c, in);
       expect_same_bits(r.out, r.lse, ref);
     }
@@ -436,15 +473,17 @@ DeviceLists upload_lists(const sa::HostTensor& lists, IdxLayout layout) {
   return d;
 }
 
-qs::Params kernel_params(const sa::ProblemShape& p, std::int64_t Kq, const DeviceLists& lists) {
+qs::Params kernel_params(const sa::ProblemShape& p, std::int64_t Kq, const DeviceLists& lists, int bands = 1) {
   qs::Params q;
   q.B = static_cast<int>(p.B), q.Lq = static_cast<int>(p.Lq), q.Lk = static_cast<int>(p.Lk);
   q.Hq = static_cast<int>(p.Hq), q.Hkv = static_cast<int>(p.Hkv), q.Tk = static_cast<int>(p.Tk());
   q.Kq = static_cast<int>(Kq), q.group = static_cast<int>(p.group_size());
   q.offset = p.offset();
   q.causal = p.causal;
-  q.nblk = p.B * p.Hkv * p.Tk();
-  q.bins = q.Tk;
+  q.bands = bands;
+  q.band_queries = static_cast<int>((p.Lq + bands - 1) / bands);
+  q.bins = q.Tk * bands;
+  q.nblk = p.B * p.Hkv * q.bins;
   q.slots = p.B * p.Hkv * p.Lq * Kq;
   q.idx = static_cast<const std::int32_t*>(lists.buf->ptr);
   for (int i = 0; i < 4; ++i) q.idx_stride[i] = lists.stride[i];
@@ -467,6 +506,7 @@ struct IndexCase {
   std::int64_t B = 1, Lq = 128, Lk = 256, Hq = 1, Hkv = 1, Kq = 4;
   bool causal = false, empty_tile = false, popular = false, no_selection = false;
   IdxLayout layout = IdxLayout::contiguous;
+  int bands = 1;  // query bands: query i's block j is bin (i / ceil(Lq / bands)) * Tk + j
 };
 
 void check_reverse_index(const IndexCase& c, std::uint64_t seed) {
@@ -476,18 +516,19 @@ void check_reverse_index(const IndexCase& c, std::uint64_t seed) {
   sa::HostTensor lists = st::query_lists::random_lists(p, c.Kq, c.empty_tile, c.popular, seed);
   if (c.no_selection) std::fill_n(lists.data<std::int32_t>(), lists.numel(), -1);
   const DeviceLists dl = upload_lists(lists, c.layout);
-  qs::Params q = kernel_params(p, c.Kq, dl);
+  qs::Params q = kernel_params(p, c.Kq, dl, c.bands);
   const std::int64_t nblk = q.nblk, slots = q.slots, G = p.group_size();
   const std::int64_t max_items = (slots * G + qs::kRowsPerItem - 1) / qs::kRowsPerItem + nblk;
 
-  // The CSR built on the host: each block's entries (query * Kq + slot), sorted.
+  // The CSR built on the host: each bin's entries (query * Kq + slot), sorted.
   std::vector<std::vector<int>> want(static_cast<std::size_t>(nblk));
   const auto* l = lists.data<std::int32_t>();
   for (std::int64_t bg = 0; bg < p.B * p.Hkv; ++bg)
     for (std::int64_t i = 0; i < p.Lq; ++i)
       for (std::int64_t s = 0; s < c.Kq; ++s) {
         const std::int32_t j = l[(bg * p.Lq + i) * c.Kq + s];
-        if (chosen_host(p, i, j)) want[static_cast<std::size_t>(bg * p.Tk() + j)].push_back(static_cast<int>(i * c.Kq + s));
+        const std::int64_t bin = i / q.band_queries * p.Tk() + j;
+        if (chosen_host(p, i, j)) want[static_cast<std::size_t>(bg * q.bins + bin)].push_back(static_cast<int>(i * c.Kq + s));
       }
   std::int64_t total = 0, total_items = 0;
   for (const auto& w : want) {
@@ -548,8 +589,18 @@ TEST(QuerySparseGpu, ReverseIndexMatchesHostCsr) {
       {"ri nblk 3600 (> one scan tile)", 3, 200, 300 * 128, 8, 4, 5},
       {"ri Tk 5000 (shared cursors)", 1, 300, 5000 * 128, 4, 2, 8},
       {"ri Tk 12289 (global-atomic path)", 1, 64, 12289 * 128 - 5, 2, 1, 8},
+      // 48 KB of dynamic shared memory exactly (plus the kernels' static bytes): the fill's staging at
+      // 2048 bins and 4096-slot chunks, the count's histogram at 12288 bins.
+      {"ri Tk 2048 (staging 48 KB)", 1, 300, 2048 * 128, 4, 2, 8},
+      {"ri Tk 12288 (histogram 48 KB)", 1, 64, 12288 * 128, 2, 1, 8},
+      {"ri 8 bands x Tk 256 (staging 48 KB)", 1, 2000, 256 * 128, 8, 2, 16, false, false, false, false, L::contiguous,
+       8},
       {"ri Lq=1 Kq=1", 2, 1, 129, 2, 2, 1},
       {"ri no block chosen", 2, 100, 512, 4, 2, 4, false, false, false, true},
+      {"ri 3 bands GQA4 causal Lq=1013", 2, 1013, 5000, 12, 3, 7, true, true, false, false, L::contiguous, 3},
+      {"ri 7 bands popular slot-major", 1, 1500, 1000, 16, 1, 6, false, false, true, false, L::slot_major, 7},
+      {"ri 5 bands Lq=5", 2, 5, 640, 4, 2, 3, false, false, false, false, L::contiguous, 5},
+      {"ri 48 bands shared cursors", 1, 3000, 250 * 128, 4, 1, 8, false, false, false, false, L::contiguous, 48},
   };
   std::uint64_t seed = 300;
   for (const IndexCase& c : cases) check_reverse_index(c, ++seed);

@@ -2,8 +2,9 @@
 //
 // Persistent CTAs on Hopper, one per SM, warp-specialised. A work item is (bin, up to kRowsPerItem
 // gathered (query, head) rows of it), cut into 64-row tiles; consecutive tiles go to consecutive
-// consumer warpgroups. A bin is a KV block, or with merged slots (Params::win > 1) a piece: the blocks
-// of one window that a query chose, the same for every row of the item.
+// consumer warpgroups. A bin is a KV block (in a band of queries when Params::bands > 1), or with
+// merged slots (Params::win > 1) a piece: the blocks of one window that a query chose, the same for
+// every row of the item.
 //  - Producer warpgroup: one thread loads K and V by TMA into a two-slot ring (128B-swizzled, 128 keys
 //    x D, rows past Lk read as zero): a single block once per item, a piece's blocks once per round of
 //    up to kAttendConsumers tiles. Gather threads copy the Q rows of each tile with cp.async into the
@@ -139,7 +140,7 @@ __device__ __forceinline__ ItemInfo item_info(const Params& p, const ItemLoads& 
     f.j = (bin >> p.win) * p.win;
     f.mask = static_cast<unsigned>(bin) & ((1u << p.win) - 1u);
   } else {
-    f.j = bin;
+    f.j = p.bands > 1 ? bin % p.Tk : bin;  // bin: band * Tk + block
   }
   f.e0 = l.o0;
   f.y = l.it.y;

@@ -5,7 +5,8 @@
 //
 // KV-centric pipeline, every kernel on one stream:
 //   plan:    [validate lists -> host]  [merge: the pieces of each query's lists, merge window > 1]
-//            count (per (b, g, bin): a KV block, or a window and block mask) -> scan (one CTA) ->
+//            count (per (b, g, bin): a KV block, in a band of queries when Q is large, or a window
+//            and block mask) -> scan (one CTA) ->
 //            fill (CSR entries query * Kq + slot) + items (each bin's rows cut into <= kRowsPerItem)
 //   attend:  persistent CTAs (attend.cu): per work item (a bin and up to kRowsPerItem of its
 //            gathered (query, head) rows) K and V by TMA, 64-row tiles of gathered Q, QK and PV on
@@ -56,6 +57,12 @@ void set_query_sparse_attend_hints(unsigned hints);
 /// At most `ctas` CTAs for the KV-centric attention kernel's later launches (0: one per SM); tests
 /// use it to give every CTA many work items. The outputs do not depend on it.
 void set_query_sparse_attend_grid(int ctas);
+
+/// Query bands of the reverse index's bins (merge_window.hpp, resolve_query_bands) for later plans and
+/// workspace sizes: 0 automatic, n > 0 forces n bands wherever the lists are not merged (capped by Lq
+/// and the shared histogram), for tests and A/B timings. The outputs do not depend on it; a workspace
+/// sized under another setting may be too small (the plan then names it).
+void set_query_sparse_bands(int bands);
 
 /// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
 /// cp.async ring, 2 TMA stages released per block, 3 TMA ring of half blocks).

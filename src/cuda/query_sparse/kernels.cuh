@@ -41,6 +41,11 @@ struct Params {
   // (b, group) is (window << win) | mask, bit t of the mask standing for block window * win + t;
   // `bins` is the number of bins per (b, group): Tk without merging, ceil(Tk / win) << win with it.
   int win = 1, bins = 0;
+  // Query bands (win == 1 only, merge_window.hpp): with bands > 1 the bin of query i's block j is
+  // (i / band_queries) * Tk + j, so a (b, group)'s work items run band by band (every block's rows of
+  // the first band_queries queries, then the next band's) and the Q rows they gather stay in L2;
+  // bins = bands * Tk.
+  int bands = 1, band_queries = 0;
   long long nblk = 0;   // B * Hkv * bins: the CSR's lists
   long long slots = 0;  // B * Hkv * Lq * Kq
 

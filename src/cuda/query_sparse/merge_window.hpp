@@ -1,4 +1,5 @@
-// Merged slots of the KV-centric query_sparse (host only): the choice of the merge window. Used by
+// Merged slots of the KV-centric query_sparse (host only): the choice of the merge window, and of the
+// query bands of the reverse index's bins when it does not merge. Used by
 // query_sparse.cu and the plan; tested on the CPU (tests/cpu/test_merge_window.cpp).
 //
 // With a merge window of W blocks, a query's chosen blocks that fall in one window of W consecutive
@@ -128,6 +129,30 @@ inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t r
     }
   }
   return best;
+}
+
+// Query bands (without merging): a (b, group)'s work items walk every KV block's rows of one band of
+// consecutive queries before the next band's, so the Q rows that band's items gather (each query's
+// row is gathered once per chosen block) stay in L2 between their uses instead of coming from DRAM
+// again (docs/notes/kv_attention.md, query bands: query-long, 33.5 MB of Q per (b, group), in 4 bands
+// of 8.4 MB: DRAM reads of the attention 2.42 -> 1.53 GB, energy per call -5 %). A band of at most
+// kBandQBytes of Q, as long as every band's bins keep about a whole work item of rows (kBandMinRows
+// per bin) and the bins fit the reverse index's shared histogram.
+inline constexpr std::int64_t kBandQBytes = 8LL << 20;
+inline constexpr std::int64_t kBandMinRows = 768;  // kRowsPerItem of the attention kernel
+
+/// Query bands per (b, group) for Lq queries of `group` heads of D elements (`elem` bytes each), Tk KV
+/// blocks and Kq slots per query (1: none). `forced` > 0 asks for that many (tests and timings), capped
+/// by Lq and the shared histogram; merging (W > 1) never uses bands.
+inline int resolve_query_bands(std::int64_t Lq, std::int64_t group, std::int64_t D, std::int64_t elem,
+                               std::int64_t Tk, std::int64_t Kq, int W, int forced) {
+  if (W > 1 || Lq <= 0 || Tk <= 0) return 1;
+  const std::int64_t most = std::max<std::int64_t>(1, std::min(Lq, kMaxMergeBins / Tk));
+  if (forced > 0) return static_cast<int>(std::min<std::int64_t>(forced, most));
+  const std::int64_t q_bytes = Lq * group * D * elem;
+  std::int64_t bands = (q_bytes + kBandQBytes - 1) / kBandQBytes;
+  bands = std::min(bands, Lq * Kq * group / (Tk * kBandMinRows));
+  return static_cast<int>(std::clamp<std::int64_t>(bands, 1, most));
 }
 
 /// The same for a problem shape and lists of Kq slots per query (rows = group size x Lq).

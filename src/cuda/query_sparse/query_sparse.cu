@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -33,9 +34,19 @@ struct DeviceGuard : cuda_kernels::DeviceGuard {
   explicit DeviceGuard(int device) : cuda_kernels::DeviceGuard(device, kOp) {}
 };
 
+// Query bands forced by set_query_sparse_bands (0: resolve_query_bands decides).
+std::atomic<int> g_forced_bands{0};
+
+// Query bands of the reverse index's bins with merge window `win` (merge_window.hpp).
+int bands_of(const ProblemShape& p, std::int64_t Kq, int win) {
+  return resolve_query_bands(p.Lq, p.group_size(), p.D, 2, p.Tk(), Kq, win,
+                             g_forced_bands.load(std::memory_order_relaxed));
+}
+
 // Byte offsets of the workspace's arrays; each starts on a 256-byte boundary. The index arrays are
-// sized for the most bins any merge window the lists allow makes (max_merge_bins), so one workspace
-// size serves every window; merged holds the merged lists (absent when Kq is too large to merge).
+// sized for the most bins any merge window the lists allow makes (max_merge_bins), or the banded
+// blocks without merging if those are more, so one workspace size serves every window; merged holds
+// the merged lists (absent when Kq is too large to merge).
 struct Layout {
   std::int64_t nblk = 0, slots = 0, rows = 0, max_items = 0;
   std::size_t counts = 0, offsets = 0, item_offsets = 0, entries = 0, items = 0, bad = 0, lse = 0, part = 0,
@@ -45,7 +56,7 @@ struct Layout {
 Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
   Layout l;
   const bool can_merge = Kq <= kMaxMergeSlots;
-  l.nblk = p.B * p.Hkv * max_merge_bins(p.Tk(), Kq);
+  l.nblk = p.B * p.Hkv * std::max(max_merge_bins(p.Tk(), Kq), bands_of(p, Kq, 1) * p.Tk());
   l.slots = p.B * p.Hkv * p.Lq * Kq;
   l.rows = l.slots * p.group_size();
   l.max_items = ceil_div(l.rows, qs::kRowsPerItem) + l.nblk;
@@ -109,7 +120,9 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
   q.offset = p.offset();
   q.causal = p.causal;
   q.win = win;
-  q.bins = static_cast<int>(merge_bins(p.Tk(), win));
+  q.bands = bands_of(p, Kq, win);
+  q.band_queries = static_cast<int>(ceil_div(p.Lq, static_cast<std::int64_t>(q.bands)));
+  q.bins = static_cast<int>(merge_bins(p.Tk(), win) * q.bands);
   q.nblk = p.B * p.Hkv * q.bins;
   q.slots = l.slots;
   q.idx = static_cast<const std::int32_t*>(lists.idx.data);
@@ -295,6 +308,7 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
 
 void set_query_sparse_attend_hints(unsigned hints) { qs::set_attend_cache_hints(hints); }
 void set_query_sparse_attend_grid(int ctas) { qs::set_attend_grid_cap(ctas); }
+void set_query_sparse_bands(int bands) { g_forced_bands.store(bands > 0 ? bands : 0, std::memory_order_relaxed); }
 
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
   return layout(p, Kq, partials).total;

@@ -1,20 +1,22 @@
-// Phase 1 of query_sparse: validation of the lists and the reverse index (CSR per (b, group, KV
-// block)) with its work items.
+// Phase 1 of query_sparse: validation of the lists and the reverse index (CSR per (b, group, bin))
+// with its work items. A bin is a KV block, or (Params::bands > 1) a KV block within a band of
+// queries, bin = band * Tk + block, so that the work items, written in bin order, walk a (b, group)
+// band by band; or with merged slots a piece (below).
 //
-// The reverse index is a counting sort of each (b, group)'s slots by KV block, in three launches:
-//   zero:  the block counters and the count kernel's arrival counter (offsets[nblk]).
-//   count: one CTA per chunk of one (b, group)'s slots builds the chunk's histogram over the Tk
-//          blocks in shared memory, then adds each non-zero bin to its global counter with one
+// The reverse index is a counting sort of each (b, group)'s slots by bin, in three launches:
+//   zero:  the bin counters and the count kernel's arrival counter (offsets[nblk]).
+//   count: one CTA per chunk of one (b, group)'s slots builds the chunk's histogram over the bins
+//          in shared memory, then adds each non-zero bin to its global counter with one
 //          atomic; the last CTA to arrive scans the counters into entry and item offsets and turns
 //          the counters into fill cursors.
 //   fill:  every CTA recounts its chunk, reserves one range per non-zero bin with one global atomic,
 //          sorts its entries by bin in shared memory and writes each bin's run out contiguously;
 //          the CTAs together also write the work items.
 // Per-slot global atomics (the seed's count and fill) put the whole selection's contention on
-// B * Hkv * Tk L2 addresses; the shared histograms leave about Tk global atomics per CTA. When the
-// staging does not fit, entries are stored straight from the shared cursors, and with more than
-// kHistBins blocks per row (no shared histogram) the kernels fall back to per-slot global atomics.
-// Entry order inside a block's list depends on which CTA reserves first; the attend and combine
+// B * Hkv * bins L2 addresses; the shared histograms leave about one global atomic per bin and CTA.
+// When the staging does not fit, entries are stored straight from the shared cursors, and with more
+// than kHistBins bins per (b, group) (no shared histogram) the kernels fall back to per-slot global
+// atomics. Entry order inside a bin's list depends on which CTA reserves first; the attend and combine
 // phases do not depend on it (backend.hpp).
 //
 // With merged slots (Params::win > 1) a fourth launch comes first: `merge` writes each query's
@@ -37,11 +39,11 @@ constexpr int kRoundSlots = kIndexThreads * kSlotsPerThread;
 // CTA's latency chain (loads, histogram, atomics, fence, arrival) is paid once. The 32 registers
 // this leaves make the last CTA's scan spill a few words; no other CTA runs that code.
 constexpr int kIndexCtasPerSm = 8;
-// 48 KB of int bins: the most dynamic shared memory a CTA gets without an opt-in, i.e. rows of up
-// to 1.5 M keys.
+// 48 KB of int bins (with an opt-in past 48 KB less the kernel's static shared memory), i.e. rows of
+// up to 1.5 M keys.
 constexpr int kHistBins = 12 * 1024;
 constexpr int kScanPer = 8;  // counters per thread and scan tile
-constexpr std::size_t kDefaultSmem = 48 * 1024;  // dynamic shared memory without an opt-in
+constexpr std::size_t kDefaultSmem = 48 * 1024;  // shared memory per CTA without an opt-in
 // The staged fill's shared memory: 34 KB for query-long's 256 bins and 4096-slot chunks (six CTAs
 // per SM); up to 96 KB (Tk around 2000) before it falls back to storing entries from the cursors.
 constexpr std::size_t kStagedSmem = 96 * 1024;
@@ -124,7 +126,7 @@ __device__ __forceinline__ Chunk chunk_of(const Params& p, int chunk, int ctas_p
   return c;
 }
 
-// f(query, slot, block) for every chosen slot of the chunk. Each round loads kSlotsPerThread slots
+// f(query, slot, bin) for every chosen slot of the chunk (the bin: its block, in its query band). Each round loads kSlotsPerThread slots
 // per thread (consecutive threads, consecutive slots: coalesced for contiguous lists) before
 // handing any to f, so the loads are in flight together.
 template <class F>
@@ -147,7 +149,9 @@ __device__ __forceinline__ void for_each_chosen(const Params& p, const Chunk& c,
     for (int u = 0; u < kSlotsPerThread; ++u) {
       if (blk[u] < 0) continue;
       const unsigned f32 = static_cast<unsigned>(base + u * kIndexThreads + threadIdx.x), qi = f32 / kq;
-      if (chosen(p, static_cast<int>(qi), blk[u])) f(static_cast<int>(qi), static_cast<int>(f32 - qi * kq), blk[u]);
+      if (!chosen(p, static_cast<int>(qi), blk[u])) continue;
+      const int bin = p.bands > 1 ? blk[u] + static_cast<int>(qi / static_cast<unsigned>(p.band_queries)) * p.Tk : blk[u];
+      f(static_cast<int>(qi), static_cast<int>(f32 - qi * kq), bin);
     }
   }
 }
@@ -230,13 +234,13 @@ __global__ void __launch_bounds__(kIndexThreads, kIndexCtasPerSm) count_kernel(c
   __shared__ bool last;
   const Chunk c = chunk_of(p, chunk, ctas_per_bg);
   if (c.idx != nullptr) {
-    int* counts = p.counts + c.bg * p.Tk;
+    int* counts = p.counts + c.bg * p.bins;
     if constexpr (kShared) {
-      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) hist[x] = 0;
+      for (int x = threadIdx.x; x < p.bins; x += kIndexThreads) hist[x] = 0;
       __syncthreads();
       for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(hist + j, 1); });
       __syncthreads();
-      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads)
+      for (int x = threadIdx.x; x < p.bins; x += kIndexThreads)
         if (hist[x] != 0) atomicAdd(counts + x, hist[x]);
     } else {
       for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(counts + j, 1); });
@@ -284,21 +288,21 @@ __global__ void __launch_bounds__(kIndexThreads) fill_kernel(const __grid_consta
   extern __shared__ int smem[];
   const Chunk c = chunk_of(p, chunk, ctas_per_bg);
   if (c.idx != nullptr) {
-    int* counts = p.counts + c.bg * p.Tk;
+    int* counts = p.counts + c.bg * p.bins;
     if constexpr (kMode == FillMode::staged) {
       // Entries of one bin land in consecutive staging slots, so the write-out stores runs of
       // consecutive entries (a bin's share of the chunk) instead of one 4-byte store per L2 sector.
       int* cursor = smem;
-      int* base = smem + p.Tk;
-      int* val = smem + 2 * p.Tk;
+      int* base = smem + p.bins;
+      int* val = smem + 2 * p.bins;
       int* pos = val + chunk;
-      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) cursor[x] = 0;
+      for (int x = threadIdx.x; x < p.bins; x += kIndexThreads) cursor[x] = 0;
       __syncthreads();
       for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(cursor + j, 1); });
       __syncthreads();
       // Local offsets: thread t scans bins [t * per, (t + 1) * per); the counts wait in base.
-      const int per = (p.Tk + kIndexThreads - 1) / kIndexThreads;
-      const int x0 = threadIdx.x * per, x1 = min(x0 + per, p.Tk);
+      const int per = (p.bins + kIndexThreads - 1) / kIndexThreads;
+      const int x0 = threadIdx.x * per, x1 = min(x0 + per, p.bins);
       int off = 0, unused = 0, total = 0, unused_total = 0;
       for (int x = x0; x < x1; ++x) off += cursor[x];
       cta_exclusive_scan(off, unused, total, unused_total);
@@ -309,7 +313,7 @@ __global__ void __launch_bounds__(kIndexThreads) fill_kernel(const __grid_consta
       }
       __syncthreads();
       // One reservation per non-zero bin, bins spread over the threads so the atomics overlap.
-      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) {
+      for (int x = threadIdx.x; x < p.bins; x += kIndexThreads) {
         const int n = base[x];
         base[x] = n != 0 ? atomicAdd(counts + x, n) - cursor[x] : 0;
       }
@@ -323,11 +327,11 @@ __global__ void __launch_bounds__(kIndexThreads) fill_kernel(const __grid_consta
       for (int e = threadIdx.x; e < total; e += kIndexThreads) p.entries[pos[e]] = val[e];
     } else if constexpr (kMode == FillMode::shared_cursors) {
       int* cursor = smem;
-      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads) cursor[x] = 0;
+      for (int x = threadIdx.x; x < p.bins; x += kIndexThreads) cursor[x] = 0;
       __syncthreads();
       for_each_chosen(p, c, [&](int, int, int j) { atomicAdd(cursor + j, 1); });
       __syncthreads();
-      for (int x = threadIdx.x; x < p.Tk; x += kIndexThreads)
+      for (int x = threadIdx.x; x < p.bins; x += kIndexThreads)
         if (cursor[x] != 0) cursor[x] = atomicAdd(counts + x, cursor[x]);
       __syncthreads();
       for_each_chosen(p, c, [&](int i, int s, int j) { p.entries[atomicAdd(cursor + j, 1)] = i * p.Kq + s; });
@@ -343,16 +347,22 @@ int grid_for(long long n, int threads) {
   return static_cast<int>(g < 1 ? 1 : (g > 65536 ? 65536 : g));
 }
 
+// A CTA gets 48 KB of shared memory without an opt-in, its static shared memory included: past that the
+// kernel's dynamic limit is raised to `dynamic`.
+template <class Kernel>
+cudaError_t allow_dynamic_smem(Kernel* kernel, std::size_t dynamic) {
+  cudaFuncAttributes fa{};
+  const cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
+  if (e != cudaSuccess || dynamic + fa.sharedSizeBytes <= kDefaultSmem) return e;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic));
+}
+
 template <FillMode kMode>
 cudaError_t launch_fill(const Params& p, int chunk, int ctas_per_bg, unsigned grid, cudaStream_t stream) {
   std::size_t smem = 0;
-  if constexpr (kMode == FillMode::staged) smem = staged_bytes(p.Tk, chunk);
-  if constexpr (kMode == FillMode::shared_cursors) smem = sizeof(int) * static_cast<std::size_t>(p.Tk);
-  if (smem > kDefaultSmem) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(fill_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-  }
+  if constexpr (kMode == FillMode::staged) smem = staged_bytes(p.bins, chunk);
+  if constexpr (kMode == FillMode::shared_cursors) smem = sizeof(int) * static_cast<std::size_t>(p.bins);
+  if (const cudaError_t e = allow_dynamic_smem(fill_kernel<kMode>, smem); e != cudaSuccess) return e;
   fill_kernel<kMode><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg);
   return cudaGetLastError();
 }
@@ -377,7 +387,7 @@ cudaError_t launch_reverse_index(const Params& full, cudaStream_t stream) {
   // A chunk of at least 2 * Tk slots keeps the per-CTA histogram work (zero, read, one atomic per
   // non-zero bin) under the chunk's own.
   const long long per_bg = static_cast<long long>(p.Lq) * p.Kq;
-  const long long rounds = (2LL * p.Tk + kRoundSlots - 1) / kRoundSlots;
+  const long long rounds = (2LL * p.bins + kRoundSlots - 1) / kRoundSlots;
   const long long chunk = kRoundSlots * (rounds < 1 ? 1 : rounds);
   long long ctas_per_bg = (per_bg + chunk - 1) / chunk;
   if (ctas_per_bg < 1) ctas_per_bg = 1;
@@ -386,13 +396,15 @@ cudaError_t launch_reverse_index(const Params& full, cudaStream_t stream) {
   if (grid > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
   const int ck = static_cast<int>(chunk), cpb = static_cast<int>(ctas_per_bg);
   const auto g = static_cast<unsigned>(grid);
-  const bool shared = p.Tk <= kHistBins;
-  if (shared)
-    count_kernel<true><<<g, kIndexThreads, sizeof(int) * static_cast<std::size_t>(p.Tk), stream>>>(p, ck, cpb);
-  else
+  const bool shared = p.bins <= kHistBins;
+  if (shared) {
+    const std::size_t hist = sizeof(int) * static_cast<std::size_t>(p.bins);
+    if ((e = allow_dynamic_smem(count_kernel<true>, hist)) != cudaSuccess) return e;
+    count_kernel<true><<<g, kIndexThreads, hist, stream>>>(p, ck, cpb);
+  } else
     count_kernel<false><<<g, kIndexThreads, 0, stream>>>(p, ck, cpb);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
-  if (shared && staged_bytes(p.Tk, ck) <= kStagedSmem) return launch_fill<FillMode::staged>(p, ck, cpb, g, stream);
+  if (shared && staged_bytes(p.bins, ck) <= kStagedSmem) return launch_fill<FillMode::staged>(p, ck, cpb, g, stream);
   if (shared) return launch_fill<FillMode::shared_cursors>(p, ck, cpb, g, stream);
   return launch_fill<FillMode::global_atomics>(p, ck, cpb, g, stream);
 }
