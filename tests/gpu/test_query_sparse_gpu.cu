@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -223,6 +224,26 @@ TEST(QuerySparseGpu, CacheHintsDoNotChangeOutputs) {
   }
 }
 
+// A setting that moves work around, never values: every case run with set(reference), then with set(v) for
+// each of `values`, gives the reference's outputs bit for bit.
+template <std::size_t N, class Set>
+void expect_same_bits_across(const Case (&cases)[N], std::uint64_t seed, const std::string& what, int reference,
+                             std::initializer_list<int> values, Set set) {
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Inputs in = make_inputs(c, ++seed);
+    set(reference);
+    const Result ref = run_gpu(c, in);
+    EXPECT_TRUE(st::all_finite(ref.out));
+    for (int v : values) {
+      SCOPED_TRACE(what + " " + std::to_string(v));
+      set(v);
+      const Result r = run_gpu(c, in);
+      expect_same_bits(r.out, r.lse, ref);
+    }
+  }
+}
+
 // Query bands reorder the bins and work items (a band's rows of every block before the next band's),
 // never the values; with merged slots they are not used. Automatic bands (0) on these small shapes
 // are one band.
@@ -239,20 +260,8 @@ TEST(QuerySparseGpu, QueryBandsDoNotChangeOutputs) {
       {"qs bands merged", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 1200, 2048, 16, 1, 128, true, 6, false, false,
        8},
   };
-  std::uint64_t seed = 90;
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const Inputs in = make_inputs(c, ++seed);
-    sa::cuda_backend::set_query_sparse_bands(1);
-    const Result ref = run_gpu(c, in);
-    EXPECT_TRUE(st::all_finite(ref.out));
-    for (int bands : {2, 3, 7, 0}) {
-      SCOPED_TRACE("bands " + std::to_string(bands));
-      sa::cuda_backend::set_query_sparse_bands(bands);
-      const Result r = run_gpu(c, in);
-      expect_same_bits(r.out, r.lse, ref);
-    }
-  }
+  expect_same_bits_across(cases, 90, "bands", 1, {2, 3, 7, 0},
+                          [](int bands) { sa::cuda_backend::set_query_sparse_bands(bands); });
 }
 
 // A few CTAs over many work items (the producer's loads run an item ahead across item boundaries, K/V
@@ -273,20 +282,8 @@ TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
       {"qs few CTAs merged D=64", sa::DType::f16, sa::PartialPrecision::f32, 2, 1200, 1024, 4, 2, 64, false, 3, false,
        false, 4},
   };
-  std::uint64_t seed = 70;
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const Inputs in = make_inputs(c, ++seed);
-    sa::cuda_backend::set_query_sparse_attend_grid(0);
-    const Result ref = run_gpu(c, in);
-    EXPECT_TRUE(st::all_finite(ref.out));
-    for (int ctas : {1, 2, 3, 7}) {
-      SCOPED_TRACE("ctas " + std::to_string(ctas));
-      sa::cuda_backend::set_query_sparse_attend_grid(ctas);
-      const Result r = run_gpu(c, in);
-      expect_same_bits(r.out, r.lse, ref);
-    }
-  }
+  expect_same_bits_across(cases, 70, "ctas", 0, {1, 2, 3, 7},
+                          [](int ctas) { sa::cuda_backend::set_query_sparse_attend_grid(ctas); });
 }
 
 // plan() once with a caller-owned workspace, run() for two different q: each equals the one-call

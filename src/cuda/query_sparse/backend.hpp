@@ -60,8 +60,10 @@ void set_query_sparse_attend_grid(int ctas);
 
 /// Query bands of the reverse index's bins (merge_window.hpp, resolve_query_bands) for later plans and
 /// workspace sizes: 0 automatic, n > 0 forces n bands wherever the lists are not merged (capped by Lq
-/// and the shared histogram), for tests and A/B timings. The outputs do not depend on it; a workspace
-/// sized under another setting may be too small (the plan then names it).
+/// and the shared histogram), for tests and A/B timings. The outputs do not depend on it. Set it before
+/// sizing a workspace and planning, and keep it until the plan's last run: a plan's runs read its bins
+/// under the count in force, and a workspace sized under another count may be too small (the plan then
+/// names it).
 void set_query_sparse_bands(int bands);
 
 /// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
