@@ -388,25 +388,36 @@ def poisoned(fn, out):
 # ---- timing ----------------------------------------------------------------------------------------
 
 class Timer:
-    def __init__(self, warm, reps, inner):
-        self.warm, self.reps, self.inner = warm, reps, inner
+    def __init__(self, warm, reps, inner, sustain_ms=0.0):
+        self.warm, self.reps, self.inner, self.sustain_ms = warm, reps, inner, sustain_ms
 
     def __call__(self, fn):
         """Median over `reps` samples of the mean time (ms) of `inner` back-to-back calls, CUDA events on
         the current stream, after `warm` calls; several calls per sample keep the GPU queue ahead of the
-        host, so per-call host work (ctypes) stays out of the figure unless the call synchronises."""
-        for _ in range(self.warm):
+        host, so per-call host work (ctypes) stays out of the figure unless the call synchronises. With
+        sustain_ms > 0 a sample holds at least that many ms of calls (estimated from the warm-up): the
+        H200 holds its power limit by lowering its clock within tens of ms, so short bursts of a
+        power-hungry kernel run faster than the same kernel back to back in a model
+        (docs/notes/kv_attention.md, the power limit)."""
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(max(self.warm, 1 if self.sustain_ms > 0 else 0)):
             fn()
+        b.record()
         torch.cuda.synchronize()
+        inner = self.inner
+        if self.sustain_ms > 0:
+            est = a.elapsed_time(b) / max(self.warm, 1)
+            inner = max(inner, math.ceil(self.sustain_ms / max(est, 1e-3)))
         times = []
         for _ in range(self.reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            for _ in range(self.inner):
+            for _ in range(inner):
                 fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b) / self.inner)
+            times.append(a.elapsed_time(b) / inner)
         times.sort()
         return times[len(times) // 2]
 
@@ -694,6 +705,9 @@ def main():
     ap.add_argument("--reps", type=int, help="timing samples (median taken); default 15, 5 with --quick")
     ap.add_argument("--inner", type=int, help="calls per timing sample; default 5, 2 with --quick")
     ap.add_argument("--warm", type=int, help="warm-up calls before timing; default 5, 2 with --quick")
+    ap.add_argument("--sustain-ms", type=float, default=0.0,
+                    help="at least this many ms of back-to-back calls per timing sample (the clock under the "
+                         "power limit, as in a model); default 0: --inner calls")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip parts that start after this many seconds")
     ap.add_argument("--selftest", action="store_true", help="CPU checks of the generators and the block mask")
     ap.add_argument("--markdown", nargs="+", metavar="JSON",
@@ -733,6 +747,9 @@ def main():
             if n < (0 if name == "warm" else 1):
                 ap.error(f"--{name} must be at least {0 if name == 'warm' else 1}, got {n}")
             setattr(ctx.timer, name, n)
+    if args.sustain_ms < 0:
+        ap.error(f"--sustain-ms must be at least 0, got {args.sustain_ms}")
+    ctx.timer.sustain_ms = args.sustain_ms
     ctx.no_flex = args.no_flex
     ctx.cpu_gen = torch.Generator().manual_seed(7)
     ctx.flex = None
@@ -746,8 +763,9 @@ def main():
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                     "python": platform.python_version(), "command": " ".join(sys.argv),
-                    "timing": f"median of {ctx.timer.reps} samples of the mean of {ctx.timer.inner} calls after "
-                              f"{ctx.timer.warm} warm-up calls, CUDA events",
+                    "timing": f"median of {ctx.timer.reps} samples of the mean of {ctx.timer.inner} calls"
+                              + (f" (or as many as fill {ctx.timer.sustain_ms:g} ms)" if ctx.timer.sustain_ms else "")
+                              + f" after {ctx.timer.warm} warm-up calls, CUDA events",
                     "useful_flops": "4 * D * Hq/Hkv * selected visible (b, group, query, key) pairs",
                     "sweep_f": sweep_f},
            "workloads": [], "sweep": [], "planner_check": [], "crossovers": [], "parts_done": [], "parts_skipped": []}
