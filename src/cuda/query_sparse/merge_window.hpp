@@ -135,7 +135,7 @@ inline int resolve_merge_window(std::int64_t Tk, std::int64_t Kq, std::int64_t r
 // consecutive queries before the next band's, so the Q rows that band's items gather (each query's
 // row is gathered once per chosen block) stay in L2 between their uses instead of coming from DRAM
 // again (docs/notes/kv_attention.md, query bands: query-long, 33.5 MB of Q per (b, group), in 4 bands
-// of 8.4 MB: the attention's DRAM reads 2.42 -> 1.53 GB, its time back to back -4 %, the whole call's
+// of 8.4 MB: the attention's DRAM reads 2.42 -> 1.05 GB, its time back to back -4 %, the whole call's
 // -1.2 %, since the reverse index scans four times the bins). A band of at most
 // kBandQBytes of Q, as long as every band's bins keep about a whole work item of rows (kBandMinRows
 // per bin) and the bins fit the reverse index's shared histogram.
