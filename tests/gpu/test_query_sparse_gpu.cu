@@ -525,7 +525,8 @@ void check_reverse_index(const IndexCase& c, std::uint64_t seed) {
       for (std::int64_t s = 0; s < c.Kq; ++s) {
         const std::int32_t j = l[(bg * p.Lq + i) * c.Kq + s];
         const std::int64_t bin = i / q.band_queries * p.Tk() + j;
-        if (chosen_host(p, i, j)) want[static_cast<std::size_t>(bg * q.bins + bin)].push_back(static_cast<int>(i * c.Kq + s));
+        if (chosen_host(p, i, j))
+          want[static_cast<std::size_t>(bg * q.bins + bin)].push_back(static_cast<int>(i * c.Kq + s));
       }
   std::int64_t total = 0, total_items = 0;
   for (const auto& w : want) {

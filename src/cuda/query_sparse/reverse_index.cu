@@ -126,9 +126,9 @@ __device__ __forceinline__ Chunk chunk_of(const Params& p, int chunk, int ctas_p
   return c;
 }
 
-// f(query, slot, bin) for every chosen slot of the chunk (the bin: its block, in its query band). Each round loads kSlotsPerThread slots
-// per thread (consecutive threads, consecutive slots: coalesced for contiguous lists) before
-// handing any to f, so the loads are in flight together.
+// f(query, slot, bin) for every chosen slot of the chunk (the bin: its block, in its query band).
+// Each round loads kSlotsPerThread slots per thread (consecutive threads, consecutive slots:
+// coalesced for contiguous lists) before handing any to f, so the loads are in flight together.
 template <class F>
 __device__ __forceinline__ void for_each_chosen(const Params& p, const Chunk& c, F&& f) {
   const unsigned kq = static_cast<unsigned>(p.Kq);
@@ -150,7 +150,8 @@ __device__ __forceinline__ void for_each_chosen(const Params& p, const Chunk& c,
       if (blk[u] < 0) continue;
       const unsigned f32 = static_cast<unsigned>(base + u * kIndexThreads + threadIdx.x), qi = f32 / kq;
       if (!chosen(p, static_cast<int>(qi), blk[u])) continue;
-      const int bin = p.bands > 1 ? blk[u] + static_cast<int>(qi / static_cast<unsigned>(p.band_queries)) * p.Tk : blk[u];
+      const int bin =
+          p.bands > 1 ? blk[u] + static_cast<int>(qi / static_cast<unsigned>(p.band_queries)) * p.Tk : blk[u];
       f(static_cast<int>(qi), static_cast<int>(f32 - qi * kq), bin);
     }
   }
