@@ -225,10 +225,14 @@ TEST(QuerySparseGpu, CacheHintsDoNotChangeOutputs) {
 }
 
 // A setting that moves work around, never values: every case run with set(reference), then with set(v) for
-// each of `values`, gives the reference's outputs bit for bit.
+// each of `values`, gives the reference's outputs bit for bit. set(0), the default, when it returns.
 template <std::size_t N, class Set>
 void expect_same_bits_across(const Case (&cases)[N], std::uint64_t seed, const std::string& what, int reference,
                              std::initializer_list<int> values, Set set) {
+  struct Restore {
+    Set& set;
+    ~Restore() { set(0); }
+  } restore{set};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const Inputs in = make_inputs(c, ++seed);
@@ -249,9 +253,6 @@ void expect_same_bits_across(const Case (&cases)[N], std::uint64_t seed, const s
 // are one band.
 TEST(QuerySparseGpu, QueryBandsDoNotChangeOutputs) {
   QUERY_SPARSE_SKIP_WITHOUT_GPU();
-  struct Reset {
-    ~Reset() { sa::cuda_backend::set_query_sparse_bands(0); }
-  } reset;
   const Case cases[] = {
       {"qs bands GQA4 causal", sa::DType::bf16, sa::PartialPrecision::bf16, 2, 1013, 1500, 8, 2, 128, true, 5},
       {"qs bands GQA16 popular f32", sa::DType::f16, sa::PartialPrecision::f32, 1, 2000, 2048, 16, 1, 128, false, 4,
@@ -268,9 +269,6 @@ TEST(QuerySparseGpu, QueryBandsDoNotChangeOutputs) {
 // slots and Q buffers cycle many times): the outputs equal those of one CTA per SM bit for bit.
 TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
   QUERY_SPARSE_SKIP_WITHOUT_GPU();
-  struct Reset {
-    ~Reset() { sa::cuda_backend::set_query_sparse_attend_grid(0); }
-  } reset;
   const Case cases[] = {
       {"qs few CTAs GQA16", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 3000, 1024, 16, 1, 128, false, 4},
       {"qs few CTAs causal f32", sa::DType::f16, sa::PartialPrecision::f32, 2, 1500, 1500, 8, 2, 128, true, 5},
