@@ -17,6 +17,7 @@ struct BenchConfig {
   std::string pattern = "independent";  // tile16: independent lists, or pairs of tiles sharing one
   std::vector<std::int64_t> lk;         // full-scale lengths; empty: the workload's defaults
   int repeat = 0;                       // timed runs per case; 0: 5 on the GPU, 2 on the CPU
+  double sustain_ms = 0.0;  // > 0: each timed run is as many back-to-back calls as fill this many ms
   int scale = 0;  // divides B, L and block counts; 0: 1 on the GPU, 4 (gated 16, entmax 8) on the CPU
   double density = 0.36;                // gated: target block density of the gated case
   int verify_rows = 48;                 // sampled (batch, query, head) rows checked per case
