@@ -31,6 +31,18 @@ using st::query_lists::DeviceBuffer;
 
 constexpr std::int32_t kPoison = 0x5a5a5a5a;
 
+// convert(options) with options.stream a stream of its own, synchronised and destroyed afterwards.
+template <class Convert>
+void convert_on_own_stream(Convert convert) {
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  sa::ConvertOptions options;
+  options.stream = stream;
+  convert(options);
+  cuda_ok(cudaStreamSynchronize(stream), "conversion on the stream");
+  cuda_ok(cudaStreamDestroy(stream), "stream");
+}
+
 sa::ProblemShape shape(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, bool causal = false) {
   sa::ProblemShape p;
   p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hkv * 2, p.Hkv = Hkv, p.D = 128, p.causal = causal;
@@ -169,13 +181,9 @@ TEST(ConvertGpu, StridedTensorsOnAStream) {
   sa::TensorView cv = dc.view;  // [Tq, Hkv, B] seen as [B, Hkv, Tq]
   cv.shape = {p.B, p.Hkv, p.Tq()};
   cv.stride = {1, p.B, p.B * p.Hkv};
-  cudaStream_t stream = nullptr;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  sa::ConvertOptions options;
-  options.stream = stream;
-  sa::query_lists_to_tile_lists(sa::QueryLists{lv}, sa::TileLists{iv, cv}, p, options);
-  cuda_ok(cudaStreamSynchronize(stream), "conversion on the stream");
-  cuda_ok(cudaStreamDestroy(stream), "stream");
+  convert_on_own_stream([&](const sa::ConvertOptions& options) {
+    sa::query_lists_to_tile_lists(sa::QueryLists{lv}, sa::TileLists{iv, cv}, p, options);
+  });
   di.download(out_idx);
   dc.download(out_cnt);
   for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r) {
@@ -395,15 +403,17 @@ Tiles gpu_bits(const sa::HostTensor& bits, const sa::ProblemShape& p, std::int64
   return t;
 }
 
+// A shape of bit sets or tile lists (G lists per batch: Hkv or Hq) and the density of its selection.
+struct BitsCase {
+  const char* name;
+  std::int64_t B, Lq, Lk, Hkv, G;
+  double density;
+};
+
 // Shapes with Tk below, at and past one word and past one warp round of 32 words (Tk 1094: 35 words);
 // G = Hkv and G = Hq; densities from empty to full; roomy, tight and trusted capacities.
 TEST(ConvertGpu, BitsEqualCpu) {
   SKIP_WITHOUT_GPU();
-  struct BitsCase {
-    const char* name;
-    std::int64_t B, Lq, Lk, Hkv, G;
-    double density;
-  };
   const BitsCase cases[] = {
       {"Tk 1", 1, 200, 100, 1, 1, 0.5},         {"Tk 9, Hkv 2", 2, 1013, 1100, 2, 2, 0.3},
       {"Tk 32, full", 1, 300, 4096, 1, 1, 1.0}, {"Tk 33, G = Hq", 2, 256, 4100, 2, 4, 0.2},
@@ -483,13 +493,9 @@ TEST(ConvertGpu, BitsStridedOnAStream) {
   bv.shape[3] = W;
   sa::TensorView iv = di.view;
   iv.shape[3] = kmax;
-  cudaStream_t stream = nullptr;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  sa::ConvertOptions options;
-  options.stream = stream;
-  sa::block_bits_to_tile_lists(sa::BlockBits{bv}, sa::TileLists{iv, dc.view}, p, options);
-  cuda_ok(cudaStreamSynchronize(stream), "conversion on the stream");
-  cuda_ok(cudaStreamDestroy(stream), "stream");
+  convert_on_own_stream([&](const sa::ConvertOptions& options) {
+    sa::block_bits_to_tile_lists(sa::BlockBits{bv}, sa::TileLists{iv, dc.view}, p, options);
+  });
   di.download(got.idx);
   dc.download(got.cnt);
   for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r) {
@@ -558,19 +564,14 @@ void expect_same_words(const sa::HostTensor& want, const sa::HostTensor& got, co
 
 TEST(ConvertGpu, TilesToBitsEqualCpu) {
   SKIP_WITHOUT_GPU();
-  struct C {
-    const char* name;
-    std::int64_t B, Lq, Lk, Hkv, G;
-    double density;
-  };
-  const C cases[] = {{"Tk 1", 1, 200, 100, 1, 1, 0.5},
-                     {"Tk 9 Hkv 2", 2, 1013, 1100, 2, 2, 0.3},
-                     {"Tk 33 G = Hq", 2, 256, 4100, 2, 4, 0.2},
-                     {"Tk 1094", 1, 640, 140000, 1, 1, 0.05}};
+  const BitsCase cases[] = {{"Tk 1", 1, 200, 100, 1, 1, 0.5},
+                            {"Tk 9 Hkv 2", 2, 1013, 1100, 2, 2, 0.3},
+                            {"Tk 33 G = Hq", 2, 256, 4100, 2, 4, 0.2},
+                            {"Tk 1094", 1, 640, 140000, 1, 1, 0.05}};
   std::uint64_t seed = 70;
   sa::ConvertOptions trusted;
   trusted.trusted = true;
-  for (const C& c : cases) {
+  for (const BitsCase& c : cases) {
     SCOPED_TRACE(c.name);
     const sa::ProblemShape p = shape(c.B, c.Lq, c.Lk, c.Hkv);
     const TileListsHost l = random_tile_lists(p, c.G, 1, c.density, ++seed);
@@ -658,13 +659,9 @@ TEST(ConvertGpu, TilesToBitsStridedOnAStream) {
   cv.shape[2] = p.Tq();
   sa::TensorView bv = db.view;
   bv.shape[3] = W;
-  cudaStream_t stream = nullptr;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  sa::ConvertOptions options;
-  options.stream = stream;
-  sa::tile_lists_to_block_bits(sa::TileLists{iv, cv}, sa::BlockBits{bv}, p, options);
-  cuda_ok(cudaStreamSynchronize(stream), "conversion on the stream");
-  cuda_ok(cudaStreamDestroy(stream), "stream");
+  convert_on_own_stream([&](const sa::ConvertOptions& options) {
+    sa::tile_lists_to_block_bits(sa::TileLists{iv, cv}, sa::BlockBits{bv}, p, options);
+  });
   db.download(bits);
   for (std::int64_t r = 0; r < p.B * p.Hkv * p.Tq(); ++r) {
     for (std::int64_t w = 0; w < W; ++w)
