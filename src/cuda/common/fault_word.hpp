@@ -65,4 +65,19 @@ unsigned long long checked_launch(int device, cudaStream_t stream, const std::st
   return read_back(word, stream, op);
 }
 
+/// `launch()` once on `stream`: as it is when `trusted` (nothing is checked: returns kNoFault), otherwise
+/// with `fault` pointed at the fault word of `device` (checked_launch), whose value it returns.
+template <class Launch>
+unsigned long long launch_checked_unless(bool trusted, unsigned long long*& fault, int device, cudaStream_t stream,
+                                         const std::string& op, Launch&& launch) {
+  if (trusted) {
+    launch();
+    return kNoFault;
+  }
+  return checked_launch(device, stream, op, [&](unsigned long long* word) {
+    fault = word;
+    launch();
+  });
+}
+
 }  // namespace sparse_attn::cuda_kernels

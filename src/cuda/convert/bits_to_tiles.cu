@@ -11,6 +11,7 @@
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/fault_word.hpp"
 #include "cuda/convert/backend.hpp"
+#include "cuda/convert/rows.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
 
@@ -118,23 +119,16 @@ void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const P
   prm.Tk = static_cast<int>(Tk);
   prm.Kmax = static_cast<int>(Kmax);
 
-  const auto launch = [&] {
-    if (rows == 0) return;
-    constexpr long long kRowsPerCta = cv::kBitsThreads / 32;
-    const long long ctas = std::min<long long>((rows + kRowsPerCta - 1) / kRowsPerCta, 1LL << 20);
-    cv::bits_kernel<<<static_cast<unsigned>(ctas), cv::kBitsThreads, 0, stream>>>(prm);
-    cuda_kernels::check_cuda(cudaGetLastError(), op, "conversion launch");
-  };
-  if (options.trusted) return launch();
-
-  const unsigned long long f = cuda_kernels::checked_launch(in.bits.device_index, stream, op, [&](unsigned long long* w) {
-    prm.fault = w;
-    launch();
-  });
+  const unsigned long long f = cuda_kernels::launch_checked_unless(
+      options.trusted, prm.fault, in.bits.device_index, stream, op, [&] {
+        if (rows == 0) return;
+        cv::bits_kernel<<<cv::warp_per_row_ctas(rows, cv::kBitsThreads), cv::kBitsThreads, 0, stream>>>(prm);
+        cuda_kernels::check_cuda(cudaGetLastError(), op, "conversion launch");
+      });
   if (f == cuda_kernels::kNoFault) return;
   const bool capacity = (f & cv::kOverCapacity) != 0;
   const long long r = static_cast<long long>(capacity ? (f & ~cv::kOverCapacity) >> cv::kCountBits : f >> 5);
-  const long long t = r % Tq, g = r / Tq % G, b = r / (Tq * G);
+  const auto [b, g, t] = cv::row_coord(r, G, Tq);
   if (capacity)
     throw Error(op, "out.idx", detail::over_capacity_message("the bit set", b, g, t,
                                                             static_cast<long long>(f & ((1ull << cv::kCountBits) - 1)),

@@ -255,16 +255,11 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
                "shared memory attribute");
   }
 
-  auto launch = [&] {
-    cv::union_kernel<<<static_cast<unsigned>(tiles), cv::kThreads, smem, stream>>>(prm);
-    check_cuda(cudaGetLastError(), "conversion launch");
-  };
-  if (options.trusted) return launch();
-
-  const unsigned long long f = cuda_kernels::checked_launch(in.idx.device_index, stream, kOp, [&](unsigned long long* w) {
-    prm.fault = w;
-    launch();
-  });
+  const unsigned long long f = cuda_kernels::launch_checked_unless(
+      options.trusted, prm.fault, in.idx.device_index, stream, kOp, [&] {
+        cv::union_kernel<<<static_cast<unsigned>(tiles), cv::kThreads, smem, stream>>>(prm);
+        check_cuda(cudaGetLastError(), "conversion launch");
+      });
   if (f != cuda_kernels::kNoFault) throw_fault(f, prm, p, stream);
 }
 

@@ -14,6 +14,7 @@
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/fault_word.hpp"
 #include "cuda/convert/backend.hpp"
+#include "cuda/convert/rows.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
 
@@ -94,23 +95,15 @@ void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const P
   prm.Tk = static_cast<int>(p.Tk());
   prm.Kmax = static_cast<int>(Kmax);
 
-  const auto launch = [&] {
-    if (rows == 0) return;
-    constexpr long long kRowsPerCta = cv::kTileBitsThreads / 32;
-    const long long ctas = std::min<long long>((rows + kRowsPerCta - 1) / kRowsPerCta, 1LL << 20);
-    cv::tile_bits_kernel<<<static_cast<unsigned>(ctas), cv::kTileBitsThreads, 0, stream>>>(prm);
-    cuda_kernels::check_cuda(cudaGetLastError(), op, "conversion launch");
-  };
-  if (options.trusted) return launch();
-
-  const unsigned long long f = cuda_kernels::checked_launch(in.idx.device_index, stream, op, [&](unsigned long long* w) {
-    prm.fault = w;
-    launch();
-  });
+  const unsigned long long f = cuda_kernels::launch_checked_unless(
+      options.trusted, prm.fault, in.idx.device_index, stream, op, [&] {
+        if (rows == 0) return;
+        cv::tile_bits_kernel<<<cv::warp_per_row_ctas(rows, cv::kTileBitsThreads), cv::kTileBitsThreads, 0, stream>>>(prm);
+        cuda_kernels::check_cuda(cudaGetLastError(), op, "conversion launch");
+      });
   if (f == cuda_kernels::kNoFault) return;
   // The faulty tile, read back and reported as the CPU reports it.
-  const long long r = static_cast<long long>(f);
-  const long long t = r % Tq, g = r / Tq % G, b = r / (Tq * G);
+  const auto [b, g, t] = cv::row_coord(static_cast<long long>(f), G, Tq);
   const std::int32_t c = cuda_kernels::read_back(
       prm.cnt + b * prm.cnt_stride[0] + g * prm.cnt_stride[1] + t * prm.cnt_stride[2], stream, op);
   const std::vector<std::int32_t> ids = cuda_kernels::read_back_row(

@@ -433,6 +433,22 @@ __device__ __forceinline__ int next_consumer(int& turn, int (&produced)[kC], int
   return c;
 }
 
+/// Hands the walk's next tile to the next consumer in turn: waits for that consumer's buffer, runs
+/// gather(buffer, row_part) (the thread's cp.async copies and partial rows), arrives on the buffer's full
+/// barrier once the copies land, and after thread 0 has written the tile's header (header(h)), once more.
+template <int D, class Gather, class Header>
+__device__ __forceinline__ void hand_out_tile(AttendSmem<D>& sm, int& turn, int (&produced)[kC], int t,
+                                              Gather&& gather, Header&& header) {
+  int n;
+  const int c = next_consumer(turn, produced, n);
+  const int b = n & 1;
+  sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
+  gather(smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b]);
+  cp_async_arrive(sm.q_full[c][b]);
+  if (t == 0) header(sm.head[c][b]);
+  sm.q_full[c][b].arrive();
+}
+
 // The gather walk (threads t < kGatherThreads) of the piece instantiation (walk_items).
 template <int D>
 __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, int n_items, int t) {
@@ -459,25 +475,14 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
             for (int k = 0; k < per_round; ++k) kv.advance();
           }
           const int ent = entry_of(ent_cur, tile);
-          int n;
-          const int c = next_consumer(turn, produced, n);
-          const int b = n & 1;
-          sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-          gather_q_pairs<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
-          cp_async_arrive(sm.q_full[c][b]);
-          if (t == 0) {
-            TileHeader& h = sm.head[c][b];
-            h.kv_stage = s;
-            h.kv_phase = ph;
-            h.kv_pos = pos;
-            h.block = f.j;
-            h.mask = f.mask;
-            // One block: loaded once for the item, released by each consumer after its last tile; a
-            // piece's blocks: released after every tile's use.
-            h.last = !single || tile + kC >= tiles;
-            h.end = 0;
-          }
-          sm.q_full[c][b].arrive();
+          // One block: loaded once for the item, released by each consumer after its last tile; a
+          // piece's blocks: released after every tile's use.
+          hand_out_tile(
+              sm, turn, produced, t,
+              [&](std::uint32_t buf, int* row_part) { gather_q_pairs<D>(p, f, tile, ent, buf, row_part, t, policy); },
+              [&](TileHeader& h) {
+                h = TileHeader{s, ph, f.j, f.mask, !single || tile + kC >= tiles, 0, pos, 0};
+              });
         }
         if (single) kv.advance();
       });
@@ -576,22 +581,10 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
         // consecutive consumers (across items too, so that items of one tile spread over all of them).
         const auto hand_out = [&](int tile, int kv_stage, std::uint32_t kv_phase, bool last) {
           const int ent = entry_of(ent_cur, tile);
-          int n;
-          const int c = next_consumer(turn, produced, n);
-          const int b = n & 1;
-          sm.q_empty[c][b].wait(((n >> 1) & 1u) ^ 1u);
-          gather_q<D>(p, f, tile, ent, smem_addr(&sm.q[c][b][0][0][0]), sm.row_part[c][b], t, policy);
-          cp_async_arrive(sm.q_full[c][b]);
-          if (t == 0) {
-            TileHeader& h = sm.head[c][b];
-            h.kv_stage = kv_stage;
-            h.kv_phase = kv_phase;
-            h.block = f.j;
-            h.mask = f.mask;
-            h.last = last;
-            h.end = 0;
-          }
-          sm.q_full[c][b].arrive();
+          hand_out_tile(
+              sm, turn, produced, t,
+              [&](std::uint32_t buf, int* row_part) { gather_q<D>(p, f, tile, ent, buf, row_part, t, policy); },
+              [&](TileHeader& h) { h = TileHeader{kv_stage, kv_phase, f.j, f.mask, last, 0, 0, 0}; });
         };
         // One block: loaded once for the whole item; each consumer releases it after its last tile.
         const int s = kv.stage();
