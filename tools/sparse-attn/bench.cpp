@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <optional>
@@ -18,6 +19,9 @@
 
 #include "common.hpp"
 #include "core/cpu.hpp"
+#ifdef SPARSE_ATTN_WITH_CUDA
+#include "cuda/query_sparse/backend.hpp"
+#endif
 
 namespace sparse_attn::cli {
 
@@ -41,6 +45,10 @@ void add_bench_options(CLI::App& app, BenchConfig& c) {
   app.add_option("--density", c.density, "gated: target block density of the gated case")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--partials", c.partials,
+                 "query16of32 / query-long: precision of the KV-centric partial outputs, f32, bf16 or both (one case each)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16", "both"}));
   app.add_option("--verify-rows", c.verify_rows, "Sampled (batch, query, head) rows checked per case")
       ->capture_default_str()
       ->check(CLI::Range(8, 100000));
@@ -224,6 +232,7 @@ class Bench {
   void pipeline();
   void dense_workload();
   void query(bool long_variant);
+  void query_phases(Inputs& in, Mirrored& lists, std::int64_t Kq, PartialPrecision prec, CaseResult& r);
   void gated_workload();
   void entmax_workload();
 
@@ -347,6 +356,10 @@ void Bench::record(const std::string& name, const ProblemShape& p, nlohmann::jso
   if (r.extra.contains("selector_ms"))
     extra += fmt::format(" selector {:.3f} ms, effective {:.3g} TFLOP/s", r.extra["selector_ms"]["median"].get<double>(),
                          r.extra["effective_tflops"].get<double>());
+  if (r.extra.contains("phases_ms"))
+    extra += fmt::format(" reverse index {:.3f}, attention {:.3f}, combine {:.3f} ms",
+                         r.extra["phases_ms"]["reverse_index"].get<double>(), r.extra["phases_ms"]["attention"].get<double>(),
+                         r.extra["phases_ms"]["combine"].get<double>());
   if (r.extra.contains("support_fraction"))
     extra += fmt::format(" support {:.3f}", r.extra["support_fraction"].get<double>());
   fmt::print("{:<34} {} {:>9} {:>5}  {}{}\n", name, timing,
@@ -500,6 +513,9 @@ void Bench::dense_workload() {
 
 // ---- query16of32 / query-long: per-query random block lists, KV-centric executor
 void Bench::query(bool long_variant) {
+  std::vector<PartialPrecision> precisions;
+  if (cfg_.partials != "bf16") precisions.push_back(PartialPrecision::f32);
+  if (cfg_.partials != "f32") precisions.push_back(PartialPrecision::bf16);
   for (std::int64_t full_l : lengths({long_variant ? 32768 : 4096})) {
     ProblemShape p = long_variant ? ProblemShape{1, length(full_l), length(full_l), 32, 8, 128, false}
                                   : ProblemShape{scaled(8, 1), length(full_l), length(full_l), 16, 1, 128, false};
@@ -516,20 +532,72 @@ void Bench::query(bool long_variant) {
       std::copy(perm.begin(), perm.begin() + blocks, lists.host().data<std::int32_t>() + r * blocks);
     }
     const Selection host_sel = QueryLists{lists.host().view()};
-    progress("{}: verify, then {} timed runs", name, repeat_);
-    auto r = measure(
-        in,
-        [&](bool d) {
-          QuerySparseOptions o;
-          o.trusted = trusted_;
-          query_sparse(in.q.view(d), in.k.view(d), in.v.view(d), QueryLists{lists.view(d)}, in.out.view(d), std::nullopt, o);
-        },
-        selection_reference(in, host_sel), nullptr);
-    r.pairs = selected_pairs(host_sel, p);
-    // The KV-centric merge window the GPU ran (the automatic choice); the CPU reference does not merge.
-    const int merge_window = where_.cuda ? query_sparse_merge_window(p, blocks) : 1;
-    record(name, p, {{"blocks_per_query", blocks}, {"merge_window", merge_window}}, std::move(r));
+    const auto reference = selection_reference(in, host_sel);
+    for (const PartialPrecision prec : precisions) {
+      const char* prec_name = prec == PartialPrecision::bf16 ? "bf16" : "f32";
+      const std::string label = fmt::format("{} {} partials", name, prec_name);
+      progress("{}: verify, then {} timed runs", label, repeat_);
+      auto r = measure(
+          in,
+          [&](bool d) {
+            QuerySparseOptions o;
+            o.trusted = trusted_;
+            o.partials = prec;
+            query_sparse(in.q.view(d), in.k.view(d), in.v.view(d), QueryLists{lists.view(d)}, in.out.view(d), std::nullopt,
+                         o);
+          },
+          reference, nullptr);
+      r.pairs = selected_pairs(host_sel, p);
+      if (where_.cuda && r.status == "ok") query_phases(in, lists, blocks, prec, r);
+      // The KV-centric merge window the GPU ran (the automatic choice); the CPU reference does not merge.
+      const int merge_window = where_.cuda ? query_sparse_merge_window(p, blocks) : 1;
+      record(label, p, {{"blocks_per_query", blocks}, {"merge_window", merge_window}, {"partials", prec_name}},
+             std::move(r));
+    }
   }
+}
+
+// The breakdown of the KV-centric schedule (GPU): its three phases timed one at a time on a workspace
+// of their own, each `repeat` times (--sustain-ms applies): the reverse index (lists trusted: they were
+// validated by the verified call), the attention into the partials, the combine into out. The phases'
+// output must equal the verified one-call output bit for bit (the schedule is deterministic).
+void Bench::query_phases(Inputs& in, Mirrored& lists, std::int64_t Kq, PartialPrecision prec, CaseResult& r) {
+#ifdef SPARSE_ATTN_WITH_CUDA
+  const ProblemShape& p = in.p;
+  QuerySparseOptions o;
+  o.trusted = true;
+  o.partials = prec;
+  const std::size_t bytes = query_sparse_workspace_bytes(p, Kq, prec);
+  DeviceTensor ws(DType::u8, {static_cast<std::int64_t>(bytes)}, where_.index);
+  void* w = ws.view().data;
+  const QueryLists ql{lists.view(true)};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(p.D));  // query_sparse's default
+  const std::function<void()> phases[3] = {
+      [&] { cuda_backend::query_sparse_plan(p, ql, w, bytes, o); },
+      [&] { cuda_backend::query_sparse_attend(p, in.q.view(true), in.k.view(true), in.v.view(true), ql, w, bytes, scale, o); },
+      [&] { cuda_backend::query_sparse_combine(p, ql, w, bytes, in.out.view(true), std::nullopt, o); }};
+  const HostTensor verified = in.out.host();
+  in.out.poison();
+  for (const auto& f : phases) f();  // each phase reads what the ones before it left
+  device_synchronize();
+  in.out.download();
+  const auto& got = in.out.host();
+  if (std::memcmp(got.view().data, verified.view().data, static_cast<std::size_t>(got.numel()) * dtype_size(got.dtype())) !=
+      0) {
+    r.status = "FAILED: the phases run one at a time disagree with the verified one-call output";
+    return;
+  }
+  const char* names[3] = {"reverse_index", "attention", "combine"};
+  nlohmann::json j = nlohmann::json::object();
+  for (int i = 0; i < 3; ++i) {
+    std::vector<double> ms;
+    for (int rep = 0; rep < repeat_; ++rep) ms.push_back(timed(true, phases[i]));
+    j[names[i]] = median(ms);
+  }
+  r.extra["phases_ms"] = j;
+#else
+  (void)in, (void)lists, (void)Kq, (void)prec, (void)r;
+#endif
 }
 
 // ---- gated: dense causal baseline, the gate at -inf (density 1), and a gate at a target density
