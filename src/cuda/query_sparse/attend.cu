@@ -489,6 +489,22 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
   end_of_work(sm, produced, t);
 }
 
+/// One thread: block j of item f's (b, group) into K/V ring stage s (phase: the stage's current ring
+/// phase) once the consumers have freed it, by TMA, with the releases of the `absent` consumers that
+/// have no tile reading it at once.
+template <int D>
+__device__ __forceinline__ void load_kv_stage(AttendSmem<D>& sm, const CUtensorMap& tm_k, const CUtensorMap& tm_v, int s,
+                                              std::uint32_t phase, const ItemInfo& f, int j, int absent) {
+  constexpr int kHalves = D / 64;
+  sm.kv_empty[s].wait(phase ^ 1u);
+  sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
+  for (int half = 0; half < kHalves; ++half) {
+    tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+    tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
+  }
+  if (absent > 0) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(absent));
+}
+
 // The K/V walk (one thread): per item, the single block once, or per round of up to kC tiles the
 // piece's blocks in ascending order, each into the ring's next stage once the consumers have freed it,
 // with the releases of the consumers that have no tile reading it (`absent`) at once, and the count of
@@ -497,20 +513,12 @@ __device__ __forceinline__ void gather_walk(const Params& p, AttendSmem<D>& sm, 
 template <int D>
 __device__ __forceinline__ void kv_walk(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
                                         const CUtensorMap& tm_v, int n_items) {
-  constexpr int kHalves = D / 64;
   tma_prefetch_descriptor(&tm_k);
   tma_prefetch_descriptor(&tm_v);
   ItemQueue queue;  // read only: the gather walk takes the items
   PipelineState<kKvStages> kv;
   const auto load = [&](const ItemInfo& f, int j, int absent) {
-    const int s = kv.stage();
-    sm.kv_empty[s].wait(kv.phase() ^ 1u);
-    sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
-    for (int half = 0; half < kHalves; ++half) {
-      tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
-      tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
-    }
-    if (absent > 0) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(absent));
+    load_kv_stage(sm, tm_k, tm_v, kv.stage(), kv.phase(), f, j, absent);
     kv.advance();
     publish_issued(&sm.kv_issued, static_cast<int>(kv.count));
   };
@@ -549,7 +557,6 @@ __device__ __forceinline__ void kv_walk(const Params& p, AttendSmem<D>& sm, cons
 template <int D>
 __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, const CUtensorMap& tm_k,
                                          const CUtensorMap& tm_v, int n_items, int t) {
-  constexpr int kHalves = D / 64;
   if (t == 0) {
     tma_prefetch_descriptor(&tm_k);
     tma_prefetch_descriptor(&tm_v);
@@ -565,16 +572,7 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
         // Block j into the ring's next stage (thread 0), with the releases of the `absent` consumers
         // that have no tile reading it, at once.
         const auto load_kv = [&](int j, int absent) {
-          const int s = kv.stage();
-          if (t == 0) {
-            sm.kv_empty[s].wait(kv.phase() ^ 1u);
-            sm.kv_full[s].arrive_expect_tx(2u * kHalves * kKvHalfBytes);
-            for (int half = 0; half < kHalves; ++half) {
-              tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
-              tma_load_bhld(&sm.v[s][half][0][0], &tm_v, 64 * half, f.g, j * kKeys, f.b, &sm.kv_full[s].word);
-            }
-            if (absent > 0) arrive_count(sm.kv_empty[s], 128u * static_cast<std::uint32_t>(absent));
-          }
+          if (t == 0) load_kv_stage(sm, tm_k, tm_v, kv.stage(), kv.phase(), f, j, absent);
           kv.advance();
         };
         // Tile `tile` to the next consumer in turn: its Q rows and header. Consecutive tiles go to
