@@ -533,6 +533,9 @@ void Bench::query(bool long_variant) {
     }
     const Selection host_sel = QueryLists{lists.host().view()};
     const auto reference = selection_reference(in, host_sel);
+    const double pairs = selected_pairs(host_sel, p);
+    // The KV-centric merge window the GPU ran (the automatic choice); the CPU reference does not merge.
+    const int merge_window = where_.cuda ? query_sparse_merge_window(p, blocks) : 1;
     for (const PartialPrecision prec : precisions) {
       const char* prec_name = prec == PartialPrecision::bf16 ? "bf16" : "f32";
       const std::string label = fmt::format("{} {} partials", name, prec_name);
@@ -547,10 +550,8 @@ void Bench::query(bool long_variant) {
                          o);
           },
           reference, nullptr);
-      r.pairs = selected_pairs(host_sel, p);
+      r.pairs = pairs;
       if (where_.cuda && r.status == "ok") query_phases(in, lists, blocks, prec, r);
-      // The KV-centric merge window the GPU ran (the automatic choice); the CPU reference does not merge.
-      const int merge_window = where_.cuda ? query_sparse_merge_window(p, blocks) : 1;
       record(label, p, {{"blocks_per_query", blocks}, {"merge_window", merge_window}, {"partials", prec_name}},
              std::move(r));
     }
