@@ -25,7 +25,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 #include "cuda/attention/softmax.cuh"
@@ -38,9 +37,6 @@
 
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
-
-std::atomic<unsigned> g_attend_hints{kAttendHintsDefault};
-std::atomic<int> g_attend_grid_cap{0};
 
 constexpr int kC = kAttendConsumers;
 constexpr int kTileRowsQ = 64;  // rows of one consumer tile (one m64 wgmma row block)
@@ -217,11 +213,7 @@ __device__ __forceinline__ void wait_issued(int* at, int pos) {
   __threadfence_block();
 }
 
-__device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-/// cp_async16 under an L2 cache policy (createpolicy).
+/// A 16-byte cp.async (src_bytes 0: zero-fill) under an L2 cache policy (createpolicy).
 __device__ __forceinline__ void cp_async16_policy(std::uint32_t dst, const void* src, int src_bytes,
                                                   std::uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
@@ -260,9 +252,10 @@ __device__ __forceinline__ int row_entry(const Params& p, const ItemInfo& f, int
 // plus the head). Chunk c of row r goes to half c / 8, position (c % 8) ^ (r % 8) of the row's 128
 // bytes (TMA's SWIZZLE_128B pattern on a 1024-aligned base). Rows past the item are zero-filled
 // (src-size 0) and get partial row -1.
-// With kKeepQ the rows are read under an evict-last policy: the items run block by block within a (b,
+// The rows are read under an evict-last policy (`policy`): the items run block by block within a (b,
 // group), so every row of the group's Q is read Kq times while the group's items run, and the streamed
-// partials should not push it out of L2 in between.
+// partials (store_partials) should not push it out of L2 in between (docs/notes/kv_attention.md, cache
+// hints).
 template <int D>
 __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int tile, int ent, std::uint32_t buf,
                                          int* row_part, int t, std::uint64_t policy) {
@@ -277,19 +270,11 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
   }
   if (t % 2 == 0) row_part[r] = ent >= 0 ? (f.bg * p.Lq * p.Kq + ent) * p.group + head : -1;
   const std::uint32_t dst_row = buf + r * 128;
-  if (p.hints & kKeepQ) {
 #pragma unroll
-    for (int k = 0; k < kChunks / 2; ++k) {
-      const int cc = t % 2 + 2 * k;
-      cp_async16_policy(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0),
-                        bytes, policy);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kChunks / 2; ++k) {
-      const int cc = t % 2 + 2 * k;
-      cp_async16(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0), bytes);
-    }
+  for (int k = 0; k < kChunks / 2; ++k) {
+    const int cc = t % 2 + 2 * k;
+    cp_async16_policy(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0),
+                      bytes, policy);
   }
 }
 
@@ -345,10 +330,7 @@ __device__ __forceinline__ void gather_q_pairs(const Params& p, const ItemInfo& 
     for (int k = 0; k < kChunks / 2; ++k) {
       const int cc = t % 2 + 2 * k;
       const std::uint32_t dst = dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16);
-      if (p.hints & kKeepQ)
-        cp_async16_policy(dst, src + (bytes ? cc * 8 : 0), bytes, policy);
-      else
-        cp_async16(dst, src + (bytes ? cc * 8 : 0), bytes);
+      cp_async16_policy(dst, src + (bytes ? cc * 8 : 0), bytes, policy);
     }
   }
 }
@@ -595,7 +577,8 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
 }
 
 // The tile's normalised partial rows and their LSE (rows[r] < 0: padding, not stored). l holds each
-// thread's share of its two rows' sums; the quad's shares are added here.
+// thread's share of its two rows' sums; the quad's shares are added here. Streaming stores
+// (st.global.cs): L2 evicts the partials first, keeping the Q rows that gather_q reads again.
 template <class Part, int N>
 __device__ __forceinline__ void store_partials(const Params& p, const int (&rows)[2], const float (&acc_o)[N],
                                                const float (&m)[2], float (&l)[2], int q4) {
@@ -611,17 +594,8 @@ __device__ __forceinline__ void store_partials(const Params& p, const int (&rows
     const float lse = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
     if (rows[r] < 0) continue;
     auto* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D;
-    const bool stream = p.hints & kStreamPartials;
-    if (stream)
-      Part::template put_row<true>(dst, acc_o, r, inv, q4);
-    else
-      Part::template put_row<false>(dst, acc_o, r, inv, q4);
-    if (q4 == 0) {
-      if (stream)
-        __stcs(p.lse_part + rows[r], lse);
-      else
-        p.lse_part[rows[r]] = lse;
-    }
+    Part::template put_row<true>(dst, acc_o, r, inv, q4);
+    if (q4 == 0) __stcs(p.lse_part + rows[r], lse);
   }
 }
 
@@ -921,7 +895,7 @@ struct TagOf<F16> {
 
 template <class T, int D, class Part>
 struct AttendOp {
-  static cudaError_t run(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sms,
+  static cudaError_t run(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int ctas,
                          long long max_items, cudaStream_t stream) {
     auto* kernel = p.win > 1 ? attend_kernel<typename TagOf<T>::type, D, Part, true>
                              : attend_kernel<typename TagOf<T>::type, D, Part, false>;
@@ -929,7 +903,7 @@ struct AttendOp {
     const cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
-    const long long grid = max_items < sms ? max_items : sms;
+    const long long grid = max_items < ctas ? max_items : ctas;
     kernel<<<static_cast<unsigned>(grid), kAttendThreads, smem, stream>>>(p, *tm_k, *tm_v);
     return cudaGetLastError();
   }
@@ -937,22 +911,16 @@ struct AttendOp {
 
 }  // namespace
 
-void set_attend_cache_hints(unsigned hints) { g_attend_hints.store(hints, std::memory_order_relaxed); }
-void set_attend_grid_cap(int ctas) { g_attend_grid_cap.store(ctas, std::memory_order_relaxed); }
-
 std::size_t attend_smem(int D) { return D == 128 ? attend_smem_bytes<128>() : attend_smem_bytes<64>(); }
 
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
-                          const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream) {
+                          const CUtensorMap* tm_v, int ctas, long long max_items, cudaStream_t stream) {
   if (max_items <= 0) return cudaSuccess;
   Params q = p;
-  q.hints = g_attend_hints.load(std::memory_order_relaxed);
   q.div_group = FastDiv::make(p.group);
   q.div_kq = FastDiv::make(p.Kq);
   q.div_lq = FastDiv::make(p.Lq);
-  const int cap = g_attend_grid_cap.load(std::memory_order_relaxed);
-  return dispatch<AttendOp>(bf16, D, bf16_partials, q, tm_k, tm_v, cap > 0 && cap < sms ? cap : sms, max_items,
-                            stream);
+  return dispatch<AttendOp>(bf16, D, bf16_partials, q, tm_k, tm_v, ctas, max_items, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs
