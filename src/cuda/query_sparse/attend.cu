@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "cuda/attention/softmax.cuh"
+#include "cuda/common/smem_limit.hpp"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
@@ -900,12 +901,9 @@ struct AttendOp {
     auto* kernel = p.win > 1 ? attend_kernel<typename TagOf<T>::type, D, Part, true>
                              : attend_kernel<typename TagOf<T>::type, D, Part, false>;
     constexpr std::size_t smem = attend_smem_bytes<D>();
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
     const long long grid = max_items < ctas ? max_items : ctas;
-    kernel<<<static_cast<unsigned>(grid), kAttendThreads, smem, stream>>>(p, *tm_k, *tm_v);
-    return cudaGetLastError();
+    return launch_with_smem(
+        kernel, smem, [&] { kernel<<<static_cast<unsigned>(grid), kAttendThreads, smem, stream>>>(p, *tm_k, *tm_v); });
   }
 };
 
