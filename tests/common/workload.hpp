@@ -1,13 +1,16 @@
 // One problem's inputs for every executor, from a seed: random q, k, v and a random selection in each
 // format (tile lists and the same tiles as bit sets, per-query block lists, per-query token lists), all
 // valid (ascending distinct tile ids, distinct query ids and token positions, -1 for empty slots).
-// The concurrency tests run every executor on two of these at once.
+// The concurrency tests run every executor on two of these at once (on_threads).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <numeric>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "common/testing.hpp"
@@ -23,6 +26,13 @@ struct Workload {
   HostTensor token_idx;                 // up to kTokenSlots positions per query
   static constexpr std::int64_t kTileSlots = 4, kQuerySlots = 3, kTokenSlots = 40;
 };
+
+inline ProblemShape problem(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
+                            std::int64_t D, bool causal) {
+  ProblemShape p;
+  p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = causal;
+  return p;
+}
 
 /// k distinct values of [0, n) in random order (k <= n).
 inline std::vector<std::int32_t> distinct(std::int64_t n, std::int64_t k, std::mt19937_64& rng) {
@@ -77,6 +87,37 @@ inline Workload random_workload(const ProblemShape& p, DType dtype, std::uint64_
   w.token_idx = HostTensor(DType::i32, {p.B, p.Hkv, p.Lq, Workload::kTokenSlots});
   fill_rows(w.token_idx, Workload::kTokenSlots, p.Lk);
   return w;
+}
+
+/// The executors the concurrency tests call, in the order of their outputs (out, then lse, per executor).
+inline constexpr int kExecutors = 5;
+inline constexpr const char* kExecutorNames[kExecutors] = {"dense", "tile_sparse", "bits_sparse", "query_sparse",
+                                                          "token_sparse"};
+
+/// On `threads` host threads at once, each calls run(t) `iterations` times and compares what it returns
+/// (out and lse per executor) with expected[t] by same(a, b). Returns per thread "" or what went wrong
+/// first: the output that differed and when, or the message of an exception. (gtest assertions stay on
+/// the calling thread.)
+template <class Outputs, class Run, class Same>
+std::vector<std::string> on_threads(const std::vector<Outputs>& expected, int iterations, Run run, Same same) {
+  std::vector<std::string> failures(expected.size());
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < expected.size(); ++t)
+    threads.emplace_back([&, t] {
+      try {
+        for (int it = 0; it < iterations && failures[t].empty(); ++it) {
+          const Outputs got = run(t);
+          for (std::size_t j = 0; j < got.size() && failures[t].empty(); ++j)
+            if (!same(got[j], expected[t][j]))
+              failures[t] = std::string(kExecutorNames[j / 2]) + (j % 2 ? " lse" : " out") + " differs at iteration " +
+                            std::to_string(it);
+        }
+      } catch (const std::exception& e) {
+        failures[t] = e.what();
+      }
+    });
+  for (auto& th : threads) th.join();
+  return failures;
 }
 
 }  // namespace sparse_attn::testing

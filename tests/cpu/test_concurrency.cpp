@@ -5,9 +5,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <exception>
-#include <string>
-#include <thread>
 #include <vector>
 
 #include "common/testing.hpp"
@@ -19,13 +16,10 @@ namespace st = sparse_attn::testing;
 
 namespace {
 
-constexpr int kOperators = 5;
-const char* const kNames[kOperators] = {"dense", "tile_sparse", "bits_sparse", "query_sparse", "token_sparse"};
-
 // Every operator once on `w` into fresh poisoned outputs: out and lse per operator.
 std::vector<sa::HostTensor> run_all(const st::Workload& w) {
   std::vector<sa::HostTensor> got;
-  for (int i = 0; i < kOperators; ++i) {
+  for (int i = 0; i < st::kExecutors; ++i) {
     got.emplace_back(w.q.dtype(), w.q.shape());
     got.emplace_back(sa::DType::f32, std::vector<std::int64_t>{w.p.B, w.p.Hq, w.p.Lq});
     st::poison(got[got.size() - 2]);
@@ -49,43 +43,18 @@ bool same_bits(const sa::HostTensor& a, const sa::HostTensor& b) {
          std::memcmp(a.view().data, b.view().data, static_cast<std::size_t>(a.numel()) * sa::dtype_size(a.dtype())) == 0;
 }
 
-sa::ProblemShape shape(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
-                       std::int64_t D, bool causal) {
-  sa::ProblemShape p;
-  p.B = B, p.Lq = Lq, p.Lk = Lk, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = causal;
-  return p;
-}
-
 }  // namespace
 
 TEST(Concurrency, TwoThreadsEqualOneThread) {
-  const st::Workload workloads[] = {st::random_workload(shape(1, 300, 500, 4, 2, 64, false), sa::DType::f32, 1),
-                                    st::random_workload(shape(2, 260, 200, 4, 1, 32, true), sa::DType::bf16, 2)};
+  const st::Workload workloads[] = {st::random_workload(st::problem(1, 300, 500, 4, 2, 64, false), sa::DType::f32, 1),
+                                    st::random_workload(st::problem(2, 260, 200, 4, 1, 32, true), sa::DType::bf16, 2)};
   std::vector<std::vector<sa::HostTensor>> expected;
   for (const auto& w : workloads) expected.push_back(run_all(w));
   for (std::size_t t = 0; t < expected.size(); ++t)
-    for (int i = 0; i < kOperators; ++i)
-      EXPECT_TRUE(st::all_finite(expected[t][2 * static_cast<std::size_t>(i)])) << "thread " << t << " " << kNames[i];
+    for (int i = 0; i < st::kExecutors; ++i)
+      EXPECT_TRUE(st::all_finite(expected[t][2 * static_cast<std::size_t>(i)]))
+          << "thread " << t << " " << st::kExecutorNames[i];
 
-  constexpr int kIterations = 20;
-  std::vector<std::string> failures(expected.size());
-  std::vector<std::thread> threads;
-  for (std::size_t t = 0; t < expected.size(); ++t)
-    threads.emplace_back([&, t] {
-      try {
-        for (int it = 0; it < kIterations && failures[t].empty(); ++it) {
-          const auto got = run_all(workloads[t]);
-          for (std::size_t j = 0; j < got.size(); ++j)
-            if (!same_bits(got[j], expected[t][j])) {
-              failures[t] = std::string(kNames[j / 2]) + (j % 2 ? " lse" : " out") + " differs at iteration " +
-                            std::to_string(it);
-              break;
-            }
-        }
-      } catch (const std::exception& e) {
-        failures[t] = e.what();
-      }
-    });
-  for (auto& th : threads) th.join();
-  for (std::size_t t = 0; t < expected.size(); ++t) EXPECT_EQ(failures[t], "") << "thread " << t;
+  const auto failures = st::on_threads(expected, 20, [&](std::size_t t) { return run_all(workloads[t]); }, same_bits);
+  for (std::size_t t = 0; t < failures.size(); ++t) EXPECT_EQ(failures[t], "") << "thread " << t;
 }
