@@ -57,7 +57,7 @@ __all__ = [
     "BLOCK_K", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
     "bits_sparse", "block_bits_to_tile_lists", "build_info", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
-    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "pooled_select",
+    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "plan_schedule", "pooled_select",
     "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
     "query_sparse", "sparse_attention", "tile_lists_to_block_bits", "tile_sparse",
     "token_max_select", "token_sparse", "validate",
@@ -146,6 +146,13 @@ def _outputs(op, q, out, return_lse):
 
 def _result(out, lse, return_lse):
     return (out, lse) if return_lse else out
+
+
+def _pair(out, op):
+    """The (idx, cnt) pair of an out= argument that receives TileLists."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise Error(f"{op}: argument 'out': expected a pair (idx, cnt)")
+    return out[0], out[1]
 
 
 # ---- executors --------------------------------------------------------------------------------
@@ -283,15 +290,19 @@ def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bi
 # ---- selectors --------------------------------------------------------------------------------
 
 def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_block0=False,
-                  causal=False, kmax=None):
+                  causal=False, kmax=None, out=None):
     """R1 / R4 pooled selector. Returns TileLists (idx int32 [B, Hkv, Tq, kmax], cnt int32
-    [B, Hkv, Tq]); kmax defaults to top_k. Slots past cnt hold -1."""
+    [B, Hkv, Tq]); kmax defaults to top_k. Slots past cnt hold -1. out=(idx, cnt) writes into
+    those tensors instead (kmax is then idx's last extent)."""
     B, Lq, _, _ = _shape(q, "pooled_select", "q", 4)
     Hkv = _shape(k, "pooled_select", "k", 4)[2]
     Tq = _ceil_div(Lq, TILE_Q)
     kmax = int(top_k if kmax is None else kmax)
-    idx = _full(q, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
-    cnt = _empty(q, (B, Hkv, Tq), "int32")
+    if out is not None:
+        idx, cnt = _pair(out, "pooled_select")
+    else:
+        idx = _full(q, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+        cnt = _empty(q, (B, Hkv, Tq), "int32")
     _ext.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=int(representatives),
                        top_k=int(top_k), force_local=bool(force_local), force_block0=bool(force_block0),
                        causal=bool(causal), stream=_stream(q))
@@ -299,23 +310,27 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
 
 
 def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, reserve_local=True,
-                     format="query", kmax=None):
+                     format="query", kmax=None, out=None):
     """MSA token-max selector on index vectors qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
     format="query": QueryLists idx [B, Hkv, Lq, kmax] (ascending, -1 padded);
     format="tile": TileLists (idx [B, Hkv, Tq, kmax], cnt [B, Hkv, Tq]).
-    precision: "bf16", "fp8_e4m3" or "fp4_e2m1"."""
+    precision: "bf16", "fp8_e4m3" or "fp4_e2m1". out= writes into caller tensors instead: idx for
+    format="query", the pair (idx, cnt) for format="tile"."""
     B, Lq, Hkv, _ = _shape(qidx, "token_max_select", "qidx", 4)
     kmax = int(top_k if kmax is None else kmax)
     if format == "query":
-        idx = _full(qidx, (B, Hkv, Lq, max(kmax, 0)), -1, "int32")
+        idx = out if out is not None else _full(qidx, (B, Hkv, Lq, max(kmax, 0)), -1, "int32")
         _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=int(top_k),
                               precision=str(precision), causal=bool(causal),
                               reserve_local=bool(reserve_local), stream=_stream(qidx))
         return idx
     if format == "tile":
         Tq = _ceil_div(Lq, TILE_Q)
-        idx = _full(qidx, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
-        cnt = _empty(qidx, (B, Hkv, Tq), "int32")
+        if out is not None:
+            idx, cnt = _pair(out, "token_max_select")
+        else:
+            idx = _full(qidx, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+            cnt = _empty(qidx, (B, Hkv, Tq), "int32")
         _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=int(top_k),
                               precision=str(precision), causal=bool(causal),
                               reserve_local=bool(reserve_local), stream=_stream(qidx))
@@ -324,16 +339,17 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, res
 
 
 def lightning_select(qI, w, kI, *, top_k=2048, causal=True, precision="fp8_e4m3", groups=1,
-                     format="token", kmax=None):
+                     format="token", kmax=None, out=None):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] * relu(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
     w float32 [B, Lq, HI], kI [B, Lk, Di]. format="token": TokenLists idx [B, groups, Lq, kmax] of
     key positions; format="query": QueryLists of blocks (scores max-pooled over each block). The
-    same lists are written for each of the `groups` KV groups."""
+    same lists are written for each of the `groups` KV groups. out= writes into a caller's idx
+    [B, groups, Lq, kmax] instead."""
     B, Lq, _, _ = _shape(qI, "lightning_select", "qI", 4)
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
     kmax = int(top_k if kmax is None else kmax)
-    idx = _full(qI, (B, int(groups), Lq, max(kmax, 0)), -1, "int32")
+    idx = out if out is not None else _full(qI, (B, int(groups), Lq, max(kmax, 0)), -1, "int32")
     _ext.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
                           top_k=int(top_k), causal=bool(causal), precision=str(precision),
                           stream=_stream(qI))
@@ -380,17 +396,34 @@ def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None, trusted=Fa
     return idx, cnt
 
 
-def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None, trusted=False):
+def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None, trusted=False, out=None):
     """QueryLists -> TileLists: the union of the lists of each tile's queries, ascending. kmax
     defaults to Tk. CUDA tensors are converted on the device, on the current stream; trusted=True
-    skips their validation (no synchronisation) and needs kmax >= min(Tk, min(128, Lq) * Kq)."""
+    skips their validation (no synchronisation) and needs kmax >= min(Tk, min(128, Lq) * Kq).
+    out=(idx, cnt) writes into those tensors instead (kmax is then idx's last extent)."""
     B, Hkv, _, _ = _shape(lists, "query_lists_to_tile_lists", "in.idx", 4)
     kmax = shape.Tk if kmax is None else int(kmax)
-    idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
-    cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
+    if out is not None:
+        idx, cnt = _pair(out, "query_lists_to_tile_lists")
+    else:
+        idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
+        cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
     _ext.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
                                    stream=_stream(lists))
     return idx, cnt
+
+
+def plan_schedule(lists, shape: ProblemShape, *, partials="f32", merge_window=0) -> dict:
+    """The planner on QueryLists (int32 [B, Hkv, Lq, Kq] on the CPU; a CUDA tensor is
+    copied to the host): which schedule runs them fastest, q_centric (query_lists_to_tile_lists then
+    tile_sparse), kv_centric or group_centric. Returns a dict: "schedule", the estimates
+    "q_centric_ms", "kv_centric_ms", "group_centric_ms" (inf where the kernel does not run the
+    shape), "merge_window" (the KV-centric window the estimate assumes), "reason" (one line) and
+    "stats" (the selection's statistics: tiles, queries, query_blocks, tile_union, selected_pairs,
+    union_per_tile, neighbour_overlap, ...). partials and merge_window as query_sparse takes them."""
+    if _is_torch(lists) and lists.device.type != "cpu":
+        lists = lists.cpu()
+    return _ext.plan_schedule(_dl(lists), shape, partials=str(partials), merge_window=int(merge_window))
 
 
 def expand_mask(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, token_lists=None):
