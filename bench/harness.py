@@ -23,6 +23,7 @@ read). An absent peer is reported as absent with the import error, never as a fa
 
 Useful TFLOP/s = 4 * D * (selected and visible (query head, query, key) triples) / time.
 """
+import contextlib
 import datetime
 import json
 import math
@@ -90,17 +91,18 @@ def parse(parser, argv=None):
 # ---- run description and the JSON file --------------------------------------------------------------
 
 def git_commit(root=ROOT):
-    """HEAD of the checkout holding the benchmarks, with '-dirty' when tracked files differ; None
-    where there is no git repository (a copy of the tree)."""
+    """HEAD of the checkout holding the benchmarks, with '-dirty' when tracked files differ. Where
+    there is no git repository (a copy of the tree on a GPU machine), $GIT_COMMIT as the caller set it,
+    else None."""
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        return None
+        pass
+    return os.environ.get("GIT_COMMIT")
 
 
 def timing_text(args):
@@ -163,6 +165,25 @@ class Results:
         """Records why the run stopped early (meta.failure) with the rows measured so far."""
         self.doc["meta"]["failure"] = message
         self.save()
+
+    @contextlib.contextmanager
+    def recording_failure(self):
+        """A VerificationError raised inside is recorded in the file (fail) and passed on."""
+        try:
+            yield self
+        except VerificationError as e:
+            self.fail(str(e))
+            raise
+
+
+def exit_status(run, args):
+    """run(args) as a script's exit status: 0, or 1 with the message of a VerificationError."""
+    try:
+        run(args)
+    except VerificationError as e:
+        print("FAILED: %s" % e, file=sys.stderr)
+        return 1
+    return 0
 
 
 def tflops(flop, ms):
@@ -569,7 +590,8 @@ class Peers:
         SDPA's GQA is native where the backend takes it, else K/V are repeated to Hq once, in make()."""
         if not self.enabled:
             return []
-        out = [("cudnn", _sdpa(q, k, v, causal, "CUDNN_ATTENTION")), ("flash", _sdpa(q, k, v, causal, "FLASH_ATTENTION"))]
+        out = [("cudnn", _sdpa(q, k, v, causal, "CUDNN_ATTENTION")),
+               ("flash", _sdpa(q, k, v, causal, "FLASH_ATTENTION"))]
         if self._fa4 is not None:
             func = self._fa4[0]
             out.append(("fa4", lambda: (lambda: func(q, k, v, causal=causal, return_lse=True)[0])))
@@ -629,15 +651,17 @@ def _sdpa(q, k, v, causal, backend):
     return make
 
 
-def tile_block_mask(idx, cnt, Lq, Lk, Hq, q_blocks=True):
-    """FlexAttention's BlockMask of TileLists: idx goes into the first slots of a [B, G, Tq, Tk] table
-    (from_kv_blocks reads a row's first cnt entries), lists repeated over the heads of a group when
-    G > 1. q_blocks=False skips the transposed (backward-only) indices where this torch allows it."""
+def tile_block_mask(idx, cnt, Lq, Lk, Hq, q_blocks=True, table=None):
+    """FlexAttention's BlockMask of TileLists: idx goes into the first slots of a [B, G, Tq, Tk] int32
+    table (from_kv_blocks reads a row's first cnt entries; pass `table` to reuse one across calls),
+    lists repeated over the heads of a group when G > 1. q_blocks=False skips the transposed
+    (backward-only) indices where this torch allows it."""
     import torch
     from torch.nn.attention.flex_attention import BlockMask
     B, G, Tq, K = idx.shape
-    table = torch.zeros(B, G, Tq, ceil_div(Lk, BLOCK), dtype=torch.int32, device=idx.device)
-    table[..., :K] = idx.clamp_min(0)
+    if table is None:
+        table = torch.zeros(B, G, Tq, ceil_div(Lk, BLOCK), dtype=torch.int32, device=idx.device)
+    table[..., :K].copy_(idx.clamp_min(0))
     num = cnt
     if G > 1:
         num, table = num.repeat_interleave(Hq // G, dim=1), table.repeat_interleave(Hq // G, dim=1)

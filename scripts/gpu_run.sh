@@ -19,7 +19,8 @@
 #               the program was built, then bench_query.py (every query_sparse schedule and the Q-centric one on
 #               the same lists, the peers, the overlap sweep and the planner check) -> $OUT/query_schedules.json;
 #   lightning   bench_lightning.py (the lightning indexer against the fp8 matmul rate) -> $OUT/lightning.json.
-# --no-peers times the library alone; --quick gives every benchmark fewer cases and shorter timing.
+# --no-peers times the library alone; --quick gives every benchmark fewer cases and shorter timing. The JSON
+# files record the git commit of the checkout, or $GIT_COMMIT where the tree is a copy without .git.
 # Build dependencies that the machine lacks (GoogleTest, nlohmann_json, and CLI11 and fmt for the program) are
 # taken from .gpu/usr, a git-ignored copy of the Debian packages' headers, libraries and CMake configs.
 set -u -o pipefail

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # noqa: E402
-from harness import BLOCK, VerificationError  # noqa: E402
+from harness import BLOCK  # noqa: E402
 
 TILE16 = {"B": 2, "Hq": 16, "Hkv": 1, "D": 128, "Lq": 4096, "nsel": 16}
 TILE16_LK = [4096, 8192, 16384, 32768, 65536]
@@ -52,12 +52,10 @@ def run(args):
     timer = harness.Timer(args)
     peers = harness.Peers(enabled=not args.no_peers)
     res = harness.Results(args.json, harness.run_meta(args, peers=peers.status, timer=timer.method))
-    try:
+    with res.recording_failure():
         measure(args, res, timer, peers, gen, cpu_gen)
-    except VerificationError as e:
-        res.fail(str(e))
-        raise
-    return res
+    print()
+    print(table(res.rows))
 
 
 def measure(args, res, timer, peers, gen, cpu_gen):
@@ -116,15 +114,7 @@ def table(rows):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        res = run(args)
-    except VerificationError as e:
-        print("FAILED: %s" % e, file=sys.stderr)
-        return 1
-    print()
-    print(table(res.rows))
-    return 0
+    return harness.exit_status(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def run(args):
         args, timer=timer.method, shape={"B": B, "Lq": L, "Lk": L, "HI": HI, "Di": Di, "top_k": top_k,
                                          "causal": causal}, fp8_matmul_tflops=round(fp8_rate, 1)))
     call = lambda precision: sa.lightning_select(q, w, k, top_k=top_k, causal=causal, precision=precision, out=idx)
-    try:
+    with res.recording_failure():
         for precision in ("fp8_e4m3", "bf16"):
             idx.fill_(0x5a5a5a5a)
             call(precision)
@@ -124,19 +124,10 @@ def run(args):
             res.add(row, echo=False)
             print(f"{precision}: {ms:.3f} ms, {tf:.1f} TFLOP/s = {tf / fp8_rate:.3f} x fp8 matmul ({fp8_rate:.0f}); "
                   f"well formed {well_formed}, spot check off-tie differences {bad}", flush=True)
-    except VerificationError as e:
-        res.fail(str(e))
-        raise
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        run(args)
-    except VerificationError as e:
-        print("FAILED: %s" % e, file=sys.stderr)
-        return 1
-    return 0
+    return harness.exit_status(run, parse_args(argv))
 
 
 if __name__ == "__main__":

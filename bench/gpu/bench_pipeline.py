@@ -218,16 +218,18 @@ def run_case(ctx, name, options, Lk, q, k, v, flex_state):
         try:
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             run_flex = lambda m: ctx.flex(qt, kt, vt, block_mask=m, enable_gqa=True)
+            table = torch.zeros(B, Hkv, Lq // BLOCK, ceil_div(Lk, BLOCK), dtype=torch.int32, device=q.device)
             t0 = time.time()
             try:
-                mask = lambda qb=flex_state["q_blocks"]: harness.tile_block_mask(sel.idx, sel.cnt, Lq, Lk, Hq, qb)
+                mask = lambda qb=flex_state["q_blocks"]: harness.tile_block_mask(sel.idx, sel.cnt, Lq, Lk, Hq, qb,
+                                                                                 table)
                 bm = mask()
                 o = run_flex(bm)
             except Exception:
                 if flex_state["q_blocks"]:
                     raise
                 flex_state["q_blocks"] = True  # this torch's flex needs the transposed indices
-                mask = lambda: harness.tile_block_mask(sel.idx, sel.cnt, Lq, Lk, Hq, True)
+                mask = lambda: harness.tile_block_mask(sel.idx, sel.cnt, Lq, Lk, Hq, True, table)
                 bm = mask()
                 o = run_flex(bm)
             torch.cuda.synchronize()

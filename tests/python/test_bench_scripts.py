@@ -128,8 +128,12 @@ def test_harness_results_file(tmp_path):
     assert h.tflops(4e12, 2.0) == 2000.0 and h.tflops(1.0, 0.0) is None
 
 
-def test_harness_git_commit_outside_a_repository(tmp_path):
-    assert harness().git_commit(str(tmp_path)) is None
+def test_harness_git_commit_outside_a_repository(tmp_path, monkeypatch):
+    h = harness()
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    assert h.git_commit(str(tmp_path)) is None
+    monkeypatch.setenv("GIT_COMMIT", "0123abc")
+    assert h.git_commit(str(tmp_path)) == "0123abc"
 
 
 def test_harness_pair_counts():
