@@ -81,10 +81,10 @@ def scaled_mm_rate(timer, n=8192):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_args(ap, peers=False)
-    ap.add_argument("--L", type=int, default=32768, help="Lq = Lk (default 32768; 8192 with --quick)")
+    ap.add_argument("--L", type=int, help="Lq = Lk (default 32768; 8192 with --quick)")
     args = harness.parse(ap, argv)
-    if args.quick and "--L" not in (argv if argv is not None else sys.argv[1:]):
-        args.L = 8192
+    if args.L is None:
+        args.L = 8192 if args.quick else 32768
     if args.L < 2048:
         ap.error(f"--L must be at least the top-k, 2048, got {args.L}")
     return args

@@ -19,7 +19,8 @@ def test_plan_schedule_counts_the_selection(rng, causal):
     visible_block = lambda i, j: not causal or j * 128 <= p.key_end(i) - 1
     blocks = [[[set(int(j) for j in lists[b, g, i] if j >= 0 and visible_block(i, j)) for i in range(p.Lq)]
                for g in range(2)] for b in range(2)]
-    unions = [set().union(*blocks[b][g][t * 128:(t + 1) * 128]) for b in range(2) for g in range(2) for t in range(p.Tq)]
+    unions = [set().union(*blocks[b][g][t * 128:(t + 1) * 128])
+              for b in range(2) for g in range(2) for t in range(p.Tq)]
     pairs = sum(min(p.Lk, (j + 1) * 128) - j * 128 if not causal else max(0, min(p.key_end(i), (j + 1) * 128) - j * 128)
                 for b in range(2) for g in range(2) for i in range(p.Lq) for j in blocks[b][g][i])
     assert (st["tiles"], st["queries"], st["list_slots"]) == (2 * 2 * p.Tq, 2 * 2 * p.Lq, 2 * 2 * p.Lq * 3)
