@@ -3,7 +3,10 @@
 Conventions follow flash-attn: ``q`` is ``(B, Lq, Hq, D)``, ``k`` and ``v`` are ``(B, Lk, Hkv, D)``
 with ``Hq % Hkv == 0`` (GQA is native: K and V are never repeated), the last dimension must be
 contiguous and every other stride is free. ``causal=True`` is aligned to the bottom right (query
-``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), so chunked prefill with ``Lq < Lk`` works.
+``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), so chunked prefill with ``Lq < Lk`` works. Every
+function of this package that takes ``causal`` (executors, selectors, ``problem_shape``,
+``evaluate``) defaults to ``causal=False``, as flash-attn and the C++ ``AttentionOptions`` do: pass
+``causal=True`` for causal prefill, to the selector as well as to the executor.
 ``return_lse=True`` also returns ``lse``, float32 ``(B, Hq, Lq)``: the NATURAL log of the softmax
 denominator, scale included (not base 2, unlike FlashInfer's MLA kernels). A query that sees no key
 gets ``out = 0`` and ``lse = -inf``.
@@ -23,7 +26,8 @@ Selections (int32 index tensors, on q's device):
 * TokenLists ``idx [B, Hkv, Lq, Kt]``: per query, key positions, ``-1`` = empty slot.
 
 Importing this package does not import torch; :mod:`sparse_attn.torch` holds the torch.library
-custom ops and the Hugging Face attention registration.
+custom ops and the Hugging Face attention registration. Its functions take the same arguments and
+return the same results as the functions of the same name here.
 """
 
 from __future__ import annotations
@@ -240,14 +244,30 @@ def sparse_attention(q, k, v, *, tiles=None, bits=None, query_lists=None, token_
     return _result(out, lse, return_lse)
 
 
+# The counters of gated's statistics, in the order torch.ops.sparse_attn.gated returns them.
+_GATED_COUNTS = ("kept_blocks", "visible_blocks", "gated_candidates", "gated_kept")
+
+
+def _gated_stats(counts, kept_per_tile):
+    """gated's stats dict from its four counters (and kept_per_tile when asked for)."""
+    stats = dict(zip(_GATED_COUNTS, (int(c) for c in counts)))
+    visible = stats["visible_blocks"]
+    stats["density"] = stats["kept_blocks"] / visible if visible else 0.0
+    if kept_per_tile is not None:
+        stats["kept_per_tile"] = kept_per_tile
+    return stats
+
+
 def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None,
           return_kept_per_tile=False):
     """Causal BSFA-gated attention. thresholds: float32 [Hq, T] (one budget and layer of a
     ThresholdTable, e.g. ``table.slice(budget, layer)``); Q tiles past T use the last column.
 
-    Returns (out, stats) or (out, lse, stats); stats holds kept_blocks, visible_blocks,
-    gated_candidates, gated_kept, density and, with return_kept_per_tile, "kept_per_tile"
-    (int32 [B, Hq, Tq]: blocks kept per tile, diagonal included)."""
+    Returns (out, stats) or, with return_lse, (out, lse, stats), as ``sparse_attn.torch.gated``
+    does. stats is a dict of Python numbers: kept_blocks (visits that ran PV), visible_blocks,
+    gated_candidates (visible visits off the diagonal), gated_kept, density (kept / visible) and,
+    with return_kept_per_tile, "kept_per_tile" (int32 [B, Hq, Tq] array of q's library: blocks
+    kept per tile, diagonal included)."""
     out, lse = _outputs("gated", q, out, return_lse)
     kept = None
     if return_kept_per_tile:
@@ -255,10 +275,9 @@ def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None
         kept = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q)), "int32")
     if _is_torch(q) and not _is_torch(thresholds):
         thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
-    stats = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
-                       softmax_scale=_scale(softmax_scale), kept_per_tile=_dl(kept), stream=_stream(q))
-    if kept is not None:
-        stats["kept_per_tile"] = kept
+    counts = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
+                        softmax_scale=_scale(softmax_scale), kept_per_tile=_dl(kept), stream=_stream(q))
+    stats = _gated_stats((counts[name] for name in _GATED_COUNTS), kept)
     return (out, lse, stats) if return_lse else (out, stats)
 
 
@@ -309,7 +328,7 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
     return idx, cnt
 
 
-def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, reserve_local=True,
+def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True,
                      format="query", kmax=None, out=None):
     """MSA token-max selector on index vectors qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
     format="query": QueryLists idx [B, Hkv, Lq, kmax] (ascending, -1 padded);
@@ -338,7 +357,7 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, res
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
 
-def lightning_select(qI, w, kI, *, top_k=2048, causal=True, precision="fp8_e4m3", groups=1,
+def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3", groups=1,
                      format="token", kmax=None, out=None):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] * relu(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
     w float32 [B, Lq, HI], kI [B, Lk, Di]. format="token": TokenLists idx [B, groups, Lq, kmax] of
@@ -365,10 +384,24 @@ def problem_shape(q, k, *, causal=False) -> ProblemShape:
     return ProblemShape(B, Lq, Lk, Hq, Hkv, D, bool(causal))
 
 
+def _on_host(x):
+    """x where the CPU can read it: a torch tensor on another device is copied to the host."""
+    if _is_torch(x) and x.device.type != "cpu":
+        return x.detach().cpu()
+    return x
+
+
 def validate(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, token_lists=None,
              op="validate"):
     """Checks one selection against a problem shape; raises Error naming the first offending
-    coordinate (ids out of range, duplicates, counts over capacity, unsorted lists, stray bits)."""
+    coordinate (ids out of range, duplicates, counts over capacity, unsorted lists, stray bits).
+
+    The contents are checked wherever the selection lives: torch tensors on a GPU are copied to the
+    host first (this synchronises with their stream, which an explicit check may), and a device
+    array that is not a torch tensor is refused with an Error rather than left unchecked."""
+    if tiles is not None and isinstance(tiles, (tuple, list)):
+        tiles = type(tiles)(_on_host(t) for t in tiles)
+    bits, query_lists, token_lists = (_on_host(s) for s in (bits, query_lists, token_lists))
     kind, a, b = _selection(op, tiles, bits, query_lists, token_lists)
     _ext.validate(kind, a, b, shape, op)
 

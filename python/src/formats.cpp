@@ -4,6 +4,8 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <type_traits>
+#include <variant>
 
 #include "binding.hpp"
 
@@ -55,6 +57,29 @@ nb::dict plan_dict(const PlanEstimate& e) {
   d["reason"] = e.reason;
   d["stats"] = stats;
   return d;
+/// validate() reads the contents of host tensors only (executors check device selections on the device).
+/// sparse_attn.validate copies torch tensors to the host before it gets here; any other device array
+/// is refused rather than passed on unchecked.
+void require_host(const Selection& s, const std::string& op) {
+  auto host = [&](const TensorView& t, const char* name) {
+    if (t.device != Device::cpu)
+      throw Error(op, name, "is a device array; validate checks host arrays (copy it to the host first)");
+  };
+  std::visit(
+      [&](const auto& sel) {
+        using T = std::decay_t<decltype(sel)>;
+        if constexpr (std::is_same_v<T, TileLists>) {
+          host(sel.idx, "tiles.idx");
+          host(sel.cnt, "tiles.cnt");
+        } else if constexpr (std::is_same_v<T, BlockBits>) {
+          host(sel.bits, "bits.bits");
+        } else if constexpr (std::is_same_v<T, QueryLists>) {
+          host(sel.idx, "lists.idx");
+        } else if constexpr (std::is_same_v<T, TokenLists>) {
+          host(sel.idx, "tokens.idx");
+        }
+      },
+      s);
 }
 
 }  // namespace
@@ -93,6 +118,7 @@ void bind_formats(nb::module_& m) {
       [](const std::string& kind, nb::handle a, nb::handle b, const ProblemShape& p, const std::string& op) {
         Imports im(op);
         const Selection sel = make_selection(im, kind, a, b);
+        require_host(sel, op);
         nb::gil_scoped_release release;
         sparse_attn::validate(sel, p, op);
       },
