@@ -121,6 +121,13 @@ bool same_i32(const sa::HostTensor& a, const sa::HostTensor& b) {
   return std::memcmp(a.view().data, b.view().data, static_cast<std::size_t>(a.numel()) * 4) == 0;
 }
 
+// Whether the device lists (idx, cnt) equal those `cpu_select` writes into the TileLists it is given.
+bool equals_cpu(const DevTensor& idx, const DevTensor& cnt, const std::function<void(const sa::TileLists&)>& cpu_select) {
+  sa::HostTensor ridx(sa::DType::i32, idx.shape), rcnt(sa::DType::i32, cnt.shape);
+  cpu_select(sa::TileLists{ridx.view(), rcnt.view()});
+  return same_i32(idx.host(), ridx) && same_i32(cnt.host(), rcnt);
+}
+
 bool pooled() {
   using sa::detail::PooledScoring;
   const std::int64_t B = 2, Lq = 4096, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
@@ -155,11 +162,10 @@ bool pooled() {
           run();
           ok(cudaStreamSynchronize(s), "verification call");
           const sa::HostTensor hq = q.host(), hk = k.host();
-          sa::HostTensor ridx(sa::DType::i32, idx.shape), rcnt(sa::DType::i32, cnt.shape);
           sa::PooledOptions co = o;
           co.stream = nullptr;
-          sa::pooled_select(hq.view(), hk.view(), sa::TileLists{ridx.view(), rcnt.view()}, co);
-          const bool equal = same_i32(idx.host(), ridx) && same_i32(cnt.host(), rcnt);
+          const bool equal =
+              equals_cpu(idx, cnt, [&](const sa::TileLists& ref) { sa::pooled_select(hq.view(), hk.view(), ref, co); });
           all_equal = all_equal && equal;
           std::printf("pooled %s R%d Lk=16384: lists %s the CPU's\n", v.label, r, equal ? "equal" : "DIFFER FROM");
         }
@@ -215,11 +221,10 @@ bool token_max() {
       ok(cudaMemcpy(c, counters, sizeof c, cudaMemcpyDeviceToHost), "download");
       if (Lk == 4096) {  // verify before timing
         const sa::HostTensor hq = q.host(), hk = k.host();
-        sa::HostTensor ridx(sa::DType::i32, idx.shape), rcnt(sa::DType::i32, cnt.shape);
         sa::TokenMaxOptions co = o;
         co.stream = nullptr;
-        sa::token_max_select(hq.view(), hk.view(), sa::TileLists{ridx.view(), rcnt.view()}, co);
-        const bool equal = same_i32(idx.host(), ridx) && same_i32(cnt.host(), rcnt);
+        const bool equal =
+            equals_cpu(idx, cnt, [&](const sa::TileLists& ref) { sa::token_max_select(hq.view(), hk.view(), ref, co); });
         all_equal = all_equal && equal;
         std::printf("token_max %s Lk=4096: lists %s the CPU's\n", sa::precision_name(prec), equal ? "equal" : "DIFFER FROM");
       }

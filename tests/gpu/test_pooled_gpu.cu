@@ -117,6 +117,18 @@ sa::HostTensor poisoned(const std::vector<std::int64_t>& shape) {
   return h;
 }
 
+// Poisoned device lists of shape [B, Hkv, Tq, kmax] and counts [B, Hkv, Tq]; idx and cnt keep the poison.
+struct PoisonedLists {
+  sa::HostTensor idx, cnt;
+  DevCopy didx, dcnt;
+  explicit PoisonedLists(const std::vector<std::int64_t>& shape)
+      : idx(poisoned(shape)), cnt(poisoned({shape[0], shape[1], shape[2]})), didx(idx), dcnt(cnt) {}
+  sa::TileLists out() const {
+    return {sa::TensorView::contiguous(didx.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
+            sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
+  }
+};
+
 int first_difference(const sa::HostTensor& gpu, const sa::HostTensor& cpu, std::string& where) {
   const auto* g = gpu.data<std::int32_t>();
   const auto* c = cpu.data<std::int32_t>();
@@ -309,18 +321,15 @@ TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
   }
   const Input q = make_input(bf16, 1, 128, 2, 64, 7900), k = make_input(bf16, 1, 256, 1, 64, 7901);
   DevCopy dq(q.buf), dk(k.buf);
-  sa::HostTensor gidx = poisoned({1, 1, 1, 2}), gcnt = poisoned({1, 1, 1});
-  DevCopy didx(gidx), dcnt(gcnt);
-  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
-                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
+  const PoisonedLists lists({1, 1, 1, 2});
   sa::PooledOptions o;
   o.top_k = 2;
   for (int bad : {-1, 2, 32}) {
     sa::detail::SelectorTuning tuning;
     tuning.pooled_rep_bytes = bad;
     try {
-      sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda), out, o,
-                                      tuning);
+      sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda),
+                                      lists.out(), o, tuning);
       ADD_FAILURE() << "width " << bad << " accepted";
     } catch (const sa::Error& e) {
       EXPECT_EQ(e.argument(), "tuning.pooled_rep_bytes") << e.what();
@@ -337,27 +346,24 @@ TEST(PooledGpu, ExactKernelRefusesLargeGroups) {
   EXPECT_FALSE(sa::detail::pooled_exact_applies(32, 300));
   const Input q = make_input(sa::DType::bf16, 1, 256, 32, 64, 77), k = make_input(sa::DType::bf16, 1, 512, 1, 64, 78);
   DevCopy dq(q.buf), dk(k.buf);
-  sa::HostTensor gidx = poisoned({1, 1, 2, 4}), gcnt = poisoned({1, 1, 2});
-  DevCopy didx(gidx), dcnt(gcnt);
-  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
-                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
+  const PoisonedLists lists({1, 1, 2, 4});
   sa::PooledOptions o;
   o.representatives = 4, o.top_k = 4;  // 32 heads x 4 = 128 query rows
   sa::detail::SelectorTuning tuning;
   tuning.pooled_scoring = PooledScoring::exact_f64;
   try {
-    sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda), out, o,
-                                    tuning);
+    sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda),
+                                    lists.out(), o, tuning);
     ADD_FAILURE() << "expected an Error for 128 query rows";
   } catch (const sa::Error& e) {
     EXPECT_EQ(e.argument(), "q");
     EXPECT_NE(std::string(e.what()).find("group * r = 128"), std::string::npos) << e.what();
   }
   cuda_ok(cudaDeviceSynchronize(), "after the refused call");
-  sa::HostTensor after = poisoned(gidx.shape());
-  didx.download(after);
+  sa::HostTensor after = poisoned(lists.idx.shape());
+  lists.didx.download(after);
   std::string where;
-  EXPECT_EQ(first_difference(after, gidx, where), 0) << "out.idx written at " << where;
+  EXPECT_EQ(first_difference(after, lists.idx, where), 0) << "out.idx written at " << where;
 }
 
 // Enough (b, group, tile) jobs that each CTA takes all of a tile's key rows, several KV passes of 128
