@@ -39,23 +39,40 @@
 #include <mutex>
 #include <utility>
 
+#include "cuda/common/mma_sync.cuh"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
-#include "cuda/selectors/tc_mma.cuh"
 #include "cuda/selectors/tc_token_max.cuh"
 
 namespace sparse_attn::cuda_backend {
 
 namespace {
 
-using namespace tc;
+using cuda_kernels::Bf16Tag;
+using cuda_kernels::cp_async16;
+using cuda_kernels::cp_async_commit;
+using cuda_kernels::cp_async_wait;
+using cuda_kernels::ldmatrix_x4;
+using cuda_kernels::mma_m16n8k16;
+using cuda_kernels::smem_addr;
 using sel::check_cuda;
 using sel::imax;
 using sel::imin;
+
+// Doubles (never NaN) to unsigned integers of the same order, so atomicMax on the integer is a max on
+// the double: positives get the sign bit set, negatives are complemented.
+__device__ __forceinline__ unsigned long long ordered_key(double v) {
+  const auto u = static_cast<unsigned long long>(__double_as_longlong(v));
+  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+__device__ __forceinline__ double ordered_value(unsigned long long k) {
+  const unsigned long long u = (k >> 63) ? (k & 0x7fffffffffffffffull) : ~k;
+  return __longlong_as_double(static_cast<long long>(u));
+}
 
 constexpr int kScreenThreads = 256;  // 8 warps: 4 x 32 query rows by 2 x 64 keys of a block
 constexpr int kMaxDp = 256;          // Q tile + two K stages of 128 x (Dp + 8) bf16: 203 KB at 256
@@ -177,8 +194,8 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const ScreenP
         std::uint32_t bb[4];
         ldmatrix_x4(bb, kb + (wn * 64 + np * 16 + (lane / 16) * 8 + lane % 8) * pitch + ks * 16 + ((lane / 8) % 2) * 8);
         for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16_16816(acc[mt][2 * np], a[mt], bb[0], bb[1]);
-          mma_bf16_16816(acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+          mma_m16n8k16<Bf16Tag>(acc[mt][2 * np], a[mt], bb[0], bb[1]);
+          mma_m16n8k16<Bf16Tag>(acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
         }
       }
     }
