@@ -27,25 +27,20 @@ template <class Tag>
 __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
                                              std::uint32_t b1);
 
-template <>
-__device__ __forceinline__ void mma_m16n8k16<Bf16Tag>(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                                      std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define SA_MMA_M16N8K16(TAG, TY)                                                                        \
+  template <>                                                                                          \
+  __device__ __forceinline__ void mma_m16n8k16<TAG>(float (&c)[4], const std::uint32_t (&a)[4],        \
+                                                    std::uint32_t b0, std::uint32_t b1) {              \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, "              \
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                             \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                      \
+  }
 
-template <>
-__device__ __forceinline__ void mma_m16n8k16<F16Tag>(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                                     std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+SA_MMA_M16N8K16(Bf16Tag, "bf16")
+SA_MMA_M16N8K16(F16Tag, "f16")
+
+#undef SA_MMA_M16N8K16
 
 /// A thread's share of an f32 fragment of m16n8 C tiles (or of a wgmma accumulator) as values 0 .. kSize
 /// - 1, value 4i + j at row j / 2 and column 8i + 2t + j % 2 of n-tile i: a flat float[N] (wgmma.cuh's

@@ -52,13 +52,8 @@ namespace sparse_attn::cuda_backend {
 
 namespace {
 
-using cuda_kernels::Bf16Tag;
-using cuda_kernels::cp_async16;
-using cuda_kernels::cp_async_commit;
-using cuda_kernels::cp_async_wait;
-using cuda_kernels::ldmatrix_x4;
-using cuda_kernels::mma_m16n8k16;
-using cuda_kernels::smem_addr;
+using namespace tc;
+using namespace cuda_kernels;  // mma_sync.cuh
 using sel::check_cuda;
 using sel::imax;
 using sel::imin;
