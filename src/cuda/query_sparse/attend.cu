@@ -573,7 +573,7 @@ __device__ __forceinline__ void store_partials(const Params& p, const int (&rows
     const float lse = softmax.lse(r, p.scale);
     if (rows[r] < 0) continue;
     auto* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D;
-    Part::template put_row<true>(dst, acc_o, r, inv, q4);
+    Part::put_row(dst, acc_o, r, inv, q4);
     if (q4 == 0) __stcs(p.lse_part + rows[r], lse);
   }
 }
