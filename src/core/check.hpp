@@ -64,6 +64,13 @@ std::string over_capacity_message(const char* what, std::int64_t b, std::int64_t
 std::optional<std::pair<std::string, std::string>> tile_row_message(const std::int32_t* ids, std::int64_t stride,
                                                                     std::int32_t c, std::int64_t Kmax, std::int64_t Tk,
                                                                     std::int64_t b, std::int64_t g, std::int64_t t);
+/// Its two kinds of message, for a fault found elsewhere (the CUDA kernel's record): count c of row
+/// (b, g, t) outside [0, Kmax]; id `id` at slot k out of [0, Tk) or, when in range, not above `prev`
+/// (the id at slot k - 1).
+std::pair<std::string, std::string> tile_count_message(std::int32_t c, std::int64_t Kmax, std::int64_t b,
+                                                       std::int64_t g, std::int64_t t);
+std::pair<std::string, std::string> tile_id_message(std::int32_t id, std::int32_t prev, std::int64_t Tk,
+                                                    std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t k);
 
 /// The first fault of one row of a QueryLists (`tokens` false: block ids below `extent` = Tk) or
 /// TokenLists (key positions below `extent` = Lk) of K contiguous entries, as validate() reports it

@@ -211,27 +211,32 @@ void require_cpu(const std::string& op, const std::string& arg, const TensorView
 
 namespace detail {
 
+std::pair<std::string, std::string> tile_count_message(std::int32_t c, std::int64_t Kmax, std::int64_t b,
+                                                       std::int64_t g, std::int64_t t) {
+  if (c < 0) return {"cnt", "negative count " + std::to_string(c) + " at " + coord_string({b, g, t})};
+  return {"cnt", "count " + std::to_string(c) + " at " + coord_string({b, g, t}) +
+                     " exceeds the list capacity Kmax = " + std::to_string(Kmax)};
+}
+
+std::pair<std::string, std::string> tile_id_message(std::int32_t id, std::int32_t prev, std::int64_t Tk,
+                                                    std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t k) {
+  const std::string at = coord_string({b, g, t, k});
+  if (id < 0 || id >= Tk) return {"idx", "block id " + std::to_string(id) + " at " + at + " is out of range " + range_string(Tk)};
+  if (id == prev) return {"idx", "duplicate block id " + std::to_string(id) + " at " + at};
+  return {"idx", "block ids must be strictly ascending: " + std::to_string(id) + " at " + at + " follows " +
+                     std::to_string(prev)};
+}
+
 std::optional<std::pair<std::string, std::string>> tile_row_message(const std::int32_t* ids, std::int64_t stride,
                                                                     std::int32_t c, std::int64_t Kmax, std::int64_t Tk,
                                                                     std::int64_t b, std::int64_t g, std::int64_t t) {
-  if (c < 0) return std::pair{std::string("cnt"), "negative count " + std::to_string(c) + " at " + coord_string({b, g, t})};
-  if (c > Kmax)
-    return std::pair{std::string("cnt"), "count " + std::to_string(c) + " at " + coord_string({b, g, t}) +
-                                             " exceeds the list capacity Kmax = " + std::to_string(Kmax)};
+  if (c < 0 || c > Kmax) return tile_count_message(c, Kmax, b, g, t);
   std::int32_t prev = -1;
   for (std::int64_t k = 0; k < c; ++k) {
     const std::int32_t id = ids[k * stride];
-    const bool ok = id >= 0 && id < Tk && (k == 0 || id > prev);
+    // The message (and its coordinate string) is built only for a fault.
+    if (id < 0 || id >= Tk || (k > 0 && id <= prev)) return tile_id_message(id, prev, Tk, b, g, t, k);
     prev = id;
-    if (ok) continue;  // the message (and its coordinate string) is built only for a fault
-    const std::string at = coord_string({b, g, t, k});
-    prev = k > 0 ? ids[(k - 1) * stride] : -1;
-    if (id < 0 || id >= Tk)
-      return std::pair{std::string("idx"),
-                       "block id " + std::to_string(id) + " at " + at + " is out of range " + range_string(Tk)};
-    if (id == prev) return std::pair{std::string("idx"), "duplicate block id " + std::to_string(id) + " at " + at};
-    return std::pair{std::string("idx"), "block ids must be strictly ascending: " + std::to_string(id) + " at " + at +
-                                             " follows " + std::to_string(prev)};
   }
   return std::nullopt;
 }
