@@ -6,9 +6,10 @@ Usage:
     python3 bench/plot_attention.py bench/results/h200_v7_peers_full_2026-11-29.json -o bench/results/h200_v7_tflops.png
 
 Left panel: the tile16 workload (16 KV blocks per Q tile) against Lk, one line per implementation and
-list pattern (ours, FlexAttention), with the 620 TFLOP/s target of the tile16 workload dashed. Right
-panel: the dense workload (causal and not, per sequence length and head dim), ours against SDPA with
-the cuDNN and flash backends, as grouped bars. Every figure is read from the file; nothing is computed.
+list pattern (ours, FlexAttention, and FA4 and FlashInfer where the run had them), with the 620 TFLOP/s
+target of the tile16 workload dashed. Right panel: the dense workload (causal and not, per sequence
+length and head dim), ours against SDPA with the cuDNN and flash backends (and FA4), as grouped bars.
+Every figure is read from the file; nothing is computed.
 """
 
 import argparse
@@ -16,6 +17,9 @@ import json
 import sys
 
 TILE16_TARGET = 620.0  # useful TFLOP/s, DESIGN §8
+TILE16_IMPLS = (("ours", "ours_tflops"), ("FlexAttention", "flex_tflops"), ("FA4", "fa4_tflops"),
+                ("FlashInfer", "flashinfer_tflops"))
+DENSE_IMPLS = (("ours", "ours_tflops"), ("cuDNN", "cudnn_tflops"), ("flash", "flash_tflops"), ("FA4", "fa4_tflops"))
 
 
 def tile16_series(rows):
@@ -24,7 +28,7 @@ def tile16_series(rows):
     for r in rows:
         if r.get("workload") != "tile16":
             continue
-        for impl, key in (("ours", "ours_tflops"), ("FlexAttention", "flex_tflops")):
+        for impl, key in TILE16_IMPLS:
             if r.get(key) is not None:
                 out.setdefault((impl, r["pattern"]), []).append((r["Lk"], r[key]))
     for pts in out.values():
@@ -39,8 +43,7 @@ def dense_groups(rows):
         if not str(r.get("workload", "")).startswith("dense"):
             continue
         label = "%s L=%dK%s" % ("D=%d" % r.get("D", 128), r["L"] // 1024, " causal" if r.get("causal") else "")
-        vals = {impl: r[key] for impl, key in (("ours", "ours_tflops"), ("cuDNN", "cudnn_tflops"),
-                                                ("flash", "flash_tflops")) if r.get(key) is not None}
+        vals = {impl: r[key] for impl, key in DENSE_IMPLS if r.get(key) is not None}
         groups.append((label, vals))
     return groups
 
@@ -64,7 +67,7 @@ def main(argv=None):
         sys.exit("matplotlib is needed: pip install matplotlib")
 
     fig, (ax_t, ax_d) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
-    styles = {"ours": "-", "FlexAttention": "--"}
+    styles = {"ours": "-", "FlexAttention": "--", "FA4": "-.", "FlashInfer": ":"}
     markers = {"independent": "o", "pairs": "s"}
     for (impl, pattern), pts in sorted(tiles.items()):
         xs, ys = zip(*pts)
@@ -82,12 +85,12 @@ def main(argv=None):
     ax_t.grid(alpha=0.3)
     ax_t.legend(fontsize=8, loc="lower right")
 
-    impls = ["ours", "cuDNN", "flash"]
-    width = 0.8 / len(impls)
+    impls = [impl for impl, _ in DENSE_IMPLS if any(impl in vals for _, vals in dense)]
+    width = 0.8 / max(len(impls), 1)
     for i, impl in enumerate(impls):
         xs = [g for g, (_, vals) in enumerate(dense) if impl in vals]
         ys = [dense[g][1][impl] for g in xs]
-        ax_d.bar([x + (i - 1) * width for x in xs], ys, width, label=impl)
+        ax_d.bar([x + (i - (len(impls) - 1) / 2) * width for x in xs], ys, width, label=impl)
     ax_d.set_xticks(range(len(dense)))
     ax_d.set_xticklabels([label for label, _ in dense], rotation=20, ha="right", fontsize=8)
     ax_d.set_ylabel("useful TFLOP/s")

@@ -1,52 +1,34 @@
 """Lightning indexer (token form) on the GPU against the fp8 matmul rate, in one process.
 
-Usage: python3 bench_lightning.py LIBRARY [--L 32768] [--iters 5] [--json PATH]
-LIBRARY is a shared library exporting sa_bench_lightning_tokens (bench/gpu/capi_lightning.cpp).
-Shape: B = 1, Lq = Lk = L, 64 index heads, Di = 128, top-2048, causal; qI and kI bf16 (rounded through fp8 e4m3
-with per-tensor scales by the selector), w float32. FLOP rate = 2 * HI * Di * visible pairs / time. Before
-timing, the lists are checked: well formed on every row, and on a few rows equal to the top-k of float64 scores
-recomputed here from the same fp8-rounded values (differences allowed only between keys whose float64 scores
-tie the k-th to 1e-12 relative, where the summation order of this check and the library's differ).
+Shape: B = 1, Lq = Lk = L, 64 index heads, Di = 128, top-2048, causal; qI and kI bf16 (rounded through fp8
+e4m3 with per-tensor scales by the selector for precision fp8_e4m3), w float32; sparse_attn.lightning_select
+into TokenLists allocated once. FLOP rate = 2 * HI * Di * visible pairs / time; the fp8 matmul rate is
+torch._scaled_mm on 8192^3, timed the same way. Before timing, the lists are checked: well formed on every
+row, and on a few rows equal to the top-k of float64 scores recomputed here from the same fp8-rounded values
+(differences allowed only between keys whose float64 scores tie the k-th to 1e-12 relative, where the
+summation order of this check and the library's differ).
+
+Usage: python3 bench_lightning.py [--L 32768] [--json PATH] [--quick] [timing options, see --help]
 """
 import argparse
-import ctypes
-import json
+import os
 import sys
-import time
 
-import torch
-
-
-def load(path):
-    lib = ctypes.CDLL(path)
-    f = lib.sa_bench_lightning_tokens
-    f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_int] * 3 + \
-        [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_char_p, ctypes.c_int]
-    return f
-
-
-def call(f, q, w, k, idx, top_k, causal, fp8, stats=None):
-    B, Lq, HI, Di = q.shape
-    Lk = k.shape[1]
-    G, Kt = idx.shape[1], idx.shape[3]
-    err = ctypes.create_string_buffer(512)
-    st = (ctypes.c_ulonglong * 4)() if stats is not None else None
-    rc = f(q.data_ptr(), w.data_ptr(), k.data_ptr(), idx.data_ptr(), B, Lq, Lk, HI, Di, G, Kt, top_k, int(causal),
-           int(fp8), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), st, err, 512)
-    if rc != 0:
-        raise RuntimeError(err.value.decode())
-    if stats is not None:
-        stats[:] = list(st)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
+from harness import VerificationError  # noqa: E402
 
 
 def fp8_values(x, scale):
     """The selector's fp8 rounding: x / scale rounded to e4m3 (nearest even, saturating), times the scale."""
+    import torch
     y = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
     return y * scale
 
 
 def check_lists(idx, L, top_k, causal):
+    """Every row of TokenLists idx [1, 1, L, Kt]: min(top_k, visible keys) ascending ids in range, -1 after."""
+    import torch
     rows = idx[0, 0]  # [L, Kt]
     t = torch.arange(L, device=idx.device)
     visible = (t + 1) if causal else torch.full_like(t, L)
@@ -61,6 +43,8 @@ def check_lists(idx, L, top_k, causal):
 
 
 def check_rows(idx, q, w, k, rows, top_k, causal):
+    """Rows whose list differs from the float64 top-k on keys that do not tie the k-th score: the worst count."""
+    import torch
     sq = q.abs().max().float() / 448.0
     sk = k.abs().max().float() / 448.0
     kv = fp8_values(k[0], sk).double()
@@ -85,74 +69,65 @@ def check_rows(idx, q, w, k, rows, top_k, causal):
     return worst
 
 
-def scaled_mm_rate(n=8192, iters=20):
+def scaled_mm_rate(timer, n=8192):
+    import torch
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.tensor(1.0, device="cuda")
-    for _ in range(3):
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    e1.record()
-    torch.cuda.synchronize()
-    ms = e0.elapsed_time(e1) / iters
+    ms = timer(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
     return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("library")
-    ap.add_argument("--L", type=int, default=32768)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    f = load(a.library)
-    torch.manual_seed(0)
-    B, L, HI, Di, top_k, causal = 1, a.L, 64, 128, 2048, True
-    q = torch.randn(B, L, HI, Di, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, L, Di, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(B, L, HI, device="cuda", dtype=torch.float32)
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_args(ap, peers=False)
+    ap.add_argument("--L", type=int, help="Lq = Lk (default 32768; 8192 with --quick)")
+    args = harness.parse(ap, argv)
+    if args.L is None:
+        args.L = 8192 if args.quick else 32768
+    if args.L < 2048:
+        ap.error(f"--L must be at least the top-k, 2048, got {args.L}")
+    return args
+
+
+def run(args):
+    torch, sa = harness.gpu_modules()
+    gen = harness.generator(args.seed)
+    timer = harness.Timer(args)
+    B, L, HI, Di, top_k, causal = 1, args.L, 64, 128, 2048, True
+    q = torch.randn(B, L, HI, Di, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(B, L, Di, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(B, L, HI, device="cuda", dtype=torch.float32, generator=gen)
     idx = torch.empty(B, 1, L, top_k, device="cuda", dtype=torch.int32)
     pairs = L * (L + 1) // 2 if causal else L * L
     flop = 2.0 * HI * Di * pairs * B
-    fp8_rate = scaled_mm_rate()
-    result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-              "shape": {"B": B, "Lq": L, "Lk": L, "HI": HI, "Di": Di, "top_k": top_k, "causal": causal},
-              "fp8_matmul_tflops": round(fp8_rate, 1), "runs": {}}
-    for fp8 in (True, False):
-        name = "fp8_e4m3" if fp8 else "bf16"
-        idx.fill_(0x5a5a5a5a)
-        stats = [0, 0, 0, 0]
-        call(f, q, w, k, idx, top_k, causal, fp8, stats)
-        torch.cuda.synchronize()
-        well_formed = check_lists(idx, L, top_k, causal)
-        bad = check_rows(idx, q, w, k, [L - 1, L // 2, 3000, 2047, 2048], top_k, causal) if fp8 else None
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ms = []
-        for _ in range(a.iters):
-            e0.record()
-            call(f, q, w, k, idx, top_k, causal, fp8)
-            e1.record()
+    fp8_rate = scaled_mm_rate(timer)
+    res = harness.Results(args.json, harness.run_meta(
+        args, timer=timer.method, shape={"B": B, "Lq": L, "Lk": L, "HI": HI, "Di": Di, "top_k": top_k,
+                                         "causal": causal}, fp8_matmul_tflops=round(fp8_rate, 1)))
+    call = lambda precision: sa.lightning_select(q, w, k, top_k=top_k, causal=causal, precision=precision, out=idx)
+    with res.recording_failure():
+        for precision in ("fp8_e4m3", "bf16"):
+            idx.fill_(0x5a5a5a5a)
+            call(precision)
             torch.cuda.synchronize()
-            ms.append(e0.elapsed_time(e1))
-        ms.sort()
-        med = ms[len(ms) // 2]
-        tflops = flop / (med * 1e-3) / 1e12
-        result["runs"][name] = {"ms": round(med, 3), "ms_min": round(ms[0], 3), "tflops": round(tflops, 1),
-                                "fraction_of_fp8_matmul": round(tflops / fp8_rate, 3),
-                                "rows_screened": stats[0], "pairs_rescored_f64": stats[1],
-                                "rows_fallback": stats[2], "compactions": stats[3], "lists_well_formed": well_formed,
-                                "spot_rows_off_tie": bad}
-        print(f"{name}: {med:.3f} ms (min {ms[0]:.3f}), {tflops:.1f} TFLOP/s = {tflops / fp8_rate:.3f} x fp8 matmul "
-              f"({fp8_rate:.0f}); screened {stats[0]}, re-scored {stats[1]}, fallback {stats[2]}, compactions {stats[3]}, "
-              f"well formed {well_formed}, spot check off-tie differences {bad}", flush=True)
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+            well_formed = check_lists(idx, L, top_k, causal)
+            bad = check_rows(idx, q, w, k, [L - 1, L // 2, 3000, 2047, 2048], top_k, causal) \
+                if precision == "fp8_e4m3" else None
+            if not well_formed or bad:
+                raise VerificationError(f"lightning {precision}: lists well formed {well_formed}, spot-check rows "
+                                        f"off the k-th score tie {bad}")
+            ms = timer(lambda: call(precision))
+            tf = flop / (ms * 1e-3) / 1e12
+            row = {"precision": precision, "ms": ms, "tflops": tf, "fraction_of_fp8_matmul": tf / fp8_rate,
+                   "lists_well_formed": well_formed, "spot_rows_off_tie": bad}
+            res.add(row, echo=False)
+            print(f"{precision}: {ms:.3f} ms, {tf:.1f} TFLOP/s = {tf / fp8_rate:.3f} x fp8 matmul ({fp8_rate:.0f}); "
+                  f"well formed {well_formed}, spot check off-tie differences {bad}", flush=True)
+
+
+def main(argv=None):
+    return harness.exit_status(run, parse_args(argv))
 
 
 if __name__ == "__main__":

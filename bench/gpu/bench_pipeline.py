@@ -5,75 +5,60 @@ of 128 keys per Q tile of 128 queries) at Lk 4K / 8K / 16K / 32K with each selec
 pooled R4 and token_max fp8, with the options of `sparse-attn bench pipeline` (the library's defaults:
 pooled forces the local block, token_max reserves it and reads the first query head of each group and k
 as its index vectors). The three selectors of one Lk share q, k, v. Per (selector, Lk):
-  ours  the selector alone (sa_bench_select_tiles into torch-owned TileLists), tile_sparse alone on those
-        lists (sa_bench_attention, trusted), and the two queued back to back;
+  ours  the selector alone (sparse_attn.pooled_select / token_max_select into TileLists allocated once),
+        tile_sparse alone on those lists (trusted), and the two queued back to back;
   peer  FlexAttention (compiled, enable_gqa) on the same lists: the BlockMask built from idx / cnt with
         BlockMask.from_kv_blocks alone, flex alone, and selector + BlockMask + flex back to back (a new
         selection needs a new BlockMask, so building it belongs to the peer's pipeline).
 Useful FLOPs = 4 * D * (query head, query, key) triples the lists select; effective TFLOP/s = useful
 FLOPs / pipeline time, reported with its ratio to attention alone (target >= 0.9, DESIGN §8).
 
-Every configuration is verified before it is timed: the lists (ids ascending, distinct, in range, count
-min(top_k, Tk), -1 past the count, the selector's forced local block present), the pooled ids against a
-float64 torch recomputation of the selector (agreement reported), our output poisoned with NaN then
-checked finite everywhere and on sampled rows against a float64 reference of the same selection
-(relerr <= 8e-3, max abs <= 3e-2, the bounds of `sparse-attn bench`), and our output against Flex's on
-the whole tensor (relerr <= 2e-2). A failed check stops the run with exit status 1 after writing the
-rows measured so far.
+Every configuration is verified before it is timed: the lists (the selector contract of
+bench/harness.py), the pooled ids against a float64 torch recomputation of the selector (agreement
+reported), our output poisoned with NaN then checked finite everywhere and on sampled rows against a
+float64 reference of the same selection (harness.verify_rows), and our output against Flex's on the
+whole tensor (relerr <= 2e-2). A failed check stops the run with exit status 1 after writing the rows
+measured so far.
 
-Usage: python3 bench_pipeline.py --lib libsa_bench.so [--json PATH] [--quick] [--no-flex] [--reps N] [--inner N]
+Usage: python3 bench_pipeline.py [--json PATH] [--quick] [--no-peers] [--selectors LIST] [--gap] [timing options]
        python3 bench_pipeline.py --selftest      (no GPU and no torch: list checks, pair count, JSON, table)
 """
 import argparse
-import ctypes
-import datetime
 import inspect
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
 import traceback
 
-BLOCK = 128
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
+from harness import BLOCK, VerificationError, ceil_div, forced_blocks, selected_pairs  # noqa: E402
+from harness import selector_list_problems as check_lists  # noqa: E402
+
 SHAPE = {"B": 2, "Hq": 16, "Hkv": 1, "D": 128, "Lq": 4096}
 TOP_K = 16
 LENGTHS = [4096, 8192, 16384, 32768]
 LENGTHS_QUICK = [4096, 16384]
-# (name, selector code of sa_bench_select_tiles)
-SELECTORS = [("pooled R1", 0), ("pooled R4", 1), ("token_max fp8", 3)]
-REF_RELERR, REF_MAXABS = 8e-3, 3e-2  # ours against the float64 reference on sampled rows
-FLEX_RELERR = 2e-2                    # ours against Flex on the whole output
-
-
-class VerificationError(Exception):
-    pass
+# (name, selector options)
+SELECTORS = [("pooled R1", {"representatives": 1}), ("pooled R4", {"representatives": 4}),
+             ("token_max fp8", {"precision": "fp8_e4m3"})]
+FLEX_RELERR = 2e-2  # ours against Flex on the whole output
 
 
 # ---- pure Python: arguments, lists, FLOPs, JSON, table -----------------------------------------------
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="selector -> tile_sparse pipeline against FlexAttention (DESIGN §7)")
-    ap.add_argument("--lib", help="libsa_bench.so built from bench/gpu/capi.cpp")
-    ap.add_argument("--json", help="write the results as JSON to this file")
-    ap.add_argument("--quick", action="store_true", help="Lk 4K and 16K only")
-    ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer")
-    ap.add_argument("--reps", type=int, default=15, help="timing samples per figure (median)")
-    ap.add_argument("--inner", type=int, default=10, help="back-to-back calls per sample")
+    harness.add_args(ap)
     ap.add_argument("--gap", action="store_true",
                     help="also time the attention right after three stand-ins for a selector: a tiny kernel, a "
                          "read of q and k (the selector's input bytes), a 30 us GPU sleep")
-    ap.add_argument("--token-max-plain", action="store_true",
-                    help="launch token_max's kernels plainly instead of as a programmatic chain (A/B runs)")
     ap.add_argument("--selectors", help="comma-separated subset of: " + ", ".join(n for n, _ in SELECTORS))
     ap.add_argument("--selftest", action="store_true", help="check the pure-Python parts and exit (no GPU)")
-    args = ap.parse_args(argv)
-    if not args.selftest and not args.lib:
-        ap.error("--lib is required (unless --selftest)")
-    if args.reps < 1 or args.inner < 1:
-        ap.error("--reps and --inner must be >= 1")
+    args = harness.parse(ap, argv)
     known = [n for n, _ in SELECTORS]
     args.selector_names = known
     if args.selectors:
@@ -86,77 +71,6 @@ def parse_args(argv=None):
 
 def lengths(args):
     return LENGTHS_QUICK if args.quick else LENGTHS
-
-
-def ceil_div(a, b):
-    return -(-a // b)
-
-
-def forced_blocks(selector, t, Lq, Lk):
-    """Blocks the selector must keep for Q tile t (non-causal): pooled forces the block holding key
-    min(first query * Lk / Lq, Lk - 1); token_max reserves the blocks of the aligned keys
-    clamp(i + Lk - Lq, 0, Lk - 1) of the tile's queries i."""
-    Tk = ceil_div(Lk, BLOCK)
-    i0, i1 = t * BLOCK, min(Lq, (t + 1) * BLOCK) - 1
-    if selector.startswith("pooled"):
-        return {min(i0 * Lk // Lq // BLOCK, Tk - 1)}
-    aligned = lambda i: min(max(i + Lk - Lq, 0), Lk - 1)
-    return set(range(aligned(i0) // BLOCK, aligned(i1) // BLOCK + 1))
-
-
-def check_lists(idx, cnt, Lq, Lk, top_k, selector, limit=10):
-    """Problems of TileLists idx [B][G][Tq][Kmax], cnt [B][G][Tq] (nested lists) as a non-causal selector
-    must produce them: count min(top_k, Tk), ids ascending, distinct, in [0, Tk), -1 in the unused slots,
-    the forced blocks present. Returns at most `limit` messages; empty when all hold."""
-    Tk, Tq = ceil_div(Lk, BLOCK), ceil_div(Lq, BLOCK)
-    want = min(top_k, Tk)
-    problems = []
-
-    def bad(msg):
-        if len(problems) < limit:
-            problems.append(msg)
-
-    if len(idx) != len(cnt):
-        return ["idx holds %d batches, cnt %d" % (len(idx), len(cnt))]
-    for b, (ib, cb) in enumerate(zip(idx, cnt)):
-        if len(ib) != len(cb):
-            bad("batch %d: idx holds %d groups, cnt %d" % (b, len(ib), len(cb)))
-            continue
-        for g, (ig, cg) in enumerate(zip(ib, cb)):
-            if len(ig) != Tq or len(cg) != Tq:
-                bad("[%d, %d]: %d / %d Q tiles, expected %d" % (b, g, len(ig), len(cg), Tq))
-                continue
-            for t, (row, c) in enumerate(zip(ig, cg)):
-                at = "[%d, %d, %d]" % (b, g, t)
-                if c != want:
-                    bad("cnt%s = %d, expected min(top_k, Tk) = %d" % (at, c, want))
-                    continue
-                ids = row[:c]
-                if any(j < 0 or j >= Tk for j in ids):
-                    bad("idx%s holds an id outside [0, %d): %s" % (at, Tk, ids))
-                elif any(a >= b_ for a, b_ in zip(ids, ids[1:])):
-                    bad("idx%s is not strictly ascending: %s" % (at, ids))
-                elif any(j != -1 for j in row[c:]):
-                    bad("idx%s: slots past the count are not -1: %s" % (at, row[c:]))
-                else:
-                    missing = forced_blocks(selector, t, Lq, Lk) - set(ids)
-                    if missing:
-                        bad("idx%s lacks the forced block(s) %s: %s" % (at, sorted(missing), ids))
-    return problems
-
-
-def selected_pairs(idx, cnt, Lq, Lk, Hq):
-    """(query head, query, key) triples the TileLists select, non-causal: per list, the tile's queries
-    times the keys of its blocks (the last tile / block may be partial), times the heads sharing it."""
-    total = 0
-    for ib, cb in zip(idx, cnt):
-        heads = Hq // len(cb)
-        for ig, cg in zip(ib, cb):
-            for t, (row, c) in enumerate(zip(ig, cg)):
-                rows = min(Lq, (t + 1) * BLOCK) - t * BLOCK
-                keys = sum(min(Lk, (j + 1) * BLOCK) - j * BLOCK for j in row[:c])
-                total += heads * rows * keys
-    return total
 
 
 def useful_flops(pairs, D):
@@ -176,11 +90,6 @@ def derived(row):
     if row.get("pipeline_ms") and row.get("flex_pipeline_ms"):
         out["pipeline_speedup_over_flex_pipeline"] = row["flex_pipeline_ms"] / row["pipeline_ms"]
     return {k: v for k, v in out.items() if v is not None}
-
-
-def write_json(path, meta, rows):
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 def table(rows):
@@ -204,63 +113,30 @@ def table(rows):
     return "\n".join(lines)
 
 
-# ---- GPU: the selector hook, the Flex peer, references ----------------------------------------------
-
-def load_select(path):
-    f = ctypes.CDLL(path).sa_bench_select_tiles
-    i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    f.argtypes = [ci, ci, vp, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, ci, ci, vp, vp, i64, vp,
-                  ctypes.c_char_p, ci]
-    f.restype = ci
-    return f
-
+# ---- GPU: the selectors, the Flex peer, references --------------------------------------------------
 
 class Selector:
-    """One selector writing TileLists idx [B, Hkv, Tq, top_k] / cnt [B, Hkv, Tq] that torch owns."""
+    """One selector writing TileLists idx [B, Hkv, Tq, top_k] / cnt [B, Hkv, Tq] allocated once."""
 
-    def __init__(self, fn, code, q, k, top_k):
+    def __init__(self, name, options, q, k, top_k):
         import torch
-        self.fn, self.code, self.q, self.k, self.top_k = fn, code, q, k, top_k
-        B, Lq, Hq, D = q.shape
+        import sparse_attn
+        self.sa, self.name, self.options, self.top_k = sparse_attn, name, options, top_k
+        B, Lq, Hq, _ = q.shape
         Hkv = k.shape[2]
+        self.q, self.k = q, k
+        self.qidx = q[:, :, ::Hq // Hkv]  # token_max's index vectors: the first query head of each group
         Tq = ceil_div(Lq, BLOCK)
         self.idx = torch.empty(B, Hkv, Tq, top_k, dtype=torch.int32, device=q.device)
         self.cnt = torch.empty(B, Hkv, Tq, dtype=torch.int32, device=q.device)
-        self.err = ctypes.create_string_buffer(1024)
 
     def __call__(self):
-        import torch
-        q, k = self.q, self.k
-        B, Lq, Hq, D = q.shape
-        Lk, Hkv = k.shape[1], k.shape[2]
-        rc = self.fn(self.code, 0 if q.dtype == torch.bfloat16 else 1, q.data_ptr(), k.data_ptr(), None, None, B, Lq,
-                     Lk, Hq, Hkv, D, 0, 0, 0, self.top_k, self.idx.data_ptr(), self.cnt.data_ptr(), self.top_k,
-                     torch.cuda.current_stream().cuda_stream, self.err, len(self.err))
-        if rc != 0:
-            raise RuntimeError(self.err.value.decode(errors="replace"))
-
-
-class FlexMask:
-    """The BlockMask of TileLists, rebuilt on every call as a pipeline must: idx goes into the first slots
-    of a [B, G, Tq, Tk] table (from_kv_blocks reads a row's first cnt entries only), then
-    BlockMask.from_kv_blocks. G = Hkv lists are repeated over the heads of a group when Hkv > 1.
-    q_blocks=False skips the transposed (backward-only) indices where this torch offers it."""
-
-    def __init__(self, idx, cnt, Lq, Lk, Hq, q_blocks):
-        import torch
-        self.idx, self.cnt, self.Lq, self.Lk = idx, cnt, Lq, Lk
-        B, G, Tq, _ = idx.shape
-        self.group = Hq // G if G > 1 else 1
-        self.table = torch.zeros(B, G, Tq, ceil_div(Lk, BLOCK), dtype=torch.int32, device=idx.device)
-        self.kw = {} if q_blocks else {"compute_q_blocks": False}
-
-    def __call__(self):
-        from torch.nn.attention.flex_attention import BlockMask
-        self.table[..., :self.idx.shape[3]].copy_(self.idx)
-        num, tab = self.cnt, self.table
-        if self.group > 1:
-            num, tab = num.repeat_interleave(self.group, dim=1), tab.repeat_interleave(self.group, dim=1)
-        return BlockMask.from_kv_blocks(num, tab, BLOCK_SIZE=BLOCK, seq_lengths=(self.Lq, self.Lk), **self.kw)
+        out = (self.idx, self.cnt)
+        if self.name.startswith("pooled"):
+            self.sa.pooled_select(self.q, self.k, top_k=self.top_k, causal=False, out=out, **self.options)
+        else:
+            self.sa.token_max_select(self.qidx, self.k, top_k=self.top_k, causal=False, format="tile", out=out,
+                                     **self.options)
 
 
 def flex_has_q_blocks_switch():
@@ -278,36 +154,6 @@ def compiled_graphs():
         return int(counters["stats"]["unique_graphs"])
     except Exception:
         return None
-
-
-def reference_rows(out, q, k, v, idx, cnt, gen, tiles=4, per_tile=4):
-    """Relative and maximum error of `out` on sampled rows against float64 attention over the keys of each
-    row's selected blocks: the first and last (batch, head), each with the first, the last and random
-    tiles, `per_tile` random queries per tile."""
-    import torch
-    B, Lq, Hq, D = q.shape
-    Lk, G = k.shape[1], idx.shape[1]
-    group, Tq = Hq // G, ceil_div(Lq, BLOCK)
-    idx_h, cnt_h = idx.cpu(), cnt.cpu()
-    scale = 1.0 / math.sqrt(D)
-    num = den = maxabs = 0.0
-    for b, h in [(0, 0), (B - 1, Hq - 1)]:
-        g = h // group
-        picked = [0, Tq - 1] + torch.randint(0, Tq, (max(0, tiles - 2),), generator=gen).tolist()
-        for t in picked:
-            rows_in = min(Lq, (t + 1) * BLOCK) - t * BLOCK
-            rows = (t * BLOCK + torch.randint(0, rows_in, (per_tile,), generator=gen)).tolist()
-            c = int(cnt_h[b, g, t])
-            keys = torch.cat([torch.arange(j * BLOCK, min(Lk, (j + 1) * BLOCK)) for j in idx_h[b, g, t, :c].tolist()])
-            keys = keys.to(q.device)
-            qs = q[b, rows, h].double()
-            s = qs @ k[b, keys, g].double().T * scale
-            ref = torch.softmax(s, dim=-1) @ v[b, keys, g].double()
-            got = out[b, rows, h].double()
-            num += ((got - ref) ** 2).sum().item()
-            den += (ref ** 2).sum().item()
-            maxabs = max(maxabs, (got - ref).abs().max().item())
-    return math.sqrt(num / den), maxabs
 
 
 def pooled_reference_ids(q, k, r, top_k, selector):
@@ -330,44 +176,15 @@ def pooled_reference_ids(q, k, r, top_k, selector):
 
 # ---- one (selector, Lk): verify, then time ----------------------------------------------------------
 
-def bench_split(fns, reps=15, inner=10):
-    """Median over `reps` samples of each part's mean time (ms) when the parts `fns` run back to back,
-    `inner` rounds per sample, with a CUDA event between consecutive parts: where a pipeline's time goes
-    beyond the parts timed alone (a part may run slower after the others, e.g. reading inputs that the
-    previous part evicted from L2). Also returns the median host time (ms) to enqueue one round: where it
-    reaches the GPU time, the host, not the GPU, sets the pace."""
+def run_case(ctx, name, options, Lk, q, k, v, flex_state):
     import torch
-    for _ in range(3):
-        for fn in fns:
-            fn()
-    torch.cuda.synchronize()
-    samples, host = [], []
-    for _ in range(reps):
-        ev = [[torch.cuda.Event(enable_timing=True) for _ in range(len(fns) + 1)] for _ in range(inner)]
-        t0 = time.perf_counter()
-        for i in range(inner):
-            ev[i][0].record()
-            for j, fn in enumerate(fns):
-                fn()
-                ev[i][j + 1].record()
-        host.append((time.perf_counter() - t0) * 1e3 / inner)
-        ev[-1][-1].synchronize()
-        samples.append([sum(ev[i][j].elapsed_time(ev[i][j + 1]) for i in range(inner)) / inner
-                        for j in range(len(fns))])
-    parts = [sorted(x[j] for x in samples)[len(samples) // 2] for j in range(len(fns))]
-    return parts, sorted(host)[len(host) // 2]
-
-
-def run_case(ctx, name, code, Lk, q, k, v, flex_state):
-    import torch
-    from bench_attention import Ours, bench, relerr
     B, Hq, Hkv, D, Lq = (SHAPE[x] for x in ("B", "Hq", "Hkv", "D", "Lq"))
-    timer = lambda fn: bench(fn, reps=ctx.args.reps, inner=ctx.args.inner)
+    timer = ctx.timer
     row = {"workload": "pipeline", "selector": name, "Lk": Lk, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "Lq": Lq,
            "top_k": TOP_K, "causal": False, "dtype": "bf16"}
 
     # Lists: poisoned, one selector call, then the contract.
-    sel = Selector(ctx.select, code, q, k, TOP_K)
+    sel = Selector(name, options, q, k, TOP_K)
     sel.idx.fill_(-7)
     sel.cnt.fill_(-7)
     sel()
@@ -381,25 +198,19 @@ def run_case(ctx, name, code, Lk, q, k, v, flex_state):
     row["selected_pairs"] = pairs
     row["useful_gflop"] = useful_flops(pairs, D) / 1e9
     if name.startswith("pooled"):
-        ref_ids = pooled_reference_ids(q, k, 1 if name.endswith("R1") else 4, TOP_K, name)
+        ref_ids = pooled_reference_ids(q, k, options["representatives"], TOP_K, name)
         row["ids_equal_reference_fraction"] = (ref_ids == sel.idx).all(dim=3).float().mean().item()
         if row["ids_equal_reference_fraction"] < 1.0:
             print("warning: %s Lk=%d: %.4f of the lists equal the float64 torch recomputation" % (
                 name, Lk, row["ids_equal_reference_fraction"]), file=sys.stderr)
     selected = sel.idx.clone()
 
-    # Our output: poisoned, lists validated on the device, finite everywhere, right on sampled rows.
-    ours = Ours(ctx.attention, q, k, v, False, sel.idx, sel.cnt)
-    ours.out.fill_(float("nan"))
-    ours(trusted=False)
-    torch.cuda.synchronize()
-    if not torch.isfinite(ours.out).all():
-        raise VerificationError("%s Lk=%d: tile_sparse left NaN or inf in its output" % (name, Lk))
-    rel, mx = reference_rows(ours.out, q, k, v, sel.idx, sel.cnt, ctx.gen)
-    row["relerr_vs_reference"], row["maxabs_vs_reference"] = rel, mx
-    if not (rel <= REF_RELERR and mx <= REF_MAXABS):
-        raise VerificationError("%s Lk=%d: tile_sparse against the float64 reference: relerr %.2e (bound %.0e), "
-                                "max abs %.2e (bound %.0e)" % (name, Lk, rel, REF_RELERR, mx, REF_MAXABS))
+    # Our output: poisoned, lists validated, finite everywhere, right on sampled rows.
+    out = torch.empty_like(q)
+    attention = lambda trusted=True: ctx.sa.tile_sparse(q, k, v, sel.idx, sel.cnt, out=out, trusted=trusted)
+    check = harness.verify_tile_output(harness.poisoned(lambda: attention(False), out), q, k, v, sel.idx, sel.cnt,
+                                       False, ctx.gen, "%s Lk=%d: tile_sparse" % (name, Lk))
+    row["relerr_vs_reference"], row["maxabs_vs_reference"] = check["relerr"], check["maxerr"]
 
     # The peer on the same lists.
     run_flex = mask = bm = None
@@ -407,16 +218,18 @@ def run_case(ctx, name, code, Lk, q, k, v, flex_state):
         try:
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             run_flex = lambda m: ctx.flex(qt, kt, vt, block_mask=m, enable_gqa=True)
+            table = torch.zeros(B, Hkv, Lq // BLOCK, ceil_div(Lk, BLOCK), dtype=torch.int32, device=q.device)
             t0 = time.time()
             try:
-                mask = FlexMask(sel.idx, sel.cnt, Lq, Lk, Hq, flex_state["q_blocks"])
+                mask = lambda qb=flex_state["q_blocks"]: harness.tile_block_mask(sel.idx, sel.cnt, Lq, Lk, Hq, qb,
+                                                                                 table)
                 bm = mask()
                 o = run_flex(bm)
             except Exception:
                 if flex_state["q_blocks"]:
                     raise
                 flex_state["q_blocks"] = True  # this torch's flex needs the transposed indices
-                mask = FlexMask(sel.idx, sel.cnt, Lq, Lk, Hq, True)
+                mask = lambda: harness.tile_block_mask(sel.idx, sel.cnt, Lq, Lk, Hq, True, table)
                 bm = mask()
                 o = run_flex(bm)
             torch.cuda.synchronize()
@@ -424,11 +237,11 @@ def run_case(ctx, name, code, Lk, q, k, v, flex_state):
             row["flex_mask_q_blocks"] = flex_state["q_blocks"]
             if not torch.isfinite(o).all():
                 raise VerificationError("%s Lk=%d: Flex output holds NaN or inf" % (name, Lk))
-            row["relerr_vs_flex"] = relerr(ours.out, o.transpose(1, 2))
+            row["relerr_vs_flex"] = harness.relerr(out, o.transpose(1, 2))
         except VerificationError:
             raise
         except Exception as e:  # a peer that fails is reported, not fatal
-            row["flex_error"] = str(e)[:400]
+            row["flex_error"] = harness.short_error(e, 400)
             flex_state["error"] = row["flex_error"]
             run_flex = None
         if "relerr_vs_flex" in row and not row["relerr_vs_flex"] <= FLEX_RELERR:
@@ -437,10 +250,10 @@ def run_case(ctx, name, code, Lk, q, k, v, flex_state):
 
     # Timing.
     row["selector_ms"] = timer(sel)
-    row["attention_ms"] = timer(lambda: ours(trusted=True))
-    row["pipeline_ms"] = timer(lambda: (sel(), ours(trusted=True)))
-    (row["selector_in_pipeline_ms"], row["attention_in_pipeline_ms"]), row["pipeline_host_ms"] = bench_split(
-        [sel, lambda: ours(trusted=True)], reps=ctx.args.reps, inner=ctx.args.inner)
+    row["attention_ms"] = timer(attention)
+    row["pipeline_ms"] = timer(lambda: (sel(), attention()))
+    (row["selector_in_pipeline_ms"], row["attention_in_pipeline_ms"]), row["pipeline_host_ms"] = timer.parts(
+        [sel, attention])
     if ctx.args.gap:
         # What the attention pays for running right after something else: launch and SM reconfiguration
         # (any kernel), L2 contents (a read of the selector's input bytes), clock and power (an idle wait).
@@ -451,8 +264,7 @@ def run_case(ctx, name, code, Lk, q, k, v, flex_state):
             "sleep": lambda: torch.cuda._sleep(int(30e-6 * ctx.sm_clock_hz)),  # >= 30 us
         }
         for what, fn in stand_ins.items():
-            (row["%s_ms" % what], row["attention_after_%s_ms" % what]), _ = bench_split(
-                [fn, lambda: ours(trusted=True)], reps=ctx.args.reps, inner=ctx.args.inner)
+            (row["%s_ms" % what], row["attention_after_%s_ms" % what]), _ = timer.parts([fn, attention])
     if run_flex is not None:
         graphs = compiled_graphs()
         row["flex_mask_ms"] = timer(mask)
@@ -476,63 +288,37 @@ class Context:
 
 
 def run(args):
-    import torch
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_attention import load_lib
-
+    torch, sa = harness.gpu_modules()
     ctx = Context()
-    ctx.args = args
-    ctx.attention = load_lib(args.lib)
-    ctx.select = load_select(args.lib)
+    ctx.args, ctx.sa = args, sa
+    ctx.timer = harness.Timer(args)
     ctx.sm_clock_hz = 1.98e9  # the H200's top SM clock: the --gap sleep lasts at least 30 us
-    ctypes.CDLL(args.lib).sa_bench_set_token_max_pdl(ctypes.c_int(0 if args.token_max_plain else 1))
-    ctx.gen = torch.Generator().manual_seed(4321)
-    torch.manual_seed(1234)
-    dev = torch.device("cuda")
+    ctx.gen = torch.Generator().manual_seed(args.seed + 1)
+    gen = harness.generator(args.seed)
     flex_state = {"error": None, "q_blocks": True}
-    ctx.flex = None
-    if not args.no_flex:
-        try:
-            from torch.nn.attention.flex_attention import flex_attention
-            ctx.flex = torch.compile(flex_attention, dynamic=False)
-            flex_state["q_blocks"] = not flex_has_q_blocks_switch()
-        except Exception as e:
-            flex_state["error"] = str(e)[:400]
-    meta = {
-        "device": torch.cuda.get_device_name(0),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
-        "lib": os.path.abspath(args.lib),
-        "shape": dict(SHAPE, top_k=TOP_K, causal=False, dtype="bf16"),
-        "selectors": args.selector_names,
-        "token_max_launches": "plain" if args.token_max_plain else "programmatic chain",
-        "timing": "median of %d samples of the mean of %d back-to-back calls after 5 warm-up calls, CUDA events"
-                  % (args.reps, args.inner),
-        "useful_flops": "4 * D * selected (query head, query, key) triples",
-        "pipeline": "ours: selector + tile_sparse (trusted); peer: selector + BlockMask.from_kv_blocks + flex",
-        "gap": "with --gap: attention_after_{tiny,read,sleep}_ms: the attention between events right after a tiny "
-               "kernel, a float32 sum of q and of k (the selector's input bytes), or a >= 30 us GPU sleep; "
-               "{tiny,read,sleep}_ms: the stand-in itself",
-        "in_pipeline": "selector_in_pipeline_ms / attention_in_pipeline_ms: each part of ours between CUDA events "
-                       "recorded around it while the two run back to back; pipeline_host_ms: host time to enqueue one "
-                       "selector + attention round",
-    }
-    rows, failure, t_start = [], None, time.time()
+    peers = harness.Peers(enabled=not args.no_peers)
+    ctx.flex = peers.flex
+    if ctx.flex is not None:
+        flex_state["q_blocks"] = not flex_has_q_blocks_switch()
+    meta = harness.run_meta(
+        args, peers=peers.status, timer=ctx.timer.method, shape=dict(SHAPE, top_k=TOP_K, causal=False, dtype="bf16"),
+        selectors=args.selector_names,
+        pipeline="ours: selector + tile_sparse (trusted); peer: selector + BlockMask.from_kv_blocks + flex",
+        gap="with --gap: attention_after_{tiny,read,sleep}_ms: the attention between events right after a tiny "
+            "kernel, a float32 sum of q and of k (the selector's input bytes), or a >= 30 us GPU sleep; "
+            "{tiny,read,sleep}_ms: the stand-in itself",
+        in_pipeline="selector_in_pipeline_ms / attention_in_pipeline_ms: each part of ours between CUDA events "
+                    "recorded around it while the two run back to back, L2 flushed before each round; "
+                    "pipeline_host_ms: host time to enqueue one selector + attention round")
+    res = harness.Results(args.json, meta)
+    failure, t_start = None, time.time()
     B, Hq, Hkv, D, Lq = (SHAPE[x] for x in ("B", "Hq", "Hkv", "D", "Lq"))
     try:
         for Lk in lengths(args):
-            q = torch.randn(B, Lq, Hq, D, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
-            v = torch.randn(B, Lk, Hkv, D, device=dev, dtype=torch.bfloat16)
-            for name, code in SELECTORS:
-                if name not in args.selector_names:
-                    continue
-                row = run_case(ctx, name, code, Lk, q, k, v, flex_state)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            q, k, v = harness.random_qkv(B, Lq, Lk, Hq, Hkv, D, gen)
+            for name, options in SELECTORS:
+                if name in args.selector_names:
+                    res.add(run_case(ctx, name, options, Lk, q, k, v, flex_state))
             del q, k, v
     except VerificationError as e:
         failure = str(e)
@@ -543,11 +329,10 @@ def run(args):
     if flex_state["error"] is not None:
         meta["flex_error"] = flex_state["error"]
     if failure:
-        meta["failure"] = failure
-    if args.json:
-        write_json(args.json, meta, rows)
+        res.fail(failure)
+    res.save()
     print()
-    print(table(rows))
+    print(table(res.rows))
     if failure:
         print("FAILED: " + failure, file=sys.stderr)
         return 1
@@ -650,14 +435,17 @@ def selftest():
     assert "pooled R1" in text and "token_max fp8" in text and "2.70e-03" in text
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "r.json")
-        write_json(path, {"device": "none"}, [row, bare])
+        res = harness.Results(path, {"device": "none"})
+        res.add(row, echo=False)
+        res.add(bare, echo=False)
         with open(path) as f:
             back = json.load(f)
         assert back["rows"][0]["effective_tflops"] == row["effective_tflops"] and back["meta"]["device"] == "none"
 
-    a = parse_args(["--lib", "x.so", "--quick", "--no-flex", "--json", "o.json"])
-    assert a.quick and a.no_flex and a.json == "o.json" and lengths(a) == [4096, 16384] and a.reps == 15
-    assert lengths(parse_args(["--lib", "x.so"])) == LENGTHS
+    a = parse_args(["--quick", "--no-peers", "--json", "o.json", "--selectors", "pooled R4"])
+    assert a.quick and a.no_peers and a.json == "o.json" and lengths(a) == [4096, 16384] and a.samples == 5
+    assert a.selector_names == ["pooled R4"]
+    assert lengths(parse_args([])) == LENGTHS
     print(text)
     print("selftest ok")
     return 0

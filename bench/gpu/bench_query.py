@@ -1,56 +1,53 @@
 """Schedules for per-query block lists (QueryLists) against their peers, in one process on one GPU.
 
 Issue 5 / DESIGN §7. For a QueryLists selection it times every schedule of the library on the same
-torch tensors:
-  kv_centric     query_sparse, KV-centric (reverse index -> partials -> combine), f32 or bf16 partials,
-                 and its three phases one at a time;
-  group_centric  query_sparse, group-centric (reported as the library's Error while the backend lacks it);
-  q_centric      the library's query_lists_to_tile_lists on the device (one kernel, no host round trip)
-                 + tile_sparse; the conversion alone; tile_sparse alone; and q_centric_host, the same
-                 conversion on the host (lists to the host and TileLists back) + tile_sparse, for comparison;
+torch tensors, through the sparse_attn package:
+  kv_centric     query_sparse, KV-centric (reverse index -> partials -> combine), f32 or bf16 partials;
+                 its reverse index / attention / combine breakdown is `sparse-attn bench query16of32`'s;
+  group_centric  query_sparse, group-centric;
+  q_centric      query_lists_to_tile_lists on the device (one kernel, no host round trip) + tile_sparse;
+                 the conversion alone; tile_sparse alone; and q_centric_host, the same conversion on the
+                 host (lists to the host and TileLists back) + tile_sparse, for comparison;
 and the peers: FlexAttention with the per-query mask (a mask_mod reading a [B, Hkv, Lq, Tk] bool table
-built from the lists, compiled, enable_gqa) and dense SDPA (cuDNN and flash backends) plus our dense.
+built from the lists, compiled, enable_gqa) and dense SDPA (cuDNN and flash backends, FA4 where
+importable) plus our dense.
 
 Workloads: query16of32 (B=8, Hq=16, Hkv=1, L=4096, 16 random blocks per query of 32), query-long (B=1,
 Hq=32, Hkv=8, L=32768, 16 of 256), the two tile16 patterns as QueryLists (every query of a tile holds the
 tile's list), and the overlap sweep: a base list per tile, each query keeping each base block with
 probability 1 - f and drawing the rest uniformly from the blocks it did not keep (f = 0: one list per
 tile; f = 1: independent random lists), on the query16of32 shape and on the query-long shape.
-For each configuration the planner (plan_schedule on the same lists) gives its choice and estimates;
-the planner check compares that choice with the measured fastest schedule.
+For each configuration the planner (sparse_attn.plan_schedule on the same lists) gives its choice and
+estimates; the planner check compares that choice with the measured fastest schedule.
 
 Verification comes before timing: outputs are poisoned with NaN, then every implementation is compared
-with a float32 torch reference on sampled rows of two (batch, head) pairs, under the bound of DESIGN §6
-(relative error at most 2x that of a plain bf16 implementation of the same rows plus 1e-3, maximum
-element error at most 2x plain plus 1e-2); q_centric is checked against the reference of its own
-semantics (each query sees its tile's union), and its device conversion must equal the union torch forms
-from the same lists. Implementations with the per-query semantics are also compared with each other on
-the full output, and kv_centric twice with itself (bitwise).
+with a float64 reference on sampled rows of two (batch, head) pairs under the bound of DESIGN §6
+(bench/harness.py, verify_rows); q_centric is checked against the reference of its own semantics (each
+query sees its tile's union), and its device conversion must equal the union torch forms from the same
+lists. Implementations with the per-query semantics are also compared with each other on the full
+output, and kv_centric twice with itself (bitwise).
 
-Usage: python3 bench_query.py --lib libsa_bench.so [--json PATH] [--quick] [--parts LIST] [--no-flex] [--no-host]
-                              [--sweep-f F,F,...] [--reps N] [--inner N] [--warm N] [--budget-s S] [--print-json]
+Usage: python3 bench_query.py [--json PATH] [--quick] [--parts LIST] [--no-peers] [--no-host] [--sweep-f F,F,...]
+                              [--merge-window N] [--budget-s S] [--print-json] [timing options, see --help]
        python3 bench_query.py --selftest        (CPU only: list generators, union, block mask, references)
+       python3 bench_query.py --markdown JSON... (tables of saved results)
 """
 import argparse
-import ctypes
-import datetime
 import json
 import math
 import os
-import platform
 import signal
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
+from harness import BLOCK  # noqa: E402
 
-BLOCK = 128
-SCHEDULE_CODES = {"kv_centric": 0, "group_centric": 1}
-STAT_NAMES = ["tiles", "queries", "query_blocks", "tile_union", "max_tile_union", "selected_pairs",
-              "blocks_per_query", "union_per_tile", "neighbour_overlap", "union_utilisation",
-              "group_ctas", "group_cta_union", "union_per_group_cta"]  # the order sa_plan_query writes
 ALL_PARTS = ["query16of32", "query-long", "tile16", "sweep16", "sweeplong"]
 DEVICE = "cuda"
+# Phases of a schedule (no speed-up or useful rate of their own); the kv_* ones appear in results saved
+# before the breakdown moved to `sparse-attn bench`.
 PARTIAL_TIMES = {"kv_reverse_index", "kv_attention", "kv_combine", "q_centric_conversion", "q_centric_host_conversion"}
 # Sweep points per shape. A tile's union grows as about 16 + (Tk - 16) (1 - exp(-128 * 16 f / (Tk - 16))):
 # with 32 blocks it is all of them by f = 0.03, with 256 blocks it reaches 150 near f = 0.1, so the
@@ -63,50 +60,13 @@ SHAPES = {"query16of32": ("query16of32", 8, 16, 1, 4096, 4096),
           "query-long": ("query-long", 1, 32, 8, 32768, 32768),
           "tile16": ("tile16", 2, 16, 1, 4096, 16384)}
 
-
-# ---- the C library ---------------------------------------------------------------------------------
-
-class Lib:
-    def __init__(self, path):
-        lib = ctypes.CDLL(path)
-        i64, vp, ci, cp = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
-        dp = ctypes.POINTER(ctypes.c_double)
-        self.attention = lib.sa_bench_attention
-        self.attention.argtypes = [ci, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, i64, ci, vp, vp, i64, i64, ci, vp,
-                                   cp, ci]
-        self.query_sparse = lib.sa_query_sparse
-        self.query_sparse.argtypes = [ci, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, i64, ci, vp, i64, ci, ci, ci,
-                                      vp, cp, ci]
-        self.kv_create = lib.sa_kv_phases_create
-        self.kv_create.argtypes = [i64, i64, i64, i64, i64, i64, ci, vp, i64, ci, vp, cp, ci]
-        self.kv_create.restype = vp
-        self.kv_run = lib.sa_kv_phases_run
-        self.kv_run.argtypes = [vp, ci, ci, vp, vp, vp, vp, vp, cp, ci]
-        self.kv_destroy = lib.sa_kv_phases_destroy
-        self.kv_destroy.argtypes = [vp]
-        self.kv_destroy.restype = None
-        self.to_tiles = lib.sa_query_lists_to_tile_lists
-        self.to_tiles.argtypes = [vp, i64, i64, i64, i64, i64, i64, ci, i64, vp, vp, i64, vp, cp, ci]
-        self.to_tiles_device = lib.sa_query_lists_to_tile_lists_device
-        self.to_tiles_device.argtypes = [vp, i64, i64, i64, i64, i64, i64, ci, i64, vp, vp, i64, ci, vp, cp, ci]
-        self.plan = lib.sa_plan_query
-        self.plan.argtypes = [vp, i64, i64, i64, i64, i64, i64, ci, i64, ci, dp, dp, cp, ci, cp, ci, cp, ci]
-        for f in (self.attention, self.query_sparse, self.kv_run, self.to_tiles, self.to_tiles_device, self.plan):
-            f.restype = ci
-        self.err = ctypes.create_string_buffer(2048)
-
-    def check(self, rc):
-        if rc != 0:
-            raise RuntimeError(self.err.value.decode(errors="replace"))
+try:
+    import torch
+except ImportError:  # argument checks and --markdown run without torch
+    torch = None
 
 
-def stream_ptr():
-    return torch.cuda.current_stream().cuda_stream
-
-
-def dtype_code(t):
-    return 0 if t.dtype == torch.bfloat16 else 1
-
+# ---- ours ------------------------------------------------------------------------------------------
 
 class Problem:
     """Shapes of one run: q [B, Lq, Hq, D], k, v [B, Lk, Hkv, D], lists [B, Hkv, Lq, K]."""
@@ -118,85 +78,54 @@ class Problem:
     def shape(self):
         return dict(B=self.B, Hq=self.Hq, Hkv=self.Hkv, Lq=self.Lq, Lk=self.Lk, D=self.D, K=self.K, causal=False)
 
-    def dims(self):
-        return (self.B, self.Lq, self.Lk, self.Hq, self.Hkv, self.D)
+    def problem_shape(self, sa):
+        return sa.ProblemShape(self.B, self.Lq, self.Lk, self.Hq, self.Hkv, self.D, False)
 
 
 class Ours:
-    """Every schedule of the library on one problem's tensors; each call launches on torch's current stream."""
+    """Every schedule of the library on one problem's tensors, through the sparse_attn package; each call
+    launches on torch's current stream and writes into tensors allocated once."""
 
-    def __init__(self, lib, pb, q, k, v, lists):
-        self.lib, self.pb, self.q, self.k, self.v, self.lists = lib, pb, q, k, v, lists
+    def __init__(self, sa, pb, q, k, v, lists, merge_window=0):
+        import torch
+        self.sa, self.pb, self.q, self.k, self.v, self.lists = sa, pb, q, k, v, lists
+        self.merge_window = merge_window
+        self.shape = pb.problem_shape(sa)
         self.out = torch.empty_like(q)
-        self.lse = torch.empty(pb.B, pb.Hq, pb.Lq, device=q.device, dtype=torch.float32)
-        self.kv = None
         self.tidx = torch.zeros(pb.B, pb.Hkv, pb.Tq, pb.Tk, device=q.device, dtype=torch.int32)
         self.tcnt = torch.zeros(pb.B, pb.Hkv, pb.Tq, device=q.device, dtype=torch.int32)
 
-    def query_sparse(self, schedule, bf16_partials=False, trusted=True):
-        lib, pb, e = self.lib, self.pb, self.lib.err
-        lib.check(lib.query_sparse(dtype_code(self.q), self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(),
-                                   self.out.data_ptr(), self.lse.data_ptr(), *pb.dims(), 0, self.lists.data_ptr(),
-                                   pb.K, SCHEDULE_CODES[schedule], int(bf16_partials), int(trusted), stream_ptr(),
-                                   e, len(e)))
-        return self.out
-
-    def kv_phase(self, phase):
-        lib, e = self.lib, self.lib.err
-        if self.kv is None:
-            h = lib.kv_create(*self.pb.dims(), 0, self.lists.data_ptr(), self.pb.K, 0, stream_ptr(), e, len(e))
-            if not h:
-                raise RuntimeError(e.value.decode(errors="replace"))
-            self.kv = h
-        lib.check(lib.kv_run(self.kv, phase, dtype_code(self.q), self.q.data_ptr(), self.k.data_ptr(),
-                             self.v.data_ptr(), self.out.data_ptr(), self.lse.data_ptr(), e, len(e)))
-        return self.out
+    def query_sparse(self, schedule, partials="f32", trusted=True):
+        return self.sa.query_sparse(self.q, self.k, self.v, self.lists, partials=partials, schedule=schedule,
+                                    trusted=trusted, merge_window=self.merge_window, out=self.out)
 
     def convert_host(self):
-        lib, pb, e = self.lib, self.pb, self.lib.err
-        lib.check(lib.to_tiles(self.lists.data_ptr(), *pb.dims(), 0, pb.K, self.tidx.data_ptr(), self.tcnt.data_ptr(),
-                               pb.Tk, stream_ptr(), e, len(e)))
+        """The conversion on the host: the lists to the host, TileLists back (synchronises)."""
+        idx, cnt = self.sa.query_lists_to_tile_lists(self.lists.cpu(), self.shape, kmax=self.pb.Tk)
+        self.tidx.copy_(idx)
+        self.tcnt.copy_(cnt)
 
     def convert_device(self, trusted=True):
         """The library's conversion on the device into tidx (Kmax = Tk: room for any union, as a trusted
         conversion requires) and tcnt; trusted, it is one launch without synchronisation."""
-        lib, pb, e = self.lib, self.pb, self.lib.err
-        lib.check(lib.to_tiles_device(self.lists.data_ptr(), *pb.dims(), 0, pb.K, self.tidx.data_ptr(),
-                                      self.tcnt.data_ptr(), pb.Tk, int(trusted), stream_ptr(), e, len(e)))
+        self.sa.query_lists_to_tile_lists(self.lists, self.shape, kmax=self.pb.Tk, trusted=trusted,
+                                          out=(self.tidx, self.tcnt))
 
     def tile_sparse(self, trusted=True):
-        lib, pb, e = self.lib, self.pb, self.lib.err
-        lib.check(lib.attention(dtype_code(self.q), self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(),
-                                self.out.data_ptr(), self.lse.data_ptr(), *pb.dims(), 0, self.tidx.data_ptr(),
-                                self.tcnt.data_ptr(), pb.Hkv, pb.Tk, int(trusted), stream_ptr(), e, len(e)))
-        return self.out
+        return self.sa.tile_sparse(self.q, self.k, self.v, self.tidx, self.tcnt, trusted=trusted, out=self.out)
 
     def dense(self):
-        lib, pb, e = self.lib, self.pb, self.lib.err
-        lib.check(lib.attention(dtype_code(self.q), self.q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(),
-                                self.out.data_ptr(), None, *pb.dims(), 0, None, None, 0, 0, 1, stream_ptr(), e,
-                                len(e)))
-        return self.out
-
-    def close(self):
-        if self.kv is not None:
-            self.lib.kv_destroy(self.kv)
-            self.kv = None
+        return self.sa.dense(self.q, self.k, self.v, out=self.out)
 
 
-def plan(lib, pb, lists, bf16_partials=False):
-    host = lists.cpu().contiguous()
-    est = (ctypes.c_double * 3)()
-    stats = (ctypes.c_double * len(STAT_NAMES))()
-    choice, reason, e = ctypes.create_string_buffer(64), ctypes.create_string_buffer(512), lib.err
-    lib.check(lib.plan(host.data_ptr(), *pb.dims(), 0, pb.K, int(bf16_partials), est, stats, choice, len(choice),
-                       reason, len(reason), e, len(e)))
-    out = {"choice": choice.value.decode(), "reason": reason.value.decode(),
-           "est_ms": {"q_centric": est[0], "kv_centric": est[1]},
-           "stats": {k: x for k, x in zip(STAT_NAMES, list(stats)) if not math.isnan(x)}}
-    if not math.isnan(est[2]):
-        out["est_ms"]["group_centric"] = est[2]
-    return out
+def plan(sa, pb, lists, partials="f32", merge_window=0):
+    """The planner's choice, estimates (finite ones), merge window, reason and selection statistics."""
+    p = sa.plan_schedule(lists, pb.problem_shape(sa), partials=partials, merge_window=merge_window)
+    est = {"q_centric": p["q_centric_ms"], "kv_centric": p["kv_centric_ms"]}
+    if math.isfinite(p["group_centric_ms"]):
+        est["group_centric"] = p["group_centric_ms"]
+    return {"choice": p["schedule"], "reason": p["reason"], "est_ms": est, "merge_window": p["merge_window"],
+            "stats": p["stats"]}
 
 
 # ---- selections ------------------------------------------------------------------------------------
@@ -220,15 +149,11 @@ def overlap_lists(pb, f, gen, device):
     return idx.view(B, G, Lq, K).contiguous()
 
 
-def tile_pattern_lists(pb, pattern, gen, device):
-    """The tile16 patterns as QueryLists: per Q tile K random blocks ('independent'), or the same list for
-    Q tiles 2t and 2t + 1 ('pairs'); every query of a tile holds the tile's list."""
-    B, G, Tq, Tk, K = pb.B, pb.Hkv, pb.Tq, pb.Tk, pb.K
-    tiles = torch.rand(B, G, Tq, Tk, generator=gen, device=device).topk(K, dim=3).indices
-    if pattern == "pairs":
-        tiles = tiles.view(B, G, Tq // 2, 2, K)[:, :, :, :1].expand(B, G, Tq // 2, 2, K).reshape(B, G, Tq, K)
-    rows = torch.arange(pb.Lq, device=device) // BLOCK
-    return tiles[:, :, rows].to(torch.int32).contiguous()
+def tile_pattern_lists(pb, pattern, gen):
+    """The tile16 patterns (harness.tile_lists) as QueryLists: every query of a tile holds the tile's list."""
+    tiles, _ = harness.tile_lists(pb.B, pb.Hkv, pb.Tq, pb.Tk, pb.K, pattern, gen)
+    rows = torch.arange(pb.Lq, device=gen.device) // BLOCK
+    return tiles[:, :, rows].contiguous()
 
 
 def block_table(lists, pb):
@@ -315,130 +240,53 @@ def same_block_mask(a, b):
 
 # ---- verification ----------------------------------------------------------------------------------
 
-def sample_rows(pb, gen, n=64):
-    """Sampled (b, h) pairs and query rows: the first and last batch/head and query, plus n random queries."""
-    rows = torch.randint(0, pb.Lq, (n,), generator=gen).tolist()
-    rows = sorted(set(rows + [0, pb.Lq - 1]))
-    bh = sorted({(0, 0), (pb.B - 1, pb.Hq - 1)})
-    return bh, torch.tensor(rows, dtype=torch.long)
-
-
-def reference_rows(q, k, v, allowed, b, h, rows, pb):
-    """float32 reference and a plain bf16 implementation (P rounded to the input dtype before PV, output
-    rounded) of rows `rows` of (b, h); allowed: bool [len(rows), Tk] blocks each row may see."""
-    g = h // pb.group
-    scale = 1.0 / math.sqrt(pb.D)
-    qs = q[b, rows.to(q.device), h].float()
-    kk, vv = k[b, :, g].float(), v[b, :, g].float()
-    keymask = allowed.repeat_interleave(BLOCK, dim=1)[:, :pb.Lk]
-    s = (qs @ kk.T) * scale
-    s = s.masked_fill(~keymask, float("-inf"))
-    p = torch.softmax(s, dim=1)
-    p = torch.nan_to_num(p, nan=0.0)  # a row with no visible key has out = 0
-    ref = p @ vv
-    plain = (p.to(q.dtype).float() @ vv).to(q.dtype).float()
-    return ref, plain
-
-
-def err_pair(x, ref):
-    x, ref = x.float(), ref.float()
-    if not torch.isfinite(x).all():
-        return float("inf"), float("inf")
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item(), (x - ref).abs().max().item()
+def blocks_to_keys(allowed, Lk):
+    """bool [n, Tk] blocks -> bool [n, Lk] keys."""
+    return allowed.repeat_interleave(BLOCK, dim=1)[:, :Lk]
 
 
 class Checker:
-    """The float32 reference on sampled rows, for the per-query semantics and for the tiles' unions."""
+    """harness.verify_rows for the per-query semantics ('query': each query sees its own blocks) and for
+    the tiles' unions ('union': each query sees every block its tile's queries chose)."""
 
     def __init__(self, pb, q, k, v, lists, gen):
-        self.pb = pb
-        self.bh, self.rows = sample_rows(pb, gen)
-        table = block_table(lists, pb)
-        union = tile_counts(table, pb) > 0
-        self.refs = {}
-        for sem, allowed_of in (("query", lambda b, g: table[b, g][self.rows.to(table.device)]),
-                                ("union", lambda b, g: union[b, g][(self.rows // BLOCK).to(union.device)])):
-            self.refs[sem] = [(b, h) + reference_rows(q, k, v, allowed_of(b, h // pb.group), b, h, self.rows, pb)
-                              for b, h in self.bh]
+        self.pb, self.q, self.k, self.v, self.gen = pb, q, k, v, gen
+        self.table = block_table(lists, pb)
+        self.union = tile_counts(self.table, pb) > 0
+
+    def keymask(self, semantics, b, h, rows):
+        g = h // self.pb.group
+        if semantics == "dense":
+            return torch.ones(len(rows), self.pb.Lk, dtype=torch.bool, device=self.q.device)
+        if semantics == "query":
+            allowed = self.table[b, g][rows.to(self.table.device)]
+        else:
+            allowed = self.union[b, g][(rows // BLOCK).to(self.union.device)]
+        return blocks_to_keys(allowed, self.pb.Lk)
 
     def check(self, out, semantics="query"):
-        """out [B, Lq, Hq, D] fully written (finite) and within the DESIGN §6 bounds on the sampled rows."""
-        res = {"all_finite": bool(torch.isfinite(out).all().item())}
-        worst = None
-        for b, h, ref, plain in self.refs[semantics]:
-            got = out[b, self.rows.to(out.device), h]
-            rel, mx = err_pair(got, ref)
-            prel, pmx = err_pair(plain, ref)
-            ok = rel <= 2 * prel + 1e-3 and mx <= 2 * pmx + 1e-2
-            if worst is None or rel > worst["relerr"]:
-                worst = {"relerr": rel, "maxerr": mx, "plain_relerr": prel, "plain_maxerr": pmx}
-            res["ok"] = res.get("ok", True) and ok
-        res.update(worst)
-        res["ok"] = bool(res["ok"] and res["all_finite"])
-        return res
-
-
-def poisoned(fn, out):
-    out.fill_(float("nan"))
-    r = fn()
-    torch.cuda.synchronize()
-    return r
-
-
-# ---- timing ----------------------------------------------------------------------------------------
-
-class Timer:
-    def __init__(self, warm, reps, inner, sustain_ms=0.0):
-        self.warm, self.reps, self.inner, self.sustain_ms = warm, reps, inner, sustain_ms
-
-    def __call__(self, fn):
-        """Median over `reps` samples of the mean time (ms) of `inner` back-to-back calls, CUDA events on
-        the current stream, after `warm` calls; several calls per sample keep the GPU queue ahead of the
-        host, so per-call host work (ctypes) stays out of the figure unless the call synchronises. With
-        sustain_ms > 0 a sample holds at least that many ms of calls (estimated from the warm-up): the
-        H200 holds its power limit by lowering its clock within tens of ms, so short bursts of a
-        power-hungry kernel run faster than the same kernel back to back in a model
-        (docs/notes/kv_attention.md, the power limit)."""
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(max(self.warm, 1 if self.sustain_ms > 0 else 0)):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        inner = self.inner
-        if self.sustain_ms > 0:
-            est = a.elapsed_time(b) / max(self.warm, 1)
-            inner = max(inner, math.ceil(self.sustain_ms / max(est, 1e-3)))
-        times = []
-        for _ in range(self.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(inner):
-                fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / inner)
-        times.sort()
-        return times[len(times) // 2]
+        """out [B, Lq, Hq, D] fully written (finite) and within the DESIGN §6 bounds on sampled rows."""
+        return harness.verify_rows(out, self.q, self.k, self.v,
+                                   lambda b, h, rows: self.keymask(semantics, b, h, rows), self.gen)
 
 
 # ---- one configuration: verify, then time --------------------------------------------------------
 
-def run_config(ctx, pb, lists, label, q, k, v, peers=False, breakdown=False, bf16_partials=False, host=True):
+def run_config(ctx, pb, lists, label, q, k, v, peers=False, bf16_partials=False, host=True):
     """Verifies and times every schedule of ours (and the peers if asked) on `lists`; returns a row."""
-    lib, timer = ctx.lib, ctx.timer
+    timer = ctx.timer
     row = {"label": label, "shape": pb.shape(), "times_ms": {}, "verify": {}, "errors": {}}
-    row["plan"] = plan(lib, pb, lists)
+    row["plan"] = plan(ctx.sa, pb, lists, merge_window=ctx.merge_window)
     st = row["plan"]["stats"]
     useful = 4.0 * pb.D * pb.group * st["selected_pairs"]
     row["useful_gflop"] = useful / 1e9
     checker = Checker(pb, q, k, v, lists, ctx.cpu_gen)
-    ours = Ours(lib, pb, q, k, v, lists)
+    ours = Ours(ctx.sa, pb, q, k, v, lists, ctx.merge_window)
     outs = {}
 
     def attempt(name, verify_call, semantics, time_call):
         try:
-            poisoned(verify_call, ours.out)
+            harness.poisoned(verify_call, ours.out)
             row["verify"][name] = checker.check(ours.out, semantics)
             outs[name] = ours.out.clone()
             if not row["verify"][name]["ok"]:
@@ -446,74 +294,61 @@ def run_config(ctx, pb, lists, label, q, k, v, peers=False, breakdown=False, bf1
             if time_call is not None:
                 row["times_ms"][name] = timer(time_call)
         except Exception as e:  # a schedule the library lacks, or a failure, is reported, not fatal
-            row["errors"][name] = str(e)[:400]
+            row["errors"][name] = harness.short_error(e, 400)
 
-    try:
-        attempt("kv_centric", lambda: ours.query_sparse("kv_centric", trusted=False), "query",
-                lambda: ours.query_sparse("kv_centric"))
-        if "kv_centric" in outs:
-            again = poisoned(lambda: ours.query_sparse("kv_centric"), ours.out)
-            row["kv_centric_bitwise_repeat"] = bool(torch.equal(again, outs["kv_centric"]))
-        if bf16_partials:
-            attempt("kv_centric_bf16", lambda: ours.query_sparse("kv_centric", bf16_partials=True, trusted=False),
-                    "query", lambda: ours.query_sparse("kv_centric", bf16_partials=True))
-        attempt("group_centric", lambda: ours.query_sparse("group_centric", trusted=False), "query",
-                lambda: ours.query_sparse("group_centric"))
-        if breakdown and "kv_centric" in outs:
-            try:
-                for ph in range(3):
-                    ours.kv_phase(ph)
-                torch.cuda.synchronize()
-                row["verify"]["kv_phases"] = checker.check(ours.out, "query")
-                for ph, name in enumerate(["kv_reverse_index", "kv_attention", "kv_combine"]):
-                    row["times_ms"][name] = timer(lambda: ours.kv_phase(ph))
-            except Exception as e:
-                row["errors"]["kv_phases"] = str(e)[:400]
+    attempt("kv_centric", lambda: ours.query_sparse("kv_centric", trusted=False), "query",
+            lambda: ours.query_sparse("kv_centric"))
+    if "kv_centric" in outs:
+        again = harness.poisoned(lambda: ours.query_sparse("kv_centric"), ours.out)
+        row["kv_centric_bitwise_repeat"] = bool(torch.equal(again, outs["kv_centric"]))
+    if bf16_partials:
+        attempt("kv_centric_bf16", lambda: ours.query_sparse("kv_centric", partials="bf16", trusted=False),
+                "query", lambda: ours.query_sparse("kv_centric", partials="bf16"))
+    attempt("group_centric", lambda: ours.query_sparse("group_centric", trusted=False), "query",
+            lambda: ours.query_sparse("group_centric"))
 
-        # Q-centric as the library runs it: the conversion on the device, then tile_sparse; both validate
-        # in the verified call and are trusted when timed (as kv_centric is).
-        def convert_and_run():
-            ours.convert_device()
+    # Q-centric as the library runs it: the conversion on the device, then tile_sparse; both validate
+    # in the verified call and are trusted when timed (as kv_centric is).
+    def convert_and_run():
+        ours.convert_device()
+        return ours.tile_sparse()
+
+    attempt("q_centric", lambda: (ours.convert_device(trusted=False), ours.tile_sparse(trusted=False))[1],
+            "union", convert_and_run)
+    if "q_centric" in outs:
+        ref_idx, ref_cnt = union_tile_lists(lists, pb)
+        row["conversion_equals_torch_union"] = bool(torch.equal(ours.tidx, ref_idx) and
+                                                    torch.equal(ours.tcnt, ref_cnt))
+        if not row["conversion_equals_torch_union"]:
+            print(f"  VERIFY FAILED {label}: device conversion differs from the torch union", flush=True)
+        attempt("q_centric_tile_only", ours.tile_sparse, "union", ours.tile_sparse)
+        try:
+            row["times_ms"]["q_centric_conversion"] = timer(ours.convert_device)
+        except Exception as e:
+            row["errors"]["q_centric_conversion"] = str(e)[:400]
+
+    if host:
+        def host_convert_and_run():
+            ours.convert_host()
             return ours.tile_sparse()
 
-        attempt("q_centric", lambda: (ours.convert_device(trusted=False), ours.tile_sparse(trusted=False))[1],
-                "union", convert_and_run)
-        if "q_centric" in outs:
-            ref_idx, ref_cnt = union_tile_lists(lists, pb)
-            row["conversion_equals_torch_union"] = bool(torch.equal(ours.tidx, ref_idx) and
-                                                        torch.equal(ours.tcnt, ref_cnt))
-            if not row["conversion_equals_torch_union"]:
-                print(f"  VERIFY FAILED {label}: device conversion differs from the torch union", flush=True)
-            attempt("q_centric_tile_only", ours.tile_sparse, "union", ours.tile_sparse)
+        attempt("q_centric_host", lambda: (ours.convert_host(), ours.tile_sparse(trusted=False))[1], "union",
+                host_convert_and_run)
+        if "q_centric_host" in outs:
             try:
-                row["times_ms"]["q_centric_conversion"] = timer(ours.convert_device)
+                row["times_ms"]["q_centric_host_conversion"] = timer(ours.convert_host)
             except Exception as e:
-                row["errors"]["q_centric_conversion"] = str(e)[:400]
+                row["errors"]["q_centric_host_conversion"] = str(e)[:400]
 
-        if host:
-            def host_convert_and_run():
-                ours.convert_host()
-                return ours.tile_sparse()
-
-            attempt("q_centric_host", lambda: (ours.convert_host(), ours.tile_sparse(trusted=False))[1], "union",
-                    host_convert_and_run)
-            if "q_centric_host" in outs:
-                try:
-                    row["times_ms"]["q_centric_host_conversion"] = timer(ours.convert_host)
-                except Exception as e:
-                    row["errors"]["q_centric_host_conversion"] = str(e)[:400]
-
-        if peers:
-            run_peers(ctx, pb, q, k, v, lists, ours, row, outs, checker)
-    finally:
-        ours.close()
+    if peers:
+        run_peers(ctx, pb, q, k, v, lists, ours, row, outs, checker)
 
     # Implementations with the same semantics, compared on the whole output.
     cross = {}
     for a, b in (("kv_centric", "group_centric"), ("kv_centric", "kv_centric_bf16"), ("kv_centric", "flex"),
                  ("q_centric", "q_centric_host")):
         if a in outs and b in outs:
-            cross[f"{a}~{b}"] = err_pair(outs[b], outs[a])[0]
+            cross[f"{a}~{b}"] = harness.err_pair(outs[b], outs[a])[0]
     row["cross_relerr"] = cross
     for name, t in row["times_ms"].items():
         row.setdefault("useful_tflops", {})[name] = useful / t / 1e9 if t > 0 else None
@@ -523,39 +358,28 @@ def run_config(ctx, pb, lists, label, q, k, v, peers=False, breakdown=False, bf1
 def run_peers(ctx, pb, q, k, v, lists, ours, row, outs, checker):
     timer = ctx.timer
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    # Dense: ours, then SDPA cuDNN and flash, each checked against ours on the whole output.
+    # Dense: ours (checked against the reference), then the dense peers, each against ours on the whole output.
     try:
-        dense_ref = poisoned(ours.dense, ours.out).clone()
-        row["verify"]["dense"] = {"all_finite": bool(torch.isfinite(dense_ref).all().item())}
+        dense_ref = harness.poisoned(ours.dense, ours.out).clone()
+        row["verify"]["dense"] = checker.check(dense_ref, "dense")
         row["times_ms"]["dense_ours"] = timer(ours.dense)
     except Exception as e:
         dense_ref = None
-        row["errors"]["dense_ours"] = str(e)[:400]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-    for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        for gqa in ("native", "repeated"):
-            if gqa == "native" and pb.group == 1:
-                continue
-            try:
-                if gqa == "native":
-                    kk, vv, extra = kt, vt, {"enable_gqa": pb.group > 1}
-                else:
-                    kk, vv, extra = kt.repeat_interleave(pb.group, 1), vt.repeat_interleave(pb.group, 1), {}
-
-                def run(kk=kk, vv=vv, extra=extra, be=be):
-                    with sdpa_kernel(be):
-                        return F.scaled_dot_product_attention(qt, kk, vv, **extra)
-                o = run().transpose(1, 2)
-                torch.cuda.synchronize()
-                if dense_ref is not None:
-                    row["verify"][name] = {"relerr_vs_dense_ours": err_pair(o, dense_ref)[0], "gqa": gqa}
-                row["times_ms"][name] = timer(run)
-                row.setdefault("sdpa_gqa", {})[name] = gqa
-                break
-            except Exception as e:
-                row["errors"][f"{name}_{gqa}"] = str(e)[:300]
-    if ctx.no_flex:
+        row["errors"]["dense_ours"] = harness.short_error(e, 400)
+    for name, make in ctx.peers.dense(q, k, v, False):
+        key = {"cudnn": "sdpa_cudnn", "flash": "sdpa_flash"}.get(name, name + "_dense")
+        try:
+            run = make()
+            o = run()
+            torch.cuda.synchronize()
+            if dense_ref is not None:
+                row["verify"][key] = {"relerr_vs_dense_ours": harness.err_pair(o, dense_ref)[0]}
+            row["times_ms"][key] = timer(run)
+            if pb.group > 1 and hasattr(run, "gqa"):
+                row.setdefault("sdpa_gqa", {})[key] = run.gqa
+        except Exception as e:  # a backend that refuses the shape is reported, not fatal
+            row["errors"][key] = harness.short_error(e)
+    if ctx.peers.flex is None:
         return
     try:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -570,7 +394,7 @@ def run_peers(ctx, pb, q, k, v, lists, ours, row, outs, checker):
                                     BLOCK_SIZE=BLOCK)
             row["flex_block_mask_equals_create_block_mask"] = bool(same_block_mask(bm, cbm))
         t0 = time.time()
-        run = lambda: ctx.flex(qt, kt, vt, block_mask=bm, enable_gqa=pb.group > 1)
+        run = lambda: ctx.peers.flex(qt, kt, vt, block_mask=bm, enable_gqa=pb.group > 1)
         o = run().transpose(1, 2)
         torch.cuda.synchronize()
         row["flex_compile_and_first_call_s"] = time.time() - t0
@@ -579,7 +403,7 @@ def run_peers(ctx, pb, q, k, v, lists, ours, row, outs, checker):
         outs["flex"] = o
         row["times_ms"]["flex"] = timer(run)
     except Exception as e:
-        row["errors"]["flex"] = str(e)[:400]
+        row["errors"]["flex"] = harness.short_error(e, 400)
 
 
 # ---- planner check and crossover -----------------------------------------------------------------
@@ -692,36 +516,23 @@ def print_summary(res):
           f"parts skipped: {res['parts_skipped']}; {res['elapsed_s']:.0f} s")
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lib", help="libsa_bench.so (bench/gpu/capi.cpp)")
-    ap.add_argument("--json", help="write the results here")
+    harness.add_args(ap)
     ap.add_argument("--print-json", action="store_true", help="also print the JSON (between JSON-BEGIN/END lines)")
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points")
     ap.add_argument("--parts", default=",".join(ALL_PARTS), help="comma list of " + ",".join(ALL_PARTS))
-    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes tens of seconds)")
     ap.add_argument("--no-host", action="store_true", help="skip q_centric_host (the conversion on the host)")
     ap.add_argument("--sweep-f", help="comma list of overlap fractions f (default depends on --quick)")
-    ap.add_argument("--reps", type=int, help="timing samples (median taken); default 15, 5 with --quick")
-    ap.add_argument("--inner", type=int, help="calls per timing sample; default 5, 2 with --quick")
-    ap.add_argument("--warm", type=int, help="warm-up calls before timing; default 5, 2 with --quick")
-    ap.add_argument("--sustain-ms", type=float, default=0.0,
-                    help="at least this many ms of back-to-back calls per timing sample (the clock under the "
-                         "power limit, as in a model); default 0: --inner calls")
+    ap.add_argument("--merge-window", type=int, default=0,
+                    help="query_sparse's merge_window for the KV-centric calls and the planner (0: automatic)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip parts that start after this many seconds")
     ap.add_argument("--selftest", action="store_true", help="CPU checks of the generators and the block mask")
     ap.add_argument("--markdown", nargs="+", metavar="JSON",
                     help="print the tables of saved results (this script's JSON, or a stage log holding "
                          "JSON-BEGIN/END blocks) as markdown, and nothing else")
-    args = ap.parse_args()
-    if args.selftest:
-        return selftest()
-    if args.markdown:
-        return markdown(args.markdown)
-    if not args.lib:
-        ap.error("--lib is required")
-    parts = [p for p in args.parts.split(",") if p]
-    for p in parts:
+    args = harness.parse(ap, argv)
+    args.part_list = [p for p in args.parts.split(",") if p]
+    for p in args.part_list:
         if p not in ALL_PARTS:
             ap.error(f"--parts: unknown part {p!r} (known: {', '.join(ALL_PARTS)})")
     if args.sweep_f:
@@ -732,55 +543,45 @@ def main():
         bad_f = [f for f in given if not 0.0 <= f <= 1.0]
         if bad_f:
             ap.error(f"--sweep-f: fractions must lie in [0, 1], got {bad_f}")
-        sweep_f = {"sweep16": given, "sweeplong": given}
+        args.sweep_points = {"sweep16": given, "sweeplong": given}
     else:
-        sweep_f = SWEEP_F_QUICK if args.quick else SWEEP_F
+        args.sweep_points = SWEEP_F_QUICK if args.quick else SWEEP_F
+    if not 0 <= args.merge_window <= 8:
+        ap.error(f"--merge-window must lie in [0, 8], got {args.merge_window}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.markdown:
+        return markdown(args.markdown)
+    if torch is None:
+        raise SystemExit("bench_query.py needs torch (and, except for --selftest, a CUDA device)")
+    if args.selftest:
+        return selftest()
+    _, sa = harness.gpu_modules()
+    parts, sweep_f = args.part_list, args.sweep_points
 
     start = time.time()
     signal.signal(signal.SIGTERM, interrupted)  # a stage timeout still gets the JSON and the summary
     ctx = Context()
-    ctx.lib = Lib(args.lib)
-    ctx.timer = Timer(2, 5, 2) if args.quick else Timer(5, 15, 5)
-    for name in ("reps", "inner", "warm"):
-        n = getattr(args, name)
-        if n is not None:
-            if n < (0 if name == "warm" else 1):
-                ap.error(f"--{name} must be at least {0 if name == 'warm' else 1}, got {n}")
-            setattr(ctx.timer, name, n)
-    if args.sustain_ms < 0:
-        ap.error(f"--sustain-ms must be at least 0, got {args.sustain_ms}")
-    ctx.timer.sustain_ms = args.sustain_ms
-    ctx.no_flex = args.no_flex
-    ctx.cpu_gen = torch.Generator().manual_seed(7)
-    ctx.flex = None
-    if not args.no_flex:
-        from torch.nn.attention.flex_attention import flex_attention
-        ctx.flex = torch.compile(flex_attention, dynamic=False)
-    dev = torch.device(DEVICE)
-    gen = torch.Generator(device=dev).manual_seed(1234)
-    torch.manual_seed(1234)
-    res = {"meta": {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else str(dev),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-                    "python": platform.python_version(), "command": " ".join(sys.argv),
-                    "timing": f"median of {ctx.timer.reps} samples of the mean of {ctx.timer.inner} calls"
-                              + (f" (or as many as fill {ctx.timer.sustain_ms:g} ms)" if ctx.timer.sustain_ms else "")
-                              + f" after {ctx.timer.warm} warm-up calls, CUDA events",
-                    "useful_flops": "4 * D * Hq/Hkv * selected visible (b, group, query, key) pairs",
-                    "sweep_f": sweep_f},
+    ctx.sa, ctx.merge_window = sa, args.merge_window
+    ctx.timer = harness.Timer(args)
+    ctx.peers = harness.Peers(enabled=not args.no_peers)
+    ctx.cpu_gen = torch.Generator().manual_seed(args.seed + 1)
+    gen = harness.generator(args.seed)
+    res = {"meta": harness.run_meta(args, peers=ctx.peers.status, timer=ctx.timer.method, sweep_f=sweep_f,
+                                    merge_window=args.merge_window,
+                                    useful_flops="4 * D * Hq/Hkv * selected visible (b, group, query, key) pairs"),
            "workloads": [], "sweep": [], "planner_check": [], "crossovers": [], "parts_done": [], "parts_skipped": []}
 
     def inputs(pb):
-        q = torch.randn(pb.B, pb.Lq, pb.Hq, pb.D, device=dev, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(pb.B, pb.Lk, pb.Hkv, pb.D, device=dev, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(pb.B, pb.Lk, pb.Hkv, pb.D, device=dev, dtype=torch.bfloat16, generator=gen)
-        return q, k, v
+        return harness.random_qkv(pb.B, pb.Lq, pb.Lk, pb.Hq, pb.Hkv, pb.D, gen)
 
     def save():
         res["elapsed_s"] = time.time() - start
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(res, fh, indent=1)
+            harness.write_json(args.json, res)
 
     def record_check(row):
         res["planner_check"].append(judge(row))
@@ -795,8 +596,8 @@ def main():
             if part in ("query16of32", "query-long"):
                 pb = q16 if part == "query16of32" else qlong
                 q, k, v = inputs(pb)
-                lists = overlap_lists(pb, 1.0, gen, dev)
-                row = run_config(ctx, pb, lists, pb.name, q, k, v, peers=True, breakdown=True, bf16_partials=True,
+                lists = overlap_lists(pb, 1.0, gen, DEVICE)
+                row = run_config(ctx, pb, lists, pb.name, q, k, v, peers=True, bf16_partials=True,
                                  host=not args.no_host)
                 print(f"  {row['label']}: " + ", ".join(f"{n} {t:.3f}" for n, t in row["times_ms"].items()), flush=True)
                 res["workloads"].append(row)
@@ -806,7 +607,7 @@ def main():
                 pb = Problem(*SHAPES["tile16"])
                 q, k, v = inputs(pb)
                 for pattern in ("independent", "pairs"):
-                    lists = tile_pattern_lists(pb, pattern, gen, dev)
+                    lists = tile_pattern_lists(pb, pattern, gen)
                     row = run_config(ctx, pb, lists, f"tile16 {pattern} Lk={pb.Lk}", q, k, v, host=not args.no_host)
                     res["workloads"].append(row)
                     record_check(row)
@@ -818,7 +619,7 @@ def main():
                     if args.budget_s and time.time() - start > args.budget_s:
                         res["parts_skipped"].append(f"{part} f={f}")
                         continue
-                    lists = overlap_lists(pb, f, gen, dev)
+                    lists = overlap_lists(pb, f, gen, DEVICE)
                     row = run_config(ctx, pb, lists, f"sweep {pb.name} f={f}", q, k, v, host=not args.no_host)
                     row["f"], row["shape_name"] = f, pb.name
                     row["judge"] = judge(row)
@@ -849,7 +650,7 @@ def main():
             print(json.dumps(res, separators=(",", ":")))
             print("JSON-END")
         print_summary(res)
-    if ctx.flex is not None:
+    if ctx.peers.flex is not None:
         # torch.compile leaves a pool of compile workers whose shutdown at exit can wait minutes; every
         # result is written and printed by now.
         sys.stdout.flush()
@@ -882,7 +683,8 @@ def markdown(paths):
                   "dense_ours", "sdpa_cudnn", "sdpa_flash"]
     for run in runs:
         m = run["meta"]
-        print(f"\nRun of {m['date']} on {m['device']} (torch {m['torch']}, CUDA {m['cuda']}, cuDNN {m['cudnn']}); "
+        print(f"\nRun of {m['date']} on {m.get('device')} (torch {m.get('torch')}, CUDA {m.get('cuda')}, "
+              f"cuDNN {m.get('cudnn')}, commit {m.get('git_commit')}); "
               f"{m['timing']}; command `{m['command']}`.")
         for r in run["workloads"]:
             t, ver, st = r["times_ms"], r["verify"], r["plan"]["stats"]
@@ -1005,7 +807,7 @@ def selftest():
             expect(union == pb.K, "f=0: every tile's union is its base list")
         expect(bool(table.sum(3).eq(pb.K).all()), f"f={f}: the table holds K blocks per query")
     for pattern in ("independent", "pairs"):
-        lists = tile_pattern_lists(Problem("t", 1, 2, 1, 512, 2048, D=64, K=4), pattern, gen, "cpu")
+        lists = tile_pattern_lists(Problem("t", 1, 2, 1, 512, 2048, D=64, K=4), pattern, gen)
         same_tile = bool((lists[:, :, 1:128] == lists[:, :, :1]).all())
         pairs = bool((lists[:, :, 128] == lists[:, :, 0]).all())
         expect(same_tile and (pairs == (pattern == "pairs")), f"tile16 {pattern}: one list per tile, pairs shared")
@@ -1028,9 +830,10 @@ def selftest():
         worst = 0.0
         for b in range(pb.B):
             for h in range(pb.Hq):
-                ref, _ = reference_rows(q, k, v, table[b, h // pb.group], b, h, rows, pb)
-                worst = max(worst, err_pair(o[b, :, h], ref)[0])
-        expect(worst < 1e-5, f"{pb.name}: eager flex with the mask equals the float32 reference ({worst:.1e})")
+                keys = blocks_to_keys(table[b, h // pb.group], pb.Lk)
+                ref, _ = harness.attention_rows(q, k, v, b, h, rows, keys)
+                worst = max(worst, harness.err_pair(o[b, :, h], ref)[0])
+        expect(worst < 1e-5, f"{pb.name}: eager flex with the mask equals the float64 reference ({worst:.1e})")
 
     rows = [{"f": 0.0, "times_ms": {"a": 1.0, "b": 2.0}}, {"f": 0.5, "times_ms": {"a": 3.0, "b": 1.5}}]
     c = crossover(rows, "a", "b")

@@ -3,7 +3,10 @@
 Conventions follow flash-attn: ``q`` is ``(B, Lq, Hq, D)``, ``k`` and ``v`` are ``(B, Lk, Hkv, D)``
 with ``Hq % Hkv == 0`` (GQA is native: K and V are never repeated), the last dimension must be
 contiguous and every other stride is free. ``causal=True`` is aligned to the bottom right (query
-``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), so chunked prefill with ``Lq < Lk`` works.
+``i`` sees key ``j`` iff ``j <= i + Lk - Lq``), so chunked prefill with ``Lq < Lk`` works. Every
+function of this package that takes ``causal`` (executors, selectors, ``problem_shape``,
+``evaluate``) defaults to ``causal=False``, as flash-attn and the C++ ``AttentionOptions`` do: pass
+``causal=True`` for causal prefill, to the selector as well as to the executor.
 ``return_lse=True`` also returns ``lse``, float32 ``(B, Hq, Lq)``: the NATURAL log of the softmax
 denominator, scale included (not base 2, unlike FlashInfer's MLA kernels). A query that sees no key
 gets ``out = 0`` and ``lse = -inf``.
@@ -23,7 +26,8 @@ Selections (int32 index tensors, on q's device):
 * TokenLists ``idx [B, Hkv, Lq, Kt]``: per query, key positions, ``-1`` = empty slot.
 
 Importing this package does not import torch; :mod:`sparse_attn.torch` holds the torch.library
-custom ops and the Hugging Face attention registration.
+custom ops and the Hugging Face attention registration. Its functions take the same arguments and
+return the same results as the functions of the same name here.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ __all__ = [
     "BLOCK_K", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
     "bits_sparse", "block_bits_to_tile_lists", "build_info", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
-    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "pooled_select",
+    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "plan_schedule", "pooled_select",
     "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
     "query_sparse", "sparse_attention", "tile_lists_to_block_bits", "tile_sparse",
     "token_max_select", "token_sparse", "validate",
@@ -148,6 +152,13 @@ def _result(out, lse, return_lse):
     return (out, lse) if return_lse else out
 
 
+def _pair(out, op):
+    """The (idx, cnt) pair of an out= argument that receives TileLists."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise Error(f"{op}: argument 'out': expected a pair (idx, cnt)")
+    return out[0], out[1]
+
+
 # ---- executors --------------------------------------------------------------------------------
 
 def dense(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, out=None):
@@ -233,14 +244,30 @@ def sparse_attention(q, k, v, *, tiles=None, bits=None, query_lists=None, token_
     return _result(out, lse, return_lse)
 
 
+# The counters of gated's statistics, in the order torch.ops.sparse_attn.gated returns them.
+_GATED_COUNTS = ("kept_blocks", "visible_blocks", "gated_candidates", "gated_kept")
+
+
+def _gated_stats(counts, kept_per_tile):
+    """gated's stats dict from its four counters (and kept_per_tile when asked for)."""
+    stats = dict(zip(_GATED_COUNTS, (int(c) for c in counts)))
+    visible = stats["visible_blocks"]
+    stats["density"] = stats["kept_blocks"] / visible if visible else 0.0
+    if kept_per_tile is not None:
+        stats["kept_per_tile"] = kept_per_tile
+    return stats
+
+
 def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None,
           return_kept_per_tile=False):
     """Causal BSFA-gated attention. thresholds: float32 [Hq, T] (one budget and layer of a
     ThresholdTable, e.g. ``table.slice(budget, layer)``); Q tiles past T use the last column.
 
-    Returns (out, stats) or (out, lse, stats); stats holds kept_blocks, visible_blocks,
-    gated_candidates, gated_kept, density and, with return_kept_per_tile, "kept_per_tile"
-    (int32 [B, Hq, Tq]: blocks kept per tile, diagonal included)."""
+    Returns (out, stats) or, with return_lse, (out, lse, stats), as ``sparse_attn.torch.gated``
+    does. stats is a dict of Python numbers: kept_blocks (visits that ran PV), visible_blocks,
+    gated_candidates (visible visits off the diagonal), gated_kept, density (kept / visible) and,
+    with return_kept_per_tile, "kept_per_tile" (int32 [B, Hq, Tq] array of q's library: blocks
+    kept per tile, diagonal included)."""
     out, lse = _outputs("gated", q, out, return_lse)
     kept = None
     if return_kept_per_tile:
@@ -248,10 +275,9 @@ def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None
         kept = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q)), "int32")
     if _is_torch(q) and not _is_torch(thresholds):
         thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
-    stats = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
-                       softmax_scale=_scale(softmax_scale), kept_per_tile=_dl(kept), stream=_stream(q))
-    if kept is not None:
-        stats["kept_per_tile"] = kept
+    counts = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
+                        softmax_scale=_scale(softmax_scale), kept_per_tile=_dl(kept), stream=_stream(q))
+    stats = _gated_stats((counts[name] for name in _GATED_COUNTS), kept)
     return (out, lse, stats) if return_lse else (out, stats)
 
 
@@ -283,39 +309,47 @@ def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bi
 # ---- selectors --------------------------------------------------------------------------------
 
 def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_block0=False,
-                  causal=False, kmax=None):
+                  causal=False, kmax=None, out=None):
     """R1 / R4 pooled selector. Returns TileLists (idx int32 [B, Hkv, Tq, kmax], cnt int32
-    [B, Hkv, Tq]); kmax defaults to top_k. Slots past cnt hold -1."""
+    [B, Hkv, Tq]); kmax defaults to top_k. Slots past cnt hold -1. out=(idx, cnt) writes into
+    those tensors instead (kmax is then idx's last extent)."""
     B, Lq, _, _ = _shape(q, "pooled_select", "q", 4)
     Hkv = _shape(k, "pooled_select", "k", 4)[2]
     Tq = _ceil_div(Lq, TILE_Q)
     kmax = int(top_k if kmax is None else kmax)
-    idx = _full(q, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
-    cnt = _empty(q, (B, Hkv, Tq), "int32")
+    if out is not None:
+        idx, cnt = _pair(out, "pooled_select")
+    else:
+        idx = _full(q, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+        cnt = _empty(q, (B, Hkv, Tq), "int32")
     _ext.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=int(representatives),
                        top_k=int(top_k), force_local=bool(force_local), force_block0=bool(force_block0),
                        causal=bool(causal), stream=_stream(q))
     return idx, cnt
 
 
-def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, reserve_local=True,
-                     format="query", kmax=None):
+def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True,
+                     format="query", kmax=None, out=None):
     """MSA token-max selector on index vectors qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
     format="query": QueryLists idx [B, Hkv, Lq, kmax] (ascending, -1 padded);
     format="tile": TileLists (idx [B, Hkv, Tq, kmax], cnt [B, Hkv, Tq]).
-    precision: "bf16", "fp8_e4m3" or "fp4_e2m1"."""
+    precision: "bf16", "fp8_e4m3" or "fp4_e2m1". out= writes into caller tensors instead: idx for
+    format="query", the pair (idx, cnt) for format="tile"."""
     B, Lq, Hkv, _ = _shape(qidx, "token_max_select", "qidx", 4)
     kmax = int(top_k if kmax is None else kmax)
     if format == "query":
-        idx = _full(qidx, (B, Hkv, Lq, max(kmax, 0)), -1, "int32")
+        idx = out if out is not None else _full(qidx, (B, Hkv, Lq, max(kmax, 0)), -1, "int32")
         _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=int(top_k),
                               precision=str(precision), causal=bool(causal),
                               reserve_local=bool(reserve_local), stream=_stream(qidx))
         return idx
     if format == "tile":
         Tq = _ceil_div(Lq, TILE_Q)
-        idx = _full(qidx, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
-        cnt = _empty(qidx, (B, Hkv, Tq), "int32")
+        if out is not None:
+            idx, cnt = _pair(out, "token_max_select")
+        else:
+            idx = _full(qidx, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+            cnt = _empty(qidx, (B, Hkv, Tq), "int32")
         _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=int(top_k),
                               precision=str(precision), causal=bool(causal),
                               reserve_local=bool(reserve_local), stream=_stream(qidx))
@@ -323,17 +357,18 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, res
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
 
-def lightning_select(qI, w, kI, *, top_k=2048, causal=True, precision="fp8_e4m3", groups=1,
-                     format="token", kmax=None):
+def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3", groups=1,
+                     format="token", kmax=None, out=None):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] * relu(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
     w float32 [B, Lq, HI], kI [B, Lk, Di]. format="token": TokenLists idx [B, groups, Lq, kmax] of
     key positions; format="query": QueryLists of blocks (scores max-pooled over each block). The
-    same lists are written for each of the `groups` KV groups."""
+    same lists are written for each of the `groups` KV groups. out= writes into a caller's idx
+    [B, groups, Lq, kmax] instead."""
     B, Lq, _, _ = _shape(qI, "lightning_select", "qI", 4)
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
     kmax = int(top_k if kmax is None else kmax)
-    idx = _full(qI, (B, int(groups), Lq, max(kmax, 0)), -1, "int32")
+    idx = out if out is not None else _full(qI, (B, int(groups), Lq, max(kmax, 0)), -1, "int32")
     _ext.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
                           top_k=int(top_k), causal=bool(causal), precision=str(precision),
                           stream=_stream(qI))
@@ -349,10 +384,24 @@ def problem_shape(q, k, *, causal=False) -> ProblemShape:
     return ProblemShape(B, Lq, Lk, Hq, Hkv, D, bool(causal))
 
 
+def _on_host(x):
+    """x where the CPU can read it: a torch tensor on another device is copied to the host."""
+    if _is_torch(x) and x.device.type != "cpu":
+        return x.detach().cpu()
+    return x
+
+
 def validate(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, token_lists=None,
              op="validate"):
     """Checks one selection against a problem shape; raises Error naming the first offending
-    coordinate (ids out of range, duplicates, counts over capacity, unsorted lists, stray bits)."""
+    coordinate (ids out of range, duplicates, counts over capacity, unsorted lists, stray bits).
+
+    The contents are checked wherever the selection lives: torch tensors on a GPU are copied to the
+    host first (this synchronises with their stream, which an explicit check may), and a device
+    array that is not a torch tensor is refused with an Error rather than left unchecked."""
+    if tiles is not None and isinstance(tiles, (tuple, list)):
+        tiles = type(tiles)(_on_host(t) for t in tiles)
+    bits, query_lists, token_lists = (_on_host(s) for s in (bits, query_lists, token_lists))
     kind, a, b = _selection(op, tiles, bits, query_lists, token_lists)
     _ext.validate(kind, a, b, shape, op)
 
@@ -380,17 +429,34 @@ def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None, trusted=Fa
     return idx, cnt
 
 
-def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None, trusted=False):
+def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None, trusted=False, out=None):
     """QueryLists -> TileLists: the union of the lists of each tile's queries, ascending. kmax
     defaults to Tk. CUDA tensors are converted on the device, on the current stream; trusted=True
-    skips their validation (no synchronisation) and needs kmax >= min(Tk, min(128, Lq) * Kq)."""
+    skips their validation (no synchronisation) and needs kmax >= min(Tk, min(128, Lq) * Kq).
+    out=(idx, cnt) writes into those tensors instead (kmax is then idx's last extent)."""
     B, Hkv, _, _ = _shape(lists, "query_lists_to_tile_lists", "in.idx", 4)
     kmax = shape.Tk if kmax is None else int(kmax)
-    idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
-    cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
+    if out is not None:
+        idx, cnt = _pair(out, "query_lists_to_tile_lists")
+    else:
+        idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
+        cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
     _ext.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
                                    stream=_stream(lists))
     return idx, cnt
+
+
+def plan_schedule(lists, shape: ProblemShape, *, partials="f32", merge_window=0) -> dict:
+    """The planner on QueryLists (int32 [B, Hkv, Lq, Kq] on the CPU; a CUDA tensor is
+    copied to the host): which schedule runs them fastest, q_centric (query_lists_to_tile_lists then
+    tile_sparse), kv_centric or group_centric. Returns a dict: "schedule", the estimates
+    "q_centric_ms", "kv_centric_ms", "group_centric_ms" (inf where the kernel does not run the
+    shape), "merge_window" (the KV-centric window the estimate assumes), "reason" (one line) and
+    "stats" (the selection's statistics: tiles, queries, query_blocks, tile_union, selected_pairs,
+    union_per_tile, neighbour_overlap, ...). partials and merge_window as query_sparse takes them."""
+    if _is_torch(lists) and lists.device.type != "cpu":
+        lists = lists.cpu()
+    return _ext.plan_schedule(_dl(lists), shape, partials=str(partials), merge_window=int(merge_window))
 
 
 def expand_mask(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, token_lists=None):

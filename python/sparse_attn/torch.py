@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import BLOCK_K, TILE_Q, Error, _dl, _ext, _stream
+from . import _GATED_COUNTS, BLOCK_K, TILE_Q, Error, _dl, _ext, _gated_stats, _stream
 
 __all__ = [
     "bits_sparse", "dense", "entmax", "gated", "lightning_select", "pooled_select", "query_sparse",
@@ -128,21 +128,24 @@ def _(q, k, v, idx, softmax_scale, causal, trusted):
 
 @torch.library.custom_op("sparse_attn::gated", mutates_args=())
 def _gated(q: Tensor, k: Tensor, v: Tensor, thresholds: Tensor,
-           softmax_scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor]:
+           softmax_scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, kept_per_tile, counts): counts int64 [4] on the host holds the gate's counters in
+    the order of sparse_attn._GATED_COUNTS."""
     out, lse = _out_like(q), _lse_like(q)
     B, Lq, Hq, _ = q.shape
     kept = torch.empty((B, Hq, _cdiv(Lq, TILE_Q)), dtype=torch.int32, device=q.device)
     with _device(q):
-        _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse), softmax_scale=softmax_scale,
-                   kept_per_tile=_dl(kept), stream=_stream(q))
-    return out, lse, kept
+        stats = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
+                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))
+    return out, lse, kept, torch.tensor([stats[name] for name in _GATED_COUNTS], dtype=torch.int64)
 
 
 @_gated.register_fake
 def _(q, k, v, thresholds, softmax_scale):
     B, Lq, Hq, _ = q.shape
     out, lse = _fake_out_lse(q)
-    return out, lse, q.new_empty((B, Hq, _cdiv(Lq, TILE_Q)), dtype=torch.int32)
+    return (out, lse, q.new_empty((B, Hq, _cdiv(Lq, TILE_Q)), dtype=torch.int32),
+            torch.empty((len(_GATED_COUNTS),), dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("sparse_attn::entmax", mutates_args=())
@@ -377,10 +380,15 @@ def token_sparse(q, k, v, idx, *, softmax_scale=None, causal=False, return_lse=F
     return _finish(out, lse, return_lse)
 
 
-def gated(q, k, v, thresholds, *, softmax_scale=None):
-    """Returns (out, lse, kept_per_tile int32 [B, Hq, Tq]); kept_per_tile.sum() is the number of
-    blocks that ran PV."""
-    return torch.ops.sparse_attn.gated(q, k, v, thresholds, _scale(softmax_scale))
+def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, return_kept_per_tile=False):
+    """Through torch.ops.sparse_attn.gated; returns what sparse_attn.gated returns: (out, stats) or,
+    with return_lse, (out, lse, stats), stats the dict of the gate's counters and density (plus
+    "kept_per_tile", int32 [B, Hq, Tq] on q's device, with return_kept_per_tile)."""
+    if not isinstance(thresholds, Tensor):
+        thresholds = torch.as_tensor(thresholds, dtype=torch.float32, device=q.device)
+    o, lse, kept, counts = torch.ops.sparse_attn.gated(q, k, v, thresholds, _scale(softmax_scale))
+    stats = _gated_stats(counts.tolist(), kept if return_kept_per_tile else None)
+    return (o, lse, stats) if return_lse else (o, stats)
 
 
 def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bins=64, return_block_bits=False):
@@ -396,7 +404,7 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
                                                bool(causal))
 
 
-def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, reserve_local=True, format="query",
+def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True, format="query",
                      kmax=None):
     kmax = int(top_k if kmax is None else kmax)
     if format == "query":
@@ -408,7 +416,7 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=True, res
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
 
-def lightning_select(qI, w, kI, *, top_k=2048, causal=True, precision="fp8_e4m3", groups=1, format="token",
+def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3", groups=1, format="token",
                      kmax=None):
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")

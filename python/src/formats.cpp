@@ -4,6 +4,8 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <type_traits>
+#include <variant>
 
 #include "binding.hpp"
 
@@ -26,6 +28,58 @@ nb::dict quality_dict(const QualityReport& r) {
   d["selected_pairs"] = r.selected_pairs;
   d["visible_pairs"] = r.visible_pairs;
   return d;
+}
+
+nb::dict plan_dict(const PlanEstimate& e) {
+  const SelectionStats& st = e.stats;
+  nb::dict stats;
+  stats["tiles"] = st.tiles;
+  stats["queries"] = st.queries;
+  stats["list_slots"] = st.list_slots;
+  stats["query_blocks"] = st.query_blocks;
+  stats["tile_union"] = st.tile_union;
+  stats["max_tile_union"] = st.max_tile_union;
+  stats["selected_pairs"] = st.selected_pairs;
+  stats["blocks_per_query"] = st.blocks_per_query;
+  stats["union_per_tile"] = st.union_per_tile;
+  stats["neighbour_overlap"] = st.neighbour_overlap;
+  stats["union_utilisation"] = st.union_utilisation;
+  stats["group_ctas"] = st.group_ctas;
+  stats["group_cta_union"] = st.group_cta_union;
+  stats["union_per_group_cta"] = st.union_per_group_cta;
+  stats["window_pieces"] = std::vector<std::int64_t>(st.window_pieces.begin(), st.window_pieces.end());
+  nb::dict d;
+  d["schedule"] = schedule_name(e.schedule);
+  d["q_centric_ms"] = e.q_centric_ms;
+  d["kv_centric_ms"] = e.kv_centric_ms;
+  d["group_centric_ms"] = e.group_centric_ms;
+  d["merge_window"] = e.merge_window;
+  d["reason"] = e.reason;
+  d["stats"] = stats;
+  return d;
+/// validate() reads the contents of host tensors only (executors check device selections on the device).
+/// sparse_attn.validate copies torch tensors to the host before it gets here; any other device array
+/// is refused rather than passed on unchecked.
+void require_host(const Selection& s, const std::string& op) {
+  auto host = [&](const TensorView& t, const char* name) {
+    if (t.device != Device::cpu)
+      throw Error(op, name, "is a device array; validate checks host arrays (copy it to the host first)");
+  };
+  std::visit(
+      [&](const auto& sel) {
+        using T = std::decay_t<decltype(sel)>;
+        if constexpr (std::is_same_v<T, TileLists>) {
+          host(sel.idx, "tiles.idx");
+          host(sel.cnt, "tiles.cnt");
+        } else if constexpr (std::is_same_v<T, BlockBits>) {
+          host(sel.bits, "bits.bits");
+        } else if constexpr (std::is_same_v<T, QueryLists>) {
+          host(sel.idx, "lists.idx");
+        } else if constexpr (std::is_same_v<T, TokenLists>) {
+          host(sel.idx, "tokens.idx");
+        }
+      },
+      s);
 }
 
 }  // namespace
@@ -64,6 +118,7 @@ void bind_formats(nb::module_& m) {
       [](const std::string& kind, nb::handle a, nb::handle b, const ProblemShape& p, const std::string& op) {
         Imports im(op);
         const Selection sel = make_selection(im, kind, a, b);
+        require_host(sel, op);
         nb::gil_scoped_release release;
         sparse_attn::validate(sel, p, op);
       },
@@ -160,6 +215,23 @@ void bind_formats(nb::module_& m) {
       "q"_a, "k"_a, "v"_a, "kind"_a, "a"_a.none() = nb::none(), "b"_a.none() = nb::none(),
       "softmax_scale"_a.none() = nb::none(), "causal"_a = false,
       "Selection quality against dense attention, computed in float64 on the CPU.");
+
+  m.def(
+      "plan_schedule",
+      [](nb::handle lists, const ProblemShape& p, const std::string& partials, int merge_window) {
+        Imports im("plan_schedule");
+        const QueryLists in{im.in(lists, "lists")};
+        const PartialPrecision pp = parse_partials("plan_schedule", partials);
+        PlanEstimate e;
+        {
+          nb::gil_scoped_release release;
+          e = sparse_attn::plan_schedule(in, p, pp, CostModel{}, merge_window);
+        }
+        return plan_dict(e);
+      },
+      "lists"_a, "shape"_a, "partials"_a = "f32", "merge_window"_a = 0,
+      "The planner on QueryLists (CPU): the chosen schedule, the three estimates (ms), the merge window, "
+      "the reason and the selection statistics.");
 }
 
 }  // namespace sparse_attn::python

@@ -21,7 +21,7 @@ TEST(SplitTail, WholeWavesNeverSplit) {
   }
 }
 
-// split_ab.py on the v11 kernels (h200_v11_split_ab_2026-11-30.json): splitting lost on tile16 (16
+// split_ab.py on the v11 kernels (dev/bench/results/h200_v11_split_ab_2026-11-30.json): splitting lost on tile16 (16
 // blocks per unit), dense 4K (32) and dense 16K (128), all 1024 units on 132 CTAs, and won 35 % on a
 // launch of 64 units of 32 blocks.
 TEST(SplitTail, MeasuredShapes) {

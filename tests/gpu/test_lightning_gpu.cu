@@ -4,24 +4,19 @@
 // Lq != Lk both ways, queries seeing fewer than top_k keys or none), B > 1, G > 1, strided outputs, and
 // structured inputs built to defeat the screen (exact ties from duplicated keys, near-ties one code apart, all
 // keys equal, an all-zero query tensor). The small-capacity cases make short rows go through the candidate
-// buffer's compaction many times. Device outputs are poisoned first. `LightningTokensGpu.Timing` runs only
-// with SPARSE_ATTN_TIMING=1.
+// buffer's compaction many times. Device outputs are poisoned first.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "common/testing.hpp"
 #include "gpu/device_testing.hpp"
-#include "cuda/selectors/lightning_tokens.cuh"
+#include "cuda/selectors/backend.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
@@ -39,26 +34,21 @@ using st::poisoned_i32;
     if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU lightning test skipped"; \
   } while (0)
 
-// Scoped settings of the instrumentation hooks, restored on exit.
+// The tuning of one GPU call (tuning.hpp) with its device counters.
 struct Hooks {
   unsigned long long* d = nullptr;
-  explicit Hooks(int path = 0, int capacity = 0, int screen = 0) {
+  sa::detail::SelectorTuning tuning;
+  explicit Hooks(bool fallback_only = false, int capacity = 0, bool mma_sync = false) {
     cuda_ok(cudaMalloc(&d, 4 * sizeof(unsigned long long)), "cudaMalloc");
     cuda_ok(cudaMemset(d, 0, 4 * sizeof(unsigned long long)), "cudaMemset");
-    sa::cuda_backend::set_lightning_stats(d);
-    sa::cuda_backend::set_lightning_path(path);
-    sa::cuda_backend::set_lightning_capacity(capacity);
-    sa::cuda_backend::set_lightning_screen(screen);
+    tuning.lightning_counters = d;
+    tuning.lightning_fallback_only = fallback_only;
+    tuning.lightning_capacity = capacity;
+    tuning.lightning_screen = mma_sync ? sa::detail::LightningScreen::mma_sync : sa::detail::LightningScreen::automatic;
   }
   Hooks(const Hooks&) = delete;
   Hooks& operator=(const Hooks&) = delete;
-  ~Hooks() {
-    sa::cuda_backend::set_lightning_stats(nullptr);
-    sa::cuda_backend::set_lightning_path(0);
-    sa::cuda_backend::set_lightning_capacity(0);
-    sa::cuda_backend::set_lightning_screen(0);
-    cudaFree(d);
-  }
+  ~Hooks() { cudaFree(d); }
   // rows screened, (row, key) pairs re-scored in float64, rows on the float64 fallback, compactions
   std::vector<unsigned long long> read() const {
     std::vector<unsigned long long> h(4, 0);
@@ -91,18 +81,22 @@ sa::LightningOptions options_of(const Case& c, sa::IndexPrecision prec) {
   return o;
 }
 
-// CPU and GPU on the same inputs; every element of the [B, G, Lq, Kt] output compared. Returns the hooks'
-// counters of the GPU call.
-std::vector<unsigned long long> compare(const Case& c, sa::IndexPrecision prec, const Inputs& in, int path = 0,
-                                        int capacity = 0, int screen = 0) {
-  SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (path ? " fallback" : "") +
-               (capacity ? " capacity " + std::to_string(capacity) : "") + (screen ? " mma.sync" : " wgmma"));
+// CPU and GPU on the same inputs; every element of the [B, G, Lq, Kt] output compared. The GPU call is the
+// public function, or with any tuning the CUDA backend with that tuning and counters, which are returned
+// (zeros for the public function).
+std::vector<unsigned long long> compare(const Case& c, sa::IndexPrecision prec, const Inputs& in,
+                                        bool fallback_only = false, int capacity = 0, bool mma_sync = false) {
+  SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (fallback_only ? " fallback" : "") +
+               (capacity ? " capacity " + std::to_string(capacity) : "") + (mma_sync ? " mma.sync" : " automatic"));
   const sa::LightningOptions o = options_of(c, prec);
   sa::HostTensor idx(sa::DType::i32, {c.B, c.G, c.Lq, c.top_k + c.extra_width});
   sa::lightning_select(in.q.view(), in.w.view(), in.k.view(), sa::TokenLists{idx.view()}, o);
   Dev dq(in.q), dw(in.w), dk(in.k), didx(poisoned_i32(idx.shape()));
-  Hooks hooks(path, capacity, screen);
-  sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o);
+  Hooks hooks(fallback_only, capacity, mma_sync);
+  if (fallback_only || capacity != 0 || mma_sync)
+    sa::cuda_backend::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o, hooks.tuning);
+  else
+    sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o);
   cudaError_t e = cudaDeviceSynchronize();
   EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
   expect_equal_i32(didx.download(idx), idx, "idx");
@@ -127,12 +121,13 @@ TEST(LightningTokensGpu, EqualsCpu) {
     for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10));
 }
 
-// The mma.sync screening kernel (eight queries per CTA, a warp-private buffer) on the same cases.
+// The mma.sync screening kernel (up to eight queries per CTA, a warp-private buffer; the automatic choice
+// where the wgmma kernel's buffers would be too small for top_k) on the same cases.
 TEST(LightningTokensGpu, MmaSyncScreenEqualsCpu) {
   SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4200;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
-    for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10), 0, 0, 1);
+    for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10), false, 0, true);
 }
 
 // A buffer barely larger than top_k: compaction runs every few chunks, including rows whose kept set is
@@ -147,21 +142,21 @@ TEST(LightningTokensGpu, SmallBufferCompactsEqualsCpu) {
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
     for (const auto& c : cases) {
       const Inputs in = random_inputs(c, seed += 10);
-      for (int screen : {0, 1}) {
-        const auto stats = compare(c, prec, in, 0, c.top_k + 32, screen);
+      for (bool mma_sync : {false, true}) {
+        const auto stats = compare(c, prec, in, false, c.top_k + 32, mma_sync);
         EXPECT_GT(stats[0], 0u) << "no row was screened";
       }
     }
 }
 
-// Every row on the float64 streaming path (the test hook), and shapes the screening kernel does not take
-// (HI > 64, Di > 128), which fall back automatically.
+// Every row on the float64 streaming path (SelectorTuning::lightning_fallback_only), and shapes the screening
+// kernels do not take (HI > 64, Di > 128), which fall back automatically.
 TEST(LightningTokensGpu, FallbackEqualsCpu) {
   SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4700;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3}) {
     const Case forced{"forced fallback", 2, 60, 700, 4, 32, 2, 150, true};
-    const auto st1 = compare(forced, prec, random_inputs(forced, seed += 10), 1);
+    const auto st1 = compare(forced, prec, random_inputs(forced, seed += 10), true);
     EXPECT_EQ(st1[2], static_cast<unsigned long long>(forced.B * forced.Lq));
     const Case wide{"HI=80", 1, 30, 400, 80, 16, 1, 50, true};
     compare(wide, prec, random_inputs(wide, seed += 10));
@@ -182,7 +177,7 @@ TEST(LightningTokensGpu, TiesAndNearTiesEqualCpu) {
       float* k = in.k.data<float>();
       for (std::int64_t s = 1; s < c.Lk; s += 2) std::copy(k + (s - 1) * c.Di, k + s * c.Di, k + s * c.Di);
       compare(c, prec, in);
-      compare(c, prec, in, 0, c.top_k + 32, 1);
+      compare(c, prec, in, false, c.top_k + 32, true);
     }
     {  // key 3i + 1 and 3i + 2 are key 3i with one element nudged by about one code: near-ties everywhere
       const Case c{"near-ties", 2, 70, 900, 16, 32, 1, 48, false, sa::DType::f32};
@@ -298,100 +293,8 @@ TEST(LightningTokensGpu, SanitizerSmall) {
   const Case c{"sanitizer", 2, 40, 333, 5, 40, 2, 24, true};
   const Inputs in = random_inputs(c, 5500);
   compare(c, sa::IndexPrecision::fp8_e4m3, in);
-  compare(c, sa::IndexPrecision::bf16, in, 0, c.top_k + 32, 1);
-  compare(c, sa::IndexPrecision::fp8_e4m3, in, 1);
-}
-
-// Device-side inputs for the timing case (normal-ish values from a hash; generating 2^28 values on the host
-// would dominate the test).
-__global__ void fill_kernel(std::uint16_t* x, std::int64_t n, std::uint32_t seed) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 0x2c1b3c6du, h ^= h >> 12, h *= 0x297a2d39u, h ^= h >> 15;
-    const float u = ((h & 0xffffu) + (h >> 16)) * (1.0f / 65536.0f) - 1.0f;  // triangular on (-1, 1)
-    x[i] = static_cast<std::uint16_t>(__float_as_uint(u * 1.7f) >> 16);
-  }
-}
-__global__ void fill_f32_kernel(float* x, std::int64_t n, std::uint32_t seed) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t h = static_cast<std::uint32_t>(i) * 2246822519u ^ seed;
-    h ^= h >> 13, h *= 0x5bd1e995u, h ^= h >> 15;
-    x[i] = (h & 0xffffffu) * (1.0f / 16777216.0f) - 0.5f;
-  }
-}
-
-TEST(LightningTokensGpu, Timing) {
-  SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("SPARSE_ATTN_TIMING");
-  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time the lightning indexer";
-  const std::int64_t L = std::getenv("SPARSE_ATTN_LIGHTNING_L") ? std::atoll(std::getenv("SPARSE_ATTN_LIGHTNING_L")) : 32768;
-  const std::int64_t B = 1, HI = 64, Di = 128;
-  const int top_k = 2048, iters = 3;
-  void *q = nullptr, *k = nullptr, *w = nullptr, *idx = nullptr;
-  cuda_ok(cudaMalloc(&q, B * L * HI * Di * 2), "cudaMalloc");
-  cuda_ok(cudaMalloc(&k, B * L * Di * 2), "cudaMalloc");
-  cuda_ok(cudaMalloc(&w, B * L * HI * 4), "cudaMalloc");
-  cuda_ok(cudaMalloc(&idx, B * L * top_k * 4), "cudaMalloc");
-  fill_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(q), B * L * HI * Di, 11u);
-  fill_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(k), B * L * Di, 12u);
-  fill_f32_kernel<<<1024, 256>>>(static_cast<float*>(w), B * L * HI, 13u);
-  const auto qv = sa::TensorView::contiguous(q, sa::DType::bf16, {B, L, HI, Di}, sa::Device::cuda, 0);
-  const auto kv = sa::TensorView::contiguous(k, sa::DType::bf16, {B, L, Di}, sa::Device::cuda, 0);
-  const auto wv = sa::TensorView::contiguous(w, sa::DType::f32, {B, L, HI}, sa::Device::cuda, 0);
-  const auto iv = sa::TensorView::contiguous(idx, sa::DType::i32, {B, 1, L, top_k}, sa::Device::cuda, 0);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0), cudaEventCreate(&e1);
-  // Runs: wgmma fp8, mma.sync fp8, wgmma bf16 at top-2048; then both screens at top-256, where the candidate
-  // buffer has ~10x the slack and compacts about once per row (separates the selection from the MMAs).
-  for (int run = 0; run < 5; ++run) {
-    const auto prec = run == 2 ? sa::IndexPrecision::bf16 : sa::IndexPrecision::fp8_e4m3;
-    const int screen = run == 1 || run == 4 ? 1 : 0;
-    const int kk = run < 3 ? top_k : 256;
-    sa::cuda_backend::set_lightning_screen(screen);
-    sa::LightningOptions o;
-    o.top_k = kk, o.causal = true, o.precision = prec;
-    std::vector<unsigned long long> stats;
-    {
-      Hooks hooks;
-      sa::lightning_select(qv, wv, kv, sa::TokenLists{iv}, o);
-      cuda_ok(cudaDeviceSynchronize(), "warm-up");
-      stats = hooks.read();
-    }
-    cudaEvent_t ev[5];
-    for (auto& e : ev) cudaEventCreate(&e);
-    sa::cuda_backend::set_lightning_events(ev);
-    sa::lightning_select(qv, wv, kv, sa::TokenLists{iv}, o);
-    sa::cuda_backend::set_lightning_events(nullptr);
-    cuda_ok(cudaDeviceSynchronize(), "staged call");
-    float stage[4] = {0, 0, 0, 0};
-    for (int i = 0; i < 4; ++i) cudaEventElapsedTime(&stage[i], ev[i], ev[i + 1]);
-    for (auto& e : ev) cudaEventDestroy(e);
-    std::printf("  stages (ms): prepare %.3f, screen %.3f, resolve %.3f, fallback %.3f\n", stage[0], stage[1], stage[2],
-                stage[3]);
-    std::vector<float> ms;
-    for (int it = 0; it < iters; ++it) {
-      cudaEventRecord(e0);
-      sa::lightning_select(qv, wv, kv, sa::TokenLists{iv}, o);
-      cudaEventRecord(e1);
-      cuda_ok(cudaEventSynchronize(e1), "timed call");
-      float x = 0;
-      cudaEventElapsedTime(&x, e0, e1);
-      ms.push_back(x);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double pairs = static_cast<double>(L) * static_cast<double>(L + 1) / 2.0;
-    const double tflops = 2.0 * HI * Di * pairs * B / (ms[ms.size() / 2] * 1e-3) / 1e12;
-    std::printf("lightning tokens (%s) L=%lld HI=%lld Di=%lld top-%d causal %s: %.3f ms (min %.3f), %.1f TFLOP/s; rows "
-                "screened %llu, re-scored pairs %llu, fallback rows %llu, compactions %llu\n",
-                screen ? "mma.sync" : "wgmma", static_cast<long long>(L), static_cast<long long>(HI),
-                static_cast<long long>(Di), kk,
-                sa::precision_name(prec), ms[ms.size() / 2], ms[0], tflops, stats[0], stats[1], stats[2], stats[3]);
-  }
-  sa::cuda_backend::set_lightning_screen(0);
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
-  cudaFree(q), cudaFree(k), cudaFree(w), cudaFree(idx);
+  compare(c, sa::IndexPrecision::bf16, in, false, c.top_k + 32, true);
+  compare(c, sa::IndexPrecision::fp8_e4m3, in, true);
 }
 
 }  // namespace

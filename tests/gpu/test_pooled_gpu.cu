@@ -1,28 +1,25 @@
 // GPU tests of the pooled R1 / R4 selector (src/cuda/selectors/pooled.cu): the device lists and counts
-// must equal the CPU reference bit for bit. Beyond the random cases of test_selectors_gpu.cu, these
-// target what the float32 screening and the split of a tile's blocks over CTAs could get wrong:
+// must equal the CPU reference bit for bit, from the public function and from each scoring kernel
+// (SelectorTuning). Beyond the random cases of test_selectors_gpu.cu, these target what the int8
+// screening, the float64 kernel and the split of a tile's blocks over CTAs could get wrong:
 // - near-ties: key blocks (and the four R4 key groups inside a block) that are copies of one another
 //   up to a single last-bit change of one element, so block scores differ only in their last bits,
 //   far inside the screening bound, and exact copies whose ties must go to the lower id;
 // - all-equal inputs, where every pair of every block ties (the candidate queue overflows);
-// - NaN / inf / huge / tiny inputs (no float32 bound: every such pair is evaluated in float64);
+// - NaN / inf / huge / tiny inputs (no int8 copy: every such pair is evaluated in float64);
 // - strided and misaligned views (the scalar load path), D not a multiple of 4 or above 128, query
 //   groups of more than 64 rows (two query chunks), tiles with several key passes per CTA;
 // - the two-level int8 copy at its edges (levels +-16255 and the split points of M = 128 H + L), rows
 //   of means spread over several warps (D = 256) and D past the int8 screen (264);
 // - the scratch cached per (device, stream): growth between queued calls, two streams at once, graph
 //   capture and replay after a growth.
-// Device outputs are poisoned first. PooledGpu.Timing (SPARSE_ATTN_TIMING=1) times the tile16 shape;
-// PooledGpu.PhaseTimes breaks the scoring kernel down by phase.
+// Device outputs are poisoned first.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -31,7 +28,7 @@
 #include <vector>
 
 #include "common/testing.hpp"
-#include "cuda/selectors/pooled_screen.hpp"
+#include "cuda/selectors/backend.hpp"
 #include "sparse_attn/dtype.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -120,6 +117,18 @@ sa::HostTensor poisoned(const std::vector<std::int64_t>& shape) {
   return h;
 }
 
+// Poisoned device lists of shape [B, Hkv, Tq, kmax] and counts [B, Hkv, Tq]; idx and cnt keep the poison.
+struct PoisonedLists {
+  sa::HostTensor idx, cnt;
+  DevCopy didx, dcnt;
+  explicit PoisonedLists(const std::vector<std::int64_t>& shape)
+      : idx(poisoned(shape)), cnt(poisoned({shape[0], shape[1], shape[2]})), didx(idx), dcnt(cnt) {}
+  sa::TileLists out() const {
+    return {sa::TensorView::contiguous(didx.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
+            sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
+  }
+};
+
 int first_difference(const sa::HostTensor& gpu, const sa::HostTensor& cpu, std::string& where) {
   const auto* g = gpu.data<std::int32_t>();
   const auto* c = cpu.data<std::int32_t>();
@@ -141,18 +150,18 @@ int first_difference(const sa::HostTensor& gpu, const sa::HostTensor& cpu, std::
 }
 
 // The public function (its automatic choice), then each scoring kernel explicitly: the float64 one (where
-// it applies), the int8 screen and the float32 screen of version 2a.
-using sa::cuda_backend::PooledScreen;
-constexpr PooledScreen kKernels[4] = {PooledScreen::automatic, PooledScreen::exact_f64, PooledScreen::int8_tensor_cores,
-                                      PooledScreen::fp32};
+// it applies) and the int8 screen.
+using sa::detail::PooledScoring;
+constexpr PooledScoring kKernels[3] = {PooledScoring::automatic, PooledScoring::exact_f64, PooledScoring::int8_tensor_cores};
 
 struct Options {
   int r = 1, top_k = 4, kmax = 4;
   bool causal = false, force_local = true, force_block0 = false;
 };
 
-// Runs the CPU and the GPU selector on the same inputs and expects identical lists and counts.
-void expect_same(const std::string& name, const Input& q, const Input& k, const Options& opt) {
+// Runs the CPU and the GPU selector on the same inputs and expects identical lists and counts; rep_bytes is
+// SelectorTuning::pooled_rep_bytes of the GPU calls.
+void expect_same(const std::string& name, const Input& q, const Input& k, const Options& opt, int rep_bytes = 0) {
   SCOPED_TRACE(name);
   const std::int64_t Tq = sa::ceil_div(q.L, sa::kTileQ);
   sa::PooledOptions o;
@@ -163,18 +172,20 @@ void expect_same(const std::string& name, const Input& q, const Input& k, const 
                     sa::TileLists{idx.view(), cnt.view()}, o);
 
   DevCopy dq(q.buf), dk(k.buf);
-  const bool exact_applies = sa::cuda_backend::pooled_exact_applies(q.H / k.H * opt.r, q.D);
-  for (int screen = 0; screen < 4; ++screen) {
-    const char* names[4] = {"public (automatic)", "float64 kernel", "int8 screen", "fp32 screen"};
-    if (kKernels[screen] == PooledScreen::exact_f64 && !exact_applies) continue;
+  const bool exact_applies = sa::detail::pooled_exact_applies(q.H / k.H * opt.r, q.D);
+  for (int screen = 0; screen < 3; ++screen) {
+    const char* names[3] = {"automatic", "float64 kernel", "int8 screen"};
+    if (kKernels[screen] == PooledScoring::exact_f64 && !exact_applies) continue;
     const char* sname = names[screen];
     sa::HostTensor gidx = poisoned(idx.shape()), gcnt = poisoned(cnt.shape());
     DevCopy didx(gidx), dcnt(gcnt);
     const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, idx.shape(), sa::Device::cuda, 0),
                             sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, cnt.shape(), sa::Device::cuda, 0)};
     const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
-    if (screen == 0) sa::pooled_select(qv, kv, out, o);
-    else sa::cuda_backend::pooled_select(qv, kv, out, o, kKernels[screen]);
+    sa::detail::SelectorTuning tuning;
+    tuning.pooled_scoring = kKernels[screen], tuning.pooled_rep_bytes = rep_bytes;
+    if (screen == 0 && rep_bytes == 0) sa::pooled_select(qv, kv, out, o);  // the public function
+    else sa::cuda_backend::pooled_select(qv, kv, out, o, tuning);
     cuda_ok(cudaDeviceSynchronize(), "pooled_select");
     didx.download(gidx);
     dcnt.download(gcnt);
@@ -279,12 +290,9 @@ TEST(PooledGpu, RandomEqualsCpu) {
 // Every load width of the representatives kernel (16, 8 and 4-byte vectors, single elements) gives the CPU's
 // lists: the automatic choice takes the narrowest vector on shapes this small, so each width is forced here,
 // on views that allow 16 bytes (bf16 D = 128, f32 D = 80), only 8 or 4 (f16 D = 68, bf16 D = 30 + padding)
-// or none (a view one element into its buffer). A bad width is an Error naming `bytes`.
+// or none (a view one element into its buffer). A bad width is an Error naming tuning.pooled_rep_bytes.
 TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
   POOLED_SKIP_WITHOUT_GPU();
-  struct Reset {
-    ~Reset() { sa::cuda_backend::set_pooled_rep_vec(0); }
-  } reset;
   const auto bf16 = sa::DType::bf16, f16 = sa::DType::f16, f32 = sa::DType::f32;
   struct Case {
     const char* name;
@@ -302,22 +310,29 @@ TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
   };
   std::uint64_t seed = 7000;
   for (int bytes : {16, 8, 4, 1}) {
-    sa::cuda_backend::set_pooled_rep_vec(bytes);
     for (int r : {1, 4}) {
       for (const Case& c : cases) {
         const Input q = make_input(c.dtype, c.B, c.Lq, c.Hq, c.D, seed++, c.pad, c.shift);
         const Input k = make_input(c.dtype, c.B, c.Lk, c.Hkv, c.D, seed++, c.pad, c.shift);
         expect_same("load width " + std::to_string(bytes) + " R" + std::to_string(r) + " " + c.name, q, k,
-                    {r, c.top_k, c.kmax, c.causal, c.force_local, c.force_block0});
+                    {r, c.top_k, c.kmax, c.causal, c.force_local, c.force_block0}, bytes);
       }
     }
   }
+  const Input q = make_input(bf16, 1, 128, 2, 64, 7900), k = make_input(bf16, 1, 256, 1, 64, 7901);
+  DevCopy dq(q.buf), dk(k.buf);
+  const PoisonedLists lists({1, 1, 1, 2});
+  sa::PooledOptions o;
+  o.top_k = 2;
   for (int bad : {-1, 2, 32}) {
+    sa::detail::SelectorTuning tuning;
+    tuning.pooled_rep_bytes = bad;
     try {
-      sa::cuda_backend::set_pooled_rep_vec(bad);
+      sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda),
+                                      lists.out(), o, tuning);
       ADD_FAILURE() << "width " << bad << " accepted";
     } catch (const sa::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("bytes"), std::string::npos) << e.what();
+      EXPECT_EQ(e.argument(), "tuning.pooled_rep_bytes") << e.what();
     }
   }
 }
@@ -326,30 +341,29 @@ TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
 // tile, or more staged rows than its shared memory holds): an Error naming q, the outputs untouched.
 TEST(PooledGpu, ExactKernelRefusesLargeGroups) {
   POOLED_SKIP_WITHOUT_GPU();
-  EXPECT_TRUE(sa::cuda_backend::pooled_exact_applies(64, 128));
-  EXPECT_FALSE(sa::cuda_backend::pooled_exact_applies(65, 64));
-  EXPECT_FALSE(sa::cuda_backend::pooled_exact_applies(32, 300));
+  EXPECT_TRUE(sa::detail::pooled_exact_applies(64, 128));
+  EXPECT_FALSE(sa::detail::pooled_exact_applies(65, 64));
+  EXPECT_FALSE(sa::detail::pooled_exact_applies(32, 300));
   const Input q = make_input(sa::DType::bf16, 1, 256, 32, 64, 77), k = make_input(sa::DType::bf16, 1, 512, 1, 64, 78);
   DevCopy dq(q.buf), dk(k.buf);
-  sa::HostTensor gidx = poisoned({1, 1, 2, 4}), gcnt = poisoned({1, 1, 2});
-  DevCopy didx(gidx), dcnt(gcnt);
-  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
-                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
+  const PoisonedLists lists({1, 1, 2, 4});
   sa::PooledOptions o;
   o.representatives = 4, o.top_k = 4;  // 32 heads x 4 = 128 query rows
+  sa::detail::SelectorTuning tuning;
+  tuning.pooled_scoring = PooledScoring::exact_f64;
   try {
-    sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda), out, o,
-                                    PooledScreen::exact_f64);
+    sa::cuda_backend::pooled_select(q.view_at(dq.ptr, sa::Device::cuda), k.view_at(dk.ptr, sa::Device::cuda),
+                                    lists.out(), o, tuning);
     ADD_FAILURE() << "expected an Error for 128 query rows";
   } catch (const sa::Error& e) {
     EXPECT_EQ(e.argument(), "q");
     EXPECT_NE(std::string(e.what()).find("group * r = 128"), std::string::npos) << e.what();
   }
   cuda_ok(cudaDeviceSynchronize(), "after the refused call");
-  sa::HostTensor after = poisoned(gidx.shape());
-  didx.download(after);
+  sa::HostTensor after = poisoned(lists.idx.shape());
+  lists.didx.download(after);
   std::string where;
-  EXPECT_EQ(first_difference(after, gidx, where), 0) << "out.idx written at " << where;
+  EXPECT_EQ(first_difference(after, lists.idx, where), 0) << "out.idx written at " << where;
 }
 
 // Enough (b, group, tile) jobs that each CTA takes all of a tile's key rows, several KV passes of 128
@@ -365,7 +379,7 @@ TEST(PooledGpu, ManyTilesSeveralKeyPasses) {
   }
 }
 
-// Block scores equal up to their last bits: the float32 screen cannot separate them, the float64
+// Block scores equal up to their last bits: the int8 screen cannot separate them, the float64
 // evaluation must, and exact copies must rank by id.
 TEST(PooledGpu, NearTiesEqualCpu) {
   POOLED_SKIP_WITHOUT_GPU();
@@ -406,8 +420,8 @@ TEST(PooledGpu, AllEqualInputs) {
   }
 }
 
-// NaN and infinities rank as the CPU's sanitize says; huge and tiny f32 values leave the float32
-// screen without a bound (overflow, underflow) and must still give the CPU's lists.
+// NaN and infinities rank as the CPU's sanitize says; huge and tiny f32 values leave the int8 screen
+// without a scale (outside [2^-60, 2^40]) and must still give the CPU's lists.
 TEST(PooledGpu, NonFiniteAndExtremeValues) {
   POOLED_SKIP_WITHOUT_GPU();
   for (int r : {1, 4}) {
@@ -427,7 +441,7 @@ TEST(PooledGpu, NonFiniteAndExtremeValues) {
 
     const Input qh = make_input(sa::DType::f32, 1, 300, 2, 128, 43, 0, 0, 3e18f);
     const Input kh = make_input(sa::DType::f32, 1, 1500, 1, 128, 44, 0, 0, 3e18f);
-    expect_same(R + "huge f32 (float32 dots overflow)", qh, kh, {r, 4, 4, false, true, false});
+    expect_same(R + "huge f32 (no int8 scale)", qh, kh, {r, 4, 4, false, true, false});
     Input qz = make_input(sa::DType::f16, 1, 256, 2, 64, 47), kz = make_input(sa::DType::f16, 1, 900, 1, 64, 48);
     for (std::int64_t l = 0; l < 40; ++l) qz.set(qz.index(0, l, 0, l % 64), 0.0f);  // f16 zeros
     qz.set(qz.index(0, 50, 1, 1), 3e-7f);                                          // an f16 subnormal
@@ -604,213 +618,6 @@ TEST(PooledGpu, SanitizerSmall) {
     const Input q4 = make_input(sa::DType::bf16, 1, 9000, 2, 32, 88), k4 = make_input(sa::DType::bf16, 1, 9000, 1, 32, 89);
     expect_same(R + "sanitizer causal, empty slabs", q4, k4, {r, 4, 4, true, true, false});
   }
-}
-
-// ---- timing --------------------------------------------------------------------------------------
-
-__global__ void spin_kernel(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// The tile16 shape (B = 2, Hq = 16, Hkv = 1, D = 128, Lq = 4096, bf16, top-16, non-causal, local block
-// forced) at Lk = 4K, 16K, 32K. Warm: 30 back-to-back calls queued behind a 5 ms spin kernel so the
-// host's enqueue time is hidden, one event pair per call, median. Cold: the L2 is flushed (a 512 MB
-// memset) before each of 10 calls, median. Lists are checked against the CPU first.
-TEST(PooledGpu, Timing) {
-  POOLED_SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("SPARSE_ATTN_TIMING");
-  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time the pooled selector";
-  // SPARSE_ATTN_POOLED_REP_VEC forces the representatives' load width (set_pooled_rep_vec) for A/B runs.
-  const char* vec = std::getenv("SPARSE_ATTN_POOLED_REP_VEC");
-  sa::cuda_backend::set_pooled_rep_vec(vec != nullptr ? std::atoi(vec) : 0);
-  struct Reset {
-    ~Reset() { sa::cuda_backend::set_pooled_rep_vec(0); }
-  } reset;
-  cudaDeviceProp prop{};
-  cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  const std::int64_t B = 2, Lq = 4096, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
-  constexpr int kWarm = 30, kCold = 10;
-  constexpr long long kSpinCycles = 10'000'000;  // >= 5 ms at the H200's <= 1.98 GHz
-  void* flush = nullptr;
-  const std::size_t flush_bytes = std::size_t{512} << 20;
-  cuda_ok(cudaMalloc(&flush, flush_bytes), "cudaMalloc flush");
-  cudaStream_t s = nullptr;
-  cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-  std::vector<cudaEvent_t> ev(2 * kWarm);
-  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
-  std::string json = "{\"device\": \"" + std::string(prop.name) + "\", \"shape\": \"tile16 B=2 Hq=16 Hkv=1 D=128 Lq=4096 bf16 top16 non-causal force_local\", \"us\": {";
-  bool first_entry = true;
-  for (std::int64_t Lk : {4096, 16384, 32768}) {
-    const Input q = make_input(sa::DType::bf16, B, Lq, Hq, D, 500 + Lk), k = make_input(sa::DType::bf16, B, Lk, Hkv, D, 600 + Lk);
-    DevCopy dq(q.buf), dk(k.buf);
-    sa::HostTensor gidx(sa::DType::i32, {B, Hkv, Tq, top_k}), gcnt(sa::DType::i32, {B, Hkv, Tq});
-    DevCopy didx(gidx), dcnt(gcnt);
-    const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
-                            sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
-    const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
-    for (int variant = 0; variant < 8; ++variant) {
-      const int r = variant % 2 == 0 ? 1 : 4;
-      const char* labels[4] = {"", "float64-kernel ", "int8-screen ", "fp32-screen "};
-      const PooledScreen screen = kKernels[variant / 2];
-      const char* label = labels[variant / 2];
-      const auto run = [&](const sa::PooledOptions& po) {
-        if (screen == PooledScreen::automatic) sa::pooled_select(qv, kv, out, po);
-        else sa::cuda_backend::pooled_select(qv, kv, out, po, screen);
-      };
-      sa::PooledOptions o;
-      o.representatives = r, o.top_k = static_cast<int>(top_k), o.stream = s;
-      // (expect_same checks every kernel on the shape)
-      if (Lk == 16384 && screen == PooledScreen::automatic) expect_same("timing shape R" + std::to_string(r), q, k, {r, static_cast<int>(top_k), static_cast<int>(top_k), false, true, false});
-      for (int i = 0; i < 3; ++i) run(o);
-      cuda_ok(cudaStreamSynchronize(s), "warm-up");
-
-      spin_kernel<<<1, 1, 0, s>>>(kSpinCycles);
-      const auto h0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < kWarm; ++i) {
-        cudaEventRecord(ev[2 * i], s);
-        run(o);
-        cudaEventRecord(ev[2 * i + 1], s);
-      }
-      const auto h1 = std::chrono::steady_clock::now();
-      cuda_ok(cudaStreamSynchronize(s), "timed calls");
-      std::vector<double> warm;
-      for (int i = 0; i < kWarm; ++i) {
-        float ms = 0.0f;
-        cuda_ok(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
-        warm.push_back(1000.0 * ms);
-      }
-      float span_ms = 0.0f;
-      cuda_ok(cudaEventElapsedTime(&span_ms, ev[0], ev[2 * kWarm - 1]), "cudaEventElapsedTime");
-      const double host_us = std::chrono::duration<double, std::micro>(h1 - h0).count() / kWarm;
-
-      std::vector<double> cold;
-      for (int i = 0; i < kCold; ++i) {
-        cudaMemsetAsync(flush, i & 0xff, flush_bytes, s);
-        spin_kernel<<<1, 1, 0, s>>>(kSpinCycles / 10);  // the host queues the call meanwhile
-        cudaEventRecord(ev[0], s);
-        run(o);
-        cudaEventRecord(ev[1], s);
-        cuda_ok(cudaStreamSynchronize(s), "cold call");
-        float ms = 0.0f;
-        cuda_ok(cudaEventElapsedTime(&ms, ev[0], ev[1]), "cudaEventElapsedTime");
-        cold.push_back(1000.0 * ms);
-      }
-      const double wm = median(warm), cm = median(cold);
-      std::printf("pooled %sR%d tile16 Lk=%lld: warm median %.1f us (min %.1f, max %.1f, back-to-back mean %.1f), "
-                  "cold-L2 median %.1f us, host enqueue %.1f us/call\n",
-                  label, r, static_cast<long long>(Lk), wm, *std::min_element(warm.begin(), warm.end()),
-                  *std::max_element(warm.begin(), warm.end()), 1000.0 * span_ms / kWarm, cm, host_us);
-      json += std::string(first_entry ? "" : ", ") + "\"" + label + "R" + std::to_string(r) + " Lk=" + std::to_string(Lk) +
-              "\": {\"warm_median\": " + std::to_string(wm) + ", \"cold_median\": " + std::to_string(cm) + "}";
-      first_entry = false;
-    }
-  }
-  json += "}}";
-  std::printf("pooled timing json: %s\n", json.c_str());
-  for (auto& e : ev) cudaEventDestroy(e);
-  cudaStreamDestroy(s);
-  cudaFree(flush);
-}
-
-// A few calls per variant at Lk = 16K for a profiler (ncu) to time each kernel alone; skipped like Timing.
-TEST(PooledGpu, ProfileTile16) {
-  POOLED_SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("SPARSE_ATTN_TIMING");
-  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to run the profiling calls";
-  const std::int64_t B = 2, Lq = 4096, Lk = 16384, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
-  const Input q = make_input(sa::DType::bf16, B, Lq, Hq, D, 901), k = make_input(sa::DType::bf16, B, Lk, Hkv, D, 902);
-  DevCopy dq(q.buf), dk(k.buf);
-  sa::HostTensor gidx(sa::DType::i32, {B, Hkv, Tq, top_k}), gcnt(sa::DType::i32, {B, Hkv, Tq});
-  DevCopy didx(gidx), dcnt(gcnt);
-  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
-                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
-  const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
-  for (auto screen : {sa::cuda_backend::PooledScreen::exact_f64, sa::cuda_backend::PooledScreen::int8_tensor_cores,
-                      sa::cuda_backend::PooledScreen::fp32}) {
-    for (int r : {1, 4}) {
-      sa::PooledOptions o;
-      o.representatives = r, o.top_k = static_cast<int>(top_k);
-      for (int i = 0; i < 2; ++i) sa::cuda_backend::pooled_select(qv, kv, out, o, screen);
-    }
-  }
-  cuda_ok(cudaDeviceSynchronize(), "profile calls");
-}
-
-// Where the int8 and float64 scoring kernels' time goes at Lk = 16K (skipped like Timing): one call per R with
-// the phase stamps on, after warm-up calls; per phase the median and maximum over the CTAs, and the time
-// from the end of the representatives (the last CTA past its wait) to the last CTA's end.
-TEST(PooledGpu, PhaseTimes) {
-  POOLED_SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("SPARSE_ATTN_TIMING");
-  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time the phases";
-  const std::int64_t B = 2, Lq = 4096, Lk = 16384, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
-  const Input q = make_input(sa::DType::bf16, B, Lq, Hq, D, 911), k = make_input(sa::DType::bf16, B, Lk, Hkv, D, 912);
-  DevCopy dq(q.buf), dk(k.buf);
-  sa::HostTensor gidx(sa::DType::i32, {B, Hkv, Tq, top_k}), gcnt(sa::DType::i32, {B, Hkv, Tq});
-  DevCopy didx(gidx), dcnt(gcnt);
-  const sa::TileLists out{sa::TensorView::contiguous(didx.ptr, sa::DType::i32, gidx.shape(), sa::Device::cuda, 0),
-                          sa::TensorView::contiguous(dcnt.ptr, sa::DType::i32, gcnt.shape(), sa::Device::cuda, 0)};
-  const sa::TensorView qv = q.view_at(dq.ptr, sa::Device::cuda), kv = k.view_at(dk.ptr, sa::Device::cuda);
-  constexpr int kMaxCtas = 1 << 14, P = sa::cuda_backend::kPooledPhases;
-  unsigned long long* stamps = nullptr;
-  cuda_ok(cudaMalloc(&stamps, sizeof(unsigned long long) * kMaxCtas * P), "cudaMalloc stamps");
-  constexpr int S = P - 1;  // stamps; the last value is the count of queued pairs (int8 kernel)
-  const char* int8_names[S] = {"entry", "wait for representatives", "staging", "lower-bound screen", "test + queue",
-                               "float64 evaluation", "other key passes", "ranking"};
-  const char* f64_names[S] = {"entry", "wait for representatives", "staging", "float64 dots", "block maxima",
-                              "ranking", nullptr, nullptr};
-  for (int variant = 0; variant < 4; ++variant) {
-    const int r = variant % 2 == 0 ? 1 : 4;
-    const PooledScreen screen = variant < 2 ? PooledScreen::int8_tensor_cores : PooledScreen::exact_f64;
-    const char* const* names = variant < 2 ? int8_names : f64_names;
-    const int last = variant < 2 ? S - 1 : 5;  // the kernel's last stamp
-    sa::PooledOptions o;
-    o.representatives = r, o.top_k = static_cast<int>(top_k);
-    for (int i = 0; i < 3; ++i) sa::cuda_backend::pooled_select(qv, kv, out, o, screen);
-    cuda_ok(cudaMemset(stamps, 0, sizeof(unsigned long long) * kMaxCtas * P), "cudaMemset stamps");
-    sa::cuda_backend::pooled_select(qv, kv, out, o, screen, stamps);
-    cuda_ok(cudaDeviceSynchronize(), "phase call");
-    std::vector<unsigned long long> h(static_cast<std::size_t>(kMaxCtas) * P);
-    cuda_ok(cudaMemcpy(h.data(), stamps, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost), "download stamps");
-    std::vector<std::vector<double>> d(S);
-    std::vector<double> queued;
-    unsigned long long first_wait_end = ~0ull, last_wait_end = 0, last_end = 0;
-    int ctas = 0;
-    for (int c = 0; c < kMaxCtas; ++c) {
-      const unsigned long long* t = h.data() + static_cast<std::size_t>(c) * P;
-      if (t[0] == 0) continue;
-      ++ctas;
-      for (int i = 1; i <= last; ++i)
-        if (t[i] != 0 && t[i - 1] != 0) d[static_cast<std::size_t>(i)].push_back(1e-3 * static_cast<double>(t[i] - t[i - 1]));
-      first_wait_end = std::min(first_wait_end, t[1]);
-      last_wait_end = std::max(last_wait_end, t[1]);
-      last_end = std::max(last_end, t[last]);
-      queued.push_back(static_cast<double>(t[S]));
-    }
-    ASSERT_GT(ctas, 0) << "no CTA wrote its stamps";
-    const char* kernel = variant < 2 ? "int8" : "float64";
-    std::printf("pooled phases %s R%d Lk=%lld (%d CTAs): representatives end -> last CTA end %.1f us (waits end within %.1f us)\n",
-                kernel, r, static_cast<long long>(Lk), ctas, 1e-3 * static_cast<double>(last_end - last_wait_end),
-                1e-3 * static_cast<double>(last_wait_end - first_wait_end));
-    if (variant < 2)
-      std::printf("pooled phases %s R%d   pairs queued for float64 per CTA: median %.0f, max %.0f\n", kernel, r, median(queued),
-                  *std::max_element(queued.begin(), queued.end()));
-    for (int i = 1; i <= last; ++i) {
-      auto& v = d[static_cast<std::size_t>(i)];
-      if (v.empty()) continue;
-      std::printf("pooled phases %s R%d   %-26s median %7.2f us, max %7.2f us\n", kernel, r, names[i], median(v),
-                  *std::max_element(v.begin(), v.end()));
-    }
-  }
-  cudaFree(stamps);
 }
 
 }  // namespace

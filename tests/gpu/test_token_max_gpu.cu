@@ -2,16 +2,13 @@
 // of the blocks within the error bound of the k-th): every id, count and -1 pad must equal the CPU
 // reference bit for bit, for the three precisions and both outputs, on random and planted inputs,
 // awkward shapes, adversarial near-ties (block maxima that differ in their last bits, and exact ties),
-// and non-finite index rows. Device outputs are poisoned first. `TokenMaxGpu.Timing` runs only with
-// SPARSE_ATTN_TIMING=1.
+// and non-finite index rows. Device outputs are poisoned first.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -21,7 +18,7 @@
 #include "common/testing.hpp"
 #include "gpu/device_testing.hpp"
 #include "cuda/selectors/tc_index.cuh"
-#include "cuda/selectors/tc_token_max.cuh"
+#include "cuda/selectors/backend.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
@@ -39,30 +36,24 @@ using st::poisoned_i32;
     if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU token_max test skipped"; \
   } while (0)
 
-// SPARSE_ATTN_TOKEN_MAX_SCREEN=1 (mma.sync) or 2 (wgmma with cp.async) runs the whole binary on another
-// screening kernel than the default warp-specialised one.
-const bool kScreenFromEnv = [] {
-  const char* e = std::getenv("SPARSE_ATTN_TOKEN_MAX_SCREEN");
-  if (e != nullptr) sa::cuda_backend::set_token_max_screen(std::atoi(e));
-  return true;
-}();
-
 constexpr sa::IndexPrecision kPrecisions[] = {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3,
                                               sa::IndexPrecision::fp4_e2m1};
 
-// Device counters of the selector (candidates ranked, pairs re-scored in float64) for one scope.
+// Device counters of the selector (candidates ranked, pairs re-scored in float64), added to by the calls
+// that take tuning().
 struct Stats {
   unsigned long long* d = nullptr;
   Stats() {
     cuda_ok(cudaMalloc(&d, 2 * sizeof(unsigned long long)), "cudaMalloc");
     cuda_ok(cudaMemset(d, 0, 2 * sizeof(unsigned long long)), "cudaMemset");
-    sa::cuda_backend::set_token_max_stats(d);
   }
   Stats(const Stats&) = delete;
   Stats& operator=(const Stats&) = delete;
-  ~Stats() {
-    sa::cuda_backend::set_token_max_stats(nullptr);
-    cudaFree(d);
+  ~Stats() { cudaFree(d); }
+  sa::detail::SelectorTuning tuning() const {
+    sa::detail::SelectorTuning t;
+    t.token_max_counters = d;
+    return t;
   }
   void read(unsigned long long& candidates, unsigned long long& rescored) const {
     unsigned long long h[2] = {0, 0};
@@ -84,9 +75,10 @@ sa::TokenMaxOptions options_of(const Case& c, sa::IndexPrecision prec) {
   return o;
 }
 
-// Runs the CPU on (cq, ck) and the GPU on the device views (gq, gk) and compares every output element.
+// Runs the CPU on (cq, ck) and the GPU on the device views (gq, gk) and compares every output element. The
+// GPU call is the public function, or with `stats` the CUDA backend counting into them.
 void compare_views(const Case& c, sa::IndexPrecision prec, bool tiles, const sa::HostTensor& cq, const sa::HostTensor& ck,
-                   const sa::TensorView& gq, const sa::TensorView& gk) {
+                   const sa::TensorView& gq, const sa::TensorView& gk, const Stats* stats = nullptr) {
   SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (tiles ? " TileLists" : " QueryLists"));
   const sa::TokenMaxOptions o = options_of(c, prec);
   if (tiles) {
@@ -94,7 +86,9 @@ void compare_views(const Case& c, sa::IndexPrecision prec, bool tiles, const sa:
     sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, Tq, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, Tq});
     sa::token_max_select(cq.view(), ck.view(), sa::TileLists{idx.view(), cnt.view()}, o);
     Dev didx(poisoned_i32(idx.shape())), dcnt(poisoned_i32(cnt.shape()));
-    sa::token_max_select(gq, gk, sa::TileLists{didx.view, dcnt.view}, o);
+    const sa::TileLists out{didx.view, dcnt.view};
+    if (stats != nullptr) sa::cuda_backend::token_max_select(gq, gk, out, o, stats->tuning());
+    else sa::token_max_select(gq, gk, out, o);
     cuda_ok(cudaDeviceSynchronize(), "token_max_select");
     expect_equal_i32(dcnt.download(cnt), cnt, "cnt");
     expect_equal_i32(didx.download(idx), idx, "idx");
@@ -102,7 +96,9 @@ void compare_views(const Case& c, sa::IndexPrecision prec, bool tiles, const sa:
     sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, c.Lq, c.kmax});
     sa::token_max_select(cq.view(), ck.view(), sa::QueryLists{idx.view()}, o);
     Dev didx(poisoned_i32(idx.shape()));
-    sa::token_max_select(gq, gk, sa::QueryLists{didx.view}, o);
+    const sa::QueryLists out{didx.view};
+    if (stats != nullptr) sa::cuda_backend::token_max_select(gq, gk, out, o, stats->tuning());
+    else sa::token_max_select(gq, gk, out, o);
     cuda_ok(cudaDeviceSynchronize(), "token_max_select");
     expect_equal_i32(didx.download(idx), idx, "idx");
   }
@@ -111,16 +107,16 @@ void compare_views(const Case& c, sa::IndexPrecision prec, bool tiles, const sa:
 // The same with the GPU inputs uploaded from host tensors (gq, gk): the same tensors as (cq, ck) unless a
 // test maps non-finite GPU inputs to their CPU equivalents.
 void compare(const Case& c, sa::IndexPrecision prec, bool tiles, const sa::HostTensor& cq, const sa::HostTensor& ck,
-             const sa::HostTensor& gq, const sa::HostTensor& gk) {
+             const sa::HostTensor& gq, const sa::HostTensor& gk, const Stats* stats = nullptr) {
   Dev dq(gq), dk(gk);
-  compare_views(c, prec, tiles, cq, ck, dq.view, dk.view);
+  compare_views(c, prec, tiles, cq, ck, dq.view, dk.view, stats);
 }
 
 void run_random(const Case& c, sa::IndexPrecision prec, bool tiles, std::uint64_t seed,
-                sa::DType dtype = sa::DType::bf16) {
+                sa::DType dtype = sa::DType::bf16, const Stats* stats = nullptr) {
   const sa::HostTensor q = st::random_tensor(dtype, {c.B, c.Lq, c.Hkv, c.Di}, seed);
   const sa::HostTensor k = st::random_tensor(dtype, {c.B, c.Lk, c.Hk, c.Di}, seed + 1);
-  compare(c, prec, tiles, q, k, q, k);
+  compare(c, prec, tiles, q, k, q, k, stats);
 }
 
 float* row_f32(sa::HostTensor& t, std::int64_t b, std::int64_t l, std::int64_t h) {
@@ -317,26 +313,13 @@ std::vector<Case> shapes() {
   };
 }
 
-// Every shape of shapes() in every precision, as TileLists and as QueryLists; seeds from `seed` on.
-void run_all_shapes(std::uint64_t seed) {
+// Every shape of shapes() in every precision, as TileLists and as QueryLists.
+TEST(TokenMaxGpu, RandomEqualsCpu) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 7000;
   for (auto prec : kPrecisions)
     for (bool tiles : {false, true})
       for (const auto& c : shapes()) run_random(c, prec, tiles, seed += 10);
-}
-
-TEST(TokenMaxGpu, RandomEqualsCpu) {
-  SKIP_WITHOUT_GPU();
-  run_all_shapes(7000);
-}
-
-// The same cases with plain launches instead of the programmatic chain (set_token_max_pdl(false)).
-TEST(TokenMaxGpu, PlainLaunchesEqualCpu) {
-  SKIP_WITHOUT_GPU();
-  struct Reset {
-    ~Reset() { sa::cuda_backend::set_token_max_pdl(true); }
-  } reset;
-  sa::cuda_backend::set_token_max_pdl(false);
-  run_all_shapes(9000);
 }
 
 TEST(TokenMaxGpu, InputDtypesEqualCpu) {
@@ -402,7 +385,7 @@ TEST(TokenMaxGpu, NearTiesEqualCpu) {
           sa::HostTensor q, k;
           near_tie_inputs(c, step, seed += 10, q, k);
           Stats stats;
-          compare(c, prec, tiles, q, k, q, k);
+          compare(c, prec, tiles, q, k, q, k, &stats);
           unsigned long long cand = 0, rescored = 0;
           stats.read(cand, rescored);
           EXPECT_GT(cand, 0u);
@@ -417,7 +400,7 @@ TEST(TokenMaxGpu, RescoredShareIsSmallOnRandomInputs) {
   const Case c{"random share", 2, 1024, 4096, 1, 1, 128, 16, 16, false};
   for (auto prec : kPrecisions) {
     Stats stats;
-    run_random(c, prec, true, 7900 + static_cast<int>(prec));
+    run_random(c, prec, true, 7900 + static_cast<int>(prec), sa::DType::bf16, &stats);
     unsigned long long cand = 0, rescored = 0;
     stats.read(cand, rescored);
     EXPECT_EQ(cand, 2u * 8u * 32u);
@@ -490,134 +473,6 @@ TEST(TokenMaxGpu, IndexDimLimitIsAnError) {
   } catch (const sa::Error& e) {
     EXPECT_EQ(e.argument(), "qidx") << e.what();
   }
-}
-
-// Two rounds of one call per precision at the tile16 shape, Lk = 16K (TileLists), for a profiler (ncu)
-// to time each kernel: the first round runs every kernel's code for the first time (cold), the second is
-// the one to read; runs only with SPARSE_ATTN_PROFILE=1.
-TEST(TokenMaxGpu, ProfileOnce) {
-  SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("SPARSE_ATTN_PROFILE");
-  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_PROFILE=1 to run under a profiler";
-  const std::int64_t B = 2, Lq = 4096, Lk = 16384, Di = 128, Tq = sa::ceil_div(Lq, sa::kTileQ);
-  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 21);
-  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 22);
-  Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, 16})), dcnt(poisoned_i32({B, 1, Tq}));
-  for (int round = 0; round < 2; ++round)
-    for (auto prec : kPrecisions) {
-      sa::TokenMaxOptions o;
-      o.top_k = 16, o.precision = prec, o.causal = false;
-      sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
-    }
-  cuda_ok(cudaDeviceSynchronize(), "profile");
-}
-
-// Device time per call of `fn` (on `stream`): 3 warm-ups, then `iters` calls queued back to back with an
-// event between neighbours, so the host's launch work overlaps the device as in a real pipeline.
-template <class Fn>
-std::vector<float> time_calls_on(cudaStream_t stream, int iters, Fn&& fn) {
-  for (int w = 0; w < 3; ++w) fn();
-  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(iters) + 1);
-  for (auto& e : ev) cudaEventCreate(&e);
-  cudaEventRecord(ev[0], stream);
-  for (int it = 0; it < iters; ++it) {
-    fn();
-    cudaEventRecord(ev[static_cast<std::size_t>(it + 1)], stream);
-  }
-  cudaEventSynchronize(ev[static_cast<std::size_t>(iters)]);
-  std::vector<float> ms(static_cast<std::size_t>(iters));
-  for (int it = 0; it < iters; ++it)
-    cudaEventElapsedTime(&ms[static_cast<std::size_t>(it)], ev[static_cast<std::size_t>(it)], ev[static_cast<std::size_t>(it + 1)]);
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return ms;
-}
-
-// tile16 shape (B = 2, Lq = 4096, Hkv = 1, Di = 128, non-causal, top-16 TileLists), Lk 4K / 16K / 32K:
-// median of 25 timed calls after 3 warm-ups, and the share of candidate blocks re-scored in float64, for
-// each screening kernel.
-TEST(TokenMaxGpu, Timing) {
-  SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("SPARSE_ATTN_TIMING");
-  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set SPARSE_ATTN_TIMING=1 to time token_max";
-  const std::int64_t B = 2, Lq = 4096, Di = 128;
-  const int top_k = 16, iters = 25;
-  cudaStream_t stream = nullptr;
-  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  auto time_calls = [&](auto&& fn) { return time_calls_on(stream, iters, fn); };
-  for (std::int64_t Lk : {4096, 16384, 32768}) {
-    const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 11);
-    const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 12);
-    const std::int64_t Tq = sa::ceil_div(Lq, sa::kTileQ);
-    Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, top_k})), dcnt(poisoned_i32({B, 1, Tq}));
-    for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16, sa::IndexPrecision::fp4_e2m1})
-    for (int variant : {0, 3, 1, 2}) {  // 3: the default screen with plain launches (the programmatic chain off)
-      const int screen = variant == 3 ? 0 : variant;
-      sa::cuda_backend::set_token_max_screen(screen);
-      sa::cuda_backend::set_token_max_pdl(variant != 3);
-      sa::TokenMaxOptions o;
-      o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = stream;
-      const sa::TileLists out{didx.view, dcnt.view};
-      unsigned long long cand = 0, rescored = 0;
-      {
-        Stats stats;
-        sa::token_max_select(dq.view, dk.view, out, o);
-        cuda_ok(cudaStreamSynchronize(stream), "stats run");
-        stats.read(cand, rescored);
-      }
-      if (Lk == 4096 && prec == sa::IndexPrecision::fp8_e4m3 && screen == 0) {  // verify before timing
-        sa::HostTensor idx(sa::DType::i32, {B, 1, Tq, top_k}), cnt(sa::DType::i32, {B, 1, Tq});
-        sa::TokenMaxOptions co = o;
-        co.stream = nullptr;
-        sa::token_max_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, co);
-        expect_equal_i32(didx.download(idx), idx, "timing idx");
-      }
-      std::vector<float> ms = time_calls([&] { sa::token_max_select(dq.view, dk.view, out, o); });
-      const double med_us = 1000.0 * ms[iters / 2];
-      const double tflops = 2.0 * B * Lq * Lk * Di / (med_us * 1e-6) / 1e12;
-      std::printf("TIMING token_max %s %s Lk=%lld median_us=%.1f min_us=%.1f index_tflops=%.0f rescored=%llu/%llu\n",
-                  sa::precision_name(prec),
-                  variant == 0 ? "wgmma-ws" : variant == 3 ? "wgmma-ws-plain" : screen == 1 ? "mma.sync" : "wgmma",
-                  static_cast<long long>(Lk), med_us,
-                  1000.0 * ms[0], tflops, rescored, cand);
-    }
-  }
-  sa::cuda_backend::set_token_max_screen(0);
-  sa::cuda_backend::set_token_max_pdl(true);
-  {  // stage breakdown of one TileLists call at Lk = 16K per precision (wgmma screen)
-    const std::int64_t Lk = 16384, Tq = sa::ceil_div(Lq, sa::kTileQ);
-    const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 15);
-    const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 16);
-    Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Tq, top_k})), dcnt(poisoned_i32({B, 1, Tq}));
-    cudaEvent_t ev[6];
-    for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "event");
-    for (auto prec : kPrecisions) {
-      sa::TokenMaxOptions o;
-      o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = stream;
-      for (int w = 0; w < 3; ++w) sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
-      sa::cuda_backend::set_token_max_events(ev);
-      sa::token_max_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
-      sa::cuda_backend::set_token_max_events(nullptr);
-      cuda_ok(cudaEventSynchronize(ev[5]), "sync");
-      float part[5];
-      for (int i = 0; i < 5; ++i) cudaEventElapsedTime(&part[i], ev[i], ev[i + 1]);
-      std::printf("TIMING token_max_stages %s Lk=16384 prepare_us=%.1f screen_us=%.1f decide_us=%.1f rescore_us=%.1f finish_us=%.1f\n",
-                  sa::precision_name(prec), 1000 * part[0], 1000 * part[1], 1000 * part[2], 1000 * part[3], 1000 * part[4]);
-    }
-    for (auto& e : ev) cudaEventDestroy(e);
-  }
-  {  // QueryLists (per-query lists, 8192 of them) at Lk = 16K, fp8
-    const std::int64_t Lk = 16384;
-    const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, Lq, 1, Di}, 13);
-    const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, Lk, 1, Di}, 14);
-    Dev dq(q), dk(k), didx(poisoned_i32({B, 1, Lq, top_k}));
-    sa::TokenMaxOptions o;
-    o.top_k = top_k, o.precision = sa::IndexPrecision::fp8_e4m3, o.causal = false, o.stream = stream;
-    const std::vector<float> ms = time_calls([&] { sa::token_max_select(dq.view, dk.view, sa::QueryLists{didx.view}, o); });
-    std::printf("TIMING token_max_querylists fp8_e4m3 wgmma Lk=16384 median_us=%.1f min_us=%.1f\n",
-                1000.0 * ms[static_cast<std::size_t>(iters / 2)], 1000.0 * ms[0]);
-  }
-  cudaStreamDestroy(stream);
 }
 
 }  // namespace

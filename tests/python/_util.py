@@ -1,5 +1,7 @@
 """Shared helpers of the Python suite: fresh random inputs, poisoned outputs, error bounds."""
 
+import inspect
+
 import numpy as np
 
 import sparse_attn as sa
@@ -128,3 +130,13 @@ def check_top_k(selected, scores, k, tol, what):
     if len(sel) and rest.any():
         assert scores[rest].max() <= scores[sel].min() + tol, (
             f"{what}: left out a block scoring {scores[rest].max():.6g} > chosen minimum {scores[sel].min():.6g}")
+
+
+def causal_defaults(module):
+    """{name: default of `causal`} for every public function of `module` that takes `causal`."""
+    found = {}
+    for name in module.__all__:
+        fn = getattr(module, name)
+        if inspect.isfunction(fn) and "causal" in inspect.signature(fn).parameters:
+            found[name] = inspect.signature(fn).parameters["causal"].default
+    return found

@@ -150,7 +150,7 @@ def test_lightning_query_lists_pool_to_blocks(rng):
     B, Lq, Lk, HI, Di = 1, 17, 700, 2, 16
     qI, kI = _bf16_exact(rng, (B, Lq, HI, Di)), _bf16_exact(rng, (B, Lk, Di))
     w = np.abs(randn(rng, (B, Lq, HI))) + 0.1
-    idx = sa.lightning_select(qI, w, kI, top_k=2, precision="bf16", format="query")
+    idx = sa.lightning_select(qI, w, kI, top_k=2, causal=True, precision="bf16", format="query")
     _assert_lists(idx)
     tok = ref.lightning_scores(qI, w, kI, causal=True)
     blocks = np.stack([tok[..., j * 128:(j + 1) * 128].max(axis=-1) for j in range(6)], axis=-1)

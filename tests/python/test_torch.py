@@ -10,7 +10,7 @@ import sparse_attn as sa  # noqa: E402
 import sparse_attn.torch as sat  # noqa: E402
 from sparse_attn import reference as ref  # noqa: E402
 
-from _util import random_query_lists, random_tile_lists, random_token_lists  # noqa: E402
+from _util import causal_defaults, random_query_lists, random_tile_lists, random_token_lists  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 6e-3}
 
@@ -116,12 +116,53 @@ def test_custom_ops_compute_the_reference():
     out3 = sat.dense(q, k, v, causal=True, out=torch.empty_like(q))
     torch.testing.assert_close(out3, out)
     thr = torch.full((Hq, 1), float("-inf"))
-    g_out, g_lse, kept = sat.gated(q, k, v, thr)
+    g_out, g_lse, g_stats = sat.gated(q, k, v, thr, return_lse=True, return_kept_per_tile=True)
     _check(g_out, ref_out, torch.float32)
+    np.testing.assert_allclose(_np(g_lse), ref_lse, rtol=1e-5, atol=1e-5)
+    kept = g_stats["kept_per_tile"]
     assert kept.dtype == torch.int32 and kept.shape == (1, Hq, 2)
+    assert g_stats["density"] == 1.0 and int(kept.sum()) == g_stats["kept_blocks"]
     e_out, bits = sat.entmax(q, k, v, causal=True, return_block_bits=True)
     _check(e_out, ref.entmax_attention(qn, kn, vn, causal=True)[0], torch.float32)
     assert bits.shape == (1, Hq, 2, 1)
+
+
+def test_torch_functions_default_to_non_causal_as_the_package_does():
+    torch_defaults = causal_defaults(sat)
+    assert set(torch_defaults) == set(causal_defaults(sa)) - {"sparse_attention", "problem_shape", "evaluate"}
+    assert {n: d for n, d in torch_defaults.items() if d is not False} == {}
+
+
+def test_gated_returns_the_same_tuple_from_both_modules():
+    q, k, v = _qkv(1, 300, 300, 4, 2, 32, seed=3)
+    thr = torch.tensor([-float("inf"), -float("inf"), float("inf"), float("inf")]).repeat(3, 1).T.contiguous()
+    # heads 0 and 1 keep every block, heads 2 and 3 only their diagonal ones
+    for return_lse in (False, True):
+        for per_tile in (False, True):
+            a = sa.gated(q, k, v, thr, return_lse=return_lse, return_kept_per_tile=per_tile)
+            b = sat.gated(q, k, v, thr, return_lse=return_lse, return_kept_per_tile=per_tile)
+            assert len(a) == len(b) == (3 if return_lse else 2)
+            for x, y in zip(a[:-1], b[:-1]):
+                assert torch.equal(x, y)
+            sa_stats, sat_stats = a[-1], b[-1]
+            assert set(sa_stats) == set(sat_stats) == {"kept_blocks", "visible_blocks", "gated_candidates",
+                                                       "gated_kept", "density"} | ({"kept_per_tile"} if per_tile else set())
+            for name, value in sa_stats.items():
+                if name == "kept_per_tile":
+                    assert torch.equal(value, sat_stats[name]) and int(value.sum()) == sa_stats["kept_blocks"]
+                else:
+                    assert type(value) is type(sat_stats[name]) and value == sat_stats[name], name
+            assert 0 < sa_stats["gated_kept"] < sa_stats["gated_candidates"]
+
+
+def test_validate_checks_torch_tensors():
+    p = sa.ProblemShape(1, 300, 1000, 2, 1, 16)
+    idx, cnt = (torch.from_numpy(a) for a in random_tile_lists(np.random.default_rng(2), 1, 1, p.Tq, p.Tk, kmax=4))
+    sa.validate(p, tiles=(idx, cnt))
+    bad = idx.clone()
+    bad[0, 0, 1, 0] = 40
+    with pytest.raises(ValueError, match=r"tiles\.idx.*40.*\[0, 0, 1, 0\]"):
+        sa.validate(p, tiles=(bad, cnt))
 
 
 def test_query_sparse_ops_take_the_merge_window():
@@ -153,6 +194,7 @@ def test_opcheck_fake_kernels():
         (torch.ops.sparse_attn.dense_out.default, (q, k, v, torch.empty_like(q), torch.empty(1, 4, 17), None, True)),
         (torch.ops.sparse_attn.pooled_select.default, (q, k, 2, 3, 1, True, False, False)),
         (torch.ops.sparse_attn.entmax.default, (q, k, v, 1.5, None, False, 64)),
+        (torch.ops.sparse_attn.gated.default, (q, k, v, torch.zeros(4, 1), None)),
         (torch.ops.sparse_attn.query_sparse.default,
          (q, k, v, torch.from_numpy(random_query_lists(rng, 1, 2, 17, 2, kq=2)), None, False, False, "f32",
           "kv_centric", 2)),
@@ -315,6 +357,29 @@ def test_cuda_sparse_executors_and_selectors(op):
         gi, gc = _on_cuda_or_skip(lambda: sat.pooled_select(q, k, top_k=3, causal=True))
         ci, cc = sa.pooled_select(q.cpu(), k.cpu(), top_k=3, causal=True)
         assert gi.is_cuda and torch.equal(gc.cpu(), cc)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_validate_checks_the_contents_of_cuda_tensors():
+    p = sa.ProblemShape(1, 300, 1000, 2, 1, 16)
+    rng = np.random.default_rng(6)
+    idx, cnt = random_tile_lists(rng, 1, 1, p.Tq, p.Tk, kmax=4, empty_tile=False)
+    sa.validate(p, tiles=(torch.from_numpy(idx).cuda(), torch.from_numpy(cnt).cuda()))
+    bad = idx.copy()
+    bad[0, 0, 1, 0] = 40
+    with pytest.raises(ValueError) as on_host:
+        sa.validate(p, tiles=(bad, cnt))
+    with pytest.raises(ValueError) as on_device:
+        sa.validate(p, tiles=(torch.from_numpy(bad).cuda(), torch.from_numpy(cnt).cuda()))
+    assert str(on_device.value) == str(on_host.value)
+    ql = random_query_lists(rng, 1, 1, p.Lq, p.Tk, kq=3)
+    ql[0, 0, 5, 0] = 8
+    with pytest.raises(ValueError, match=r"lists\.idx.*\[0, 0, 5, 0\]"):
+        sa.validate(p, query_lists=torch.from_numpy(ql).cuda())
+    # A device array that the package does not copy (here a bare DLPack capsule) is refused, not skipped.
+    with pytest.raises(ValueError, match=r"validate: argument 'lists\.idx'.*device array"):
+        sa.validate(p, query_lists=torch.from_numpy(ql).cuda().__dlpack__())
 
 
 @pytest.mark.cuda

@@ -9,20 +9,24 @@
 // Non-finite index inputs: the CPU selectors reject them with an Error; the device path does not
 // synchronise to look, so NaN / inf inputs give lists computed from NaN-sanitised scores (NaN ranks
 // as -inf) instead of an Error.
+//
+// `tuning` (tuning.hpp) is for the GPU tests; the default is what the public functions run.
 #pragma once
 
+#include "cuda/selectors/tuning.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/selectors.hpp"
 #include "sparse_attn/tensor.hpp"
 
 namespace sparse_attn::cuda_backend {
 
-void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& options);
+void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& options,
+                   const detail::SelectorTuning& tuning = {});
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
-                      const TokenMaxOptions& options);
+                      const TokenMaxOptions& options, const detail::SelectorTuning& tuning = {});
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
-                      const TokenMaxOptions& options);
+                      const TokenMaxOptions& options, const detail::SelectorTuning& tuning = {});
 
 /// Block form of the lightning indexer (QueryLists): float64 scores per key, block maxima, top-k (lightning.cu).
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const QueryLists& out,
@@ -30,6 +34,6 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
 /// Token form (TokenLists): tensor-core screening with a fused top-k, float64 only for the keys the screen
 /// cannot decide (lightning_tokens.cu).
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
-                      const LightningOptions& options);
+                      const LightningOptions& options, const detail::SelectorTuning& tuning = {});
 
 }  // namespace sparse_attn::cuda_backend

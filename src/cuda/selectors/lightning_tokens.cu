@@ -3,7 +3,8 @@
 // [Lq, Lk] score matrix never reaches device memory. Kernels on the caller's stream:
 //  1. prepare (tc_index.cuh): per-tensor amax (fp8); bf16 codes of qI and kI (exact: value = code * scale up
 //     to one rounding) and upper bounds of every code row's norm, maxed per 128 keys;
-//  2. screen (two kernels, same ids; wgmma is the default): keys stream through two cp.async stages and meet
+//  2. screen (two kernels, same ids: wgmma where its candidate buffers hold top_k + 256 keys, mma.sync, with
+//     smaller buffers, for the larger top_k that leave too little room): keys stream through two cp.async stages and meet
 //     the query codes on the tensor cores so that each product tile holds keys x 64 heads of one query, and
 //     the weighted ReLU sum over the heads stays in registers (16 heads per thread, then two shuffles),
 //     giving the screened score I^ of each key. wgmma: two warpgroups, each with two queries' 2 x 64 head
@@ -59,7 +60,6 @@
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
-#include "cuda/selectors/lightning_tokens.cuh"
 #include "cuda/selectors/tc_index.cuh"
 #include "cuda/selectors/tc_mma.cuh"
 
@@ -87,12 +87,6 @@ constexpr int kMinSlack = 64;                  // mma.sync buffer capacity >= to
 constexpr int kMinSlackWg = 256;               // wgmma: up to 128 entries per query and tile
 
 enum Status : int { kDone = 0, kResolve = 1, kFallback = 2 };
-
-unsigned long long* g_stats = nullptr;
-int g_path = 0;
-int g_capacity = 0;
-int g_screen = 0;
-cudaEvent_t* g_events = nullptr;
 
 struct Shape {
   std::int64_t B, Lq, Lk, HI, Di, Dp;
@@ -1118,14 +1112,8 @@ __global__ void __launch_bounds__(kRowThreads) fallback_kernel(const RowParams p
 
 }  // namespace
 
-void set_lightning_stats(unsigned long long* device_counters) { g_stats = device_counters; }
-void set_lightning_path(int path) { g_path = path; }
-void set_lightning_capacity(int capacity) { g_capacity = capacity; }
-void set_lightning_events(cudaEvent_t* events) { g_events = events; }
-void set_lightning_screen(int kernel) { g_screen = kernel; }
-
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
-                      const LightningOptions& o) {
+                      const LightningOptions& o, const detail::SelectorTuning& tuning) {
   const std::string op = "lightning_select";
   const std::int64_t B = qI.shape[0], Lq = qI.shape[1], HI = qI.shape[2], Di = qI.shape[3], Lk = kI.shape[1];
   const auto stream = static_cast<cudaStream_t>(o.stream);
@@ -1147,15 +1135,16 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   const int halves = KS <= 4 ? 1 : 2;
   int nw = 0, cap = 0;
   bool wgmma = false;
-  const bool shape_ok = HI <= kMaxHeads && Di <= kMaxDi && g_path == 0;
-  if (shape_ok && g_screen == 0) {
+  const int cap_limit = tuning.lightning_capacity;
+  const bool shape_ok = HI <= kMaxHeads && Di <= kMaxDi && !tuning.lightning_fallback_only;
+  if (shape_ok && tuning.lightning_screen == detail::LightningScreen::automatic) {
     const std::size_t fixed = screen_wg_smem(halves, 0);
     if (fixed < static_cast<std::size_t>(max_smem)) {
       const int c = static_cast<int>((static_cast<std::size_t>(max_smem) - fixed) / (kWgQueries * 8)) / 32 * 32;
       if (c >= k + kMinSlackWg) {
         wgmma = true, nw = 8, cap = c;
         // Buffers stay multiples of 32 entries: the compaction reads them as float4 / int4.
-        if (g_capacity > 0) cap = std::min(cap, (std::max(g_capacity, k + kMinSlackWg) + 31) / 32 * 32);
+        if (cap_limit > 0) cap = std::min(cap, (std::max(cap_limit, k + kMinSlackWg) + 31) / 32 * 32);
       }
     }
   }
@@ -1170,7 +1159,7 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
         break;
       }
     }
-    if (nw > 0 && g_capacity > 0) cap = std::min(cap, (std::max(g_capacity, k + kMinSlack) + 31) / 32 * 32);
+    if (nw > 0 && cap_limit > 0) cap = std::min(cap, (std::max(cap_limit, k + kMinSlack) + 31) / 32 * 32);
   }
   const bool screen = nw > 0;
   const std::size_t rsmem = resolve_smem(HI, Di, Lk), fsmem = fallback_smem(HI, Di, k);
@@ -1204,10 +1193,6 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
                     o_qc = take(qc_bytes), o_qn = take(qn_bytes), o_kc = take(kc_bytes), o_kn = take(kn_bytes),
                     o_u = take(u_bytes);
   StreamScratch scratch(off, stream, op);
-  auto mark = [&](int i) {
-    if (g_events) check_cuda(cudaEventRecord(g_events[i], stream), op, "cudaEventRecord");
-  };
-  mark(0);
   auto* amax = scratch.as<unsigned>(o_amax);
   auto* meta = scratch.as<RowMeta>(o_meta);
   // amax words and the group maxima (atomicMax on float bits) start at zero.
@@ -1222,13 +1207,12 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
                         PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned>(o_qg), Dp},
                         PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned>(o_kg), Dp},
                         stream, op);
-    mark(1);
     ScreenParams sp{};
     sp.qc = scratch.as<__nv_bfloat16>(o_qc), sp.qn = scratch.as<float>(o_qn);
     sp.kc = scratch.as<__nv_bfloat16>(o_kc), sp.kgmax = scratch.as<unsigned>(o_kg);
     sp.w = w.ptr<float>(), sp.ws0 = w.stride[0], sp.ws1 = w.stride[1], sp.ws2 = w.stride[2];
     sp.amax = amax, sp.prec = prec, sp.s = shp, sp.out = orows, sp.meta = meta, sp.und = scratch.as<std::int32_t>(o_u);
-    sp.top_k = k, sp.cap = cap, sp.stats = g_stats;
+    sp.top_k = k, sp.cap = cap, sp.stats = tuning.lightning_counters;
     sp.deq = bound_consts(Di, Dp).deq;
     const std::size_t smem = wgmma ? screen_wg_smem(halves, cap) : screen_smem(KS, nw, cap);
     const int per_cta = wgmma ? kWgQueries : nw;
@@ -1248,13 +1232,9 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     } else {
       go(screen_kernel<8>);
     }
-  } else {
-    if (o.precision != IndexPrecision::bf16) {
-      launch_amax_pair(qI, &kI, amax, stream);
-    }
-    mark(1);
+  } else if (o.precision != IndexPrecision::bf16) {
+    launch_amax_pair(qI, &kI, amax, stream);
   }
-  mark(2);
 
   RowParams rp{};
   rp.qc = screen ? scratch.as<__nv_bfloat16>(o_qc) : nullptr;
@@ -1264,18 +1244,16 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   rp.w = w.ptr<float>(), rp.ws0 = w.stride[0], rp.ws1 = w.stride[1], rp.ws2 = w.stride[2];
   rp.amax = amax, rp.prec = prec, rp.s = shp, rp.out = orows, rp.meta = meta;
   rp.und = screen ? scratch.as<std::int32_t>(o_u) : nullptr;
-  rp.top_k = k, rp.all = !screen, rp.stats = g_stats;
+  rp.top_k = k, rp.all = !screen, rp.stats = tuning.lightning_counters;
   const auto rows = static_cast<unsigned>(B * Lq);
   if (screen) {
     check_cuda(cudaFuncSetAttribute(resolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(rsmem)),
                op, "cudaFuncSetAttribute");
     resolve_kernel<<<rows, kResolveThreads, rsmem, stream>>>(rp);
   }
-  mark(3);
   check_cuda(cudaFuncSetAttribute(fallback_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fsmem)),
              op, "cudaFuncSetAttribute");
   fallback_kernel<<<rows, kRowThreads, fsmem, stream>>>(rp);
-  mark(4);
   check_cuda(cudaGetLastError(), op, "kernel launch");
 }
 

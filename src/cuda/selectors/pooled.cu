@@ -57,7 +57,6 @@
 // a synchronisation of that stream) only when a call needs more; a call being captured into a CUDA
 // graph takes stream-ordered memory instead (the graph owns it; capture never synchronises).
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cmath>
 #include <map>
@@ -69,7 +68,6 @@
 
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
-#include "cuda/selectors/pooled_screen.hpp"
 
 namespace sparse_attn::cuda_backend {
 
@@ -332,9 +330,9 @@ __global__ void __launch_bounds__(kRepMaxGroup) representatives_kernel(const __g
 
 // ---- 2. scores and top-k ------------------------------------------------------------------------------
 
-// Candidate pairs queued per CTA (int8 screen / float32 screen); a block whose candidates overflow
-// the queue has all its pairs evaluated instead.
-constexpr int kCandCap = 2048, kCandCapF32 = 512;
+// Candidate pairs queued per CTA; a block whose candidates overflow the queue has all its pairs
+// evaluated instead.
+constexpr int kCandCap = 2048;
 constexpr int kMaxRowsPerCta = 512;    // key representative rows per CTA (passes of kKN rows)
 constexpr std::int64_t kNever = LLONG_MAX;  // key position that no query sees
 
@@ -367,22 +365,8 @@ struct ScoreParams {
   int rshift;                // log2 r: block of a key row without a division in the per-pair code
   int chunks, rows_per_cta;  // CTAs per (b, group, tile); key rows per CTA (a multiple of r)
   float dterm;               // D / 4 + 1 of the bound
-  float err_scale;           // version 2a: 2 D 2^-24, or +inf where its bound is not proved (D > 4096)
   bool force_local, force_block0, causal;
-  unsigned long long* phase_ns;  // profiling: kPhases global-timer stamps per CTA, or null
 };
-
-// Stamps of the scoring kernel's phases (profiling): entry, after the wait for the representatives,
-// after the first staging, after the first lower-bound screen, after the first test and queueing,
-// after the first float64 evaluation, after the last key pass, after the ranking; then (a count, not a
-// time) the pairs queued for float64 in the first key pass.
-constexpr int kPhases = kPooledPhases;
-__device__ __forceinline__ void stamp(const ScoreParams& p, int phase) {
-  if (p.phase_ns == nullptr || threadIdx.x != 0) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  p.phase_ns[static_cast<std::size_t>(blockIdx.x) * kPhases + phase] = t;
-}
 
 struct ScoreSmem {
   std::size_t qlim, kfirst, ekey, q8, k8, qsc, ksc, ql1, kl1, lkey, cand, full, ubs, total;
@@ -976,10 +960,8 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     full[i] = 0u;
   }
   if (tid == 0) n_queued = 0;
-  stamp(p, 0);
   // The representatives and counters come from the previous grid (a no-op without a programmatic launch).
   pdl_wait();
-  stamp(p, 1);
   // (stage_rows starts with a barrier)
 
   const int qchunks = (p.P + kQM - 1) / kQM;
@@ -990,17 +972,13 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     for (int pass = qchunks == 1 ? 1 : 0; pass < 2; ++pass) {
       for (int qc = 0; qc < qchunks; ++qc) {
         const int q0 = qc * kQM, qrows = imin(kQM, p.P - q0);
-        const bool first = k0 == tj.row_begin && qc == 0;
         stage_rows(p, smem, L, tj.job, tj.bg, q0, qrows, k0, krows, tj.i_first, tj.local_lo, tj.local_hi);
-        if (first && pass == 1) stamp(p, 2);
         if (qchunks == 1) {
           // One chunk: the lower bounds and the stored upper bounds in one pass over the products.
           const unsigned counted = screen_pass<false>(p, smem, L, qrows, k0, krows, v.blk0, ubs);
           __syncthreads();  // every lower bound of the pass is in
-          if (first) stamp(p, 3);
           const unsigned bits = test_stored(p, smem, L, qrows, k0, v.blk0, counted, ubs);
           enqueue_pass(p, smem, L, q0, qrows, k0, v.blk0, bits, n_queued);
-          if (first) stamp(p, 4);
         } else if (pass == 0) {
           screen_pass<false>(p, smem, L, qrows, k0, krows, v.blk0);
         } else {
@@ -1013,19 +991,12 @@ __global__ void __launch_bounds__(kThreads, 2) pooled_score_kernel(const __grid_
     __syncthreads();
     evaluate_queued<kThreads>(p, tj, v, cand, full, n_queued, kCandCap, k0, krows);
     __syncthreads();
-    if (k0 == tj.row_begin) {
-      stamp(p, 5);
-      if (p.phase_ns != nullptr && tid == 0)
-        p.phase_ns[static_cast<std::size_t>(blockIdx.x) * kPhases + kPhases - 1] = static_cast<unsigned>(n_queued);
-    }
     if (tid == 0) n_queued = 0;
   }
   __syncthreads();
-  stamp(p, 6);
 
   // A CTA that holds all of its tile's blocks ranks them from shared memory, behind the scoring region.
   rank_tile(p, tj, v, smem, p.chunks == 1 ? reinterpret_cast<double*>(smem + L.total) : nullptr, is_last);
-  stamp(p, 7);
 }
 
 // ---- host ---------------------------------------------------------------------------------------------
@@ -1037,9 +1008,6 @@ bool vectorizable(const TensorView& x, int bytes) {
          (x.stride[0] * es) % bytes == 0 && (x.stride[1] * es) % bytes == 0 && (x.stride[2] * es) % bytes == 0 &&
          (x.shape[3] * es) % bytes == 0;
 }
-
-// Load width of the representatives kernel forced by set_pooled_rep_vec (0: rep_layout chooses).
-std::atomic<int> g_rep_vec{0};
 
 template <In T, int kVecBytes>
 void launch_reps(const RepParams& p, std::int64_t blocks, int threads, cudaStream_t stream) {
@@ -1068,8 +1036,9 @@ struct RepLayout {
 constexpr std::int64_t kRepMinWarpsPerSm = 8;
 
 // quantize_wanted: whether the scoring kernel reads the int8 copies (the float64 kernel does not).
-// rows: representative rows of q and k together.
-RepLayout rep_layout(const TensorView& q, const TensorView& k, std::int64_t rows, bool quantize_wanted, int sms) {
+// rows: representative rows of q and k together. forced: SelectorTuning::pooled_rep_bytes (0: choose).
+RepLayout rep_layout(const TensorView& q, const TensorView& k, std::int64_t rows, bool quantize_wanted, int sms,
+                     int forced) {
   const std::int64_t D = q.shape[3];
   const int es = static_cast<int>(dtype_size(q.dtype));
   auto with = [&](int vec) {
@@ -1087,7 +1056,6 @@ RepLayout rep_layout(const TensorView& q, const TensorView& k, std::int64_t rows
   };
   // The widest vector the views allow that keeps kRepMinWarpsPerSm, else the narrowest they allow; a
   // forced width takes the widest the views allow up to it (single elements for 1).
-  const int forced = g_rep_vec.load(std::memory_order_relaxed);
   RepLayout pick = with(0);
   for (int bytes : {4, 8, 16}) {
     if ((forced != 0 && bytes > forced) || bytes < es || !vectorizable(q, bytes) || !vectorizable(k, bytes)) continue;
@@ -1206,288 +1174,6 @@ void launch_scoring(const std::string& op, void (*kernel)(ScoreParams), const Sc
   launch_dependent(op, "scoring launch", kernel, dim3(static_cast<unsigned>(grid)), dim3(static_cast<unsigned>(threads)),
                    smem, stream, p);
 }
-
-// ---- version 2a: the float32 screen on the CUDA cores (kept to compare with the int8 screen) --------
-//
-// Proof of its bound. Let f = the float32 dot (fmaf over d in any order), S the CPU's float64 chain,
-// n = D, u = 2^-24. Every fmaf rounds once: fl(x) = x (1 + δ) + η, |δ| <= u, |η| <= 2^-150 (gradual
-// underflow), so |f - a.b| <= γ_n Σ|a_i b_i| + n 2^-150 (1 + γ_n), γ_n = n u / (1 - n u), and
-// |S - a.b| <= γ'_n Σ|a_i b_i|; Σ|a_i b_i| <= ||a|| ||b|| (Cauchy-Schwarz). N' below bounds ||a||
-// from above: s = Σ a_i^2 by fmaf (s >= (1 - γ_n) ||a||^2 - n 2^-150), N = sqrt_rn(s) >= sqrt(s)(1 - u),
-// N' = ru(ru(N (1 + 2^-10)) + 2^-60) >= ||a|| for n <= 4096. With err_scale = 2 n u >= γ_n + γ'_n,
-// e = ru(ru(ru(N'(a) N'(b)) err_scale) + 2^-126) >= |f - S|; a finite f had no overflow. lb, ub and the
-// block rule then follow as for the int8 screen; for n > 4096 err_scale is +inf (every pair exact).
-namespace fp32_screen {
-
-__host__ __device__ inline std::size_t topk_smem_threads(std::int64_t Tk, int) { return topk_smem(Tk); }
-
-constexpr int kDChunk = 128;             // columns of the means staged in shared memory at a time
-constexpr int kSRow = kDChunk + 4;       // floats per staged row: the 16-byte skew puts float4 reads of
-                                         // eight consecutive rows on distinct bank groups
-constexpr float kAbsSlack = 1.17549435e-38f;  // 2^-126 >= n 2^-150 (1 + γ_n) for n <= 4096
-
-// QM query rows x KN key rows of dots per pass; a thread owns TM x TN of them, rows strided by TY
-// (queries) and TX (keys) so that a warp's float4 reads of a column hit distinct rows.
-template <int QM_, int KN_, int TM_, int TN_>
-struct TileCfg {
-  static constexpr int QM = QM_, KN = KN_, TM = TM_, TN = TN_;
-  static constexpr int TY = QM / TM, TX = KN / TN, kThreads = TX * TY;
-  static constexpr int kMinBlocks = kThreads >= 256 ? 2 : 4;  // two 106 KB tiles per SM; registers follow
-};
-// group * r <= 16 (R1 up to GQA 16, R4 up to GQA 4): one warp row of 32 key rows x 4 query rows.
-using SmallTile = TileCfg<16, 128, 4, 4>;
-// Larger groups (R4 with GQA 16 is 64 rows): 256 threads, 32 dots each.
-using LargeTile = TileCfg<64, 128, 4, 8>;
-
-struct ScoreSmem {
-  std::size_t qlim, kfirst, ekey, qs, ks, qss, kss, lkey, cand, full, total;
-};
-
-// Shared memory of the scoring phase; the top-k phase reuses it from offset 0.
-__host__ __device__ inline ScoreSmem score_smem(int QM, int KN, int nblk) {
-  auto up = [](std::size_t x) { return (x + 15) / 16 * 16; };
-  ScoreSmem s{};
-  std::size_t o = 0;
-  s.qlim = o, o = up(o + QM * sizeof(long long));
-  s.kfirst = o, o = up(o + KN * sizeof(long long));
-  s.ekey = o, o = up(o + nblk * sizeof(unsigned long long));
-  s.qs = o, o = up(o + static_cast<std::size_t>(QM) * kSRow * sizeof(float));
-  s.ks = o, o = up(o + static_cast<std::size_t>(KN) * kSRow * sizeof(float));
-  s.qss = o, o = up(o + QM * sizeof(float));
-  s.kss = o, o = up(o + KN * sizeof(float));
-  s.lkey = o, o = up(o + nblk * sizeof(unsigned));
-  s.cand = o, o = up(o + kCandCapF32 * sizeof(uint2));
-  s.full = o, o = up(o + nblk * sizeof(unsigned));
-  s.total = o;
-  return s;
-}
-
-
-// N'(row) of the proof from the float32 sum of squares.
-__device__ __forceinline__ float norm_bound(float sumsq) {
-  return __fadd_ru(__fmul_ru(__fsqrt_rn(sumsq), 1.0f + 0x1p-10f), 0x1p-60f);
-}
-__device__ __forceinline__ float screen_error(float na, float nb, float scale) {
-  return __fadd_ru(__fmul_ru(__fmul_ru(na, nb), scale), kAbsSlack);
-}
-
-// Stages query rows [q0, q0 + qrows) of the job and key rows [k0, k0 + krows) of the (b, group) in
-// column chunks, accumulates the float32 dots of the thread's TM x TN pairs into acc and the rows'
-// norm bounds N' into qss / kss, and fills the pairs' visibility data: qlim = the last key position
-// a query row's group sees (-1 when absent), kfirst = a key row's first position (kNever when it is
-// absent, forced or past the CTA's range). Ends with a barrier.
-template <class C>
-__device__ __forceinline__ void stage_and_multiply(const ScoreParams& p, const CtaView& v, unsigned char* smem, const ScoreSmem& L,
-                                   int q0, int qrows, std::int64_t k0, int krows, std::int64_t i_first,
-                                   std::int64_t local_lo, std::int64_t local_hi, float (&acc)[C::TM][C::TN]) {
-  float* Qs = reinterpret_cast<float*>(smem + L.qs);
-  float* Ks = reinterpret_cast<float*>(smem + L.ks);
-  float* qss = reinterpret_cast<float*>(smem + L.qss);
-  float* kss = reinterpret_cast<float*>(smem + L.kss);
-  auto* qlim = reinterpret_cast<long long*>(smem + L.qlim);
-  auto* kfirst = reinterpret_cast<long long*>(smem + L.kfirst);
-  const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
-
-  __syncthreads();  // the previous pass is done with every staged array
-  for (int i = tid; i < C::QM; i += C::kThreads) {
-    qlim[i] = i < qrows ? query_limit(p, i_first, q0 + i) : -1;
-    qss[i] = 0.0f;
-  }
-  for (int i = tid; i < C::KN; i += C::kThreads) {
-    kfirst[i] = i < krows ? key_first(p, k0 + i, local_lo, local_hi) : kNever;
-    kss[i] = 0.0f;
-  }
-
-#pragma unroll
-  for (int m = 0; m < C::TM; ++m)
-#pragma unroll
-    for (int n = 0; n < C::TN; ++n) acc[m][n] = 0.0f;
-  // Rows past the valid ones are zero-filled, so whole warps of them can skip on a uniform bound.
-  const int mv = (qrows + C::TY - 1) / C::TY, nv = (krows + C::TX - 1) / C::TX;
-  const bool vec = (p.D & 3) == 0;
-  for (std::int64_t d0 = 0; d0 < p.D; d0 += kDChunk) {
-    const int dk = static_cast<int>(imin<std::int64_t>(kDChunk, p.D - d0)), dk4 = (dk + 3) / 4;
-    __syncthreads();
-    for (int e = tid; e < (C::QM + C::KN) * dk4; e += C::kThreads) {
-      const int row = e / dk4, c4 = e % dk4;
-      const bool is_q = row < C::QM;
-      const int rr = is_q ? row : row - C::QM;
-      const bool valid = rr < (is_q ? qrows : krows);
-      const float* src = is_q ? v.qrows + (q0 + static_cast<std::int64_t>(rr)) * p.D : v.krows + (k0 + rr) * p.D;
-      float4 val = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (valid) {
-        if (vec) {
-          val = __ldg(reinterpret_cast<const float4*>(src + d0) + c4);
-        } else {
-          float w[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) w[i] = c4 * 4 + i < dk ? __ldg(src + d0 + c4 * 4 + i) : 0.0f;
-          val = make_float4(w[0], w[1], w[2], w[3]);
-        }
-      }
-      reinterpret_cast<float4*>((is_q ? Qs : Ks) + rr * kSRow)[c4] = val;
-    }
-    __syncthreads();
-    for (int row = tid; row < C::QM + C::KN; row += C::kThreads) {
-      const bool is_q = row < C::QM;
-      const float4* src = reinterpret_cast<const float4*>(is_q ? Qs + row * kSRow : Ks + (row - C::QM) * kSRow);
-      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-      for (int c4 = 0; c4 < dk4; ++c4) {
-        const float4 x = src[c4];
-        s0 = fmaf(x.x, x.x, s0), s1 = fmaf(x.y, x.y, s1), s2 = fmaf(x.z, x.z, s2), s3 = fmaf(x.w, x.w, s3);
-      }
-      float& dst = is_q ? qss[row] : kss[row - C::QM];
-      dst += (s0 + s1) + (s2 + s3);
-    }
-    const float4* Q4 = reinterpret_cast<const float4*>(Qs);
-    const float4* K4 = reinterpret_cast<const float4*>(Ks);
-#pragma unroll 1
-    for (int c4 = 0; c4 < dk4; ++c4) {
-      float4 qv[C::TM];
-#pragma unroll
-      for (int m = 0; m < C::TM; ++m)
-        if (m < mv) qv[m] = Q4[(ty + C::TY * m) * (kSRow / 4) + c4];
-#pragma unroll
-      for (int n = 0; n < C::TN; ++n) {
-        if (n >= nv) continue;
-        const float4 kv = K4[(tx + C::TX * n) * (kSRow / 4) + c4];
-#pragma unroll
-        for (int m = 0; m < C::TM; ++m) {
-          if (m >= mv) continue;
-          float s = acc[m][n];
-          s = fmaf(qv[m].x, kv.x, s);
-          s = fmaf(qv[m].y, kv.y, s);
-          s = fmaf(qv[m].z, kv.z, s);
-          s = fmaf(qv[m].w, kv.w, s);
-          acc[m][n] = s;
-        }
-      }
-    }
-  }
-  __syncthreads();
-  for (int row = tid; row < C::QM + C::KN; row += C::kThreads) {
-    float& s = row < C::QM ? qss[row] : kss[row - C::QM];
-    s = norm_bound(s);
-  }
-  __syncthreads();
-}
-
-template <class C>
-__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) pooled_score_kernel(const __grid_constant__ ScoreParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int n_queued;
-  __shared__ int is_last;
-  const int nblk = p.rows_per_cta / p.r;
-  const ScoreSmem L = score_smem(C::QM, C::KN, nblk);
-  float* qss = reinterpret_cast<float*>(smem + L.qss);
-  float* kss = reinterpret_cast<float*>(smem + L.kss);
-  const auto* qlim = reinterpret_cast<const long long*>(smem + L.qlim);
-  const auto* kfirst = reinterpret_cast<const long long*>(smem + L.kfirst);
-  auto* lkey = reinterpret_cast<unsigned*>(smem + L.lkey);
-  auto* cand = reinterpret_cast<uint2*>(smem + L.cand);
-  auto* full = reinterpret_cast<unsigned*>(smem + L.full);
-  const int tid = threadIdx.x, tx = tid % C::TX, ty = tid / C::TX;
-
-  const TileJob tj = tile_job(p);
-  const std::int64_t i_first = tj.i_first;
-  const std::int64_t local_lo = tj.local_lo, local_hi = tj.local_hi, row_begin = tj.row_begin, row_end = tj.row_end;
-
-  const CtaView v = cta_view(p, tj, reinterpret_cast<unsigned long long*>(smem + L.ekey));
-
-  for (int i = tid; i < nblk; i += C::kThreads) {
-    lkey[i] = key32(-INFINITY);
-    v.ekey[i] = key64(-INFINITY);
-    full[i] = 0u;
-  }
-  if (tid == 0) n_queued = 0;
-  // The means and counters come from the representatives grid (a no-op without a programmatic launch).
-  pdl_wait();
-  // (stage_and_multiply starts with a barrier)
-
-  const int qchunks = (p.P + C::QM - 1) / C::QM;
-  for (std::int64_t k0 = row_begin; k0 < row_end; k0 += C::KN) {
-    const int krows = static_cast<int>(imin<std::int64_t>(C::KN, row_end - k0));
-    // With one query chunk the lower bounds and the test use the same registers; with several, a
-    // first pass collects the lower bounds of every chunk and a second one recomputes and tests.
-    for (int pass = qchunks == 1 ? 1 : 0; pass < 2; ++pass) {
-      for (int qc = 0; qc < qchunks; ++qc) {
-        const int q0 = qc * C::QM, qrows = imin(C::QM, p.P - q0);
-        float acc[C::TM][C::TN];
-        stage_and_multiply<C>(p, v, smem, L, q0, qrows, k0, krows, i_first, local_lo, local_hi, acc);
-        const bool bounds = pass == 0 || qchunks == 1;
-        float qnb[C::TM];
-        long long ql[C::TM];
-#pragma unroll
-        for (int m = 0; m < C::TM; ++m) {
-          const int qr = ty + C::TY * m;
-          qnb[m] = qr < qrows ? qss[qr] : 0.0f;
-          ql[m] = qr < qrows ? qlim[qr] : -1;
-        }
-#pragma unroll
-        for (int round = 0; round < 2; ++round) {
-          if (round == 0 && !bounds) continue;
-          if (round == 1 && pass == 0) continue;
-          if (round == 1 && qchunks == 1) __syncthreads();  // every lower bound of the pass is in
-#pragma unroll
-          for (int n = 0; n < C::TN; ++n) {
-            const int kr = tx + C::TX * n;
-            if (kr >= krows) continue;
-            const long long kf = kfirst[kr];
-            if (kf == kNever) continue;
-            const float nb = kss[kr];
-            const int blk = static_cast<int>((k0 + kr) / p.r - v.blk0);
-            const float lb_block = round == 1 ? unkey32(lkey[blk]) : 0.0f;
-            float best = -INFINITY;
-#pragma unroll
-            for (int m = 0; m < C::TM; ++m) {
-              const int qr = ty + C::TY * m;
-              if (kf > ql[m]) continue;
-              const float f = acc[m][n];
-              const float e = screen_error(qnb[m], nb, p.err_scale);
-              const bool bounded = isfinite(f) && isfinite(e);
-              if (round == 0) {
-                if (bounded) best = fmaxf(best, __fsub_rd(f, e));
-              } else if (!bounded || __fadd_ru(f, e) >= lb_block) {
-                const uint2 pair = make_uint2(static_cast<unsigned>(q0 + qr), static_cast<unsigned>(k0 + kr));
-                const int slot = atomicAdd(&n_queued, 1);
-                // No call here: it would spill the register tile around it.
-                if (slot < kCandCapF32) cand[slot] = pair;
-                else atomicOr(full + blk, 1u);
-              }
-            }
-            if (round == 0 && best > -INFINITY) atomicMax(lkey + blk, key32(best));
-          }
-        }
-      }
-      if (pass == 0) __syncthreads();
-    }
-    __syncthreads();
-    evaluate_queued<C::kThreads>(p, tj, v, cand, full, n_queued, kCandCapF32, k0, krows);
-    __syncthreads();
-    if (tid == 0) n_queued = 0;
-  }
-  __syncthreads();
-
-  rank_tile(p, tj, v, smem, nullptr, is_last);
-}
-
-template <class C>
-void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int sms, int device,
-                   cudaStream_t stream) {
-  const std::int64_t rows_total = p.Tk * p.r;
-  // The slot count assumes the largest scoring footprint; it only steers the split.
-  const void* fn = reinterpret_cast<const void*>(pooled_score_kernel<C>);
-  const std::size_t guess = std::max(score_smem(C::QM, C::KN, kMaxRowsPerCta / p.r).total, topk_smem_threads(p.Tk, C::kThreads));
-  const int per_sm = guess <= static_cast<std::size_t>(max_smem) ? prepare_kernel(op, fn, device, C::kThreads, guess) : 1;
-  p.rows_per_cta = rows_per_cta(jobs, rows_total, p.r, static_cast<std::int64_t>(sms) * per_sm);
-  p.chunks = static_cast<int>(ceil_div(rows_total, p.rows_per_cta));
-  const ScoreSmem L = score_smem(C::QM, C::KN, p.rows_per_cta / p.r);
-  const std::size_t smem = std::max(L.total, topk_smem_threads(p.Tk, C::kThreads));
-  launch_scoring(op, pooled_score_kernel<C>, p, jobs, C::kThreads, smem, max_smem, device, stream);
-}
-
-
-}  // namespace fp32_screen
 
 // ---- version 4: every counted pair in float64, no screen ---------------------------------------------
 //
@@ -1638,9 +1324,7 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
   for (int i = tid; i < nblk; i += blockDim.x) v.ekey[i] = key64(-INFINITY);
   for (int row = tid; row < p.P; row += blockDim.x) qlim[row] = query_limit(p, tj.i_first, row);
   // The means and counters come from the representatives grid (a no-op without a programmatic launch).
-  stamp(p, 0);
   pdl_wait();
-  stamp(p, 1);
   // Staged once, converted once: the query rows of the job and the CTA's key rows (zero past row_end).
   // Key rows of the CTA: none where causality ends the tile's candidates before them.
   const int slab_rows = static_cast<int>(imax(std::int64_t{0}, tj.row_end - tj.row_begin));  // <= rows_per_cta
@@ -1650,7 +1334,6 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
     stage_as_doubles(v.qrows, p.P, D, qs, qs_stride, kbase, slab_rows, ks, ks_stride);
   }
   __syncthreads();
-  stamp(p, 2);
 
   const int qgroups = (p.P + kTM - 1) / kTM, slab = warp / qgroups;
   const int q0 = (warp - slab * qgroups) * kTM, rows = imin(kTM, p.P - q0);
@@ -1661,7 +1344,6 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
   for (int n = 0; n < kTN; ++n) koff[n] = (slab * kSlab + lane + 32 * n) * ks_stride;
   double acc[kTN][kTM];
   if (slab_rows > 0) dot_tile(qs, qoff, ks, koff, D, acc);
-  stamp(p, 3);
 #pragma unroll
   for (int n = 0; n < kTN; ++n) {
     const std::int64_t krow = tj.row_begin + slab * kSlab + lane + 32 * n;
@@ -1676,10 +1358,8 @@ __global__ void __launch_bounds__(32 * kMaxRows / kTM) exact_score_kernel(const 
     if (best > -INFINITY) atomicMax(v.ekey + (j - v.blk0), key64(best));
   }
   __syncthreads();
-  stamp(p, 4);
   // A CTA that holds all of its tile's blocks ranks them from shared memory, behind the scoring region.
   rank_tile(p, tj, v, smem, p.chunks == 1 ? reinterpret_cast<double*>(smem + L.total) : nullptr, is_last);
-  stamp(p, 5);
 }
 
 void launch_scores(const std::string& op, ScoreParams p, std::int64_t jobs, int max_smem, int device,
@@ -1781,20 +1461,19 @@ void* scratch_for(const std::string& op, int device, cudaStream_t stream, std::s
 
 }  // namespace
 
-void set_pooled_rep_vec(int bytes) {
-  if (bytes != 0 && bytes != 16 && bytes != 8 && bytes != 4 && bytes != 1)
-    throw Error("set_pooled_rep_vec", "bytes", "is " + std::to_string(bytes) + "; expected 0, 16, 8, 4 or 1");
-  g_rep_vec.store(bytes, std::memory_order_relaxed);
-}
+}  // namespace sparse_attn::cuda_backend
 
-bool pooled_exact_applies(std::int64_t rows, std::int64_t D) { return exact_f64::applies(rows, D); }
+namespace sparse_attn::detail {
 
-void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o) {
-  pooled_select(q, k, out, o, PooledScreen::automatic);
-}
+bool pooled_exact_applies(std::int64_t rows, std::int64_t D) { return cuda_backend::exact_f64::applies(rows, D); }
+
+}  // namespace sparse_attn::detail
+
+namespace sparse_attn::cuda_backend {
 
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& o,
-                   PooledScreen screen, unsigned long long* phase_ns) {
+                   const detail::SelectorTuning& tuning) {
+  using detail::PooledScoring;
   const std::string op = "pooled_select";
   const std::int64_t B = q.shape[0], Lq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
   const std::int64_t Lk = k.shape[1], Hkv = k.shape[2];
@@ -1802,18 +1481,22 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const std::int64_t group = Hq / Hkv, P = group * r, jobs = B * Hkv * Tq;
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
-  if (screen == PooledScreen::automatic) {
+  const int forced_rep = tuning.pooled_rep_bytes;
+  if (forced_rep != 0 && forced_rep != 16 && forced_rep != 8 && forced_rep != 4 && forced_rep != 1)
+    throw Error(op, "tuning.pooled_rep_bytes", "is " + std::to_string(forced_rep) + "; expected 0, 16, 8, 4 or 1");
+  PooledScoring scoring = tuning.pooled_scoring;
+  if (scoring == PooledScoring::automatic) {
     // float64 fmas of the call, in double: the product of the extents may not fit an int64
     const double fmas = static_cast<double>(jobs) * static_cast<double>(P * D) * static_cast<double>(Tk * r);
-    screen = exact_f64::applies(P, D) && exact_f64::preferred(fmas) ? PooledScreen::exact_f64
-                                                                     : PooledScreen::int8_tensor_cores;
-  }
-  else if (screen == PooledScreen::exact_f64 && !exact_f64::applies(P, D))
+    scoring = exact_f64::applies(P, D) && exact_f64::preferred(fmas) ? PooledScoring::exact_f64
+                                                                      : PooledScoring::int8_tensor_cores;
+  } else if (scoring == PooledScoring::exact_f64 && !exact_f64::applies(P, D)) {
     throw Error(op, "q", "the float64 scoring kernel takes group * r <= " + std::to_string(exact_f64::kMaxRows) +
                              " query rows and (group * r + " + std::to_string(exact_f64::kSlab) + ") * (D + 4) <= " +
                              std::to_string(exact_f64::kMaxStaged) + ", got group * r = " + std::to_string(P) +
                              " with D = " + std::to_string(D));
-  const bool exact = screen == PooledScreen::exact_f64;
+  }
+  const bool exact = scoring == PooledScoring::exact_f64;
   const DeviceFacts dev = device_facts(op, q);
   check_device_memory(op, "q", q);
   check_device_memory(op, "k", k);
@@ -1824,7 +1507,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
                              " exceed the CUDA selector's row indices");
 
   const std::int64_t rows[2] = {B * Hq * Tq * r, B * Hkv * Tk * r};
-  const RepLayout lay = rep_layout(q, k, rows[0] + rows[1], !exact, multiprocessors(op, q.device_index));
+  const RepLayout lay = rep_layout(q, k, rows[0] + rows[1], !exact, multiprocessors(op, q.device_index), forced_rep);
   std::size_t offsets[9]{}, total = 0;
   auto carve = [&](std::size_t bytes) {
     const std::size_t at = total;
@@ -1871,14 +1554,10 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   p.P = static_cast<int>(P), p.r = static_cast<int>(r), p.span = static_cast<int>(kTileQ / r), p.top_k = o.top_k;
   p.rshift = r == 4 ? 2 : 0;  // the front end allows r = 1 or 4
   p.dterm = static_cast<float>(D) / 4.0f + 1.0f;
-  p.err_scale = D <= 4096 ? 2.0f * static_cast<float>(D) * 0x1p-24f : INFINITY;
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
-  p.phase_ns = phase_ns;
   const int max_smem = dev.max_smem, sms = dev.sms;
   if (exact) exact_f64::launch_scores(op, p, jobs, max_smem, q.device_index, stream);
-  else if (screen == PooledScreen::int8_tensor_cores) launch_scores(op, p, jobs, max_smem, sms, q.device_index, stream);
-  else if (P <= fp32_screen::SmallTile::QM) fp32_screen::launch_scores<fp32_screen::SmallTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
-  else fp32_screen::launch_scores<fp32_screen::LargeTile>(op, p, jobs, max_smem, sms, q.device_index, stream);
+  else launch_scores(op, p, jobs, max_smem, sms, q.device_index, stream);
 }
 
 }  // namespace sparse_attn::cuda_backend

@@ -6,9 +6,8 @@
 //  2. screen: the 128 query code rows of a Q tile times each KV block's 128 key code rows in bf16 with
 //     float32 accumulation, keeping per visible (query, block) the max over the block's keys; TileLists
 //     also max over the tile's queries (as partial maxima per consumer warp, maxed by the decision).
-//     Only these maxima reach memory, never the [Lq, Lk] scores. The default kernel is warp-specialised
-//     (TMA producer, wgmma consumers: screen_ws_kernel); wgmma with cp.async and mma.sync remain
-//     selectable for tests (set_token_max_screen);
+//     Only these maxima reach memory, never the [Lq, Lk] scores. The kernel is warp-specialised (TMA
+//     producer, wgmma consumers: screen_ws_kernel);
 //  3. decide: per list, every candidate gets an interval [lo, hi] that provably holds its exact
 //     (CPU) score (tc_index.cuh: score_interval). A block that at most k - 1 others can rank before is
 //     in; one that at least k others certainly rank before is out; the rest are undecided. A list
@@ -20,8 +19,7 @@
 //     QueryLists) with the values staged as doubles, combined by an atomic max on an order-preserving
 //     integer encoding;
 //  5. finish: lists with undecided blocks rank (class, exact score, id) and are written.
-// Each launch after the first is a programmatic dependent of the one before (chain_start), unless
-// set_token_max_pdl turns that off or stage events are being recorded.
+// Each launch after the first is a programmatic dependent of the one before (chain_start).
 //
 // Why the ids equal the CPU's: let T be the CPU's top-k set under its strict total order (score
 // descending, id ascending; reserved blocks score +inf), and let every candidate's exact score lie in
@@ -33,7 +31,6 @@
 // "Can rank before": hi_i > lo_j, or hi_i == lo_j and i < j; "certainly": lo_i > hi_j, or lo_i == hi_j
 // and i < j (equal bounds force equal scores, and the tie goes to the lower id).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -46,7 +43,6 @@
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
 #include "cuda/selectors/tc_mma.cuh"
-#include "cuda/selectors/tc_token_max.cuh"
 
 namespace sparse_attn::cuda_backend {
 
@@ -57,20 +53,13 @@ using sel::check_cuda;
 using sel::imax;
 using sel::imin;
 
-constexpr int kScreenThreads = 256;  // 8 warps: 4 x 32 query rows by 2 x 64 keys of a block
-constexpr int kMaxDp = 256;          // Q tile + two K stages of 128 x (Dp + 8) bf16: 203 KB at 256
-constexpr int kPitchPad = 8;         // row pitch (Dp + 8) * 2 bytes = 16 * odd: ldmatrix rows hit distinct banks
+constexpr int kMaxDp = 256;          // WsLayout<4>: the Q tile and two K stages of 128 x 256 bf16, 194 KB
 constexpr int kRankThreads = 128;
 constexpr int kRescoreThreads = 128;  // see RescoreShape
 constexpr int kChunk = 16;            // queries of a tile per re-scoring work item
 constexpr int kChunksPerTile = kTileQ / kChunk;
 
 enum Cls : unsigned char { kOut = 0, kUndecided = 1, kIn = 2 };
-
-unsigned long long* g_stats = nullptr;  // optional device counters, see tc_token_max.cuh
-int g_screen = 0;                       // screening kernel, see tc_token_max.cuh
-std::atomic<bool> g_pdl{true};          // programmatic launches, see tc_token_max.cuh
-cudaEvent_t* g_events = nullptr;        // optional stage events, see tc_token_max.cuh
 
 struct Shape {
   std::int64_t B, Lq, Lk, Hkv, Hk, Di, Dp, Tq, Tk;
@@ -88,280 +77,34 @@ struct Shape {
 
 // ---- 2. screening GEMM ---------------------------------------------------------------------------------
 
-struct ScreenParams {
-  const __nv_bfloat16* qc;  // [B, Lq, Hkv, Dp]
-  const __nv_bfloat16* kc;  // [B, Lk, Hk, Dp]
-  float* out;               // QueryLists [B, Hkv, Lq, Tk]; TileLists [B, Hkv, Tq, Tk]
-  Shape s;
-  std::int64_t per_split;   // mma.sync: KV blocks per CTA (grid z); wgmma: (tile, block) units per CTA
-};
-
-std::size_t screen_smem(std::int64_t Dp) {
-  return static_cast<std::size_t>(3 * kTileQ * (Dp + kPitchPad)) * 2 + 2 * kTileQ * sizeof(float);
-}
-
-// Every kernel after the preparation starts here. With programmatic launches (set_token_max_pdl, on by
-// default) each is a dependent of the kernel before it: it may be scheduled while that one drains and
-// waits here until it has completed (its memory visible). The short kernels then let the next one be
-// scheduled at once (kTrigger); the screens do not, so the decision's CTAs are not resident beside them
-// for the whole screen (which cost the 32K fp8 call 22 us on the H200): their trigger is their exit.
-// Launched plainly, both are no-ops.
+// Every kernel after the preparation starts here. Each is a programmatic dependent of the kernel before
+// it: it may be scheduled while that one drains and waits here until it has completed (its memory
+// visible). The short kernels then let the next one be scheduled at once (kTrigger); the screen does not,
+// so the decision's CTAs are not resident beside it for the whole screen (which cost the 32K fp8 call
+// 22 us on the H200): its trigger is its exit.
 template <bool kTrigger = true>
 __device__ __forceinline__ void chain_start() {
   sel::pdl_wait();
   if constexpr (kTrigger) sel::pdl_launch_dependents();
 }
 
-// grid: (Tq, B * Hkv, splits). The CTA's 128 query code rows stay in shared memory; KV blocks stream
-// through two cp.async stages.
-template <bool kTiles>
-__global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const ScreenParams p) {
-  chain_start<false>();
-  extern __shared__ __align__(128) unsigned char smem[];
-  const Shape& s = p.s;
-  const int pitch = static_cast<int>(s.Dp) + kPitchPad;
-  auto* qs = reinterpret_cast<__nv_bfloat16*>(smem);
-  auto* kst = qs + kTileQ * pitch;
-  auto* red = reinterpret_cast<float*>(kst + 2 * kBlockK * pitch);
-
-  const std::int64_t t = blockIdx.x, bg = blockIdx.y, b = bg / s.Hkv, g = bg % s.Hkv;
-  const std::int64_t hk = s.Hk == 1 ? 0 : g;
-  const std::int64_t i0 = t * kTileQ, i_hi = imin(s.Lq, i0 + kTileQ) - 1;
-  const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of the tile sees
-  const std::int64_t j_begin = blockIdx.z * p.per_split, j_end = imin(jmax, j_begin + p.per_split);
-  if (j_begin >= j_end) return;
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wm = warp / 2, wn = warp % 2;
-  const int chunks = static_cast<int>(s.Dp) / 8;  // 16-byte pieces of a row
-
-  for (int e = tid; e < kTileQ * chunks; e += kScreenThreads) {
-    const int r = e / chunks, c = e % chunks;
-    const std::int64_t i = i0 + r;
-    const bool valid = i < s.Lq;
-    cp_async16(qs + r * pitch + c * 8, p.qc + ((b * s.Lq + (valid ? i : 0)) * s.Hkv + g) * s.Dp + c * 8, valid);
-  }
-  auto load_block = [&](std::int64_t j, int stage) {
-    __nv_bfloat16* dst = kst + stage * kBlockK * pitch;
-    for (int e = tid; e < kBlockK * chunks; e += kScreenThreads) {
-      const int r = e / chunks, c = e % chunks;
-      const std::int64_t key = j * kBlockK + r;
-      const bool valid = key < s.Lk;
-      cp_async16(dst + r * pitch + c * 8, p.kc + ((b * s.Lk + (valid ? key : 0)) * s.Hk + hk) * s.Dp + c * 8, valid);
-    }
-  };
-  load_block(j_begin, 0);
-  cp_async_commit();
-
-  const int ksteps = static_cast<int>(s.Dp) / 16;
-  for (std::int64_t j = j_begin; j < j_end; ++j) {
-    const int stage = static_cast<int>((j - j_begin) & 1);
-    if (j + 1 < j_end) {
-      load_block(j + 1, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-
-    float acc[2][8][4];
-    for (int mt = 0; mt < 2; ++mt)
-      for (int nt = 0; nt < 8; ++nt)
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
-    const __nv_bfloat16* kb = kst + stage * kBlockK * pitch;
-    for (int ks = 0; ks < ksteps; ++ks) {
-      std::uint32_t a[2][4];
-      for (int mt = 0; mt < 2; ++mt)
-        ldmatrix_x4(a[mt], qs + (wm * 32 + mt * 16 + lane % 16) * pitch + ks * 16 + (lane / 16) * 8);
-      for (int np = 0; np < 4; ++np) {
-        std::uint32_t bb[4];
-        ldmatrix_x4(bb, kb + (wn * 64 + np * 16 + (lane / 16) * 8 + lane % 8) * pitch + ks * 16 + ((lane / 8) % 2) * 8);
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_bf16_16816(acc[mt][2 * np], a[mt], bb[0], bb[1]);
-          mma_bf16_16816(acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
-        }
-      }
-    }
-
-    // Max over the visible keys of the block: key k0 + col is visible to query i iff k0 + col < key_end(i)
-    // (key_end <= Lk also drops the zero-filled keys past Lk).
-    const std::int64_t k0 = j * kBlockK;
-    float tile_max = -INFINITY;
-    for (int mt = 0; mt < 2; ++mt)
-      for (int h = 0; h < 2; ++h) {
-        const int r = wm * 32 + mt * 16 + h * 8 + lane / 4;
-        const std::int64_t i = i0 + r;
-        const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
-        float m = -INFINITY;
-        for (int nt = 0; nt < 8; ++nt)
-          for (int e = 0; e < 2; ++e) {
-            const int col = wn * 64 + nt * 8 + 2 * (lane % 4) + e;
-            if (col < lim) m = fmaxf(m, acc[mt][nt][h * 2 + e]);
-          }
-        if constexpr (kTiles) {
-          tile_max = fmaxf(tile_max, m);
-        } else {
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          if (lane % 4 == 0) red[wn * kTileQ + r] = m;
-        }
-      }
-    if constexpr (kTiles) {
-      for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-      if (lane == 0) red[warp] = tile_max;
-    }
-    __syncthreads();
-    if constexpr (kTiles) {
-      if (tid == 0) {
-        float m = red[0];
-        for (int w = 1; w < kScreenThreads / 32; ++w) m = fmaxf(m, red[w]);
-        p.out[(bg * s.Tq + t) * s.Tk + j] = m;
-      }
-    } else {
-      if (tid < kTileQ && i0 + tid < s.Lq) p.out[(bg * s.Lq + i0 + tid) * s.Tk + j] = fmaxf(red[tid], red[kTileQ + tid]);
-    }
-    __syncthreads();  // stage and red are rewritten by the next iteration
-  }
-}
-
-// The same product on wgmma (m64n128k16, both operands K-major in 128B-swizzled shared memory, as
-// S = Q K^T of the attention kernels): two warpgroups own 64 query rows each and all 128 keys of the
-// block. Tiles are [Dw / 64 halves][128 rows][128 B] with Dw = Dp rounded up to 64 (zero filled);
-// cp.async writes the swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), then each writer
-// fences the generic proxy against the async proxy before the barrier that precedes wgmma.
-constexpr int kWgHalfBytes = kTileQ * 128;  // one 64-column half of a 128-row bf16 tile
-
-__host__ __device__ std::int64_t wg_width(std::int64_t Dp) { return (Dp + 63) / 64 * 64; }
-std::size_t screen_wg_smem(std::int64_t Dp) {
-  return static_cast<std::size_t>(3 * (wg_width(Dp) / 64) * kWgHalfBytes) + 1024 + 16 * sizeof(float);
-}
-
-// Persistent: CTA c owns the units [c U, (c + 1) U) of the (Q tile, KV block) sequence, tile-major, so it
-// streams one or two runs of consecutive blocks; a run reloads its Q tile (the pipeline drains between
-// runs). One wave of CTAs: no tail of partial waves, one Q load per run.
-template <bool kTiles, int kHalves>
-__global__ void __launch_bounds__(kScreenThreads, 2) screen_wgmma_kernel(const ScreenParams p) {
-  chain_start<false>();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Shape& s = p.s;
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  constexpr int halves = kHalves;
-  constexpr int tile_bytes = halves * kWgHalfBytes;
-  unsigned char* qs = smem;
-  unsigned char* kst = smem + tile_bytes;
-  auto* red = reinterpret_cast<float*>(smem + 3 * tile_bytes);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = tid / 128, w = warp % 4;
-  constexpr int chunks = halves * 8;  // 16-byte chunks of a (padded) row
-  const int valid_chunks = static_cast<int>(s.Dp) / 8;
-  auto load_tile = [&](unsigned char* dst, const __nv_bfloat16* src_rows, std::int64_t first, std::int64_t limit,
-                       std::int64_t row_stride) {
-    for (int e = tid; e < kTileQ * chunks; e += kScreenThreads) {
-      const int r = e / chunks, c = e % chunks;
-      const std::int64_t row = first + r;
-      const bool valid = row < limit && c < valid_chunks;
-      unsigned char* d = dst + (c / 8) * kWgHalfBytes + r * 128 + (((c % 8) ^ (r % 8)) * 16);
-      cp_async16(d, src_rows + (valid ? row : 0) * row_stride + (valid ? c * 8 : 0), valid);
-    }
-  };
-
-  const std::int64_t units = s.B * s.Hkv * s.Tq * s.Tk;
-  const std::int64_t u_end = imin(units, (static_cast<std::int64_t>(blockIdx.x) + 1) * p.per_split);
-  for (std::int64_t u = static_cast<std::int64_t>(blockIdx.x) * p.per_split; u < u_end;) {
-    const std::int64_t tile = u / s.Tk, run_end = imin(u_end, (tile + 1) * s.Tk);
-    const std::int64_t t = tile % s.Tq, bg = tile / s.Tq, b = bg / s.Hkv, g = bg % s.Hkv;
-    const std::int64_t hk = s.Hk == 1 ? 0 : g;
-    const std::int64_t i0 = t * kTileQ, i_hi = imin(s.Lq, i0 + kTileQ) - 1;
-    const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of the tile sees
-    const std::int64_t j_begin = u - tile * s.Tk, j_end = imin(jmax, run_end - tile * s.Tk);
-    u = run_end;
-    if (j_begin >= j_end) continue;
-
-    // Row l of (b, head) starts at ((b * L + l) * H + head) * Dp: a row stride of H * Dp from the first.
-    const __nv_bfloat16* qbase = p.qc + ((b * s.Lq) * s.Hkv + g) * s.Dp;
-    const __nv_bfloat16* kbase = p.kc + ((b * s.Lk) * s.Hk + hk) * s.Dp;
-    load_tile(qs, qbase, i0, s.Lq, s.Hkv * s.Dp);
-    load_tile(kst, kbase, j_begin * kBlockK, s.Lk, s.Hk * s.Dp);
-    cp_async_commit();
-
-    constexpr int ksteps = halves * 4;
-    for (std::int64_t j = j_begin; j < j_end; ++j) {
-      const int stage = static_cast<int>((j - j_begin) & 1);
-      if (j + 1 < j_end) {
-        load_tile(kst + (stage ^ 1) * tile_bytes, kbase, (j + 1) * kBlockK, s.Lk, s.Hk * s.Dp);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads();
-
-      float d[64];
-      const std::uint32_t a_base = smem_addr(qs) + wg * 64 * 128, b_base = smem_addr(kst + stage * tile_bytes);
-      cuda_kernels::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < ksteps; ++kk) {
-        const std::uint32_t off = (kk / 4) * kWgHalfBytes + (kk % 4) * 32;
-        cuda_kernels::wgmma_ss<cuda_kernels::Bf16Tag>(d, cuda_kernels::make_desc_sw128(a_base + off, 16, 1024),
-                                                       cuda_kernels::make_desc_sw128(b_base + off, 16, 1024), kk > 0);
-      }
-      cuda_kernels::wgmma_commit();
-      cuda_kernels::wgmma_wait<0>();
-      cuda_kernels::fence_operands(d);
-
-      // d[4 c + e]: row 16 w + lane / 4 + 8 (e / 2) of the warpgroup's 64, key 8 c + 2 (lane % 4) + e % 2.
-      const std::int64_t k0 = j * kBlockK;
-      float m[2];
-      for (int h = 0; h < 2; ++h) {
-        const int r = wg * 64 + 16 * w + lane / 4 + 8 * h;
-        const std::int64_t i = i0 + r;
-        const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
-        float v = -INFINITY;
-        if (lim >= kBlockK) {
-          for (int c = 0; c < 16; ++c) v = fmaxf(v, fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]));
-        } else {
-          for (int c = 0; c < 16; ++c)
-            for (int e = 0; e < 2; ++e)
-              if (8 * c + 2 * (lane % 4) + e < lim) v = fmaxf(v, d[4 * c + 2 * h + e]);
-        }
-        m[h] = v;
-      }
-      if constexpr (kTiles) {
-        float v = fmaxf(m[0], m[1]);
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (lane == 0) red[warp] = v;
-        __syncthreads();
-        if (tid == 0) {
-          float x = red[0];
-          for (int q = 1; q < kScreenThreads / 32; ++q) x = fmaxf(x, red[q]);
-          p.out[(bg * s.Tq + t) * s.Tk + j] = x;
-        }
-      } else {
-        for (int h = 0; h < 2; ++h) {
-          float v = m[h];
-          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-          const std::int64_t i = i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
-          if (lane % 4 == 0 && i < s.Lq) p.out[(bg * s.Lq + i) * s.Tk + j] = v;
-        }
-      }
-      __syncthreads();  // the stage, red and (after the run) the Q tile are rewritten next
-    }
-  }
-}
-
-// The same product, warp-specialised (the default screen): a producer warp streams the Q tile and the
-// KV blocks with TMA (128B-swizzled boxes of 128 rows x 64 columns, rows past L read as zero, which the
-// visibility limits exclude) through a ring of kStages K slots; two consumer warpgroups own 64 query rows
-// each and keep two accumulator sets, so the wgmmas of block j + 1 run while the maxima of block j are
-// formed. TileLists: each consumer warp writes its own partial maximum (the maximum over its 16 rows), so
+// The screen: the 128 query code rows of a Q tile times each KV block's 128 key code rows on wgmma
+// (m64n128k16, bf16 products, float32 accumulation), both operands K-major in 128B-swizzled shared memory
+// as S = Q K^T of the attention kernels; a tile is [Dw / 64 halves][128 rows][128 B] with Dw = Dp rounded
+// up to 64 (zero filled). Warp-specialised: a producer warp streams the Q tile and the KV blocks with
+// TMA (128B-swizzled boxes of 128 rows x 64 columns, rows past L read as zero, which the visibility
+// limits exclude) through a ring of kStages K slots; two consumer warpgroups own 64 query rows each and
+// keep two accumulator sets, so the wgmmas of block j + 1 run while the maxima of block j are formed. TileLists: each consumer warp writes its own partial maximum (the maximum over its 16 rows), so
 // no barrier joins the warps; the decision takes the maximum of the kScreenParts partials. QueryLists: a
 // row's maximum is complete in its quad of lanes. Persistent: CTA c owns units [c U, (c + 1) U) of the
 // (Q tile, KV block) sequence, tile-major; a new run (Q tile) waits until the consumers are done with the
 // previous tile.
+constexpr int kWgHalfBytes = kTileQ * 128;  // one 64-column half of a 128-row bf16 tile
 constexpr int kScreenParts = 8;               // consumer warps: TileLists partial maxima
 constexpr int kWsThreads = 384;               // producer warpgroup + two consumer warpgroups
 constexpr int kWsConsumerThreads = 256;
+
+std::int64_t wg_width(std::int64_t Dp) { return (Dp + 63) / 64 * 64; }
 
 template <int kHalves>
 struct WsLayout {
@@ -934,7 +677,7 @@ __global__ void __launch_bounds__(kRankThreads) finish_kernel(const RankParams p
 
 template <bool kTiles>
 void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorView& idx, const TensorView* cnt,
-                   const TokenMaxOptions& o) {
+                   const TokenMaxOptions& o, const detail::SelectorTuning& tuning) {
   const std::string op = "token_max_select";
   const int max_smem = sel::usable_device_smem(op, "qidx", qidx);
   sel::check_device_memory(op, "qidx", qidx);
@@ -954,7 +697,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                                 std::to_string(kMaxDp));
   if (s.B * s.Hkv > 65535)
     throw Error(op, "qidx", "B x Hkv = " + std::to_string(s.B * s.Hkv) + " exceeds the CUDA selector's limit of 65535");
-  const std::size_t sc_smem = screen_smem(s.Dp), rk_smem = std::max(rank_smem(s.Tk), finish_smem(s.Tk));
+  const std::size_t rk_smem = std::max(rank_smem(s.Tk), finish_smem(s.Tk));
   const std::size_t rs_smem = rescore_smem<kTiles>(s.Di);
   if (rk_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "kidx", "Lk = " + std::to_string(s.Lk) + " gives " + std::to_string(s.Tk) +
@@ -977,8 +720,6 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                "cudaFuncSetAttribute");
     have = bytes;
   };
-  const bool use_ws = g_screen == 0, use_wgmma = g_screen == 2;
-  const std::size_t wg_smem = screen_wg_smem(s.Dp);
   using WsFn = void (*)(WsParams);
   constexpr WsFn ws_by_halves[] = {screen_ws_kernel<kTiles, 1>, screen_ws_kernel<kTiles, 2>, screen_ws_kernel<kTiles, 3>,
                                    screen_ws_kernel<kTiles, 4>};
@@ -986,21 +727,11 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   const int halves = static_cast<int>(wg_width(s.Dp) / 64);
   const WsFn ws = ws_by_halves[halves - 1];
   const std::size_t ws_smem = ws_bytes[halves - 1];
-  if (use_ws) {
-    if (ws_smem > static_cast<std::size_t>(max_smem))
-      throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " needs " + std::to_string(ws_smem) +
-                                  " bytes of shared memory for the screening kernel; the device allows " +
-                                  std::to_string(max_smem));
-    attr(reinterpret_cast<const void*>(ws), ws_smem);
-  }
-  using ScreenFn = void (*)(ScreenParams);
-  ScreenFn screen = screen_kernel<kTiles>;
-  if (use_wgmma) {
-    constexpr ScreenFn by_halves[] = {screen_wgmma_kernel<kTiles, 1>, screen_wgmma_kernel<kTiles, 2>,
-                                      screen_wgmma_kernel<kTiles, 3>, screen_wgmma_kernel<kTiles, 4>};
-    screen = by_halves[wg_width(s.Dp) / 64 - 1];
-  }
-  if (!use_ws) attr(reinterpret_cast<const void*>(screen), use_wgmma ? wg_smem : sc_smem);
+  if (ws_smem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " needs " + std::to_string(ws_smem) +
+                                " bytes of shared memory for the screening kernel; the device allows " +
+                                std::to_string(max_smem));
+  attr(reinterpret_cast<const void*>(ws), ws_smem);
   attr(reinterpret_cast<const void*>(decide_kernel<kTiles>), rk_smem);
   attr(reinterpret_cast<const void*>(finish_kernel<kTiles>), rk_smem);
   attr(reinterpret_cast<const void*>(rescore_kernel<kTiles>), rs_smem);
@@ -1023,8 +754,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   const std::size_t o_kc = take(static_cast<std::size_t>(k_rows * s.Dp) * 2);
   const std::size_t o_qn = take(static_cast<std::size_t>(q_rows) * 4);
   const std::size_t o_kn = take(static_cast<std::size_t>(k_rows) * 4);
-  // Screened maxima; the warp-specialised screen leaves kScreenParts partial maxima per TileLists entry.
-  const int parts = use_ws && kTiles ? kScreenParts : 1;
+  // Screened maxima; the screen leaves kScreenParts partial maxima per TileLists entry.
+  const int parts = kTiles ? kScreenParts : 1;
   const std::size_t o_m = take(static_cast<std::size_t>(R * s.Tk * parts) * 4);
   const std::size_t o_cls = take(static_cast<std::size_t>(R * s.Tk));
   const std::size_t o_ex = take(static_cast<std::size_t>(R * s.Tk) * 8);
@@ -1033,58 +764,31 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   sel::StreamScratch scratch(off, stream, op);
   check_cuda(cudaMemsetAsync(scratch.as<void>(0), 0, zero_bytes, stream), op, "cudaMemsetAsync");
   auto* words = scratch.as<unsigned int>(o_words);  // [0], [1]: amax of qidx, kidx; [2]: queue length
-  // Every launch after the first a programmatic dependent of the one before (chain_start), unless the
-  // stage events are being recorded between them.
-  const bool pdl = g_pdl.load(std::memory_order_relaxed) && g_events == nullptr;
+  // Every launch after the first a programmatic dependent of the one before (chain_start).
   auto launch = [&](const char* what, auto kernel, dim3 grid, dim3 block, std::size_t smem, const auto& params) {
-    sel::launch_kernel(op, what, kernel, grid, block, smem, stream, pdl, params);
+    sel::launch_dependent(op, what, kernel, grid, block, smem, stream, params);
   };
-  auto mark = [&](int stage) {
-    if (g_events != nullptr) check_cuda(cudaEventRecord(g_events[stage], stream), op, "cudaEventRecord");
-  };
-  mark(0);
 
   launch_prepare_pair(qidx, kidx, o.precision, words,
                       PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned int>(o_qmax), s.Dp},
                       PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned int>(o_kmax), s.Dp},
-                      stream, op, pdl);
+                      stream, op, true);
 
-  mark(1);
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
-  // The KV blocks of a Q tile are split over several CTAs: about 8 waves of one CTA per SM keep the
-  // tail (causal tiles see different numbers of blocks) short; each CTA still streams >= 4 blocks.
-  const std::int64_t tiles = s.Tq * s.B * s.Hkv;
-  const std::int64_t splits = imin<std::int64_t>(imin<std::int64_t>(ceil_div(s.Tk, 4), 65535),
-                                                 imax<std::int64_t>(1, ceil_div(8 * static_cast<std::int64_t>(sms), tiles)));
-  ScreenParams sp{scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_m), s,
-                  ceil_div(s.Tk, splits)};
-  dim3 sgrid(static_cast<unsigned>(s.Tq), static_cast<unsigned>(s.B * s.Hkv),
-             static_cast<unsigned>(ceil_div(s.Tk, sp.per_split)));
-  if (use_wgmma) {  // one wave of persistent CTAs (two per SM) over contiguous unit ranges
-    const std::int64_t units = tiles * s.Tk;
-    const std::int64_t ctas = imin<std::int64_t>(units, 2 * static_cast<std::int64_t>(sms));
-    sp.per_split = ceil_div(units, ctas);
-    sgrid = dim3(static_cast<unsigned>(ceil_div(units, sp.per_split)));
-  }
-  if (use_ws) {  // one wave of persistent CTAs (one per SM) over contiguous unit ranges
-    WsParams wp{};
-    const int dev_ord = dev;
-    wp.qmap = cuda_kernels::make_bhld_tensor_map(
-        op, "qidx", TensorView::contiguous(scratch.as<void>(o_qc), DType::bf16, {s.B, s.Lq, s.Hkv, s.Dp}, Device::cuda, dev_ord));
-    wp.kmap = cuda_kernels::make_bhld_tensor_map(
-        op, "kidx", TensorView::contiguous(scratch.as<void>(o_kc), DType::bf16, {s.B, s.Lk, s.Hk, s.Dp}, Device::cuda, dev_ord));
-    wp.out = scratch.as<float>(o_m);
-    wp.part_stride = R * s.Tk;
-    wp.s = s;
-    const std::int64_t units = tiles * s.Tk;
-    const std::int64_t ctas = imin<std::int64_t>(units, static_cast<std::int64_t>(sms));
-    wp.per_cta = ceil_div(units, ctas);
-    launch("screen launch", ws, dim3(static_cast<unsigned>(ceil_div(units, wp.per_cta))), dim3(kWsThreads), ws_smem, wp);
-  } else {
-    launch("screen launch", screen, sgrid, dim3(kScreenThreads), use_wgmma ? wg_smem : sc_smem, sp);
-  }
-  mark(2);
+  // One wave of persistent CTAs (one per SM) over contiguous ranges of (Q tile, KV block) units.
+  WsParams wp{};
+  wp.qmap = cuda_kernels::make_bhld_tensor_map(
+      op, "qidx", TensorView::contiguous(scratch.as<void>(o_qc), DType::bf16, {s.B, s.Lq, s.Hkv, s.Dp}, Device::cuda, dev));
+  wp.kmap = cuda_kernels::make_bhld_tensor_map(
+      op, "kidx", TensorView::contiguous(scratch.as<void>(o_kc), DType::bf16, {s.B, s.Lk, s.Hk, s.Dp}, Device::cuda, dev));
+  wp.out = scratch.as<float>(o_m);
+  wp.part_stride = R * s.Tk;
+  wp.s = s;
+  const std::int64_t units = s.Tq * s.B * s.Hkv * s.Tk;
+  const std::int64_t ctas = imin<std::int64_t>(units, static_cast<std::int64_t>(sms));
+  wp.per_cta = ceil_div(units, ctas);
+  launch("screen launch", ws, dim3(static_cast<unsigned>(ceil_div(units, wp.per_cta))), dim3(kWsThreads), ws_smem, wp);
 
   RankParams rp{};
   rp.m = scratch.as<float>(o_m);
@@ -1103,7 +807,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   rp.pending = scratch.as<int>(o_pend);
   rp.count = words + 2;
   rp.queue = scratch.as<int2>(o_queue);
-  rp.stats = g_stats;
+  rp.stats = tuning.token_max_counters;
   rp.idx = idx.ptr<std::int32_t>();
   rp.is0 = idx.stride[0], rp.is1 = idx.stride[1], rp.is2 = idx.stride[2], rp.is3 = idx.stride[3];
   rp.width = idx.shape[3];
@@ -1115,7 +819,6 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   rp.top_k = o.top_k;
   rp.reserve_local = o.reserve_local;
   launch("decision launch", decide_kernel<kTiles>, dim3(static_cast<unsigned>(R)), dim3(kRankThreads), rk_smem, rp);
-  mark(3);
 
   RescoreParams xp{index_src(qidx), index_src(kidx), scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc),
                    sel::in_type(qidx.dtype), sel::in_type(kidx.dtype), rp.prec, words, rp.exact, rp.count, rp.queue, s};
@@ -1124,27 +827,20 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   const std::int64_t rgrid = imin<std::int64_t>(4 * static_cast<std::int64_t>(sms), cap * RescoreShape<kTiles>::KS);
   launch("re-scoring launch", rescore_kernel<kTiles>, dim3(static_cast<unsigned>(imax<std::int64_t>(1, rgrid))),
          dim3(kRescoreThreads), rs_smem, xp);
-  mark(4);
   launch("ranking launch", finish_kernel<kTiles>, dim3(static_cast<unsigned>(R)), dim3(kRankThreads), rk_smem, rp);
-  mark(5);
   check_cuda(cudaGetLastError(), op, "kernel launch");
 }
 
 }  // namespace
 
-void set_token_max_stats(unsigned long long* device_counters) { g_stats = device_counters; }
-void set_token_max_screen(int kernel) { g_screen = kernel; }
-void set_token_max_pdl(bool on) { g_pdl.store(on, std::memory_order_relaxed); }
-void set_token_max_events(cudaEvent_t* events) { g_events = events; }
-
-void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
-                      const TokenMaxOptions& o) {
-  run_token_max<false>(qidx, kidx, out.idx, nullptr, o);
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out, const TokenMaxOptions& o,
+                      const detail::SelectorTuning& tuning) {
+  run_token_max<false>(qidx, kidx, out.idx, nullptr, o, tuning);
 }
 
-void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
-                      const TokenMaxOptions& o) {
-  run_token_max<true>(qidx, kidx, out.idx, &out.cnt, o);
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out, const TokenMaxOptions& o,
+                      const detail::SelectorTuning& tuning) {
+  run_token_max<true>(qidx, kidx, out.idx, &out.cnt, o, tuning);
 }
 
 }  // namespace sparse_attn::cuda_backend

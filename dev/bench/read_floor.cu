@@ -7,9 +7,9 @@
 // from L2 before each (by reading 256 MB: no dirty lines), and once more after a kernel that leaves L2 full
 // of dirty lines (as the attention does before a selector in a pipeline).
 //
-// Build and run on the GPU machine:
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o read_floor bench/gpu/read_floor.cu
-//   ./read_floor bench/results/<name>.json
+// Build and run on the GPU machine (a standalone program: it does not link the library):
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o read_floor dev/bench/read_floor.cu
+//   ./read_floor <name>.json
 #include <cuda_runtime.h>
 #include <cuda/ptx>
 #include <cstdio>

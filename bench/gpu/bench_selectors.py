@@ -1,0 +1,88 @@
+"""The CUDA selectors on the tile16 shape at Lk = 16K, top-16: one figure per selector.
+
+q [2, 4096, 16, 128] and k [2, 16384, 1, 128] bf16 of standard normal values; token_max reads index
+vectors qidx [2, 4096, 1, 128] and kidx [2, 16384, 1, 128] of their own. Each selector writes TileLists
+(idx [2, 1, 32, 16], cnt [2, 1, 32]) into tensors allocated once (out=), non-causal, the other options
+the library's defaults. Before timing, every selector's lists are checked against the selector
+contract (count, ascending distinct ids in range, -1 past the count, the forced / reserved block
+present) and, on batch 0, against the same selector on the CPU: pooled R1 must equal it id for id; for
+the others the fraction of equal lists is reported (float rounding may order near-ties differently).
+
+Usage: python3 bench_selectors.py [--json PATH] [--quick] [timing options, see --help]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402
+from harness import BLOCK, VerificationError  # noqa: E402
+
+SHAPE = {"B": 2, "Lq": 4096, "Lk": 16384, "Hq": 16, "Hkv": 1, "D": 128, "top_k": 16}
+# (name, call options, target in us where DESIGN §8 sets one)
+SELECTORS = [("pooled R1", {"representatives": 1}, 10.0), ("pooled R4", {"representatives": 4}, 20.0),
+             ("token_max bf16", {"precision": "bf16"}, None), ("token_max fp8", {"precision": "fp8_e4m3"}, 40.0),
+             ("token_max fp4", {"precision": "fp4_e2m1"}, None)]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_args(ap, peers=False)
+    return harness.parse(ap, argv)
+
+
+def select(sa, name, options, q, k, qidx, kidx, out):
+    """One call of the named selector into out = (idx, cnt); q, k, qidx, kidx on one device."""
+    top_k = SHAPE["top_k"]
+    if name.startswith("pooled"):
+        return sa.pooled_select(q, k, top_k=top_k, causal=False, out=out, **options)
+    return sa.token_max_select(qidx, kidx, top_k=top_k, causal=False, format="tile", out=out, **options)
+
+
+def line(row):
+    goal = f" (target <= {row['target_us']:.0f} us)" if row.get("target_us") else ""
+    return (f"selector {row['selector']:15s} tile16 Lk={SHAPE['Lk']} top-{SHAPE['top_k']}: {row['us']:9.1f} us{goal}; "
+            f"lists equal to the CPU selector's (batch 0): {row['equal_cpu_fraction']:.4f}")
+
+
+def run(args):
+    torch, sa = harness.gpu_modules()
+    gen = harness.generator(args.seed)
+    timer = harness.Timer(args)
+    res = harness.Results(args.json, harness.run_meta(args, shape=SHAPE, timer=timer.method))
+    B, Lq, Lk, Hq, Hkv, D, top_k = (SHAPE[x] for x in ("B", "Lq", "Lk", "Hq", "Hkv", "D", "top_k"))
+    q, k, _ = harness.random_qkv(B, Lq, Lk, Hq, Hkv, D, gen)
+    qidx, kidx, _ = harness.random_qkv(B, Lq, Lk, Hkv, 1, D, gen)
+    host = [x[:1].cpu() for x in (q, k, qidx, kidx)]  # batch 0 for the CPU selectors
+    Tq = harness.ceil_div(Lq, BLOCK)
+    out = (torch.empty(B, Hkv, Tq, top_k, dtype=torch.int32, device="cuda"),
+           torch.empty(B, Hkv, Tq, dtype=torch.int32, device="cuda"))
+    with res.recording_failure():
+        for name, options, target in SELECTORS:
+            out[0].fill_(-7)
+            out[1].fill_(-7)
+            select(sa, name, options, q, k, qidx, kidx, out)
+            torch.cuda.synchronize()
+            problems = harness.selector_list_problems(out[0].tolist(), out[1].tolist(), Lq, Lk, top_k, name)
+            if problems:
+                raise VerificationError(f"{name}: lists break the selector contract: " + "; ".join(problems))
+            cpu_idx, cpu_cnt = select(sa, name, options, *host, out=None)
+            equal = ((out[0][:1].cpu() == cpu_idx).all(dim=3) & (out[1][:1].cpu() == cpu_cnt)).float().mean().item()
+            if name == "pooled R1" and equal < 1.0:
+                raise VerificationError(f"pooled R1 on the GPU differs from the CPU selector on {1 - equal:.4f} "
+                                        "of the lists")
+            row = {"selector": name, "options": options, "us": 1e3 * timer(
+                lambda: select(sa, name, options, q, k, qidx, kidx, out)), "equal_cpu_fraction": equal}
+            if target is not None:
+                row["target_us"] = target
+            res.add(row, echo=False)
+            print(line(row), flush=True)
+    return res
+
+
+def main(argv=None):
+    return harness.exit_status(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
