@@ -1,6 +1,7 @@
 // Calibrated block-max thresholds for the gated executor (DESIGN §3, §5.5), and their calibration.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -21,6 +22,15 @@ struct ThresholdTable {
   std::int64_t tile_k = 128;
   std::string model;          // model identity the thresholds belong to
   std::vector<float> values;  // row-major [budgets.size(), n_layers, n_heads, n_qtiles]
+
+  /// n_budgets x n_layers x n_heads x n_qtiles, the size `values` must have. Throws Error naming
+  /// the extent when one is < 1, or when the product (in bytes) does not fit in int64.
+  static std::size_t value_count(std::size_t n_budgets, std::int64_t n_layers, std::int64_t n_heads,
+                                 std::int64_t n_qtiles);
+  /// Throws Error unless the table is consistent: at least one budget, every budget >= 1 and none
+  /// repeated, every extent >= 1 and values.size() == value_count(...). save and load check it; at and
+  /// slice check the extents against values.size().
+  void validate() const;
 
   /// `budget` is a slice index (see budget_index); qtile past the calibrated range reads the last
   /// position. Throws Error naming the index that is out of range.

@@ -3,9 +3,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <variant>
+#include <limits>
+#include <utility>
 
 #include "binding.hpp"
 
@@ -57,6 +60,8 @@ nb::dict plan_dict(const PlanEstimate& e) {
   d["reason"] = e.reason;
   d["stats"] = stats;
   return d;
+}
+
 /// validate() reads the contents of host tensors only (executors check device selections on the device).
 /// sparse_attn.validate copies torch tensors to the host before it gets here; any other device array
 /// is refused rather than passed on unchecked.
@@ -82,33 +87,77 @@ void require_host(const Selection& s, const std::string& op) {
       s);
 }
 
+constexpr std::int64_t kMaxExtent = std::numeric_limits<std::int32_t>::max();
+
+/// Every extent in [1, 2^31 - 1] (selections hold positions and block ids in int32) and Hq a multiple
+/// of Hkv, so that the derived quantities neither divide by zero nor overflow.
+ProblemShape checked_shape(const ProblemShape& p) {
+  const std::pair<const char*, std::int64_t> extents[] = {{"B", p.B},   {"Lq", p.Lq},   {"Lk", p.Lk},
+                                                          {"Hq", p.Hq}, {"Hkv", p.Hkv}, {"D", p.D}};
+  for (const auto& [name, v] : extents)
+    if (v < 1 || v > kMaxExtent)
+      throw Error("ProblemShape", name, "must be in [1, " + std::to_string(kMaxExtent) + "], got " + std::to_string(v));
+  if (p.Hq % p.Hkv != 0)
+    throw Error("ProblemShape", "Hq",
+                std::to_string(p.Hq) + " query heads are not a multiple of the " + std::to_string(p.Hkv) + " KV heads");
+  return p;
+}
+
+void check_position(const char* name, std::int64_t i, std::int64_t n) {
+  if (i < 0 || i >= n)
+    throw Error("ProblemShape", name, std::to_string(i) + " is out of range [0, " + std::to_string(n) + ")");
+}
+
+/// A read-write extent whose setter checks the shape it makes.
+template <std::int64_t ProblemShape::*Member>
+void extent_property(nb::class_<ProblemShape>& c, const char* name) {
+  c.def_prop_rw(
+      name, [](const ProblemShape& p) { return p.*Member; },
+      [](ProblemShape& p, std::int64_t v) {
+        ProblemShape next = p;
+        next.*Member = v;
+        p = checked_shape(next);
+      });
+}
+
 }  // namespace
 
 void bind_formats(nb::module_& m) {
   m.attr("TILE_Q") = kTileQ;
   m.attr("BLOCK_K") = kBlockK;
 
-  nb::class_<ProblemShape>(m, "ProblemShape", "Problem extents and the causal flag (DESIGN §2).")
-      .def(
-          "__init__",
-          [](ProblemShape* p, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
-             std::int64_t D, bool causal) {
-            new (p) ProblemShape{B, Lq, Lk, Hq, Hkv, D, causal};
-          },
-          "B"_a, "Lq"_a, "Lk"_a, "Hq"_a, "Hkv"_a, "D"_a = 128, "causal"_a = false)
-      .def_rw("B", &ProblemShape::B)
-      .def_rw("Lq", &ProblemShape::Lq)
-      .def_rw("Lk", &ProblemShape::Lk)
-      .def_rw("Hq", &ProblemShape::Hq)
-      .def_rw("Hkv", &ProblemShape::Hkv)
-      .def_rw("D", &ProblemShape::D)
-      .def_rw("causal", &ProblemShape::causal)
+  nb::class_<ProblemShape> shape(m, "ProblemShape", "Problem extents and the causal flag (DESIGN §2).");
+  shape.def(
+      "__init__",
+      [](ProblemShape* p, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
+         std::int64_t D, bool causal) { new (p) ProblemShape(checked_shape({B, Lq, Lk, Hq, Hkv, D, causal})); },
+      "B"_a, "Lq"_a, "Lk"_a, "Hq"_a, "Hkv"_a, "D"_a = 128, "causal"_a = false);
+  extent_property<&ProblemShape::B>(shape, "B");
+  extent_property<&ProblemShape::Lq>(shape, "Lq");
+  extent_property<&ProblemShape::Lk>(shape, "Lk");
+  extent_property<&ProblemShape::Hq>(shape, "Hq");
+  extent_property<&ProblemShape::Hkv>(shape, "Hkv");
+  extent_property<&ProblemShape::D>(shape, "D");
+  shape.def_rw("causal", &ProblemShape::causal)
       .def_prop_ro("Tq", &ProblemShape::Tq)
       .def_prop_ro("Tk", &ProblemShape::Tk)
       .def_prop_ro("group_size", &ProblemShape::group_size)
       .def_prop_ro("offset", &ProblemShape::offset)
-      .def("visible", &ProblemShape::visible, "i"_a, "j"_a)
-      .def("key_end", &ProblemShape::key_end, "i"_a)
+      .def(
+          "visible",
+          [](const ProblemShape& p, std::int64_t i, std::int64_t j) {
+            check_position("i", i, p.Lq);
+            check_position("j", j, p.Lk);
+            return p.visible(i, j);
+          },
+          "i"_a, "j"_a)
+      .def(
+          "key_end",
+          [](const ProblemShape& p, std::int64_t i) {
+            check_position("i", i, p.Lq);
+            return p.key_end(i);
+          },
+          "i"_a)
       .def("visible_pairs", &ProblemShape::visible_pairs)
       .def("describe", &ProblemShape::describe)
       .def("__repr__", [](const ProblemShape& p) { return "ProblemShape(" + p.describe() + ")"; });

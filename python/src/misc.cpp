@@ -38,7 +38,7 @@ nb::ndarray<nb::numpy, float> table_values(const ThresholdTable& t) {
 }
 
 void set_table_values(ThresholdTable& t, const FloatArray& a) {
-  const std::size_t expect = t.budgets.size() * static_cast<std::size_t>(t.n_layers * t.n_heads * t.n_qtiles);
+  const std::size_t expect = ThresholdTable::value_count(t.budgets.size(), t.n_layers, t.n_heads, t.n_qtiles);
   if (a.size() != expect)
     throw Error("ThresholdTable", "values",
                 "has " + std::to_string(a.size()) + " elements; [budgets, n_layers, n_heads, n_qtiles] needs " +
@@ -103,28 +103,27 @@ void bind_misc(nb::module_& m) {
           [](ThresholdTable* t, std::vector<std::int64_t> budgets, std::int64_t n_layers, std::int64_t n_heads,
              std::int64_t n_qtiles, std::optional<FloatArray> values, std::int64_t tile_q, std::int64_t tile_k,
              std::string model) {
-            new (t) ThresholdTable();
-            t->budgets = std::move(budgets);
-            t->n_layers = n_layers;
-            t->n_heads = n_heads;
-            t->n_qtiles = n_qtiles;
-            t->tile_q = tile_q;
-            t->tile_k = tile_k;
-            t->model = std::move(model);
-            if (n_layers < 0 || n_heads < 0 || n_qtiles < 0)
-              throw Error("ThresholdTable", "shape", "n_layers, n_heads and n_qtiles must be >= 0");
-            if (values) {
-              set_table_values(*t, *values);
-            } else {
-              t->values.assign(t->budgets.size() * static_cast<std::size_t>(n_layers * n_heads * n_qtiles), 0.0f);
-            }
+            // Checked before construction: nanobind does not destroy an object whose __init__ throws.
+            ThresholdTable table;
+            table.budgets = std::move(budgets);
+            table.n_layers = n_layers;
+            table.n_heads = n_heads;
+            table.n_qtiles = n_qtiles;
+            table.tile_q = tile_q;
+            table.tile_k = tile_k;
+            table.model = std::move(model);
+            if (values) set_table_values(table, *values);
+            else table.values.assign(ThresholdTable::value_count(table.budgets.size(), n_layers, n_heads, n_qtiles), 0.0f);
+            table.validate();
+            new (t) ThresholdTable(std::move(table));
           },
           "budgets"_a, "n_layers"_a, "n_heads"_a, "n_qtiles"_a, "values"_a.none() = nb::none(), "tile_q"_a = 128,
           "tile_k"_a = 128, "model"_a = "")
-      .def_rw("budgets", &ThresholdTable::budgets)
-      .def_rw("n_layers", &ThresholdTable::n_layers)
-      .def_rw("n_heads", &ThresholdTable::n_heads)
-      .def_rw("n_qtiles", &ThresholdTable::n_qtiles)
+      // The extents describe `values`: read-only, so that they cannot disagree with it.
+      .def_ro("budgets", &ThresholdTable::budgets)
+      .def_ro("n_layers", &ThresholdTable::n_layers)
+      .def_ro("n_heads", &ThresholdTable::n_heads)
+      .def_ro("n_qtiles", &ThresholdTable::n_qtiles)
       .def_rw("tile_q", &ThresholdTable::tile_q)
       .def_rw("tile_k", &ThresholdTable::tile_k)
       .def_rw("model", &ThresholdTable::model)

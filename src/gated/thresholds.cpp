@@ -7,7 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <set>
+#include <optional>
 
 #include "core/check.hpp"
 #include "core/cpu.hpp"
@@ -26,17 +26,31 @@ constexpr const char* kCalibOp = "Calibrator";
 // safetensors stores little-endian bytes; the raw copies below rely on a matching host.
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
 
-void check_table(const ThresholdTable& t, const std::string& op) {
-  detail::require(!t.budgets.empty(), op, "budgets", "the table holds no budget slice");
-  detail::require(t.n_layers > 0 && t.n_heads > 0 && t.n_qtiles > 0, op, "values",
-                  [&] { return "every extent must be > 0, got n_layers " + std::to_string(t.n_layers) + ", n_heads " +
-                      std::to_string(t.n_heads) + ", n_qtiles " + std::to_string(t.n_qtiles); });
-  const auto expected = static_cast<std::uint64_t>(t.budgets.size()) * static_cast<std::uint64_t>(t.n_layers) *
-                        static_cast<std::uint64_t>(t.n_heads) * static_cast<std::uint64_t>(t.n_qtiles);
-  detail::require(t.values.size() == expected, op, "values",
-                  [&] { return
-                      "holds " + std::to_string(t.values.size()) + " values, expected " + std::to_string(expected) +
-                      " = budgets (" + std::to_string(t.budgets.size()) + ") x layers x heads x q tiles"; });
+/// The checked product a * b of non-negative values, or nullopt when it exceeds `limit`.
+std::optional<std::uint64_t> times(std::uint64_t a, std::uint64_t b, std::uint64_t limit) {
+  if (b != 0 && a > limit / b) return std::nullopt;
+  return a * b;
+}
+
+/// The extents and the size of `values` agree (what indexing needs; validate() checks the budgets too).
+void check_values(const ThresholdTable& t) {
+  const std::size_t expected = ThresholdTable::value_count(t.budgets.size(), t.n_layers, t.n_heads, t.n_qtiles);
+  detail::require(t.values.size() == expected, kTableOp, "values", [&] {
+    return "holds " + std::to_string(t.values.size()) + " values, expected " + std::to_string(expected) +
+           " = budgets (" + std::to_string(t.budgets.size()) + ") x layers x heads x q tiles";
+  });
+}
+
+/// Every budget >= 1 and none repeated (sorted, so a file's thousands of budgets check in n log n).
+void check_budgets(const std::string& op, const std::vector<std::int64_t>& budgets) {
+  for (std::size_t i = 0; i < budgets.size(); ++i)
+    detail::require(budgets[i] >= 1, op, "budgets", [&] {
+      return "budget " + std::to_string(budgets[i]) + " at [" + std::to_string(i) + "] must be >= 1";
+    });
+  std::vector<std::int64_t> sorted = budgets;
+  std::sort(sorted.begin(), sorted.end());
+  const auto repeat = std::adjacent_find(sorted.begin(), sorted.end());
+  detail::require(repeat == sorted.end(), op, "budgets", [&] { return "budget " + std::to_string(*repeat) + " is repeated"; });
 }
 
 void check_index(const std::string& op, const std::string& name, std::int64_t i, std::int64_t n) {
@@ -53,7 +67,7 @@ std::int64_t parse_int(const std::string& path, const std::string& key, const st
     used = 0;
   }
   detail::require(used == text.size() && !text.empty(), kTableOp, path,
-                  [&] { return "metadata '" + key + "' is not an integer: '" + text + "'"; });
+                  [&] { return "metadata '" + key + "' is not an integer: '" + detail::printable(text) + "'"; });
   return value;
 }
 
@@ -61,8 +75,31 @@ std::int64_t parse_int(const std::string& path, const std::string& key, const st
 
 // ---- ThresholdTable ------------------------------------------------------------------------------
 
+std::size_t ThresholdTable::value_count(std::size_t n_budgets, std::int64_t n_layers, std::int64_t n_heads,
+                                        std::int64_t n_qtiles) {
+  detail::require(n_budgets > 0, kTableOp, "budgets", "the table holds no budget slice");
+  const std::pair<const char*, std::int64_t> extents[] = {{"n_layers", n_layers}, {"n_heads", n_heads}, {"n_qtiles", n_qtiles}};
+  // Indices are computed in int64 and byte sizes from the count, so both must fit.
+  constexpr std::uint64_t kLimit = std::numeric_limits<std::int64_t>::max() / sizeof(float);
+  std::optional<std::uint64_t> n = n_budgets;
+  for (const auto& [name, extent] : extents) {
+    detail::require(extent >= 1, kTableOp, name, [&] { return "must be >= 1, got " + std::to_string(extent); });
+    if (n) n = times(*n, static_cast<std::uint64_t>(extent), kLimit);
+  }
+  detail::require(n.has_value(), kTableOp, "values", [&] {
+    return "budgets (" + std::to_string(n_budgets) + ") x n_layers (" + std::to_string(n_layers) + ") x n_heads (" +
+           std::to_string(n_heads) + ") x n_qtiles (" + std::to_string(n_qtiles) + ") floats overflow int64 bytes";
+  });
+  return static_cast<std::size_t>(*n);
+}
+
+void ThresholdTable::validate() const {
+  check_values(*this);
+  check_budgets(kTableOp, budgets);
+}
+
 float ThresholdTable::at(std::int64_t budget, std::int64_t layer, std::int64_t head, std::int64_t qtile) const {
-  check_table(*this, kTableOp);
+  check_values(*this);
   check_index(kTableOp, "budget", budget, static_cast<std::int64_t>(budgets.size()));
   check_index(kTableOp, "layer", layer, n_layers);
   check_index(kTableOp, "head", head, n_heads);
@@ -73,7 +110,7 @@ float ThresholdTable::at(std::int64_t budget, std::int64_t layer, std::int64_t h
 }
 
 TensorView ThresholdTable::slice(std::int64_t budget, std::int64_t layer) const {
-  check_table(*this, kTableOp);
+  check_values(*this);
   check_index(kTableOp, "budget", budget, static_cast<std::int64_t>(budgets.size()));
   check_index(kTableOp, "layer", layer, n_layers);
   // gated() only reads its thresholds, so a view of const storage is safe to hand out.
@@ -92,7 +129,7 @@ std::int64_t ThresholdTable::budget_index(std::int64_t k) const {
 }
 
 void ThresholdTable::save(const std::string& path) const {
-  check_table(*this, kTableOp);
+  validate();
   detail::SafetensorsFile file;
   file.metadata["format"] = kFormat;
   file.metadata["tile_q"] = std::to_string(tile_q);
@@ -119,7 +156,7 @@ void ThresholdTable::save(const std::string& path) const {
 }
 
 ThresholdTable ThresholdTable::load(const std::string& path) {
-  const detail::SafetensorsFile file = detail::read_safetensors(path);
+  const detail::SafetensorsFile file = detail::read_safetensors(path, kTableOp);
   const auto meta = [&](const std::string& key) -> const std::string& {
     const auto it = file.metadata.find(key);
     detail::require(it != file.metadata.end(), kTableOp, path, [&] { return "metadata key '" + key + "' is missing"; });
@@ -128,7 +165,7 @@ ThresholdTable ThresholdTable::load(const std::string& path) {
   const std::string& format = meta("format");
   detail::require(format == kFormat, kTableOp, path,
                   [&] { return
-                      "format '" + format + "' is not a threshold table (expected '" + std::string(kFormat) + "')"; });
+                      "format '" + detail::printable(format) + "' is not a threshold table (expected '" + std::string(kFormat) + "')"; });
 
   ThresholdTable table;
   table.tile_q = parse_int(path, "tile_q", meta("tile_q"));
@@ -149,19 +186,20 @@ ThresholdTable ThresholdTable::load(const std::string& path) {
                   [&] { return
                       "tensor 'budgets' must be I64 [" + std::to_string(t.shape[0]) + "], got " + b.dtype + " with " +
                       std::to_string(b.shape.size()) + " dimensions"; });
-  table.budgets.resize(static_cast<std::size_t>(b.shape[0]));
-  detail::require(b.data.size() == table.budgets.size() * sizeof(std::int64_t), kTableOp, path,
-                  "tensor 'budgets' has a byte size that does not match its shape");
+  // The reader checked each byte size against its shape and dtype.
+  table.budgets.resize(b.data.size() / sizeof(std::int64_t));
   std::memcpy(table.budgets.data(), b.data.data(), b.data.size());
   table.n_layers = t.shape[1];
   table.n_heads = t.shape[2];
   table.n_qtiles = t.shape[3];
-  const std::size_t n = static_cast<std::size_t>(t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3]);
-  detail::require(t.data.size() == n * sizeof(float), kTableOp, path,
-                  "tensor 'thresholds' has a byte size that does not match its shape");
-  table.values.resize(n);
+  table.values.resize(t.data.size() / sizeof(float));
   std::memcpy(table.values.data(), t.data.data(), t.data.size());
-  check_table(table, kTableOp);
+  try {
+    table.validate();
+  } catch (const Error& e) {
+    throw Error(kTableOp, path, "the file holds an invalid table: " + std::string(e.what()));
+  }
+  const std::size_t n = table.values.size();
   for (std::size_t i = 0; i < n; ++i)
     detail::require(!std::isnan(table.values[i]), kTableOp, path,
                     [&] { return "threshold " + std::to_string(i) + " is NaN"; });
@@ -173,15 +211,7 @@ ThresholdTable ThresholdTable::load(const std::string& path) {
 Calibrator::Calibrator(std::vector<std::int64_t> budgets, std::int64_t n_layers, std::string model)
     : budgets_(std::move(budgets)), n_layers_(n_layers), model_(std::move(model)) {
   detail::require(!budgets_.empty(), kCalibOp, "budgets", "needs at least one budget");
-  std::set<std::int64_t> seen;
-  for (std::size_t i = 0; i < budgets_.size(); ++i) {
-    detail::require(budgets_[i] >= 1, kCalibOp, "budgets",
-                    [&] { return
-                        "budget " + std::to_string(budgets_[i]) + " at [" + std::to_string(i) + "] must be >= 1"; });
-    detail::require(seen.insert(budgets_[i]).second, kCalibOp, "budgets",
-                    [&] { return
-                        "budget " + std::to_string(budgets_[i]) + " at [" + std::to_string(i) + "] is repeated"; });
-  }
+  check_budgets(kCalibOp, budgets_);
   detail::require(n_layers_ >= 1, kCalibOp, "n_layers",
                   [&] { return "must be >= 1, got " + std::to_string(n_layers_); });
   const std::size_t slices = budgets_.size() * static_cast<std::size_t>(n_layers_);

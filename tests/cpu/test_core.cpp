@@ -506,9 +506,11 @@ TEST_F(Safetensors, RejectsCorruptHeaders) {
   std::vector<char> b = bytes();
   b[8] = '[';  // no longer a JSON object
   put(b);
-  expect_rejected({"not valid JSON"});
+  expect_rejected({"header does not start with '{'"});
   put_raw("[1, 2]  ", 0);
-  expect_rejected({"not a JSON object"});
+  expect_rejected({"header does not start with '{'"});
+  put_raw("{\"x\": 1,}", 0);
+  expect_rejected({"not valid JSON"});
   put_raw(R"({"x": {"dtype": "F32", "shape": [2]}})", 8);
   expect_rejected({"tensor 'x' has no 'data_offsets' pair"});
   put_raw(R"({"x": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}})", 8);
@@ -536,6 +538,67 @@ TEST_F(Safetensors, RejectsBadOffsets) {
   expect_rejected({"outside the data section"});
   put_raw(R"({"x": {"dtype": "U8", "shape": [4294967296, 4294967296, 4294967296], "data_offsets": [0, 0]}})", 0);
   expect_rejected({"overflowing"});
+}
+
+// Files from a hostile user: each used to crash, read uninitialised memory or load.
+TEST_F(Safetensors, RejectsHostileHeaders) {
+  // 70,000 levels of nesting (a 140 kB header) are refused by the pre-scan, in bounded stack.
+  put_raw(R"({"x": {"dtype": "F32", "shape": [)" + std::string(70000, '[') + std::string(70000, ']') +
+              R"(], "data_offsets": [0, 0]}})",
+          0);
+  expect_rejected({"header nests deeper than 8 levels"});
+  // The JSON parser would stop at a NUL; the header must be one object padded with spaces only.
+  const std::string valid = R"({"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}})";
+  put_raw(valid + std::string(1, '\0') + "garbage", 1);
+  expect_rejected({"control byte 0x00 at offset " + std::to_string(valid.size())});
+  put_raw(valid + "  x", 1);
+  expect_rejected({"bytes other than space padding after its JSON object (offset " + std::to_string(valid.size() + 2)});
+  put_raw(valid + "\n", 1);
+  expect_rejected({"bytes other than space padding"});
+  put_raw(valid + "    ", 1);
+  EXPECT_EQ(detail::read_safetensors(path).tensors.size(), 1u);
+  // Bytes that are not UTF-8 are reported by offset, never copied into the message.
+  put_raw("{\"__metadata__\": {\"model\": \"\xff\xfe\"}}", 0);
+  expect_rejected({"header byte 0xff at offset 28 is not UTF-8"});
+  put_raw("{\"__metadata__\": {\"model\": \"\xed\xa0\x80\"}}", 0);  // a UTF-16 surrogate
+  expect_rejected({"byte 0xed at offset 28 is not UTF-8"});
+  put_raw(R"({"": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}})", 0);
+  expect_rejected({"empty name"});
+  // Escaped control characters in a name are legal JSON; messages show them escaped.
+  put_raw(R"({"a\u0001": {"dtype": "Q7", "shape": [0], "data_offsets": [0, 0]}})", 0);
+  expect_rejected({"tensor 'a\\x01' has unknown dtype 'Q7'"});
+}
+
+TEST_F(Safetensors, RejectsWhatIsNotARegularFileWithinTheLimits) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  expect_error([&] { detail::read_safetensors(dir, "reader"); }, dir, {"reader", "it is a directory"});
+  expect_error([&] { detail::read_safetensors("/dev/null"); }, "/dev/null", {"not a regular file"});
+  detail::write_safetensors(path, sample());
+  const std::uint64_t size = std::filesystem::file_size(path), n = header_len(bytes());
+  detail::SafetensorsLimits limits;
+  limits.max_file_bytes = size - 1;
+  expect_error([&] { detail::read_safetensors(path, "safetensors", limits); }, path,
+               {"file of " + std::to_string(size) + " bytes is larger than the limit of " + std::to_string(size - 1)});
+  limits = {};
+  limits.max_header_bytes = n - 1;
+  expect_error([&] { detail::read_safetensors(path, "safetensors", limits); }, path,
+               {"header length " + std::to_string(n) + " is over the limit"});
+  std::vector<char> b = bytes();
+  for (int i = 0; i < 8; ++i) b[static_cast<std::size_t>(i)] = '\xff';  // 2^64 - 1
+  put(b);
+  expect_rejected({"header length 18446744073709551615 is over the limit of 100000000 bytes"});
+}
+
+TEST_F(Safetensors, WriterRefusesWhatTheReaderWouldRefuse) {
+  detail::SafetensorsFile f = sample();
+  f.metadata["model"] = "\xff";
+  expect_error([&] { detail::write_safetensors(path, f); }, path, {"__metadata__ entry 'model' is not UTF-8 text"});
+  f = sample();
+  f.tensors[0].name = "bad\xc0\x80";  // an overlong encoding
+  expect_error([&] { detail::write_safetensors(path, f); }, path, {"invalid tensor name 'bad\\xc0\\x80'"});
+  f.tensors[0].name = "";
+  expect_error([&] { detail::write_safetensors(path, f); }, path, {"invalid tensor name ''"});
+  EXPECT_EQ(detail::printable(std::string("ok \xe2\x9c\x93 \x01\xff") + std::string(100, 'x'), 16), "ok \xe2\x9c\x93 \\x01\\xffx...");
 }
 
 TEST_F(Safetensors, RejectsMissingFileAndInconsistentWrites) {

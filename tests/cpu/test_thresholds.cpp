@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -337,6 +338,44 @@ TEST(ThresholdTable, LoadRejectsOtherFilesAndTileShapes) {
   EXPECT_THROW((void)ThresholdTable::load(temp_path("missing")), Error);
   ThresholdTable empty;
   expect_error([&] { empty.save(path); }, "budgets", "no budget slice");
+}
+
+// Extents whose product overflows, and budgets the format does not allow (>= 1, none repeated),
+// are refused before any index is computed, whether the table comes from code or from a file.
+TEST(ThresholdTable, RejectsOverflowingExtentsAndBadBudgets) {
+  ThresholdTable t;
+  t.budgets = {1};
+  t.n_layers = std::int64_t{1} << 62;  // 1 x 2^62 x 4 x 1 floats: the product wrapped to 0 before
+  t.n_heads = 4;
+  t.n_qtiles = 1;
+  expect_error([&] { (void)t.at(0, 0, 0, 0); }, "values", "overflow");
+  expect_error([&] { (void)ThresholdTable::value_count(1, 1, 0, 1); }, "n_heads", "must be >= 1, got 0");
+  EXPECT_EQ(ThresholdTable::value_count(2, 3, 4, 5), 120u);
+  t.n_layers = 1;
+  t.n_qtiles = 1000000;  // larger than values
+  t.values.assign(4, 0.0f);
+  expect_error([&] { (void)t.slice(0, 0); }, "values", "holds 4 values, expected 4000000");
+
+  ThresholdTable bad = sample_table();
+  bad.budgets = {-5, -5};
+  const std::string path = temp_path("budgets");
+  expect_error([&] { bad.save(path); }, "budgets", "budget -5 at [0] must be >= 1");
+  bad.budgets = {3, 3};
+  expect_error([&] { bad.validate(); }, "budgets", "budget 3 is repeated");
+  // The same table written directly: load refuses it, naming the file.
+  sample_table().save(path);
+  detail::SafetensorsFile f = detail::read_safetensors(path);
+  const std::int64_t minus_five[2] = {-5, -5};
+  for (auto& e : f.tensors)
+    if (e.name == "budgets") std::memcpy(e.data.data(), minus_five, sizeof minus_five);
+  detail::write_safetensors(path, f);
+  expect_error([&] { (void)ThresholdTable::load(path); }, path, "invalid table: ThresholdTable: argument 'budgets'");
+  // An empty thresholds tensor with huge extents: no value to read, refused by its extents.
+  f.tensors = {detail::SafetensorsEntry{"thresholds", "F32", {1, 0, std::int64_t{1} << 62, std::int64_t{1} << 62}, {}},
+               detail::SafetensorsEntry{"budgets", "I64", {1}, std::vector<std::byte>(8)}};
+  detail::write_safetensors(path, f);
+  expect_error([&] { (void)ThresholdTable::load(path); }, path, "argument 'n_layers': must be >= 1, got 0");
+  std::filesystem::remove(path);
 }
 
 }  // namespace

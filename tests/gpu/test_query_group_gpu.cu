@@ -3,9 +3,8 @@
 // (Lq = 1, 17, 1013; Lk not a multiple of 128; Lq > Lk under causal; empty lists and an empty Q
 // tile; group sizes 1, 4, 8, 16, 32 and 24 (a padded second head tile); B > 1 with different lists),
 // poisoned outputs, both dtypes and head dims, bitwise-identical repeated runs, agreement with the
-// KV-centric schedule, strided inputs, device validation through this schedule, and the rejected
-// configurations. GroupTiming times both schedules on query16of32 and query-long when
-// SPARSE_ATTN_TIMING=1.
+// KV-centric schedule, strided inputs, device validation through this schedule, trusted lists with
+// bad entries, and the rejected configurations.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -13,17 +12,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <numeric>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "common/testing.hpp"
 #include "gpu/query_lists_testing.hpp"
-#include "cuda/query_sparse/backend.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
@@ -58,9 +53,7 @@ struct Result {
   sa::HostTensor out, lse;
 };
 
-// version 0: the public operator (front-end checks, the default kernel); 1 to 3: the group-centric
-// kernel of that version through the backend entry point.
-Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool trusted = false, int version = 0) {
+Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool trusted = false) {
   Result r{sa::HostTensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}), sa::HostTensor(sa::DType::f32, {c.B, c.Hq, c.Lq})};
   st::poison(r.out);
   st::poison(r.lse);
@@ -69,11 +62,7 @@ Result run_gpu(const Case& c, const Inputs& in, sa::QuerySchedule schedule, bool
   opt.causal = c.causal;
   opt.schedule = schedule;
   opt.trusted = trusted;
-  if (version == 0)
-    sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
-  else
-    sa::cuda_backend::query_sparse_group(in.p, q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt,
-                                         version);
+  sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
   cuda_ok(cudaDeviceSynchronize(), "query_sparse");
   out.download(r.out);
   lse.download(r.lse);
@@ -112,28 +101,10 @@ void check_against_reference(const Case& c, const Inputs& in, const Result& r) {
               lse_err, static_cast<long long>(empty));
 }
 
-constexpr int kVersions[] = {1, 2, 3};
-
-// Every kernel version against the reference; they run the same arithmetic in the same order, so
-// their outputs are also compared bit for bit.
 void check_case(const Case& c, std::uint64_t seed) {
   SCOPED_TRACE(c.name);
   const Inputs in = make_inputs(c, seed);
-  const Result v1 = run_gpu(c, in, sa::QuerySchedule::group_centric, false, 1);
-  {
-    SCOPED_TRACE("version 1");
-    check_against_reference(c, in, v1);
-  }
-  for (int version : kVersions) {
-    if (version == 1) continue;
-    SCOPED_TRACE("version " + std::to_string(version));
-    const Result r = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
-    check_against_reference(c, in, r);
-    EXPECT_EQ(0, std::memcmp(v1.out.view().data, r.out.view().data, static_cast<std::size_t>(v1.out.numel()) * 2))
-        << "out differs from version 1";
-    EXPECT_EQ(0, std::memcmp(v1.lse.view().data, r.lse.view().data, static_cast<std::size_t>(v1.lse.numel()) * 4))
-        << "lse differs from version 1";
-  }
+  check_against_reference(c, in, run_gpu(c, in, sa::QuerySchedule::group_centric));
 }
 
 TEST(QueryGroupGpu, ShapesAndGroupSizes) {
@@ -156,7 +127,7 @@ TEST(QueryGroupGpu, ShapesAndGroupSizes) {
 }
 
 // Small enough for compute-sanitizer (memcheck, racecheck, synccheck): both head dims, causal with a
-// partial last block, a padded head tile, B = 2, an empty tile, and a 2-stage and a 3-stage ring
+// partial last block, a padded head tile, B = 2, an empty tile, and a 2-stage and a 5-stage ring
 // wrapping several times.
 TEST(QueryGroupGpu, SanitizerSmall) {
   QUERY_SPARSE_SKIP_WITHOUT_GPU();
@@ -168,14 +139,11 @@ TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
   QUERY_SPARSE_SKIP_WITHOUT_GPU();
   const Case c{"determinism", sa::DType::bf16, 2, 700, 900, 16, 1, 128, true, 8};
   const Inputs in = make_inputs(c, 55);
-  for (int version : kVersions) {
-    SCOPED_TRACE(version);
-    const Result a = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
-    const Result b = run_gpu(c, in, sa::QuerySchedule::group_centric, false, version);
-    EXPECT_TRUE(st::all_finite(a.out));
-    EXPECT_EQ(0, std::memcmp(a.out.view().data, b.out.view().data, static_cast<std::size_t>(a.out.numel()) * 2));
-    EXPECT_EQ(0, std::memcmp(a.lse.view().data, b.lse.view().data, static_cast<std::size_t>(a.lse.numel()) * 4));
-  }
+  const Result a = run_gpu(c, in, sa::QuerySchedule::group_centric);
+  const Result b = run_gpu(c, in, sa::QuerySchedule::group_centric);
+  EXPECT_TRUE(st::all_finite(a.out));
+  EXPECT_EQ(0, std::memcmp(a.out.view().data, b.out.view().data, static_cast<std::size_t>(a.out.numel()) * 2));
+  EXPECT_EQ(0, std::memcmp(a.lse.view().data, b.lse.view().data, static_cast<std::size_t>(a.lse.numel()) * 4));
 }
 
 // Both schedules compute the same attention: each within DESIGN §6 bounds of the reference, and
@@ -278,21 +246,26 @@ TEST(QueryGroupGpu, ValidationAndRejections) {
   expect_error(bad, "lists.idx", "block id 1 at [1, 1, 150, 2] repeats");
 
   // trusted: no validation, and bad ids (out of range, below -1, repeated) are skipped or counted
-  // once without reading out of bounds.
+  // once without reading out of bounds: the result equals, bit for bit, that of the lists with the
+  // bad slots left empty (a query's blocks are visited in ascending order whatever its slot order).
   bad = in.idx;
   d = bad.data<std::int32_t>();
   d[row + 2] = 1 << 30;
   d[row + 1] = -5;
-  d[row + 3] = d[row + 4] = 2;
-  Inputs bad_in = in;
+  d[row + 3] = d[row + 4] = 2;  // query 151's first two slots
+  sa::HostTensor clean = in.idx;
+  std::int32_t* ok_ids = clean.data<std::int32_t>();
+  ok_ids[row + 2] = ok_ids[row + 1] = -1;
+  ok_ids[row + 3] = 2;
+  ok_ids[row + 4] = -1;
+  Inputs bad_in = in, clean_in = in;
   bad_in.idx = bad;
-  const Result r = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true, 1);
+  clean_in.idx = clean;
+  const Result r = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true);
+  const Result r_clean = run_gpu(c, clean_in, sa::QuerySchedule::group_centric);
   EXPECT_TRUE(st::all_finite(r.out));
-  for (int version : {2, 3}) {
-    const Result r2 = run_gpu(c, bad_in, sa::QuerySchedule::group_centric, /*trusted=*/true, version);
-    EXPECT_EQ(0, std::memcmp(r.out.view().data, r2.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2))
-        << "version " << version;
-  }
+  EXPECT_EQ(0, std::memcmp(r.out.view().data, r_clean.out.view().data, static_cast<std::size_t>(r.out.numel()) * 2));
+  EXPECT_EQ(0, std::memcmp(r.lse.view().data, r_clean.lse.view().data, static_cast<std::size_t>(r.lse.numel()) * 4));
 
   // More than 256 query heads per KV head: 17 head tiles do not fit one CTA.
   const Case big{"G=272", sa::DType::bf16, 1, 2, 128, 272, 1, 64, false, 1};
@@ -306,146 +279,6 @@ TEST(QueryGroupGpu, ValidationAndRejections) {
   } catch (const sa::Error& e) {
     EXPECT_EQ(e.argument(), "options.schedule");
     EXPECT_NE(std::string(e.what()).find("272"), std::string::npos) << e.what();
-  }
-}
-
-// ---- timing (SPARSE_ATTN_TIMING=1) -------------------------------------------------------------------
-
-// Fast fill for the large timing tensors: normal-ish values from a sum of uniforms, bf16.
-std::vector<std::uint16_t> fast_random_bf16(std::int64_t n, std::uint64_t seed) {
-  std::vector<std::uint16_t> h(static_cast<std::size_t>(n));
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& e : h) {
-    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    const float a = float(x & 0xffff) / 65536.0f, b = float((x >> 16) & 0xffff) / 65536.0f,
-                c = float((x >> 32) & 0xffff) / 65536.0f;
-    e = sa::float_to_bf16(2.0f * (a + b + c - 1.5f));
-  }
-  return h;
-}
-
-struct Timed {
-  double v1_ms = 0, v2_ms = 0, v3_ms = 0, kv_ms = 0, rel = 0, union_blocks = 0;
-  bool versions_equal = false;
-};
-
-Timed time_both(std::int64_t B, std::int64_t L, std::int64_t Hq, std::int64_t Hkv, std::int64_t K, int iters) {
-  const std::int64_t D = 128, Tk = sa::ceil_div(L, sa::kBlockK);
-  const auto hq = fast_random_bf16(B * L * Hq * D, 1), hk = fast_random_bf16(B * L * Hkv * D, 2),
-             hv = fast_random_bf16(B * L * Hkv * D, 3);
-  std::vector<std::int32_t> hidx(static_cast<std::size_t>(B * Hkv * L * K));
-  std::mt19937_64 rng(14);
-  std::vector<std::int32_t> all(static_cast<std::size_t>(Tk));
-  std::iota(all.begin(), all.end(), 0);
-  for (std::int64_t r = 0; r < B * Hkv * L; ++r)
-    for (std::int64_t s = 0; s < K; ++s) {  // partial Fisher-Yates: K distinct ids
-      std::swap(all[static_cast<std::size_t>(s)],
-                all[static_cast<std::size_t>(s + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(Tk - s)))]);
-      hidx[static_cast<std::size_t>(r * K + s)] = all[static_cast<std::size_t>(s)];
-    }
-  void *q, *k, *v, *idx, *o1, *o2, *o3, *o4, *l1, *l2, *l3, *l4;
-  const std::size_t qb = hq.size() * 2, kb = hk.size() * 2, lb = static_cast<std::size_t>(B * Hq * L) * 4;
-  cudaMalloc(&q, qb), cudaMalloc(&k, kb), cudaMalloc(&v, kb), cudaMalloc(&idx, hidx.size() * 4);
-  cudaMalloc(&o1, qb), cudaMalloc(&o2, qb), cudaMalloc(&o3, qb), cudaMalloc(&o4, qb), cudaMalloc(&l1, lb),
-      cudaMalloc(&l2, lb), cudaMalloc(&l3, lb), cudaMalloc(&l4, lb);
-  cudaMemcpy(q, hq.data(), qb, cudaMemcpyHostToDevice);
-  cudaMemcpy(k, hk.data(), kb, cudaMemcpyHostToDevice);
-  cudaMemcpy(v, hv.data(), kb, cudaMemcpyHostToDevice);
-  cudaMemcpy(idx, hidx.data(), hidx.size() * 4, cudaMemcpyHostToDevice);
-  const auto dev = sa::Device::cuda;
-  const auto qv = sa::TensorView::contiguous(q, sa::DType::bf16, {B, L, Hq, D}, dev);
-  const auto kv = sa::TensorView::contiguous(k, sa::DType::bf16, {B, L, Hkv, D}, dev);
-  const auto vv = sa::TensorView::contiguous(v, sa::DType::bf16, {B, L, Hkv, D}, dev);
-  const sa::QueryLists lists{sa::TensorView::contiguous(idx, sa::DType::i32, {B, Hkv, L, K}, dev)};
-  cudaStream_t stream;
-  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  sa::ProblemShape p;
-  p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = D, p.causal = false;
-  auto time = [&](sa::QuerySchedule s, int version, void* o, void* l) {
-    sa::QuerySparseOptions opt;
-    opt.schedule = s;
-    opt.stream = stream;
-    opt.trusted = true;  // the first call below validated the same lists
-    const auto ov = sa::TensorView::contiguous(o, sa::DType::bf16, {B, L, Hq, D}, dev);
-    const auto lv = sa::TensorView::contiguous(l, sa::DType::f32, {B, Hq, L}, dev);
-    sa::QuerySparseOptions first = opt;
-    first.trusted = false;
-    auto call = [&](const sa::QuerySparseOptions& o) {
-      if (s == sa::QuerySchedule::kv_centric)
-        sa::query_sparse(qv, kv, vv, lists, ov, lv, o);
-      else
-        sa::cuda_backend::query_sparse_group(p, qv, kv, vv, lists, ov, lv, o, version);
-    };
-    call(first);
-    cudaStreamSynchronize(stream);
-    cudaEventRecord(e0, stream);
-    for (int it = 0; it < iters; ++it) call(opt);
-    cudaEventRecord(e1, stream);
-    cudaEventSynchronize(e1);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    return double(ms) / iters;
-  };
-  Timed t;
-  t.v1_ms = time(sa::QuerySchedule::group_centric, 1, o1, l1);
-  t.v2_ms = time(sa::QuerySchedule::group_centric, 2, o3, l3);
-  t.v3_ms = time(sa::QuerySchedule::group_centric, 3, o4, l4);
-  t.kv_ms = time(sa::QuerySchedule::kv_centric, 0, o2, l2);
-  std::vector<std::uint16_t> a(hq.size()), b(hq.size()), a2(hq.size()), a3(hq.size());
-  cudaMemcpy(a.data(), o1, qb, cudaMemcpyDeviceToHost);
-  cudaMemcpy(b.data(), o2, qb, cudaMemcpyDeviceToHost);
-  cudaMemcpy(a2.data(), o3, qb, cudaMemcpyDeviceToHost);
-  cudaMemcpy(a3.data(), o4, qb, cudaMemcpyDeviceToHost);
-  t.versions_equal = a == a2 && a == a3;
-  double num = 0, den = 0;
-  for (std::size_t e = 0; e < a.size(); ++e) {
-    const double x = sa::bf16_to_float(a[e]), y = sa::bf16_to_float(b[e]);
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  t.rel = den > 0 && std::isfinite(num) ? std::sqrt(num / den) : INFINITY;
-  // Mean union of the lists of 16 / ceil(G / 16) consecutive queries: the blocks a CTA streams.
-  const std::int64_t per_cta = 16 / sa::ceil_div(Hq / Hkv, std::int64_t{16});
-  std::vector<char> seen(static_cast<std::size_t>(Tk));
-  double total = 0;
-  std::int64_t ctas = 0;
-  for (std::int64_t bg = 0; bg < B * Hkv; ++bg)
-    for (std::int64_t i0 = 0; i0 < L; i0 += per_cta, ++ctas) {
-      std::fill(seen.begin(), seen.end(), 0);
-      for (std::int64_t i = i0; i < std::min(L, i0 + per_cta); ++i)
-        for (std::int64_t s = 0; s < K; ++s) seen[static_cast<std::size_t>(hidx[static_cast<std::size_t>((bg * L + i) * K + s)])] = 1;
-      total += static_cast<double>(std::count(seen.begin(), seen.end(), 1));
-    }
-  t.union_blocks = total / double(ctas);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaStreamDestroy(stream);
-  for (void* ptr : {q, k, v, idx, o1, o2, o3, o4, l1, l2, l3, l4}) cudaFree(ptr);
-  return t;
-}
-
-TEST(QueryGroupGpu, GroupTiming) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
-  const char* env = std::getenv("SPARSE_ATTN_TIMING");
-  if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "timing runs with SPARSE_ATTN_TIMING=1";
-  struct W {
-    const char* name;
-    std::int64_t B, L, Hq, Hkv, K;
-    int iters;
-  };
-  for (const W& w : {W{"query16of32", 8, 4096, 16, 1, 16, 20}, W{"query-long", 1, 32768, 32, 8, 16, 3}}) {
-    const Timed t = time_both(w.B, w.L, w.Hq, w.Hkv, w.K, w.iters);
-    const double pairs = double(w.B) * w.Hkv * w.L * w.K * sa::kBlockK;
-    const double flops = 4.0 * double(w.Hq / w.Hkv) * 128.0 * pairs;
-    std::printf("TIMING %-12s group_centric v1 %8.3f ms (%6.1f useful TFLOP/s)  v2 %8.3f ms (%6.1f)  v3 %8.3f ms (%6.1f)  "
-                "kv_centric %8.3f ms  union per CTA %.1f blocks  group vs kv relerr %.2e  versions %s\n",
-                w.name, t.v1_ms, flops / (t.v1_ms * 1e9), t.v2_ms, flops / (t.v2_ms * 1e9), t.v3_ms,
-                flops / (t.v3_ms * 1e9), t.kv_ms, t.union_blocks, t.rel, t.versions_equal ? "bitwise equal" : "DIFFER");
-    EXPECT_LE(t.rel, 1e-2);
-    EXPECT_TRUE(t.versions_equal);
   }
 }
 

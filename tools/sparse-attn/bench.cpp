@@ -39,12 +39,12 @@ void add_bench_options(CLI::App& app, BenchConfig& c) {
   app.add_option("--sustain-ms", c.sustain_ms,
                  "Make each timed run at least this many ms of back-to-back calls and report the mean per call "
                  "(a GPU at its power limit lowers its clock within tens of ms; default 0: one call per run)")
-      ->check(CLI::Range(0.0, 60000.0));
+      ->check(finite_range(0.0, 60000.0));
   app.add_option("--scale", c.scale, "Divide batch, lengths and block counts by this (default: 1 on the GPU; on the CPU 4, gated 16, entmax 8)")
       ->check(CLI::Range(1, 1024));
   app.add_option("--density", c.density, "gated: target block density of the gated case")
       ->capture_default_str()
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(finite_range(0.0, 1.0));
   app.add_option("--partials", c.partials,
                  "query16of32 / query-long: precision of the KV-centric partial outputs, f32, bf16 or both (one case each)")
       ->capture_default_str()
@@ -52,7 +52,7 @@ void add_bench_options(CLI::App& app, BenchConfig& c) {
   app.add_option("--verify-rows", c.verify_rows, "Sampled (batch, query, head) rows checked per case")
       ->capture_default_str()
       ->check(CLI::Range(8, 100000));
-  app.add_option("--seed", c.seed, "Seed of the random inputs and selections")->capture_default_str();
+  app.add_option("--seed", c.seed, "Seed of the random inputs and selections")->capture_default_str()->check(unsigned_integer());
   app.add_option("--device", c.device, "auto, cpu or cuda")->capture_default_str()->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--json", c.json, "Write the results as JSON to this file");
 }

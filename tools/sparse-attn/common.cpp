@@ -1,6 +1,10 @@
 #include "common.hpp"
 
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+
 #include <algorithm>
+#include <charconv>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -19,6 +23,37 @@ const auto g_start = std::chrono::steady_clock::now();
 double Rng::normal() {
   const double u1 = std::max(uniform(), 1e-300), u2 = uniform();
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+}
+
+CLI::Validator finite_range(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        double x = 0.0;
+        if (!CLI::detail::lexical_cast(text, x) || !std::isfinite(x) || x < lo || x > hi)
+          return fmt::format("value {} is not a finite number in [{}, {}]", text, lo, hi);
+        return {};
+      },
+      fmt::format("FINITE in [{} - {}]", lo, hi));
+}
+
+CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::uint64_t x = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
+        if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+          return fmt::format("value {} is not an integer in [0, 2^64)", text);
+        return {};
+      },
+      "UINT64");
+}
+
+void check_memory(double bytes, const std::string& options) {
+  const double physical = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  if (physical > 0.0 && bytes > physical)
+    throw std::runtime_error(fmt::format("{} ask for {:.3g} GiB, more than the {:.1f} GiB of memory of this machine",
+                                         options, bytes / kGiB, physical / kGiB));
 }
 
 Placement Placement::choose(const std::string& flag) {

@@ -16,7 +16,21 @@
 #include "device.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
+namespace CLI {
+class Validator;
+}
+
 namespace sparse_attn::cli {
+
+/// Option check: a finite number in [lo, hi]. CLI::Range alone lets "nan" through.
+CLI::Validator finite_range(double lo, double hi);
+/// Option check: a decimal integer in [0, 2^64) (CLI11 would turn "-1" into 2^64 - 1).
+CLI::Validator unsigned_integer();
+
+/// Throws std::runtime_error naming `options` when `bytes` (the estimate of what they allocate,
+/// in double so that it cannot overflow) exceed the machine's physical memory: extents that are
+/// each within their option's range can still ask for far more together.
+void check_memory(double bytes, const std::string& options);
 
 /// Deterministic across platforms (std::normal_distribution is implementation-defined).
 class Rng {

@@ -86,13 +86,16 @@ std::vector<PlantedNeedle> needles_from_metadata(const std::string& text, const 
                                                  const std::string& path) {
   std::vector<PlantedNeedle> out;
   try {
+    // JSON from a file: checked in one linear pass before the (recursive) values exist.
+    if (const std::string fault = detail::untrusted_json_fault(text, 4); !fault.empty())
+      throw std::runtime_error("the JSON text " + fault);
     for (const auto& n : nlohmann::json::parse(text)) {
       PlantedNeedle nd{n.at("b").get<std::int64_t>(),      n.at("group").get<std::int64_t>(),
                        n.at("q_tile").get<std::int64_t>(), n.at("kv_block").get<std::int64_t>(),
                        n.at("keys").at(0).get<std::int64_t>(), n.at("keys").at(1).get<std::int64_t>()};
       if (nd.b < 0 || nd.b >= p.B || nd.g < 0 || nd.g >= p.Hkv || nd.tile < 0 || nd.tile >= p.Tq() ||
           nd.key_begin < 0 || nd.key_begin >= nd.key_end || nd.key_end > p.Lk)
-        throw std::runtime_error("needle " + n.dump() + " lies outside the problem " + p.describe());
+        throw std::runtime_error("needle " + detail::printable(n.dump()) + " lies outside the problem " + p.describe());
       out.push_back(nd);
     }
   } catch (const std::exception& e) {
@@ -102,7 +105,7 @@ std::vector<PlantedNeedle> needles_from_metadata(const std::string& text, const 
 }
 
 Inputs load_input(const std::string& path, bool causal) {
-  const detail::SafetensorsFile file = detail::read_safetensors(path);
+  const detail::SafetensorsFile file = detail::read_safetensors(path, kOp + " --input");
   auto get = [&](const std::string& name) -> const detail::SafetensorsEntry& {
     if (!file.contains(name)) {
       std::string held;
@@ -474,8 +477,9 @@ CLI::App* add_eval_subcommand(CLI::App& app, EvalConfig& c) {
                   "Measure on the last N queries (whole Q tiles); 0: every query; default 512 for --synthetic, all for --input")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 30));
   sub->add_flag("--non-causal", c.non_causal, "--input only: every query sees every key")->needs(input);
-  sub->add_option("--softmax-scale", c.softmax_scale, "Softmax scale (default 1/sqrt(D))");
-  sub->add_option("--seed", c.seed, "Synthetic: seed")->capture_default_str()->excludes(input);
+  sub->add_option("--softmax-scale", c.softmax_scale, "Softmax scale (default 1/sqrt(D))")
+      ->check(finite_range(1e-30, 1e30));
+  sub->add_option("--seed", c.seed, "Synthetic: seed")->capture_default_str()->check(unsigned_integer())->excludes(input);
   sub->add_option("--len", c.len, "Synthetic: sequence length (queries = keys, causal)")
       ->capture_default_str()->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20))->excludes(input);
   sub->add_option("--batch", c.batch, "Synthetic: batch size")->capture_default_str()->check(CLI::Range(1, 64))->excludes(input);
@@ -545,7 +549,12 @@ int run_eval(const EvalConfig& c) {
   if (std::any_of(variants.begin(), variants.end(), [](const Variant& v) { return is_oracle(v.kind); })) {
     progress("oracle: float64 dense attention over the evaluated queries, top blocks and keys by mass");
     std::vector<int> clamped;
-    for (int b : c.budgets) clamped.push_back(static_cast<int>(std::min<std::int64_t>(b, p.Tk())));
+    double list_bytes = 0.0;  // the token lists dominate: up to budget x 128 keys per query
+    for (int b : c.budgets) {
+      clamped.push_back(static_cast<int>(std::min<std::int64_t>(b, p.Tk())));
+      list_bytes += 4.0 * double(pt.B * pt.Hkv) * double(pt.Lq) * double(std::min<std::int64_t>(b * kBlockK, p.Lk) + 2 * b);
+    }
+    check_memory(list_bytes, fmt::format("the oracle lists of --budget over {} evaluated queries (--eval-queries)", pt.Lq));
     oracle_ms = time_ms(false, [&] { oracle = oracle_select(q_tail, in.k.view(), pt, scale, clamped); });
   }
 

@@ -7,6 +7,7 @@
 #include <fmt/core.h>
 
 #include <exception>
+#include <new>
 
 #include "bench.hpp"
 #include "common.hpp"
@@ -46,7 +47,8 @@ int main(int argc, char** argv) {
   sparse_attn::cli::DemoConfig demo_cfg;
   auto* demo = app.add_subcommand(
       "demo", "Selectors -> executors on a synthetic workload with attention sinks, local bands and planted needles");
-  demo->add_option("--seed", demo_cfg.seed, "Seed of the synthetic q, k, v")->capture_default_str();
+  demo->add_option("--seed", demo_cfg.seed, "Seed of the synthetic q, k, v")
+      ->capture_default_str()->check(sparse_attn::cli::unsigned_integer());
   demo->add_option("--len", demo_cfg.len, "Sequence length (queries = keys, causal)")
       ->capture_default_str()->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
   demo->add_option("--batch", demo_cfg.batch, "Batch size")->capture_default_str()->check(CLI::Range(1, 64));
@@ -80,6 +82,9 @@ int main(int argc, char** argv) {
     if (eval->parsed()) return sparse_attn::cli::run_eval(eval_cfg);
   } catch (const sparse_attn::Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "error: out of memory: the sizes the options ask for do not fit in this machine (std::bad_alloc)\n");
     return 2;
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());

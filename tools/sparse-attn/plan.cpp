@@ -63,6 +63,8 @@ int run_plan(const PlanConfig& c) {
     throw CLI::ValidationError("--heads", fmt::format("--heads ({}) must be a multiple of --kv-heads ({})", c.heads, c.kv_heads));
   ProblemShape p;
   p.B = c.batch, p.Lq = c.lq, p.Lk = c.lk, p.Hq = c.heads, p.Hkv = c.kv_heads, p.D = c.dim, p.causal = c.causal;
+  check_memory(4.0 * double(p.B * p.Hkv) * double(p.Lq) * double(std::min(c.blocks, p.Tk())),
+               fmt::format("--batch {} x --kv-heads {} x --lq {} x --blocks {}", c.batch, c.kv_heads, c.lq, c.blocks));
   const PartialPrecision prec = c.partials == "bf16" ? PartialPrecision::bf16 : PartialPrecision::f32;
   fmt::print("plan {} blocks/query={} partials={} (cost model and the data behind its constants: docs/notes/planner.md)\n",
              p.describe(), c.blocks, c.partials);
@@ -115,7 +117,7 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--blocks", cfg->blocks, "KV blocks per query")->capture_default_str()->check(CLI::Range(1, 4096));
   cmd->add_option("--overlap", cfg->overlap,
                   "Probability that a query keeps each block of its predecessor (one estimate per value)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+      ->capture_default_str()->check(finite_range(0.0, 1.0));
   cmd->add_flag("--causal", cfg->causal, "Causal mask (bottom-right aligned)");
   cmd->add_option("--partials", cfg->partials, "Partial output precision of the KV-centric schedule")
       ->capture_default_str()->check(CLI::IsMember({"f32", "bf16"}));
@@ -123,7 +125,7 @@ void add_plan_command(CLI::App& app) {
                   "KV-centric merge window in blocks (0: the executor's automatic choice, 1: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 8));
-  cmd->add_option("--seed", cfg->seed, "Seed of the synthetic lists")->capture_default_str();
+  cmd->add_option("--seed", cfg->seed, "Seed of the synthetic lists")->capture_default_str()->check(unsigned_integer());
   cmd->add_option("--json", cfg->json, "Write the estimates as JSON to this file");
   cmd->callback([cfg]() {
     try {
@@ -131,6 +133,9 @@ void add_plan_command(CLI::App& app) {
       run_plan(*cfg);
     } catch (const CLI::Error&) {
       throw;
+    } catch (const std::bad_alloc&) {
+      fmt::print(stderr, "error: out of memory: the sizes the options ask for do not fit in this machine (std::bad_alloc)\n");
+      throw CLI::RuntimeError(2);
     } catch (const std::exception& e) {
       fmt::print(stderr, "error: {}\n", e.what());
       throw CLI::RuntimeError(2);

@@ -40,6 +40,9 @@ std::vector<std::vector<double>> orthonormal_basis(int count, std::int64_t dim, 
 }  // namespace
 
 SyntheticWorkload make_synthetic_workload(const SyntheticConfig& c) {
+  // q, k and v in bf16, and about as much again for the index tensors and the evaluation.
+  check_memory(2.0 * double(c.batch) * double(c.len) * double(c.heads + 2 * c.kv_heads) * double(kDim) * 2.0,
+               fmt::format("--batch {} x --len {} x --heads {} (--kv-heads {})", c.batch, c.len, c.heads, c.kv_heads));
   SyntheticWorkload w;
   w.p = ProblemShape{c.batch, c.len, c.len, c.heads, c.kv_heads, kDim, true};
   const auto& p = w.p;

@@ -5,19 +5,18 @@
 // Lazy rescaling: the running max m is raised only when a new row max exceeds it by more than
 // kRescaleThreshold (log2 units). Until then p may reach 2^8, which fp32 sums and the 16-bit P
 // operand hold without loss of range, and the 64 multiplies of the O rescale are skipped.
+//
+// The row pieces (max, quad reductions, the exponentials and row sums) are those of every attention
+// kernel (common/online_softmax.cuh); the lazy policy and m in log2 units are this mainloop's own.
 #pragma once
 
 #include <cmath>
 
+#include "cuda/common/online_softmax.cuh"
+
 namespace sparse_attn::cuda_kernels {
 
 inline constexpr float kRescaleThreshold = 8.0f;
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 struct OnlineSoftmax {
   float m[2];  // running max of t per owned row (-inf before any visible key)
@@ -51,16 +50,9 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void update(float (&s)[64], float scale_log2, float (&factor)[2], BeforeExp before_exp,
                                          AfterExp after_exp) {
     float mx[2] = {-INFINITY, -INFINITY};
+    row_max(s, mx);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[4 * i], s[4 * i + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    }
+    for (int r = 0; r < 2; ++r) mx[r] = quad_max(mx[r]);
     float m_use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -77,34 +69,20 @@ struct OnlineSoftmax {
       m_use[r] = m[r] == -INFINITY ? 0.0f : m[r];
     }
     before_exp();
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = j / 2;
-        const float p = fast_exp2(fmaf(s[4 * i + j], scale_log2, -m_use[r]));
-        s[4 * i + j] = p;
-        l[r] += p;
-      }
+    exponentiate(s, m_use, l, scale_log2);
     after_exp();
   }
 
   template <int N>
   __device__ __forceinline__ static void rescale(float (&o)[N], const float (&factor)[2]) {
     if (factor[0] == 1.0f && factor[1] == 1.0f) return;  // the common case under lazy rescaling
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) o[4 * i + j] *= factor[j / 2];
+    RowSoftmax::rescale(o, factor);
   }
 
   /// Quad-reduces l; afterwards every lane of a quad holds the full row sums.
   __device__ __forceinline__ void finish() {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
+    for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
   }
 };
 

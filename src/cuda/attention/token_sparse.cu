@@ -10,8 +10,8 @@
 //      and V rows with cp.async into one of two shared-memory stages (a chunk ahead of its use), whole
 //      rows per instruction; empty slots, positions out of range and keys in the query's causal
 //      future are zero-filled and masked;
-//   3. runs the online softmax over each chunk: S = Q K^T (4 n-tiles of 8 keys), P from the S
-//      fragments in registers, O += P V with V by transposing ldmatrix;
+//   3. runs the online softmax (common/online_softmax.cuh) over each chunk: S = Q K^T (4 n-tiles of 8
+//      keys), P from the S fragments in registers, O += P V with V by transposing ldmatrix;
 //   4. writes out (normalised, 16-bit) and the natural-log LSE; a query that sees no key gets 0 and
 //      -inf.
 // Every row is computed by the same instructions in the list's slot order, so results are bitwise
@@ -35,18 +35,10 @@
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/fault_word.hpp"
-#include "cuda/query_sparse/mma.cuh"
+#include "cuda/common/mma_sync.cuh"
+#include "cuda/common/online_softmax.cuh"
 
 namespace sparse_attn::cuda_kernels::tok {
-
-using qs::Bf16;
-using qs::cp_async_16;
-using qs::cp_async_commit;
-using qs::cp_async_wait;
-using qs::F16;
-using qs::ldmatrix_x4;
-using qs::ldmatrix_x4_trans;
-using qs::smem_addr;
 
 constexpr int kWarps = 4;    // units per CTA, one per warp
 constexpr int kChunk = 32;   // list slots per step
@@ -69,7 +61,8 @@ struct Params {
   long long units = 0;                 // B * Hkv * Lq * head_tiles
   int Lq = 0, Lk = 0, Hkv = 0, group = 0, head_tiles = 0, Kt = 0;
   bool causal = false;
-  float scale_log2 = 0.0f;             // softmax scale * log2(e)
+  float scale = 0.0f;                  // softmax scale (natural-log units)
+  float scale_log2 = 0.0f;             // scale * log2(e)
 };
 
 template <int D>
@@ -114,7 +107,7 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
   for (int e = lane; e < 16 * kPieces; e += 32) {
     const int r = e / kPieces, c = e % kPieces;
     const std::uint16_t* src = row_ptr(p.q, p.q_stride, b, i, h0 + min(r, rows - 1)) + c * 8;
-    cp_async_16(smem_addr(&sm.q[r * kRow + c * 8]), src, r < rows ? 16 : 0);
+    cp_async16(smem_addr(&sm.q[r * kRow + c * 8]), src, r < rows ? 16 : 0);
   }
   cp_async_commit();
 
@@ -135,8 +128,8 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
       const bool ok = visible(x);
       const int bytes = ok ? 16 : 0;
       const long long xr = ok ? x : 0;
-      cp_async_16(smem_addr(&sm.k[stage][r * kRow + c * 8]), row_ptr(p.k, p.k_stride, b, xr, g) + c * 8, bytes);
-      cp_async_16(smem_addr(&sm.v[stage][r * kRow + c * 8]), row_ptr(p.v, p.v_stride, b, xr, g) + c * 8, bytes);
+      cp_async16(smem_addr(&sm.k[stage][r * kRow + c * 8]), row_ptr(p.k, p.k_stride, b, xr, g) + c * 8, bytes);
+      cp_async16(smem_addr(&sm.v[stage][r * kRow + c * 8]), row_ptr(p.v, p.v_stride, b, xr, g) + c * 8, bytes);
     }
     cp_async_commit();
   };
@@ -158,8 +151,7 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
   float o[kDTiles][4];
 #pragma unroll
   for (int n = 0; n < kDTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY};  // running maxima (log2 units) of rows g8 and g8 + 8
-  float l[2] = {0.0f, 0.0f};            // this thread's share of the running sums
+  RowSoftmax softmax;  // rows g8 and g8 + 8
   const int g8 = lane / 4, t4 = lane % 4;
 
   for (int c = 0; c < chunks; ++c) {
@@ -186,49 +178,21 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
         for (int kp = 0; kp < kKSteps / 2; ++kp) {
           std::uint32_t kb[4];
           ldmatrix_x4(kb, smem_addr(&sm.k[stage][(nt * 8 + lane % 8) * kRow + kp * 32 + (lane / 8) * 8]));
-          Tag::mma(s[nt], qa[2 * kp], kb[0], kb[1]);
-          Tag::mma(s[nt], qa[2 * kp + 1], kb[2], kb[3]);
+          mma_m16n8k16<Tag>(s[nt], qa[2 * kp], kb[0], kb[1]);
+          mma_m16n8k16<Tag>(s[nt], qa[2 * kp + 1], kb[2], kb[3]);
         }
       }
       // Online softmax over the chunk: masked keys are -inf.
-      float cmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = nt * 8 + 2 * t4 + (e & 1);
-          const float x = (valid >> key) & 1u ? s[nt][e] * p.scale_log2 : -INFINITY;
-          s[nt][e] = x;
-          cmax[e >> 1] = fmaxf(cmax[e >> 1], x);
-        }
-      float alpha[2], base[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        cmax[r] = fmaxf(cmax[r], __shfl_xor_sync(0xffffffffu, cmax[r], 1));
-        cmax[r] = fmaxf(cmax[r], __shfl_xor_sync(0xffffffffu, cmax[r], 2));
-        const float mn = fmaxf(m[r], cmax[r]);
-        base[r] = mn == -INFINITY ? 0.0f : mn;
-        alpha[r] = exp2f(m[r] - base[r]);  // m = -inf: 0
-        m[r] = mn;
-        l[r] *= alpha[r];
-      }
-#pragma unroll
-      for (int n = 0; n < kDTiles; ++n) {
-        o[n][0] *= alpha[0];
-        o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1];
-        o[n][3] *= alpha[1];
-      }
+        for (int e = 0; e < 4; ++e)
+          if (((valid >> (nt * 8 + 2 * t4 + (e & 1))) & 1u) == 0u) s[nt][e] = -INFINITY;
+      float alpha[2];
+      softmax.update(s, p.scale_log2, alpha);
+      RowSoftmax::rescale(o, alpha);
       std::uint32_t pa[2][4];  // P as the A fragments of two 16-key steps
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float p0 = exp2f(s[nt][0] - base[0]), p1 = exp2f(s[nt][1] - base[0]);
-        const float p2 = exp2f(s[nt][2] - base[1]), p3 = exp2f(s[nt][3] - base[1]);
-        l[0] += p0 + p1;
-        l[1] += p2 + p3;
-        pa[nt / 2][(nt % 2) * 2 + 0] = Tag::pack(p0, p1);
-        pa[nt / 2][(nt % 2) * 2 + 1] = Tag::pack(p2, p3);
-      }
+      pack_a<Tag>(s, pa);
       // O += P V: per 16-key step, V fragments for two 8-dim n-tiles per transposing ldmatrix.
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk)
@@ -237,8 +201,8 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
           std::uint32_t vb[4];
           ldmatrix_x4_trans(vb, smem_addr(&sm.v[stage][(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kRow +
                                                        np * 16 + (lane / 16) * 8]));
-          Tag::mma(o[2 * np], pa[kk], vb[0], vb[1]);
-          Tag::mma(o[2 * np + 1], pa[kk], vb[2], vb[3]);
+          mma_m16n8k16<Tag>(o[2 * np], pa[kk], vb[0], vb[1]);
+          mma_m16n8k16<Tag>(o[2 * np + 1], pa[kk], vb[2], vb[3]);
         }
     }
     __syncwarp();  // every lane is done with `stage` before the next step's gather refills it
@@ -246,17 +210,13 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
     pos_n = pos_nn;
   }
 
-  // Epilogue: the quad's sums, then out = O / l (16-bit) and lse = m ln 2 + ln l for the real rows.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
+  // Epilogue: the quad's sums, then out = O / l (16-bit) and the natural-log lse for the real rows.
+  softmax.finish();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g8 + 8 * r;
     if (row >= rows) continue;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float inv = softmax.normaliser(r);
     std::uint16_t* orow = static_cast<std::uint16_t*>(p.out) + b * p.out_stride[0] +
                           static_cast<long long>(i) * p.out_stride[1] + static_cast<long long>(h0 + row) * p.out_stride[2];
 #pragma unroll
@@ -266,7 +226,7 @@ __global__ void __launch_bounds__(kWarps * 32) token_kernel(const __grid_constan
     }
     if (p.lse != nullptr && t4 == 0)
       p.lse[b * p.lse_stride[0] + static_cast<long long>(h0 + row) * p.lse_stride[1] + static_cast<long long>(i) * p.lse_stride[2]] =
-          l[r] > 0.0f ? m[r] * 0.69314718055994531f + logf(l[r]) : -INFINITY;
+          softmax.lse(r, p.scale);
   }
 }
 
@@ -443,13 +403,14 @@ void token_sparse(const ProblemShape& p, const TensorView& q, const TensorView& 
   prm.Kt = static_cast<int>(Kt);
   prm.causal = p.causal;
   prm.units = p.B * p.Hkv * p.Lq * head_tiles;
-  prm.scale_log2 = resolve_scale(kOp, options.softmax_scale, p.D) * 1.4426950408889634f;
+  prm.scale = resolve_scale(kOp, options.softmax_scale, p.D);
+  prm.scale_log2 = prm.scale * 1.4426950408889634f;
   if (prm.units == 0) return;
   const bool bf16 = q.dtype == DType::bf16;
   if (p.D == 128)
-    bf16 ? launch<cuda_kernels::qs::Bf16, 128>(prm, stream) : launch<cuda_kernels::qs::F16, 128>(prm, stream);
+    bf16 ? launch<cuda_kernels::Bf16Tag, 128>(prm, stream) : launch<cuda_kernels::F16Tag, 128>(prm, stream);
   else
-    bf16 ? launch<cuda_kernels::qs::Bf16, 64>(prm, stream) : launch<cuda_kernels::qs::F16, 64>(prm, stream);
+    bf16 ? launch<cuda_kernels::Bf16Tag, 64>(prm, stream) : launch<cuda_kernels::F16Tag, 64>(prm, stream);
 }
 
 }  // namespace sparse_attn::cuda_backend

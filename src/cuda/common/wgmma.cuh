@@ -11,10 +11,9 @@
 //    row 16w + g + 8(j / 2), column 8i + 2q + (j % 2).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
+
+#include "cuda/common/elem_tag.cuh"
 
 namespace sparse_attn::cuda_kernels {
 
@@ -67,22 +66,6 @@ __device__ __forceinline__ void keep_live(std::uint32_t (&pa)[K][4]) {
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"             \
   "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"  \
   "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
-
-/// Input element type tags: the PTX type suffix differs, the fragment layout does not.
-struct Bf16Tag {
-  using Elem = __nv_bfloat16;
-  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<std::uint32_t*>(&v);
-  }
-};
-struct F16Tag {
-  using Elem = __half;
-  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<std::uint32_t*>(&v);
-  }
-};
 
 /// d (+)= A(64x16, smem, K-major) * B(16x128, smem, K-major). `accumulate` = 0 ignores the old d.
 template <class Tag>

@@ -28,7 +28,8 @@
 #include <atomic>
 #include <cstdint>
 
-#include "cuda/attention/softmax.cuh"
+#include "cuda/common/mma_sync.cuh"
+#include "cuda/common/online_softmax.cuh"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
@@ -196,10 +197,6 @@ struct ItemQueue {
   }
 };
 
-__device__ __forceinline__ std::uint32_t smem_addr(const void* ptr) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
 // The K/V walk publishes and the consumers read the count with shared-memory atomics, after and before
 // a CTA fence: the count orders nothing but the parity waits, and atomics keep it out of racecheck's
 // hazards.
@@ -215,24 +212,6 @@ __device__ __forceinline__ void wait_issued(int* at, int pos) {
     while (atomicAdd(at, 0) <= pos) __nanosleep(64);
   __syncwarp();
   __threadfence_block();
-}
-
-__device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-/// cp_async16 under an L2 cache policy (createpolicy).
-__device__ __forceinline__ void cp_async16_policy(std::uint32_t dst, const void* src, int src_bytes,
-                                                  std::uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes), "l"(policy)
-               : "memory");
-}
-
-__device__ __forceinline__ std::uint64_t evict_last_policy() {
-  std::uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
 }
 
 /// One arrival on `bar` once every cp.async this thread has issued so far has landed (counted in the
@@ -594,21 +573,16 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
   end_of_work(sm, produced, t);
 }
 
-// The tile's normalised partial rows and their LSE (rows[r] < 0: padding, not stored). l holds each
-// thread's share of its two rows' sums; the quad's shares are added here.
+// The tile's normalised partial rows and their LSE (rows[r] < 0: padding, not stored).
 template <class Part, int N>
 __device__ __forceinline__ void store_partials(const Params& p, const int (&rows)[2], const float (&acc_o)[N],
-                                               const float (&m)[2], float (&l)[2], int q4) {
+                                               RowSoftmax& softmax, int q4) {
   constexpr int D = 2 * N;
+  softmax.finish();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const float lse = l[r] > 0.0f ? m[r] * p.scale + logf(l[r]) : -INFINITY;
+    const float inv = softmax.normaliser(r);
+    const float lse = softmax.lse(r, p.scale);
     if (rows[r] < 0) continue;
     auto* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D;
     const bool stream = p.hints & kStreamPartials;
@@ -655,46 +629,6 @@ __device__ __forceinline__ void mask_keys(float (&acc)[N], const long long (&las
       for (int e = 0; e < 2; ++e)
         if (8 * i + 2 * q4 + e > lim) acc[4 * i + 2 * r + e] = -INFINITY;
   }
-}
-
-/// The thread's share of each row's maximum, folded into m (quad_max completes it).
-template <int N>
-__device__ __forceinline__ void row_max(const float (&acc)[N], float (&m)[2]) {
-#pragma unroll
-  for (int i = 0; i < N / 4; ++i) {
-    m[0] = fmaxf(m[0], fmaxf(acc[4 * i], acc[4 * i + 1]));
-    m[1] = fmaxf(m[1], fmaxf(acc[4 * i + 2], acc[4 * i + 3]));
-  }
-}
-
-/// Row r's maximum over the four lanes of the quad that share it.
-__device__ __forceinline__ float quad_max(float m) {
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-}
-
-/// The probabilities as the 16-bit A operand of the P V wgmma, 16 keys per k-step.
-template <class Tag, int N>
-__device__ __forceinline__ void pack_p(const float (&acc)[N], std::uint32_t (&pa)[N / 8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < N / 8; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
-}
-
-/// Scores of a 64-row fragment (N values per thread: its two rows' columns) to exp2(s * scale_log2 -
-/// base[row]) in place, each row's sum added to l. The row sum (and so the LSE) uses the float32
-/// probabilities; P V sees them rounded to the 16-bit type, as in FlashAttention.
-template <int N>
-__device__ __forceinline__ void exponentiate(float (&acc)[N], const float (&base)[2], float (&l)[2], float scale_log2) {
-#pragma unroll
-  for (int i = 0; i < N / 4; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = fast_exp2(fmaf(acc[4 * i + e], scale_log2, -base[e / 2]));
-      acc[4 * i + e] = x;
-      l[e / 2] += x;
-    }
 }
 
 /// S = Q K^T for the 128 keys of a stage (acc_s[64]) or, from a key-half's base, its 64 keys (acc_s[32]).
@@ -767,22 +701,15 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
   // past Lk, or any block under causal masking, can hold such keys. lim: the row's last visible key
   // relative to the block, clamped to [-1, 127]; padding rows (their Q is zero, so their scores are
   // finite) are never stored and need no mask.
-  float m[2] = {-INFINITY, -INFINITY};
   if (p.causal || static_cast<long long>(j + 1) * kKeys > p.Lk) {
     long long last[2];
     row_limits(p, rows, last);
     mask_keys(acc_s, last, static_cast<long long>(j) * kKeys, q4);
   }
-  row_max(acc_s, m);
-  float base[2], l[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    m[r] = quad_max(m[r]);
-    base[r] = m[r] == -INFINITY ? 0.0f : m[r] * p.scale_log2;  // no visible key: p = 0, not NaN
-  }
-  exponentiate(acc_s, base, l, p.scale_log2);
+  RowSoftmax softmax;
+  softmax.first(acc_s, p.scale_log2);
   std::uint32_t pa[8][4];
-  pack_p<Tag>(acc_s, pa);
+  pack_a<Tag>(acc_s, pa);
 
   float acc_o[D / 2];
   wgmma_fence();
@@ -811,24 +738,11 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
         row_limits(p, rows, last);
         mask_keys(acc_h, last, static_cast<long long>(j) * kKeys + 64 * half, q4);
       }
-      float mx[2] = {m[0], m[1]};
-      row_max(acc_h, mx);
       float alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = quad_max(mx[r]);
-        base[r] = mx[r] == -INFINITY ? 0.0f : mx[r] * p.scale_log2;
-        alpha[r] = mx[r] == -INFINITY ? 1.0f : fast_exp2(fmaf(m[r], p.scale_log2, -base[r]));
-        m[r] = mx[r];
-        l[r] *= alpha[r];
-      }
-      exponentiate(acc_h, base, l, p.scale_log2);
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[4 * i + e] *= alpha[e / 2];
+      softmax.update(acc_h, p.scale_log2, alpha);
+      RowSoftmax::rescale(acc_o, alpha);
       std::uint32_t ph[4][4];
-      pack_p<Tag>(acc_h, ph);
+      pack_a<Tag>(acc_h, ph);
       wgmma_fence();
       issue_pv_half<Tag>(acc_o, ph, smem_addr(&sm.v[stage][0][0][0]) + half * kHalfKeyBytes);
       wgmma_wait<0>();
@@ -837,7 +751,7 @@ __device__ __forceinline__ void attend_tile(const Params& p, AttendSmem<D>& sm, 
     }
     release_stage();
   }
-  store_partials<Part>(p, rows, acc_o, m, l, q4);
+  store_partials<Part>(p, rows, acc_o, softmax, q4);
 }
 
 template <class Tag, int D, class Part, bool kPieces>
@@ -908,23 +822,11 @@ __global__ void __launch_bounds__(kAttendThreads, 1)
   }
 }
 
-template <class T>
-struct TagOf;
-template <>
-struct TagOf<Bf16> {
-  using type = Bf16Tag;
-};
-template <>
-struct TagOf<F16> {
-  using type = F16Tag;
-};
-
 template <class T, int D, class Part>
 struct AttendOp {
   static cudaError_t run(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sms,
                          long long max_items, cudaStream_t stream) {
-    auto* kernel = p.win > 1 ? attend_kernel<typename TagOf<T>::type, D, Part, true>
-                             : attend_kernel<typename TagOf<T>::type, D, Part, false>;
+    auto* kernel = p.win > 1 ? attend_kernel<T, D, Part, true> : attend_kernel<T, D, Part, false>;
     constexpr std::size_t smem = attend_smem_bytes<D>();
     const cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

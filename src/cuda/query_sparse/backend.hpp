@@ -66,14 +66,10 @@ void set_query_sparse_attend_grid(int ctas);
 /// names it).
 void set_query_sparse_bands(int bands);
 
-/// The group-centric kernel version query_sparse runs (docs/notes/query_group.md: 1 lockstep
-/// cp.async ring, 2 TMA stages released per block, 3 TMA ring of half blocks).
-inline constexpr int kGroupVersion = 2;
-
-/// The group-centric schedule with an explicit kernel version (tests and timing compare them).
+/// The group-centric schedule of query_sparse (options.schedule is not read).
 void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
-                        const QuerySparseOptions& options, int version);
+                        const QuerySparseOptions& options);
 
 /// options.schedule == kv_centric: plan + attend + combine with a workspace cached per (device,
 /// stream) (plan.hpp describes when it grows).

@@ -20,7 +20,6 @@
 
 #include "cuda/query_sparse/kernels.cuh"
 #include "cuda/query_sparse/launch.hpp"
-#include "cuda/query_sparse/mma.cuh"
 #include "cuda/query_sparse/partials.cuh"
 
 namespace sparse_attn::cuda_kernels::qs {

@@ -8,19 +8,16 @@
 //      popcounts give each id's position in the ascending union, and a per-position mask says which
 //      of the CTA's queries chose it;
 //   2. the union streams through a ring of K/V stages in ascending block order;
-//   3. each warp runs the FA2 online softmax over the streamed blocks its query selected, in 64-key
-//      halves, S and O in registers, Q and the K/V fragments by ldmatrix;
+//   3. each warp runs the online softmax (common/online_softmax.cuh) over the streamed blocks its
+//      query selected, in 64-key halves, S and O in registers, Q and the K/V fragments by ldmatrix;
 //   4. out (normalised, 16-bit) and LSE (natural log, scale included) straight to global memory.
-// Three ways to run the ring (GroupParams::version, docs/notes/query_group.md has their measurements):
-//   v1 (sync): every thread copies by cp.async into padded rows, one __syncthreads per union block,
-//      so the CTA moves in lockstep and each block waits for the slowest warp that uses it;
-//   v2 (tma): one TMA load pair per block into 128B-swizzled stages, one mbarrier per union position
-//      (each used once, so no phase can alias), and the last warp to finish a block refills its stage
-//      with the block S positions later; warps that did not choose a block never wait for it.
-//   v3 (tma, half blocks): v2 with 64-key units, so the same shared memory holds twice the slots and a
-//      slot is refilled after half a block's work.
-// A query's blocks are visited in ascending order by the same instructions in any CTA and either
-// version, so results are bitwise identical run to run.
+// The ring: one TMA load pair per block into 128B-swizzled stages, one mbarrier per union position
+// (each used once, so no phase can alias), and the last warp to finish a block refills its stage with
+// the block S positions later; warps that did not choose a block never wait for it.
+// docs/notes/query_group.md records the two rings measured against it and removed (a lockstep
+// cp.async ring, and this ring with half-block units).
+// A query's blocks are visited in ascending order by the same instructions in any CTA, so results are
+// bitwise identical run to run.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,11 +26,12 @@
 #include <cstdint>
 #include <cuda/atomic>
 
+#include "cuda/common/mma_sync.cuh"
+#include "cuda/common/online_softmax.cuh"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/query_sparse/kernels.cuh"
 #include "cuda/query_sparse/launch.hpp"
-#include "cuda/query_sparse/mma.cuh"
 
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
@@ -49,31 +47,17 @@ struct QSmem {
   static constexpr std::size_t kBytes = 2 * kGroupWarps * kTileHalves;
 };
 
-// Union metadata after the K/V stages: bitmap and its prefix (words each), union ids, query masks and
-// (v2) the consumers left per position (union_cap each), 4 bytes per entry; v2's mbarriers (8 bytes
-// per union position) first, for their alignment.
+// Union metadata after the K/V stages: the mbarriers (8 bytes per union position) first, for their
+// alignment, then bitmap and its prefix (words each), union ids, query masks and the consumers left per
+// position (union_cap each), 4 bytes per entry.
 struct MetaSmem {
-  static std::size_t bytes(int words, int union_cap, bool barriers) {
-    return (barriers ? 8 * static_cast<std::size_t>(union_cap) : 0) +
+  static std::size_t bytes(int words, int union_cap) {
+    return 8 * static_cast<std::size_t>(union_cap) +
            4 * (2 * static_cast<std::size_t>(words) + 3 * static_cast<std::size_t>(union_cap));
   }
 };
 
-// v1: padded K and V rows. D = 128: Q (68 KB) + 2 stages of K and V (136 KB) fill the 227 KB of an
-// SM; the next block's copy overlaps the current block's math, all a lockstep ring can use. D = 64
-// halves every tile, so a third stage fits.
-template <int D>
-struct SyncSmem {
-  static constexpr int kStride = D + kPad;
-  static constexpr int kStages = D == 128 ? 2 : 3;
-  static constexpr std::size_t kBlockHalves = kKeys * kStride;  // one K or V block
-  static constexpr std::size_t kK = QSmem<D>::kBytes;
-  static constexpr std::size_t kV = kK + 2 * kStages * kBlockHalves;
-  static constexpr std::size_t kMeta = kV + 2 * kStages * kBlockHalves;
-  static std::size_t bytes(int words, int union_cap) { return kMeta + MetaSmem::bytes(words, union_cap, false); }
-};
-
-// v2: TMA boxes of 128 keys x 64 columns, 128B-swizzled (16 KB, 1024-byte aligned); a stage holds K
+// TMA boxes of 128 keys x 64 columns, 128B-swizzled (16 KB, 1024-byte aligned); a stage holds K
 // then V, D / 64 boxes each. D = 128: Q (68 KB) + 2 stages (128 KB); D = 64: 5 stages of 32 KB, the
 // deeper ring letting warps drift further apart.
 template <int D>
@@ -85,27 +69,7 @@ struct TmaSmem {
   static constexpr std::size_t kStages0 = (QSmem<D>::kBytes + 1023) / 1024 * 1024;
   static constexpr std::size_t kMeta = kStages0 + kStages * kStage;
   // + 1024: the dynamic window is only guaranteed 16-byte aligned; the kernel rounds its base up.
-  static std::size_t bytes(int words, int union_cap) { return 1024 + kMeta + MetaSmem::bytes(words, union_cap, true); }
-};
-
-// v3: the ring's unit is half a block, 64 keys (TMA boxes of 64 keys x 64 columns, 8 KB). The same
-// 128 KB as v2's two stages at D = 128 make four slots, so a slot is refilled after half a block's
-// work and up to three units are in flight while one is read. D = 64: ten slots of 16 KB.
-template <int D>
-struct TmaHalfSmem {
-  static constexpr int kSlots = D == 128 ? 4 : 10;
-  static constexpr int kUnitKeys = 64;
-  static constexpr std::size_t kBox = kUnitKeys * 128;   // bytes of one 64 x 64 box
-  static constexpr std::size_t kHalf = (D / 64) * kBox;  // K or V of one unit
-  static constexpr std::size_t kSlot = 2 * kHalf;
-  static constexpr std::size_t kSlots0 = (QSmem<D>::kBytes + 1023) / 1024 * 1024;
-  static constexpr std::size_t kMeta = kSlots0 + kSlots * kSlot;
-  // mbarriers (2 per union position), then bitmap and prefix (words each), ids, masks, second-half
-  // masks (union_cap each) and consumers left (2 per union position), 4 bytes per entry.
-  static std::size_t bytes(int words, int union_cap) {
-    const auto w = static_cast<std::size_t>(words), cap = static_cast<std::size_t>(union_cap);
-    return 1024 + kMeta + 16 * cap + 4 * (2 * w + 5 * cap);
-  }
+  static std::size_t bytes(int words, int union_cap) { return 1024 + kMeta + MetaSmem::bytes(words, union_cap); }
 };
 
 // ---- union of a CTA's lists ------------------------------------------------------------------------
@@ -136,9 +100,7 @@ __device__ __forceinline__ Cta cta_of(const GroupParams& p) {
 
 // Builds the ascending union of the visible ids of the CTA's queries and, per union position, the
 // mask of the queries that chose it. Ends with __syncthreads.
-// With `second` (v3), also the mask of the queries that see the block's second 64 keys.
-__device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, Union& un, int* s_union,
-                                            unsigned* second = nullptr) {
+__device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, Union& un, int* s_union) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const std::int32_t* list0 = p.idx + c.b * p.idx_stride[0] + c.g * p.idx_stride[1];
   // The KV-centric `chosen`: a valid id whose block is not entirely in the query's causal future.
@@ -150,10 +112,7 @@ __device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, 
     return list0[static_cast<long long>(c.i0 + qq) * p.idx_stride[2] + static_cast<long long>(s) * p.idx_stride[3]];
   };
   for (int w = tid; w < p.words; w += kGroupThreads) un.bits[w] = 0u;
-  for (int u = tid; u < p.union_cap; u += kGroupThreads) {
-    un.masks[u] = 0u;
-    if (second != nullptr) second[u] = 0u;
-  }
+  for (int u = tid; u < p.union_cap; u += kGroupThreads) un.masks[u] = 0u;
   __syncthreads();
   const int entries = c.nq * p.Kq;
   for (int e = tid; e < entries; e += kGroupThreads) {
@@ -192,27 +151,21 @@ __device__ __forceinline__ void build_union(const GroupParams& p, const Cta& c, 
     if (!visible(c.i0 + qq, j)) continue;
     const int pos = un.word_base[j >> 5] + __popc(un.bits[j >> 5] & ((1u << (j & 31)) - 1u));
     atomicOr(un.masks + pos, 1u << qq);
-    if (second != nullptr) {
-      long long last = p.Lk - 1;
-      if (p.causal && c.i0 + qq + p.offset < last) last = c.i0 + qq + p.offset;
-      if (static_cast<long long>(j) * kKeys + 64 <= last) atomicOr(second + pos, 1u << qq);
-    }
   }
   __syncthreads();
 }
 
 // ---- one warp's work ---------------------------------------------------------------------------------
 
-// Online-softmax state of one warp: O of its 16 rows and the max / sum of rows gq and gq + 8.
+// One warp's rows: O of its 16 rows (D / 8 n-tiles) and the softmax state of rows gq and gq + 8.
 template <int D>
 struct WarpState {
   float acc[D / 8][4];
-  float m_a, m_b, l_a, l_b;
+  RowSoftmax softmax;
   __device__ __forceinline__ void init() {
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
-    m_a = m_b = -INFINITY;
-    l_a = l_b = 0.0f;
+    softmax = RowSoftmax{};
   }
 };
 
@@ -225,82 +178,44 @@ template <class T, int D, class KAddr, class VAddr>
 __device__ __forceinline__ void attend_half(WarpState<D>& w, std::uint32_t qa_addr, int kb, int lim, float scale_log2,
                                             KAddr k_addr, VAddr v_addr) {
   const int lane = threadIdx.x % 32, tq = lane % 4;
-  {
-    float s[8][4];
+  float s[8][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+  for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll 2
-    for (int ks = 0; ks < D / 16; ++ks) {
-      std::uint32_t a[4];
-      ldmatrix_x4(a, qa_addr + 2 * ks * 16);
+  for (int ks = 0; ks < D / 16; ++ks) {
+    std::uint32_t a[4];
+    ldmatrix_x4(a, qa_addr + 2 * ks * 16);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        // matrices: keys +0..7 / +8..15 (lane / 16) x columns 16 ks + 0..7 / 8..15 ((lane / 8) % 2)
-        std::uint32_t bk[4];
-        ldmatrix_x4(bk, k_addr(kb + np * 16 + (lane / 16) * 8, 2 * ks + (lane / 8) % 2));
-        T::mma(s[2 * np], a, bk[0], bk[1]);
-        T::mma(s[2 * np + 1], a, bk[2], bk[3]);
-      }
-    }
-    if (kb + 63 > lim) {
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (kb + nt * 8 + tq * 2 + e > lim) s[nt][e] = s[nt][2 + e] = -INFINITY;
-    }
-    float mx_a = w.m_a, mx_b = w.m_b;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-    }
-#pragma unroll
-    for (int o = 1; o < 4; o <<= 1) {
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, o));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, o));
-    }
-    // Key kb <= lim is visible, so mx is finite; the first visit rescales by exp2(-inf) = 0.
-    const float alpha_a = exp2f((w.m_a - mx_a) * scale_log2);
-    const float alpha_b = exp2f((w.m_b - mx_b) * scale_log2);
-    w.m_a = mx_a;
-    w.m_b = mx_b;
-    w.l_a *= alpha_a;
-    w.l_b *= alpha_b;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      w.acc[dn][0] *= alpha_a;
-      w.acc[dn][1] *= alpha_a;
-      w.acc[dn][2] *= alpha_b;
-      w.acc[dn][3] *= alpha_b;
-    }
-    const float base_a = mx_a * scale_log2, base_b = mx_b * scale_log2;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      // The row sum (and so the LSE) uses the float32 probabilities; PV sees them rounded to the
-      // 16-bit type, as in FlashAttention and the KV-centric kernel.
-      s[nt][0] = exp2f(fmaf(s[nt][0], scale_log2, -base_a));
-      s[nt][1] = exp2f(fmaf(s[nt][1], scale_log2, -base_a));
-      s[nt][2] = exp2f(fmaf(s[nt][2], scale_log2, -base_b));
-      s[nt][3] = exp2f(fmaf(s[nt][3], scale_log2, -base_b));
-      w.l_a += s[nt][0] + s[nt][1];
-      w.l_b += s[nt][2] + s[nt][3];
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const std::uint32_t a[4] = {T::pack(s[2 * kk][0], s[2 * kk][1]), T::pack(s[2 * kk][2], s[2 * kk][3]),
-                                  T::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  T::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        // matrices: keys +0..7 / +8..15 ((lane / 8) % 2) x columns 16 dp + 0..7 / 8..15 (lane / 16)
-        std::uint32_t bv[4];
-        ldmatrix_x4_trans(bv, v_addr(kb + kk * 16 + ((lane / 8) % 2) * 8, 2 * dp + lane / 16));
-        T::mma(w.acc[2 * dp], a, bv[0], bv[1]);
-        T::mma(w.acc[2 * dp + 1], a, bv[2], bv[3]);
-      }
+    for (int np = 0; np < 4; ++np) {
+      // matrices: keys +0..7 / +8..15 (lane / 16) x columns 16 ks + 0..7 / 8..15 ((lane / 8) % 2)
+      std::uint32_t bk[4];
+      ldmatrix_x4(bk, k_addr(kb + np * 16 + (lane / 16) * 8, 2 * ks + (lane / 8) % 2));
+      mma_m16n8k16<T>(s[2 * np], a, bk[0], bk[1]);
+      mma_m16n8k16<T>(s[2 * np + 1], a, bk[2], bk[3]);
     }
   }
+  if (kb + 63 > lim) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (kb + nt * 8 + tq * 2 + e > lim) s[nt][e] = s[nt][2 + e] = -INFINITY;
+  }
+  float alpha[2];
+  w.softmax.update(s, scale_log2, alpha);
+  RowSoftmax::rescale(w.acc, alpha);
+  std::uint32_t pa[4][4];
+  pack_a<T>(s, pa);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      // matrices: keys +0..7 / +8..15 ((lane / 8) % 2) x columns 16 dp + 0..7 / 8..15 (lane / 16)
+      std::uint32_t bv[4];
+      ldmatrix_x4_trans(bv, v_addr(kb + kk * 16 + ((lane / 8) % 2) * 8, 2 * dp + lane / 16));
+      mma_m16n8k16<T>(w.acc[2 * dp], pa[kk], bv[0], bv[1]);
+      mma_m16n8k16<T>(w.acc[2 * dp + 1], pa[kk], bv[2], bv[3]);
+    }
 }
 
 // One 128-key block (`lim` relative to it, >= 0): its two halves, the second only if visible.
@@ -311,21 +226,20 @@ __device__ __forceinline__ void attend_block(WarpState<D>& w, std::uint32_t qa_a
   if (lim >= 64) attend_half<T, D>(w, qa_addr, 64, lim, scale_log2, k_addr, v_addr);
 }
 
-// Loads the warp's 16 Q rows (heads 16 ht .. of query i; zeros past the group or for an idle warp) by
-// cp.async into its padded tile; returns the shared address of this lane's A-fragment row.
+// Loads the warp's 16 Q rows (heads 16 ht .. of query i; zeros past the group) by cp.async into its
+// padded tile; returns the shared address of this lane's A-fragment row.
 template <int D>
-__device__ __forceinline__ std::uint32_t load_q(const GroupParams& p, const Cta& c, std::uint16_t* Qs, int i, int ht,
-                                                bool active) {
+__device__ __forceinline__ std::uint32_t load_q(const GroupParams& p, const Cta& c, std::uint16_t* Qs, int i, int ht) {
   constexpr int kChunks = D / 8, kStride = QSmem<D>::kStride;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const auto* q = static_cast<const std::uint16_t*>(p.q);
   const std::uint32_t q_smem = smem_addr(Qs + warp * QSmem<D>::kTileHalves);
   for (int e = lane; e < 16 * kChunks; e += 32) {
     const int r = e / kChunks, cc = e % kChunks, hh = ht * 16 + r;
-    const bool ok = active && hh < p.group;
+    const bool ok = hh < p.group;
     const std::uint16_t* src =
         ok ? q + c.b * p.q_stride[0] + i * p.q_stride[1] + (c.g * p.group + hh) * p.q_stride[2] + cc * 8 : q;
-    cp_async_16(q_smem + 2 * (r * kStride + cc * 8), src, ok ? 16 : 0);
+    cp_async16(q_smem + 2 * (r * kStride + cc * 8), src, ok ? 16 : 0);
   }
   // A fragment: rows lane % 16, column half lane / 16
   return q_smem + 2 * ((lane % 16) * kStride + (lane / 16) * 8);
@@ -334,26 +248,20 @@ __device__ __forceinline__ std::uint32_t load_q(const GroupParams& p, const Cta&
 template <class T, int D>
 __device__ __forceinline__ void store_out(const GroupParams& p, const Cta& c, WarpState<D>& w, int i, int ht) {
   const int lane = threadIdx.x % 32, gq = lane / 4, tq = lane % 4;
-#pragma unroll
-  for (int o = 1; o < 4; o <<= 1) {
-    w.l_a += __shfl_xor_sync(0xffffffffu, w.l_a, o);
-    w.l_b += __shfl_xor_sync(0xffffffffu, w.l_b, o);
-  }
+  w.softmax.finish();
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     const int hh = ht * 16 + gq + 8 * h2;
     if (hh >= p.group) continue;
     const long long h = c.g * p.group + hh;
-    const float l = h2 == 0 ? w.l_a : w.l_b, m = h2 == 0 ? w.m_a : w.m_b;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // no block seen: out 0
+    const float inv = w.softmax.normaliser(h2);  // no block seen: out 0
     auto* o = static_cast<std::uint16_t*>(p.out) + c.b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
       *reinterpret_cast<std::uint32_t*>(o + dn * 8 + tq * 2) =
           T::pack(w.acc[dn][2 * h2] * inv, w.acc[dn][2 * h2 + 1] * inv);
     if (tq == 0 && p.lse != nullptr)
-      p.lse[c.b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-          l > 0.0f ? m * p.scale + logf(l) : -INFINITY;
+      p.lse[c.b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] = w.softmax.lse(h2, p.scale);
   }
 }
 
@@ -364,88 +272,7 @@ __device__ __forceinline__ int block_limit(const GroupParams& p, int i, long lon
   return static_cast<int>(last - key0 < kKeys - 1 ? last - key0 : kKeys - 1);
 }
 
-// ---- v1: lockstep cp.async ring ------------------------------------------------------------------------
-
-template <class T, int D>
-__global__ void __launch_bounds__(kGroupThreads, 1) group_sync_kernel(const __grid_constant__ GroupParams p) {
-  using S = SyncSmem<D>;
-  constexpr int kChunks = D / 8;
-  constexpr int kStride = S::kStride;
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int s_union;
-  auto* Qs = reinterpret_cast<std::uint16_t*>(smem);
-  auto* Ks = reinterpret_cast<std::uint16_t*>(smem + S::kK);
-  auto* Vs = reinterpret_cast<std::uint16_t*>(smem + S::kV);
-  Union un;
-  un.bits = reinterpret_cast<unsigned*>(smem + S::kMeta);
-  un.word_base = reinterpret_cast<int*>(un.bits + p.words);
-  un.ids = un.word_base + p.words;
-  un.masks = reinterpret_cast<unsigned*>(un.ids + p.union_cap);
-
-  const Cta c = cta_of(p);
-  build_union(p, c, un, &s_union);
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int qq = warp / p.head_tiles, ht = warp % p.head_tiles;
-  const bool active = qq < c.nq && warp < p.cta_queries * p.head_tiles;
-  const int i = c.i0 + qq;
-  const std::uint32_t qa_addr = load_q<D>(p, c, Qs, i, ht, active);
-
-  // Keys past Lk arrive as zeros: their scores are masked, and zero V rows keep 0 * garbage out of PV.
-  // Each thread copies the same chunks of every block: kChunks divides kGroupThreads, so its column
-  // is fixed and its rows step by kGroupThreads / kChunks.
-  static_assert(kGroupThreads % kChunks == 0, "a thread's column must not change between rows");
-  constexpr int kRowStep = kGroupThreads / kChunks;
-  const int copy_row = tid / kChunks, copy_col = (tid % kChunks) * 8;
-  const auto* k = static_cast<const std::uint16_t*>(p.k);
-  const auto* v = static_cast<const std::uint16_t*>(p.v);
-  const std::uint16_t* k_src = k + c.b * p.k_stride[0] + c.g * p.k_stride[2] + copy_col;
-  const std::uint16_t* v_src = v + c.b * p.v_stride[0] + c.g * p.v_stride[2] + copy_col;
-  const std::uint32_t k_dst = smem_addr(Ks) + 2 * (copy_row * kStride + copy_col);
-  const std::uint32_t v_dst = smem_addr(Vs) + 2 * (copy_row * kStride + copy_col);
-  auto load_block = [&](int stage, int u) {
-    const long long key0 = static_cast<long long>(un.ids[u]) * kKeys + copy_row;
-    const std::uint32_t off = 2 * stage * static_cast<std::uint32_t>(S::kBlockHalves);
-#pragma unroll
-    for (int r = 0; r < kKeys; r += kRowStep) {
-      const long long key = key0 + r;
-      const bool ok = key < p.Lk;
-      cp_async_16(k_dst + off + 2 * r * kStride, ok ? k_src + key * p.k_stride[1] : k, ok ? 16 : 0);
-      cp_async_16(v_dst + off + 2 * r * kStride, ok ? v_src + key * p.v_stride[1] : v, ok ? 16 : 0);
-    }
-  };
-  // Q rides in the first group.
-#pragma unroll
-  for (int s = 0; s < S::kStages - 1; ++s) {
-    if (s < un.n) load_block(s, s);
-    cp_async_commit();
-  }
-
-  // This lane's ldmatrix rows: K keys lane % 8 (+ the group's 8), V^T the same; padded rows.
-  const std::uint32_t k_lane = smem_addr(Ks) + 2 * ((lane % 8) * kStride);
-  const std::uint32_t v_lane = smem_addr(Vs) + 2 * ((lane % 8) * kStride);
-
-  WarpState<D> w;
-  w.init();
-  for (int u = 0; u < un.n; ++u) {
-    cp_async_wait<S::kStages - 2>();
-    __syncthreads();  // block u is in; every warp is done with the stage the next copy overwrites
-    const int next = u + S::kStages - 1;
-    if (next < un.n) load_block(next % S::kStages, next);
-    cp_async_commit();
-    if (!active || ((un.masks[u] >> qq) & 1u) == 0u) continue;
-    const std::uint32_t off = 2 * (u % S::kStages) * static_cast<std::uint32_t>(S::kBlockHalves);
-    const std::uint32_t kb = k_lane + off, vb = v_lane + off;
-    attend_block<T, D>(
-        w, qa_addr, block_limit(p, i, static_cast<long long>(un.ids[u]) * kKeys), p.scale_log2,
-        [&](int key, int chunk) { return kb + 2 * (key * kStride + chunk * 8); },
-        [&](int key, int chunk) { return vb + 2 * (key * kStride + chunk * 8); });
-  }
-  cp_async_wait<0>();  // nothing may be in flight into shared memory when the CTA retires
-  if (active) store_out<T, D>(p, c, w, i, ht);
-}
-
-// ---- v2: TMA stages, one mbarrier per union position, refilled by each block's last consumer ----------
+// ---- the kernel: TMA stages, one mbarrier per union position, refilled by each block's last consumer --
 
 template <class T, int D>
 __global__ void __launch_bounds__(kGroupThreads, 1)
@@ -499,7 +326,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   const bool active = qq < c.nq && warp < p.cta_queries * p.head_tiles;
   if (!active) return;  // no CTA-wide barrier follows
   const int i = c.i0 + qq;
-  const std::uint32_t qa_addr = load_q<D>(p, c, Qs, i, ht, true);
+  const std::uint32_t qa_addr = load_q<D>(p, c, Qs, i, ht);
   // wait_group only covers committed groups: without the commit the Q copies could still be in flight.
   cp_async_commit();
   cp_async_wait<0>();
@@ -544,124 +371,6 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   store_out<T, D>(p, c, w, i, ht);
 }
 
-// ---- v3: v2 with half-block units -----------------------------------------------------------------------
-
-template <class T, int D>
-__global__ void __launch_bounds__(kGroupThreads, 1)
-    group_tma_half_kernel(const __grid_constant__ GroupParams p, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v) {
-  using S = TmaHalfSmem<D>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  __shared__ int s_union;
-  unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
-  auto* Qs = reinterpret_cast<std::uint16_t*>(smem);
-  unsigned char* slots = smem + S::kSlots0;
-  auto* full = reinterpret_cast<MBarrier*>(smem + S::kMeta);  // unit 2 u + h
-  Union un;
-  un.bits = reinterpret_cast<unsigned*>(full + 2 * p.union_cap);
-  un.word_base = reinterpret_cast<int*>(un.bits + p.words);
-  un.ids = un.word_base + p.words;
-  un.masks = reinterpret_cast<unsigned*>(un.ids + p.union_cap);
-  auto* second = un.masks + p.union_cap;
-  int* remaining = reinterpret_cast<int*>(second + p.union_cap);  // unit 2 u + h
-
-  const Cta c = cta_of(p);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  if (tid == 0) {
-    tma_prefetch_descriptor(&tm_k);
-    tma_prefetch_descriptor(&tm_v);
-  }
-  build_union(p, c, un, &s_union, second);
-  const int n_units = 2 * un.n;
-  for (int k = tid; k < n_units; k += kGroupThreads) {
-    full[k].init(1);
-    remaining[k] = __popc(k % 2 == 0 ? un.masks[k / 2] : second[k / 2]) * p.head_tiles;
-  }
-  fence_barrier_init();
-  __syncthreads();
-
-  // The next unit for slot k % kSlots from unit k on: a unit nobody reads (a second half past every
-  // query's limit) is skipped, its slot passing straight to the unit kSlots later.
-  auto issue_from = [&](int k) {
-    for (; k < n_units; k += S::kSlots) {
-      if (remaining[k] == 0) continue;
-      unsigned char* st = slots + (k % S::kSlots) * S::kSlot;
-      const int key0 = un.ids[k / 2] * kKeys + (k % 2) * S::kUnitKeys;
-      full[k].arrive_expect_tx(static_cast<std::uint32_t>(S::kSlot));
-#pragma unroll
-      for (int h = 0; h < D / 64; ++h) {
-        tma_load_bhld(st + h * S::kBox, &tm_k, h * 64, static_cast<int>(c.g), key0, static_cast<int>(c.b), &full[k].word);
-        tma_load_bhld(st + S::kHalf + h * S::kBox, &tm_v, h * 64, static_cast<int>(c.g), key0, static_cast<int>(c.b),
-                      &full[k].word);
-      }
-      return;
-    }
-  };
-  if (tid == 0)
-    for (int k = 0; k < S::kSlots; ++k) issue_from(k);
-
-  const int qq = warp / p.head_tiles, ht = warp % p.head_tiles;
-  const bool active = qq < c.nq && warp < p.cta_queries * p.head_tiles;
-  if (!active) return;  // no CTA-wide barrier follows
-  const int i = c.i0 + qq;
-  const std::uint32_t qa_addr = load_q<D>(p, c, Qs, i, ht, true);
-  // wait_group only covers committed groups: without the commit the Q copies could still be in flight.
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncwarp();
-
-  // Swizzled 64 x 64 boxes: row r at r * 128 bytes, its 16-byte chunk c at (c ^ (r % 8)) * 16; every
-  // row group an ldmatrix names starts at a multiple of 8, so r % 8 = lane % 8.
-  const std::uint32_t slots_addr = smem_addr(slots) + (lane % 8) * 128;
-  const int sw = lane % 8;
-  WarpState<D> w;
-  w.init();
-  for (int u = 0; u < un.n; ++u) {
-    if (((un.masks[u] >> qq) & 1u) == 0u) continue;
-    const int lim = block_limit(p, i, static_cast<long long>(un.ids[u]) * kKeys);
-#pragma unroll 1
-    for (int h = 0; h < 2; ++h) {
-      if (h == 1 && lim < S::kUnitKeys) break;  // the same test that left this warp out of `second`
-      const int k = 2 * u + h;
-      full[k].wait(0);
-      __syncwarp();  // lanes leave the spin independently; ldmatrix / mma.sync need the whole warp
-      const std::uint32_t kb = slots_addr + (k % S::kSlots) * static_cast<std::uint32_t>(S::kSlot);
-      const std::uint32_t vb = kb + static_cast<std::uint32_t>(S::kHalf);
-      attend_half<T, D>(
-          w, qa_addr, 0, lim - h * S::kUnitKeys, p.scale_log2,
-          [&](int key, int chunk) {
-            return kb + (chunk / 8) * static_cast<std::uint32_t>(S::kBox) + key * 128 + (((chunk % 8) ^ sw) * 16);
-          },
-          [&](int key, int chunk) {
-            return vb + (chunk / 8) * static_cast<std::uint32_t>(S::kBox) + key * 128 + (((chunk % 8) ^ sw) * 16);
-          });
-      // Release the unit (see v2); the last warp out refills its slot.
-      fence_async_shared();
-      __syncwarp();
-      if (lane == 0) {
-        ::cuda::atomic_ref<int, ::cuda::thread_scope_block> left(remaining[k]);
-        if (left.fetch_sub(1, ::cuda::memory_order_acq_rel) == 1) {
-          fence_async_shared();
-          issue_from(k + S::kSlots);
-        }
-      }
-      __syncwarp();
-    }
-  }
-  store_out<T, D>(p, c, w, i, ht);
-}
-
-template <class T, int D>
-cudaError_t run_sync(const GroupParams& p, cudaStream_t stream) {
-  const std::size_t bytes = SyncSmem<D>::bytes(p.words, p.union_cap);
-  auto* kernel = group_sync_kernel<T, D>;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return e;
-  const long long ctas = static_cast<long long>(p.B) * p.Hkv * p.ctas_per_bg;
-  kernel<<<static_cast<unsigned>(ctas), kGroupThreads, bytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
 template <class T, int D>
 cudaError_t run_tma(const GroupParams& p, const CUtensorMap& tm_k, const CUtensorMap& tm_v, cudaStream_t stream) {
   const std::size_t bytes = TmaSmem<D>::bytes(p.words, p.union_cap);
@@ -673,43 +382,18 @@ cudaError_t run_tma(const GroupParams& p, const CUtensorMap& tm_k, const CUtenso
   return cudaGetLastError();
 }
 
-template <class T, int D>
-cudaError_t run_tma_half(const GroupParams& p, const CUtensorMap& tm_k, const CUtensorMap& tm_v, cudaStream_t stream) {
-  const std::size_t bytes = TmaHalfSmem<D>::bytes(p.words, p.union_cap);
-  auto* kernel = group_tma_half_kernel<T, D>;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return e;
-  const long long ctas = static_cast<long long>(p.B) * p.Hkv * p.ctas_per_bg;
-  kernel<<<static_cast<unsigned>(ctas), kGroupThreads, bytes, stream>>>(p, tm_k, tm_v);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 std::size_t group_smem_bytes(const GroupParams& p, int D) {
-  if (p.version == 3)
-    return D == 128 ? TmaHalfSmem<128>::bytes(p.words, p.union_cap) : TmaHalfSmem<64>::bytes(p.words, p.union_cap);
-  if (p.version == 2)
-    return D == 128 ? TmaSmem<128>::bytes(p.words, p.union_cap) : TmaSmem<64>::bytes(p.words, p.union_cap);
-  return D == 128 ? SyncSmem<128>::bytes(p.words, p.union_cap) : SyncSmem<64>::bytes(p.words, p.union_cap);
+  return D == 128 ? TmaSmem<128>::bytes(p.words, p.union_cap) : TmaSmem<64>::bytes(p.words, p.union_cap);
 }
 
-cudaError_t launch_group(const GroupParams& p, bool bf16, int D, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+cudaError_t launch_group(const GroupParams& p, bool bf16, int D, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          cudaStream_t stream) {
   if (static_cast<long long>(p.B) * p.Hkv * p.ctas_per_bg == 0) return cudaSuccess;
-  if (p.version == 3) {
-    if (tm_k == nullptr || tm_v == nullptr) return cudaErrorInvalidValue;
-    if (bf16)
-      return D == 128 ? run_tma_half<Bf16, 128>(p, *tm_k, *tm_v, stream) : run_tma_half<Bf16, 64>(p, *tm_k, *tm_v, stream);
-    return D == 128 ? run_tma_half<F16, 128>(p, *tm_k, *tm_v, stream) : run_tma_half<F16, 64>(p, *tm_k, *tm_v, stream);
-  }
-  if (p.version == 2) {
-    if (tm_k == nullptr || tm_v == nullptr) return cudaErrorInvalidValue;
-    if (bf16) return D == 128 ? run_tma<Bf16, 128>(p, *tm_k, *tm_v, stream) : run_tma<Bf16, 64>(p, *tm_k, *tm_v, stream);
-    return D == 128 ? run_tma<F16, 128>(p, *tm_k, *tm_v, stream) : run_tma<F16, 64>(p, *tm_k, *tm_v, stream);
-  }
-  if (bf16) return D == 128 ? run_sync<Bf16, 128>(p, stream) : run_sync<Bf16, 64>(p, stream);
-  return D == 128 ? run_sync<F16, 128>(p, stream) : run_sync<F16, 64>(p, stream);
+  if (bf16)
+    return D == 128 ? run_tma<Bf16Tag, 128>(p, tm_k, tm_v, stream) : run_tma<Bf16Tag, 64>(p, tm_k, tm_v, stream);
+  return D == 128 ? run_tma<F16Tag, 128>(p, tm_k, tm_v, stream) : run_tma<F16Tag, 64>(p, tm_k, tm_v, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs

@@ -133,7 +133,6 @@ struct GroupParams {
   int ctas_per_bg = 0;  // ceil(Lq / cta_queries)
   int words = 0;        // ceil(Tk / 32): bitmap of the CTA's union
   int union_cap = 0;    // min(Tk, cta_queries * Kq)
-  int version = 1;      // 1: lockstep cp.async ring; 2: TMA stages released per block; 3: per half block
   long long offset = 0; // Lk - Lq (causal: query i sees key j iff j <= i + offset)
   bool causal = false;
 

@@ -33,10 +33,9 @@ cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials
 
 /// Dynamic shared memory of the group-centric kernel for head dim D and the union capacity of `p`.
 std::size_t group_smem_bytes(const GroupParams& p, int D);
-/// The group-centric kernel (p.version 1, 2 or 3): B * Hkv * ctas_per_bg CTAs, out and LSE written
-/// directly. Versions 2 and 3 read K and V through TMA maps (2: 128-key boxes, make_bhld_tensor_map;
-/// 3: 64-key boxes); version 1 ignores them.
-cudaError_t launch_group(const GroupParams& p, bool bf16, int D, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
+/// The group-centric kernel: B * Hkv * ctas_per_bg CTAs, out and LSE written directly; K and V read
+/// through TMA maps of 128-key boxes (make_bhld_tensor_map).
+cudaError_t launch_group(const GroupParams& p, bool bf16, int D, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                          cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda_kernels::qs

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "cuda/query_sparse/mma.cuh"
+#include "cuda/common/elem_tag.cuh"
 
 namespace sparse_attn::cuda_kernels::qs {
 
@@ -50,7 +50,7 @@ struct PartBf16 {
   __device__ static void put_row(__nv_bfloat16* dst, const float (&o)[N], int r, float inv, int q4) {
     std::uint32_t w[N / 4];
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) w[i] = Bf16::pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+    for (int i = 0; i < N / 4; ++i) w[i] = Bf16Tag::pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
     auto* row = reinterpret_cast<uint4*>(dst);
 #pragma unroll
     for (int s = 0; s < N / 16; ++s) {
@@ -66,11 +66,12 @@ struct PartBf16 {
 template <template <class, int, class> class F, class... A>
 cudaError_t dispatch(bool bf16, int D, bool bf16_partials, A... args) {
   if (bf16) {
-    if (D == 128) return bf16_partials ? F<Bf16, 128, PartBf16>::run(args...) : F<Bf16, 128, PartF32>::run(args...);
-    return bf16_partials ? F<Bf16, 64, PartBf16>::run(args...) : F<Bf16, 64, PartF32>::run(args...);
+    if (D == 128)
+      return bf16_partials ? F<Bf16Tag, 128, PartBf16>::run(args...) : F<Bf16Tag, 128, PartF32>::run(args...);
+    return bf16_partials ? F<Bf16Tag, 64, PartBf16>::run(args...) : F<Bf16Tag, 64, PartF32>::run(args...);
   }
-  if (D == 128) return bf16_partials ? F<F16, 128, PartBf16>::run(args...) : F<F16, 128, PartF32>::run(args...);
-  return bf16_partials ? F<F16, 64, PartBf16>::run(args...) : F<F16, 64, PartF32>::run(args...);
+  if (D == 128) return bf16_partials ? F<F16Tag, 128, PartBf16>::run(args...) : F<F16Tag, 128, PartF32>::run(args...);
+  return bf16_partials ? F<F16Tag, 64, PartBf16>::run(args...) : F<F16Tag, 64, PartF32>::run(args...);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs

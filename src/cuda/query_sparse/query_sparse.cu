@@ -199,7 +199,7 @@ void check_out(const TensorView& out, const std::optional<TensorView>& lse) {
                    [&] { return "must be on the device, got " + lse->describe(); });
 }
 
-qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int device, int version) {
+qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int device) {
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   const std::int64_t Kq = lists.idx.shape[3], G = p.group_size();
   const std::int64_t head_tiles = ceil_div(G, 16);
@@ -229,7 +229,6 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
   g.union_cap = static_cast<int>(std::min<std::int64_t>(p.Tk(), Kq * g.cta_queries));
   g.offset = p.offset();
   g.causal = p.causal;
-  g.version = version;
   g.idx = static_cast<const std::int32_t*>(lists.idx.data);
   for (int i = 0; i < 4; ++i) g.idx_stride[i] = lists.idx.stride[i];
   int optin = 0;
@@ -247,9 +246,7 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
 
 void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
-                        const QuerySparseOptions& options, int version) {
-  require(version >= 1 && version <= 3, kOp, "version", [&] { return "group-centric kernel versions are 1 to 3, got " +
-                                                             std::to_string(version); });
+                        const QuerySparseOptions& options) {
   check_rows("q", q);
   check_rows("k", k);
   check_rows("v", v);
@@ -264,7 +261,7 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
   require(p.D == 64 || p.D == 128, kOp, "q",
           [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D); });
   DeviceGuard guard(q.device_index);
-  qs::GroupParams g = group_params(p, lists, q.device_index, version);
+  qs::GroupParams g = group_params(p, lists, q.device_index);
   const auto stream = static_cast<cudaStream_t>(options.stream);
   const std::int64_t Kq = lists.idx.shape[3];
   if (!options.trusted && p.B * p.Hkv * p.Lq * Kq > 0) {
@@ -293,16 +290,9 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
   }
   g.scale = resolve_scale(kOp, options.softmax_scale, p.D);
   g.scale_log2 = g.scale * 1.4426950408889634f;  // log2(e)
-  CUtensorMap tm_k{}, tm_v{};
-  if (version == 2) {
-    tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
-    tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
-  } else if (version == 3) {
-    // Half a KV block (64 keys) per box: the ring unit of kernel version 3.
-    tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k, 64);
-    tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v, 64);
-  }
-  check_cuda(qs::launch_group(g, q.dtype == DType::bf16, static_cast<int>(p.D), &tm_k, &tm_v, stream),
+  const CUtensorMap tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
+  const CUtensorMap tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
+  check_cuda(qs::launch_group(g, q.dtype == DType::bf16, static_cast<int>(p.D), tm_k, tm_v, stream),
              "group_centric launch");
 }
 
@@ -393,7 +383,7 @@ void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& 
                   const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
                   const QuerySparseOptions& options) {
   if (options.schedule == QuerySchedule::group_centric)
-    return query_sparse_group(p, q, k, v, lists, out, lse, options, kGroupVersion);
+    return query_sparse_group(p, q, k, v, lists, out, lse, options);
   require(options.schedule == QuerySchedule::kv_centric, kOp, "options.schedule",
           [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
   check_rows("q", q);

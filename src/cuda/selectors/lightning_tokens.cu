@@ -57,17 +57,18 @@
 #include <cmath>
 #include <string>
 
+#include "cuda/common/mma_sync.cuh"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
-#include "cuda/selectors/tc_mma.cuh"
 
 namespace sparse_attn::cuda_backend {
 
 namespace {
 
 using namespace tc;
+using namespace cuda_kernels;  // mma_sync.cuh
 using sel::check_cuda;
 using sel::imax;
 using sel::imin;
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 1) screen_kernel(const ScreenP
           std::uint32_t a[4];
           ldmatrix_x4(a, kb + (c * 16 + lane % 16) * pitch + ks * 16 + (lane / 16) * 8);
 #pragma unroll
-          for (int nt = 0; nt < kHeadTiles; ++nt) mma_bf16_16816(acc[nt], a, bq[nt][ks][0], bq[nt][ks][1]);
+          for (int nt = 0; nt < kHeadTiles; ++nt) mma_m16n8k16<Bf16Tag>(acc[nt], a, bq[nt][ks][0], bq[nt][ks][1]);
         }
         // acc[nt][e]: key g + 8 (e / 2), head 8 nt + 2 q4 + e % 2.
         float s0 = 0.0f, s1 = 0.0f;

@@ -36,22 +36,34 @@
 #include <mutex>
 #include <utility>
 
+#include "cuda/common/mma_sync.cuh"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
-#include "cuda/selectors/tc_mma.cuh"
 
 namespace sparse_attn::cuda_backend {
 
 namespace {
 
 using namespace tc;
+using namespace cuda_kernels;  // mma_sync.cuh
 using sel::check_cuda;
 using sel::imax;
 using sel::imin;
+
+// Doubles (never NaN) to unsigned integers of the same order, so atomicMax on the integer is a max on
+// the double: positives get the sign bit set, negatives are complemented.
+__device__ __forceinline__ unsigned long long ordered_key(double v) {
+  const auto u = static_cast<unsigned long long>(__double_as_longlong(v));
+  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+__device__ __forceinline__ double ordered_value(unsigned long long k) {
+  const unsigned long long u = (k >> 63) ? (k & 0x7fffffffffffffffull) : ~k;
+  return __longlong_as_double(static_cast<long long>(u));
+}
 
 constexpr int kMaxDp = 256;          // WsLayout<4>: the Q tile and two K stages of 128 x 256 bf16, 194 KB
 constexpr int kRankThreads = 128;
