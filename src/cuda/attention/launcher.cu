@@ -13,12 +13,12 @@
 #include "core/check.hpp"
 #include "cuda/attention/kernel.cuh"
 #include "cuda/attention/params.hpp"
-#include "cuda/attention/split_tail.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/fault_word.hpp"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/workspace_cache.hpp"
+#include "plan/split_tail.hpp"
 
 namespace sparse_attn::cuda_kernels {
 namespace {
