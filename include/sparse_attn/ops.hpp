@@ -7,14 +7,27 @@
 //
 // dtypes: bf16 and f16 on every backend, f32 on the CPU. The CPU backend computes in float32
 // with exact float32 softmax; device tensors go to the CUDA backend, which runs on
-// `options.stream` without host synchronisation or allocation, with two exceptions: validating a
-// selection that is not `trusted` reads the verdict back (one synchronisation), and dense and
-// tile_sparse allocate a scratch buffer (about 140 KB per SM) once per (device, stream), on the
-// first non-causal call whose last, partial wave of work they split over more CTAs. A call captured
-// into a CUDA graph on a stream without that buffer does not split (it computes the same attention
-// with the sums in another order); make one eager call on the stream first to capture split calls.
+// `options.stream` without host synchronisation or allocation, with these exceptions: validating
+// the bits of bits_sparse, the lists of token_sparse or query_sparse when not `trusted` reads the
+// verdict back (one synchronisation); and dense and tile_sparse allocate a scratch buffer (about
+// 140 KB per SM) once per (device, stream), on the first non-causal call whose last, partial wave of
+// work they split over more CTAs. A call captured into a CUDA graph on a stream without that buffer
+// does not split (it computes the same attention with the sums in another order); make one eager
+// call on the stream first to capture split calls.
 // An operator that has no implementation for the tensors' device throws Error; it never falls back
 // silently.
+//
+// Validation of TileLists on the GPU is deferred: a tile_sparse call that is not `trusted` checks
+// each tile's list inside the attention kernel, by the CPU's rules (count in [0, Kmax], ids in
+// [0, Tk) and strictly ascending), without a host round trip, so it costs about what a trusted call
+// costs and can be captured in a CUDA graph. A faulty tile's list is never followed: its rows of out
+// (every head that shares the list) and of lse are NaN, all other rows are computed as usual, and
+// the first fault (in the CPU's order) is kept on the device. It is thrown as Error, with the
+// operator ("tile_sparse"), argument ("tiles.cnt" or "tiles.idx") and message the CPU would give
+// plus a note that an earlier call found it, either by check_device_faults or at the start of the
+// next attention operator on that device that is not being captured (the fault is taken once: it
+// is reported once). Other CUDA work keeps running meanwhile; only a pending fault makes the host
+// wait for the device.
 #pragma once
 
 #include <cstdint>
@@ -28,9 +41,15 @@ namespace sparse_attn {
 struct AttentionOptions {
   std::optional<float> softmax_scale;  // default 1 / sqrt(D)
   bool causal = false;
-  bool trusted = false;    // skip validation of the selection (the caller produced it)
+  bool trusted = false;    // no validation of the selection at all (the caller produced it)
   void* stream = nullptr;  // cudaStream_t for device tensors; ignored on the CPU
 };
+
+/// Waits for the work queued on CUDA device `device` (on every device where a validated call has
+/// run, when nullopt) and throws the first fault that validated tile_sparse calls recorded there
+/// since the last report (see above), clearing it. Returns if there is none, and at once without
+/// the CUDA backend.
+void check_device_faults(std::optional<int> device = std::nullopt);
 
 /// Checks q, k, v, out and lse against each other and returns the problem shape (causal taken
 /// from `options`). Throws Error naming the argument at fault.

@@ -45,6 +45,7 @@ from ._ext import (
     ProblemShape,
     ThresholdTable,
     build_info,
+    check_device_faults,
     cuda_available,
     cuda_devices,
     e2m1_to_float,
@@ -59,7 +60,7 @@ __version__ = _ext.build_info()["version"]
 
 __all__ = [
     "BLOCK_K", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
-    "bits_sparse", "block_bits_to_tile_lists", "build_info", "cuda_available", "cuda_devices",
+    "bits_sparse", "block_bits_to_tile_lists", "build_info", "check_device_faults", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
     "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "plan_schedule", "pooled_select",
     "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",

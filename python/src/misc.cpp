@@ -76,6 +76,11 @@ void bind_misc(nb::module_& m) {
     return out;
   });
   m.def("cuda_available", &sparse_attn::cuda_available);
+  m.def("check_device_faults", &sparse_attn::check_device_faults, "device"_a.none() = nb::none(),
+        "Waits for CUDA device `device` (every device where a validated call ran, when None) and raises\n"
+        "Error for the first fault that validated tile_sparse calls recorded there since the last report\n"
+        "(their faulty tiles hold NaN). The same fault is also raised at the start of the next attention\n"
+        "call on that device; each fault is raised once.");
 
   m.def("float_to_e4m3", [](const FloatArray& a) { return map_array<float, std::uint8_t>(a, float_to_e4m3); },
         "x"_a.noconvert(), "float32 -> e4m3 codes (uint8), saturating, round to nearest even.");

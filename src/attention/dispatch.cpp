@@ -1,13 +1,14 @@
 // Public entry points of the executors: argument checks, selection validation, then the one device
 // dispatch of each operator (the `if (q.device == Device::cuda)` line is where a backend plugs in).
 
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <variant>
 
 #include "attention/cpu_backend.hpp"
 #include "core/check.hpp"
-#include "cuda/query_sparse/merge_window.hpp"
+#include "plan/merge_window.hpp"
 #include "sparse_attn/ops.hpp"
 #if defined(SPARSE_ATTN_WITH_CUDA)
 #include "cuda/backend.hpp"
@@ -57,6 +58,15 @@ void check_structure(const std::string& op, const TokenLists& s, const ProblemSh
   check_index(op, "tokens.idx", s.idx, DType::i32, {p.B, p.Hkv, p.Lq, -1}, q);
 }
 
+// A fault that an earlier validated call left on q's device is thrown before this call runs.
+void raise_pending_fault(const std::string& op, const TensorView& q, const AttentionOptions& options) {
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) cuda_backend::raise_pending_fault(q.device_index, options.stream, op);
+#else
+  (void)op, (void)q, (void)options;
+#endif
+}
+
 template <class S>
 void check_selection(const std::string& op, const S& s, const ProblemShape& p, const TensorView& q,
                      const AttentionOptions& options) {
@@ -69,6 +79,7 @@ void check_selection(const std::string& op, const S& s, const ProblemShape& p, c
 void dense(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
            const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = make_args("dense", q, k, v, out, lse, options);
+  raise_pending_fault("dense", q, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::dense(a.p, q, k, v, out, lse, options);
 #endif
@@ -79,6 +90,7 @@ void dense(const TensorView& q, const TensorView& k, const TensorView& v, const 
 void tile_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const TileLists& tiles,
                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = make_args("tile_sparse", q, k, v, out, lse, options);
+  raise_pending_fault("tile_sparse", q, options);
   check_selection("tile_sparse", tiles, a.p, q, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::tile_sparse(a.p, q, k, v, tiles, out, lse, options);
@@ -90,12 +102,21 @@ void tile_sparse(const TensorView& q, const TensorView& k, const TensorView& v, 
 void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const BlockBits& bits,
                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = make_args("bits_sparse", q, k, v, out, lse, options);
+  raise_pending_fault("bits_sparse", q, options);
   check_selection("bits_sparse", bits, a.p, q, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::bits_sparse(a.p, q, k, v, bits, out, lse, options);
 #endif
   if (q.device == Device::cuda) detail::unsupported_device("bits_sparse", "q", q);
   detail::cpu::bits_sparse(a, bits);
+}
+
+void check_device_faults(std::optional<int> device) {
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  cuda_backend::check_device_faults(device);
+#else
+  (void)device;
+#endif
 }
 
 const char* query_schedule_name(QuerySchedule s) {
@@ -109,6 +130,7 @@ const char* query_schedule_name(QuerySchedule s) {
 void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const QueryLists& lists,
                   const TensorView& out, const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
   const auto a = make_args("query_sparse", q, k, v, out, lse, options);
+  raise_pending_fault("query_sparse", q, options);
   require(options.partials == PartialPrecision::f32 || options.partials == PartialPrecision::bf16, "query_sparse",
           "options.partials",
           [&] { return "unknown partial precision " + std::to_string(static_cast<int>(options.partials)); });
@@ -129,6 +151,7 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
 void token_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const TokenLists& tokens,
                   const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = make_args("token_sparse", q, k, v, out, lse, options);
+  raise_pending_fault("token_sparse", q, options);
   check_selection("token_sparse", tokens, a.p, q, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::token_sparse(a.p, q, k, v, tokens, out, lse, options);

@@ -51,8 +51,8 @@ void check_same_device(const std::string& op, const std::string& name, const Ten
 /// devices, extents, GQA divisibility, contiguous last dims and the softmax scale. Returns the shape.
 ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
                        std::initializer_list<DType> dtypes, bool causal, const std::optional<float>& scale);
-/// Messages shared by the CPU and device checks of BlockBits (formats.cpp, cuda/convert): the lowest
-/// bit at or past Tk set in the last word of row (b, g, t), and a tile whose bit set holds n > Kmax
+/// Messages shared by the CPU and device checks of BlockBits (formats.cpp, src/convert, cuda/convert): the
+/// lowest bit at or past Tk set in the last word of row (b, g, t), and a tile whose bit set holds n > Kmax
 /// blocks ("the bit set", "the union" as `what`).
 std::string stray_bit_message(int bit, std::int64_t W, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t Tk);
 std::string over_capacity_message(const char* what, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t n,
@@ -64,6 +64,13 @@ std::string over_capacity_message(const char* what, std::int64_t b, std::int64_t
 std::optional<std::pair<std::string, std::string>> tile_row_message(const std::int32_t* ids, std::int64_t stride,
                                                                     std::int32_t c, std::int64_t Kmax, std::int64_t Tk,
                                                                     std::int64_t b, std::int64_t g, std::int64_t t);
+/// Its two kinds of message, for a fault found elsewhere (the CUDA kernel's record): count c of row
+/// (b, g, t) outside [0, Kmax]; id `id` at slot k out of [0, Tk) or, when in range, not above `prev`
+/// (the id at slot k - 1).
+std::pair<std::string, std::string> tile_count_message(std::int32_t c, std::int64_t Kmax, std::int64_t b,
+                                                       std::int64_t g, std::int64_t t);
+std::pair<std::string, std::string> tile_id_message(std::int32_t id, std::int32_t prev, std::int64_t Tk,
+                                                    std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t k);
 
 /// The first fault of one row of a QueryLists (`tokens` false: block ids below `extent` = Tk) or
 /// TokenLists (key positions below `extent` = Lk) of K contiguous entries, as validate() reports it

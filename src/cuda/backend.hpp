@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "cuda/tuning.hpp"
 #include "sparse_attn/formats.hpp"
@@ -14,13 +15,25 @@
 
 namespace sparse_attn::cuda_backend {
 
+/// At the start of an operator on `device` with `stream`: if a validated call left a fault there
+/// (cuda/common/fault_word.hpp), waits for the device, takes the fault from its record and throws it as
+/// Error (the operator, argument and message of the CPU's validation, noting the earlier call). One
+/// read of host memory while no fault is pending; on a stream being captured a pending fault is left
+/// for a later call.
+void raise_pending_fault(int device, void* stream, const std::string& op);
+
+/// sparse_attn::check_device_faults on the GPU: waits for `device` (each device with a fault record,
+/// when nullopt) and throws the first recorded fault.
+void check_device_faults(std::optional<int> device);
+
 /// Dense attention on the GPU: the tile_sparse kernel walking every block.
 void dense(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
            const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options,
            const detail::AttentionTuning& tuning = {});
 
-/// Q-centric block-sparse attention over TileLists on the GPU. Unless options.trusted, the lists are
-/// validated on the device first (one small kernel and a host synchronisation).
+/// Q-centric block-sparse attention over TileLists on the GPU. Unless options.trusted, the kernel
+/// checks each list as it takes it (no synchronisation): a faulty tile gets NaN rows and its fault is
+/// recorded for raise_pending_fault / check_device_faults.
 void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                  const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
                  const AttentionOptions& options, const detail::AttentionTuning& tuning = {});

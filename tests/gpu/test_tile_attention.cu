@@ -1,7 +1,7 @@
 // GPU tests of the Hopper Q-centric kernel behind dense and tile_sparse: every result against the
 // float64 CPU reference with the selection applied as an explicit mask (DESIGN §6), on awkward shapes,
 // with poisoned outputs, both dtypes, causal and not, per-group and per-head lists, strided inputs,
-// and the device-side validation of TileLists.
+// and the deferred validation of TileLists (faulty tiles, fault reports, CUDA graph capture).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -533,38 +533,253 @@ TEST(TileAttentionGpu, OutputOffTheTmaGrid) {
       << "the register store and the TMA store write different outputs";
 }
 
-// Bad lists are rejected on the device with the first offending coordinate; nothing is launched.
-TEST(TileAttentionGpu, ValidationReportsFirstBadEntry) {
-  SKIP_WITHOUT_GPU();
-  const std::int64_t B = 2, L = 600, H = 2;  // Tq = Tk = 5
-  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, H, kD}, 6000);
-  sa::HostTensor out(sa::DType::bf16, {B, L, H, kD});
-  DeviceTensor dq(q), dout(out);
-  auto expect_error = [&](const std::string& what, auto mutate, const std::string& arg, const std::string& needle) {
-    sa::HostTensor idx(sa::DType::i32, {B, H, 5, 3}), cnt(sa::DType::i32, {B, H, 5});
-    for (std::int64_t r = 0; r < B * H * 5; ++r) {
-      cnt.data<std::int32_t>()[r] = 2;
-      idx.data<std::int32_t>()[r * 3 + 0] = 0;
-      idx.data<std::int32_t>()[r * 3 + 1] = 3;
-      idx.data<std::int32_t>()[r * 3 + 2] = -1;
-    }
-    mutate(idx.data<std::int32_t>(), cnt.data<std::int32_t>());
-    DeviceTensor didx(idx), dcnt(cnt);
-    try {
-      gpu_tile_sparse(dq.view, dq.view, dq.view, sa::TileLists{didx.view, dcnt.view}, dout.view);
-      ADD_FAILURE() << what << ": no error";
-    } catch (const sa::Error& e) {
-      EXPECT_EQ(e.argument(), arg) << what;
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
-    }
+// Validated lists with every kind of fault (the CPU's order and messages), read where they surface.
+namespace faults {
+
+constexpr std::int64_t B = 2, L = 600, Hq = 4, Hkv = 2, Tq = 5, Kmax = 3;  // Tq = Tk = 5; lists per KV head
+constexpr std::int64_t kFaultyRow = 12;  // (b, g, t) = (1, 0, 2): flat row 1 * 10 + 0 * 5 + 2
+
+// Every row: ids {0, 3}, count 2, -1 in the spare slot.
+void valid_lists(sa::HostTensor& idx, sa::HostTensor& cnt) {
+  idx = sa::HostTensor(sa::DType::i32, {B, Hkv, Tq, Kmax});
+  cnt = sa::HostTensor(sa::DType::i32, {B, Hkv, Tq});
+  for (std::int64_t r = 0; r < B * Hkv * Tq; ++r) {
+    cnt.data<std::int32_t>()[r] = 2;
+    idx.data<std::int32_t>()[r * Kmax + 0] = 0;
+    idx.data<std::int32_t>()[r * Kmax + 1] = 3;
+    idx.data<std::int32_t>()[r * Kmax + 2] = -1;
+  }
+}
+
+struct Fault {
+  const char* what;
+  void (*mutate)(std::int32_t* idx, std::int32_t* cnt);
+  const char* arg;
+  const char* message;  // the CPU's, after "tile_sparse: argument '<arg>': "
+  std::int64_t row;     // the faulty tile (flat b, g, t); the first of several
+};
+
+const Fault kFaults[] = {
+    {"id out of range", [](std::int32_t* i, std::int32_t*) { i[kFaultyRow * Kmax + 1] = 5; }, "tiles.idx",
+     "block id 5 at [1, 0, 2, 1] is out of range [0, 5)", kFaultyRow},
+    {"negative id", [](std::int32_t* i, std::int32_t*) { i[kFaultyRow * Kmax] = -2; }, "tiles.idx",
+     "block id -2 at [1, 0, 2, 0] is out of range [0, 5)", kFaultyRow},
+    {"repeated id", [](std::int32_t* i, std::int32_t*) { i[kFaultyRow * Kmax + 1] = 0; }, "tiles.idx",
+     "duplicate block id 0 at [1, 0, 2, 1]", kFaultyRow},
+    {"descending ids",
+     [](std::int32_t* i, std::int32_t*) {
+       i[kFaultyRow * Kmax] = 3;
+       i[kFaultyRow * Kmax + 1] = 1;
+     },
+     "tiles.idx", "block ids must be strictly ascending: 1 at [1, 0, 2, 1] follows 3", kFaultyRow},
+    // Two faulty tiles: the first in row-major order is reported.
+    {"count over capacity",
+     [](std::int32_t*, std::int32_t* c) {
+       c[kFaultyRow] = 4;
+       c[kFaultyRow + 5] = -1;
+     },
+     "tiles.cnt", "count 4 at [1, 0, 2] exceeds the list capacity Kmax = 3", kFaultyRow},
+    {"negative count", [](std::int32_t*, std::int32_t* c) { c[kFaultyRow + 5] = -1; }, "tiles.cnt",
+     "negative count -1 at [1, 1, 2]", kFaultyRow + 5},
+};
+
+// The CPU's message for lists that `f` made faulty (the device reports the same, plus a note).
+std::string cpu_message(const Fault& f, const sa::HostTensor& q, const sa::HostTensor& k, const sa::HostTensor& v,
+                        const sa::HostTensor& idx, const sa::HostTensor& cnt, bool causal) {
+  sa::HostTensor out(sa::DType::bf16, {B, L, Hq, kD});
+  sa::AttentionOptions opt;
+  opt.causal = causal;
+  try {
+    sa::tile_sparse(q.view(), k.view(), v.view(), sa::TileLists{idx.view(), cnt.view()}, out.view(), std::nullopt, opt);
+  } catch (const sa::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << f.what << ": the CPU accepted the lists";
+  return {};
+}
+
+// The error of a deferred fault: the CPU's operator, argument and message, then a note naming `where`.
+void expect_fault(const sa::Error& e, const Fault& f, const std::string& cpu, const std::string& where) {
+  const std::string msg = e.what();
+  EXPECT_EQ(e.op(), "tile_sparse") << f.what;
+  EXPECT_EQ(e.argument(), f.arg) << f.what;
+  EXPECT_EQ(msg.rfind(cpu, 0), 0u) << f.what << ": " << msg << "\nCPU: " << cpu;
+  EXPECT_NE(msg.find(std::string("tile_sparse: argument '") + f.arg + "': " + f.message), std::string::npos) << msg;
+  EXPECT_NE(msg.find("earlier validated tile_sparse call"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(where), std::string::npos) << msg;
+}
+
+// Fills a 16-bit output with a finite value no kernel writes by chance.
+void fill_sentinel(sa::HostTensor& t) { std::memset(t.view().data, 0x3f, static_cast<std::size_t>(t.numel()) * sa::dtype_size(t.dtype())); }
+
+// The rows of `row`'s tile hold NaN in out and lse, for every query head that shares the list; every
+// other element equals `trusted`'s bit for bit.
+void expect_nan_tile_only(const sa::HostTensor& out, const sa::HostTensor& lse, const sa::HostTensor& trusted_out,
+                          const sa::HostTensor& trusted_lse, std::int64_t row, const std::string& what) {
+  const std::int64_t fb = row / (Hkv * Tq), fg = row / Tq % Hkv, ft = row % Tq;
+  const auto faulty = [&](std::int64_t b, std::int64_t i, std::int64_t h) {
+    return b == fb && h / (Hq / Hkv) == fg && i / sa::kTileQ == ft;
   };
-  // Row (b=1, g=0, t=2) is flat row 1*10 + 0*5 + 2 = 12.
-  expect_error("id out of range", [](std::int32_t* i, std::int32_t*) { i[12 * 3 + 1] = 5; }, "tiles.idx",
-               "block id 5 at [1, 0, 2, 1] is out of range [0, 5)");
-  expect_error("not ascending", [](std::int32_t* i, std::int32_t*) { i[12 * 3 + 1] = 0; }, "tiles.idx",
-               "at [1, 0, 2, 1]");
-  expect_error("count over capacity", [](std::int32_t*, std::int32_t* c) { c[12] = 4; c[17] = -1; }, "tiles.cnt",
-               "count 4 at [1, 0, 2]");
+  const auto* o = static_cast<const std::uint16_t*>(out.view().data);
+  const auto* to = static_cast<const std::uint16_t*>(trusted_out.view().data);
+  std::int64_t nan_rows = 0, wrong = 0;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < L; ++i)
+      for (std::int64_t h = 0; h < Hq; ++h) {
+        const std::int64_t base = ((b * L + i) * Hq + h) * kD;
+        const float l = lse.data<float>()[(b * Hq + h) * L + i];
+        if (faulty(b, i, h)) {
+          bool all_nan = std::isnan(l);
+          for (std::int64_t d = 0; d < kD; ++d) all_nan = all_nan && std::isnan(st::element(out, base + d));
+          nan_rows += all_nan;
+          continue;
+        }
+        const float tl = trusted_lse.data<float>()[(b * Hq + h) * L + i];
+        wrong += std::memcmp(o + base, to + base, kD * 2) != 0 || std::memcmp(&l, &tl, 4) != 0;
+      }
+  EXPECT_EQ(nan_rows, (Hq / Hkv) * std::min<std::int64_t>(sa::kTileQ, L - ft * sa::kTileQ))
+      << what << ": rows of the faulty tile that are NaN in out and lse";
+  EXPECT_EQ(wrong, 0) << what << ": rows outside the faulty tile that differ from the trusted call";
+}
+
+}  // namespace faults
+
+// Validated calls check the lists inside the kernel and return without waiting: a faulty tile gets
+// NaN rows (all heads that share its list) and nothing else changes; the first fault surfaces as the
+// CPU's error at check_device_faults, or at the start of the next operator on the device, once.
+// Valid lists give the trusted call's output bit for bit. Causal (whole units) and not (a split tail:
+// 40 units on a full GPU).
+TEST(TileAttentionGpu, ValidationIsDeferredAndMarksTheFaultyTile) {
+  SKIP_WITHOUT_GPU();
+  using namespace faults;
+  ASSERT_NO_THROW(sa::check_device_faults());
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, Hq, kD}, 6000);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 6001);
+  const sa::HostTensor v = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 6002);
+  DeviceTensor dq(q), dk(k), dv(v);
+  for (const bool causal : {false, true}) {
+    sa::AttentionOptions checked, trusted;
+    checked.causal = trusted.causal = causal;
+    trusted.trusted = true;
+    // One call into sentinel-filled outputs: (out, lse).
+    const auto call = [&](const sa::HostTensor& idx, const sa::HostTensor& cnt, const sa::AttentionOptions& opt) {
+      sa::HostTensor out(sa::DType::bf16, {B, L, Hq, kD}), lse(sa::DType::f32, {B, Hq, L});
+      fill_sentinel(out);
+      std::memset(lse.view().data, 0x3f, static_cast<std::size_t>(lse.numel()) * 4);
+      DeviceTensor didx(idx), dcnt(cnt), dout(out), dlse(lse);
+      sa::tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, dout.view, dlse.view, opt);
+      cuda_ok(cudaDeviceSynchronize(), "tile_sparse");
+      dout.download(out);
+      dlse.download(lse);
+      return std::make_pair(std::move(out), std::move(lse));
+    };
+    sa::HostTensor idx, cnt;
+    valid_lists(idx, cnt);
+    {
+      const auto [out, lse] = call(idx, cnt, checked);
+      const auto [tout, tlse] = call(idx, cnt, trusted);
+      EXPECT_TRUE(st::all_finite(out, true));
+      EXPECT_EQ(0, std::memcmp(out.view().data, tout.view().data, static_cast<std::size_t>(out.numel()) * 2))
+          << "valid lists: validated and trusted outputs differ";
+      EXPECT_EQ(0, std::memcmp(lse.view().data, tlse.view().data, static_cast<std::size_t>(lse.numel()) * 4));
+      ASSERT_NO_THROW(sa::check_device_faults(0)) << "valid lists recorded a fault";
+    }
+    for (const Fault& f : kFaults) {
+      const std::string what = std::string(f.what) + (causal ? ", causal" : "");
+      SCOPED_TRACE(what);
+      sa::HostTensor bad_idx, bad_cnt;
+      valid_lists(bad_idx, bad_cnt);
+      f.mutate(bad_idx.data<std::int32_t>(), bad_cnt.data<std::int32_t>());
+      const std::string cpu = cpu_message(f, q, k, v, bad_idx, bad_cnt, causal);
+      // Trusted: nothing checked, nothing reported (the count is clamped, ids out of range skipped).
+      const auto [tout, tlse] = call(bad_idx, bad_cnt, trusted);
+      // The validated call returns; the fault waits on the device.
+      std::pair<sa::HostTensor, sa::HostTensor> got;
+      ASSERT_NO_THROW(got = call(bad_idx, bad_cnt, checked));
+      expect_nan_tile_only(got.first, got.second, tout, tlse, f.row, what);
+      try {
+        sa::check_device_faults(0);
+        ADD_FAILURE() << "check_device_faults found no fault";
+      } catch (const sa::Error& e) {
+        expect_fault(e, f, cpu, "reported by check_device_faults");
+      }
+      EXPECT_NO_THROW(sa::check_device_faults()) << "a fault is reported once";
+      // At the start of the next operator on the device, before it runs.
+      ASSERT_NO_THROW(call(bad_idx, bad_cnt, checked));
+      sa::HostTensor out(sa::DType::bf16, {B, L, Hq, kD});
+      DeviceTensor dout(out);
+      try {
+        sa::dense(dq.view, dk.view, dv.view, dout.view, std::nullopt, trusted);
+        ADD_FAILURE() << "the next call found no fault";
+      } catch (const sa::Error& e) {
+        expect_fault(e, f, cpu, "at the start of dense");
+      }
+      EXPECT_NO_THROW(sa::dense(dq.view, dk.view, dv.view, dout.view, std::nullopt, trusted));
+      cuda_ok(cudaDeviceSynchronize(), "dense");
+      EXPECT_NO_THROW(sa::check_device_faults(0));
+    }
+  }
+}
+
+// A validated tile_sparse call captured into a CUDA graph: the replay equals the eager call bit for
+// bit, and a replay over lists made faulty after the capture records the fault.
+TEST(TileAttentionGpu, ValidatedCallsCaptureIntoGraphs) {
+  SKIP_WITHOUT_GPU();
+  using namespace faults;
+  const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, Hq, kD}, 6100);
+  const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 6101);
+  const sa::HostTensor v = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 6102);
+  sa::HostTensor idx, cnt;
+  valid_lists(idx, cnt);
+  sa::HostTensor out(sa::DType::bf16, {B, L, Hq, kD}), lse(sa::DType::f32, {B, Hq, L});
+  st::poison(out);
+  st::poison(lse);
+  DeviceTensor dq(q), dk(k), dv(v), didx(idx), dcnt(cnt), dout(out), dlse(lse), gout(out), glse(lse);
+  cudaStream_t stream = nullptr;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  sa::AttentionOptions opt;  // validated
+  opt.stream = stream;
+  const sa::TileLists tiles{didx.view, dcnt.view};
+  // Eager first: the stream gets its split-tail workspace, so the captured call splits alike.
+  sa::tile_sparse(dq.view, dk.view, dv.view, tiles, dout.view, dlse.view, opt);
+  cuda_ok(cudaStreamSynchronize(stream), "eager");
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  sa::tile_sparse(dq.view, dk.view, dv.view, tiles, gout.view, glse.view, opt);
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+  cuda_ok(cudaStreamSynchronize(stream), "replay");
+  sa::HostTensor eager_out = out, eager_lse = lse, graph_out = out, graph_lse = lse;
+  dout.download(eager_out);
+  dlse.download(eager_lse);
+  gout.download(graph_out);
+  glse.download(graph_lse);
+  ASSERT_TRUE(st::all_finite(eager_out));
+  EXPECT_EQ(0, std::memcmp(eager_out.view().data, graph_out.view().data, dout.bytes)) << "replay differs from eager";
+  EXPECT_EQ(0, std::memcmp(eager_lse.view().data, graph_lse.view().data, dlse.bytes)) << "replay lse differs";
+  EXPECT_NO_THROW(sa::check_device_faults(0));
+  // The same graph over lists that went bad since.
+  const Fault& f = kFaults[0];
+  sa::HostTensor bad_idx = idx, bad_cnt = cnt;
+  f.mutate(bad_idx.data<std::int32_t>(), bad_cnt.data<std::int32_t>());
+  cuda_ok(cudaMemcpy(didx.ptr, bad_idx.view().data, didx.bytes, cudaMemcpyHostToDevice), "upload");
+  const std::string cpu = cpu_message(f, q, k, v, bad_idx, bad_cnt, false);
+  cuda_ok(cudaGraphLaunch(exec, stream), "replay");
+  cuda_ok(cudaStreamSynchronize(stream), "replay");
+  gout.download(graph_out);
+  glse.download(graph_lse);
+  expect_nan_tile_only(graph_out, graph_lse, eager_out, eager_lse, f.row, "replay over faulty lists");
+  try {
+    sa::check_device_faults();
+    ADD_FAILURE() << "the replay recorded no fault";
+  } catch (const sa::Error& e) {
+    expect_fault(e, f, cpu, "reported by check_device_faults");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 TEST(TileAttentionGpu, RejectsUnsupportedHeadDim) {

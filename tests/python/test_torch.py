@@ -418,3 +418,42 @@ def test_cuda_graph_capture_of_a_custom_op():
     graph.replay()
     torch.cuda.synchronize()
     _check(out, ref.attention(_np(q), _np(k), _np(v), causal=True)[0], torch.bfloat16)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_validated_tile_sparse_captures_into_a_graph_and_defers_faults():
+    """A validated (not trusted) tile_sparse call captured by torch.cuda.graph replays the eager result;
+    lists made faulty after the capture give NaN in the faulty tile only, and the fault is raised by
+    check_device_faults, once."""
+    B, Lq, Lk, Hq, Hkv, D = 1, 300, 1000, 4, 2, 128  # Tq = 3, Tk = 8; heads 2 and 3 share list group 1
+    q, k, v = _qkv(B, Lq, Lk, Hq, Hkv, D, torch.bfloat16, device="cuda")
+    idx, cnt = random_tile_lists(np.random.default_rng(11), B, Hkv, 3, 8, kmax=4)
+    didx, dcnt = torch.from_numpy(idx).cuda(), torch.from_numpy(cnt).cuda()
+    sa.check_device_faults()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # eager on the capture stream first (its split-tail workspace)
+        eager = _on_cuda_or_skip(lambda: sat.tile_sparse(q, k, v, didx, dcnt))
+    s.synchronize()
+    _check(eager, ref.attention(_np(q), _np(k), _np(v), ref.mask_from_tile_lists(idx, cnt, Lq, Lk, Hq))[0],
+           torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        out = sat.tile_sparse(q, k, v, didx, dcnt)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    sa.check_device_faults()
+
+    didx[0, 1, 2, 0] = 8  # tile (0, 1, 2): block id 8 of Tk = 8, rows 256..299 of heads 2 and 3
+    g.replay()
+    torch.cuda.synchronize()
+    faulty = torch.zeros_like(out, dtype=torch.bool)
+    faulty[0, 256:300, 2:4] = True
+    assert torch.isnan(out[faulty].float()).all()
+    assert torch.equal(out[~faulty], eager[~faulty])
+    with pytest.raises(sa.Error, match=r"^tile_sparse: argument 'tiles.idx': block id 8 at \[0, 1, 2, 0\] is out of "
+                                       r"range \[0, 8\) \(found on CUDA device 0 by an earlier validated"):
+        sa.check_device_faults()
+    sa.check_device_faults()  # raised once

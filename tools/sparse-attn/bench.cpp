@@ -360,6 +360,9 @@ void Bench::record(const std::string& name, const ProblemShape& p, nlohmann::jso
     extra += fmt::format(" reverse index {:.3f}, attention {:.3f}, combine {:.3f} ms",
                          r.extra["phases_ms"]["reverse_index"].get<double>(), r.extra["phases_ms"]["attention"].get<double>(),
                          r.extra["phases_ms"]["combine"].get<double>());
+  if (r.extra.contains("validated_ms") && !r.ms.empty())
+    extra += fmt::format(" validated {:.4f} ms ({:+.1f} % over trusted)", r.extra["validated_ms"]["median"].get<double>(),
+                         100.0 * (r.extra["validated_ms"]["median"].get<double>() / median(r.ms) - 1.0));
   if (r.extra.contains("support_fraction"))
     extra += fmt::format(" support {:.3f}", r.extra["support_fraction"].get<double>());
   fmt::print("{:<34} {} {:>9} {:>5}  {}{}\n", name, timing,
@@ -402,6 +405,17 @@ void Bench::tile16() {
         },
         selection_reference(in, host_sel), nullptr);
     r.pairs = selected_pairs(host_sel, p);
+    if (r.status == "ok" && where_.cuda) {
+      // The same calls validated (the lists checked inside the kernel), against the trusted times above.
+      std::vector<double> ms;
+      for (int rep = 0; rep < repeat_; ++rep)
+        ms.push_back(timed(true, [&] {
+          tile_sparse(in.q.view(true), in.k.view(true), in.v.view(true), TileLists{idx.view(true), cnt.view(true)},
+                      in.out.view(true), std::nullopt, selection_options());
+        }));
+      check_device_faults();
+      r.extra["validated_ms"] = {{"median", median(ms)}, {"min", *std::min_element(ms.begin(), ms.end())}, {"all", ms}};
+    }
     record(fmt::format("tile16 {} Lk={}", cfg_.pattern, p.Lk), p, {{"blocks_per_tile", blocks}, {"pattern", cfg_.pattern}},
            std::move(r));
   }

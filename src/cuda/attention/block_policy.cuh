@@ -2,17 +2,32 @@
 // element mask. Dense and tile_sparse differ only here (dense lists every block), so both run the
 // same mainloop. The producer and the consumers walk the same sequence, which keeps the K/V ring in
 // step without any communication beyond the mbarriers.
+//
+// Validated calls (p.fault set) check each tile's list as the producer takes the item, before any of
+// it is walked: a faulty list walks no block, and the consumers give its tile NaN rows and record the
+// fault (mainloop.cuh; fault_word.hpp). The check runs on the producer thread only, which waits for
+// ring slots most of the time; the recording (a spin lock and a dozen stores, more than the
+// producer's 24 registers hold without spilling) is left to a consumer thread, off its path for valid
+// items.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/attention/params.hpp"
+#include "cuda/common/fault_word.hpp"
 #include "cuda/common/scheduler.cuh"
 
 namespace sparse_attn::cuda_kernels {
 
 inline constexpr int kTileRows = 128;  // queries per Q tile (DESIGN §2)
 inline constexpr int kBlockKeys = 128;  // keys per KV block
+
+/// The first broken rule of a validated list as the producer found it (kind kNone: the list is valid),
+/// with the values read: the slot (-1 for the count), the count or id there, the id before it.
+struct FoundFault {
+  ListFault kind;
+  int slot, value, prev;
+};
 
 struct BlockPolicy {
   const std::int32_t* list = nullptr;  // ids of this tile's list (null for dense)
@@ -21,6 +36,7 @@ struct BlockPolicy {
   int count = 0;                       // end of the walk: cnt, or Tk for dense, cut at the piece's end
   int Tk = 0;
   int last_visible_key = 0;            // keys past this are in every row's future (causal); Lk - 1 otherwise
+  FoundFault fault{ListFault::kNone, 0, 0, 0};  // validated call, list breaks a rule: nothing is walked
 
   /// kCausal: p.causal, known at compile time (each kernel instantiation serves one setting).
   template <bool kCausal>
@@ -35,15 +51,46 @@ struct BlockPolicy {
       bp.list = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + q_tile * p.idx_stride[2];
       bp.list_stride = p.idx_stride[3];
       const int c = __ldg(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + q_tile * p.cnt_stride[2]);
-      // Validation rejects counts outside [0, Kmax] unless the caller vouched for them; clamp anyway so
-      // a bad trusted list can never read past its row.
+      // A trusted list's count is clamped so that it never reads past its row.
       bp.count = c < 0 ? 0 : (c > p.Kmax ? p.Kmax : c);
+      if (p.fault != nullptr) {
+        bp.fault = check_list(p, bp.list, bp.list_stride, c);
+        if (bp.fault.kind != ListFault::kNone) bp.count = 0;
+      }
     }
     bp.begin = w.lo;
     bp.count = min(bp.count, w.hi);
     const int last_row = min((q_tile + 1) * kTileRows, p.Lq) - 1;
     bp.last_visible_key = kCausal ? min(last_row + (p.Lk - p.Lq), p.Lk - 1) : p.Lk - 1;
     return bp;
+  }
+
+  /// The first rule of the CPU's validation (detail::tile_row_message) that a list breaks: its count
+  /// c as read in [0, Kmax], its first c ids in [0, Tk) and strictly ascending. Reads no id past the
+  /// count, nor past Kmax. One id at a time: after the row's first load the others come from L1 (and
+  /// the walk then reads them again from there).
+  __device__ __forceinline__ static FoundFault check_list(const TileAttentionParams& p, const std::int32_t* list,
+                                                          std::int64_t stride, int c) {
+    if (c < 0 || c > p.Kmax) return {ListFault::kCount, -1, c, -1};
+    int prev = -1;
+    for (int s = 0; s < c; ++s, list += stride) {
+      const int j = __ldg(list);
+      if (j < 0 || j >= p.Tk) return {ListFault::kRange, s, j, prev};
+      if (j <= prev) return {ListFault::kOrder, s, j, prev};
+      prev = j;
+    }
+    return {ListFault::kNone, 0, 0, 0};
+  }
+
+  /// Records `f`, found in the list of work item w, in the device's fault record, ordered as the CPU
+  /// scans: tile (b, g, t) row-major, its count before its slots.
+  __device__ __forceinline__ static void record(const TileAttentionParams& p, const FoundFault& f, const WorkItem& w) {
+    const int g = w.head / p.heads_per_list, G = p.Hq / p.heads_per_list;
+    const unsigned long long tile = (static_cast<unsigned long long>(w.b) * G + g) * p.Tq + w.q_tile;
+    const unsigned long long position = tile * (static_cast<unsigned long long>(p.Kmax) + 1) + (f.slot + 1);
+    record_list_fault(FaultSink{p.fault, p.fault_flag},
+                      DeviceFault{(position << 2) | static_cast<unsigned>(f.kind), 0, f.kind, w.b, g, w.q_tile, f.slot,
+                                  f.value, f.prev, p.Kmax, p.Tk});
   }
 
   /// Block id at position i of the walk, or -1 when it is skipped (entirely in the future, or an id

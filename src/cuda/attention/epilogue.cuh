@@ -1,6 +1,7 @@
 // Epilogue of one consumer warpgroup: normalise its 64 x D output fragment (N = D / 2 registers) by the
 // row sums, write it out, and write the natural-log LSE. A row that saw no visible key has l = 0: it
-// gets out = 0 and lse = -inf, never NaN. Rows at or past Lq are never stored.
+// gets out = 0 and lse = -inf, never NaN; a faulty item's rows (NaN state) get NaN. Rows at or past Lq
+// are never stored.
 //
 // Two ways out for the tile: staged into shared memory (the warpgroup's rows of the item's Q buffer,
 // in the 128B-swizzled layout a TMA load writes) and stored by TMA, so the warpgroup spends a few
@@ -29,7 +30,8 @@ __device__ __forceinline__ void store_lse(const TileAttentionParams& p, const On
   for (int r = 0; r < 2; ++r) {
     const int row = first_row + 16 * w + g + 8 * r;
     if (row >= p.Lq) continue;
-    const float lse = sm.l[r] > 0.0f ? (sm.m[r] + __log2f(sm.l[r])) * kLn2 : -INFINITY;
+    // l = 0: no visible key. l = NaN (a faulty item, NaN inputs) gives NaN.
+    const float lse = sm.l[r] == 0.0f ? -INFINITY : (sm.m[r] + __log2f(sm.l[r])) * kLn2;
     p.lse[b * p.lse_stride[0] + head * p.lse_stride[1] + static_cast<std::int64_t>(row) * p.lse_stride[2]] = lse;
   }
 }

@@ -1,5 +1,5 @@
-// Host side of the Q-centric kernel: argument checks specific to the CUDA backend, device-side
-// validation of TileLists, tensor maps, parameters and the dtype dispatch.
+// Host side of the Q-centric kernel: argument checks specific to the CUDA backend, the fault sink of
+// validated TileLists, tensor maps, parameters and the dtype dispatch.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -8,77 +8,19 @@
 #include <limits>
 #include <mutex>
 #include <string>
-#include <vector>
 
 #include "core/check.hpp"
 #include "cuda/attention/kernel.cuh"
 #include "cuda/attention/params.hpp"
-#include "cuda/attention/split_tail.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/fault_word.hpp"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/workspace_cache.hpp"
+#include "plan/split_tail.hpp"
 
 namespace sparse_attn::cuda_kernels {
 namespace {
-
-// The validation kernel's fault word (checked_launch) takes the first offending entry as
-// ((position << 2) | code); position orders entries as (b, g, tile, slot) with the count check of a
-// tile before its slots, so the minimum is the first offending coordinate in row-major order.
-enum : unsigned { kBadCount = 1, kBadRange = 2, kBadOrder = 3 };
-
-__global__ void validate_tile_lists_kernel(TileAttentionParams p, int G, unsigned long long* fault) {
-  const long long tiles = static_cast<long long>(p.B) * G * p.Tq;
-  for (long long f = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; f < tiles;
-       f += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const int t = static_cast<int>(f % p.Tq);
-    const int g = static_cast<int>((f / p.Tq) % G);
-    const int b = static_cast<int>(f / (static_cast<long long>(p.Tq) * G));
-    const unsigned long long base = static_cast<unsigned long long>(f) * (p.Kmax + 1);
-    const int c = p.cnt[b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2]];
-    if (c < 0 || c > p.Kmax) {
-      atomicMin(fault, (base << 2) | kBadCount);
-      continue;
-    }
-    const std::int32_t* row = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2];
-    int prev = -1;
-    for (int s = 0; s < c; ++s) {
-      const int j = row[s * p.idx_stride[3]];
-      const unsigned code = (j < 0 || j >= p.Tk) ? kBadRange : (j <= prev ? kBadOrder : 0u);
-      if (code != 0) {
-        atomicMin(fault, ((base + 1 + s) << 2) | code);
-        break;
-      }
-      prev = j;
-    }
-  }
-}
-
-void validate_on_device(const std::string& op, const TileAttentionParams& p, int G, int device, cudaStream_t stream) {
-  const long long tiles = static_cast<long long>(p.B) * G * p.Tq;
-  const int threads = 256;
-  const int blocks = static_cast<int>(std::min<long long>((tiles + threads - 1) / threads, 4096));
-  const unsigned long long found = checked_launch(device, stream, op, [&](unsigned long long* fault) {
-    validate_tile_lists_kernel<<<blocks, threads, 0, stream>>>(p, G, fault);
-    check_cuda(cudaGetLastError(), op, "tile list validation launch");
-  });
-  if (found == kNoFault) return;
-
-  // The first faulty tile, read back and reported as the CPU reports it (detail::tile_row_message).
-  const unsigned long long pos = found >> 2;
-  const long long f = static_cast<long long>(pos / (p.Kmax + 1));
-  const int t = static_cast<int>(f % p.Tq);
-  const int g = static_cast<int>((f / p.Tq) % G);
-  const int b = static_cast<int>(f / (static_cast<long long>(p.Tq) * G));
-  const int c = read_back(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + t * p.cnt_stride[2], stream, op);
-  const std::vector<std::int32_t> ids =
-      read_back_row(p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + t * p.idx_stride[2], p.idx_stride[3],
-                    static_cast<std::size_t>(std::clamp(c, 0, p.Kmax)), stream, op);
-  if (auto m = detail::tile_row_message(ids.data(), 1, c, p.Kmax, p.Tk, b, g, t)) throw Error(op, "tiles." + m->first, m->second);
-  throw Error(op, "tiles.idx", "the device check found a fault in tile " + detail::coord_string({b, g, t}) +
-                                   " that the tile read back does not show");
-}
 
 // The split tail's counters and partials per (device, stream), sized once for the device's SM count:
 // counters for up to one tail unit per SM (2 per unit: one per consumer warpgroup), then up to two
@@ -154,7 +96,11 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
     for (int i = 0; i < 4; ++i) p.idx_stride[i] = idx.stride[i];
     for (int i = 0; i < 3; ++i) p.cnt_stride[i] = cnt.stride[i];
     p.heads_per_list = static_cast<int>(s.Hq / G);
-    if (!options.trusted) validate_on_device(op, p, static_cast<int>(G), q.device_index, stream);
+    if (!options.trusted) {  // checked by the kernel as it runs (block_policy.cuh): no synchronisation
+      const FaultSink sink = fault_sink(q.device_index, op);
+      p.fault = sink.record;
+      p.fault_flag = sink.flag;
+    }
   }
 
   const CUtensorMap tm_q = make_bhld_tensor_map(op, "q", q);

@@ -39,6 +39,13 @@ inline constexpr int kQStages = 2;
 inline constexpr int kKStages = 3;
 inline constexpr int kVStages = 2;
 
+// What the producer found for the item in a Q buffer.
+enum ItemWalk : int {
+  kNoBlocks = 0,   // nothing to visit: out = 0, lse = -inf
+  kHasBlocks = 1,  // its blocks follow in the K/V rings
+  kFaulty = 2,     // a validated list broke a rule (block_policy.cuh): out and lse are NaN
+};
+
 struct SlotBlock {
   int j;     // KV block id
   int last;  // nonzero: the last block the item visits
@@ -53,9 +60,10 @@ struct alignas(1024) SharedStorage {
   Elem k[kKStages][kHalves][kBlockKeys][64];
   Elem v[kVStages][kHalves][kBlockKeys][64];
   // The walk as the producer found it, so consumers never read the lists from global memory: per Q
-  // buffer whether the item visits any block, per K slot the block and whether it is the item's last.
-  // Written before the slot's full barrier is armed, read after it completes, before the slot is released.
-  int q_has_blocks[kQStages];
+  // buffer the item's ItemWalk, per K slot the block and whether it is the item's last. Written
+  // before the slot's full barrier is armed, read after it completes, before the slot is released.
+  int q_walk[kQStages];
+  FoundFault q_fault[kQStages];  // what a kFaulty item's list broke
   SlotBlock k_block[kKStages];
   // Per consumer warpgroup: the piece of a split unit whose arrival is pending, and the verdict of its
   // arrival (epilogue.cuh, arrive_piece).
@@ -103,7 +111,9 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
     if (j < 0 && pend_j >= 0) load_pending_v();
     const int qst = qs.stage();
     sm.q_empty[qst].wait(qs.phase() ^ 1u);
-    sm.q_has_blocks[qst] = j >= 0;
+    const bool faulty = bp.fault.kind != ListFault::kNone;
+    sm.q_walk[qst] = faulty ? kFaulty : (j >= 0 ? kHasBlocks : kNoBlocks);
+    if (faulty) sm.q_fault[qst] = bp.fault;
     sm.q_full[qst].arrive_expect_tx(kTileBytes<kHeadDim>);
     for (int half = 0; half < kHalves; ++half)
       tma_load_bhld(&sm.q[qst][half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full[qst].word);
@@ -210,7 +220,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
                                               int thread, const CUtensorMap* tm_out) {
   constexpr int kHalves = kHeadDim / 64;
   // Every consumer thread arrives on the empty barriers (count kConsumerThreads): each has read the slot's
-  // metadata (k_block, q_has_blocks) that the producer overwrites once the barrier completes.
+  // metadata (k_block, q_walk, q_fault) that the producer overwrites once the barrier completes.
   const auto release = [&](MBarrier& bar) { bar.arrive(); };
   // Q buffer release. With the TMA store the buffer holds the staged output until the store has read
   // it: the storing thread arrives only after that read, so the buffer's phase cannot complete before
@@ -325,12 +335,19 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     OnlineSoftmax softmax;
     softmax.reset();
 
-    if (!sm.q_has_blocks[qst]) {  // nothing to visit: out = 0, lse = -inf
+    const int walk = sm.q_walk[qst];
+    if (walk != kHasBlocks) {  // nothing to visit: out = 0, lse = -inf; a faulty list: NaN
+      // One thread records the fault (q_fault is read before this thread releases the Q buffer).
+      if (walk == kFaulty && consumer == 0 && thread == 0) BlockPolicy::record(p, sm.q_fault[qst], w);
       finish_pending();
       if (!p.tma_store) sm.q_empty[qst].arrive();
+      // A faulty item's o, m and l are NaN, which every way out (the epilogues, a split unit's
+      // combine) turns into NaN out and lse.
+      const float fill = walk == kFaulty ? __int_as_float(0x7fffffff) : 0.0f;
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
+      for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = fill;
       softmax.finish();
+      if (walk == kFaulty) softmax.m[0] = softmax.m[1] = softmax.l[0] = softmax.l[1] = fill;
       epilogue(softmax, w, qst);
       continue;
     }

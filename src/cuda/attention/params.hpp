@@ -6,6 +6,8 @@
 
 namespace sparse_attn::cuda_kernels {
 
+struct DeviceFault;  // fault_word.hpp
+
 struct TileAttentionParams {
   int B = 0, Lq = 0, Lk = 0, Hq = 0, Hkv = 0;
   int Tq = 0, Tk = 0;
@@ -21,6 +23,11 @@ struct TileAttentionParams {
   int Kmax = 0;
   std::int64_t idx_stride[4] = {0, 0, 0, 0};
   std::int64_t cnt_stride[3] = {0, 0, 0};
+  // Validated calls: the device's fault record and the device address of its host flag (fault_word.hpp,
+  // FaultSink). Null when the lists are trusted: counts are then clamped to [0, Kmax] and ids out of
+  // range skipped, with nothing checked or recorded.
+  DeviceFault* fault = nullptr;
+  int* fault_flag = nullptr;
 
   // out [B, Lq, Hq, D] (D contiguous), lse [B, Hq, Lq] float32 or null; strides in elements.
   void* out = nullptr;

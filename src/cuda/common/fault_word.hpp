@@ -1,9 +1,17 @@
-// Device-side checks that report to the host: one 64-bit fault word per device into which a checking
+// Device-side checks that report to the host, in two forms.
+//
+// Synchronous (conversions, token_sparse): one 64-bit fault word per device into which a checking
 // kernel atomicMin's its faults, so that the smallest (the first in the order the CPU reports them)
 // survives, read back by the host after the launch; and the read-back of the data a fault points at.
 // The word is never freed (freeing at exit could run after the runtime has shut down).
+//
+// Deferred (tile_sparse): a kernel that meets a fault while it runs keeps it in the device's
+// DeviceFault record and raises the device's flag in pinned, host-mapped memory, and goes on; the
+// host sees the flag at the next call or at check_device_faults (device_faults.cu), with no
+// synchronisation while no fault is pending, so validated calls can be captured in CUDA graphs.
 #pragma once
 
+#include <cuda/atomic>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -79,5 +87,56 @@ unsigned long long launch_checked_unless(bool trusted, unsigned long long*& faul
     launch();
   });
 }
+
+// ---- deferred faults ----------------------------------------------------------------------------
+
+/// What a DeviceFault holds: a TileLists count outside [0, Kmax], an id outside [0, Tk), an id not
+/// above the one before it (the rules of detail::tile_row_message, in its order).
+enum class ListFault : int { kNone = 0, kCount = 1, kRange = 2, kOrder = 3 };
+
+/// The first fault found by validated calls on one device since the host last reported one: the
+/// smallest `key` wins. Lives in device memory (one per device, device_faults.cu); written only by
+/// record_list_fault, read and reset by the host once the device is idle.
+struct DeviceFault {
+  unsigned long long key;  // (position << 2) | kind, position = row-major (b, g, t, slot + 1); kNoFault: none
+  int lock;                // held by the thread writing the fields below
+  ListFault kind;
+  int b, g, t, slot;  // the tile (b, g, t) and the slot of the id (kCount: -1)
+  int value;          // the count (kCount) or id (kRange, kOrder) as read
+  int prev;           // kOrder: the id before it
+  int Kmax, Tk;       // the call's list capacity and block count, for the message
+};
+
+/// Where a validated kernel reports: the device's record and its flag in pinned host memory (the
+/// device address of the mapping). Null record: the call is trusted, nothing is checked.
+struct FaultSink {
+  DeviceFault* record = nullptr;
+  int* flag = nullptr;
+};
+
+#if defined(__CUDACC__)
+/// Keeps `f` in the record if it comes before the fault held there, then raises the host flag. Rare
+/// (a fault) and taken by one thread per faulty work item: a spin lock orders the writers.
+__device__ __forceinline__ void record_list_fault(FaultSink sink, const DeviceFault& f) {
+  cuda::atomic_ref<int, cuda::thread_scope_device> lock(sink.record->lock);
+  while (lock.exchange(1, cuda::memory_order_acquire) != 0) {
+  }
+  DeviceFault& r = *sink.record;
+  if (f.key < r.key) {  // every field but the lock
+    r.key = f.key;
+    r.kind = f.kind;
+    r.b = f.b, r.g = f.g, r.t = f.t, r.slot = f.slot;
+    r.value = f.value, r.prev = f.prev;
+    r.Kmax = f.Kmax, r.Tk = f.Tk;
+  }
+  lock.store(0, cuda::memory_order_release);
+  cuda::atomic_ref<int, cuda::thread_scope_system>(*sink.flag).store(1, cuda::memory_order_release);
+}
+#endif
+
+/// The sink of the current device `device` for a validated launch, created on first use (a record
+/// and a pinned flag that live as long as the process; their allocation is allowed while a stream
+/// of this thread is being captured). Throws Error(op) when CUDA fails.
+FaultSink fault_sink(int device, const std::string& op);
 
 }  // namespace sparse_attn::cuda_kernels

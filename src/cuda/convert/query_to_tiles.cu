@@ -1,5 +1,5 @@
 // QueryLists -> TileLists on the GPU (backend.hpp describes the kernel). The output equals the CPU
-// function's (src/core/formats.cpp) element for element: the same ids in the same ascending order,
+// function's (src/convert/convert.cpp) element for element: the same ids in the same ascending order,
 // the same counts, -1 in every slot past the count; so do the errors, whose first offending
 // coordinate is the minimum of one fault word.
 //
@@ -173,7 +173,7 @@ T read_back(const T* ptr, cudaStream_t stream) {
   return cuda_kernels::read_back(ptr, stream, kOp);
 }
 
-// The CPU function's message for the fault `f` (formats.cpp: list_row_fault and check_capacity).
+// The CPU function's message for the fault `f` (formats.cpp: list_row_fault; convert.cpp: check_capacity).
 [[noreturn]] void throw_fault(unsigned long long f, const cv::Params& prm, const ProblemShape& p, cudaStream_t stream) {
   if (f & cv::kCapacityClass) {
     const long long tile = static_cast<long long>((f & ~cv::kCapacityClass) >> cv::kUnionBits);
