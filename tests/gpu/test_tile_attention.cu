@@ -556,7 +556,9 @@ struct Fault {
   void (*mutate)(std::int32_t* idx, std::int32_t* cnt);
   const char* arg;
   const char* message;  // the CPU's, after "tile_sparse: argument '<arg>': "
-  std::int64_t row;     // the faulty tile (flat b, g, t); the first of several
+  std::int64_t row;     // the faulty tile (flat b, g, t) that is reported: the first
+  std::int64_t also = -1;  // a second faulty tile, or -1
+  std::vector<std::int64_t> rows() const { return also < 0 ? std::vector<std::int64_t>{row} : std::vector<std::int64_t>{row, also}; }
 };
 
 const Fault kFaults[] = {
@@ -578,7 +580,7 @@ const Fault kFaults[] = {
        c[kFaultyRow] = 4;
        c[kFaultyRow + 5] = -1;
      },
-     "tiles.cnt", "count 4 at [1, 0, 2] exceeds the list capacity Kmax = 3", kFaultyRow},
+     "tiles.cnt", "count 4 at [1, 0, 2] exceeds the list capacity Kmax = 3", kFaultyRow, kFaultyRow + 5},
     {"negative count", [](std::int32_t*, std::int32_t* c) { c[kFaultyRow + 5] = -1; }, "tiles.cnt",
      "negative count -1 at [1, 1, 2]", kFaultyRow + 5},
 };
@@ -612,13 +614,15 @@ void expect_fault(const sa::Error& e, const Fault& f, const std::string& cpu, co
 // Fills a 16-bit output with a finite value no kernel writes by chance.
 void fill_sentinel(sa::HostTensor& t) { std::memset(t.view().data, 0x3f, static_cast<std::size_t>(t.numel()) * sa::dtype_size(t.dtype())); }
 
-// The rows of `row`'s tile hold NaN in out and lse, for every query head that shares the list; every
-// other element equals `trusted`'s bit for bit.
+// The rows of each tile of `rows` hold NaN in out and lse, for every query head that shares the list;
+// every other element equals `trusted`'s bit for bit.
 void expect_nan_tile_only(const sa::HostTensor& out, const sa::HostTensor& lse, const sa::HostTensor& trusted_out,
-                          const sa::HostTensor& trusted_lse, std::int64_t row, const std::string& what) {
-  const std::int64_t fb = row / (Hkv * Tq), fg = row / Tq % Hkv, ft = row % Tq;
+                          const sa::HostTensor& trusted_lse, const std::vector<std::int64_t>& rows,
+                          const std::string& what) {
   const auto faulty = [&](std::int64_t b, std::int64_t i, std::int64_t h) {
-    return b == fb && h / (Hq / Hkv) == fg && i / sa::kTileQ == ft;
+    for (const std::int64_t row : rows)
+      if (b == row / (Hkv * Tq) && h / (Hq / Hkv) == row / Tq % Hkv && i / sa::kTileQ == row % Tq) return true;
+    return false;
   };
   const auto* o = static_cast<const std::uint16_t*>(out.view().data);
   const auto* to = static_cast<const std::uint16_t*>(trusted_out.view().data);
@@ -637,9 +641,10 @@ void expect_nan_tile_only(const sa::HostTensor& out, const sa::HostTensor& lse, 
         const float tl = trusted_lse.data<float>()[(b * Hq + h) * L + i];
         wrong += std::memcmp(o + base, to + base, kD * 2) != 0 || std::memcmp(&l, &tl, 4) != 0;
       }
-  EXPECT_EQ(nan_rows, (Hq / Hkv) * std::min<std::int64_t>(sa::kTileQ, L - ft * sa::kTileQ))
-      << what << ": rows of the faulty tile that are NaN in out and lse";
-  EXPECT_EQ(wrong, 0) << what << ": rows outside the faulty tile that differ from the trusted call";
+  std::int64_t expected = 0;
+  for (const std::int64_t row : rows) expected += (Hq / Hkv) * std::min<std::int64_t>(sa::kTileQ, L - row % Tq * sa::kTileQ);
+  EXPECT_EQ(nan_rows, expected) << what << ": rows of the faulty tiles that are NaN in out and lse";
+  EXPECT_EQ(wrong, 0) << what << ": rows outside the faulty tiles that differ from the trusted call";
 }
 
 }  // namespace faults
@@ -696,7 +701,7 @@ TEST(TileAttentionGpu, ValidationIsDeferredAndMarksTheFaultyTile) {
       // The validated call returns; the fault waits on the device.
       std::pair<sa::HostTensor, sa::HostTensor> got;
       ASSERT_NO_THROW(got = call(bad_idx, bad_cnt, checked));
-      expect_nan_tile_only(got.first, got.second, tout, tlse, f.row, what);
+      expect_nan_tile_only(got.first, got.second, tout, tlse, f.rows(), what);
       try {
         sa::check_device_faults(0);
         ADD_FAILURE() << "check_device_faults found no fault";
@@ -770,7 +775,7 @@ TEST(TileAttentionGpu, ValidatedCallsCaptureIntoGraphs) {
   cuda_ok(cudaStreamSynchronize(stream), "replay");
   gout.download(graph_out);
   glse.download(graph_lse);
-  expect_nan_tile_only(graph_out, graph_lse, eager_out, eager_lse, f.row, "replay over faulty lists");
+  expect_nan_tile_only(graph_out, graph_lse, eager_out, eager_lse, f.rows(), "replay over faulty lists");
   try {
     sa::check_device_faults();
     ADD_FAILURE() << "the replay recorded no fault";
