@@ -15,7 +15,8 @@ Arrays may be numpy arrays (CPU; float32, float16, or ml_dtypes.bfloat16) or tor
 CUDA); outputs are allocated with the same library and on the same device as ``q``, or written into
 ``out=``. For CUDA tensors the operators run on the current torch stream. Bad input raises
 :class:`Error` (a ``ValueError``) whose message names the operator, the argument and the offending
-value or coordinate.
+value or coordinate; an argument of the wrong type (a str softmax_scale, a float top_k, a tuple for
+a ProblemShape) raises ``TypeError`` naming the same.
 
 Selections (int32 index tensors, on q's device):
 
@@ -178,6 +179,7 @@ def _named_type_errors(fn, op):
             if error is None:
                 raise
         raise error
+    del call.__wrapped__  # inspect.signature cannot read an extension function
     return call
 
 
@@ -208,9 +210,23 @@ def _int(op, name, value, minimum=None):
     return value
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _kmax(op, top_k, kmax):
-    """A selector's list capacity: kmax, or top_k when kmax is None."""
-    return _int(op, "top_k", top_k, 1) if kmax is None else _int(op, "kmax", kmax, 0)
+    """A selector's list capacity, checked before it is allocated: kmax, or top_k when kmax is None;
+    at least top_k and within int32."""
+    top_k = _int(op, "top_k", top_k, 1)
+    if top_k > _INT32_MAX:
+        raise Error(f"{op}: argument 'top_k': must be <= {_INT32_MAX}, got {top_k}")
+    if kmax is None:
+        return top_k
+    kmax = _int(op, "kmax", kmax)
+    if kmax < top_k:
+        raise Error(f"{op}: argument 'kmax': {kmax} is smaller than top_k = {top_k}")
+    if kmax > _INT32_MAX:
+        raise Error(f"{op}: argument 'kmax': must be <= {_INT32_MAX}, got {kmax}")
+    return kmax
 
 
 def _problem(op, shape):
@@ -312,7 +328,7 @@ def dense(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, out=No
     """Dense attention over every visible key. Returns out, or (out, lse) with return_lse."""
     out, lse = _outputs("dense", q, out, return_lse)
     _native.dense(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), softmax_scale=softmax_scale,
-               causal=bool(causal), stream=_stream(q))
+                  causal=bool(causal), stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -322,8 +338,8 @@ def tile_sparse(q, k, v, idx, cnt, *, softmax_scale=None, causal=False, return_l
     trusted=True skips validation of the lists (the caller produced them)."""
     out, lse = _outputs("tile_sparse", q, out, return_lse)
     _native.tile_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(cnt), _dl(out), _dl(lse),
-                     softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
-                     stream=_stream(q))
+                        softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                        stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -332,8 +348,8 @@ def bits_sparse(q, k, v, bits, *, softmax_scale=None, causal=False, return_lse=F
     """Block-sparse attention over BlockBits (uint32 [B, G, Tq, ceil(Tk / 32)])."""
     out, lse = _outputs("bits_sparse", q, out, return_lse)
     _native.bits_sparse(_dl(q), _dl(k), _dl(v), _dl(bits), _dl(out), _dl(lse),
-                     softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
-                     stream=_stream(q))
+                        softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                        stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -347,9 +363,9 @@ def query_sparse(q, k, v, idx, *, partials="f32", softmax_scale=None, causal=Fal
     one partial (0: chosen from the lists' shape, 1: off, 2 to 8); the result is the same attention."""
     out, lse = _outputs("query_sparse", q, out, return_lse)
     _native.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
-                      softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
-                      partials=partials, schedule=schedule, merge_window=merge_window,
-                      stream=_stream(q))
+                         softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                         partials=partials, schedule=schedule, merge_window=merge_window,
+                         stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -359,8 +375,8 @@ def token_sparse(q, k, v, idx, *, softmax_scale=None, causal=False, return_lse=F
     the query heads of each group."""
     out, lse = _outputs("token_sparse", q, out, return_lse)
     _native.token_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
-                      softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
-                      stream=_stream(q))
+                         softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                         stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -386,8 +402,8 @@ def sparse_attention(q, k, v, *, tiles=None, bits=None, query_lists=None, token_
     kind, a, b = _selection("sparse_attention", tiles, bits, query_lists, token_lists)
     out, lse = _outputs("sparse_attention", q, out, return_lse)
     _native.sparse_attention(_dl(q), _dl(k), _dl(v), _dl(out), kind, a, b, lse=_dl(lse),
-                          softmax_scale=softmax_scale, causal=bool(causal),
-                          trusted=bool(trusted), stream=_stream(q))
+                             softmax_scale=softmax_scale, causal=bool(causal),
+                             trusted=bool(trusted), stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -423,7 +439,7 @@ def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None
     if _is_torch(q) and not _is_torch(thresholds):
         thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
     counts = _native.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
-                        softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))
+                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))
     stats = _gated_stats((counts[name] for name in _GATED_COUNTS), kept)
     return (out, lse, stats) if return_lse else (out, stats)
 
@@ -443,8 +459,8 @@ def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bi
         Lk = _shape(k, "entmax", "k", 4)[1]
         bits = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q), _ceil_div(_ceil_div(Lk, BLOCK_K), 32)), "uint32")
     stats = _native.entmax(_dl(q), _dl(k), _dl(v), _dl(out), alpha=alpha,
-                        softmax_scale=softmax_scale, causal=bool(causal),
-                        histogram_bins=histogram_bins, block_bits=_dl(bits), stream=_stream(q))
+                           softmax_scale=softmax_scale, causal=bool(causal),
+                           histogram_bins=histogram_bins, block_bits=_dl(bits), stream=_stream(q))
     result = (out,)
     if return_block_bits:
         result += (bits,)
@@ -469,8 +485,8 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
         idx = _full(q, (B, Hkv, Tq, _kmax("pooled_select", top_k, kmax)), -1, "int32")
         cnt = _empty(q, (B, Hkv, Tq), "int32")
     _native.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=representatives,
-                       top_k=top_k, force_local=bool(force_local), force_block0=bool(force_block0),
-                       causal=bool(causal), stream=_stream(q))
+                          top_k=top_k, force_local=bool(force_local), force_block0=bool(force_block0),
+                          causal=bool(causal), stream=_stream(q))
     return idx, cnt
 
 
@@ -486,8 +502,8 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
         idx = out if out is not None else _full(qidx, (B, Hkv, Lq, _kmax("token_max_select", top_k, kmax)), -1,
                                                 "int32")
         _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=top_k,
-                              precision=precision, causal=bool(causal),
-                              reserve_local=bool(reserve_local), stream=_stream(qidx))
+                                 precision=precision, causal=bool(causal),
+                                 reserve_local=bool(reserve_local), stream=_stream(qidx))
         return idx
     if format == "tile":
         Tq = _ceil_div(Lq, TILE_Q)
@@ -497,8 +513,8 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
             idx = _full(qidx, (B, Hkv, Tq, _kmax("token_max_select", top_k, kmax)), -1, "int32")
             cnt = _empty(qidx, (B, Hkv, Tq), "int32")
         _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=top_k,
-                              precision=precision, causal=bool(causal),
-                              reserve_local=bool(reserve_local), stream=_stream(qidx))
+                                 precision=precision, causal=bool(causal),
+                                 reserve_local=bool(reserve_local), stream=_stream(qidx))
         return idx, cnt
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
@@ -519,8 +535,8 @@ def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3
     else:
         idx = out
     _native.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
-                          top_k=top_k, causal=bool(causal), precision=precision,
-                          stream=_stream(qI))
+                             top_k=top_k, causal=bool(causal), precision=precision,
+                             stream=_stream(qI))
     return idx
 
 
@@ -576,7 +592,7 @@ def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None, trusted=Fa
     idx = _full(bits, (B, G, Tq, kmax), -1, "int32")
     cnt = _empty(bits, (B, G, Tq), "int32")
     _native.block_bits_to_tile_lists(_dl(bits), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
-                                  stream=_stream(bits))
+                                     stream=_stream(bits))
     return idx, cnt
 
 
@@ -594,7 +610,7 @@ def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None, trusted=
         idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
         cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
     _native.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
-                                   stream=_stream(lists))
+                                      stream=_stream(lists))
     return idx, cnt
 
 
@@ -625,7 +641,7 @@ def evaluate(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=No
     output relative error against dense attention, token and block sparsity. Returns a dict."""
     kind, a, b = _selection("evaluate_selection", tiles, bits, query_lists, token_lists)
     return _native.evaluate_selection(_dl(q), _dl(k), _dl(v), kind, a, b,
-                                   softmax_scale=softmax_scale, causal=bool(causal))
+                                      softmax_scale=softmax_scale, causal=bool(causal))
 
 
 def load_thresholds(path) -> ThresholdTable:
