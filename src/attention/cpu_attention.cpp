@@ -82,7 +82,7 @@ struct BlockBitsSource {
 };
 
 template <class Source>
-void run_q_centric(const AttentionArgs& a, const Source& src) {
+void run_q_centric(const AttentionCall& a, const Source& src, std::int64_t kv_store_budget) {
   const ProblemShape& p = a.p;
   const std::int64_t group = p.group_size();
   const bool per_kv_group = src.groups == p.Hkv;
@@ -93,7 +93,7 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
   const std::int64_t pairs_total = p.B * p.Hkv;
   // K and V are converted once per pass into a BlockStore; a pass covers as many (batch, KV head)
   // pairs as a dense store within the budget holds.
-  const std::int64_t pairs_per_chunk = std::clamp<std::int64_t>(a.kv_store_budget / pair_bytes, 1, pairs_total);
+  const std::int64_t pairs_per_chunk = std::clamp<std::int64_t>(kv_store_budget / pair_bytes, 1, pairs_total);
 
   // The causal key range of Q tile t: its first row sees up to lo, its last up to hi (inclusive).
   auto tile_limits = [&](std::int64_t t) {
@@ -167,14 +167,16 @@ void run_q_centric(const AttentionArgs& a, const Source& src) {
 
 }  // namespace
 
-void dense(const AttentionArgs& a) { run_q_centric(a, AllBlocksSource{a.p.Hkv, a.p.Tk()}); }
-
-void tile_sparse(const AttentionArgs& a, const TileLists& tiles) {
-  run_q_centric(a, TileListSource{tiles.idx, tiles.cnt, tiles.idx.shape[1], a.p.Tk()});
+void dense(const AttentionCall& a, std::int64_t kv_store_budget) {
+  run_q_centric(a, AllBlocksSource{a.p.Hkv, a.p.Tk()}, kv_store_budget);
 }
 
-void bits_sparse(const AttentionArgs& a, const BlockBits& bits) {
-  run_q_centric(a, BlockBitsSource{bits.bits, bits.bits.shape[1], a.p.Tk()});
+void tile_sparse(const AttentionCall& a, const TileCall& t, std::int64_t kv_store_budget) {
+  run_q_centric(a, TileListSource{t.tiles.idx, t.tiles.cnt, t.G, a.p.Tk()}, kv_store_budget);
+}
+
+void bits_sparse(const AttentionCall& a, const BlockBits& bits, std::int64_t kv_store_budget) {
+  run_q_centric(a, BlockBitsSource{bits.bits, bits.bits.shape[1], a.p.Tk()}, kv_store_budget);
 }
 
 }  // namespace sparse_attn::detail::cpu

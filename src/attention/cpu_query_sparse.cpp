@@ -89,7 +89,7 @@ struct ReverseIndex {
   std::vector<Entry> entries;
 };
 
-ReverseIndex build_reverse_index(const AttentionArgs& a, const QueryLists& lists, std::int64_t b, std::int64_t g,
+ReverseIndex build_reverse_index(const AttentionCall& a, const QueryLists& lists, std::int64_t b, std::int64_t g,
                                  std::int64_t i0, std::int64_t nq) {
   const ProblemShape& p = a.p;
   const std::int64_t Tk = p.Tk(), Kq = lists.idx.shape[3];
@@ -135,11 +135,12 @@ struct WorkItem {
 
 }  // namespace
 
-void query_sparse(const AttentionArgs& a, const QueryLists& lists, PartialPrecision precision,
-                  std::int64_t partial_budget) {
+void query_sparse(const AttentionCall& a, const QueryCall& c, std::int64_t partial_budget) {
   const ProblemShape& p = a.p;
+  const QueryLists& lists = c.lists;
+  const PartialPrecision precision = c.partials;
   const std::int64_t group = p.group_size();
-  const std::int64_t Kq = lists.idx.shape[3];
+  const std::int64_t Kq = c.Kq;
   const std::int64_t Tk = p.Tk();
   const std::int64_t per_query_bytes =
       std::max<std::int64_t>(1, Kq * group * p.D * (precision == PartialPrecision::f32 ? 4 : 2));

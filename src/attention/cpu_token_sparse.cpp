@@ -19,11 +19,11 @@ namespace {
 inline constexpr std::int64_t kQueriesPerItem = 16;
 }  // namespace
 
-void token_sparse(const AttentionArgs& a, const TokenLists& tokens) {
+void token_sparse(const AttentionCall& a, const TokenCall& t) {
   const ProblemShape& p = a.p;
   const std::int64_t group = p.group_size();
-  const std::int64_t Kt = tokens.idx.shape[3];
-  const TensorView& idx = tokens.idx;
+  const std::int64_t Kt = t.Kt;
+  const TensorView& idx = t.tokens.idx;
   const std::int64_t chunks = ceil_div(p.Lq, kQueriesPerItem);
 
   parallel_for(p.B * p.Hkv * chunks, [&](std::int64_t item) {

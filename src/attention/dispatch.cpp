@@ -7,6 +7,7 @@
 #include <variant>
 
 #include "attention/cpu_backend.hpp"
+#include "core/call.hpp"
 #include "core/check.hpp"
 #include "plan/merge_window.hpp"
 #include "sparse_attn/ops.hpp"
@@ -19,14 +20,7 @@ namespace sparse_attn {
 namespace {
 
 using detail::require;
-
-detail::cpu::AttentionArgs make_args(const std::string& op, const TensorView& q, const TensorView& k,
-                                     const TensorView& v, const TensorView& out,
-                                     const std::optional<TensorView>& lse, const AttentionOptions& options) {
-  detail::cpu::AttentionArgs a{q, k, v, out, lse, check_attention_args(op, q, k, v, out, lse, options), 1.0f};
-  a.scale = resolve_scale(op, options.softmax_scale, a.p.D);
-  return a;
-}
+using detail::resolve_call;
 
 // A trusted selection skips the content checks, but its shape still decides which memory the
 // executor reads, so shapes, dtypes and devices are checked in every case (O(1)).
@@ -78,10 +72,10 @@ void check_selection(const std::string& op, const S& s, const ProblemShape& p, c
 
 void dense(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
            const std::optional<TensorView>& lse, const AttentionOptions& options) {
-  const auto a = make_args("dense", q, k, v, out, lse, options);
+  const auto a = resolve_call("dense", q, k, v, out, lse, options);
   raise_pending_fault("dense", q, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
-  if (q.device == Device::cuda) return cuda_backend::dense(a.p, q, k, v, out, lse, options);
+  if (q.device == Device::cuda) return cuda_backend::dense(a);
 #endif
   if (q.device == Device::cuda) detail::unsupported_device("dense", "q", q);
   detail::cpu::dense(a);
@@ -89,23 +83,24 @@ void dense(const TensorView& q, const TensorView& k, const TensorView& v, const 
 
 void tile_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const TileLists& tiles,
                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
-  const auto a = make_args("tile_sparse", q, k, v, out, lse, options);
+  const auto a = resolve_call("tile_sparse", q, k, v, out, lse, options);
   raise_pending_fault("tile_sparse", q, options);
   check_selection("tile_sparse", tiles, a.p, q, options);
+  const detail::TileCall t{tiles, tiles.idx.shape[1], tiles.idx.shape[3]};
 #if defined(SPARSE_ATTN_WITH_CUDA)
-  if (q.device == Device::cuda) return cuda_backend::tile_sparse(a.p, q, k, v, tiles, out, lse, options);
+  if (q.device == Device::cuda) return cuda_backend::tile_sparse(a, t);
 #endif
   if (q.device == Device::cuda) detail::unsupported_device("tile_sparse", "q", q);
-  detail::cpu::tile_sparse(a, tiles);
+  detail::cpu::tile_sparse(a, t);
 }
 
 void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const BlockBits& bits,
                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
-  const auto a = make_args("bits_sparse", q, k, v, out, lse, options);
+  const auto a = resolve_call("bits_sparse", q, k, v, out, lse, options);
   raise_pending_fault("bits_sparse", q, options);
   check_selection("bits_sparse", bits, a.p, q, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
-  if (q.device == Device::cuda) return cuda_backend::bits_sparse(a.p, q, k, v, bits, out, lse, options);
+  if (q.device == Device::cuda) return cuda_backend::bits_sparse(a, bits);
 #endif
   if (q.device == Device::cuda) detail::unsupported_device("bits_sparse", "q", q);
   detail::cpu::bits_sparse(a, bits);
@@ -129,7 +124,7 @@ const char* query_schedule_name(QuerySchedule s) {
 
 void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const QueryLists& lists,
                   const TensorView& out, const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
-  const auto a = make_args("query_sparse", q, k, v, out, lse, options);
+  const auto a = resolve_call("query_sparse", q, k, v, out, lse, options);
   raise_pending_fault("query_sparse", q, options);
   require(options.partials == PartialPrecision::f32 || options.partials == PartialPrecision::bf16, "query_sparse",
           "options.partials",
@@ -138,26 +133,29 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
           "query_sparse", "options.schedule",
           [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
   check_selection("query_sparse", lists, a.p, q, options);
+  const std::int64_t Kq = lists.idx.shape[3];
   // Checked on every device (the CPU reference computes the same attention without merging).
-  cuda_backend::resolve_merge_window(a.p, lists.idx.shape[3], options.merge_window,
-                                     "query_sparse", "options.merge_window");
+  const detail::QueryCall c{lists, Kq, options.partials, options.schedule,
+                            cuda_backend::resolve_merge_window(a.p, Kq, options.merge_window,
+                                                               "query_sparse", "options.merge_window")};
 #if defined(SPARSE_ATTN_WITH_CUDA)
-  if (q.device == Device::cuda) return cuda_backend::query_sparse(a.p, q, k, v, lists, out, lse, options);
+  if (q.device == Device::cuda) return cuda_backend::query_sparse(a, c);
 #endif
   if (q.device == Device::cuda) detail::unsupported_device("query_sparse", "q", q);
-  detail::cpu::query_sparse(a, lists, options.partials);
+  detail::cpu::query_sparse(a, c);
 }
 
 void token_sparse(const TensorView& q, const TensorView& k, const TensorView& v, const TokenLists& tokens,
                   const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
-  const auto a = make_args("token_sparse", q, k, v, out, lse, options);
+  const auto a = resolve_call("token_sparse", q, k, v, out, lse, options);
   raise_pending_fault("token_sparse", q, options);
   check_selection("token_sparse", tokens, a.p, q, options);
+  const detail::TokenCall t{tokens, tokens.idx.shape[3]};
 #if defined(SPARSE_ATTN_WITH_CUDA)
-  if (q.device == Device::cuda) return cuda_backend::token_sparse(a.p, q, k, v, tokens, out, lse, options);
+  if (q.device == Device::cuda) return cuda_backend::token_sparse(a, t);
 #endif
   if (q.device == Device::cuda) detail::unsupported_device("token_sparse", "q", q);
-  detail::cpu::token_sparse(a, tokens);
+  detail::cpu::token_sparse(a, t);
 }
 
 void sparse_attention(const TensorView& q, const TensorView& k, const TensorView& v, const Selection& selection,

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "attention/cpu_backend.hpp"
+#include "core/call.hpp"
 #include "core/check.hpp"
 #include "plan/merge_window.hpp"
 #include "sparse_attn/plan.hpp"
@@ -67,7 +68,8 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
                                   const QuerySparseOptions& options) {
   const std::string op = "query_sparse_plan";
   // The plan has no output yet; q stands in for it (same shape and dtype by definition).
-  const ProblemShape p = check_attention_args(op, q, k, v, q, std::nullopt, options);
+  const detail::AttentionCall a = detail::resolve_call(op, q, k, v, q, std::nullopt, options);
+  const ProblemShape& p = a.p;
   check_partials(op, options.partials);
   check_schedule(op, options.schedule);
   check_lists(op, lists, p, q);
@@ -78,7 +80,7 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
   plan.partials = options.partials;
   plan.merge_window = merge_window_of(op, p, plan.Kq, options);
   plan.lists = lists;
-  plan.scale = resolve_scale(op, options.softmax_scale, p.D);
+  plan.scale = a.scale;
   plan.device = q.device;
   plan.device_index = q.device_index;
   if (q.device == Device::cpu) {
@@ -90,14 +92,14 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
   detail::check_tensor(op, "workspace", workspace, 1, {DType::u8});
   detail::check_same_device(op, "workspace", workspace, "q", q);
   require(workspace.stride[0] == 1, op, "workspace", [&] { return "must be contiguous, got " + workspace.describe(); });
-  const cuda_backend::QuerySparseBins bins = cuda_backend::query_sparse_bins(p, plan.Kq, options);
+  const cuda_backend::QuerySparseBins bins = cuda_backend::query_sparse_bins(p, plan.Kq, plan.merge_window);
   const std::size_t need = cuda_backend::query_sparse_workspace_bytes(p, plan.Kq, options.partials);
   require(static_cast<std::size_t>(workspace.shape[0]) >= need, op, "workspace",
           [&] { return
               "holds " + std::to_string(workspace.shape[0]) + " bytes; this problem needs " + std::to_string(need) +
               " (query_sparse_workspace_bytes)"; });
-  cuda_backend::query_sparse_plan(p, lists, bins, workspace.data, static_cast<std::size_t>(workspace.shape[0]),
-                                  options);
+  const detail::QueryCall c{lists, plan.Kq, plan.partials, options.schedule, plan.merge_window};
+  cuda_backend::query_sparse_plan(a, c, bins, workspace.data, static_cast<std::size_t>(workspace.shape[0]));
   plan.query_bands = bins.bands;
   plan.workspace = workspace;
   plan.planned = true;
@@ -112,7 +114,8 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
                       const TensorView& out, const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
   const std::string op = "query_sparse_run";
   require(plan.planned, op, "plan", "was not made by query_sparse_plan");
-  const ProblemShape p = check_attention_args(op, q, k, v, out, lse, options);
+  const detail::AttentionCall a = detail::resolve_call(op, q, k, v, out, lse, options);
+  const ProblemShape& p = a.p;
   const ProblemShape& s = plan.shape;
   require(p.B == s.B && p.Lq == s.Lq && p.Hq == s.Hq && p.D == s.D, op, "q", [&] { return shape_mismatch(p, s); });
   require(p.Lk == s.Lk && p.Hkv == s.Hkv, op, "k", [&] { return shape_mismatch(p, s); });
@@ -127,21 +130,20 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
            std::to_string(plan.merge_window);
   });
   check_schedule(op, options.schedule);
-  const float scale = resolve_scale(op, options.softmax_scale, p.D);
-  require(scale == plan.scale, op, "softmax_scale",
-          [&] { return std::to_string(scale) + " differs from the plan's " + std::to_string(plan.scale); });
+  require(a.scale == plan.scale, op, "softmax_scale",
+          [&] { return std::to_string(a.scale) + " differs from the plan's " + std::to_string(plan.scale); });
   require(q.device == plan.device && q.device_index == plan.device_index, op, "q",
           [&] { return "is on " + q.describe() + ", not on the plan's device"; });
+  const detail::QueryCall c{plan.lists, plan.Kq, plan.partials, options.schedule, plan.merge_window};
   if (q.device == Device::cpu) {
-    detail::cpu::AttentionArgs a{q, k, v, out, lse, p, scale};
-    detail::cpu::query_sparse(a, plan.lists, plan.partials);
+    detail::cpu::query_sparse(a, c);
     return;
   }
 #if defined(SPARSE_ATTN_WITH_CUDA)
   const auto bytes = static_cast<std::size_t>(plan.workspace.shape[0]);
   const cuda_backend::QuerySparseBins bins{plan.merge_window, plan.query_bands};
-  cuda_backend::query_sparse_attend(p, q, k, v, plan.lists, bins, plan.workspace.data, bytes, scale, options);
-  cuda_backend::query_sparse_combine(p, plan.lists, bins, plan.workspace.data, bytes, out, lse, options);
+  cuda_backend::query_sparse_attend(a, c, bins, plan.workspace.data, bytes);
+  cuda_backend::query_sparse_combine(a, c, bins, plan.workspace.data, bytes);
 #else
   detail::unsupported_device(op, "q", q);
 #endif

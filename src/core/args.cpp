@@ -1,5 +1,6 @@
 #include <cmath>
 
+#include "core/call.hpp"
 #include "core/check.hpp"
 #include "sparse_attn/ops.hpp"
 
@@ -17,7 +18,8 @@ float resolve_scale(const std::string& op, const std::optional<float>& scale, st
 namespace detail {
 
 ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
-                       std::initializer_list<DType> dtypes, bool causal, const std::optional<float>& scale) {
+                       std::initializer_list<DType> dtypes, bool causal, const std::optional<float>& scale,
+                       float* resolved_scale) {
   check_tensor(op, "q", q, 4, dtypes);
   check_tensor(op, "k", k, 4, dtypes);
   check_tensor(op, "v", v, 4, dtypes);
@@ -40,20 +42,22 @@ ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorV
   check_head_ratio(op, "k", p.Hq, p.Hkv);
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}})
     check_last_contiguous(op, name, *t);
-  resolve_scale(op, scale, p.D);
+  const float s = resolve_scale(op, scale, p.D);
+  if (resolved_scale != nullptr) *resolved_scale = s;
   return p;
 }
 
-}  // namespace detail
-
-ProblemShape check_attention_args(const std::string& op, const TensorView& q, const TensorView& k,
-                                  const TensorView& v, const TensorView& out,
-                                  const std::optional<TensorView>& lse, const AttentionOptions& options) {
+AttentionCall resolve_call(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
+                           const TensorView& out, const std::optional<TensorView>& lse,
+                           const AttentionOptions& options) {
   // float32 is a CPU-only input dtype; the device kernels take 16-bit inputs.
   const bool cpu = q.device == Device::cpu;
-  const ProblemShape p =
-      cpu ? detail::check_qkv(op, q, k, v, {DType::bf16, DType::f16, DType::f32}, options.causal, options.softmax_scale)
-          : detail::check_qkv(op, q, k, v, {DType::bf16, DType::f16}, options.causal, options.softmax_scale);
+  AttentionCall a;
+  a.q = q, a.k = k, a.v = v, a.out = out, a.lse = lse;
+  a.p = cpu ? check_qkv(op, q, k, v, {DType::bf16, DType::f16, DType::f32}, options.causal, options.softmax_scale,
+                        &a.scale)
+            : check_qkv(op, q, k, v, {DType::bf16, DType::f16}, options.causal, options.softmax_scale, &a.scale);
+  const ProblemShape& p = a.p;
   if (cpu)
     detail::check_tensor(op, "out", out, 4, {DType::bf16, DType::f16, DType::f32});
   else
@@ -74,7 +78,19 @@ ProblemShape check_attention_args(const std::string& op, const TensorView& q, co
     detail::check_shape(op, "lse", *lse, {p.B, p.Hq, p.Lq});
     detail::check_same_device(op, "lse", *lse, "q", q);
   }
-  return p;
+  a.scale_log2 = a.scale * 1.4426950408889634f;  // log2(e)
+  a.device = q.device_index;
+  a.stream = options.stream;
+  a.trusted = options.trusted;
+  return a;
+}
+
+}  // namespace detail
+
+ProblemShape check_attention_args(const std::string& op, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& out,
+                                  const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  return detail::resolve_call(op, q, k, v, out, lse, options).p;
 }
 
 }  // namespace sparse_attn

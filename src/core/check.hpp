@@ -48,9 +48,11 @@ void check_head_ratio(const std::string& op, const std::string& name, std::int64
 void check_same_device(const std::string& op, const std::string& name, const TensorView& t,
                        const std::string& ref_name, const TensorView& ref);
 /// q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D]: ranks, dtypes among `dtypes` (each tensor on its own),
-/// devices, extents, GQA divisibility, contiguous last dims and the softmax scale. Returns the shape.
+/// devices, extents, GQA divisibility, contiguous last dims and the softmax scale. Returns the shape, and
+/// the scale in effect (resolve_scale) in *resolved_scale when given.
 ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
-                       std::initializer_list<DType> dtypes, bool causal, const std::optional<float>& scale);
+                       std::initializer_list<DType> dtypes, bool causal, const std::optional<float>& scale,
+                       float* resolved_scale = nullptr);
 /// Messages shared by the CPU and device checks of BlockBits (formats.cpp, src/convert, cuda/convert): the
 /// lowest bit at or past Tk set in the last word of row (b, g, t), and a tile whose bit set holds n > Kmax
 /// blocks ("the bit set", "the union" as `what`).

@@ -1,13 +1,15 @@
 // Entry points of the CUDA backend used by the operator front ends (src/attention). Arguments have
-// already passed check_attention_args; these check what only the CUDA backend requires (head dim,
-// TMA alignment, selection contents on the device) and launch on `options.stream`. dense and
-// tile_sparse take an optional AttentionTuning (tests, benchmarks; the default is what the public
+// been resolved by the front end (core/call.hpp: q and every other tensor on a CUDA device, head dim
+// 64 or 128, the selection's structure); these check what only the CUDA backend requires (TMA
+// alignment, 32-bit index ranges, selection contents on the device) and launch on `a.stream`. dense
+// and tile_sparse take an optional AttentionTuning (tests, benchmarks; the default is what the public
 // operators run).
 #pragma once
 
 #include <optional>
 #include <string>
 
+#include "core/call.hpp"
 #include "cuda/tuning.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/ops.hpp"
@@ -27,29 +29,22 @@ void raise_pending_fault(int device, void* stream, const std::string& op);
 void check_device_faults(std::optional<int> device);
 
 /// Dense attention on the GPU: the tile_sparse kernel walking every block.
-void dense(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options,
-           const detail::AttentionTuning& tuning = {});
+void dense(const detail::AttentionCall& a, const detail::AttentionTuning& tuning = {});
 
-/// Q-centric block-sparse attention over TileLists on the GPU. Unless options.trusted, the kernel
+/// Q-centric block-sparse attention over TileLists on the GPU. Unless a.trusted, the kernel
 /// checks each list as it takes it (no synchronisation): a faulty tile gets NaN rows and its fault is
 /// recorded for raise_pending_fault / check_device_faults.
-void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                 const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
-                 const AttentionOptions& options, const detail::AttentionTuning& tuning = {});
+void tile_sparse(const detail::AttentionCall& a, const detail::TileCall& t,
+                 const detail::AttentionTuning& tuning = {});
 
 /// Block-sparse attention over BlockBits on the GPU: the bit sets are converted to TileLists in a
 /// workspace cached per (device, stream) (B x G x Tq x Tk ids; the first call on a stream allocates
-/// it), checked on the device unless options.trusted (one synchronisation), then run by tile_sparse.
-void bits_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                 const BlockBits& bits, const TensorView& out, const std::optional<TensorView>& lse,
-                 const AttentionOptions& options);
+/// it), checked on the device unless a.trusted (one synchronisation), then run by tile_sparse.
+void bits_sparse(const detail::AttentionCall& a, const BlockBits& bits);
 
 /// Attention over TokenLists on the GPU (one warp per query and up to 16 heads of its group, the
-/// listed K/V rows gathered by cp.async, mma.sync). Unless options.trusted, the lists are checked on
+/// listed K/V rows gathered by cp.async, mma.sync). Unless a.trusted, the lists are checked on
 /// the device first (one kernel and a synchronisation; errors as the CPU's).
-void token_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                  const TokenLists& tokens, const TensorView& out, const std::optional<TensorView>& lse,
-                  const AttentionOptions& options);
+void token_sparse(const detail::AttentionCall& a, const detail::TokenCall& t);
 
 }  // namespace sparse_attn::cuda_backend

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/call.hpp"
 #include "core/check.hpp"
 #include "core/cpu.hpp"
 #include "entmax/threshold_solver.hpp"
@@ -207,20 +208,19 @@ class EntmaxTile {
   std::vector<double> cut_, tau_;
 };
 
-EntmaxStats entmax_cpu(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                       const EntmaxOptions& options, const ProblemShape& p) {
-  const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
+EntmaxStats entmax_cpu(const detail::AttentionCall& a, const EntmaxOptions& options) {
+  const ProblemShape& p = a.p;
   const std::int64_t Tq = p.Tq(), words = ceil_div(p.Tk(), 32);
   std::vector<TileCounts> counts(static_cast<std::size_t>(p.B * p.Hq * Tq));
   detail::parallel_for(p.B * p.Hq * Tq, [&](std::int64_t item) {
     const std::int64_t t = item % Tq, h = (item / Tq) % p.Hq, b = item / (Tq * p.Hq);
-    EntmaxTile tile(q, k, v, p, scale, options.alpha, options.histogram_bins, b, h, t);
+    EntmaxTile tile(a.q, a.k, a.v, p, a.scale, options.alpha, options.histogram_bins, b, h, t);
     const detail::Span rows = detail::q_tile_rows(p, t);
     std::vector<float> out_rows(static_cast<std::size_t>(rows.size() * p.D));
     std::vector<std::uint32_t> bits(static_cast<std::size_t>(words));
     counts[static_cast<std::size_t>(item)] = tile.run(out_rows.data(), bits.data());
     for (std::int64_t r = 0; r < rows.size(); ++r)
-      detail::store_row(out, detail::addr4(out, b, rows.begin + r, h, 0), p.D, out_rows.data() + r * p.D);
+      detail::store_row(a.out, detail::addr4(a.out, b, rows.begin + r, h, 0), p.D, out_rows.data() + r * p.D);
     if (options.block_bits) {
       const TensorView& bb = *options.block_bits;
       for (std::int64_t w = 0; w < words; ++w)
@@ -244,7 +244,8 @@ EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v
   attention.softmax_scale = options.softmax_scale;
   attention.causal = options.causal;
   attention.stream = options.stream;
-  const ProblemShape p = check_attention_args(kOp, q, k, v, out, std::nullopt, attention);
+  const detail::AttentionCall a = detail::resolve_call(kOp, q, k, v, out, std::nullopt, attention);
+  const ProblemShape& p = a.p;
   detail::require(std::isfinite(options.alpha) && options.alpha > 1.0f, kOp, "options.alpha",
                   [&] { return "must be finite and > 1, got " + std::to_string(options.alpha); });
   detail::require(options.histogram_bins >= 2 && options.histogram_bins <= kMaxHistogramBins, kOp,
@@ -260,7 +261,7 @@ EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v
   }
 
   switch (q.device) {
-    case Device::cpu: return entmax_cpu(q, k, v, out, options, p);
+    case Device::cpu: return entmax_cpu(a, options);
     case Device::cuda: break;
   }
   detail::unsupported_device(kOp, "q", q);

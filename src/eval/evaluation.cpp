@@ -59,11 +59,12 @@ std::vector<float> gather_kv(const TensorView& t, const ProblemShape& p) {
 QualityReport evaluate_selection(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const Selection& selection, const QualityOptions& options) {
   const std::string op = "evaluate_selection";
-  const ProblemShape p =
-      detail::check_qkv(op, q, k, v, {DType::bf16, DType::f16, DType::f32}, options.causal, options.softmax_scale);
+  float resolved_scale = 1.0f;
+  const ProblemShape p = detail::check_qkv(op, q, k, v, {DType::bf16, DType::f16, DType::f32}, options.causal,
+                                           options.softmax_scale, &resolved_scale);
   if (q.device != Device::cpu) detail::unsupported_device(op, "q", q);
   validate(selection, p, op);
-  const double scale = resolve_scale(op, options.softmax_scale, p.D);
+  const double scale = resolved_scale;
 
   const std::vector<float> kf = gather_kv(k, p), vf = gather_kv(v, p);
   const std::int64_t group = p.Hq / p.Hkv, Tq = p.Tq(), Tk = p.Tk(), D = p.D;

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/call.hpp"
 #include "core/check.hpp"
 #include "core/cpu.hpp"
 #include "gated/tile_kernels.hpp"
@@ -112,21 +113,19 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
   return counts;
 }
 
-GatedStats gated_cpu(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& thresholds,
-                     const TensorView& out, const std::optional<TensorView>& lse, const GatedOptions& options,
-                     const ProblemShape& p) {
+GatedStats gated_cpu(const detail::AttentionCall& a, const TensorView& thresholds, const GatedOptions& options) {
+  const ProblemShape& p = a.p;
   for (std::int64_t h = 0; h < thresholds.shape[0]; ++h)
     for (std::int64_t c = 0; c < thresholds.shape[1]; ++c)
       detail::require(!std::isnan(threshold_at(thresholds, h, c)), kOp, "thresholds",
                       [&] { return "NaN at " + detail::coord_string({h, c}); });
 
-  const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
   const std::int64_t Tq = p.Tq();
   std::vector<TileCounts> counts(static_cast<std::size_t>(p.B * p.Hq * Tq));
   detail::parallel_for(p.B * p.Hq * Tq, [&](std::int64_t item) {
     const std::int64_t t = item % Tq, h = (item / Tq) % p.Hq, b = item / (Tq * p.Hq);
     detail::TileScratch scratch(p.D);
-    const TileCounts c = gated_tile_cpu(q, k, v, thresholds, out, lse, p, scale, b, h, t, scratch);
+    const TileCounts c = gated_tile_cpu(a.q, a.k, a.v, thresholds, a.out, a.lse, p, a.scale, b, h, t, scratch);
     counts[static_cast<std::size_t>(item)] = c;
     if (options.kept_per_tile) {
       const TensorView& kp = *options.kept_per_tile;
@@ -153,7 +152,8 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, 
   attention.softmax_scale = options.softmax_scale;
   attention.causal = true;  // BSFA is a causal prefill operator
   attention.stream = options.stream;
-  const ProblemShape p = check_attention_args(kOp, q, k, v, out, lse, attention);
+  const detail::AttentionCall a = detail::resolve_call(kOp, q, k, v, out, lse, attention);
+  const ProblemShape& p = a.p;
 
   detail::check_tensor(kOp, "thresholds", thresholds, 2, {DType::f32});
   detail::check_same_device(kOp, "thresholds", thresholds, "q", q);
@@ -168,7 +168,7 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, 
   }
 
   switch (q.device) {
-    case Device::cpu: return gated_cpu(q, k, v, thresholds, out, lse, options, p);
+    case Device::cpu: return gated_cpu(a, thresholds, options);
     case Device::cuda: break;
   }
   detail::unsupported_device(kOp, "q", q);

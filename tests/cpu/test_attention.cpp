@@ -352,12 +352,11 @@ TEST(TileSparse, PassesOverKVHeadsGiveTheSameResult) {
   sa::HostTensor out2(pr.dtype, {2, 200, 8, 32}), lse2(sa::DType::f32, {2, 8, 200});
   st::poison(out2);
   st::poison(lse2);
-  sa::detail::cpu::AttentionArgs a;
-  a.q = pr.q.view(), a.k = pr.k.view(), a.v = pr.v.view(), a.out = out2.view(), a.lse = lse2.view();
-  a.p = pr.p;
-  a.scale = static_cast<float>(pr.scale());
-  a.kv_store_budget = 1;
-  sa::detail::cpu::tile_sparse(a, t.lists());
+  const sa::detail::AttentionCall a =
+      sa::detail::resolve_call("tile_sparse", pr.q.view(), pr.k.view(), pr.v.view(), out2.view(), lse2.view(),
+                               pr.options());
+  const sa::TileLists lists = t.lists();
+  sa::detail::cpu::tile_sparse(a, {lists, lists.idx.shape[1], lists.idx.shape[3]}, 1);
   EXPECT_TRUE(bitwise_equal(pr.out, out2));
   EXPECT_TRUE(bitwise_equal(pr.lse, lse2));
   expect_matches(pr, pr.reference(t.lists()), "tile_sparse");

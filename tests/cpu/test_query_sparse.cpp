@@ -200,10 +200,10 @@ TEST(QuerySparse, ChunkedPartialBufferGivesTheSameResult) {
   const sa::HostTensor whole = pr.out, whole_lse = pr.lse;
   st::poison(pr.out);
   st::poison(pr.lse);
-  sa::detail::cpu::AttentionArgs a{pr.q.view(), pr.k.view(), pr.v.view(), pr.out.view(), pr.lse.view(), pr.p,
-                                   static_cast<float>(1.0 / std::sqrt(32.0))};
+  const sa::detail::AttentionCall a = sa::detail::resolve_call("query_sparse", pr.q.view(), pr.k.view(), pr.v.view(),
+                                                               pr.out.view(), pr.lse.view(), pr.options());
   const std::int64_t per_query = 5 * 4 * 32 * 4;  // Kq * group * D * sizeof(float)
-  sa::detail::cpu::query_sparse(a, pr.lists(), sa::PartialPrecision::f32, 7 * per_query);
+  sa::detail::cpu::query_sparse(a, {pr.lists(), 5, sa::PartialPrecision::f32}, 7 * per_query);
   EXPECT_TRUE(bitwise_equal(whole, pr.out));
   EXPECT_TRUE(bitwise_equal(whole_lse, pr.lse));
 }

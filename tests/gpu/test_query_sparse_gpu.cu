@@ -55,6 +55,13 @@ struct Case {
   int merge = 1;              // options.merge_window (1: off, 0: automatic)
 };
 
+// The query_sparse arguments beyond q, k, v, out and lse as the front end resolves them.
+sa::detail::QueryCall query_call(const sa::QueryLists& lists, const sa::ProblemShape& p,
+                                 const sa::QuerySparseOptions& opt) {
+  const std::int64_t Kq = lists.idx.shape[3];
+  return {lists, Kq, opt.partials, opt.schedule, sa::query_sparse_merge_window(p, Kq, opt)};
+}
+
 sa::ProblemShape shape_of(const Case& c) {
   sa::ProblemShape p;
   p.B = c.B, p.Lq = c.Lq, p.Lk = c.Lk, p.Hq = c.Hq, p.Hkv = c.Hkv, p.D = c.D, p.causal = c.causal;
@@ -87,8 +94,9 @@ Result run_gpu(const Case& c, const Inputs& in, const std::optional<sa::detail::
   opt.partials = c.partials;
   opt.merge_window = c.merge;
   if (tuning)
-    sa::cuda_backend::query_sparse(in.p, q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt,
-                                   *tuning);
+    sa::cuda_backend::query_sparse(
+        sa::detail::resolve_call("query_sparse", q.view, k.view, v.view, out.view, lse.view, opt),
+        query_call(sa::QueryLists{idx.view}, in.p, opt), *tuning);
   else
     sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
   cuda_ok(cudaDeviceSynchronize(), "query_sparse");
@@ -318,10 +326,10 @@ TEST(QuerySparseGpu, PlanKeepsItsBins) {
   // 64 bands of 12 blocks: more bins than any merge window makes, so the workspace grows.
   sa::detail::QuerySparseTuning tuning;
   tuning.query_bands = 64;
-  const cb::QuerySparseBins bins = cb::query_sparse_bins(in.p, c.kq, opt, tuning);
+  const cb::QuerySparseBins bins = cb::query_sparse_bins(in.p, c.kq, 1, tuning);
   EXPECT_EQ(bins.window, 1);
   EXPECT_EQ(bins.bands, 64);
-  EXPECT_EQ(cb::query_sparse_bins(in.p, c.kq, opt).bands, 1);
+  EXPECT_EQ(cb::query_sparse_bins(in.p, c.kq, 1).bands, 1);
   const std::size_t bytes = cb::query_sparse_workspace_bytes(in.p, c.kq, c.partials, tuning);
   const std::size_t automatic = cb::query_sparse_workspace_bytes(in.p, c.kq, c.partials);
   ASSERT_GT(bytes, automatic);
@@ -331,22 +339,24 @@ TEST(QuerySparseGpu, PlanKeepsItsBins) {
   st::poison(out);
   st::poison(lse);
   DeviceBuffer dout(out), dlse(lse);
-  cb::query_sparse_plan(in.p, lists, bins, ws.ptr, bytes, opt);
+  const sa::detail::AttentionCall a =
+      sa::detail::resolve_call("query_sparse", q.view, k.view, v.view, dout.view, dlse.view, opt);
+  const sa::detail::QueryCall qc = query_call(lists, in.p, opt);
+  cb::query_sparse_plan(a, qc, bins, ws.ptr, bytes);
   for (int run = 0; run < 2; ++run) {
-    cb::query_sparse_attend(in.p, q.view, k.view, v.view, lists, bins, ws.ptr, bytes,
-                            1.0f / std::sqrt(static_cast<float>(c.D)), opt);
-    cb::query_sparse_combine(in.p, lists, bins, ws.ptr, bytes, dout.view, dlse.view, opt);
+    cb::query_sparse_attend(a, qc, bins, ws.ptr, bytes);
+    cb::query_sparse_combine(a, qc, bins, ws.ptr, bytes);
   }
   cuda_ok(cudaDeviceSynchronize(), "phases");
   dout.download(out);
   dlse.download(lse);
   expect_same_bits(out, lse, run_gpu(c, in));
-  EXPECT_THROW(cb::query_sparse_plan(in.p, lists, bins, ws.ptr, automatic, opt), sa::Error);
+  EXPECT_THROW(cb::query_sparse_plan(a, qc, bins, ws.ptr, automatic), sa::Error);
   // Bands with a merge window, and more bands than the shared histogram holds for 12 blocks.
   for (const cb::QuerySparseBins bad : {cb::QuerySparseBins{8, 2}, cb::QuerySparseBins{1, 5000}}) {
     SCOPED_TRACE("window " + std::to_string(bad.window) + " bands " + std::to_string(bad.bands));
     try {
-      cb::query_sparse_plan(in.p, lists, bad, ws.ptr, bytes, opt);
+      cb::query_sparse_plan(a, qc, bad, ws.ptr, bytes);
       ADD_FAILURE() << "bins no plan makes were accepted";
     } catch (const sa::Error& e) {
       EXPECT_EQ(e.argument(), "bins.bands") << e.what();
@@ -461,9 +471,10 @@ TEST(QuerySparseGpu, RejectsUnsupportedArguments) {
   sa::TensorView ov = dout2.view;
   ov.shape[2] = 1;
   sa::TensorView kv = k2.view;
-  EXPECT_THROW(sa::cuda_backend::query_sparse(sa::ProblemShape{1, 64, 128, 1, 1, 128, false}, qv, kv, v2.view,
-                                              sa::QueryLists{idx2.view}, ov, std::nullopt, {}),
-               sa::Error);
+  const sa::QuerySparseOptions defaults;
+  const sa::detail::AttentionCall a =
+      sa::detail::resolve_call("query_sparse", qv, kv, v2.view, ov, std::nullopt, defaults);
+  EXPECT_THROW(sa::cuda_backend::query_sparse(a, query_call(sa::QueryLists{idx2.view}, a.p, defaults)), sa::Error);
 }
 
 // ---- the reverse index and the combine alone, through their launchers ------------------------------

@@ -68,27 +68,21 @@ struct Case {
 
 constexpr std::int64_t kD = 128;
 
-// The backend entry points, called with the problem shape taken from the views. (The public
-// operators derive it through check_attention_args first; PublicOperatorsDispatchToCuda covers that
-// path, so a fault there does not mask the kernel results here.)
-sa::ProblemShape shape_of(const sa::TensorView& q, const sa::TensorView& k, const sa::AttentionOptions& opt) {
-  sa::ProblemShape p;
-  p.B = q.shape[0], p.Lq = q.shape[1], p.Hq = q.shape[2], p.D = q.shape[3];
-  p.Lk = k.shape[1], p.Hkv = k.shape[2], p.causal = opt.causal;
-  return p;
-}
-
+// The backend entry points with a tuning, called with the arguments as the front end resolves them
+// (detail::resolve_call; the selection's structure is not checked here). PublicOperatorsDispatchToCuda
+// covers the public operators' whole path.
 void gpu_dense(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v, const sa::TensorView& out,
                const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {},
                const sa::detail::AttentionTuning& tuning = {}) {
-  sa::cuda_backend::dense(shape_of(q, k, opt), q, k, v, out, lse, opt, tuning);
+  sa::cuda_backend::dense(sa::detail::resolve_call("dense", q, k, v, out, lse, opt), tuning);
 }
 
 void gpu_tile_sparse(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v,
                      const sa::TileLists& tiles, const sa::TensorView& out,
                      const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {},
                      const sa::detail::AttentionTuning& tuning = {}) {
-  sa::cuda_backend::tile_sparse(shape_of(q, k, opt), q, k, v, tiles, out, lse, opt, tuning);
+  sa::cuda_backend::tile_sparse(sa::detail::resolve_call("tile_sparse", q, k, v, out, lse, opt),
+                                {tiles, tiles.idx.shape[1], tiles.idx.shape[3]}, tuning);
 }
 
 // At most `ctas` CTAs in the persistent grid (and the split tail as `split`).

@@ -580,21 +580,19 @@ void Bench::query_phases(Inputs& in, Mirrored& lists, std::int64_t Kq, PartialPr
 #ifdef SPARSE_ATTN_WITH_CUDA
   const ProblemShape& p = in.p;
   QuerySparseOptions o;
+  o.causal = p.causal;
   o.trusted = true;
   o.partials = prec;
   const std::size_t bytes = query_sparse_workspace_bytes(p, Kq, prec);
   DeviceTensor ws(DType::u8, {static_cast<std::int64_t>(bytes)}, where_.index);
   void* w = ws.view().data;
-  const QueryLists ql{lists.view(true)};
-  const float scale = 1.0f / std::sqrt(static_cast<float>(p.D));  // query_sparse's default
-  const cuda_backend::QuerySparseBins bins = cuda_backend::query_sparse_bins(p, Kq, o);
-  const std::function<void()> phases[3] = {
-      [&] { cuda_backend::query_sparse_plan(p, ql, bins, w, bytes, o); },
-      [&] {
-        cuda_backend::query_sparse_attend(p, in.q.view(true), in.k.view(true), in.v.view(true), ql, bins, w, bytes,
-                                          scale, o);
-      },
-      [&] { cuda_backend::query_sparse_combine(p, ql, bins, w, bytes, in.out.view(true), std::nullopt, o); }};
+  const detail::AttentionCall a = detail::resolve_call("query_sparse", in.q.view(true), in.k.view(true),
+                                                       in.v.view(true), in.out.view(true), std::nullopt, o);
+  const detail::QueryCall c{QueryLists{lists.view(true)}, Kq, prec, o.schedule, query_sparse_merge_window(p, Kq, o)};
+  const cuda_backend::QuerySparseBins bins = cuda_backend::query_sparse_bins(p, Kq, c.merge_window);
+  const std::function<void()> phases[3] = {[&] { cuda_backend::query_sparse_plan(a, c, bins, w, bytes); },
+                                           [&] { cuda_backend::query_sparse_attend(a, c, bins, w, bytes); },
+                                           [&] { cuda_backend::query_sparse_combine(a, c, bins, w, bytes); }};
   const HostTensor verified = in.out.host();
   in.out.poison();
   for (const auto& f : phases) f();  // each phase reads what the ones before it left

@@ -1,5 +1,5 @@
 // bits_sparse on the GPU: the bit sets become ascending TileLists in a workspace of this (device,
-// stream) (block_bits_to_tile_lists' kernel, which also checks the bits unless options.trusted), and
+// stream) (block_bits_to_tile_lists' kernel, which also checks the bits unless a.trusted), and
 // the Q-centric kernel runs over them as over any TileLists.
 #include <cuda_runtime.h>
 
@@ -21,25 +21,24 @@ WorkspaceCache g_list_workspaces;
 
 }  // namespace
 
-void bits_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                 const BlockBits& bits, const TensorView& out, const std::optional<TensorView>& lse,
-                 const AttentionOptions& options) {
+void bits_sparse(const detail::AttentionCall& a, const BlockBits& bits) {
   const std::string op = "bits_sparse";
+  const ProblemShape& p = a.p;
   const std::int64_t G = bits.bits.shape[1], Tq = p.Tq(), Tk = p.Tk();
   const std::size_t idx_bytes = (static_cast<std::size_t>(p.B * G * Tq * Tk) * sizeof(std::int32_t) + 255) / 256 * 256;
   const std::size_t need = idx_bytes + static_cast<std::size_t>(p.B * G * Tq) * sizeof(std::int32_t);
-  cuda_kernels::DeviceGuard guard(q.device_index, op);
+  cuda_kernels::DeviceGuard guard(a.device, op);
   std::lock_guard<std::mutex> lock(g_list_workspaces.mutex());
-  char* ws = static_cast<char*>(g_list_workspaces.get(op, q.device_index, options.stream, need));
-  const TileLists tiles{TensorView::contiguous(ws, DType::i32, {p.B, G, Tq, Tk}, Device::cuda, q.device_index),
-                        TensorView::contiguous(ws + idx_bytes, DType::i32, {p.B, G, Tq}, Device::cuda, q.device_index)};
+  char* ws = static_cast<char*>(g_list_workspaces.get(op, a.device, a.stream, need));
+  const TileLists tiles{TensorView::contiguous(ws, DType::i32, {p.B, G, Tq, Tk}, Device::cuda, a.device),
+                        TensorView::contiguous(ws + idx_bytes, DType::i32, {p.B, G, Tq}, Device::cuda, a.device)};
   ConvertOptions convert;
-  convert.trusted = options.trusted;
-  convert.stream = options.stream;
+  convert.trusted = a.trusted;
+  convert.stream = a.stream;
   block_bits_to_tile_lists(bits, tiles, p, convert, op, "bits");
-  AttentionOptions run = options;
+  detail::AttentionCall run = a;
   run.trusted = true;  // ascending, in range and within capacity by construction
-  tile_sparse(p, q, k, v, tiles, out, lse, run);
+  tile_sparse(run, detail::TileCall{tiles, G, Tk});
 }
 
 }  // namespace sparse_attn::cuda_backend

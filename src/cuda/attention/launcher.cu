@@ -1,5 +1,5 @@
-// Host side of the Q-centric kernel: argument checks specific to the CUDA backend, the fault sink of
-// validated TileLists, tensor maps, parameters and the dtype dispatch.
+// Host side of the Q-centric kernel: the checks specific to the CUDA backend (32-bit ranges, out's
+// alignment), the fault sink of validated TileLists, tensor maps, parameters and the dtype dispatch.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -32,14 +32,12 @@ std::size_t tail_workspace_bytes(int sms) {
   return tail_counter_bytes(sms) + static_cast<std::size_t>(2 * sms) * 2 * kTailPartFloats * sizeof(float);
 }
 
-void run(const std::string& op, const ProblemShape& s, const TensorView& q, const TensorView& k, const TensorView& v,
-         const TileLists* tiles, const TensorView& out, const std::optional<TensorView>& lse,
-         const AttentionOptions& options, const detail::AttentionTuning& tuning) {
+void run(const std::string& op, const detail::AttentionCall& a, const detail::TileCall* tiles,
+         const detail::AttentionTuning& tuning) {
   using detail::require;
-  require(q.device == Device::cuda, op, "q",
-          [&] { return "the CUDA backend needs device tensors, got " + q.describe(); });
-  require(s.D == 64 || s.D == 128, op, "q",
-          [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(s.D); });
+  const ProblemShape& s = a.p;
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out;
+  const std::optional<TensorView>& lse = a.lse;
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   require(s.Lq <= kIntMax && s.Lk <= kIntMax && s.B * s.Hq * ceil_div(s.Lq, kTileQ) <= kIntMax, op, "q",
           [&] { return "problem too large for 32-bit tile indices: " + s.describe(); });
@@ -47,10 +45,9 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   require(out_addr % 4 == 0 && out.stride[0] % 2 == 0 && out.stride[1] % 2 == 0 && out.stride[2] % 2 == 0, op, "out",
           [&] { return "needs a 4-byte aligned base and even strides (pairs of elements are stored at once), got " +
               out.describe(); });
-  if (lse) detail::check_same_device(op, "lse", *lse, "q", q);
 
-  DeviceGuard guard(q.device_index, op);
-  const auto stream = static_cast<cudaStream_t>(options.stream);
+  DeviceGuard guard(a.device, op);
+  const auto stream = static_cast<cudaStream_t>(a.stream);
 
   TileAttentionParams p;
   p.B = static_cast<int>(s.B);
@@ -62,7 +59,7 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   p.Tk = static_cast<int>(s.Tk());
   p.group_size = static_cast<int>(s.group_size());
   p.causal = s.causal;
-  p.scale_log2 = resolve_scale(op, options.softmax_scale, s.D) * 1.4426950408889634f;  // * log2(e)
+  p.scale_log2 = a.scale_log2;
   p.out = out.data;
   for (int i = 0; i < 3; ++i) p.out_stride[i] = out.stride[i];
   if (lse) {
@@ -76,28 +73,17 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   if (tiles == nullptr) {
     p.dense = true;
   } else {
-    const TensorView& idx = tiles->idx;
-    const TensorView& cnt = tiles->cnt;
-    detail::check_tensor(op, "tiles.idx", idx, 4, {DType::i32});
-    detail::check_tensor(op, "tiles.cnt", cnt, 3, {DType::i32});
-    detail::check_same_device(op, "tiles.idx", idx, "q", q);
-    detail::check_same_device(op, "tiles.cnt", cnt, "q", q);
-    const std::int64_t G = idx.shape[1];
-    require(G == s.Hkv || G == s.Hq, op, "tiles.idx",
-            [&] { return
-                "dim 1 must be Hkv (" + std::to_string(s.Hkv) + ") or Hq (" + std::to_string(s.Hq) + "), got " +
-                std::to_string(G); });
-    detail::check_shape(op, "tiles.idx", idx, {s.B, G, s.Tq(), -1});
-    detail::check_shape(op, "tiles.cnt", cnt, {s.B, G, s.Tq()});
-    require(idx.shape[3] <= kIntMax, op, "tiles.idx", [&] { return "Kmax too large: " + idx.describe(); });
+    const TensorView& idx = tiles->tiles.idx;
+    const TensorView& cnt = tiles->tiles.cnt;
+    require(tiles->Kmax <= kIntMax, op, "tiles.idx", [&] { return "Kmax too large: " + idx.describe(); });
     p.idx = static_cast<const std::int32_t*>(idx.data);
     p.cnt = static_cast<const std::int32_t*>(cnt.data);
-    p.Kmax = static_cast<int>(idx.shape[3]);
+    p.Kmax = static_cast<int>(tiles->Kmax);
     for (int i = 0; i < 4; ++i) p.idx_stride[i] = idx.stride[i];
     for (int i = 0; i < 3; ++i) p.cnt_stride[i] = cnt.stride[i];
-    p.heads_per_list = static_cast<int>(s.Hq / G);
-    if (!options.trusted) {  // checked by the kernel as it runs (block_policy.cuh): no synchronisation
-      const FaultSink sink = fault_sink(q.device_index, op);
+    p.heads_per_list = static_cast<int>(s.Hq / tiles->G);
+    if (!a.trusted) {  // checked by the kernel as it runs (block_policy.cuh): no synchronisation
+      const FaultSink sink = fault_sink(a.device, op);
       p.fault = sink.record;
       p.fault_flag = sink.flag;
     }
@@ -126,12 +112,12 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
       // being captured into a graph, where allocation is not allowed: such a call runs unsplit.
       tail_lock = std::unique_lock<std::mutex>(g_tail_workspaces.mutex());
       const std::size_t need = tail_workspace_bytes(device_sms);
-      auto* ws = static_cast<char*>(g_tail_workspaces.find(device, options.stream, need));
+      auto* ws = static_cast<char*>(g_tail_workspaces.find(device, a.stream, need));
       if (ws == nullptr) {
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         check_cuda(cudaStreamIsCapturing(stream, &capture), op, "stream capture query");
         if (capture == cudaStreamCaptureStatusNone) {
-          ws = static_cast<char*>(g_tail_workspaces.get(op, device, options.stream, need));
+          ws = static_cast<char*>(g_tail_workspaces.get(op, device, a.stream, need));
           check_cuda(cudaMemsetAsync(ws, 0, tail_counter_bytes(device_sms), stream), op, "tail counters");
         }
       }
@@ -159,16 +145,12 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
 
 namespace sparse_attn::cuda_backend {
 
-void dense(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options,
-           const detail::AttentionTuning& tuning) {
-  cuda_kernels::run("dense", p, q, k, v, nullptr, out, lse, options, tuning);
+void dense(const detail::AttentionCall& a, const detail::AttentionTuning& tuning) {
+  cuda_kernels::run("dense", a, nullptr, tuning);
 }
 
-void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                 const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
-                 const AttentionOptions& options, const detail::AttentionTuning& tuning) {
-  cuda_kernels::run("tile_sparse", p, q, k, v, &tiles, out, lse, options, tuning);
+void tile_sparse(const detail::AttentionCall& a, const detail::TileCall& t, const detail::AttentionTuning& tuning) {
+  cuda_kernels::run("tile_sparse", a, &t, tuning);
 }
 
 }  // namespace sparse_attn::cuda_backend

@@ -351,13 +351,12 @@ void launch(const tk::Params& prm, cudaStream_t stream) {
 
 }  // namespace
 
-void token_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                  const TokenLists& tokens, const TensorView& out, const std::optional<TensorView>& lse,
-                  const AttentionOptions& options) {
-  require(p.D == 64 || p.D == 128, kOp, "q",
-          [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D); });
+void token_sparse(const detail::AttentionCall& a, const detail::TokenCall& tc) {
+  const ProblemShape& p = a.p;
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out;
+  const TokenLists& tokens = tc.tokens;
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
-  const std::int64_t Kt = tokens.idx.shape[3];
+  const std::int64_t Kt = tc.Kt;
   const std::int64_t head_tiles = ceil_div(p.group_size(), 16);
   require(p.Lq <= kIntMax && p.Lk < kIntMax && Kt < kIntMax - tk::kChunk && p.B * p.Hkv * p.Lq * head_tiles < (1LL << 40),
           kOp, "q", [&] { return "problem too large for the CUDA kernel's indices: " + p.describe(); });
@@ -374,9 +373,9 @@ void token_sparse(const ProblemShape& p, const TensorView& q, const TensorView& 
   require(aligned(out, 2), kOp, "out",
           [&] { return "needs a 4-byte aligned base and even strides, got " + out.describe(); });
 
-  cuda_kernels::DeviceGuard guard(q.device_index, kOp);
-  const auto stream = static_cast<cudaStream_t>(options.stream);
-  if (!options.trusted && Kt > 0) check_lists(p, tokens, q.device_index, stream);
+  cuda_kernels::DeviceGuard guard(a.device, kOp);
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  if (!a.trusted && Kt > 0) check_lists(p, tokens, a.device, stream);
 
   tk::Params prm;
   prm.q = q.data;
@@ -389,9 +388,9 @@ void token_sparse(const ProblemShape& p, const TensorView& q, const TensorView& 
     prm.v_stride[d] = v.stride[d];
     prm.out_stride[d] = out.stride[d];
   }
-  if (lse) {
-    prm.lse = static_cast<float*>(lse->data);
-    for (int d = 0; d < 3; ++d) prm.lse_stride[d] = lse->stride[d];
+  if (a.lse) {
+    prm.lse = static_cast<float*>(a.lse->data);
+    for (int d = 0; d < 3; ++d) prm.lse_stride[d] = a.lse->stride[d];
   }
   prm.idx = static_cast<const std::int32_t*>(tokens.idx.data);
   for (int d = 0; d < 4; ++d) prm.idx_stride[d] = tokens.idx.stride[d];
@@ -403,8 +402,8 @@ void token_sparse(const ProblemShape& p, const TensorView& q, const TensorView& 
   prm.Kt = static_cast<int>(Kt);
   prm.causal = p.causal;
   prm.units = p.B * p.Hkv * p.Lq * head_tiles;
-  prm.scale = resolve_scale(kOp, options.softmax_scale, p.D);
-  prm.scale_log2 = prm.scale * 1.4426950408889634f;
+  prm.scale = a.scale;
+  prm.scale_log2 = a.scale_log2;
   if (prm.units == 0) return;
   const bool bf16 = q.dtype == DType::bf16;
   if (p.D == 128)

@@ -78,8 +78,6 @@ Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec, int
 }
 
 void check_shape(const ProblemShape& p, std::int64_t Kq, int bands) {
-  require(p.D == 64 || p.D == 128, kOp, "q",
-          [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D); });
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
   const Layout l = layout(p, Kq, PartialPrecision::f32, bands);
   require(p.Lq <= kIntMax && p.Lk <= kIntMax && p.Lq * Kq <= kIntMax && l.rows <= kIntMax && l.max_items <= kIntMax,
@@ -89,10 +87,11 @@ void check_shape(const ProblemShape& p, std::int64_t Kq, int bands) {
               " slots per query"; });
 }
 
-qs::Params base_params(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins, void* workspace,
-                       std::size_t bytes, const QuerySparseOptions& options) {
-  const std::int64_t Kq = lists.idx.shape[3];
-  const PartialPrecision prec = options.partials;
+qs::Params base_params(const ProblemShape& p, const detail::QueryCall& c, const QuerySparseBins& bins,
+                       void* workspace, std::size_t bytes) {
+  const QueryLists& lists = c.lists;
+  const std::int64_t Kq = c.Kq;
+  const PartialPrecision prec = c.partials;
   // Bins a plan can have made: a window the lists allow, and bands that resolve to themselves.
   const int win = resolve_merge_window(p, Kq, bins.window, kOp, "bins.window");
   require(bins.bands >= 1 && bands_of(p, Kq, win, bins.bands) == bins.bands, kOp, "bins.bands",
@@ -140,10 +139,6 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, const Que
 
 // Rows are moved by 16-byte vector loads.
 void check_rows(const std::string& name, const TensorView& t) {
-  require(t.device == Device::cuda, kOp, name,
-          [&] { return "the CUDA backend needs device tensors, got " + t.describe(); });
-  require(t.dtype == DType::bf16 || t.dtype == DType::f16, kOp, name,
-          [&] { return std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(t.dtype); });
   require(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 &&
               t.stride[2] % 8 == 0,
           kOp, name,
@@ -186,15 +181,6 @@ void validate_on_device(const qs::Params& q, cudaStream_t stream) {
 WorkspaceCache g_workspaces;
 
 // ---- group-centric ---------------------------------------------------------------------------------
-
-void check_out(const TensorView& out, const std::optional<TensorView>& lse) {
-  require(out.device == Device::cuda, kOp, "out",
-          [&] { return "the CUDA backend needs device tensors, got " + out.describe(); });
-  require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
-          [&] { return std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype); });
-  if (lse) require(lse->device == Device::cuda, kOp, "lse",
-                   [&] { return "must be on the device, got " + lse->describe(); });
-}
 
 qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int device) {
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
@@ -241,34 +227,31 @@ qs::GroupParams group_params(const ProblemShape& p, const QueryLists& lists, int
 
 }  // namespace
 
-void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                        const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
-                        const QuerySparseOptions& options) {
+void query_sparse_group(const detail::AttentionCall& a, const detail::QueryCall& c) {
+  const ProblemShape& p = a.p;
+  const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out;
+  const std::optional<TensorView>& lse = a.lse;
+  const QueryLists& lists = c.lists;
   check_rows("q", q);
   check_rows("k", k);
   check_rows("v", v);
-  check_out(out, lse);
   require(reinterpret_cast<std::uintptr_t>(out.data) % 4 == 0 && out.stride[0] % 2 == 0 && out.stride[1] % 2 == 0 &&
               out.stride[2] % 2 == 0,
           kOp, "out",
           [&] { return "group_centric writes pairs of elements: it needs a 4-byte aligned base and even strides, got " +
                           out.describe(); });
-  require(lists.idx.device == Device::cuda, kOp, "lists.idx",
-          [&] { return "must be on the device, got " + lists.idx.describe(); });
-  require(p.D == 64 || p.D == 128, kOp, "q",
-          [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D); });
-  DeviceGuard guard(q.device_index);
-  qs::GroupParams g = group_params(p, lists, q.device_index);
-  const auto stream = static_cast<cudaStream_t>(options.stream);
-  const std::int64_t Kq = lists.idx.shape[3];
-  if (!options.trusted && p.B * p.Hkv * p.Lq * Kq > 0) {
+  DeviceGuard guard(a.device);
+  qs::GroupParams g = group_params(p, lists, a.device);
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  const std::int64_t Kq = c.Kq;
+  if (!a.trusted && p.B * p.Hkv * p.Lq * Kq > 0) {
     // Validation needs one device word for the first fault; it lives in the cached workspace.
     std::lock_guard<std::mutex> lock(g_workspaces.mutex());
     qs::Params vq;
     vq.B = g.B, vq.Lq = g.Lq, vq.Lk = g.Lk, vq.Hq = g.Hq, vq.Hkv = g.Hkv, vq.Tk = g.Tk, vq.Kq = g.Kq, vq.group = g.group;
     vq.idx = g.idx;
     for (int i = 0; i < 4; ++i) vq.idx_stride[i] = g.idx_stride[i];
-    vq.bad = static_cast<unsigned long long*>(g_workspaces.get(kOp, q.device_index, options.stream, 256));
+    vq.bad = static_cast<unsigned long long*>(g_workspaces.get(kOp, a.device, a.stream, 256));
     validate_on_device(vq, stream);
   }
   g.q = q.data;
@@ -285,18 +268,17 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
     g.lse = static_cast<float*>(lse->data);
     for (int i = 0; i < 3; ++i) g.lse_stride[i] = lse->stride[i];
   }
-  g.scale = resolve_scale(kOp, options.softmax_scale, p.D);
-  g.scale_log2 = g.scale * 1.4426950408889634f;  // log2(e)
+  g.scale = a.scale;
+  g.scale_log2 = a.scale_log2;
   const CUtensorMap tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
   const CUtensorMap tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
   check_cuda(qs::launch_group(g, q.dtype == DType::bf16, static_cast<int>(p.D), tm_k, tm_v, stream),
              "group_centric launch");
 }
 
-QuerySparseBins query_sparse_bins(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options,
+QuerySparseBins query_sparse_bins(const ProblemShape& p, std::int64_t Kq, int merge_window,
                                   const detail::QuerySparseTuning& tuning) {
-  const int win = resolve_merge_window(p, Kq, options.merge_window, kOp, "options.merge_window");
-  return {win, bands_of(p, Kq, win, tuning.query_bands)};
+  return {merge_window, bands_of(p, Kq, merge_window, tuning.query_bands)};
 }
 
 std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials,
@@ -304,25 +286,24 @@ std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq,
   return layout(p, Kq, partials, bands_of(p, Kq, 1, tuning.query_bands)).total;
 }
 
-void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins, void* workspace,
-                       std::size_t bytes, const QuerySparseOptions& options) {
-  require(lists.idx.device == Device::cuda, kOp, "lists.idx",
-          [&] { return "must be on the device, got " + lists.idx.describe(); });
-  DeviceGuard guard(lists.idx.device_index);
-  const auto stream = static_cast<cudaStream_t>(options.stream);
-  const qs::Params q = base_params(p, lists, bins, workspace, bytes, options);
-  if (!options.trusted && q.slots > 0) validate_on_device(q, stream);
+void query_sparse_plan(const detail::AttentionCall& a, const detail::QueryCall& c, const QuerySparseBins& bins,
+                       void* workspace, std::size_t bytes) {
+  DeviceGuard guard(a.device);
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  const qs::Params q = base_params(a.p, c, bins, workspace, bytes);
+  if (!a.trusted && q.slots > 0) validate_on_device(q, stream);
   check_cuda(qs::launch_reverse_index(q, stream), "reverse index launch");
 }
 
-void query_sparse_attend(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                         const QueryLists& lists, const QuerySparseBins& bins, void* workspace, std::size_t bytes,
-                         float scale, const QuerySparseOptions& options, const detail::QuerySparseTuning& tuning) {
+void query_sparse_attend(const detail::AttentionCall& a, const detail::QueryCall& c, const QuerySparseBins& bins,
+                         void* workspace, std::size_t bytes, const detail::QuerySparseTuning& tuning) {
+  const ProblemShape& p = a.p;
+  const TensorView &q = a.q, &k = a.k, &v = a.v;
   check_rows("q", q);
   check_rows("k", k);
   check_rows("v", v);
-  DeviceGuard guard(q.device_index);
-  qs::Params prm = base_params(p, lists, bins, workspace, bytes, options);
+  DeviceGuard guard(a.device);
+  qs::Params prm = base_params(p, c, bins, workspace, bytes);
   if (prm.slots == 0) return;
   prm.q = q.data;
   prm.k = k.data;
@@ -332,15 +313,15 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
     prm.k_stride[i] = k.stride[i];
     prm.v_stride[i] = v.stride[i];
   }
-  prm.scale = scale;
-  prm.scale_log2 = scale * 1.4426950408889634f;  // log2(e)
-  const Layout l = layout(p, lists.idx.shape[3], options.partials, bins.bands);
+  prm.scale = a.scale;
+  prm.scale_log2 = a.scale_log2;
+  const Layout l = layout(p, c.Kq, c.partials, bins.bands);
   const CUtensorMap tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
   const CUtensorMap tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
   int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device_index), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device), "cudaDeviceGetAttribute");
   int optin = 0;
-  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.device_index),
+  check_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, a.device),
              "cudaDeviceGetAttribute");
   const std::size_t smem = qs::attend_smem(static_cast<int>(p.D));
   require(smem <= static_cast<std::size_t>(optin), kOp, "q",
@@ -349,52 +330,41 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
               "device offers " + std::to_string(optin) + " (it is built for Hopper, sm_90a)"; });
   const int ctas = tuning.attend_max_ctas > 0 ? std::min(tuning.attend_max_ctas, sms) : sms;
   check_cuda(qs::launch_attend(prm, q.dtype == DType::bf16, static_cast<int>(p.D),
-                               options.partials == PartialPrecision::bf16, &tm_k, &tm_v, ctas, l.max_items,
-                               static_cast<cudaStream_t>(options.stream)),
+                               c.partials == PartialPrecision::bf16, &tm_k, &tm_v, ctas, l.max_items,
+                               static_cast<cudaStream_t>(a.stream)),
              "attention launch");
 }
 
-void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins,
-                          void* workspace, std::size_t bytes, const TensorView& out,
-                          const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
-  require(out.device == Device::cuda, kOp, "out",
-          [&] { return "the CUDA backend needs device tensors, got " + out.describe(); });
-  require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
-          [&] { return std::string("the CUDA backend takes bf16 or f16, got ") + dtype_name(out.dtype); });
-  if (lse) require(lse->device == Device::cuda, kOp, "lse",
-                   [&] { return "must be on the device, got " + lse->describe(); });
-  DeviceGuard guard(out.device_index);
-  qs::Params prm = base_params(p, lists, bins, workspace, bytes, options);
+void query_sparse_combine(const detail::AttentionCall& a, const detail::QueryCall& c, const QuerySparseBins& bins,
+                          void* workspace, std::size_t bytes) {
+  const TensorView& out = a.out;
+  const std::optional<TensorView>& lse = a.lse;
+  DeviceGuard guard(a.device);
+  qs::Params prm = base_params(a.p, c, bins, workspace, bytes);
   prm.out = out.data;
   for (int i = 0; i < 3; ++i) prm.out_stride[i] = out.stride[i];
   if (lse) {
     prm.lse = static_cast<float*>(lse->data);
     for (int i = 0; i < 3; ++i) prm.lse_stride[i] = lse->stride[i];
   }
-  check_cuda(qs::launch_combine(prm, out.dtype == DType::bf16, static_cast<int>(p.D),
-                                options.partials == PartialPrecision::bf16, static_cast<cudaStream_t>(options.stream)),
+  check_cuda(qs::launch_combine(prm, out.dtype == DType::bf16, static_cast<int>(a.p.D),
+                                c.partials == PartialPrecision::bf16, static_cast<cudaStream_t>(a.stream)),
              "combine launch");
 }
 
-void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                  const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
-                  const QuerySparseOptions& options, const detail::QuerySparseTuning& tuning) {
-  if (options.schedule == QuerySchedule::group_centric)
-    return query_sparse_group(p, q, k, v, lists, out, lse, options);
-  require(options.schedule == QuerySchedule::kv_centric, kOp, "options.schedule",
-          [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
-  check_rows("q", q);
-  const std::int64_t Kq = lists.idx.shape[3];
-  const QuerySparseBins bins = query_sparse_bins(p, Kq, options, tuning);
-  check_shape(p, Kq, bins.bands);
-  const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
-  const std::size_t need = query_sparse_workspace_bytes(p, Kq, options.partials, tuning);
-  DeviceGuard guard(q.device_index);
+void query_sparse(const detail::AttentionCall& a, const detail::QueryCall& c, const detail::QuerySparseTuning& tuning) {
+  if (c.schedule == QuerySchedule::group_centric) return query_sparse_group(a, c);
+  const ProblemShape& p = a.p;
+  check_rows("q", a.q);
+  const QuerySparseBins bins = query_sparse_bins(p, c.Kq, c.merge_window, tuning);
+  check_shape(p, c.Kq, bins.bands);
+  const std::size_t need = query_sparse_workspace_bytes(p, c.Kq, c.partials, tuning);
+  DeviceGuard guard(a.device);
   std::lock_guard<std::mutex> lock(g_workspaces.mutex());
-  void* ws = g_workspaces.get(kOp, q.device_index, options.stream, need);
-  query_sparse_plan(p, lists, bins, ws, need, options);
-  query_sparse_attend(p, q, k, v, lists, bins, ws, need, scale, options, tuning);
-  query_sparse_combine(p, lists, bins, ws, need, out, lse, options);
+  void* ws = g_workspaces.get(kOp, a.device, a.stream, need);
+  query_sparse_plan(a, c, bins, ws, need);
+  query_sparse_attend(a, c, bins, ws, need, tuning);
+  query_sparse_combine(a, c, bins, ws, need);
 }
 
 }  // namespace sparse_attn::cuda_backend
