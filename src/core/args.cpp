@@ -44,11 +44,9 @@ ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorV
   return p;
 }
 
-}  // namespace detail
-
-ProblemShape check_attention_args(const std::string& op, const TensorView& q, const TensorView& k,
-                                  const TensorView& v, const TensorView& out,
-                                  const std::optional<TensorView>& lse, const AttentionOptions& options) {
+ProblemShape check_attention_shapes(const std::string& op, const TensorView& q, const TensorView& k,
+                                    const TensorView& v, const TensorView& out,
+                                    const std::optional<TensorView>& lse, const AttentionOptions& options) {
   // float32 is a CPU-only input dtype; the device kernels take 16-bit inputs.
   const bool cpu = q.device == Device::cpu;
   const ProblemShape p =
@@ -74,6 +72,20 @@ ProblemShape check_attention_args(const std::string& op, const TensorView& q, co
     detail::check_shape(op, "lse", *lse, {p.B, p.Hq, p.Lq});
     detail::check_same_device(op, "lse", *lse, "q", q);
   }
+  return p;
+}
+
+}  // namespace detail
+
+ProblemShape check_attention_args(const std::string& op, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& out,
+                                  const std::optional<TensorView>& lse, const AttentionOptions& options) {
+  const ProblemShape p = detail::check_attention_shapes(op, q, k, v, out, lse, options);
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+    detail::check_no_overlap(op, "out", out, name, *t);
+    if (lse) detail::check_no_overlap(op, "lse", *lse, name, *t);
+  }
+  if (lse) detail::check_no_overlap(op, "lse", *lse, "out", out);
   return p;
 }
 

@@ -274,6 +274,8 @@ EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v
     detail::check_tensor(kOp, "options.block_bits", bb, 4, {DType::u32});
     detail::check_same_device(kOp, "options.block_bits", bb, "q", q);
     detail::check_shape(kOp, "options.block_bits", bb, {p.B, p.Hq, p.Tq(), ceil_div(p.Tk(), 32)});
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}})
+      detail::check_no_overlap(kOp, "options.block_bits", bb, name, *t);
   }
 
   switch (q.device) {

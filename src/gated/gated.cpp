@@ -173,11 +173,17 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, 
   detail::check_shape(kOp, "thresholds", thresholds, {p.Hq, -1});
   detail::require(thresholds.shape[1] >= 1, kOp, "thresholds",
                   [&] { return "needs at least one Q tile column, got shape " + detail::shape_string(thresholds); });
+  detail::check_no_overlap(kOp, "out", out, "thresholds", thresholds);
+  if (lse) detail::check_no_overlap(kOp, "lse", *lse, "thresholds", thresholds);
   if (options.kept_per_tile) {
     const TensorView& kp = *options.kept_per_tile;
     detail::check_tensor(kOp, "options.kept_per_tile", kp, 3, {DType::i32});
     detail::check_same_device(kOp, "options.kept_per_tile", kp, "q", q);
     detail::check_shape(kOp, "options.kept_per_tile", kp, {p.B, p.Hq, p.Tq()});
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v},
+                                  {"thresholds", &thresholds}, {"out", &out}})
+      detail::check_no_overlap(kOp, "options.kept_per_tile", kp, name, *t);
+    if (lse) detail::check_no_overlap(kOp, "options.kept_per_tile", kp, "lse", *lse);
   }
 
   switch (q.device) {
