@@ -67,20 +67,23 @@ TEST(NonFinite, ExpF32PassesNaN) {
 }
 
 TEST(NonFinite, EveryExecutorGivesNaNRowsAndLeavesTheOthers) {
-  for (const sa::DType dtype : {sa::DType::f32, sa::DType::bf16}) {
-    for (const nf::Case& c : nf::make_cases(shape(), dtype, 11)) {
-      const nf::FullSelections sel(c.p);
-      const double scale = c.scale ? double(*c.scale) : 1.0 / std::sqrt(double(c.p.D));
-      const st::Reference ref = st::reference_attention(c.q.view(), c.k.view(), c.v.view(), sa::AllBlocks{}, c.p, scale);
-      std::vector<std::string> executors = {"dense", "tile_sparse", "bits_sparse", "query_sparse", "token_sparse"};
-      if (c.p.causal) executors.push_back("gated");
-      for (const std::string& ex : executors) {
-        const Outputs r = run(c, ex, sel);
-        nf::expect_rows(c, r.out, r.lse, ref.out, ref.lse, dtype == sa::DType::f32 ? 1e-5 : 1e-2, 1e-5,
-                        ex + " " + sa::dtype_name(dtype));
+  for (const sa::DType dtype : {sa::DType::f32, sa::DType::bf16})
+    for (const bool causal : {true, false}) {
+      sa::ProblemShape p = shape();
+      p.causal = causal;
+      for (const nf::Case& c : nf::make_cases(p, dtype, 11)) {
+        const nf::FullSelections sel(c.p);
+        const double scale = c.scale ? double(*c.scale) : 1.0 / std::sqrt(double(c.p.D));
+        const st::Reference ref = st::reference_attention(c.q.view(), c.k.view(), c.v.view(), sa::AllBlocks{}, c.p, scale);
+        std::vector<std::string> executors = {"dense", "tile_sparse", "bits_sparse", "query_sparse", "token_sparse"};
+        if (c.p.causal) executors.push_back("gated");
+        for (const std::string& ex : executors) {
+          const Outputs r = run(c, ex, sel);
+          nf::expect_rows(c, r.out, r.lse, ref.out, ref.lse, dtype == sa::DType::f32 ? 1e-5 : 1e-2, 1e-5,
+                          ex + " " + sa::dtype_name(dtype) + (causal ? " causal" : ""));
+        }
       }
     }
-  }
 }
 
 TEST(NonFinite, RowsThatSeeNoKeyStayZeroAndMinusInf) {
