@@ -43,7 +43,9 @@ def test_scores_that_overflow_float32_give_nan_not_an_empty_row(rng):
     out, lse = sa.dense(q, k, v, return_lse=True)
     assert np.isnan(lse[0, 0, 3]) and np.isnan(out[0, 3].astype(np.float32)).all()
     assert np.isfinite(np.delete(lse[0, 0], 3)).all()
-    out, lse = sa.dense(*qkv(rng, 1, 8, 8, 1, 1, 16, scale=4.0), softmax_scale=1e37, return_lse=True)
+    # Scores of about +-60 times 1e37: every row's max overflows to +inf (with 128 keys each row has a
+    # positive score; a row whose scores all overflowed to -inf would see no key).
+    out, lse = sa.dense(*qkv(rng, 1, 8, 128, 1, 1, 16, scale=4.0), softmax_scale=1e37, return_lse=True)
     assert np.isnan(lse).all() and np.isnan(out).all()
 
 
