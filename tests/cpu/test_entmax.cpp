@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -254,34 +255,30 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{{1, 200, 333, 2, 1, 16, true}, 10.0}, Param{{1, 17, 1013, 2, 2, 32, false}, 30.0},
                       Param{{1, 130, 300, 2, 1, 16, false}, 100.0}, Param{{1, 130, 300, 2, 1, 16, true}, 1000.0}));
 
-TEST(Entmax, WeightsSumToOne) {
-  // With v = 1 every output element is the row's sum of weights.
-  const Case c{2, 260, 700, 2, 1, 32, true};
+/// With v = 1 every output element is the row's sum of weights: each must be within `tol` of 1.
+void expect_weights_sum_to_one(const Case& c, std::uint64_t seed, float q_stddev, std::initializer_list<double> alphas,
+                               float tol) {
   const ProblemShape p = shape_of(c);
-  const HostTensor q = testing::random_tensor(DType::f32, {c.B, c.Lq, c.Hq, c.D}, 5, 2.0f);
-  const HostTensor k = testing::random_tensor(DType::f32, {c.B, c.Lk, c.Hkv, c.D}, 6);
+  const HostTensor q = testing::random_tensor(DType::f32, {c.B, c.Lq, c.Hq, c.D}, seed, q_stddev);
+  const HostTensor k = testing::random_tensor(DType::f32, {c.B, c.Lk, c.Hkv, c.D}, seed + 1);
   HostTensor v(DType::f32, {c.B, c.Lk, c.Hkv, c.D});
   std::fill(v.data<float>(), v.data<float>() + v.numel(), 1.0f);
-  for (double alpha : {1.5, 2.0, 1.1, 4.0, 1.01, 10.0, 30.0, 100.0, 1000.0}) {
+  for (double alpha : alphas) {
     const EntmaxRun r = run_entmax(q, k, v, p, alpha);
     for (std::int64_t i = 0; i < r.out.numel(); ++i)
-      ASSERT_NEAR(r.out.data<float>()[i], 1.0f, 2e-5f) << "alpha " << alpha << " element " << i;
+      ASSERT_NEAR(r.out.data<float>()[i], 1.0f, tol) << "alpha " << alpha << " element " << i;
   }
+}
+
+TEST(Entmax, WeightsSumToOne) {
+  expect_weights_sum_to_one({2, 260, 700, 2, 1, 32, true}, 5, 2.0f, {1.5, 2.0, 1.1, 4.0, 1.01, 10.0, 30.0, 100.0, 1000.0},
+                            2e-5f);
 }
 
 TEST(Entmax, ShortRowsSumToOneWithinFloatRounding) {
   // 16 keys per row: the float32 sum of the weights is within 16 roundings of the exact 1.
-  const Case c{4, 16, 16, 8, 2, 16, false};
-  const ProblemShape p = shape_of(c);
-  const HostTensor q = testing::random_tensor(DType::f32, {c.B, c.Lq, c.Hq, c.D}, 41, 2.0f);
-  const HostTensor k = testing::random_tensor(DType::f32, {c.B, c.Lk, c.Hkv, c.D}, 42);
-  HostTensor v(DType::f32, {c.B, c.Lk, c.Hkv, c.D});
-  std::fill(v.data<float>(), v.data<float>() + v.numel(), 1.0f);
-  for (double alpha : {1.01, 1.5, 2.0, 4.0, 10.0, 30.0, 100.0, 1000.0}) {
-    const EntmaxRun r = run_entmax(q, k, v, p, alpha);
-    for (std::int64_t i = 0; i < r.out.numel(); ++i)
-      ASSERT_NEAR(r.out.data<float>()[i], 1.0f, 1e-6f) << "alpha " << alpha << " element " << i;
-  }
+  expect_weights_sum_to_one({4, 16, 16, 8, 2, 16, false}, 41, 2.0f, {1.01, 1.5, 2.0, 4.0, 10.0, 30.0, 100.0, 1000.0},
+                            1e-6f);
 }
 
 // Two keys with scores z1 >= z2: p1 + p2 = 1 and p1^(alpha-1) - p2^(alpha-1) = (alpha - 1)(z1 - z2)
