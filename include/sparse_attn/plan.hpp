@@ -58,6 +58,7 @@ struct QuerySparsePlan {
   std::int64_t Kq = 0;
   PartialPrecision partials = PartialPrecision::f32;
   int merge_window = 1;  // the merge window in effect (QuerySparseOptions::merge_window resolved)
+  int query_bands = 1;   // query bands of the reverse index's bins, fixed when planned (1 on the CPU)
   QueryLists lists;      // the lists the reverse index was built from (read again by the combine)
   TensorView workspace;  // u8 [bytes] on the device of q; empty on the CPU
   float scale = 1.0f;    // softmax scale in effect

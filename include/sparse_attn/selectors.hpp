@@ -58,7 +58,7 @@ const char* precision_name(IndexPrecision p);
 struct TokenMaxOptions {
   int top_k = 16;              // blocks per list, the reserved local block included
   IndexPrecision precision = IndexPrecision::bf16;
-  bool causal = true;
+  bool causal = false;       // bottom-right causal visibility; false like every other option struct
   bool reserve_local = true;   // the block holding the query's own position (causal diagonal) is
                                // always selected and counts towards top_k
   void* stream = nullptr;
@@ -82,7 +82,7 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Tile
 
 struct LightningOptions {
   int top_k = 2048;
-  bool causal = true;
+  bool causal = false;       // bottom-right causal visibility; false like every other option struct
   IndexPrecision precision = IndexPrecision::fp8_e4m3;  // bf16 or fp8_e4m3
   void* stream = nullptr;
 };

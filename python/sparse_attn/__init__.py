@@ -15,7 +15,8 @@ Arrays may be numpy arrays (CPU; float32, float16, or ml_dtypes.bfloat16) or tor
 CUDA); outputs are allocated with the same library and on the same device as ``q``, or written into
 ``out=``. For CUDA tensors the operators run on the current torch stream. Bad input raises
 :class:`Error` (a ``ValueError``) whose message names the operator, the argument and the offending
-value or coordinate.
+value or coordinate; an argument of the wrong type (a str softmax_scale, a float top_k, a tuple for
+a ProblemShape) raises ``TypeError`` naming the same.
 
 Selections (int32 index tensors, on q's device):
 
@@ -32,6 +33,8 @@ return the same results as the functions of the same name here.
 
 from __future__ import annotations
 
+import functools as _functools
+import operator as _operator
 import sys as _sys
 
 import numpy as _np
@@ -67,6 +70,169 @@ __all__ = [
     "query_sparse", "sparse_attention", "tile_lists_to_block_bits", "tile_sparse",
     "token_max_select", "token_sparse", "validate",
 ]
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+# Every call into the extension goes through _native, whose functions turn nanobind's "incompatible
+# function arguments" (the whole signature, no argument named) into a TypeError that names the
+# operator, the argument, what it takes and what was given. Scalars are passed to the extension as
+# they were given, so that its typed parameters refuse a float top_k or a str softmax_scale instead of
+# a Python conversion truncating or misreading them.
+
+def _split(text, sep):
+    """text split at `sep` outside brackets and quotes."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[(":
+            depth += 1
+        elif c in "])":
+            depth -= 1
+        elif c == sep and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return parts
+
+
+def _parameters(fn):
+    """[(name, annotation)] of an extension function with one signature."""
+    signatures = getattr(fn, "__nb_signature__", ())
+    if len(signatures) != 1:
+        return None
+    text = signatures[0][0]
+    params = text[text.index("(") + 1:text.rindex(")")]
+    result = []
+    for p in _split(params, ","):
+        name, _, annotation = p.partition(":")
+        result.append((name.strip(), _split(annotation, "=")[0] or "object"))
+    return result
+
+
+def _fits(value, annotation):
+    """Whether nanobind converts `value` for `annotation`; None when this cannot tell."""
+    unknown = False
+    for a in _split(annotation, "|"):
+        if a == "None" or a == "object":
+            ok = (value is None) == (a == "None")
+        elif a == "int":
+            ok = hasattr(type(value), "__index__")
+        elif a == "float":
+            ok = not isinstance(value, (str, bytes)) and hasattr(type(value), "__float__")
+        elif a == "bool":
+            ok = isinstance(value, bool)
+        elif a == "str":
+            ok = isinstance(value, str)
+        elif "[" not in a and "." in a:
+            ok = type(value).__name__ == a.rpartition(".")[2]
+        else:
+            unknown = True
+            continue
+        if ok:
+            return True
+    return None if unknown else False
+
+
+def _given(value):
+    """What was given, for a message: the type, and the value where it is short."""
+    t = type(value)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"{name} of dtype {value.dtype} and shape {list(value.shape)}"
+    text = repr(value)
+    return f"{name} {text}" if len(text) <= 40 else name
+
+
+def _type_error(fn, op, args, kwargs):
+    """The TypeError naming the first argument of a call that does not fit fn's signature, or None."""
+    params = _parameters(fn)
+    if params is None:
+        return None
+    given = dict(zip((name for name, _ in params), args))
+    given.update(kwargs)
+    op = given.get("op") if isinstance(given.get("op"), str) else op
+    fits = {name: _fits(given[name], annotation) for name, annotation in params if name in given}
+    # The first argument that does not fit; else the only one whose fit this cannot tell (an ndarray
+    # of the wrong dtype, say).
+    culprits = [n for n, f in fits.items() if f is False] or [n for n, f in fits.items() if f is None]
+    if len(culprits) != 1 and not any(f is False for f in fits.values()):
+        return None
+    name = culprits[0]
+    annotation = dict(params)[name].replace("sparse_attn._ext.", "sparse_attn.")
+    expected = "an array" if annotation == "object" else annotation
+    return TypeError(f"{op}: argument '{name}': expected {expected}, got {_given(given[name])}")
+
+
+def _named_type_errors(fn, op):
+    """fn, raising for an argument nanobind cannot convert a TypeError that names it (see above)."""
+    @_functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TypeError as e:
+            if "incompatible function arguments" not in str(e):
+                raise
+            error = _type_error(fn, op, args, kwargs)
+            if error is None:
+                raise
+        raise error
+    del call.__wrapped__  # inspect.signature cannot read an extension function
+    return call
+
+
+class _Native:
+    """The extension's functions, each through _named_type_errors (made on first use)."""
+
+    def __getattr__(self, name):
+        fn = _named_type_errors(getattr(_ext, name), name)
+        setattr(self, name, fn)
+        return fn
+
+
+_native = _Native()
+
+for _name in ("check_device_faults", "e2m1_to_float", "e4m3_to_float", "float_to_e2m1", "float_to_e4m3",
+              "precision_name", "quantize_dequantize"):
+    globals()[_name] = getattr(_native, _name)
+del _name
+
+
+def _int(op, name, value, minimum=None):
+    """value as an int (>= minimum): TypeError for a non-integer (no truncation of 2.5), Error below."""
+    if not hasattr(type(value), "__index__"):
+        raise TypeError(f"{op}: argument '{name}': expected int, got {_given(value)}")
+    value = _operator.index(value)
+    if minimum is not None and value < minimum:
+        raise Error(f"{op}: argument '{name}': must be >= {minimum}, got {value}")
+    return value
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _kmax(op, top_k, kmax):
+    """A selector's list capacity, checked before it is allocated: kmax, or top_k when kmax is None;
+    at least top_k and within int32."""
+    top_k = _int(op, "top_k", top_k, 1)
+    if top_k > _INT32_MAX:
+        raise Error(f"{op}: argument 'top_k': must be <= {_INT32_MAX}, got {top_k}")
+    if kmax is None:
+        return top_k
+    kmax = _int(op, "kmax", kmax)
+    if kmax < top_k:
+        raise Error(f"{op}: argument 'kmax': {kmax} is smaller than top_k = {top_k}")
+    if kmax > _INT32_MAX:
+        raise Error(f"{op}: argument 'kmax': must be <= {_INT32_MAX}, got {kmax}")
+    return kmax
+
+
+def _problem(op, shape):
+    if not isinstance(shape, ProblemShape):
+        raise TypeError(f"{op}: argument 'shape': expected sparse_attn.ProblemShape, got {_given(shape)}")
+    return shape
 
 
 # ---- array plumbing ---------------------------------------------------------------------------
@@ -134,10 +300,6 @@ def _ceil_div(a, b):
     return (a + b - 1) // b
 
 
-def _scale(softmax_scale):
-    return None if softmax_scale is None else float(softmax_scale)
-
-
 def _outputs(op, q, out, return_lse):
     _shape(q, op, "q", 4)
     if out is None:
@@ -165,8 +327,8 @@ def _pair(out, op):
 def dense(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, out=None):
     """Dense attention over every visible key. Returns out, or (out, lse) with return_lse."""
     out, lse = _outputs("dense", q, out, return_lse)
-    _ext.dense(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), softmax_scale=_scale(softmax_scale),
-               causal=bool(causal), stream=_stream(q))
+    _native.dense(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                  causal=bool(causal), stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -175,9 +337,9 @@ def tile_sparse(q, k, v, idx, cnt, *, softmax_scale=None, causal=False, return_l
     """Q-centric block-sparse attention over TileLists (idx [B, G, Tq, Kmax], cnt [B, G, Tq]).
     trusted=True skips validation of the lists (the caller produced them)."""
     out, lse = _outputs("tile_sparse", q, out, return_lse)
-    _ext.tile_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(cnt), _dl(out), _dl(lse),
-                     softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
-                     stream=_stream(q))
+    _native.tile_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(cnt), _dl(out), _dl(lse),
+                        softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                        stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -185,9 +347,9 @@ def bits_sparse(q, k, v, bits, *, softmax_scale=None, causal=False, return_lse=F
                 trusted=False):
     """Block-sparse attention over BlockBits (uint32 [B, G, Tq, ceil(Tk / 32)])."""
     out, lse = _outputs("bits_sparse", q, out, return_lse)
-    _ext.bits_sparse(_dl(q), _dl(k), _dl(v), _dl(bits), _dl(out), _dl(lse),
-                     softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
-                     stream=_stream(q))
+    _native.bits_sparse(_dl(q), _dl(k), _dl(v), _dl(bits), _dl(out), _dl(lse),
+                        softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                        stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -200,10 +362,10 @@ def query_sparse(q, k, v, idx, *, partials="f32", softmax_scale=None, causal=Fal
     merge_window: KV-centric on the GPU, a query's blocks within one window of this many blocks leave
     one partial (0: chosen from the lists' shape, 1: off, 2 to 8); the result is the same attention."""
     out, lse = _outputs("query_sparse", q, out, return_lse)
-    _ext.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
-                      softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
-                      partials=str(partials), schedule=str(schedule), merge_window=int(merge_window),
-                      stream=_stream(q))
+    _native.query_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
+                         softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                         partials=partials, schedule=schedule, merge_window=merge_window,
+                         stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -212,9 +374,9 @@ def token_sparse(q, k, v, idx, *, softmax_scale=None, causal=False, return_lse=F
     """Attention over TokenLists (idx [B, Hkv, Lq, Kt] key positions, -1 = empty slot), shared by
     the query heads of each group."""
     out, lse = _outputs("token_sparse", q, out, return_lse)
-    _ext.token_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
-                      softmax_scale=_scale(softmax_scale), causal=bool(causal), trusted=bool(trusted),
-                      stream=_stream(q))
+    _native.token_sparse(_dl(q), _dl(k), _dl(v), _dl(idx), _dl(out), _dl(lse),
+                         softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                         stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -239,9 +401,9 @@ def sparse_attention(q, k, v, *, tiles=None, bits=None, query_lists=None, token_
     """Attention over whichever selection is given (none: dense). tiles is a pair (idx, cnt)."""
     kind, a, b = _selection("sparse_attention", tiles, bits, query_lists, token_lists)
     out, lse = _outputs("sparse_attention", q, out, return_lse)
-    _ext.sparse_attention(_dl(q), _dl(k), _dl(v), _dl(out), kind, a, b, lse=_dl(lse),
-                          softmax_scale=_scale(softmax_scale), causal=bool(causal),
-                          trusted=bool(trusted), stream=_stream(q))
+    _native.sparse_attention(_dl(q), _dl(k), _dl(v), _dl(out), kind, a, b, lse=_dl(lse),
+                             softmax_scale=softmax_scale, causal=bool(causal),
+                             trusted=bool(trusted), stream=_stream(q))
     return _result(out, lse, return_lse)
 
 
@@ -276,8 +438,8 @@ def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None
         kept = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q)), "int32")
     if _is_torch(q) and not _is_torch(thresholds):
         thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
-    counts = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
-                        softmax_scale=_scale(softmax_scale), kept_per_tile=_dl(kept), stream=_stream(q))
+    counts = _native.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
+                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))
     stats = _gated_stats((counts[name] for name in _GATED_COUNTS), kept)
     return (out, lse, stats) if return_lse else (out, stats)
 
@@ -296,9 +458,9 @@ def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bi
         B, Lq, Hq, _ = q.shape
         Lk = _shape(k, "entmax", "k", 4)[1]
         bits = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q), _ceil_div(_ceil_div(Lk, BLOCK_K), 32)), "uint32")
-    stats = _ext.entmax(_dl(q), _dl(k), _dl(v), _dl(out), alpha=float(alpha),
-                        softmax_scale=_scale(softmax_scale), causal=bool(causal),
-                        histogram_bins=int(histogram_bins), block_bits=_dl(bits), stream=_stream(q))
+    stats = _native.entmax(_dl(q), _dl(k), _dl(v), _dl(out), alpha=alpha,
+                           softmax_scale=softmax_scale, causal=bool(causal),
+                           histogram_bins=histogram_bins, block_bits=_dl(bits), stream=_stream(q))
     result = (out,)
     if return_block_bits:
         result += (bits,)
@@ -317,15 +479,14 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
     B, Lq, _, _ = _shape(q, "pooled_select", "q", 4)
     Hkv = _shape(k, "pooled_select", "k", 4)[2]
     Tq = _ceil_div(Lq, TILE_Q)
-    kmax = int(top_k if kmax is None else kmax)
     if out is not None:
         idx, cnt = _pair(out, "pooled_select")
     else:
-        idx = _full(q, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+        idx = _full(q, (B, Hkv, Tq, _kmax("pooled_select", top_k, kmax)), -1, "int32")
         cnt = _empty(q, (B, Hkv, Tq), "int32")
-    _ext.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=int(representatives),
-                       top_k=int(top_k), force_local=bool(force_local), force_block0=bool(force_block0),
-                       causal=bool(causal), stream=_stream(q))
+    _native.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=representatives,
+                          top_k=top_k, force_local=bool(force_local), force_block0=bool(force_block0),
+                          causal=bool(causal), stream=_stream(q))
     return idx, cnt
 
 
@@ -337,23 +498,23 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
     precision: "bf16", "fp8_e4m3" or "fp4_e2m1". out= writes into caller tensors instead: idx for
     format="query", the pair (idx, cnt) for format="tile"."""
     B, Lq, Hkv, _ = _shape(qidx, "token_max_select", "qidx", 4)
-    kmax = int(top_k if kmax is None else kmax)
     if format == "query":
-        idx = out if out is not None else _full(qidx, (B, Hkv, Lq, max(kmax, 0)), -1, "int32")
-        _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=int(top_k),
-                              precision=str(precision), causal=bool(causal),
-                              reserve_local=bool(reserve_local), stream=_stream(qidx))
+        idx = out if out is not None else _full(qidx, (B, Hkv, Lq, _kmax("token_max_select", top_k, kmax)), -1,
+                                                "int32")
+        _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=top_k,
+                                 precision=precision, causal=bool(causal),
+                                 reserve_local=bool(reserve_local), stream=_stream(qidx))
         return idx
     if format == "tile":
         Tq = _ceil_div(Lq, TILE_Q)
         if out is not None:
             idx, cnt = _pair(out, "token_max_select")
         else:
-            idx = _full(qidx, (B, Hkv, Tq, max(kmax, 0)), -1, "int32")
+            idx = _full(qidx, (B, Hkv, Tq, _kmax("token_max_select", top_k, kmax)), -1, "int32")
             cnt = _empty(qidx, (B, Hkv, Tq), "int32")
-        _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=int(top_k),
-                              precision=str(precision), causal=bool(causal),
-                              reserve_local=bool(reserve_local), stream=_stream(qidx))
+        _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=top_k,
+                                 precision=precision, causal=bool(causal),
+                                 reserve_local=bool(reserve_local), stream=_stream(qidx))
         return idx, cnt
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
@@ -368,11 +529,14 @@ def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3
     B, Lq, _, _ = _shape(qI, "lightning_select", "qI", 4)
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
-    kmax = int(top_k if kmax is None else kmax)
-    idx = out if out is not None else _full(qI, (B, int(groups), Lq, max(kmax, 0)), -1, "int32")
-    _ext.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
-                          top_k=int(top_k), causal=bool(causal), precision=str(precision),
-                          stream=_stream(qI))
+    if out is None:
+        groups = _int("lightning_select", "groups", groups, 1)
+        idx = _full(qI, (B, groups, Lq, _kmax("lightning_select", top_k, kmax)), -1, "int32")
+    else:
+        idx = out
+    _native.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
+                             top_k=top_k, causal=bool(causal), precision=precision,
+                             stream=_stream(qI))
     return idx
 
 
@@ -404,7 +568,7 @@ def validate(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, to
         tiles = type(tiles)(_on_host(t) for t in tiles)
     bits, query_lists, token_lists = (_on_host(s) for s in (bits, query_lists, token_lists))
     kind, a, b = _selection(op, tiles, bits, query_lists, token_lists)
-    _ext.validate(kind, a, b, shape, op)
+    _native.validate(kind, a, b, shape, op)
 
 
 def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape, *, trusted=False):
@@ -412,8 +576,9 @@ def tile_lists_to_block_bits(idx, cnt, shape: ProblemShape, *, trusted=False):
     device, on the current stream; trusted=True skips their check (no synchronisation): counts are
     clamped to [0, Kmax] and ids outside [0, Tk) ignored."""
     B, G, Tq, _ = _shape(idx, "tile_lists_to_block_bits", "in.idx", 4)
+    shape = _problem("tile_lists_to_block_bits", shape)
     bits = _empty(idx, (B, G, Tq, _ceil_div(shape.Tk, 32)), "uint32")
-    _ext.tile_lists_to_block_bits(_dl(idx), _dl(cnt), _dl(bits), shape, trusted=bool(trusted), stream=_stream(idx))
+    _native.tile_lists_to_block_bits(_dl(idx), _dl(cnt), _dl(bits), shape, trusted=bool(trusted), stream=_stream(idx))
     return bits
 
 
@@ -422,11 +587,12 @@ def block_bits_to_tile_lists(bits, shape: ProblemShape, *, kmax=None, trusted=Fa
     tensors are converted on the device, on the current stream; trusted=True skips their check for
     stray bits and capacity (no synchronisation), ignores bits at or past Tk and needs kmax >= Tk."""
     B, G, Tq, _ = _shape(bits, "block_bits_to_tile_lists", "in.bits", 4)
-    kmax = shape.Tk if kmax is None else int(kmax)
+    shape = _problem("block_bits_to_tile_lists", shape)
+    kmax = shape.Tk if kmax is None else _int("block_bits_to_tile_lists", "kmax", kmax, 0)
     idx = _full(bits, (B, G, Tq, kmax), -1, "int32")
     cnt = _empty(bits, (B, G, Tq), "int32")
-    _ext.block_bits_to_tile_lists(_dl(bits), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
-                                  stream=_stream(bits))
+    _native.block_bits_to_tile_lists(_dl(bits), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
+                                     stream=_stream(bits))
     return idx, cnt
 
 
@@ -436,14 +602,15 @@ def query_lists_to_tile_lists(lists, shape: ProblemShape, *, kmax=None, trusted=
     skips their validation (no synchronisation) and needs kmax >= min(Tk, min(128, Lq) * Kq).
     out=(idx, cnt) writes into those tensors instead (kmax is then idx's last extent)."""
     B, Hkv, _, _ = _shape(lists, "query_lists_to_tile_lists", "in.idx", 4)
-    kmax = shape.Tk if kmax is None else int(kmax)
+    shape = _problem("query_lists_to_tile_lists", shape)
+    kmax = shape.Tk if kmax is None else _int("query_lists_to_tile_lists", "kmax", kmax, 0)
     if out is not None:
         idx, cnt = _pair(out, "query_lists_to_tile_lists")
     else:
         idx = _full(lists, (B, Hkv, shape.Tq, kmax), -1, "int32")
         cnt = _empty(lists, (B, Hkv, shape.Tq), "int32")
-    _ext.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
-                                   stream=_stream(lists))
+    _native.query_lists_to_tile_lists(_dl(lists), _dl(idx), _dl(cnt), shape, trusted=bool(trusted),
+                                      stream=_stream(lists))
     return idx, cnt
 
 
@@ -457,14 +624,15 @@ def plan_schedule(lists, shape: ProblemShape, *, partials="f32", merge_window=0)
     union_per_tile, neighbour_overlap, ...). partials and merge_window as query_sparse takes them."""
     if _is_torch(lists) and lists.device.type != "cpu":
         lists = lists.cpu()
-    return _ext.plan_schedule(_dl(lists), shape, partials=str(partials), merge_window=int(merge_window))
+    return _native.plan_schedule(_dl(lists), _problem("plan_schedule", shape), partials=partials,
+                                 merge_window=merge_window)
 
 
 def expand_mask(shape: ProblemShape, *, tiles=None, bits=None, query_lists=None, token_lists=None):
     """The explicit mask (numpy uint8 [B, Hq, Lq, Lk], 1 = selected and visible) of a selection on
     CPU arrays; none given: the dense (causal when shape.causal) mask. For tests and small problems."""
     kind, a, b = _selection("expand_mask", tiles, bits, query_lists, token_lists)
-    return _ext.expand_mask(kind, a, b, shape)
+    return _native.expand_mask(kind, a, b, shape)
 
 
 def evaluate(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=None,
@@ -472,8 +640,8 @@ def evaluate(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=No
     """Selection quality (CPU arrays, float64): kept dense softmax mass (mean, min, per head), the
     output relative error against dense attention, token and block sparsity. Returns a dict."""
     kind, a, b = _selection("evaluate_selection", tiles, bits, query_lists, token_lists)
-    return _ext.evaluate_selection(_dl(q), _dl(k), _dl(v), kind, a, b,
-                                   softmax_scale=_scale(softmax_scale), causal=bool(causal))
+    return _native.evaluate_selection(_dl(q), _dl(k), _dl(v), kind, a, b,
+                                      softmax_scale=softmax_scale, causal=bool(causal))
 
 
 def load_thresholds(path) -> ThresholdTable:

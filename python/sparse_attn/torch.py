@@ -14,12 +14,14 @@ are safe inside CUDA graphs. There is no backward: these are inference (prefill)
 """
 
 import contextlib
+import functools
+import inspect
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _GATED_COUNTS, BLOCK_K, TILE_Q, Error, _dl, _ext, _gated_stats, _stream
+from . import _GATED_COUNTS, BLOCK_K, TILE_Q, Error, _dl, _ext, _gated_stats, _int, _kmax, _stream
 
 __all__ = [
     "bits_sparse", "dense", "entmax", "gated", "lightning_select", "pooled_select", "query_sparse",
@@ -29,6 +31,57 @@ __all__ = [
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+# The dimensions of the arguments whose shapes the ops read before the library checks them.
+_RANKS = {"q": 4, "k": 4, "v": 4, "qidx": 4, "kidx": 4, "qI": 4, "w": 3, "kI": 3}
+
+
+def _check_args(op, args):
+    """Ranks first (a rank-3 q would fail at unpacking its shape), then one device for every tensor:
+    the dispatcher runs the fake kernel for a meta q whatever k and v are, and the fake would
+    return uninitialised tensors on the device of q."""
+    first = None
+    for name, t in args.items():
+        if not isinstance(t, Tensor):
+            continue
+        rank = _RANKS.get(name)
+        if rank is not None and t.dim() != rank:
+            raise Error(f"{op}: argument '{name}': expected {rank} dimensions, got shape {list(t.shape)}")
+        if first is None:
+            first = name, t.device
+        elif t.device != first[1]:
+            raise Error(f"{op}: argument '{name}': is on {t.device} but '{first[0]}' is on {first[1]}")
+
+
+def _checked(op, fn):
+    """fn with _check_args before it (the signature seen by torch.library stays fn's)."""
+    names = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        given = dict(zip(names, args))
+        given.update(kwargs)
+        _check_args(op, given)
+        return fn(*args, **kwargs)
+    return checked
+
+
+_OP_NAMES = {}  # custom op -> its name in sparse_attn::
+
+
+def _custom_op(name, mutates_args):
+    """torch.library.custom_op sparse_attn::name over the checked implementation."""
+    def define(fn):
+        op = torch.library.custom_op(f"sparse_attn::{name}", _checked(name, fn), mutates_args=mutates_args)
+        _OP_NAMES[op] = name
+        return op
+    return define
+
+
+def _fake(op):
+    """Registers the checked fake (meta) kernel of op."""
+    return lambda fn: op.register_fake(_checked(_OP_NAMES[op], fn))
 
 
 def _device(t: Tensor):
@@ -51,7 +104,7 @@ def _fake_out_lse(q: Tensor) -> Tuple[Tensor, Tensor]:
 
 # ---- executors: functional ops --------------------------------------------------------------------
 
-@torch.library.custom_op("sparse_attn::dense", mutates_args=())
+@_custom_op("dense", mutates_args=())
 def _dense(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool) -> Tuple[Tensor, Tensor]:
     out, lse = _out_like(q), _lse_like(q)
     with _device(q):
@@ -60,12 +113,12 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], caus
     return out, lse
 
 
-@_dense.register_fake
+@_fake(_dense)
 def _(q, k, v, softmax_scale, causal):
     return _fake_out_lse(q)
 
 
-@torch.library.custom_op("sparse_attn::tile_sparse", mutates_args=())
+@_custom_op("tile_sparse", mutates_args=())
 def _tile_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, softmax_scale: Optional[float],
                  causal: bool, trusted: bool) -> Tuple[Tensor, Tensor]:
     out, lse = _out_like(q), _lse_like(q)
@@ -75,12 +128,12 @@ def _tile_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, soft
     return out, lse
 
 
-@_tile_sparse.register_fake
+@_fake(_tile_sparse)
 def _(q, k, v, idx, cnt, softmax_scale, causal, trusted):
     return _fake_out_lse(q)
 
 
-@torch.library.custom_op("sparse_attn::bits_sparse", mutates_args=())
+@_custom_op("bits_sparse", mutates_args=())
 def _bits_sparse(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, softmax_scale: Optional[float], causal: bool,
                  trusted: bool) -> Tuple[Tensor, Tensor]:
     out, lse = _out_like(q), _lse_like(q)
@@ -90,12 +143,12 @@ def _bits_sparse(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, softmax_scale: O
     return out, lse
 
 
-@_bits_sparse.register_fake
+@_fake(_bits_sparse)
 def _(q, k, v, bits, softmax_scale, causal, trusted):
     return _fake_out_lse(q)
 
 
-@torch.library.custom_op("sparse_attn::query_sparse", mutates_args=())
+@_custom_op("query_sparse", mutates_args=())
 def _query_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, softmax_scale: Optional[float], causal: bool,
                   trusted: bool, partials: str, schedule: str, merge_window: int) -> Tuple[Tensor, Tensor]:
     out, lse = _out_like(q), _lse_like(q)
@@ -106,12 +159,12 @@ def _query_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, softmax_scale: O
     return out, lse
 
 
-@_query_sparse.register_fake
+@_fake(_query_sparse)
 def _(q, k, v, idx, softmax_scale, causal, trusted, partials, schedule, merge_window):
     return _fake_out_lse(q)
 
 
-@torch.library.custom_op("sparse_attn::token_sparse", mutates_args=())
+@_custom_op("token_sparse", mutates_args=())
 def _token_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, softmax_scale: Optional[float], causal: bool,
                   trusted: bool) -> Tuple[Tensor, Tensor]:
     out, lse = _out_like(q), _lse_like(q)
@@ -121,12 +174,12 @@ def _token_sparse(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, softmax_scale: O
     return out, lse
 
 
-@_token_sparse.register_fake
+@_fake(_token_sparse)
 def _(q, k, v, idx, softmax_scale, causal, trusted):
     return _fake_out_lse(q)
 
 
-@torch.library.custom_op("sparse_attn::gated", mutates_args=())
+@_custom_op("gated", mutates_args=())
 def _gated(q: Tensor, k: Tensor, v: Tensor, thresholds: Tensor,
            softmax_scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, kept_per_tile, counts): counts int64 [4] on the host holds the gate's counters in
@@ -140,7 +193,7 @@ def _gated(q: Tensor, k: Tensor, v: Tensor, thresholds: Tensor,
     return out, lse, kept, torch.tensor([stats[name] for name in _GATED_COUNTS], dtype=torch.int64)
 
 
-@_gated.register_fake
+@_fake(_gated)
 def _(q, k, v, thresholds, softmax_scale):
     B, Lq, Hq, _ = q.shape
     out, lse = _fake_out_lse(q)
@@ -148,7 +201,7 @@ def _(q, k, v, thresholds, softmax_scale):
             torch.empty((len(_GATED_COUNTS),), dtype=torch.int64, device="cpu"))
 
 
-@torch.library.custom_op("sparse_attn::entmax", mutates_args=())
+@_custom_op("entmax", mutates_args=())
 def _entmax(q: Tensor, k: Tensor, v: Tensor, alpha: float, softmax_scale: Optional[float], causal: bool,
             histogram_bins: int) -> Tuple[Tensor, Tensor]:
     out = _out_like(q)
@@ -161,7 +214,7 @@ def _entmax(q: Tensor, k: Tensor, v: Tensor, alpha: float, softmax_scale: Option
     return out, bits
 
 
-@_entmax.register_fake
+@_fake(_entmax)
 def _(q, k, v, alpha, softmax_scale, causal, histogram_bins):
     B, Lq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, _cdiv(Lq, TILE_Q), _cdiv(_cdiv(k.shape[1], BLOCK_K), 32)),
@@ -170,7 +223,7 @@ def _(q, k, v, alpha, softmax_scale, causal, histogram_bins):
 
 # ---- executors: ops that write into caller tensors --------------------------------------------------
 
-@torch.library.custom_op("sparse_attn::dense_out", mutates_args=("out", "lse"))
+@_custom_op("dense_out", mutates_args=("out", "lse"))
 def _dense_out(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tensor], softmax_scale: Optional[float],
                causal: bool) -> None:
     with _device(q):
@@ -178,12 +231,12 @@ def _dense_out(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Optional[Tenso
                    stream=_stream(q))
 
 
-@_dense_out.register_fake
+@_fake(_dense_out)
 def _(q, k, v, out, lse, softmax_scale, causal):
     return None
 
 
-@torch.library.custom_op("sparse_attn::tile_sparse_out", mutates_args=("out", "lse"))
+@_custom_op("tile_sparse_out", mutates_args=("out", "lse"))
 def _tile_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, out: Tensor, lse: Optional[Tensor],
                      softmax_scale: Optional[float], causal: bool, trusted: bool) -> None:
     with _device(q):
@@ -191,12 +244,12 @@ def _tile_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, cnt: Tensor, 
                          softmax_scale=softmax_scale, causal=causal, trusted=trusted, stream=_stream(q))
 
 
-@_tile_sparse_out.register_fake
+@_fake(_tile_sparse_out)
 def _(q, k, v, idx, cnt, out, lse, softmax_scale, causal, trusted):
     return None
 
 
-@torch.library.custom_op("sparse_attn::bits_sparse_out", mutates_args=("out", "lse"))
+@_custom_op("bits_sparse_out", mutates_args=("out", "lse"))
 def _bits_sparse_out(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, out: Tensor, lse: Optional[Tensor],
                      softmax_scale: Optional[float], causal: bool, trusted: bool) -> None:
     with _device(q):
@@ -204,12 +257,12 @@ def _bits_sparse_out(q: Tensor, k: Tensor, v: Tensor, bits: Tensor, out: Tensor,
                          causal=causal, trusted=trusted, stream=_stream(q))
 
 
-@_bits_sparse_out.register_fake
+@_fake(_bits_sparse_out)
 def _(q, k, v, bits, out, lse, softmax_scale, causal, trusted):
     return None
 
 
-@torch.library.custom_op("sparse_attn::query_sparse_out", mutates_args=("out", "lse"))
+@_custom_op("query_sparse_out", mutates_args=("out", "lse"))
 def _query_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor],
                       softmax_scale: Optional[float], causal: bool, trusted: bool, partials: str,
                       schedule: str, merge_window: int) -> None:
@@ -219,12 +272,12 @@ def _query_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor,
                           merge_window=merge_window, stream=_stream(q))
 
 
-@_query_sparse_out.register_fake
+@_fake(_query_sparse_out)
 def _(q, k, v, idx, out, lse, softmax_scale, causal, trusted, partials, schedule, merge_window):
     return None
 
 
-@torch.library.custom_op("sparse_attn::token_sparse_out", mutates_args=("out", "lse"))
+@_custom_op("token_sparse_out", mutates_args=("out", "lse"))
 def _token_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor, lse: Optional[Tensor],
                       softmax_scale: Optional[float], causal: bool, trusted: bool) -> None:
     with _device(q):
@@ -232,14 +285,14 @@ def _token_sparse_out(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, out: Tensor,
                           causal=causal, trusted=trusted, stream=_stream(q))
 
 
-@_token_sparse_out.register_fake
+@_fake(_token_sparse_out)
 def _(q, k, v, idx, out, lse, softmax_scale, causal, trusted):
     return None
 
 
 # ---- selectors -----------------------------------------------------------------------------------
 
-@torch.library.custom_op("sparse_attn::pooled_select", mutates_args=())
+@_custom_op("pooled_select", mutates_args=())
 def _pooled_select(q: Tensor, k: Tensor, top_k: int, kmax: int, representatives: int, force_local: bool,
                    force_block0: bool, causal: bool) -> Tuple[Tensor, Tensor]:
     B, Lq = q.shape[0], q.shape[1]
@@ -252,14 +305,14 @@ def _pooled_select(q: Tensor, k: Tensor, top_k: int, kmax: int, representatives:
     return idx, cnt
 
 
-@_pooled_select.register_fake
+@_fake(_pooled_select)
 def _(q, k, top_k, kmax, representatives, force_local, force_block0, causal):
     B, Lq, Hkv = q.shape[0], q.shape[1], k.shape[2]
     Tq = _cdiv(Lq, TILE_Q)
     return q.new_empty((B, Hkv, Tq, kmax), dtype=torch.int32), q.new_empty((B, Hkv, Tq), dtype=torch.int32)
 
 
-@torch.library.custom_op("sparse_attn::token_max_select", mutates_args=())
+@_custom_op("token_max_select", mutates_args=())
 def _token_max_select(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, precision: str, causal: bool,
                       reserve_local: bool) -> Tensor:
     B, Lq, Hkv, _ = qidx.shape
@@ -270,13 +323,13 @@ def _token_max_select(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, precisi
     return idx
 
 
-@_token_max_select.register_fake
+@_fake(_token_max_select)
 def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local):
     B, Lq, Hkv, _ = qidx.shape
     return qidx.new_empty((B, Hkv, Lq, kmax), dtype=torch.int32)
 
 
-@torch.library.custom_op("sparse_attn::token_max_select_tiles", mutates_args=())
+@_custom_op("token_max_select_tiles", mutates_args=())
 def _token_max_select_tiles(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, precision: str, causal: bool,
                             reserve_local: bool) -> Tuple[Tensor, Tensor]:
     B, Lq, Hkv, _ = qidx.shape
@@ -289,14 +342,14 @@ def _token_max_select_tiles(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, p
     return idx, cnt
 
 
-@_token_max_select_tiles.register_fake
+@_fake(_token_max_select_tiles)
 def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local):
     B, Lq, Hkv, _ = qidx.shape
     Tq = _cdiv(Lq, TILE_Q)
     return qidx.new_empty((B, Hkv, Tq, kmax), dtype=torch.int32), qidx.new_empty((B, Hkv, Tq), dtype=torch.int32)
 
 
-@torch.library.custom_op("sparse_attn::lightning_select", mutates_args=())
+@_custom_op("lightning_select", mutates_args=())
 def _lightning_select(qI: Tensor, w: Tensor, kI: Tensor, top_k: int, kmax: int, groups: int, blocks: bool,
                       causal: bool, precision: str) -> Tensor:
     B, Lq = qI.shape[0], qI.shape[1]
@@ -307,7 +360,7 @@ def _lightning_select(qI: Tensor, w: Tensor, kI: Tensor, top_k: int, kmax: int, 
     return idx
 
 
-@_lightning_select.register_fake
+@_fake(_lightning_select)
 def _(qI, w, kI, top_k, kmax, groups, blocks, causal, precision):
     return qI.new_empty((qI.shape[0], groups, qI.shape[1], kmax), dtype=torch.int32)
 
@@ -399,19 +452,21 @@ def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bi
 
 def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_block0=False, causal=False,
                   kmax=None):
-    return torch.ops.sparse_attn.pooled_select(q, k, int(top_k), int(top_k if kmax is None else kmax),
+    return torch.ops.sparse_attn.pooled_select(q, k, _int("pooled_select", "top_k", top_k),
+                                               _kmax("pooled_select", top_k, kmax),
                                                int(representatives), bool(force_local), bool(force_block0),
                                                bool(causal))
 
 
 def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True, format="query",
                      kmax=None):
-    kmax = int(top_k if kmax is None else kmax)
+    kmax = _kmax("token_max_select", top_k, kmax)
+    top_k = _int("token_max_select", "top_k", top_k)
     if format == "query":
-        return torch.ops.sparse_attn.token_max_select(qidx, kidx, int(top_k), kmax, str(precision), bool(causal),
+        return torch.ops.sparse_attn.token_max_select(qidx, kidx, top_k, kmax, str(precision), bool(causal),
                                                       bool(reserve_local))
     if format == "tile":
-        return torch.ops.sparse_attn.token_max_select_tiles(qidx, kidx, int(top_k), kmax, str(precision),
+        return torch.ops.sparse_attn.token_max_select_tiles(qidx, kidx, top_k, kmax, str(precision),
                                                             bool(causal), bool(reserve_local))
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
@@ -420,8 +475,10 @@ def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3
                      kmax=None):
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
-    return torch.ops.sparse_attn.lightning_select(qI, w, kI, int(top_k), int(top_k if kmax is None else kmax),
-                                                  int(groups), format == "query", bool(causal), str(precision))
+    return torch.ops.sparse_attn.lightning_select(qI, w, kI, _int("lightning_select", "top_k", top_k),
+                                                  _kmax("lightning_select", top_k, kmax),
+                                                  _int("lightning_select", "groups", groups, 1), format == "query",
+                                                  bool(causal), str(precision))
 
 
 # ---- Hugging Face transformers -------------------------------------------------------------------

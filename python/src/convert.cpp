@@ -83,6 +83,15 @@ TensorView view_of(const Array& a, const std::string& op, const char* name, bool
   return v;
 }
 
+/// Why an array that nanobind cannot import is refused, where it can tell: a non-native byte order.
+void explain_refused(nb::handle h, const std::string& op, const char* name) {
+  if (!nb::hasattr(h, "dtype") || !nb::hasattr(h.attr("dtype"), "isnative")) return;
+  nb::object dtype = h.attr("dtype");
+  if (!nb::cast<bool>(dtype.attr("isnative")))
+    throw Error(op, name, "byte order: non-native (big-endian) arrays are not supported (dtype " +
+                              nb::cast<std::string>(nb::str(dtype)) + "), convert with .astype(dtype.newbyteorder('='))");
+}
+
 }  // namespace
 
 TensorView Imports::import(nb::handle h, const char* name, bool writable) {
@@ -94,6 +103,7 @@ TensorView Imports::import(nb::handle h, const char* name, bool writable) {
   if (writable) {
     nb::ndarray<> a;
     if (!nb::try_cast(src, a, false)) {
+      explain_refused(h, op_, name);
       if (nb::hasattr(h, "flags") && nb::hasattr(h.attr("flags"), "writeable") &&
           !nb::cast<bool>(h.attr("flags").attr("writeable")))
         throw Error(op_, name, "is read-only; an output array must be writable");
@@ -104,8 +114,10 @@ TensorView Imports::import(nb::handle h, const char* name, bool writable) {
     return view_of(a, op_, name, bf16_bits);
   }
   nb::ndarray<nb::ro> a;
-  if (!nb::try_cast(src, a, false))
+  if (!nb::try_cast(src, a, false)) {
+    explain_refused(h, op_, name);
     throw Error(op_, name, "expected an array (numpy.ndarray, torch.Tensor or DLPack capsule), got " + python_type_name(h));
+  }
   readonly_.push_back(a);
   return view_of(a, op_, name, bf16_bits);
 }

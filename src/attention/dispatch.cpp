@@ -9,7 +9,7 @@
 
 #include "attention/cpu_backend.hpp"
 #include "core/check.hpp"
-#include "cuda/query_sparse/merge_window.hpp"
+#include "plan/merge_window.hpp"
 #include "sparse_attn/ops.hpp"
 #if defined(SPARSE_ATTN_WITH_CUDA)
 #include "cuda/backend.hpp"

@@ -57,8 +57,8 @@ ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorV
 ProblemShape check_attention_shapes(const std::string& op, const TensorView& q, const TensorView& k,
                                     const TensorView& v, const TensorView& out,
                                     const std::optional<TensorView>& lse, const AttentionOptions& options);
-/// Messages shared by the CPU and device checks of BlockBits (formats.cpp, cuda/convert): the lowest
-/// bit at or past Tk set in the last word of row (b, g, t), and a tile whose bit set holds n > Kmax
+/// Messages shared by the CPU and device checks of BlockBits (formats.cpp, src/convert, cuda/convert): the
+/// lowest bit at or past Tk set in the last word of row (b, g, t), and a tile whose bit set holds n > Kmax
 /// blocks ("the bit set", "the union" as `what`).
 std::string stray_bit_message(int bit, std::int64_t W, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t Tk);
 std::string over_capacity_message(const char* what, std::int64_t b, std::int64_t g, std::int64_t t, std::int64_t n,

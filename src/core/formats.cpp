@@ -1,13 +1,12 @@
-// Selection formats: shape helpers, validators, conversions between formats and explicit masks.
+// Selection formats: shape helpers, validators, and explicit masks (the conversions between formats
+// are src/convert).
 //
-// Content checks report the first offending coordinate in row-major order. They run on the CPU
-// backend's threads over contiguous chunks of rows, and the fault of the lowest chunk wins, so the
-// coordinate reported does not depend on the thread count.
+// Content checks report the first offending coordinate in row-major order (format_rows.hpp says how
+// the rows are scanned).
 #include "sparse_attn/formats.hpp"
 
 #include <algorithm>
 #include <bit>
-#include <cstring>
 #include <optional>
 #include <sstream>
 #include <type_traits>
@@ -15,15 +14,19 @@
 
 #include "core/check.hpp"
 #include "core/cpu.hpp"
+#include "core/format_rows.hpp"
 #include "sparse_attn/error.hpp"
-#if defined(SPARSE_ATTN_WITH_CUDA)
-#include "cuda/convert/backend.hpp"
-#endif
 
 namespace sparse_attn {
 
+using detail::bit_words;
 using detail::coord_string;
+using detail::Fault;
+using detail::load3_i32;
+using detail::load4;
 using detail::require;
+using detail::require_cpu;
+using detail::scan_rows;
 
 // ---- ProblemShape ------------------------------------------------------------------------------
 
@@ -68,52 +71,6 @@ const char* selection_name(const Selection& s) {
 
 namespace {
 
-struct Fault {
-  std::string argument;
-  std::string message;
-};
-
-template <class T>
-T load4(const TensorView& t, std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int64_t i3) {
-  T x;
-  std::memcpy(&x, detail::addr4(t, i0, i1, i2, i3), sizeof(T));
-  return x;
-}
-
-std::int32_t load3_i32(const TensorView& t, std::int64_t i0, std::int64_t i1, std::int64_t i2) {
-  const std::int64_t off = i0 * t.stride[0] + i1 * t.stride[1] + i2 * t.stride[2];
-  std::int32_t x;
-  std::memcpy(&x, static_cast<const char*>(t.data) + off * 4, sizeof(x));
-  return x;
-}
-
-void store3_i32(const TensorView& t, std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int32_t x) {
-  const std::int64_t off = i0 * t.stride[0] + i1 * t.stride[1] + i2 * t.stride[2];
-  std::memcpy(static_cast<char*>(t.data) + off * 4, &x, sizeof(x));
-}
-
-/// Runs check(r, scratch) for every row r in [0, n) and throws the fault of the lowest faulty row.
-/// `scratch` is a per-chunk vector the check may use for duplicate stamps.
-template <class Check>
-void scan_rows(const std::string& op, std::int64_t n, Check&& check) {
-  if (n <= 0) return;
-  const std::int64_t chunks = std::min<std::int64_t>(n, std::int64_t(std::max(1, detail::cpu_threads())) * 4);
-  std::vector<std::optional<Fault>> faults(static_cast<std::size_t>(chunks));
-  detail::parallel_for(chunks, [&](std::int64_t c) {
-    const std::int64_t r0 = n / chunks * c + std::min(c, n % chunks);
-    const std::int64_t r1 = r0 + n / chunks + (c < n % chunks ? 1 : 0);
-    std::vector<std::int64_t> scratch;
-    for (std::int64_t r = r0; r < r1; ++r) {
-      if (std::optional<Fault> f = check(r, scratch)) {
-        faults[static_cast<std::size_t>(c)] = std::move(f);
-        return;
-      }
-    }
-  });
-  for (const auto& f : faults)
-    if (f) throw Error(op, f->argument, f->message);
-}
-
 /// Stamp-based duplicate detection: scratch[v] == row means v was already seen in this row.
 bool seen_before(std::vector<std::int64_t>& scratch, std::int64_t extent, std::int64_t row, std::int64_t v) {
   if (static_cast<std::int64_t>(scratch.size()) != extent) scratch.assign(static_cast<std::size_t>(extent), -1);
@@ -152,8 +109,6 @@ std::int64_t check_tile_meta(const std::string& op, const std::string& name, con
   detail::check_same_device(op, ac, s.cnt, ai, s.idx);
   return G;
 }
-
-std::int64_t bit_words(const ProblemShape& p) { return ceil_div(p.Tk(), 32); }
 
 std::int64_t check_bits_meta(const std::string& op, const std::string& name, const BlockBits& s, const ProblemShape& p) {
   const std::string ab = name + ".bits";
@@ -201,10 +156,6 @@ std::optional<Fault> list_row_fault(const TensorView& idx, const std::string& ar
   if (std::optional<std::string> m = detail::list_row_message(row, idx.shape[3], extent, tokens, b, g, i, r, scratch))
     return Fault{arg, std::move(*m)};
   return std::nullopt;
-}
-
-void require_cpu(const std::string& op, const std::string& arg, const TensorView& t) {
-  if (t.device != Device::cpu) detail::unsupported_device(op, arg, t);
 }
 
 }  // namespace
@@ -335,159 +286,6 @@ std::int64_t selection_groups(const Selection& s, const ProblemShape& p, const s
         }
       },
       s);
-}
-
-// ---- conversions -------------------------------------------------------------------------------
-
-void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p) {
-  tile_lists_to_block_bits(in, out, p, ConvertOptions{});
-}
-
-void tile_lists_to_block_bits(const TileLists& in, const BlockBits& out, const ProblemShape& p,
-                              const ConvertOptions& options) {
-  const std::string op = "tile_lists_to_block_bits";
-  validate(in, p, op, "in");
-  const std::int64_t G = in.idx.shape[1];
-  detail::check_tensor(op, "out.bits", out.bits, 4, {DType::u32});
-  detail::check_shape(op, "out.bits", out.bits, {p.B, G, p.Tq(), bit_words(p)});
-  detail::check_last_contiguous(op, "out.bits", out.bits);
-  if (in.idx.device != Device::cpu) {
-    // Metadata here, contents on the device (the backend reports them as the CPU path below does).
-    detail::check_same_device(op, "out.bits", out.bits, "in.idx", in.idx);
-#if defined(SPARSE_ATTN_WITH_CUDA)
-    if (in.idx.device == Device::cuda) return cuda_backend::tile_lists_to_block_bits(in, out, p, options);
-#endif
-    detail::unsupported_device(op, "in.idx", in.idx);
-  }
-  (void)options;
-  require_cpu(op, "out.bits", out.bits);
-  const std::int64_t Tq = p.Tq(), W = bit_words(p);
-  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
-    const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
-    auto* words = reinterpret_cast<std::uint32_t*>(detail::addr4(out.bits, b, g, t, 0));
-    std::fill(words, words + W, 0u);
-    const std::int32_t c = load3_i32(in.cnt, b, g, t);
-    for (std::int64_t k = 0; k < c; ++k) {
-      const auto id = load4<std::int32_t>(in.idx, b, g, t, k);
-      words[id / 32] |= std::uint32_t{1} << (id % 32);
-    }
-  });
-}
-
-namespace {
-
-/// Writes ascending ids of the set bits of `words` into row (b, g, t) of `out`, -1 past the count.
-void write_tile_row(const TileLists& out, std::int64_t b, std::int64_t g, std::int64_t t, const std::uint32_t* words,
-                    std::int64_t W) {
-  const std::int64_t Kmax = out.idx.shape[3];
-  auto* ids = reinterpret_cast<std::int32_t*>(detail::addr4(out.idx, b, g, t, 0));
-  std::int64_t n = 0;
-  for (std::int64_t w = 0; w < W; ++w) {
-    for (std::uint32_t x = words[w]; x != 0; x &= x - 1u)
-      ids[n++] = static_cast<std::int32_t>(w * 32 + std::countr_zero(x));
-  }
-  std::fill(ids + n, ids + Kmax, -1);
-  store3_i32(out.cnt, b, g, t, static_cast<std::int32_t>(n));
-}
-
-void check_tile_output_shape(const std::string& op, const TileLists& out, const ProblemShape& p, std::int64_t G) {
-  detail::check_tensor(op, "out.idx", out.idx, 4, {DType::i32});
-  detail::check_tensor(op, "out.cnt", out.cnt, 3, {DType::i32});
-  detail::check_shape(op, "out.idx", out.idx, {p.B, G, p.Tq(), -1});
-  detail::check_shape(op, "out.cnt", out.cnt, {p.B, G, p.Tq()});
-  detail::check_last_contiguous(op, "out.idx", out.idx);
-}
-
-void check_tile_output(const std::string& op, const TileLists& out, const ProblemShape& p, std::int64_t G) {
-  check_tile_output_shape(op, out, p, G);
-  require_cpu(op, "out.idx", out.idx);
-  require_cpu(op, "out.cnt", out.cnt);
-}
-
-/// Throws if any row of `words` ([rows, W]) has more set bits than Kmax, naming the first such tile.
-void check_capacity(const std::string& op, const std::vector<std::uint32_t>& words, std::int64_t W, std::int64_t G,
-                    std::int64_t Tq, std::int64_t Kmax, const char* what) {
-  const std::int64_t rows = W ? static_cast<std::int64_t>(words.size()) / W : 0;
-  scan_rows(op, rows, [&](std::int64_t r, std::vector<std::int64_t>&) -> std::optional<Fault> {
-    std::int64_t n = 0;
-    for (std::int64_t w = 0; w < W; ++w) n += std::popcount(words[static_cast<std::size_t>(r * W + w)]);
-    if (n <= Kmax) return std::nullopt;
-    return Fault{"out.idx", detail::over_capacity_message(what, r / (G * Tq), r / Tq % G, r % Tq, n, Kmax)};
-  });
-}
-
-}  // namespace
-
-void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p) {
-  block_bits_to_tile_lists(in, out, p, ConvertOptions{});
-}
-
-void block_bits_to_tile_lists(const BlockBits& in, const TileLists& out, const ProblemShape& p,
-                              const ConvertOptions& options) {
-  const std::string op = "block_bits_to_tile_lists";
-  validate(in, p, op, "in");
-  const std::int64_t G = in.bits.shape[1], Tq = p.Tq(), W = bit_words(p);
-  if (in.bits.device != Device::cpu) {
-    // Metadata here, contents on the device (the backend reports them as the CPU path below does).
-    check_tile_output_shape(op, out, p, G);
-    detail::check_same_device(op, "out.idx", out.idx, "in.bits", in.bits);
-    detail::check_same_device(op, "out.cnt", out.cnt, "in.bits", in.bits);
-#if defined(SPARSE_ATTN_WITH_CUDA)
-    if (in.bits.device == Device::cuda) return cuda_backend::block_bits_to_tile_lists(in, out, p, options, op, "in");
-#endif
-    detail::unsupported_device(op, "in.bits", in.bits);
-  }
-  (void)options;
-  check_tile_output(op, out, p, G);
-  // Gather the words densely first so the capacity check runs before anything is written.
-  std::vector<std::uint32_t> words(static_cast<std::size_t>(p.B * G * Tq * W));
-  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
-    const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
-    const auto* src = reinterpret_cast<const std::uint32_t*>(detail::addr4(in.bits, b, g, t, 0));
-    std::copy(src, src + W, words.begin() + r * W);
-  });
-  check_capacity(op, words, W, G, Tq, out.idx.shape[3], "the bit set");
-  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
-    write_tile_row(out, r / (G * Tq), r / Tq % G, r % Tq, words.data() + r * W, W);
-  });
-}
-
-void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p) {
-  query_lists_to_tile_lists(in, out, p, ConvertOptions{});
-}
-
-void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const ProblemShape& p,
-                               const ConvertOptions& options) {
-  const std::string op = "query_lists_to_tile_lists";
-  if (in.idx.device != Device::cpu) {
-    // Metadata here, contents on the device (the backend reports them as the CPU path below does).
-    validate(in, p, op, "in");
-    check_tile_output_shape(op, out, p, p.Hkv);
-    detail::check_same_device(op, "out.idx", out.idx, "in.idx", in.idx);
-    detail::check_same_device(op, "out.cnt", out.cnt, "in.idx", in.idx);
-#if defined(SPARSE_ATTN_WITH_CUDA)
-    if (in.idx.device == Device::cuda) return cuda_backend::query_lists_to_tile_lists(in, out, p, options);
-#endif
-    detail::unsupported_device(op, "in.idx", in.idx);
-  }
-  validate(in, p, op, "in");
-  const std::int64_t G = p.Hkv, Tq = p.Tq(), W = bit_words(p), K = in.idx.shape[3];
-  check_tile_output(op, out, p, G);
-  std::vector<std::uint32_t> words(static_cast<std::size_t>(p.B * G * Tq * W), 0u);
-  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
-    const std::int64_t b = r / (G * Tq), g = r / Tq % G, t = r % Tq;
-    std::uint32_t* u = words.data() + r * W;
-    const std::int64_t i_end = std::min(p.Lq, (t + 1) * kTileQ);
-    for (std::int64_t i = t * kTileQ; i < i_end; ++i) {
-      const auto* ids = reinterpret_cast<const std::int32_t*>(detail::addr4(in.idx, b, g, i, 0));
-      for (std::int64_t k = 0; k < K; ++k)
-        if (ids[k] >= 0) u[ids[k] / 32] |= std::uint32_t{1} << (ids[k] % 32);
-    }
-  });
-  check_capacity(op, words, W, G, Tq, out.idx.shape[3], "the union");
-  detail::parallel_for(p.B * G * Tq, [&](std::int64_t r) {
-    write_tile_row(out, r / (G * Tq), r / Tq % G, r % Tq, words.data() + r * W, W);
-  });
 }
 
 // ---- masks -------------------------------------------------------------------------------------

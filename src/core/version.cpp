@@ -2,10 +2,6 @@
 
 #include "core/cpu.hpp"
 
-#if defined(SPARSE_ATTN_WITH_CUDA)
-#include <cuda_runtime.h>
-#endif
-
 #ifndef SPARSE_ATTN_VERSION
 #define SPARSE_ATTN_VERSION "0.0.0"
 #endif
@@ -17,7 +13,7 @@ BuildInfo build_info() {
   info.version = SPARSE_ATTN_VERSION;
 #if defined(SPARSE_ATTN_WITH_CUDA)
   info.cuda = true;
-  info.cuda_version = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string((CUDART_VERSION % 1000) / 10);
+  info.cuda_version = SPARSE_ATTN_CUDA_VERSION;  // the toolkit's major.minor, from the build (CMakeLists.txt)
   info.cuda_archs = "sm_90a";
 #endif
 #if defined(__clang__)
@@ -30,30 +26,10 @@ BuildInfo build_info() {
   return info;
 }
 
-std::vector<DeviceInfo> cuda_devices() {
-  std::vector<DeviceInfo> out;
-#if defined(SPARSE_ATTN_WITH_CUDA)
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();  // no driver or no device: report none
-    return out;
-  }
-  for (int i = 0; i < n; ++i) {
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
-    DeviceInfo d;
-    d.index = i;
-    d.name = prop.name;
-    d.major = prop.major;
-    d.minor = prop.minor;
-    d.multiprocessors = prop.multiProcessorCount;
-    d.memory_bytes = prop.totalGlobalMem;
-    d.supported = prop.major == 9 && prop.minor == 0;
-    out.push_back(d);
-  }
+#if !defined(SPARSE_ATTN_WITH_CUDA)
+// With the CUDA backend, src/cuda/common/devices.cu lists the devices.
+std::vector<DeviceInfo> cuda_devices() { return {}; }
 #endif
-  return out;
-}
 
 bool cuda_available() {
   for (const auto& d : cuda_devices())

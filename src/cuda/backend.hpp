@@ -1,11 +1,14 @@
 // Entry points of the CUDA backend used by the operator front ends (src/attention). Arguments have
 // already passed check_attention_args; these check what only the CUDA backend requires (head dim,
-// TMA alignment, selection contents on the device) and launch on `options.stream`.
+// TMA alignment, selection contents on the device) and launch on `options.stream`. dense and
+// tile_sparse take an optional AttentionTuning (tests, benchmarks; the default is what the public
+// operators run).
 #pragma once
 
 #include <optional>
 #include <string>
 
+#include "cuda/tuning.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/ops.hpp"
 #include "sparse_attn/tensor.hpp"
@@ -25,14 +28,15 @@ void check_device_faults(std::optional<int> device);
 
 /// Dense attention on the GPU: the tile_sparse kernel walking every block.
 void dense(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options);
+           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options,
+           const detail::AttentionTuning& tuning = {});
 
 /// Q-centric block-sparse attention over TileLists on the GPU. Unless options.trusted, the kernel
 /// checks each list as it takes it (no synchronisation): a faulty tile gets NaN rows and its fault is
 /// recorded for raise_pending_fault / check_device_faults.
 void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                  const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
-                 const AttentionOptions& options);
+                 const AttentionOptions& options, const detail::AttentionTuning& tuning = {});
 
 /// Block-sparse attention over BlockBits on the GPU: the bit sets are converted to TileLists in a
 /// workspace cached per (device, stream) (B x G x Tq x Tk ids; the first call on a stream allocates

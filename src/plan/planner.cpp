@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "core/check.hpp"
-#include "cuda/query_sparse/merge_window.hpp"
+#include "plan/merge_window.hpp"
 #include "sparse_attn/plan.hpp"
 
 namespace sparse_attn {

@@ -547,6 +547,8 @@ TEST(TokenMax, StridedViewsGiveTheSameLists) {
   sa::TokenMaxOptions o;
   o.top_k = 2;
   o.precision = c.precision;
+  o.causal = c.causal;
+  o.reserve_local = c.reserve;
   sa::token_max_select(qs.view, ks.view, sa::QueryLists{lists.view}, o);
   expect_same_rows(lists, want.lists);
 }
@@ -680,6 +682,7 @@ TEST(Lightning, TiesGoToTheLowerKey) {
   sa::testing::poison(tokens);
   sa::LightningOptions o;
   o.top_k = 1;
+  o.causal = true;
   sa::lightning_select(qI.view(), w.view(), kI.view(), sa::TokenLists{tokens.view()}, o);
   for (I64 t = 0; t < 40; ++t) {
     // Causal: rows before 10 cannot see the planted keys; rows from 10 on pick 10 over its twin 20.

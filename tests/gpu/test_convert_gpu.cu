@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -682,71 +681,6 @@ TEST(ConvertGpu, TilesToBitsSanitizerSmall) {
   ASSERT_NO_FATAL_FAILURE(expect_same_words(words, gpu_tiles_to_bits(l, p, trusted), "trusted"));
   l.cnt.data<std::int32_t>()[7] = -2;
   ASSERT_NO_FATAL_FAILURE(expect_same_tiles_error(l, p, "in.cnt", "negative count -2"));
-}
-
-// Time of the conversion on the shapes of the planner's fit (trusted: one launch; checked: the launch,
-// the fault word read back and the synchronisation), CUDA events around back-to-back calls; the
-// output is compared with the CPU's where the CPU conversion is quick.
-TEST(ConvertGpu, Timing) {
-  SKIP_WITHOUT_GPU();
-  struct Shape {
-    const char* name;
-    std::int64_t B, Lq, Lk, Hkv, kq;
-  };
-  const Shape shapes[] = {{"tile16 Lk=16K", 2, 4096, 16384, 1, 16},   {"query16of32", 8, 4096, 4096, 1, 16},
-                          {"query-long", 1, 32768, 32768, 8, 16},     {"query-long B=4", 4, 32768, 32768, 8, 16},
-                          {"Lk=256K Hkv=8", 1, 8192, 262144, 8, 16}};
-  std::mt19937_64 rng(99);
-  cudaEvent_t e0, e1;
-  cuda_ok(cudaEventCreate(&e0), "event");
-  cuda_ok(cudaEventCreate(&e1), "event");
-  for (const Shape& sh : shapes) {
-    const sa::ProblemShape p = shape(sh.B, sh.Lq, sh.Lk, sh.Hkv);
-    // Distinct random ids per query by rejection (16 of >= 32 blocks).
-    sa::HostTensor lists(sa::DType::i32, {p.B, p.Hkv, p.Lq, sh.kq});
-    auto* d = lists.data<std::int32_t>();
-    for (std::int64_t r = 0; r < p.B * p.Hkv * p.Lq; ++r)
-      for (std::int64_t s = 0; s < sh.kq; ++s) {
-        std::int32_t v;
-        do v = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(p.Tk()));
-        while (std::find(d + r * sh.kq, d + r * sh.kq + s, v) != d + r * sh.kq + s);
-        d[r * sh.kq + s] = v;
-      }
-    const std::int64_t kmax = p.Tk();
-    const bool compare = p.B * p.Hkv * p.Lq <= 262144;
-    Tiles want;
-    if (compare) want = cpu_convert(lists, p, kmax);
-    Tiles got = poisoned_tiles(p, kmax);
-    DeviceBuffer dl(lists), di(got.idx), dc(got.cnt);
-    const sa::QueryLists in{dl.view};
-    const sa::TileLists out{di.view, dc.view};
-    std::printf("[ timing   ] %-16s tiles %6lld:", sh.name, static_cast<long long>(p.B * p.Hkv * p.Tq()));
-    {
-      double us[2] = {0, 0};
-      for (int checked = 0; checked < 2; ++checked) {
-        sa::ConvertOptions o;
-        o.trusted = checked == 0;
-        constexpr int kWarm = 3, kIters = 20;
-        for (int it = 0; it < kWarm; ++it) sa::query_lists_to_tile_lists(in, out, p, o);
-        cuda_ok(cudaEventRecord(e0), "record");
-        for (int it = 0; it < kIters; ++it) sa::query_lists_to_tile_lists(in, out, p, o);
-        cuda_ok(cudaEventRecord(e1), "record");
-        cuda_ok(cudaEventSynchronize(e1), "sync");
-        float ms = 0;
-        cuda_ok(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-        us[checked] = 1e3 * ms / kIters;
-      }
-      std::printf("  %7.2f / %7.2f us", us[0], us[1]);
-      if (compare) {
-        di.download(got.idx);
-        dc.download(got.cnt);
-        ASSERT_NO_FATAL_FAILURE(expect_equal(want, got, sh.name));
-      }
-    }
-    std::printf("  (trusted / checked)\n");
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 
 }  // namespace

@@ -75,8 +75,9 @@ void expect_same_bits(const sa::HostTensor& out, const sa::HostTensor& lse, cons
   EXPECT_EQ(0, std::memcmp(lse.view().data, ref.lse.view().data, static_cast<std::size_t>(lse.numel()) * 4));
 }
 
-// Through the public operator (front-end checks, dispatch, cached workspace).
-Result run_gpu(const Case& c, const Inputs& in) {
+// Through the public operator (front-end checks, dispatch, cached workspace), or with a tuning through
+// the backend's one-call entry point under it (the same workspace cache).
+Result run_gpu(const Case& c, const Inputs& in, const std::optional<sa::detail::QuerySparseTuning>& tuning = {}) {
   Result r{sa::HostTensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}), sa::HostTensor(sa::DType::f32, {c.B, c.Hq, c.Lq})};
   st::poison(r.out);
   st::poison(r.lse);
@@ -85,7 +86,11 @@ Result run_gpu(const Case& c, const Inputs& in) {
   opt.causal = c.causal;
   opt.partials = c.partials;
   opt.merge_window = c.merge;
-  sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
+  if (tuning)
+    sa::cuda_backend::query_sparse(in.p, q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt,
+                                   *tuning);
+  else
+    sa::query_sparse(q.view, k.view, v.view, sa::QueryLists{idx.view}, out.view, lse.view, opt);
   cuda_ok(cudaDeviceSynchronize(), "query_sparse");
   out.download(r.out);
   lse.download(r.lse);
@@ -109,10 +114,11 @@ Tolerance tolerance(const Case& c) {
   return {2 * rel + 1e-4, 4 * ulp, 1e-3};
 }
 
-void check_case(const Case& c, std::uint64_t seed) {
+void check_case(const Case& c, std::uint64_t seed,
+                const std::optional<sa::detail::QuerySparseTuning>& tuning = std::nullopt) {
   SCOPED_TRACE(c.name);
   const Inputs in = make_inputs(c, seed);
-  const Result r = run_gpu(c, in);
+  const Result r = run_gpu(c, in, tuning);
   const st::Reference ref = st::reference_attention(in.q.view(), in.k.view(), in.v.view(),
                                                     sa::Selection{sa::QueryLists{in.idx.view()}}, in.p,
                                                     1.0 / std::sqrt(double(c.D)));
@@ -183,11 +189,10 @@ TEST(QuerySparseGpu, SanitizerSmall) {
   check_case({"qs sanitizer D=128", sa::DType::bf16, P::f32, 2, 260, 300, 4, 2, 128, true, 3, true, true}, 7);
   check_case({"qs sanitizer D=64", sa::DType::f16, P::bf16, 1, 140, 200, 2, 1, 64, false, 2}, 8);
   check_case({"qs sanitizer merged", sa::DType::bf16, P::f32, 2, 200, 1024, 4, 2, 128, true, 4, false, true, 4}, 9);
-  struct Reset {
-    ~Reset() { sa::cuda_backend::set_query_sparse_bands(0); }
-  } reset;
-  sa::cuda_backend::set_query_sparse_bands(3);
-  check_case({"qs sanitizer 3 query bands", sa::DType::bf16, P::bf16, 2, 301, 700, 8, 2, 128, true, 4, true, true}, 10);
+  sa::detail::QuerySparseTuning bands;
+  bands.query_bands = 3;
+  check_case({"qs sanitizer 3 query bands", sa::DType::bf16, P::bf16, 2, 301, 700, 8, 2, 128, true, 4, true, true}, 10,
+             bands);
 }
 
 TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
@@ -204,45 +209,23 @@ TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
   }
 }
 
-// The attention kernel's cache hints change where data sits in L2, never the values.
-TEST(QuerySparseGpu, CacheHintsDoNotChangeOutputs) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
-  struct Reset {
-    ~Reset() { sa::cuda_backend::set_query_sparse_attend_hints(sa::cuda_kernels::qs::kAttendHintsDefault); }
-  } reset;
-  for (auto prec : {sa::PartialPrecision::f32, sa::PartialPrecision::bf16}) {
-    const Case c{"qs hints", sa::DType::bf16, prec, 1, 600, 1100, 8, 2, 128, true, 6, false, true};
-    const Inputs in = make_inputs(c, 56);
-    sa::cuda_backend::set_query_sparse_attend_hints(sa::cuda_kernels::qs::kAttendHintsDefault);
-    const Result ref = run_gpu(c, in);
-    for (unsigned hints : {0u, 1u, 2u, 3u}) {
-      SCOPED_TRACE("hints " + std::to_string(hints));
-      sa::cuda_backend::set_query_sparse_attend_hints(hints);
-      const Result r = run_gpu(c, in);
-      expect_same_bits(r.out, r.lse, ref);
-    }
-  }
-}
-
-// A setting that moves work around, never values: every case run with set(reference), then with set(v) for
-// each of `values`, gives the reference's outputs bit for bit. set(0), the default, when it returns.
-template <std::size_t N, class Set>
-void expect_same_bits_across(const Case (&cases)[N], std::uint64_t seed, const std::string& what, int reference,
-                             std::initializer_list<int> values, Set set) {
-  struct Restore {
-    Set& set;
-    ~Restore() { set(0); }
-  } restore{set};
+// A tuning field that moves work around, never values: every case run with the field at `reference`,
+// then at each of `values`, gives the reference's outputs bit for bit.
+template <std::size_t N>
+void expect_same_bits_across(const Case (&cases)[N], std::uint64_t seed, const std::string& what,
+                             int sa::detail::QuerySparseTuning::*field, int reference,
+                             std::initializer_list<int> values) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const Inputs in = make_inputs(c, ++seed);
-    set(reference);
-    const Result ref = run_gpu(c, in);
+    sa::detail::QuerySparseTuning tuning;
+    tuning.*field = reference;
+    const Result ref = run_gpu(c, in, tuning);
     EXPECT_TRUE(st::all_finite(ref.out));
     for (int v : values) {
       SCOPED_TRACE(what + " " + std::to_string(v));
-      set(v);
-      const Result r = run_gpu(c, in);
+      tuning.*field = v;
+      const Result r = run_gpu(c, in, tuning);
       expect_same_bits(r.out, r.lse, ref);
     }
   }
@@ -261,8 +244,7 @@ TEST(QuerySparseGpu, QueryBandsDoNotChangeOutputs) {
       {"qs bands merged", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 1200, 2048, 16, 1, 128, true, 6, false, false,
        8},
   };
-  expect_same_bits_across(cases, 90, "bands", 1, {2, 3, 7, 0},
-                          [](int bands) { sa::cuda_backend::set_query_sparse_bands(bands); });
+  expect_same_bits_across(cases, 90, "bands", &sa::detail::QuerySparseTuning::query_bands, 1, {2, 3, 7, 0});
 }
 
 // A few CTAs over many work items (the producer's loads run an item ahead across item boundaries, K/V
@@ -280,8 +262,7 @@ TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
       {"qs few CTAs merged D=64", sa::DType::f16, sa::PartialPrecision::f32, 2, 1200, 1024, 4, 2, 64, false, 3, false,
        false, 4},
   };
-  expect_same_bits_across(cases, 70, "ctas", 0, {1, 2, 3, 7},
-                          [](int ctas) { sa::cuda_backend::set_query_sparse_attend_grid(ctas); });
+  expect_same_bits_across(cases, 70, "ctas", &sa::detail::QuerySparseTuning::attend_max_ctas, 0, {1, 2, 3, 7});
 }
 
 // plan() once with a caller-owned workspace, run() for two different q: each equals the one-call
@@ -320,6 +301,57 @@ TEST(QuerySparseGpu, PlanOnceRunMany) {
   // A workspace one byte short is refused before anything is launched.
   DeviceBuffer small(bytes - 1);
   EXPECT_THROW(sa::query_sparse_plan(q0.view, k.view, v.view, sa::QueryLists{idx.view}, small.view, opt), sa::Error);
+}
+
+// The bins (merge window, query bands) are resolved once, for the plan, and handed to its runs: a plan
+// made under forced bands runs under them (the automatic plan's outputs bit for bit), a workspace sized
+// without them is refused, and so are bins that no plan makes.
+TEST(QuerySparseGpu, PlanKeepsItsBins) {
+  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  namespace cb = sa::cuda_backend;
+  const Case c{"qs bins", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 1013, 1500, 8, 2, 128, true, 5};
+  const Inputs in = make_inputs(c, 95);
+  sa::QuerySparseOptions opt;
+  opt.causal = c.causal;
+  opt.partials = c.partials;
+  opt.merge_window = 1;
+  // 64 bands of 12 blocks: more bins than any merge window makes, so the workspace grows.
+  sa::detail::QuerySparseTuning tuning;
+  tuning.query_bands = 64;
+  const cb::QuerySparseBins bins = cb::query_sparse_bins(in.p, c.kq, opt, tuning);
+  EXPECT_EQ(bins.window, 1);
+  EXPECT_EQ(bins.bands, 64);
+  EXPECT_EQ(cb::query_sparse_bins(in.p, c.kq, opt).bands, 1);
+  const std::size_t bytes = cb::query_sparse_workspace_bytes(in.p, c.kq, c.partials, tuning);
+  const std::size_t automatic = cb::query_sparse_workspace_bytes(in.p, c.kq, c.partials);
+  ASSERT_GT(bytes, automatic);
+  DeviceBuffer ws(bytes), q(in.q), k(in.k), v(in.v), idx(in.idx);
+  const sa::QueryLists lists{idx.view};
+  sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D}), lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
+  st::poison(out);
+  st::poison(lse);
+  DeviceBuffer dout(out), dlse(lse);
+  cb::query_sparse_plan(in.p, lists, bins, ws.ptr, bytes, opt);
+  for (int run = 0; run < 2; ++run) {
+    cb::query_sparse_attend(in.p, q.view, k.view, v.view, lists, bins, ws.ptr, bytes,
+                            1.0f / std::sqrt(static_cast<float>(c.D)), opt);
+    cb::query_sparse_combine(in.p, lists, bins, ws.ptr, bytes, dout.view, dlse.view, opt);
+  }
+  cuda_ok(cudaDeviceSynchronize(), "phases");
+  dout.download(out);
+  dlse.download(lse);
+  expect_same_bits(out, lse, run_gpu(c, in));
+  EXPECT_THROW(cb::query_sparse_plan(in.p, lists, bins, ws.ptr, automatic, opt), sa::Error);
+  // Bands with a merge window, and more bands than the shared histogram holds for 12 blocks.
+  for (const cb::QuerySparseBins bad : {cb::QuerySparseBins{8, 2}, cb::QuerySparseBins{1, 5000}}) {
+    SCOPED_TRACE("window " + std::to_string(bad.window) + " bands " + std::to_string(bad.bands));
+    try {
+      cb::query_sparse_plan(in.p, lists, bad, ws.ptr, bytes, opt);
+      ADD_FAILURE() << "bins no plan makes were accepted";
+    } catch (const sa::Error& e) {
+      EXPECT_EQ(e.argument(), "bins.bands") << e.what();
+    }
+  }
 }
 
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (a fused QKV projection): the gathers

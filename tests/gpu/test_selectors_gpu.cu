@@ -254,6 +254,7 @@ TEST(SelectorsGpu, RunOnCallerStream) {
   sa::TokenMaxOptions o;
   o.precision = sa::IndexPrecision::fp8_e4m3;
   o.top_k = 3;
+  o.causal = true;
   sa::HostTensor idx(sa::DType::i32, {1, 2, 256, 3});
   sa::token_max_select(q.view(), k.view(), sa::QueryLists{idx.view()}, o);
   Dev dq(q), dk(k), didx(poisoned_i32(idx.shape()));

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -25,23 +24,6 @@ namespace sa = sparse_attn;
 namespace st = sparse_attn::testing;
 
 namespace {
-
-// Sets an environment variable (a launcher knob) for one scope; restored on exit (unset if it was),
-// also when an assertion leaves the scope early.
-struct ScopedEnv {
-  const char* name;
-  std::optional<std::string> previous;
-  ScopedEnv(const char* n, const char* value) : name(n) {
-    if (const char* old = std::getenv(n)) previous = old;
-    setenv(n, value, 1);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-  ~ScopedEnv() {
-    if (previous) setenv(name, previous->c_str(), 1);
-    else unsetenv(name);
-  }
-};
 
 #define SKIP_WITHOUT_GPU()                                                                   \
   do {                                                                                       \
@@ -97,14 +79,24 @@ sa::ProblemShape shape_of(const sa::TensorView& q, const sa::TensorView& k, cons
 }
 
 void gpu_dense(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v, const sa::TensorView& out,
-               const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {}) {
-  sa::cuda_backend::dense(shape_of(q, k, opt), q, k, v, out, lse, opt);
+               const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {},
+               const sa::detail::AttentionTuning& tuning = {}) {
+  sa::cuda_backend::dense(shape_of(q, k, opt), q, k, v, out, lse, opt, tuning);
 }
 
 void gpu_tile_sparse(const sa::TensorView& q, const sa::TensorView& k, const sa::TensorView& v,
                      const sa::TileLists& tiles, const sa::TensorView& out,
-                     const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {}) {
-  sa::cuda_backend::tile_sparse(shape_of(q, k, opt), q, k, v, tiles, out, lse, opt);
+                     const std::optional<sa::TensorView>& lse = std::nullopt, const sa::AttentionOptions& opt = {},
+                     const sa::detail::AttentionTuning& tuning = {}) {
+  sa::cuda_backend::tile_sparse(shape_of(q, k, opt), q, k, v, tiles, out, lse, opt, tuning);
+}
+
+// At most `ctas` CTAs in the persistent grid (and the split tail as `split`).
+sa::detail::AttentionTuning grid_of(int ctas, sa::detail::SplitTail split = sa::detail::SplitTail::automatic) {
+  sa::detail::AttentionTuning t;
+  t.max_ctas = ctas;
+  t.split = split;
+  return t;
 }
 
 // Random ascending distinct lists; every batch gets different lists and tile 1 (when present) of
@@ -195,17 +187,19 @@ sa::Selection selection_of(const Case& c, const CaseData& d) {
 }
 
 // One GPU call on the case's inputs, into poisoned outputs: (out, lse).
-std::pair<sa::HostTensor, sa::HostTensor> run_gpu(const Case& c, const CaseData& d) {
+std::pair<sa::HostTensor, sa::HostTensor> run_gpu(const Case& c, const CaseData& d,
+                                                  const sa::detail::AttentionTuning& tuning = {}) {
   sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D});
   sa::HostTensor lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
   st::poison(out);
   st::poison(lse);
   DeviceTensor dq(d.q), dk(d.k), dv(d.v), dout(out), dlse(lse);
   if (c.dense) {
-    gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, d.opt);
+    gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, d.opt, tuning);
   } else {
     DeviceTensor didx(d.idx), dcnt(d.cnt);
-    gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, dout.view, dlse.view, d.opt);
+    gpu_tile_sparse(dq.view, dk.view, dv.view, sa::TileLists{didx.view, dcnt.view}, dout.view, dlse.view, d.opt,
+                    tuning);
     cuda_ok(cudaDeviceSynchronize(), "kernel");
   }
   cuda_ok(cudaDeviceSynchronize(), "kernel");
@@ -214,9 +208,9 @@ std::pair<sa::HostTensor, sa::HostTensor> run_gpu(const Case& c, const CaseData&
   return {std::move(out), std::move(lse)};
 }
 
-void run_case(const Case& c, std::uint64_t seed) {
+void run_case(const Case& c, std::uint64_t seed, const sa::detail::AttentionTuning& tuning = {}) {
   const CaseData d = make_case(c, seed);
-  const auto [out, lse] = run_gpu(c, d);
+  const auto [out, lse] = run_gpu(c, d, tuning);
   check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, out, lse, d.scale);
 }
 
@@ -260,9 +254,8 @@ TEST(TileAttentionGpu, SanitizerSmall) {
   run_case({"small D=64 lists", sa::DType::bf16, 1, 200, 300, 2, 1, false, false, false, 3, 0.0f, 64}, 3020);
   // Two CTAs for 24 work items (some with empty lists): every ring wraps, both Q buffers are reused,
   // items chain into one another.
-  const ScopedEnv grid("SPARSE_ATTN_HOPPER_GRID", "2");
-  run_case({"small lists, 2 CTAs", sa::DType::bf16, 2, 700, 520, 4, 2, false, false, true, 3}, 3030);
-  run_case({"small causal dense, 2 CTAs", sa::DType::bf16, 1, 520, 520, 4, 1, true, true}, 3040);
+  run_case({"small lists, 2 CTAs", sa::DType::bf16, 2, 700, 520, 4, 2, false, false, true, 3}, 3030, grid_of(2));
+  run_case({"small causal dense, 2 CTAs", sa::DType::bf16, 1, 520, 520, 4, 1, true, true}, 3040, grid_of(2));
 }
 
 // Many work items per CTA on a problem larger than one wave: 512 items over 3 CTAs and over the full
@@ -271,41 +264,38 @@ TEST(TileAttentionGpu, ManyItemsPerCta) {
   SKIP_WITHOUT_GPU();
   const Case c{"bf16 512 items Hq=16Hkv", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3};
   run_case(c, 3100);
-  const ScopedEnv grid("SPARSE_ATTN_HOPPER_GRID", "3");
-  run_case({"bf16 512 items, 3 CTAs", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3}, 3110);
-  run_case({"bf16 causal dense, 3 CTAs", sa::DType::bf16, 1, 900, 900, 8, 2, true, true}, 3120);
+  run_case({"bf16 512 items, 3 CTAs", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3}, 3110,
+           grid_of(3));
+  run_case({"bf16 causal dense, 3 CTAs", sa::DType::bf16, 1, 900, 900, 8, 2, true, true}, 3120, grid_of(3));
 }
 
 // Non-causal units of the last, partial wave are computed in pieces by several CTAs and combined by
 // the last piece to arrive (scheduler.cuh; store_piece, arrive_piece and combine_pieces in
-// epilogue.cuh). The launcher splits only where its cost model expects a gain; the knob forces the
-// split wherever one is possible, so these small cases exercise it. Each case is checked against
-// the reference, run twice (bit for bit the same: the arrival counters reset themselves and the combine
-// order is fixed), with each scheduling knob off (the same bits), and with the split off (the same
-// values up to the order of the sums). Grid caps set up the tails: one unit in four pieces (7 CTAs),
+// epilogue.cuh). The launcher splits only where its cost model expects a gain; SplitTail::force splits
+// wherever one is possible, so these small cases exercise it. Each case is checked against the
+// reference, run twice (bit for bit the same: the arrival counters reset themselves and the combine
+// order is fixed), and with the split off (the same values up to the order of the sums). Grid caps set up the tails: one unit in four pieces (7 CTAs),
 // four units over five CTAs with short and empty lists (empty pieces), and below one wave on the full
 // grid, where every unit is cut into several pieces.
 TEST(TileAttentionGpu, SplitTail) {
   SKIP_WITHOUT_GPU();
   struct Setting {
-    const char* grid;  // SPARSE_ATTN_HOPPER_GRID, or null for the full grid
+    int ctas;  // AttentionTuning::max_ctas (0: the full grid)
     Case c;
   };
   const Setting settings[] = {
-      {"7", {"split: 64 dense units on 7 CTAs", sa::DType::bf16, 2, 900, 1100, 4, 2, false, true}},
-      {"5", {"split: 64 list units on 5 CTAs", sa::DType::bf16, 2, 900, 1100, 4, 2, false, false, false, 9}},
-      {nullptr, {"split: 24 dense units, full grid", sa::DType::f16, 1, 700, 2000, 4, 1, false, true}},
-      {nullptr, {"split: D=64 per-head lists, full grid", sa::DType::bf16, 1, 300, 3000, 8, 2, false, false, true, 24,
-                 0.0f, 64}},
+      {7, {"split: 64 dense units on 7 CTAs", sa::DType::bf16, 2, 900, 1100, 4, 2, false, true}},
+      {5, {"split: 64 list units on 5 CTAs", sa::DType::bf16, 2, 900, 1100, 4, 2, false, false, false, 9}},
+      {0, {"split: 24 dense units, full grid", sa::DType::f16, 1, 700, 2000, 4, 1, false, true}},
+      {0, {"split: D=64 per-head lists, full grid", sa::DType::bf16, 1, 300, 3000, 8, 2, false, false, true, 24, 0.0f,
+           64}},
   };
   std::uint64_t seed = 6000;
   for (const Setting& setting : settings) {
     const Case& c = setting.c;
-    std::optional<ScopedEnv> grid;
-    if (setting.grid != nullptr) grid.emplace("SPARSE_ATTN_HOPPER_GRID", setting.grid);
-    const ScopedEnv force("SPARSE_ATTN_HOPPER_SPLIT", "force");
+    const sa::detail::AttentionTuning force = grid_of(setting.ctas, sa::detail::SplitTail::force);
     const CaseData d = make_case(c, seed += 10);
-    const auto [out, lse] = run_gpu(c, d);
+    const auto [out, lse] = run_gpu(c, d, force);
     check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, out, lse, d.scale);
     const auto same_bits = [&](const std::pair<sa::HostTensor, sa::HostTensor>& again, const std::string& what) {
       EXPECT_EQ(0, std::memcmp(out.view().data, again.first.view().data, out.numel() * sa::dtype_size(c.dtype)))
@@ -313,16 +303,8 @@ TEST(TileAttentionGpu, SplitTail) {
       EXPECT_EQ(0, std::memcmp(lse.view().data, again.second.view().data, lse.numel() * 4))
           << c.name << ": lse differs " << what;
     };
-    same_bits(run_gpu(c, d), "between two runs");
-    for (const char* knob : {"SPARSE_ATTN_HOPPER_PINGPONG", "SPARSE_ATTN_HOPPER_TMA_STORE", "SPARSE_ATTN_HOPPER_CHAIN"}) {
-      const ScopedEnv off(knob, "0");
-      same_bits(run_gpu(c, d), std::string("with ") + knob + "=0");
-    }
-    std::pair<sa::HostTensor, sa::HostTensor> whole;
-    {
-      const ScopedEnv off("SPARSE_ATTN_HOPPER_SPLIT", "0");
-      whole = run_gpu(c, d);
-    }
+    same_bits(run_gpu(c, d, force), "between two runs");
+    const auto whole = run_gpu(c, d, grid_of(setting.ctas, sa::detail::SplitTail::off));
     check_against_reference(c, d.q, d.k, d.v, selection_of(c, d), d.p, whole.first, whole.second, d.scale);
     // Each piece rounds its P to the 16-bit type against its own running max, so the two differ by
     // about the rounding error of P: bounded as the reference comparison bounds it, with the whole
@@ -361,7 +343,7 @@ TEST(TileAttentionGpu, GraphCaptureOfSplitProblems) {
   sa::AttentionOptions opt = d.opt;
   opt.stream = stream;
   DeviceTensor dq(d.q), dk(d.k), dv(d.v);
-  const auto run = [&](bool capture) {
+  const auto run = [&](bool capture, const sa::detail::AttentionTuning& tuning = {}) {
     sa::HostTensor out(c.dtype, {c.B, c.Lq, c.Hq, c.D}), lse(sa::DType::f32, {c.B, c.Hq, c.Lq});
     st::poison(out);
     st::poison(lse);
@@ -378,7 +360,7 @@ TEST(TileAttentionGpu, GraphCaptureOfSplitProblems) {
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
     } else {
-      gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, opt);
+      gpu_dense(dq.view, dk.view, dv.view, dout.view, dlse.view, opt, tuning);
       cuda_ok(cudaStreamSynchronize(stream), "kernel");
     }
     dout.download(out);
@@ -391,12 +373,9 @@ TEST(TileAttentionGpu, GraphCaptureOfSplitProblems) {
   const auto again = run(true);   // captured with the workspace in place: split
   EXPECT_EQ(0, std::memcmp(eager.first.view().data, again.first.view().data, eager.first.numel() * 2))
       << "a captured split call differs from the eager one";
-  {
-    const ScopedEnv off("SPARSE_ATTN_HOPPER_SPLIT", "0");
-    const auto whole = run(false);
-    EXPECT_EQ(0, std::memcmp(fresh.first.view().data, whole.first.view().data, fresh.first.numel() * 2))
-        << "the call captured on a fresh stream is not the unsplit one";
-  }
+  const auto whole = run(false, grid_of(0, sa::detail::SplitTail::off));
+  EXPECT_EQ(0, std::memcmp(fresh.first.view().data, whole.first.view().data, fresh.first.numel() * 2))
+      << "the call captured on a fresh stream is not the unsplit one";
   cudaStreamDestroy(stream);
 }
 
@@ -501,31 +480,18 @@ TEST(TileAttentionGpu, AllBlocksEqualsDenseAndIsDeterministic) {
   ASSERT_TRUE(st::all_finite(out_a));
   EXPECT_EQ(0, std::memcmp(out_a.view().data, out_b.view().data, da.bytes)) << "dense and all-blocks tile_sparse differ";
   EXPECT_EQ(0, std::memcmp(out_a.view().data, out_c.view().data, da.bytes)) << "two dense runs differ";
-  // The same arithmetic with each scheduling knob off must agree too: the consumer warpgroups issuing
-  // freely (pingpong off), the output stored from registers instead of by TMA, each item's last P V in a
-  // turn of its own.
   // And so must a grid of 3 CTAs, each walking ~43 work items.
-  const std::pair<const char*, const char*> knobs[] = {
-      {"SPARSE_ATTN_HOPPER_PINGPONG", "0"},
-      {"SPARSE_ATTN_HOPPER_TMA_STORE", "0"},
-      {"SPARSE_ATTN_HOPPER_CHAIN", "0"},
-      {"SPARSE_ATTN_HOPPER_GRID", "3"}};
-  for (const auto& [knob, value] : knobs) {
-    sa::HostTensor out_d(out_a);
-    DeviceTensor dd(out_a);
-    {
-      const ScopedEnv set(knob, value);
-      gpu_dense(dq.view, dk.view, dv.view, dd.view, std::nullopt, opt);
-    }
-    cuda_ok(cudaDeviceSynchronize(), "kernel");
-    dd.download(out_d);
-    EXPECT_EQ(0, std::memcmp(out_a.view().data, out_d.view().data, da.bytes)) << knob << "=" << value
-                                                                                << " changes the output";
-  }
+  sa::HostTensor out_d(out_a);
+  DeviceTensor dd(out_a);
+  gpu_dense(dq.view, dk.view, dv.view, dd.view, std::nullopt, opt, grid_of(3));
+  cuda_ok(cudaDeviceSynchronize(), "kernel");
+  dd.download(out_d);
+  EXPECT_EQ(0, std::memcmp(out_a.view().data, out_d.view().data, da.bytes)) << "a grid of 3 CTAs changes the output";
 }
 
 // An output TMA cannot address (head stride 130 elements: not a multiple of 8) is written from
-// registers: same bounds against the reference, and the padding between heads is never touched.
+// registers: same bounds against the reference, the padding between heads never touched, and the same
+// bits as a contiguous output, which the TMA store writes.
 TEST(TileAttentionGpu, OutputOffTheTmaGrid) {
   SKIP_WITHOUT_GPU();
   const std::int64_t B = 2, L = 333, Hq = 4, Hkv = 2, Dpad = kD + 2;
@@ -557,6 +523,14 @@ TEST(TileAttentionGpu, OutputOffTheTmaGrid) {
   p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = kD, p.causal = true;
   const Case c{"dense causal, out head stride 130", sa::DType::bf16, B, L, L, Hq, Hkv, true, true};
   check_against_reference(c, q, k, v, sa::AllBlocks{}, p, out, lse, 1.0 / std::sqrt(double(kD)));
+  sa::HostTensor stored(out);
+  st::poison(stored);
+  DeviceTensor dstored(stored);
+  gpu_dense(dq.view, dk.view, dv.view, dstored.view, std::nullopt, opt);
+  cuda_ok(cudaDeviceSynchronize(), "kernel");
+  dstored.download(stored);
+  EXPECT_EQ(0, std::memcmp(out.view().data, stored.view().data, dstored.bytes))
+      << "the register store and the TMA store write different outputs";
 }
 
 // Validated lists with every kind of fault (the CPU's order and messages), read where they surface.
@@ -582,7 +556,9 @@ struct Fault {
   void (*mutate)(std::int32_t* idx, std::int32_t* cnt);
   const char* arg;
   const char* message;  // the CPU's, after "tile_sparse: argument '<arg>': "
-  std::int64_t row;     // the faulty tile (flat b, g, t); the first of several
+  std::int64_t row;     // the faulty tile (flat b, g, t) that is reported: the first
+  std::int64_t also = -1;  // a second faulty tile, or -1
+  std::vector<std::int64_t> rows() const { return also < 0 ? std::vector<std::int64_t>{row} : std::vector<std::int64_t>{row, also}; }
 };
 
 const Fault kFaults[] = {
@@ -604,7 +580,7 @@ const Fault kFaults[] = {
        c[kFaultyRow] = 4;
        c[kFaultyRow + 5] = -1;
      },
-     "tiles.cnt", "count 4 at [1, 0, 2] exceeds the list capacity Kmax = 3", kFaultyRow},
+     "tiles.cnt", "count 4 at [1, 0, 2] exceeds the list capacity Kmax = 3", kFaultyRow, kFaultyRow + 5},
     {"negative count", [](std::int32_t*, std::int32_t* c) { c[kFaultyRow + 5] = -1; }, "tiles.cnt",
      "negative count -1 at [1, 1, 2]", kFaultyRow + 5},
 };
@@ -638,13 +614,15 @@ void expect_fault(const sa::Error& e, const Fault& f, const std::string& cpu, co
 // Fills a 16-bit output with a finite value no kernel writes by chance.
 void fill_sentinel(sa::HostTensor& t) { std::memset(t.view().data, 0x3f, static_cast<std::size_t>(t.numel()) * sa::dtype_size(t.dtype())); }
 
-// The rows of `row`'s tile hold NaN in out and lse, for every query head that shares the list; every
-// other element equals `trusted`'s bit for bit.
+// The rows of each tile of `rows` hold NaN in out and lse, for every query head that shares the list;
+// every other element equals `trusted`'s bit for bit.
 void expect_nan_tile_only(const sa::HostTensor& out, const sa::HostTensor& lse, const sa::HostTensor& trusted_out,
-                          const sa::HostTensor& trusted_lse, std::int64_t row, const std::string& what) {
-  const std::int64_t fb = row / (Hkv * Tq), fg = row / Tq % Hkv, ft = row % Tq;
+                          const sa::HostTensor& trusted_lse, const std::vector<std::int64_t>& rows,
+                          const std::string& what) {
   const auto faulty = [&](std::int64_t b, std::int64_t i, std::int64_t h) {
-    return b == fb && h / (Hq / Hkv) == fg && i / sa::kTileQ == ft;
+    for (const std::int64_t row : rows)
+      if (b == row / (Hkv * Tq) && h / (Hq / Hkv) == row / Tq % Hkv && i / sa::kTileQ == row % Tq) return true;
+    return false;
   };
   const auto* o = static_cast<const std::uint16_t*>(out.view().data);
   const auto* to = static_cast<const std::uint16_t*>(trusted_out.view().data);
@@ -663,9 +641,10 @@ void expect_nan_tile_only(const sa::HostTensor& out, const sa::HostTensor& lse, 
         const float tl = trusted_lse.data<float>()[(b * Hq + h) * L + i];
         wrong += std::memcmp(o + base, to + base, kD * 2) != 0 || std::memcmp(&l, &tl, 4) != 0;
       }
-  EXPECT_EQ(nan_rows, (Hq / Hkv) * std::min<std::int64_t>(sa::kTileQ, L - ft * sa::kTileQ))
-      << what << ": rows of the faulty tile that are NaN in out and lse";
-  EXPECT_EQ(wrong, 0) << what << ": rows outside the faulty tile that differ from the trusted call";
+  std::int64_t expected = 0;
+  for (const std::int64_t row : rows) expected += (Hq / Hkv) * std::min<std::int64_t>(sa::kTileQ, L - row % Tq * sa::kTileQ);
+  EXPECT_EQ(nan_rows, expected) << what << ": rows of the faulty tiles that are NaN in out and lse";
+  EXPECT_EQ(wrong, 0) << what << ": rows outside the faulty tiles that differ from the trusted call";
 }
 
 }  // namespace faults
@@ -722,7 +701,7 @@ TEST(TileAttentionGpu, ValidationIsDeferredAndMarksTheFaultyTile) {
       // The validated call returns; the fault waits on the device.
       std::pair<sa::HostTensor, sa::HostTensor> got;
       ASSERT_NO_THROW(got = call(bad_idx, bad_cnt, checked));
-      expect_nan_tile_only(got.first, got.second, tout, tlse, f.row, what);
+      expect_nan_tile_only(got.first, got.second, tout, tlse, f.rows(), what);
       try {
         sa::check_device_faults(0);
         ADD_FAILURE() << "check_device_faults found no fault";
@@ -796,7 +775,7 @@ TEST(TileAttentionGpu, ValidatedCallsCaptureIntoGraphs) {
   cuda_ok(cudaStreamSynchronize(stream), "replay");
   gout.download(graph_out);
   glse.download(graph_lse);
-  expect_nan_tile_only(graph_out, graph_lse, eager_out, eager_lse, f.row, "replay over faulty lists");
+  expect_nan_tile_only(graph_out, graph_lse, eager_out, eager_lse, f.rows(), "replay over faulty lists");
   try {
     sa::check_device_faults();
     ADD_FAILURE() << "the replay recorded no fault";

@@ -587,10 +587,14 @@ void Bench::query_phases(Inputs& in, Mirrored& lists, std::int64_t Kq, PartialPr
   void* w = ws.view().data;
   const QueryLists ql{lists.view(true)};
   const float scale = 1.0f / std::sqrt(static_cast<float>(p.D));  // query_sparse's default
+  const cuda_backend::QuerySparseBins bins = cuda_backend::query_sparse_bins(p, Kq, o);
   const std::function<void()> phases[3] = {
-      [&] { cuda_backend::query_sparse_plan(p, ql, w, bytes, o); },
-      [&] { cuda_backend::query_sparse_attend(p, in.q.view(true), in.k.view(true), in.v.view(true), ql, w, bytes, scale, o); },
-      [&] { cuda_backend::query_sparse_combine(p, ql, w, bytes, in.out.view(true), std::nullopt, o); }};
+      [&] { cuda_backend::query_sparse_plan(p, ql, bins, w, bytes, o); },
+      [&] {
+        cuda_backend::query_sparse_attend(p, in.q.view(true), in.k.view(true), in.v.view(true), ql, bins, w, bytes,
+                                          scale, o);
+      },
+      [&] { cuda_backend::query_sparse_combine(p, ql, bins, w, bytes, in.out.view(true), std::nullopt, o); }};
   const HostTensor verified = in.out.host();
   in.out.poison();
   for (const auto& f : phases) f();  // each phase reads what the ones before it left

@@ -12,6 +12,7 @@
 
 #include "cuda/attention/mainloop.cuh"
 #include "cuda/attention/params.hpp"
+#include "cuda/common/smem_limit.hpp"
 
 namespace sparse_attn::cuda_kernels {
 
@@ -91,12 +92,7 @@ cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CU
                                           cudaStream_t stream) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
   auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit>;
-  // Setting the attribute is cheap but not free; once per process and instantiation is enough.
-  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(smem));
-  if (attr != cudaSuccess) return attr;
-  kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out);
-  return cudaGetLastError();
+  return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out); });
 }
 
 template <class Tag, int kHeadDim>

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -13,12 +12,12 @@
 #include "core/check.hpp"
 #include "cuda/attention/kernel.cuh"
 #include "cuda/attention/params.hpp"
-#include "cuda/attention/split_tail.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/fault_word.hpp"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/workspace_cache.hpp"
+#include "plan/split_tail.hpp"
 
 namespace sparse_attn::cuda_kernels {
 namespace {
@@ -35,7 +34,7 @@ std::size_t tail_workspace_bytes(int sms) {
 
 void run(const std::string& op, const ProblemShape& s, const TensorView& q, const TensorView& k, const TensorView& v,
          const TileLists* tiles, const TensorView& out, const std::optional<TensorView>& lse,
-         const AttentionOptions& options) {
+         const AttentionOptions& options, const detail::AttentionTuning& tuning) {
   using detail::require;
   require(q.device == Device::cuda, op, "q",
           [&] { return "the CUDA backend needs device tensors, got " + q.describe(); });
@@ -71,17 +70,8 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
     for (int i = 0; i < 3; ++i) p.lse_stride[i] = lse->stride[i];
   }
   p.num_units = static_cast<int>(s.B * s.Hq * (s.causal ? (s.Tq() + 1) / 2 : s.Tq()));
-  // Benchmark knobs (each =0 turns the feature off; the output is the same either way):
-  // SPARSE_ATTN_HOPPER_PINGPONG lets both consumer warpgroups issue freely, SPARSE_ATTN_HOPPER_TMA_STORE
-  // stores out from registers, SPARSE_ATTN_HOPPER_CHAIN gives each item's last P V a turn of its own.
-  const auto knob = [](const char* name) {
-    const char* v = std::getenv(name);
-    return !(v != nullptr && v[0] == '0');
-  };
-  p.pingpong = knob("SPARSE_ATTN_HOPPER_PINGPONG");
-  p.chain_items = knob("SPARSE_ATTN_HOPPER_CHAIN");
   // The TMA store needs an output TMA can address; other layouts (odd strides) take the register path.
-  p.tma_store = knob("SPARSE_ATTN_HOPPER_TMA_STORE") && tma_addressable(out);
+  p.tma_store = tma_addressable(out);
 
   if (tiles == nullptr) {
     p.dense = true;
@@ -122,25 +112,15 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
   int device = 0, device_sms = 0;
   check_cuda(cudaGetDevice(&device), op, "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device), op, "device query");
-  int num_sms = device_sms;
-  // Test knob: SPARSE_ATTN_HOPPER_GRID=n caps the persistent grid at n CTAs, so small problems still
-  // give every CTA a long run of work items (ring wrap-around, Q buffer reuse, chained items).
-  if (const char* g = std::getenv("SPARSE_ATTN_HOPPER_GRID")) {
-    const int cap = std::atoi(g);
-    if (cap > 0 && cap < num_sms) num_sms = cap;
-  }
+  const int num_sms = tuning.max_ctas > 0 ? std::min(tuning.max_ctas, device_sms) : device_sms;
   int grid = std::min(p.num_units, num_sms);
   p.dp_units = p.num_units;
-  // Knob: SPARSE_ATTN_HOPPER_SPLIT=0 walks the last wave's units whole, =force splits them wherever a
-  // split is possible, gain or not (tests; benchmarks). The outputs of split units differ from whole
-  // ones in the last bits: each piece rounds its P against its own running max. Causal units are not
-  // split: their pairs of tiles already balance the CTAs.
-  const char* split_knob = std::getenv("SPARSE_ATTN_HOPPER_SPLIT");
-  const bool split_forced = split_knob != nullptr && std::string(split_knob) == "force";
+  // The split tail (split_tail.hpp) is planned for non-causal launches only: causal units of paired
+  // tiles already balance the CTAs.
   std::unique_lock<std::mutex> tail_lock;
-  if (knob("SPARSE_ATTN_HOPPER_SPLIT") && !p.causal && p.num_units > 0) {
+  if (tuning.split != detail::SplitTail::off && !p.causal && p.num_units > 0) {
     const int walk_len = p.dense ? p.Tk : p.Kmax;
-    const TailSplit t = split_tail(p.num_units, num_sms, walk_len, split_forced);
+    const TailSplit t = split_tail(p.num_units, num_sms, walk_len, tuning.split == detail::SplitTail::force);
     if (t.tail_ctas > 0) {
       // The workspace is allocated on the first split of a (device, stream). Not while the stream is
       // being captured into a graph, where allocation is not allowed: such a call runs unsplit.
@@ -180,14 +160,15 @@ void run(const std::string& op, const ProblemShape& s, const TensorView& q, cons
 namespace sparse_attn::cuda_backend {
 
 void dense(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
-  cuda_kernels::run("dense", p, q, k, v, nullptr, out, lse, options);
+           const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options,
+           const detail::AttentionTuning& tuning) {
+  cuda_kernels::run("dense", p, q, k, v, nullptr, out, lse, options, tuning);
 }
 
 void tile_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                  const TileLists& tiles, const TensorView& out, const std::optional<TensorView>& lse,
-                 const AttentionOptions& options) {
-  cuda_kernels::run("tile_sparse", p, q, k, v, &tiles, out, lse, options);
+                 const AttentionOptions& options, const detail::AttentionTuning& tuning) {
+  cuda_kernels::run("tile_sparse", p, q, k, v, &tiles, out, lse, options, tuning);
 }
 
 }  // namespace sparse_attn::cuda_backend

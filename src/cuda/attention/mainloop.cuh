@@ -179,24 +179,23 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[N], const std::uint32_t 
 // warpgroup's softmax does not run at half speed next to the other's.
 template <NamedBarrier kTurn0, NamedBarrier kTurn1>
 struct Turns {
-  bool enabled;
   int consumer;
   __device__ __forceinline__ NamedBarrier mine() const { return consumer == 0 ? kTurn0 : kTurn1; }
   __device__ __forceinline__ NamedBarrier other() const { return consumer == 0 ? kTurn1 : kTurn0; }
   /// Warpgroup 0 takes the first turn: its own arrival stands in for the other's.
   __device__ __forceinline__ void init() const {
-    if (enabled && consumer == 0) named_barrier_arrive(mine(), kConsumerThreads);
+    if (consumer == 0) named_barrier_arrive(mine(), kConsumerThreads);
   }
   __device__ __forceinline__ void begin() const {
-    if (enabled) named_barrier_sync(mine(), kConsumerThreads);
+    named_barrier_sync(mine(), kConsumerThreads);
   }
   __device__ __forceinline__ void end() const {
-    if (enabled) named_barrier_arrive(other(), kConsumerThreads);
+    named_barrier_arrive(other(), kConsumerThreads);
   }
   /// Both warpgroups take the same number of turns; warpgroup 0 consumes the last arrival of
   /// warpgroup 1 so the barriers end balanced.
   __device__ __forceinline__ void finish() const {
-    if (enabled && consumer == 0) named_barrier_sync(mine(), kConsumerThreads);
+    if (consumer == 0) named_barrier_sync(mine(), kConsumerThreads);
   }
 };
 using MmaTurns = Turns<NamedBarrier::kMmaTurnWG0, NamedBarrier::kMmaTurnWG1>;
@@ -210,8 +209,7 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 //
 // Items are chained: an item's last P V goes out in the same turn as the next item's first QK, and the
 // item's epilogue runs after the next item's first softmax, so an item boundary costs no turn of its
-// own and no exposed QK + softmax (`chain_items`; without it the last PV has a turn to itself and the
-// epilogue follows at once).
+// own and no exposed QK + softmax.
 //
 // kCausal and kSplit are p.causal and whether the launch has a split tail (p.tail_ctas > 0), fixed per
 // instantiation: a kernel without them carries neither the causal mask nor the pieces' stores, arrivals
@@ -243,8 +241,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   float acc_s[64];
   float acc_o[kHeadDim / 2];  // 64 x D output fragment of this warpgroup
   std::uint32_t pa[8][4];
-  const MmaTurns turns{p.pingpong, consumer};
-  const ExpTurns exp_turns{p.pingpong, consumer};
+  const MmaTurns turns{consumer};
+  const ExpTurns exp_turns{consumer};
 
   // The item whose last P V has not been issued yet (pa holds its P), and what its epilogue needs.
   bool pending = false;
@@ -433,7 +431,6 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     done_softmax = softmax;
     done_w = w;
     done_qst = qst;
-    if (!p.chain_items) finish_pending();
   }
   finish_pending();
   release_staged_q();

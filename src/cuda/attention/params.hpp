@@ -36,9 +36,7 @@ struct TileAttentionParams {
   std::int64_t lse_stride[3] = {0, 0, 0};
 
   int num_units = 0;  // scheduling units: B * Hq * Tq, or B * Hq * ceil(Tq / 2) tile pairs when causal
-  bool pingpong = true;  // consumer warpgroups take turns issuing their wgmmas (see mainloop.cuh)
   bool tma_store = false;  // out is written through shared memory by TMA (tm_out); else from registers
-  bool chain_items = true;  // an item's last P V shares a turn with the next item's first QK (mainloop.cuh)
 
   // Split tail (scheduler.cuh): units [dp_units, num_units) are computed in pieces by tail_ctas CTAs,
   // tail_len walk positions per unit (tail_ctas = 0: no split). Each piece leaves its unnormalised

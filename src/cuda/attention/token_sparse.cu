@@ -37,6 +37,7 @@
 #include "cuda/common/fault_word.hpp"
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/common/online_softmax.cuh"
+#include "cuda/common/smem_limit.hpp"
 
 namespace sparse_attn::cuda_kernels::tok {
 
@@ -303,10 +304,6 @@ void check_lists(const ProblemShape& p, const TokenLists& tokens, int device, cu
            std::to_string(smem) + " bytes of shared memory, this device has " + std::to_string(optin) +
            "); pass options.trusted for lists known to be valid";
   });
-  if (smem > 48 * 1024)
-    cuda_kernels::check_cuda(
-        cudaFuncSetAttribute(tk::check_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-        kOp, "shared memory attribute");
   tk::CheckParams c;
   c.idx = static_cast<const std::int32_t*>(tokens.idx.data);
   for (int d = 0; d < 4; ++d) c.idx_stride[d] = tokens.idx.stride[d];
@@ -321,8 +318,11 @@ void check_lists(const ProblemShape& p, const TokenLists& tokens, int device, cu
   const long long ctas = std::min<long long>(c.rows, 8LL * sms);
   const unsigned long long f = cuda_kernels::checked_launch(device, stream, kOp, [&](unsigned long long* w) {
     c.fault = w;
-    tk::check_kernel<<<static_cast<unsigned>(ctas), tk::kCheckThreads, smem, stream>>>(c);
-    cuda_kernels::check_cuda(cudaGetLastError(), kOp, "list validation launch");
+    cuda_kernels::check_cuda(
+        cuda_kernels::launch_with_smem(
+            tk::check_kernel, smem,
+            [&] { tk::check_kernel<<<static_cast<unsigned>(ctas), tk::kCheckThreads, smem, stream>>>(c); }),
+        kOp, "list validation launch");
   });
   if (f == cuda_kernels::kNoFault) return;
   // The faulty row, read back and reported as the CPU reports it.
@@ -341,12 +341,12 @@ void check_lists(const ProblemShape& p, const TokenLists& tokens, int device, cu
 template <class Tag, int D>
 void launch(const tk::Params& prm, cudaStream_t stream) {
   const std::size_t smem = tk::kWarps * sizeof(tk::WarpSmem<D>);
-  cuda_kernels::check_cuda(
-      cudaFuncSetAttribute(tk::token_kernel<Tag, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-      kOp, "shared memory attribute");
   const long long ctas = (prm.units + tk::kWarps - 1) / tk::kWarps;
-  tk::token_kernel<Tag, D><<<static_cast<unsigned>(ctas), tk::kWarps * 32, smem, stream>>>(prm);
-  cuda_kernels::check_cuda(cudaGetLastError(), kOp, "kernel launch");
+  cuda_kernels::check_cuda(
+      cuda_kernels::launch_with_smem(
+          tk::token_kernel<Tag, D>, smem,
+          [&] { tk::token_kernel<Tag, D><<<static_cast<unsigned>(ctas), tk::kWarps * 32, smem, stream>>>(prm); }),
+      kOp, "kernel launch");
 }
 
 }  // namespace

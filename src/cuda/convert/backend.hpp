@@ -1,5 +1,5 @@
 // CUDA backends of query_lists_to_tile_lists, block_bits_to_tile_lists and tile_lists_to_block_bits
-// (formats.hpp). The front end (src/core/formats.cpp) has checked shapes, dtypes, contiguity and
+// (formats.hpp). The front end (src/convert/convert.cpp) has checked shapes, dtypes, contiguity and
 // devices; these check the contents on the device and report them with the CPU function's argument
 // names, coordinates and messages.
 //

@@ -1,5 +1,5 @@
 // BlockBits -> TileLists on the GPU (backend.hpp describes the kernel). The output equals the CPU
-// function's (src/core/formats.cpp) element for element: ids ascending, the counts, -1 in every slot
+// function's (src/convert/convert.cpp) element for element: ids ascending, the counts, -1 in every slot
 // past the count; so do the errors, whose first offending coordinate is the minimum of one fault word.
 #include <cuda_runtime.h>
 

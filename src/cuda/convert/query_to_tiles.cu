@@ -1,5 +1,5 @@
 // QueryLists -> TileLists on the GPU (backend.hpp describes the kernel). The output equals the CPU
-// function's (src/core/formats.cpp) element for element: the same ids in the same ascending order,
+// function's (src/convert/convert.cpp) element for element: the same ids in the same ascending order,
 // the same counts, -1 in every slot past the count; so do the errors, whose first offending
 // coordinate is the minimum of one fault word.
 //
@@ -23,6 +23,7 @@
 #include "core/check.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/fault_word.hpp"
+#include "cuda/common/smem_limit.hpp"
 #include "cuda/convert/backend.hpp"
 
 namespace sparse_attn::cuda_kernels::convert {
@@ -172,7 +173,7 @@ T read_back(const T* ptr, cudaStream_t stream) {
   return cuda_kernels::read_back(ptr, stream, kOp);
 }
 
-// The CPU function's message for the fault `f` (formats.cpp: list_row_fault and check_capacity).
+// The CPU function's message for the fault `f` (formats.cpp: list_row_fault; convert.cpp: check_capacity).
 [[noreturn]] void throw_fault(unsigned long long f, const cv::Params& prm, const ProblemShape& p, cudaStream_t stream) {
   if (f & cv::kCapacityClass) {
     const long long tile = static_cast<long long>((f & ~cv::kCapacityClass) >> cv::kUnionBits);
@@ -251,14 +252,14 @@ void query_lists_to_tile_lists(const QueryLists& in, const TileLists& out, const
             [&] { return "Lk = " + std::to_string(p.Lk) + " (" + std::to_string(Tk) + " blocks) needs a bit set of " +
                 std::to_string(smem) + " bytes per Q tile, more than the " + std::to_string(room) +
                 " bytes of shared memory a CTA of this device can have"; });
-    check_cuda(cudaFuncSetAttribute(cv::union_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-               "shared memory attribute");
   }
 
   const unsigned long long f = cuda_kernels::launch_checked_unless(
       options.trusted, prm.fault, in.idx.device_index, stream, kOp, [&] {
-        cv::union_kernel<<<static_cast<unsigned>(tiles), cv::kThreads, smem, stream>>>(prm);
-        check_cuda(cudaGetLastError(), "conversion launch");
+        check_cuda(cuda_kernels::launch_with_smem(
+                       cv::union_kernel, smem,
+                       [&] { cv::union_kernel<<<static_cast<unsigned>(tiles), cv::kThreads, smem, stream>>>(prm); }),
+                   "conversion launch");
       });
   if (f != cuda_kernels::kNoFault) throw_fault(f, prm, p, stream);
 }

@@ -1,5 +1,5 @@
 // TileLists -> BlockBits on the GPU (backend.hpp describes the kernel). The output equals the CPU
-// function's (src/core/formats.cpp) word for word; so do the errors: the kernel keeps the first faulty
+// function's (src/convert/convert.cpp) word for word; so do the errors: the kernel keeps the first faulty
 // tile in the fault word and the host reads that tile back and reports it with the CPU's message
 // (detail::tile_row_message).
 #include <cuda_runtime.h>

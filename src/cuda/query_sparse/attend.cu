@@ -25,11 +25,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/common/online_softmax.cuh"
+#include "cuda/common/smem_limit.hpp"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
@@ -39,9 +39,6 @@
 
 namespace sparse_attn::cuda_kernels::qs {
 namespace {
-
-std::atomic<unsigned> g_attend_hints{kAttendHintsDefault};
-std::atomic<int> g_attend_grid_cap{0};
 
 constexpr int kC = kAttendConsumers;
 constexpr int kTileRowsQ = 64;  // rows of one consumer tile (one m64 wgmma row block)
@@ -239,9 +236,10 @@ __device__ __forceinline__ int row_entry(const Params& p, const ItemInfo& f, int
 // plus the head). Chunk c of row r goes to half c / 8, position (c % 8) ^ (r % 8) of the row's 128
 // bytes (TMA's SWIZZLE_128B pattern on a 1024-aligned base). Rows past the item are zero-filled
 // (src-size 0) and get partial row -1.
-// With kKeepQ the rows are read under an evict-last policy: the items run block by block within a (b,
+// The rows are read under an evict-last policy (`policy`): the items run block by block within a (b,
 // group), so every row of the group's Q is read Kq times while the group's items run, and the streamed
-// partials should not push it out of L2 in between.
+// partials (store_partials) should not push it out of L2 in between (docs/notes/kv_attention.md, cache
+// hints).
 template <int D>
 __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int tile, int ent, std::uint32_t buf,
                                          int* row_part, int t, std::uint64_t policy) {
@@ -256,19 +254,11 @@ __device__ __forceinline__ void gather_q(const Params& p, const ItemInfo& f, int
   }
   if (t % 2 == 0) row_part[r] = ent >= 0 ? (f.bg * p.Lq * p.Kq + ent) * p.group + head : -1;
   const std::uint32_t dst_row = buf + r * 128;
-  if (p.hints & kKeepQ) {
 #pragma unroll
-    for (int k = 0; k < kChunks / 2; ++k) {
-      const int cc = t % 2 + 2 * k;
-      cp_async16_policy(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0),
-                        bytes, policy);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kChunks / 2; ++k) {
-      const int cc = t % 2 + 2 * k;
-      cp_async16(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0), bytes);
-    }
+  for (int k = 0; k < kChunks / 2; ++k) {
+    const int cc = t % 2 + 2 * k;
+    cp_async16_policy(dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16), src + (bytes ? cc * 8 : 0),
+                      bytes, policy);
   }
 }
 
@@ -324,10 +314,7 @@ __device__ __forceinline__ void gather_q_pairs(const Params& p, const ItemInfo& 
     for (int k = 0; k < kChunks / 2; ++k) {
       const int cc = t % 2 + 2 * k;
       const std::uint32_t dst = dst_row + (cc / 8) * kQHalfBytes + (((cc % 8) ^ (r % 8)) * 16);
-      if (p.hints & kKeepQ)
-        cp_async16_policy(dst, src + (bytes ? cc * 8 : 0), bytes, policy);
-      else
-        cp_async16(dst, src + (bytes ? cc * 8 : 0), bytes);
+      cp_async16_policy(dst, src + (bytes ? cc * 8 : 0), bytes, policy);
     }
   }
 }
@@ -573,7 +560,8 @@ __device__ __forceinline__ void producer(const Params& p, AttendSmem<D>& sm, con
   end_of_work(sm, produced, t);
 }
 
-// The tile's normalised partial rows and their LSE (rows[r] < 0: padding, not stored).
+// The tile's normalised partial rows and their LSE (rows[r] < 0: padding, not stored). Streaming stores
+// (st.global.cs): L2 evicts the partials first, keeping the Q rows that gather_q reads again.
 template <class Part, int N>
 __device__ __forceinline__ void store_partials(const Params& p, const int (&rows)[2], const float (&acc_o)[N],
                                                RowSoftmax& softmax, int q4) {
@@ -585,17 +573,8 @@ __device__ __forceinline__ void store_partials(const Params& p, const int (&rows
     const float lse = softmax.lse(r, p.scale);
     if (rows[r] < 0) continue;
     auto* dst = static_cast<typename Part::Elem*>(p.part) + static_cast<long long>(rows[r]) * D;
-    const bool stream = p.hints & kStreamPartials;
-    if (stream)
-      Part::template put_row<true>(dst, acc_o, r, inv, q4);
-    else
-      Part::template put_row<false>(dst, acc_o, r, inv, q4);
-    if (q4 == 0) {
-      if (stream)
-        __stcs(p.lse_part + rows[r], lse);
-      else
-        p.lse_part[rows[r]] = lse;
-    }
+    Part::put_row(dst, acc_o, r, inv, q4);
+    if (q4 == 0) __stcs(p.lse_part + rows[r], lse);
   }
 }
 
@@ -824,37 +803,28 @@ __global__ void __launch_bounds__(kAttendThreads, 1)
 
 template <class T, int D, class Part>
 struct AttendOp {
-  static cudaError_t run(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sms,
+  static cudaError_t run(const Params& p, const CUtensorMap* tm_k, const CUtensorMap* tm_v, int ctas,
                          long long max_items, cudaStream_t stream) {
     auto* kernel = p.win > 1 ? attend_kernel<T, D, Part, true> : attend_kernel<T, D, Part, false>;
     constexpr std::size_t smem = attend_smem_bytes<D>();
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-    const long long grid = max_items < sms ? max_items : sms;
-    kernel<<<static_cast<unsigned>(grid), kAttendThreads, smem, stream>>>(p, *tm_k, *tm_v);
-    return cudaGetLastError();
+    const long long grid = max_items < ctas ? max_items : ctas;
+    return launch_with_smem(
+        kernel, smem, [&] { kernel<<<static_cast<unsigned>(grid), kAttendThreads, smem, stream>>>(p, *tm_k, *tm_v); });
   }
 };
 
 }  // namespace
 
-void set_attend_cache_hints(unsigned hints) { g_attend_hints.store(hints, std::memory_order_relaxed); }
-void set_attend_grid_cap(int ctas) { g_attend_grid_cap.store(ctas, std::memory_order_relaxed); }
-
 std::size_t attend_smem(int D) { return D == 128 ? attend_smem_bytes<128>() : attend_smem_bytes<64>(); }
 
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
-                          const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream) {
+                          const CUtensorMap* tm_v, int ctas, long long max_items, cudaStream_t stream) {
   if (max_items <= 0) return cudaSuccess;
   Params q = p;
-  q.hints = g_attend_hints.load(std::memory_order_relaxed);
   q.div_group = FastDiv::make(p.group);
   q.div_kq = FastDiv::make(p.Kq);
   q.div_lq = FastDiv::make(p.Lq);
-  const int cap = g_attend_grid_cap.load(std::memory_order_relaxed);
-  return dispatch<AttendOp>(bf16, D, bf16_partials, q, tm_k, tm_v, cap > 0 && cap < sms ? cap : sms, max_items,
-                            stream);
+  return dispatch<AttendOp>(bf16, D, bf16_partials, q, tm_k, tm_v, ctas, max_items, stream);
 }
 
 }  // namespace sparse_attn::cuda_kernels::qs

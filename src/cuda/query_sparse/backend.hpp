@@ -22,49 +22,47 @@
 #include <cstdint>
 #include <optional>
 
+#include "cuda/tuning.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/ops.hpp"
 #include "sparse_attn/tensor.hpp"
 
 namespace sparse_attn::cuda_backend {
 
-/// Workspace bytes of the KV-centric pipeline (see query_sparse_workspace_bytes in plan.hpp).
-std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials);
+/// What a plan fixes for its runs, resolved once when it is made: the merge window (merge_window.hpp,
+/// resolve_merge_window) and the query bands (resolve_query_bands) of the reverse index's bins. The
+/// attention and the combine read the bins under these values, so a run must be given its plan's.
+struct QuerySparseBins {
+  int window = 1;
+  int bands = 1;
+};
 
-/// The merge window the KV-centric pipeline runs for these lists and options (merge_window.hpp;
-/// Error for an invalid options.merge_window).
-int query_sparse_merge_window(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options);
+/// The bins the KV-centric pipeline plans for these lists, options and tuning (Error for an invalid
+/// options.merge_window).
+QuerySparseBins query_sparse_bins(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options,
+                                  const detail::QuerySparseTuning& tuning = {});
 
-/// Reverse index of `lists` into `workspace` (device memory of at least the bytes above). Unless
-/// options.trusted, validates the lists on the device first (one host synchronisation).
-void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
-                       const QuerySparseOptions& options);
+/// Workspace bytes of the KV-centric pipeline (see query_sparse_workspace_bytes in plan.hpp): enough
+/// for the bins of any merge window under `tuning`'s query bands.
+std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials,
+                                         const detail::QuerySparseTuning& tuning = {});
 
-/// Phase 2: partial outputs and LSE of every (query, head, slot), from a planned workspace.
+/// Reverse index of `lists` under `bins` into `workspace` (device memory of at least the bytes above).
+/// Unless options.trusted, validates the lists on the device first (one host synchronisation).
+void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins, void* workspace,
+                       std::size_t bytes, const QuerySparseOptions& options);
+
+/// Phase 2: partial outputs and LSE of every (query, head, slot), from a workspace planned with `bins`.
 void query_sparse_attend(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                         const QueryLists& lists, void* workspace, std::size_t bytes, float scale,
-                         const QuerySparseOptions& options);
+                         const QueryLists& lists, const QuerySparseBins& bins, void* workspace, std::size_t bytes,
+                         float scale, const QuerySparseOptions& options,
+                         const detail::QuerySparseTuning& tuning = {});
 
-/// Phase 3: out and lse from the partials of a workspace that has been through attend.
-void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
-                          const TensorView& out, const std::optional<TensorView>& lse,
-                          const QuerySparseOptions& options);
-
-/// Cache hints of the KV-centric attention kernel's later launches (bits: 1 partials stored with the
-/// streaming hint, 2 Q rows gathered under an L2 evict-last policy; default 3), for A/B timings. The
-/// outputs do not depend on them.
-void set_query_sparse_attend_hints(unsigned hints);
-/// At most `ctas` CTAs for the KV-centric attention kernel's later launches (0: one per SM); tests
-/// use it to give every CTA many work items. The outputs do not depend on it.
-void set_query_sparse_attend_grid(int ctas);
-
-/// Query bands of the reverse index's bins (merge_window.hpp, resolve_query_bands) for later plans and
-/// workspace sizes: 0 automatic, n > 0 forces n bands wherever the lists are not merged (capped by Lq
-/// and the shared histogram), for tests and A/B timings. The outputs do not depend on it. Set it before
-/// sizing a workspace and planning, and keep it until the plan's last run: a plan's runs read its bins
-/// under the count in force, and a workspace sized under another count may be too small (the plan then
-/// names it).
-void set_query_sparse_bands(int bands);
+/// Phase 3: out and lse from the partials of a workspace planned with `bins` that has been through
+/// attend.
+void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins,
+                          void* workspace, std::size_t bytes, const TensorView& out,
+                          const std::optional<TensorView>& lse, const QuerySparseOptions& options);
 
 /// The group-centric schedule of query_sparse (options.schedule is not read).
 void query_sparse_group(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -72,7 +70,7 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
                         const QuerySparseOptions& options);
 
 /// options.schedule == kv_centric: plan + attend + combine with a workspace cached per (device,
-/// stream) (plan.hpp describes when it grows).
+/// stream) (plan.hpp describes when it grows), under `tuning`.
 /// options.schedule == group_centric: one kernel (group.cu) that writes out and LSE directly; any
 /// group size up to 256 query heads per KV head (ceil(G / 16) m16 tiles per query, rows past G
 /// padded), D 64 and 128, causal or not. Unless options.trusted the lists are validated on the
@@ -81,6 +79,6 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
 /// of a CTA's lists does not fit in shared memory (thousands of slots per query).
 void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                   const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
-                  const QuerySparseOptions& options);
+                  const QuerySparseOptions& options, const detail::QuerySparseTuning& tuning = {});
 
 }  // namespace sparse_attn::cuda_backend

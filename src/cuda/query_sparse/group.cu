@@ -28,6 +28,7 @@
 
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/common/online_softmax.cuh"
+#include "cuda/common/smem_limit.hpp"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/query_sparse/kernels.cuh"
@@ -375,11 +376,9 @@ template <class T, int D>
 cudaError_t run_tma(const GroupParams& p, const CUtensorMap& tm_k, const CUtensorMap& tm_v, cudaStream_t stream) {
   const std::size_t bytes = TmaSmem<D>::bytes(p.words, p.union_cap);
   auto* kernel = group_tma_kernel<T, D>;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return e;
   const long long ctas = static_cast<long long>(p.B) * p.Hkv * p.ctas_per_bg;
-  kernel<<<static_cast<unsigned>(ctas), kGroupThreads, bytes, stream>>>(p, tm_k, tm_v);
-  return cudaGetLastError();
+  return launch_with_smem(kernel, bytes,
+                          [&] { kernel<<<static_cast<unsigned>(ctas), kGroupThreads, bytes, stream>>>(p, tm_k, tm_v); });
 }
 
 }  // namespace

@@ -26,12 +26,6 @@ inline constexpr int kPad = 8;
 
 enum : unsigned { kBadRange = 0, kBadDuplicate = 1 };
 
-/// Cache hints of the attention kernel (set_attend_cache_hints).
-enum AttendHint : unsigned {
-  kStreamPartials = 1u,  // partials and their LSE stored with st.global.cs: L2 evicts them first
-  kKeepQ = 2u,           // Q rows gathered under an L2 evict-last policy
-};
-
 struct Params {
   int B = 0, Lq = 0, Lk = 0, Hq = 0, Hkv = 0, Tk = 0, Kq = 0, group = 0;
   long long offset = 0;  // Lk - Lq: query i sees key j iff j <= i + offset (causal)
@@ -74,9 +68,8 @@ struct Params {
   long long q_stride[3] = {}, k_stride[3] = {}, v_stride[3] = {};
   float scale = 1.0f;       // natural-log units
   float scale_log2 = 1.0f;  // scale * log2(e)
-  // Divisions of the attention kernel's index arithmetic, and its cache hints (set by launch_attend).
+  // Divisions of the attention kernel's index arithmetic (set by launch_attend).
   FastDiv div_group, div_kq, div_lq;
-  unsigned hints = 0;  // AttendHint bits
 
   // combine
   void* out = nullptr;

@@ -14,19 +14,12 @@ namespace sparse_attn::cuda_kernels::qs {
 cudaError_t launch_validate(const Params& p, cudaStream_t stream);
 /// count -> scan -> fill -> items.
 cudaError_t launch_reverse_index(const Params& p, cudaStream_t stream);
-/// Persistent attention over the work items: min(sms, max_items) CTAs (one per SM), each taking the
-/// next item from the work queue (p.queue, zeroed by launch_reverse_index and left zeroed by every
+/// Persistent attention over the work items: min(ctas, max_items) CTAs (ctas: one per SM, or fewer
+/// where a test asks), each taking the next item from the work queue (p.queue, zeroed by launch_reverse_index and left zeroed by every
 /// launch) until the count the reverse index wrote. K and V come through TMA maps made by
 /// make_bhld_tensor_map.
 cudaError_t launch_attend(const Params& p, bool bf16, int D, bool bf16_partials, const CUtensorMap* tm_k,
-                          const CUtensorMap* tm_v, int sms, long long max_items, cudaStream_t stream);
-inline constexpr unsigned kAttendHintsDefault = kStreamPartials | kKeepQ;
-/// Cache hints (AttendHint bits) of later attention launches; the default is kAttendHintsDefault. The
-/// output does not depend on them.
-void set_attend_cache_hints(unsigned hints);
-/// At most `ctas` CTAs for later attention launches (0: one per SM), so that tests can give each CTA
-/// many items.
-void set_attend_grid_cap(int ctas);
+                          const CUtensorMap* tm_v, int ctas, long long max_items, cudaStream_t stream);
 /// Dynamic shared memory of the attention kernel for head dim D.
 std::size_t attend_smem(int D);
 cudaError_t launch_combine(const Params& p, bool bf16, int D, bool bf16_partials, cudaStream_t stream);

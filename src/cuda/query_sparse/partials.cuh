@@ -27,39 +27,28 @@ struct PartF32 {
   using Elem = float;
   static constexpr bool kFragmentOrder = false;
   /// Row r (0: the lane's row g, 1: row g + 8) of a 64 x D output fragment (N = D / 2 values per
-  /// lane), times inv, into the partial row at dst.
-  /// kStream: streaming stores (st.global.cs), which L2 evicts first.
-  template <bool kStream, int N>
+  /// lane), times inv, into the partial row at dst, by streaming stores (st.global.cs), which L2
+  /// evicts first.
+  template <int N>
   __device__ static void put_row(float* dst, const float (&o)[N], int r, float inv, int q4) {
 #pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      auto* at = reinterpret_cast<float2*>(dst + 8 * i + 2 * q4);
-      const float2 v = make_float2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-      if constexpr (kStream)
-        __stcs(at, v);
-      else
-        *at = v;
-    }
+    for (int i = 0; i < N / 4; ++i)
+      __stcs(reinterpret_cast<float2*>(dst + 8 * i + 2 * q4),
+             make_float2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv));
   }
 };
 
 struct PartBf16 {
   using Elem = __nv_bfloat16;
   static constexpr bool kFragmentOrder = true;  // bf16_part_position
-  template <bool kStream, int N>
+  template <int N>
   __device__ static void put_row(__nv_bfloat16* dst, const float (&o)[N], int r, float inv, int q4) {
     std::uint32_t w[N / 4];
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) w[i] = Bf16Tag::pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
     auto* row = reinterpret_cast<uint4*>(dst);
 #pragma unroll
-    for (int s = 0; s < N / 16; ++s) {
-      const uint4 v = make_uint4(w[4 * s], w[4 * s + 1], w[4 * s + 2], w[4 * s + 3]);
-      if constexpr (kStream)
-        __stcs(row + 4 * s + q4, v);
-      else
-        row[4 * s + q4] = v;
-    }
+    for (int s = 0; s < N / 16; ++s) __stcs(row + 4 * s + q4, make_uint4(w[4 * s], w[4 * s + 1], w[4 * s + 2], w[4 * s + 3]));
   }
 };
 

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -18,7 +17,7 @@
 #include "cuda/common/workspace_cache.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "cuda/query_sparse/launch.hpp"
-#include "cuda/query_sparse/merge_window.hpp"
+#include "plan/merge_window.hpp"
 
 namespace sparse_attn::cuda_backend {
 namespace {
@@ -34,29 +33,27 @@ struct DeviceGuard : cuda_kernels::DeviceGuard {
   explicit DeviceGuard(int device) : cuda_kernels::DeviceGuard(device, kOp) {}
 };
 
-// Query bands forced by set_query_sparse_bands (0: resolve_query_bands decides).
-std::atomic<int> g_forced_bands{0};
-
-// Query bands of the reverse index's bins with merge window `win` (merge_window.hpp).
-int bands_of(const ProblemShape& p, std::int64_t Kq, int win) {
-  return resolve_query_bands(p.Lq, p.group_size(), p.D, 2, p.Tk(), Kq, win,
-                             g_forced_bands.load(std::memory_order_relaxed));
+// Query bands of the reverse index's bins with merge window `win` (merge_window.hpp); `forced` as
+// QuerySparseTuning::query_bands.
+int bands_of(const ProblemShape& p, std::int64_t Kq, int win, int forced) {
+  return resolve_query_bands(p.Lq, p.group_size(), p.D, 2, p.Tk(), Kq, win, forced);
 }
 
 // Byte offsets of the workspace's arrays; each starts on a 256-byte boundary. The index arrays are
-// sized for the most bins any merge window the lists allow makes (max_merge_bins), or the banded
-// blocks without merging if those are more, so one workspace size serves every window; merged holds
-// the merged lists (absent when Kq is too large to merge).
+// sized for the most bins any merge window the lists allow makes (max_merge_bins), or `bands` bands
+// of blocks if those are more: sized with the bands the tuning gives without merging, one workspace
+// serves every window, and a plan's bins (whose bands are no more) fit it. merged holds the merged
+// lists (absent when Kq is too large to merge).
 struct Layout {
   std::int64_t nblk = 0, slots = 0, rows = 0, max_items = 0;
   std::size_t counts = 0, offsets = 0, item_offsets = 0, entries = 0, items = 0, bad = 0, lse = 0, part = 0,
               merged = 0, queue = 0, total = 0;
 };
 
-Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
+Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec, int bands) {
   Layout l;
   const bool can_merge = Kq <= kMaxMergeSlots;
-  l.nblk = p.B * p.Hkv * std::max(max_merge_bins(p.Tk(), Kq), bands_of(p, Kq, 1) * p.Tk());
+  l.nblk = p.B * p.Hkv * std::max(max_merge_bins(p.Tk(), Kq), bands * p.Tk());
   l.slots = p.B * p.Hkv * p.Lq * Kq;
   l.rows = l.slots * p.group_size();
   l.max_items = ceil_div(l.rows, qs::kRowsPerItem) + l.nblk;
@@ -80,11 +77,11 @@ Layout layout(const ProblemShape& p, std::int64_t Kq, PartialPrecision prec) {
   return l;
 }
 
-void check_shape(const ProblemShape& p, std::int64_t Kq) {
+void check_shape(const ProblemShape& p, std::int64_t Kq, int bands) {
   require(p.D == 64 || p.D == 128, kOp, "q",
           [&] { return "the CUDA backend implements head dim 64 and 128, got " + std::to_string(p.D); });
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
-  const Layout l = layout(p, Kq, PartialPrecision::f32);
+  const Layout l = layout(p, Kq, PartialPrecision::f32, bands);
   require(p.Lq <= kIntMax && p.Lk <= kIntMax && p.Lq * Kq <= kIntMax && l.rows <= kIntMax && l.max_items <= kIntMax,
           kOp, "lists.idx",
           [&] { return
@@ -92,17 +89,17 @@ void check_shape(const ProblemShape& p, std::int64_t Kq) {
               " slots per query"; });
 }
 
-int merge_window_of(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
-  return resolve_merge_window(p, Kq, options.merge_window, kOp, "options.merge_window");
-}
-
-qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
-                       const QuerySparseOptions& options) {
+qs::Params base_params(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins, void* workspace,
+                       std::size_t bytes, const QuerySparseOptions& options) {
   const std::int64_t Kq = lists.idx.shape[3];
   const PartialPrecision prec = options.partials;
-  const int win = merge_window_of(p, Kq, options);
-  check_shape(p, Kq);
-  const Layout l = layout(p, Kq, prec);
+  // Bins a plan can have made: a window the lists allow, and bands that resolve to themselves.
+  const int win = resolve_merge_window(p, Kq, bins.window, kOp, "bins.window");
+  require(bins.bands >= 1 && bands_of(p, Kq, win, bins.bands) == bins.bands, kOp, "bins.bands",
+          [&] { return std::to_string(bins.bands) + " query bands are not a plan's for merge window " +
+                       std::to_string(win) + " and " + p.describe(); });
+  check_shape(p, Kq, bins.bands);
+  const Layout l = layout(p, Kq, prec, bins.bands);
   require(workspace != nullptr || l.total == 0, kOp, "workspace",
           [&] { return "is empty; it needs " + std::to_string(l.total) + " bytes"; });
   require(bytes >= l.total, kOp, "workspace",
@@ -120,7 +117,7 @@ qs::Params base_params(const ProblemShape& p, const QueryLists& lists, void* wor
   q.offset = p.offset();
   q.causal = p.causal;
   q.win = win;
-  q.bands = bands_of(p, Kq, win);
+  q.bands = bins.bands;
   q.band_queries = static_cast<int>(ceil_div(p.Lq, static_cast<std::int64_t>(q.bands)));
   q.bins = static_cast<int>(merge_bins(p.Tk(), win) * q.bands);
   q.nblk = p.B * p.Hkv * q.bins;
@@ -296,37 +293,36 @@ void query_sparse_group(const ProblemShape& p, const TensorView& q, const Tensor
              "group_centric launch");
 }
 
-void set_query_sparse_attend_hints(unsigned hints) { qs::set_attend_cache_hints(hints); }
-void set_query_sparse_attend_grid(int ctas) { qs::set_attend_grid_cap(ctas); }
-void set_query_sparse_bands(int bands) { g_forced_bands.store(bands > 0 ? bands : 0, std::memory_order_relaxed); }
-
-std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials) {
-  return layout(p, Kq, partials).total;
+QuerySparseBins query_sparse_bins(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options,
+                                  const detail::QuerySparseTuning& tuning) {
+  const int win = resolve_merge_window(p, Kq, options.merge_window, kOp, "options.merge_window");
+  return {win, bands_of(p, Kq, win, tuning.query_bands)};
 }
 
-int query_sparse_merge_window(const ProblemShape& p, std::int64_t Kq, const QuerySparseOptions& options) {
-  return merge_window_of(p, Kq, options);
+std::size_t query_sparse_workspace_bytes(const ProblemShape& p, std::int64_t Kq, PartialPrecision partials,
+                                         const detail::QuerySparseTuning& tuning) {
+  return layout(p, Kq, partials, bands_of(p, Kq, 1, tuning.query_bands)).total;
 }
 
-void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
-                       const QuerySparseOptions& options) {
+void query_sparse_plan(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins, void* workspace,
+                       std::size_t bytes, const QuerySparseOptions& options) {
   require(lists.idx.device == Device::cuda, kOp, "lists.idx",
           [&] { return "must be on the device, got " + lists.idx.describe(); });
   DeviceGuard guard(lists.idx.device_index);
   const auto stream = static_cast<cudaStream_t>(options.stream);
-  const qs::Params q = base_params(p, lists, workspace, bytes, options);
+  const qs::Params q = base_params(p, lists, bins, workspace, bytes, options);
   if (!options.trusted && q.slots > 0) validate_on_device(q, stream);
   check_cuda(qs::launch_reverse_index(q, stream), "reverse index launch");
 }
 
 void query_sparse_attend(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                         const QueryLists& lists, void* workspace, std::size_t bytes, float scale,
-                         const QuerySparseOptions& options) {
+                         const QueryLists& lists, const QuerySparseBins& bins, void* workspace, std::size_t bytes,
+                         float scale, const QuerySparseOptions& options, const detail::QuerySparseTuning& tuning) {
   check_rows("q", q);
   check_rows("k", k);
   check_rows("v", v);
   DeviceGuard guard(q.device_index);
-  qs::Params prm = base_params(p, lists, workspace, bytes, options);
+  qs::Params prm = base_params(p, lists, bins, workspace, bytes, options);
   if (prm.slots == 0) return;
   prm.q = q.data;
   prm.k = k.data;
@@ -338,7 +334,7 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
   }
   prm.scale = scale;
   prm.scale_log2 = scale * 1.4426950408889634f;  // log2(e)
-  const Layout l = layout(p, lists.idx.shape[3], options.partials);
+  const Layout l = layout(p, lists.idx.shape[3], options.partials, bins.bands);
   const CUtensorMap tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", k);
   const CUtensorMap tm_v = cuda_kernels::make_bhld_tensor_map(kOp, "v", v);
   int sms = 0;
@@ -351,15 +347,16 @@ void query_sparse_attend(const ProblemShape& p, const TensorView& q, const Tenso
           [&] { return
               "the KV-centric attention kernel needs " + std::to_string(smem) + " bytes of shared memory per CTA, the "
               "device offers " + std::to_string(optin) + " (it is built for Hopper, sm_90a)"; });
+  const int ctas = tuning.attend_max_ctas > 0 ? std::min(tuning.attend_max_ctas, sms) : sms;
   check_cuda(qs::launch_attend(prm, q.dtype == DType::bf16, static_cast<int>(p.D),
-                               options.partials == PartialPrecision::bf16, &tm_k, &tm_v, sms, l.max_items,
+                               options.partials == PartialPrecision::bf16, &tm_k, &tm_v, ctas, l.max_items,
                                static_cast<cudaStream_t>(options.stream)),
              "attention launch");
 }
 
-void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* workspace, std::size_t bytes,
-                          const TensorView& out, const std::optional<TensorView>& lse,
-                          const QuerySparseOptions& options) {
+void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, const QuerySparseBins& bins,
+                          void* workspace, std::size_t bytes, const TensorView& out,
+                          const std::optional<TensorView>& lse, const QuerySparseOptions& options) {
   require(out.device == Device::cuda, kOp, "out",
           [&] { return "the CUDA backend needs device tensors, got " + out.describe(); });
   require(out.dtype == DType::bf16 || out.dtype == DType::f16, kOp, "out",
@@ -367,7 +364,7 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
   if (lse) require(lse->device == Device::cuda, kOp, "lse",
                    [&] { return "must be on the device, got " + lse->describe(); });
   DeviceGuard guard(out.device_index);
-  qs::Params prm = base_params(p, lists, workspace, bytes, options);
+  qs::Params prm = base_params(p, lists, bins, workspace, bytes, options);
   prm.out = out.data;
   for (int i = 0; i < 3; ++i) prm.out_stride[i] = out.stride[i];
   if (lse) {
@@ -381,21 +378,23 @@ void query_sparse_combine(const ProblemShape& p, const QueryLists& lists, void* 
 
 void query_sparse(const ProblemShape& p, const TensorView& q, const TensorView& k, const TensorView& v,
                   const QueryLists& lists, const TensorView& out, const std::optional<TensorView>& lse,
-                  const QuerySparseOptions& options) {
+                  const QuerySparseOptions& options, const detail::QuerySparseTuning& tuning) {
   if (options.schedule == QuerySchedule::group_centric)
     return query_sparse_group(p, q, k, v, lists, out, lse, options);
   require(options.schedule == QuerySchedule::kv_centric, kOp, "options.schedule",
           [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
   check_rows("q", q);
-  check_shape(p, lists.idx.shape[3]);
+  const std::int64_t Kq = lists.idx.shape[3];
+  const QuerySparseBins bins = query_sparse_bins(p, Kq, options, tuning);
+  check_shape(p, Kq, bins.bands);
   const float scale = resolve_scale(kOp, options.softmax_scale, p.D);
-  const std::size_t need = query_sparse_workspace_bytes(p, lists.idx.shape[3], options.partials);
+  const std::size_t need = query_sparse_workspace_bytes(p, Kq, options.partials, tuning);
   DeviceGuard guard(q.device_index);
   std::lock_guard<std::mutex> lock(g_workspaces.mutex());
   void* ws = g_workspaces.get(kOp, q.device_index, options.stream, need);
-  query_sparse_plan(p, lists, ws, need, options);
-  query_sparse_attend(p, q, k, v, lists, ws, need, scale, options);
-  query_sparse_combine(p, lists, ws, need, out, lse, options);
+  query_sparse_plan(p, lists, bins, ws, need, options);
+  query_sparse_attend(p, q, k, v, lists, bins, ws, need, scale, options, tuning);
+  query_sparse_combine(p, lists, bins, ws, need, out, lse, options);
 }
 
 }  // namespace sparse_attn::cuda_backend

@@ -24,6 +24,7 @@
 // above runs over those lists and bins (index_view) instead of the blocks.
 #include <cuda_runtime.h>
 
+#include "cuda/common/smem_limit.hpp"
 #include "cuda/query_sparse/kernels.cuh"
 #include "cuda/query_sparse/launch.hpp"
 
@@ -43,7 +44,6 @@ constexpr int kIndexCtasPerSm = 8;
 // up to 1.5 M keys.
 constexpr int kHistBins = 12 * 1024;
 constexpr int kScanPer = 8;  // counters per thread and scan tile
-constexpr std::size_t kDefaultSmem = 48 * 1024;  // shared memory per CTA without an opt-in
 // The staged fill's shared memory: 34 KB for query-long's 256 bins and 4096-slot chunks (six CTAs
 // per SM); up to 96 KB (Tk around 2000) before it falls back to storing entries from the cursors.
 constexpr std::size_t kStagedSmem = 96 * 1024;
@@ -348,24 +348,13 @@ int grid_for(long long n, int threads) {
   return static_cast<int>(g < 1 ? 1 : (g > 65536 ? 65536 : g));
 }
 
-// A CTA gets 48 KB of shared memory without an opt-in, its static shared memory included: past that the
-// kernel's dynamic limit is raised to `dynamic`.
-template <class Kernel>
-cudaError_t allow_dynamic_smem(Kernel* kernel, std::size_t dynamic) {
-  cudaFuncAttributes fa{};
-  const cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
-  if (e != cudaSuccess || dynamic + fa.sharedSizeBytes <= kDefaultSmem) return e;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic));
-}
-
 template <FillMode kMode>
 cudaError_t launch_fill(const Params& p, int chunk, int ctas_per_bg, unsigned grid, cudaStream_t stream) {
   std::size_t smem = 0;
   if constexpr (kMode == FillMode::staged) smem = staged_bytes(p.bins, chunk);
   if constexpr (kMode == FillMode::shared_cursors) smem = sizeof(int) * static_cast<std::size_t>(p.bins);
-  if (const cudaError_t e = allow_dynamic_smem(fill_kernel<kMode>, smem); e != cudaSuccess) return e;
-  fill_kernel<kMode><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg);
-  return cudaGetLastError();
+  return launch_with_smem(fill_kernel<kMode>, smem,
+                          [&] { fill_kernel<kMode><<<grid, kIndexThreads, smem, stream>>>(p, chunk, ctas_per_bg); });
 }
 
 }  // namespace
@@ -400,11 +389,12 @@ cudaError_t launch_reverse_index(const Params& full, cudaStream_t stream) {
   const bool shared = p.bins <= kHistBins;
   if (shared) {
     const std::size_t hist = sizeof(int) * static_cast<std::size_t>(p.bins);
-    if ((e = allow_dynamic_smem(count_kernel<true>, hist)) != cudaSuccess) return e;
-    count_kernel<true><<<g, kIndexThreads, hist, stream>>>(p, ck, cpb);
-  } else
+    e = launch_with_smem(count_kernel<true>, hist, [&] { count_kernel<true><<<g, kIndexThreads, hist, stream>>>(p, ck, cpb); });
+  } else {
     count_kernel<false><<<g, kIndexThreads, 0, stream>>>(p, ck, cpb);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) return e;
   if (shared && staged_bytes(p.bins, ck) <= kStagedSmem) return launch_fill<FillMode::staged>(p, ck, cpb, g, stream);
   if (shared) return launch_fill<FillMode::shared_cursors>(p, ck, cpb, g, stream);
   return launch_fill<FillMode::global_atomics>(p, ck, cpb, g, stream);

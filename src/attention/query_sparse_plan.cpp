@@ -5,7 +5,7 @@
 
 #include "attention/cpu_backend.hpp"
 #include "core/check.hpp"
-#include "cuda/query_sparse/merge_window.hpp"
+#include "plan/merge_window.hpp"
 #include "sparse_attn/plan.hpp"
 #if defined(SPARSE_ATTN_WITH_CUDA)
 #include "cuda/query_sparse/backend.hpp"
@@ -90,12 +90,15 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
   detail::check_tensor(op, "workspace", workspace, 1, {DType::u8});
   detail::check_same_device(op, "workspace", workspace, "q", q);
   require(workspace.stride[0] == 1, op, "workspace", [&] { return "must be contiguous, got " + workspace.describe(); });
+  const cuda_backend::QuerySparseBins bins = cuda_backend::query_sparse_bins(p, plan.Kq, options);
   const std::size_t need = cuda_backend::query_sparse_workspace_bytes(p, plan.Kq, options.partials);
   require(static_cast<std::size_t>(workspace.shape[0]) >= need, op, "workspace",
           [&] { return
               "holds " + std::to_string(workspace.shape[0]) + " bytes; this problem needs " + std::to_string(need) +
               " (query_sparse_workspace_bytes)"; });
-  cuda_backend::query_sparse_plan(p, lists, workspace.data, static_cast<std::size_t>(workspace.shape[0]), options);
+  cuda_backend::query_sparse_plan(p, lists, bins, workspace.data, static_cast<std::size_t>(workspace.shape[0]),
+                                  options);
+  plan.query_bands = bins.bands;
   plan.workspace = workspace;
   plan.planned = true;
   return plan;
@@ -141,8 +144,9 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
   }
 #if defined(SPARSE_ATTN_WITH_CUDA)
   const auto bytes = static_cast<std::size_t>(plan.workspace.shape[0]);
-  cuda_backend::query_sparse_attend(p, q, k, v, plan.lists, plan.workspace.data, bytes, scale, options);
-  cuda_backend::query_sparse_combine(p, plan.lists, plan.workspace.data, bytes, out, lse, options);
+  const cuda_backend::QuerySparseBins bins{plan.merge_window, plan.query_bands};
+  cuda_backend::query_sparse_attend(p, q, k, v, plan.lists, bins, plan.workspace.data, bytes, scale, options);
+  cuda_backend::query_sparse_combine(p, plan.lists, bins, plan.workspace.data, bytes, out, lse, options);
 #else
   detail::unsupported_device(op, "q", q);
 #endif

@@ -1,5 +1,5 @@
 // The split tail's cost model (host only): which units of the last, partial wave are cut into pieces.
-// Used by launcher.cu; tested on the CPU (tests/cpu/test_split_tail.cpp).
+// Used by src/cuda/attention/launcher.cu; tested on the CPU (tests/cpu/test_split_tail.cpp).
 #pragma once
 
 #include <algorithm>

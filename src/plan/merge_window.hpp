@@ -1,6 +1,7 @@
 // Merged slots of the KV-centric query_sparse (host only): the choice of the merge window, and of the
 // query bands of the reverse index's bins when it does not merge. Used by
-// query_sparse.cu and the plan; tested on the CPU (tests/cpu/test_merge_window.cpp).
+// src/cuda/query_sparse/query_sparse.cu, the planner and the query_sparse front end (src/attention);
+// tested on the CPU (tests/cpu/test_merge_window.cpp).
 //
 // With a merge window of W blocks, a query's chosen blocks that fall in one window of W consecutive
 // blocks (window w: blocks [W w, W w + W)) form one piece: the attention kernel runs the online softmax
