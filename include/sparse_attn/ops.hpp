@@ -17,6 +17,18 @@
 // An operator that has no implementation for the tensors' device throws Error; it never falls back
 // silently.
 //
+// Non-finite scores (DESIGN §2): a row whose visible, selected keys include a NaN or +inf score
+// (scale * q.k in float32: NaN in q or k, +inf in k, or finite inputs whose score or scaled score
+// overflows float32) gets NaN in every element of out and in lse, on every backend and executor
+// (gated, entmax included). A -inf score weighs 0; a row with no visible, selected key, or only -inf
+// scores, gets out = 0 and lse = -inf. NaN or inf in v reaches out (not lse) of the rows that visit
+// its block.
+//
+// Outputs must not share memory with any other argument: out and lse (and gated's kept_per_tile,
+// entmax's block_bits) are checked against q, k, v, the selection's tensors and each other by the
+// byte span of each view (base + sum of (extent - 1) * |stride| * itemsize); an overlap throws Error
+// naming the operator, the output, the other argument and the bytes shared. Inputs may overlap.
+//
 // Validation of TileLists on the GPU is deferred: a tile_sparse call that is not `trusted` checks
 // each tile's list inside the attention kernel, by the CPU's rules (count in [0, Kmax], ids in
 // [0, Tk) and strictly ascending), without a host round trip, so it costs about what a trusted call
@@ -171,8 +183,9 @@ struct EntmaxStats {
   std::int64_t support = 0;        // (query, key) pairs with nonzero weight
 };
 
-/// p = [(alpha - 1) z - tau]_+^(1 / (alpha - 1)) per row, out = p V. Exact: equal to full-context
-/// entmax up to rounding. Rows that see no key (causal with Lq > Lk) give out = 0.
+/// p = [(alpha - 1) z - tau]_+^(1 / (alpha - 1)) per row, out = p V. Exact for any alpha > 1: equal to
+/// full-context entmax up to rounding (alpha = 1.01 to 1000 tested). Rows that see no key (causal with
+/// Lq > Lk) give out = 0; rows with a NaN or +inf score give NaN (and mark no tile in block_bits).
 EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v,
                    const TensorView& out, const EntmaxOptions& options = {});
 

@@ -75,7 +75,8 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
 
 /// Attention and combine of a plan: q, k, v and out must have the plan's shapes and q's device;
 /// options.stream, softmax_scale, causal, partials and merge_window (as resolved) must match the plan's
-/// (Error otherwise).
+/// (Error otherwise); out and lse must not share memory with q, k, v, each other or the plan's lists
+/// and workspace (ops.hpp).
 void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const TensorView& k,
                       const TensorView& v, const TensorView& out,
                       const std::optional<TensorView>& lse = std::nullopt,

@@ -215,29 +215,73 @@ def calibrate(samples, budgets, softmax_scale=None):
 
 def entmax_probs(z, alpha):
     """alpha-entmax of each row of z (float64, -inf = masked): p = [(alpha - 1) z - tau]_+^(1/(alpha-1))
-    with sum p = 1. Sorting gives tau exactly for alpha = 2 (sparsemax) and alpha = 1.5; other
-    alphas bisect on tau (all rows at once) to float64 resolution. Rows without a finite entry give
+    with sum p = 1. Sorting gives tau exactly for alpha = 2 (sparsemax) and alpha = 1.5; other alphas
+    go row by row through _entmax_row, which never forms tau itself. Rows without a finite entry give
     zeros."""
     z = _f64(z)
     shape = z.shape
     rows = z.reshape(-1, shape[-1])
     out = np.zeros_like(rows)
     live = np.isfinite(rows).any(axis=1)
-    x = (alpha - 1.0) * rows[live]                      # -inf stays -inf and never contributes
-    power = 1.0 / (alpha - 1.0)
     if alpha in (1.5, 2.0):
+        x = (alpha - 1.0) * rows[live]                  # -inf stays -inf and never contributes
         tau = np.array([_entmax_tau(r[np.isfinite(r)], alpha) for r in x])
+        out[live] = np.maximum(x - tau[:, None], 0.0) ** (1.0 / (alpha - 1.0))
     else:
-        hi = x.max(axis=1)                              # nothing above tau: sum 0
-        lo = hi - 1.0                                   # the top entry alone contributes 1
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            total = (np.maximum(x - mid[:, None], 0.0) ** power).sum(axis=1)
-            lo = np.where(total >= 1.0, mid, lo)
-            hi = np.where(total >= 1.0, hi, mid)
-        tau = 0.5 * (lo + hi)
-    out[live] = np.maximum(x - tau[:, None], 0.0) ** power
+        for i in np.flatnonzero(live):
+            finite = np.isfinite(rows[i])
+            out[i, finite] = _entmax_row(rows[i, finite], alpha)
     return out.reshape(shape)
+
+
+def _logsumexp(t):
+    m = t.max()
+    return m if m == -np.inf else m + np.log(np.exp(t - m).sum())
+
+
+def _entmax_row(z, alpha):
+    """Weights of one row of finite scores. For large alpha the weight of the support's smallest score
+    z_s hangs on eps = (alpha - 1) z_s - tau far below the rounding of tau (1e-35 next to 29 at
+    alpha = 30), so the row is solved relative to z_s: the support is the largest s whose mass at
+    tau = (alpha - 1) z_s is below 1, and log eps is bisected so that
+    sum ((alpha - 1)(z_i - z_s) + eps)^r = 1, everything in log space (r = 1 / (alpha - 1))."""
+    am1 = alpha - 1.0
+    r = 1.0 / am1
+    order = np.argsort(-z, kind="stable")
+    xs = z[order]
+    n = len(xs)
+
+    def log_mass_at(k):  # tau = (alpha - 1) xs[k]
+        d = am1 * (xs[:k] - xs[k])
+        d = d[d > 0]
+        return _logsumexp(r * np.log(d)) if d.size else -np.inf
+
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if log_mass_at(mid) < 0 else (lo, mid - 1)
+    s = lo + 1
+    d = am1 * (xs[:s] - xs[s - 1])
+    with np.errstate(divide="ignore"):
+        ld = np.log(d)                                  # -inf for the anchor and its ties
+
+    def log_mass(lam):
+        return _logsumexp(r * np.logaddexp(ld, lam))
+
+    lam_hi = 0.0 if s == n else min(0.0, np.log(am1 * (xs[s - 1] - xs[s])))  # eps <= 1, tau >= next
+    step = 1.0
+    lam_lo = lam_hi - step
+    while log_mass(lam_lo) >= 0:                        # G(-inf) < 0: double down to a bracket
+        lam_hi, step = lam_lo, 2 * step
+        lam_lo = lam_hi - step
+    for _ in range(200):
+        mid = 0.5 * (lam_lo + lam_hi)
+        if mid in (lam_lo, lam_hi):
+            break
+        lam_lo, lam_hi = (lam_lo, mid) if log_mass(mid) >= 0 else (mid, lam_hi)
+    w = np.zeros(n)
+    w[order[:s]] = np.exp(r * np.logaddexp(ld, lam_hi))
+    return w
 
 
 def _entmax_tau(x, alpha):

@@ -14,6 +14,12 @@
 // Causal visibility inside a contiguous block is a prefix of its keys for each row (key j is visible
 // iff start + j <= limit), so masking is a per-row length, never a -inf fill; rows whose prefix is
 // empty leave their state untouched, which is how "sees no key -> out 0, lse -inf" falls out.
+//
+// Non-finite scores (DESIGN §2): exp_f32 passes NaN through, so a NaN score, or a +inf one (inf - inf
+// against the max it raised), makes the row's l NaN for good; a -inf score weighs 0. finalize_row
+// tells "no key" (m = -inf and l = 0) from every other state, in which it divides by l: a NaN l, or
+// l = 0 under a max whose scaled value overflowed to +inf (every p underflowed), gives NaN out and
+// lse.
 #pragma once
 
 #include <algorithm>
@@ -55,15 +61,16 @@ inline float fmadd(float a, float b, float c) {
 /// -ffast-math, and neither do floor or float->int conversions under -ftrapping-math, so rounding
 /// uses the 1.5 * 2^23 shift). Cody-Waite reduction by ln 2 and the Cephes degree-5 minimax
 /// polynomial: within 1.3 ulp of exp over [-87, 88] (tested). Results below FLT_MIN (x < -87.3)
-/// are flushed to 0 and -inf gives 0: in a softmax they sit next to a term equal to 1.
+/// are flushed to 0 and -inf gives 0: in a softmax they sit next to a term equal to 1. NaN gives NaN
+/// (the comparisons are written so that a NaN x falls through them).
 inline float exp_f32(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;  // few mantissa bits: n * kLn2Hi is exact
   constexpr float kLn2Lo = -2.12194440e-4f;
   constexpr float kMin = -87.3f, kMax = 88.0f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, kept in the low bits
-  const float lo = x > kMin ? x : kMin;
-  const float xc = lo < kMax ? lo : kMax;
+  const float lo = x < kMin ? kMin : x;
+  const float xc = lo > kMax ? kMax : lo;
   const float shifted = fmadd(xc, kLog2e, kRound);
   const float n = shifted - kRound;
   float r = xc - n * kLn2Hi;
@@ -79,7 +86,7 @@ inline float exp_f32(float x) {
   const float two_n = std::bit_cast<float>(biased << 23);
   // The underflow flush is an integer mask: a floating select would become a branch (the multiply
   // may trap), and the branch would keep the loop from vectorising.
-  const std::uint32_t keep = x >= kMin ? 0xffffffffu : 0u;
+  const std::uint32_t keep = x < kMin ? 0u : 0xffffffffu;
   return std::bit_cast<float>(std::bit_cast<std::uint32_t>(p * two_n) & keep);
 }
 
@@ -298,9 +305,13 @@ inline void softmax_row(RowTile& t, std::int64_t r, std::int64_t n, std::int64_t
   for (; j < nv; ++j) mx = std::max(mx, srow[j]);
   for (std::int64_t jj = 0; jj < kColChunk; ++jj) mx = std::max(mx, lanes[jj]);
 
+  // The max passes over NaN (std::max with the running value first), so m is never NaN.
   const float m_new = std::max(t.m[ri], mx * scale);
-  const float a = exp_f32(t.m[ri] - m_new);  // m = -inf on the first visible block: a = 0
-  for (j = 0; j < nv; ++j) srow[j] = exp_f32(fmadd(srow[j], scale, -m_new));
+  // While every score seen is -inf, m stays -inf: subtracting 0 instead makes p = exp(-inf) = 0
+  // rather than NaN (-inf - -inf).
+  const float base = m_new == kNegInf ? 0.0f : m_new;
+  const float a = exp_f32(t.m[ri] - base);  // m = -inf on the first visible block: a = 0
+  for (j = 0; j < nv; ++j) srow[j] = exp_f32(fmadd(srow[j], scale, -base));
 
   std::fill(lanes, lanes + kColChunk, 0.0f);
   for (j = 0; j + kColChunk <= nv; j += kColChunk)
@@ -349,11 +360,12 @@ inline void block_step(RowTile& t, const KVView& kv, float scale, bool causal_pr
   }
 }
 
-/// Output row r (D floats) and its LSE: 0 and -inf for a row that saw no key.
+/// Output row r (D floats) and its LSE: 0 and -inf for a row that saw no key; NaN for a row with a
+/// NaN or +inf score, or whose scaled max overflowed.
 inline float finalize_row(const RowTile& t, std::int64_t r, float* out_row) {
   const auto ri = static_cast<std::size_t>(r);
   const float l = t.l[ri];
-  if (!(l > 0.0f)) {
+  if (l == 0.0f && t.m[ri] == kNegInf) {
     std::fill(out_row, out_row + t.D, 0.0f);
     return kNegInf;
   }

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -204,11 +205,17 @@ void query_sparse(const AttentionCall& a, const QueryCall& c, std::int64_t parti
           std::vector<float> acc(static_cast<std::size_t>(p.D));
           for (std::int64_t hh = 0; hh < group; ++hh) {
             const std::int64_t h = g * group + hh;
+            // A NaN partial (a NaN or +inf score in that block) makes the row NaN; -inf ones are empty.
             float m = attn::kNegInf;
-            for (std::int64_t s = 0; s < Kq; ++s) m = std::max(m, partials.lse(qi, s, hh));
-            float lse = attn::kNegInf;
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            if (m != attn::kNegInf) {
+            bool nan = false;
+            for (std::int64_t s = 0; s < Kq; ++s) {
+              m = std::max(m, partials.lse(qi, s, hh));
+              nan = nan || std::isnan(partials.lse(qi, s, hh));
+            }
+            constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+            float lse = nan ? kNaN : attn::kNegInf;
+            std::fill(acc.begin(), acc.end(), nan ? kNaN : 0.0f);
+            if (!nan && m != attn::kNegInf) {
               float sum = 0.0f;
               for (std::int64_t s = 0; s < Kq; ++s) sum += attn::exp_f32(partials.lse(qi, s, hh) - m);
               lse = m + std::log(sum);

@@ -5,6 +5,7 @@
 #include <string>
 #include <type_traits>
 #include <variant>
+#include <vector>
 
 #include "attention/cpu_backend.hpp"
 #include "core/call.hpp"
@@ -61,11 +62,23 @@ void raise_pending_fault(const std::string& op, const TensorView& q, const Atten
 #endif
 }
 
+// The selection's tensors by argument name: out and lse are written while they are read.
+std::vector<std::pair<const char*, TensorView>> tensors_of(const TileLists& s) {
+  return {{"tiles.idx", s.idx}, {"tiles.cnt", s.cnt}};
+}
+std::vector<std::pair<const char*, TensorView>> tensors_of(const BlockBits& s) { return {{"bits.bits", s.bits}}; }
+std::vector<std::pair<const char*, TensorView>> tensors_of(const QueryLists& s) { return {{"lists.idx", s.idx}}; }
+std::vector<std::pair<const char*, TensorView>> tensors_of(const TokenLists& s) { return {{"tokens.idx", s.idx}}; }
+
 template <class S>
-void check_selection(const std::string& op, const S& s, const ProblemShape& p, const TensorView& q,
+void check_selection(const std::string& op, const S& s, const detail::AttentionCall& a,
                      const AttentionOptions& options) {
-  check_structure(op, s, p, q);
-  if (!options.trusted) validate(s, p, op);
+  check_structure(op, s, a.p, a.q);
+  for (const auto& [name, t] : tensors_of(s)) {
+    detail::check_no_overlap(op, "out", a.out, name, t);
+    if (a.lse) detail::check_no_overlap(op, "lse", *a.lse, name, t);
+  }
+  if (!options.trusted) validate(s, a.p, op);
 }
 
 }  // namespace
@@ -85,7 +98,7 @@ void tile_sparse(const TensorView& q, const TensorView& k, const TensorView& v, 
                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = resolve_call("tile_sparse", q, k, v, out, lse, options);
   raise_pending_fault("tile_sparse", q, options);
-  check_selection("tile_sparse", tiles, a.p, q, options);
+  check_selection("tile_sparse", tiles, a, options);
   const detail::TileCall t{tiles, tiles.idx.shape[1], tiles.idx.shape[3]};
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::tile_sparse(a, t);
@@ -98,7 +111,7 @@ void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v, 
                  const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = resolve_call("bits_sparse", q, k, v, out, lse, options);
   raise_pending_fault("bits_sparse", q, options);
-  check_selection("bits_sparse", bits, a.p, q, options);
+  check_selection("bits_sparse", bits, a, options);
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::bits_sparse(a, bits);
 #endif
@@ -132,7 +145,7 @@ void query_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
   require(options.schedule == QuerySchedule::kv_centric || options.schedule == QuerySchedule::group_centric,
           "query_sparse", "options.schedule",
           [&] { return "unknown schedule " + std::to_string(static_cast<int>(options.schedule)); });
-  check_selection("query_sparse", lists, a.p, q, options);
+  check_selection("query_sparse", lists, a, options);
   const std::int64_t Kq = lists.idx.shape[3];
   // Checked on every device (the CPU reference computes the same attention without merging).
   const detail::QueryCall c{lists, Kq, options.partials, options.schedule,
@@ -149,7 +162,7 @@ void token_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, const std::optional<TensorView>& lse, const AttentionOptions& options) {
   const auto a = resolve_call("token_sparse", q, k, v, out, lse, options);
   raise_pending_fault("token_sparse", q, options);
-  check_selection("token_sparse", tokens, a.p, q, options);
+  check_selection("token_sparse", tokens, a, options);
   const detail::TokenCall t{tokens, tokens.idx.shape[3]};
 #if defined(SPARSE_ATTN_WITH_CUDA)
   if (q.device == Device::cuda) return cuda_backend::token_sparse(a, t);

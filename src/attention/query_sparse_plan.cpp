@@ -68,7 +68,7 @@ QuerySparsePlan query_sparse_plan(const TensorView& q, const TensorView& k, cons
                                   const QuerySparseOptions& options) {
   const std::string op = "query_sparse_plan";
   // The plan has no output yet; q stands in for it (same shape and dtype by definition).
-  const detail::AttentionCall a = detail::resolve_call(op, q, k, v, q, std::nullopt, options);
+  const detail::AttentionCall a = detail::resolve_call(op, q, k, v, q, std::nullopt, options, /*check_outputs=*/false);
   const ProblemShape& p = a.p;
   check_partials(op, options.partials);
   check_schedule(op, options.schedule);
@@ -116,6 +116,11 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
   require(plan.planned, op, "plan", "was not made by query_sparse_plan");
   const detail::AttentionCall a = detail::resolve_call(op, q, k, v, out, lse, options);
   const ProblemShape& p = a.p;
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"plan.lists.idx", &plan.lists.idx},
+                                {"plan.workspace", &plan.workspace}}) {
+    detail::check_no_overlap(op, "out", out, name, *t);
+    if (lse) detail::check_no_overlap(op, "lse", *lse, name, *t);
+  }
   const ProblemShape& s = plan.shape;
   require(p.B == s.B && p.Lq == s.Lq && p.Hq == s.Hq && p.D == s.D, op, "q", [&] { return shape_mismatch(p, s); });
   require(p.Lk == s.Lk && p.Hkv == s.Hkv, op, "k", [&] { return shape_mismatch(p, s); });

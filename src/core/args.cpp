@@ -49,7 +49,7 @@ ProblemShape check_qkv(const std::string& op, const TensorView& q, const TensorV
 
 AttentionCall resolve_call(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
                            const TensorView& out, const std::optional<TensorView>& lse,
-                           const AttentionOptions& options) {
+                           const AttentionOptions& options, bool check_outputs) {
   // float32 is a CPU-only input dtype; the device kernels take 16-bit inputs.
   const bool cpu = q.device == Device::cpu;
   AttentionCall a;
@@ -77,6 +77,13 @@ AttentionCall resolve_call(const std::string& op, const TensorView& q, const Ten
     detail::check_tensor(op, "lse", *lse, 3, {DType::f32});
     detail::check_shape(op, "lse", *lse, {p.B, p.Hq, p.Lq});
     detail::check_same_device(op, "lse", *lse, "q", q);
+  }
+  if (check_outputs) {
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+      detail::check_no_overlap(op, "out", out, name, *t);
+      if (lse) detail::check_no_overlap(op, "lse", *lse, name, *t);
+    }
+    if (lse) detail::check_no_overlap(op, "lse", *lse, "out", out);
   }
   a.scale_log2 = a.scale * 1.4426950408889634f;  // log2(e)
   a.device = q.device_index;

@@ -28,9 +28,11 @@ struct AttentionCall {
 };
 
 /// check_attention_args and the softmax scale of one call: Error naming `op` and the argument at fault.
+/// With `check_outputs`, out and lse must share no memory with q, k, v or each other; false only where
+/// there is no output yet (query_sparse_plan passes q in its place).
 AttentionCall resolve_call(const std::string& op, const TensorView& q, const TensorView& k, const TensorView& v,
                            const TensorView& out, const std::optional<TensorView>& lse,
-                           const AttentionOptions& options);
+                           const AttentionOptions& options, bool check_outputs = true);
 
 /// TileLists whose idx is [B, G, Tq, Kmax] and cnt [B, G, Tq] on q's device, G = Hkv or Hq.
 struct TileCall {

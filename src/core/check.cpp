@@ -1,5 +1,6 @@
 #include "core/check.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 namespace sparse_attn::detail {
@@ -91,6 +92,36 @@ void check_same_device(const std::string& op, const std::string& name, const Ten
   throw Error(op, name, std::string("is on ") + device_name(t.device) + ":" + std::to_string(t.device_index) +
                             " but '" + ref_name + "' is on " + device_name(ref.device) + ":" +
                             std::to_string(ref.device_index));
+}
+
+ByteSpan byte_span(const TensorView& t) {
+  if (!t.defined()) return {};
+  std::int64_t lo = 0, hi = 0;
+  for (int i = 0; i < t.ndim; ++i) {
+    const std::int64_t n = t.shape[static_cast<std::size_t>(i)], st = t.stride[static_cast<std::size_t>(i)];
+    if (n == 0) return {};
+    (st < 0 ? lo : hi) += (n - 1) * st;
+  }
+  const auto size = static_cast<std::int64_t>(dtype_size(t.dtype));
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data);
+  return {base + static_cast<std::uintptr_t>(lo * size), base + static_cast<std::uintptr_t>((hi + 1) * size)};
+}
+
+void check_no_overlap(const std::string& op, const std::string& out_name, const TensorView& out,
+                      const std::string& other_name, const TensorView& other) {
+  if (out.device != other.device || out.device_index != other.device_index) return;
+  const ByteSpan a = byte_span(out), b = byte_span(other);
+  const std::uintptr_t lo = std::max(a.begin, b.begin), hi = std::min(a.end, b.end);
+  if (a.begin == a.end || b.begin == b.end || lo >= hi) return;
+  const auto hex = [](std::uintptr_t x) {
+    std::ostringstream os;
+    os << "0x" << std::hex << x;
+    return os.str();
+  };
+  throw Error(op, out_name,
+              "overlaps '" + other_name + "' in memory: " + out_name + " spans bytes [" + hex(a.begin) + ", " +
+                  hex(a.end) + "), " + other_name + " [" + hex(b.begin) + ", " + hex(b.end) + "), " +
+                  std::to_string(hi - lo) + " bytes shared; an output must not share memory with any other argument");
 }
 
 void unsupported_device(const std::string& op, const std::string& name, const TensorView& t) {

@@ -12,6 +12,7 @@
 
 #include "sparse_attn/error.hpp"
 #include "sparse_attn/formats.hpp"
+#include "sparse_attn/ops.hpp"
 #include "sparse_attn/tensor.hpp"
 
 namespace sparse_attn::detail {
@@ -82,6 +83,19 @@ std::pair<std::string, std::string> tile_id_message(std::int32_t id, std::int32_
 std::optional<std::string> list_row_message(const std::int32_t* row, std::int64_t K, std::int64_t extent, bool tokens,
                                             std::int64_t b, std::int64_t g, std::int64_t i, std::int64_t r,
                                             std::vector<std::int64_t>& scratch);
+
+/// The bytes a view can touch, [begin, end): from base + the sum of (extent - 1) * stride * itemsize
+/// over its negative strides to one element past base + that sum over its positive strides. Empty
+/// (begin == end) when an extent is 0 or the view is undefined.
+struct ByteSpan {
+  std::uintptr_t begin = 0, end = 0;
+};
+ByteSpan byte_span(const TensorView& t);
+/// An output must not share memory with another argument of the call: throws Error(op, out_name)
+/// when the byte spans of `out` and `other` (on the same device) overlap, naming both and the bytes
+/// they share. Views that interleave without sharing an element are refused too.
+void check_no_overlap(const std::string& op, const std::string& out_name, const TensorView& out,
+                      const std::string& other_name, const TensorView& other);
 
 /// Throws the standard "no implementation on this device" error.
 [[noreturn]] void unsupported_device(const std::string& op, const std::string& name, const TensorView& t);

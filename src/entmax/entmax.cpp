@@ -5,7 +5,8 @@
 //   1. row max of z = scale * q.k over the visible keys;
 //   2. a histogram of the shifted scores u = (alpha - 1)(z - max z) + 1 over [0, 1]; its root tau_h
 //      satisfies tau* - h <= tau_h <= tau* (h = 1 / bins), so u > tau_h is a safe candidate set;
-//   3. the candidates' real scores, on which tau* and the exact support are solved;
+//   3. the candidates' real scores z, on which the exact support (the scores >= its smallest one) and
+//      the threshold relative to that smallest score are solved (threshold_solver.hpp);
 //   4. a BlockBits word set of the (tile, block) pairs holding any support entry;
 //   5. the output pass, which visits only the set bits (popcount, n-th set bit).
 #include <algorithm>
@@ -65,24 +66,28 @@ class EntmaxTile {
     histogram_bounds();
     const std::vector<std::vector<std::pair<std::int64_t, double>>> candidates = collect_candidates();
     std::fill(bits, bits + words_, 0u);
-    tau_.assign(static_cast<std::size_t>(R_), std::numeric_limits<double>::infinity());
+    roots_.assign(static_cast<std::size_t>(R_), detail::EntmaxRoot{});
     std::vector<double> x;
     for (std::int64_t r = 0; r < R_; ++r) {
       const auto& cand = candidates[static_cast<std::size_t>(r)];
-      if (cand.empty()) continue;  // the row sees no key
+      if (cand.empty()) continue;  // the row sees no key, or holds a NaN or +inf score
       x.resize(cand.size());
       for (std::size_t i = 0; i < cand.size(); ++i) x[i] = cand[i].second;
       std::sort(x.begin(), x.end(), std::greater<double>());
-      const detail::EntmaxRoot root = detail::solve_entmax_threshold(x.data(), nullptr, static_cast<std::int64_t>(x.size()), r_);
-      tau_[static_cast<std::size_t>(r)] = root.tau;
-      for (const auto& [key, u] : cand)
-        if (u > root.tau) {
+      const detail::EntmaxRoot root =
+          detail::solve_entmax_threshold(x.data(), nullptr, static_cast<std::int64_t>(x.size()), r_, am1_);
+      roots_[static_cast<std::size_t>(r)] = root;
+      for (const auto& [key, z] : cand)
+        if (z >= root.anchor) {
           ++counts.support;
           const std::int64_t j = key / kBlockK;
           bits[j / 32] |= 1u << (j % 32);
         }
     }
     output(out_rows, bits, counts);
+    for (std::int64_t r = 0; r < R_; ++r)
+      if (poisoned_[static_cast<std::size_t>(r)])
+        std::fill(out_rows + r * p_.D, out_rows + (r + 1) * p_.D, std::numeric_limits<float>::quiet_NaN());
     return counts;
   }
 
@@ -103,16 +108,26 @@ class EntmaxTile {
     return am1_ * (double(z) - double(zmax_[static_cast<std::size_t>(r)])) + 1.0;
   }
 
+  // Also finds the rows holding a NaN or +inf score (their output is NaN, DESIGN §2).
   void row_max() {
     zmax_.assign(static_cast<std::size_t>(R_), -std::numeric_limits<float>::infinity());
+    poisoned_.assign(static_cast<std::size_t>(R_), 0);
     for (std::int64_t j = 0; j < nblocks_; ++j) {
       const std::int64_t key0 = scores(j);
       for (std::int64_t r = 0; r < R_; ++r) {
         const float* sr = w_.s.data() + r * kBlockK;
         float& m = zmax_[static_cast<std::size_t>(r)];
-        for (std::int64_t c = 0, n = row_cols(r, key0); c < n; ++c) m = std::max(m, sr[c]);
+        char& bad = poisoned_[static_cast<std::size_t>(r)];
+        for (std::int64_t c = 0, n = row_cols(r, key0); c < n; ++c) {
+          m = std::max(m, sr[c]);
+          bad |= !(sr[c] < std::numeric_limits<float>::infinity());
+        }
       }
     }
+  }
+  // The row has a threshold to solve: it sees a key with a finite score and no NaN or +inf one.
+  bool live(std::int64_t r) const {
+    return !poisoned_[static_cast<std::size_t>(r)] && zmax_[static_cast<std::size_t>(r)] > -std::numeric_limits<float>::infinity();
   }
 
   void histogram_bounds() {
@@ -120,6 +135,7 @@ class EntmaxTile {
     for (std::int64_t j = 0; j < nblocks_; ++j) {
       const std::int64_t key0 = scores(j);
       for (std::int64_t r = 0; r < R_; ++r) {
+        if (!live(r)) continue;
         const float* sr = w_.s.data() + r * kBlockK;
         std::int64_t* hr = hist.data() + r * bins_;
         for (std::int64_t c = 0, n = row_cols(r, key0); c < n; ++c) {
@@ -134,7 +150,7 @@ class EntmaxTile {
     cut_.assign(static_cast<std::size_t>(R_), std::numeric_limits<double>::infinity());
     std::vector<double> edge, count;
     for (std::int64_t r = 0; r < R_; ++r) {
-      if (row_end_[static_cast<std::size_t>(r)] == 0) continue;
+      if (!live(r)) continue;
       edge.clear();
       count.clear();
       const std::int64_t* hr = hist.data() + r * bins_;
@@ -144,8 +160,8 @@ class EntmaxTile {
           count.push_back(double(hr[bin]));
         }
       const detail::EntmaxRoot root =
-          detail::solve_entmax_threshold(edge.data(), count.data(), static_cast<std::int64_t>(edge.size()), r_);
-      cut_[static_cast<std::size_t>(r)] = root.tau - kCandidateSlack;
+          detail::solve_entmax_threshold(edge.data(), count.data(), static_cast<std::int64_t>(edge.size()), r_, 1.0);
+      cut_[static_cast<std::size_t>(r)] = root.tau() - kCandidateSlack;
     }
   }
 
@@ -157,8 +173,7 @@ class EntmaxTile {
         const float* sr = w_.s.data() + r * kBlockK;
         const double cut = cut_[static_cast<std::size_t>(r)];
         for (std::int64_t c = 0, n = row_cols(r, key0); c < n; ++c) {
-          const double u = shifted(r, sr[c]);
-          if (u > cut) cand[static_cast<std::size_t>(r)].emplace_back(key0 + c, u);
+          if (shifted(r, sr[c]) > cut) cand[static_cast<std::size_t>(r)].emplace_back(key0 + c, double(sr[c]));
         }
       }
     }
@@ -178,13 +193,13 @@ class EntmaxTile {
         const std::int64_t C = detail::kv_block_keys(p_, j).size();
         for (std::int64_t c = 0; c < C; ++c) detail::load_bhld(v_, b_, key0 + c, hk_, w_.v.data() + c * D);
         for (std::int64_t r = 0; r < R_; ++r) {
+          const detail::EntmaxRoot& root = roots_[static_cast<std::size_t>(r)];
+          if (root.support == 0) continue;
           const float* sr = w_.s.data() + r * kBlockK;
-          const double tau = tau_[static_cast<std::size_t>(r)];
           float* orow = out_rows + r * D;
           for (std::int64_t c = 0, nc = row_cols(r, key0); c < nc; ++c) {
-            const double u = shifted(r, sr[c]);
-            if (!(u > tau)) continue;
-            const float pw = static_cast<float>(std::pow(u - tau, r_));
+            if (!(double(sr[c]) >= root.anchor)) continue;
+            const float pw = static_cast<float>(root.weight(sr[c]));
             const float* vc = w_.v.data() + c * D;
             for (std::int64_t d = 0; d < D; ++d) orow[d] += pw * vc[d];
           }
@@ -205,7 +220,9 @@ class EntmaxTile {
   std::vector<std::int64_t> row_end_;
   std::int64_t nblocks_ = 0, words_ = 0;
   std::vector<float> zmax_;
-  std::vector<double> cut_, tau_;
+  std::vector<char> poisoned_;  // per row: a visible score is NaN or +inf
+  std::vector<double> cut_;
+  std::vector<detail::EntmaxRoot> roots_;
 };
 
 EntmaxStats entmax_cpu(const detail::AttentionCall& a, const EntmaxOptions& options) {
@@ -258,6 +275,8 @@ EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v
     detail::check_tensor(kOp, "options.block_bits", bb, 4, {DType::u32});
     detail::check_same_device(kOp, "options.block_bits", bb, "q", q);
     detail::check_shape(kOp, "options.block_bits", bb, {p.B, p.Hq, p.Tq(), ceil_div(p.Tk(), 32)});
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}})
+      detail::check_no_overlap(kOp, "options.block_bits", bb, name, *t);
   }
 
   switch (q.device) {

@@ -60,12 +60,18 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
     } else {
       // Every pair of an off-diagonal block is visible, so its maximum is over the whole tile.
       float block_max = kNegInf;
+      bool nan = false;
       for (std::int64_t r = 0; r < R; ++r)
-        for (std::int64_t c = 0; c < C; ++c) block_max = std::max(block_max, w.s[static_cast<std::size_t>(r * kBlockK + c)]);
+        for (std::int64_t c = 0; c < C; ++c) {
+          const float x = w.s[static_cast<std::size_t>(r * kBlockK + c)];
+          block_max = std::max(block_max, x);
+          nan = nan || std::isnan(x);
+        }
       ++counts.candidates;
       // ">=" as in the BSFA paper's main text: a block whose maximum equals the threshold is kept,
-      // so a threshold of -inf keeps every block.
-      if (!(block_max >= threshold)) continue;
+      // so a threshold of -inf keeps every block. A NaN score cannot be ranked: its block is kept, so
+      // the NaN reaches the rows (DESIGN §2).
+      if (!(nan || block_max >= threshold)) continue;
       ++counts.gated_kept;
     }
     ++counts.kept;
@@ -73,15 +79,20 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
     for (std::int64_t c = 0; c < C; ++c) detail::load_bhld(v, b, keys.begin + c, hk, w.v.data() + c * D);
     for (std::int64_t r = 0; r < R; ++r) {
       float* sr = w.s.data() + r * kBlockK;
+      const std::int64_t visible =
+          diagonal ? std::clamp<std::int64_t>(row_end[static_cast<std::size_t>(r)] - keys.begin, 0, C) : C;
+      if (visible == 0) continue;  // this row sees no key of the block
       float block_row_max = kNegInf;
       for (std::int64_t c = 0; c < C; ++c) block_row_max = std::max(block_row_max, sr[c]);
-      if (block_row_max == kNegInf) continue;  // this row sees no key of the block
       float& mr = m[static_cast<std::size_t>(r)];
+      // std::max passes over NaN, so m is never NaN; while it is -inf (every score seen so far -inf),
+      // subtracting 0 keeps exp(-inf - -inf) from being NaN. NaN and +inf scores make sum NaN.
       const float m_new = std::max(mr, block_row_max);
-      const float rescale = std::exp(mr - m_new);  // exp(-inf) = 0 for the first block of the row
+      const float base = m_new == kNegInf ? 0.0f : m_new;
+      const float rescale = std::exp(mr - base);  // exp(-inf) = 0 for the first block of the row
       float sum = 0.0f;
       for (std::int64_t c = 0; c < C; ++c) {
-        sr[c] = std::exp(sr[c] - m_new);
+        sr[c] = std::exp(sr[c] - base);
         sum += sr[c];
       }
       float* ar = acc.data() + r * D;
@@ -100,13 +111,15 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
 
   for (std::int64_t r = 0; r < R; ++r) {
     float* ar = acc.data() + r * D;
-    const float lr = l[static_cast<std::size_t>(r)];
-    // A row whose kept blocks hold none of its visible keys sees no key: out = 0, lse = -inf.
-    const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+    const float lr = l[static_cast<std::size_t>(r)], mr = m[static_cast<std::size_t>(r)];
+    // A row whose kept blocks hold none of its visible keys sees no key: out = 0, lse = -inf. Any
+    // other state divides by l: NaN (a NaN or +inf score) gives NaN out and lse.
+    const bool no_key = lr == 0.0f && mr == kNegInf;
+    const float inv = no_key ? 0.0f : 1.0f / lr;
     for (std::int64_t d = 0; d < D; ++d) ar[d] *= inv;
     detail::store_row(out, detail::addr4(out, b, rows.begin + r, h, 0), D, ar);
     if (lse) {
-      const float value = lr > 0.0f ? m[static_cast<std::size_t>(r)] + std::log(lr) : kNegInf;
+      const float value = no_key ? kNegInf : mr + std::log(lr);
       *(lse->ptr<float>() + b * lse->stride[0] + h * lse->stride[1] + (rows.begin + r) * lse->stride[2]) = value;
     }
   }
@@ -160,11 +173,17 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, 
   detail::check_shape(kOp, "thresholds", thresholds, {p.Hq, -1});
   detail::require(thresholds.shape[1] >= 1, kOp, "thresholds",
                   [&] { return "needs at least one Q tile column, got shape " + detail::shape_string(thresholds); });
+  detail::check_no_overlap(kOp, "out", out, "thresholds", thresholds);
+  if (lse) detail::check_no_overlap(kOp, "lse", *lse, "thresholds", thresholds);
   if (options.kept_per_tile) {
     const TensorView& kp = *options.kept_per_tile;
     detail::check_tensor(kOp, "options.kept_per_tile", kp, 3, {DType::i32});
     detail::check_same_device(kOp, "options.kept_per_tile", kp, "q", q);
     detail::check_shape(kOp, "options.kept_per_tile", kp, {p.B, p.Hq, p.Tq()});
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v},
+                                  {"thresholds", &thresholds}, {"out", &out}})
+      detail::check_no_overlap(kOp, "options.kept_per_tile", kp, name, *t);
+    if (lse) detail::check_no_overlap(kOp, "options.kept_per_tile", kp, "lse", *lse);
   }
 
   switch (q.device) {

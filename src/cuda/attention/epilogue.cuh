@@ -1,7 +1,8 @@
 // Epilogue of one consumer warpgroup: normalise its 64 x D output fragment (N = D / 2 registers) by the
-// row sums, write it out, and write the natural-log LSE. A row that saw no visible key has l = 0: it
-// gets out = 0 and lse = -inf, never NaN; a faulty item's rows (NaN state) get NaN. Rows at or past Lq
-// are never stored.
+// row sums, write it out, and write the natural-log LSE. A row that saw no visible key has m = -inf and
+// l = 0: it gets out = 0 and lse = -inf, never NaN; a faulty item's rows (NaN state) and rows with a
+// NaN or +inf score (NaN l, or l = 0 under m = +inf) get NaN (OnlineSoftmax::normaliser, lse). Rows at
+// or past Lq are never stored.
 //
 // Two ways out for the tile: staged into shared memory (the warpgroup's rows of the item's Q buffer,
 // in the 128B-swizzled layout a TMA load writes) and stored by TMA, so the warpgroup spends a few
@@ -24,15 +25,12 @@ namespace sparse_attn::cuda_kernels {
 __device__ __forceinline__ void store_lse(const TileAttentionParams& p, const OnlineSoftmax& sm, int thread, int b,
                                           int head, int first_row) {
   const int w = thread / 32, g = (thread % 32) / 4, q = thread % 4;
-  constexpr float kLn2 = 0.69314718055994530942f;
   if (p.lse == nullptr || q != 0) return;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = first_row + 16 * w + g + 8 * r;
     if (row >= p.Lq) continue;
-    // l = 0: no visible key. l = NaN (a faulty item, NaN inputs) gives NaN.
-    const float lse = sm.l[r] == 0.0f ? -INFINITY : (sm.m[r] + __log2f(sm.l[r])) * kLn2;
-    p.lse[b * p.lse_stride[0] + head * p.lse_stride[1] + static_cast<std::int64_t>(row) * p.lse_stride[2]] = lse;
+    p.lse[b * p.lse_stride[0] + head * p.lse_stride[1] + static_cast<std::int64_t>(row) * p.lse_stride[2]] = sm.lse(r);
   }
 }
 
@@ -47,7 +45,7 @@ __device__ __forceinline__ void stage_output(const float (&o)[N], const OnlineSo
   constexpr int kHalfBytes = 64 * 128 * 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float inv = sm.l[r] > 0.0f ? 1.0f / sm.l[r] : 0.0f;
+    const float inv = sm.normaliser(r);
     std::uint8_t* row = tile + (row0 + 16 * w + g + 8 * r) * 128 + 4 * q;
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
@@ -66,7 +64,7 @@ __device__ __forceinline__ void store_output(const TileAttentionParams& p, const
   for (int r = 0; r < 2; ++r) {
     const int row = first_row + 16 * w + g + 8 * r;
     if (row >= p.Lq) continue;
-    const float inv = sm.l[r] > 0.0f ? 1.0f / sm.l[r] : 0.0f;
+    const float inv = sm.normaliser(r);
     Elem* dst = static_cast<Elem*>(p.out) + b * p.out_stride[0] + static_cast<std::int64_t>(row) * p.out_stride[1] +
                 head * p.out_stride[2];
 #pragma unroll
@@ -125,7 +123,8 @@ __device__ __forceinline__ bool arrive_piece(const TileAttentionParams& p, int c
 /// The combine of a unit's pieces, straight from their slots to out and lse, in piece order: m = max of
 /// the pieces' m, l = sum of l_k 2^(m_k - m), o = sum of o_k 2^(m_k - m) / l, so whichever piece arrives
 /// last writes the same bits. A piece that saw no visible key (m = -inf) weighs 0; if all did, the row
-/// gets 0 and -inf. kGroup float4 columns are combined at a time (4 kGroup accumulators): small where
+/// gets 0 and -inf. A NaN piece (NaN l or o, or m = +inf) makes the row NaN: its l times any weight is
+/// NaN, and m = +inf gives the weight 2^(inf - inf). kGroup float4 columns are combined at a time (4 kGroup accumulators): small where
 /// the caller still holds its accumulators, all N / 4 where it does not.
 template <class Tag, int N, int kGroup>
 __device__ __forceinline__ void combine_pieces(const TileAttentionParams& p, const WorkItem& w, int consumer, int thread) {
@@ -163,7 +162,7 @@ __device__ __forceinline__ void combine_pieces(const TileAttentionParams& p, con
   Elem* dst[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    inv[r] = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;
+    inv[r] = st.normaliser(r);
     const int row = first_row + 16 * wq + g + 8 * r;
     dst[r] = row < p.Lq ? static_cast<Elem*>(p.out) + w.b * p.out_stride[0] + static_cast<std::int64_t>(row) * p.out_stride[1] +
                               w.head * p.out_stride[2]

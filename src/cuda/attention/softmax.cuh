@@ -84,6 +84,17 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = quad_sum(l[r]);
   }
+
+  /// After finish: what row r of O is multiplied by (0 for a row that saw no key; online_softmax.cuh).
+  __device__ __forceinline__ float normaliser(int r) const { return row_normaliser(m[r], l[r]); }
+  /// After finish: the natural-log LSE of row r, with no test: no key seen (m = -inf, l = 0) gives
+  /// -inf + log2 0 = -inf; m is in log2 units, so l = 0 under m = +inf (the scaled max overflowed)
+  /// gives inf - inf = NaN, and a NaN l (or a faulty item's NaN m) gives NaN. A finite m comes with
+  /// l >= 1 (the max's own p).
+  __device__ __forceinline__ float lse(int r) const {
+    constexpr float kLn2 = 0.69314718055994530942f;
+    return (m[r] + __log2f(l[r])) * kLn2;
+  }
 };
 
 }  // namespace sparse_attn::cuda_kernels

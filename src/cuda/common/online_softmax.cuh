@@ -13,6 +13,13 @@
 // p = 2^-inf = 0 rather than NaN (-inf - -inf), its rescale factor is 1, and at the end l = 0 gives
 // out = 0 and LSE = -inf.
 //
+// Non-finite scores (DESIGN §2) cost nothing in the loop: fmaxf passes over a NaN score, so m stays
+// the max of the others, but its p = 2^NaN is NaN and poisons l for good; a +inf score raises m to
+// +inf and its p = 2^(inf - inf) is NaN too; a -inf score weighs 0 like a masked key. Only the
+// epilogue tells the cases apart, from m as well as l: "no key" is m = -inf with l = 0; with m = -inf,
+// l is 0 or NaN (only NaN scores), and every other state divides by l, so a NaN l gives NaN out and
+// LSE, and so does l = 0 under a finite or +inf m (every p underflowed: the scaled max overflowed).
+//
 // Users: RowSoftmax (eager rescaling) is the softmax of the KV-centric attention (query_sparse/
 // attend.cu, wgmma fragments), the group-centric kernel (query_sparse/group.cu) and the token kernel
 // (attention/token_sparse.cu), both mma.sync fragments. The Q-centric mainloop's OnlineSoftmax
@@ -68,6 +75,11 @@ __device__ __forceinline__ void exponentiate(F& s, const float (&base)[2], float
     }
 }
 
+/// After the quad reduction of l: what a row of O is multiplied by. Under m = -inf, l itself: 0 for a
+/// row that saw no key, NaN for one that saw only NaN scores. Otherwise 1 / l: NaN for a NaN l, and
+/// +inf for l = 0, which O = 0 turns into NaN. (As cheap as the test of l alone it replaces.)
+__device__ __forceinline__ float row_normaliser(float m, float l) { return m == -INFINITY ? l : 1.0f / l; }
+
 /// The running state of a thread's two rows under eager rescaling: every rise of a row's max rescales
 /// its O and l at once.
 struct RowSoftmax {
@@ -121,10 +133,13 @@ struct RowSoftmax {
   }
 
   /// After finish: what row r of O is multiplied by (0 for a row that saw no key).
-  __device__ __forceinline__ float normaliser(int r) const { return l[r] > 0.0f ? 1.0f / l[r] : 0.0f; }
-  /// After finish: the natural-log LSE of row r, scale in natural-log units (-inf: no key seen).
+  __device__ __forceinline__ float normaliser(int r) const { return row_normaliser(m[r], l[r]); }
+  /// After finish: the natural-log LSE of row r, scale in natural-log units. No key seen gives
+  /// -inf + log 0 = -inf, a NaN l NaN; l = 0 under a finite m (m * scale_log2 overflowed, m * scale
+  /// need not have) is made NaN explicitly.
   __device__ __forceinline__ float lse(int r, float scale) const {
-    return l[r] > 0.0f ? m[r] * scale + logf(l[r]) : -INFINITY;
+    const float x = m[r] * scale + logf(l[r]);
+    return l[r] == 0.0f && m[r] != -INFINITY ? __int_as_float(0x7fffffff) : x;
   }
 };
 

@@ -136,6 +136,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
       a[t] = head_ok && k < 32 && s < p.Kq ? lp[static_cast<long long>(s) * p.group + my_h] : -INFINITY;
     }
   };
+  // A NaN partial LSE (a NaN or +inf score in that slot's block, DESIGN §2) is passed over by fmaxf
+  // but makes sum NaN for good, and with it the head's LSE, every weight and the output. While the
+  // max is -inf (only empty or NaN partials so far) the terms are taken against 0 instead: empty ones
+  // add exp(-inf) = 0, NaN ones NaN.
   float m = -INFINITY, sum = 0.0f;
   auto fold4 = [&](const float (&a)[4], unsigned mask, int k0) {
     float x[4], mx = m;
@@ -145,10 +149,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
       x[t] = k < 32 && ((mask >> k) & 1u) ? a[t] : -INFINITY;
       mx = fmaxf(mx, x[t]);
     }
-    if (mx == -INFINITY) return;
-    float acc_sum = sum * expf(m - mx);
+    const float base = mx == -INFINITY ? 0.0f : mx;
+    float acc_sum = sum * expf(m - base);
 #pragma unroll
-    for (int t = 0; t < 4; ++t) acc_sum += expf(x[t] - mx);
+    for (int t = 0; t < 4; ++t) acc_sum += expf(x[t] - base);
     m = mx;
     sum = acc_sum;
   };
@@ -164,13 +168,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   }
   for (int off = 16; off >= hp; off >>= 1) {
     const float mo = __shfl_xor_sync(kFull, m, off), so = __shfl_xor_sync(kFull, sum, off);
-    const float mx = fmaxf(m, mo);
-    if (mx != -INFINITY) {
-      sum = sum * expf(m - mx) + so * expf(mo - mx);
-      m = mx;
-    }
+    const float mx = fmaxf(m, mo), base = mx == -INFINITY ? 0.0f : mx;  // as in fold4
+    sum = sum * expf(m - base) + so * expf(mo - base);
+    m = mx;
   }
-  const float lse_h = m == -INFINITY ? -INFINITY : m + logf(sum);
+  const float lse_h = m + logf(sum);  // no chosen partial: -inf + log 0 = -inf; a NaN one: NaN
 
   // Rows narrower than the warp (C = 1, fewer than 32 chunks) split the slots over slot groups of
   // `ls` lanes: group grp takes the chosen slots of rank grp, grp + sg, ... of each batch, and the
