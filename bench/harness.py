@@ -13,7 +13,7 @@ limit by lowering its clock within tens of ms, so short bursts of a power-hungry
 the same kernel does back to back in a model (docs/notes/kv_attention.md, the power limit).
 
 Verification (verify_rows): before anything is timed its output is checked on sampled rows against a
-float64 reference of the same selection, under the bound of DESIGN §6: relative error at most twice
+float64 reference of the same selection, under the bound of docs/design.md §6: relative error at most twice
 that of a plain implementation in the input precision plus 1e-3, largest element error at most twice
 plain plus 1e-2.
 

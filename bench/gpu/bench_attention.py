@@ -1,6 +1,6 @@
 """The Hopper Q-centric kernel (dense and tile_sparse) against its peers, in one process on one GPU.
 
-Workloads (DESIGN §7): tile16 (B=2, Hq=16, Hkv=1, D=128, Lq=4096, Lk 4K..64K, 16 blocks per Q tile,
+Workloads (docs/design.md §7): tile16 (B=2, Hq=16, Hkv=1, D=128, Lq=4096, Lk 4K..64K, 16 blocks per Q tile,
 patterns independent / pairs) and dense (B=2, Hq=Hkv=16, D=128 at L 4K / 16K and D=64 at 4K, causal and
 not). Ours: sparse_attn.tile_sparse with the lists trusted (the selector produced them) and validated
 (the default call), sparse_attn.dense. Peers (bench/harness.py): FlexAttention, FA4 and FlashInfer on

@@ -1,6 +1,6 @@
 """Selector -> tile_sparse pipeline against FlexAttention on the same lists, in one process on one GPU.
 
-DESIGN §7 `pipeline`: the tile16 shape (B=2, Hq=16, Hkv=1, D=128, Lq=4096, bf16, non-causal, 16 KV blocks
+docs/design.md §7 `pipeline`: the tile16 shape (B=2, Hq=16, Hkv=1, D=128, Lq=4096, bf16, non-causal, 16 KV blocks
 of 128 keys per Q tile of 128 queries) at Lk 4K / 8K / 16K / 32K with each selector in front: pooled R1,
 pooled R4 and token_max fp8, with the options of `sparse-attn bench pipeline` (the library's defaults:
 pooled forces the local block, token_max reserves it and reads the first query head of each group and k
@@ -11,7 +11,7 @@ as its index vectors). The three selectors of one Lk share q, k, v. Per (selecto
         BlockMask.from_kv_blocks alone, flex alone, and selector + BlockMask + flex back to back (a new
         selection needs a new BlockMask, so building it belongs to the peer's pipeline).
 Useful FLOPs = 4 * D * (query head, query, key) triples the lists select; effective TFLOP/s = useful
-FLOPs / pipeline time, reported with its ratio to attention alone (target >= 0.9, DESIGN §8).
+FLOPs / pipeline time, reported with its ratio to attention alone (target >= 0.9, docs/design.md §8).
 
 Every configuration is verified before it is timed: the lists (the selector contract of
 bench/harness.py), the pooled ids against a float64 torch recomputation of the selector (agreement
@@ -51,7 +51,7 @@ FLEX_RELERR = 2e-2  # ours against Flex on the whole output
 # ---- pure Python: arguments, lists, FLOPs, JSON, table -----------------------------------------------
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="selector -> tile_sparse pipeline against FlexAttention (DESIGN §7)")
+    ap = argparse.ArgumentParser(description="selector -> tile_sparse pipeline against FlexAttention (docs/design.md §7)")
     harness.add_args(ap)
     ap.add_argument("--gap", action="store_true",
                     help="also time the attention right after three stand-ins for a selector: a tiny kernel, a "

@@ -1,6 +1,6 @@
 """Schedules for per-query block lists (QueryLists) against their peers, in one process on one GPU.
 
-Issue 5 / DESIGN §7. For a QueryLists selection it times every schedule of the library on the same
+Issue 5 / docs/design.md §7. For a QueryLists selection it times every schedule of the library on the same
 torch tensors, through the sparse_attn package:
   kv_centric     query_sparse, KV-centric (reverse index -> partials -> combine), f32 or bf16 partials;
                  its reverse index / attention / combine breakdown is `sparse-attn bench query16of32`'s;
@@ -21,7 +21,7 @@ For each configuration the planner (sparse_attn.plan_schedule on the same lists)
 estimates; the planner check compares that choice with the measured fastest schedule.
 
 Verification comes before timing: outputs are poisoned with NaN, then every implementation is compared
-with a float64 reference on sampled rows of two (batch, head) pairs under the bound of DESIGN §6
+with a float64 reference on sampled rows of two (batch, head) pairs under the bound of docs/design.md §6
 (bench/harness.py, verify_rows); q_centric is checked against the reference of its own semantics (each
 query sees its tile's union), and its device conversion must equal the union torch forms from the same
 lists. Implementations with the per-query semantics are also compared with each other on the full
@@ -55,7 +55,7 @@ PARTIAL_TIMES = {"kv_reverse_index", "kv_attention", "kv_combine", "q_centric_co
 SWEEP_F = {"sweep16": [0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.2, 1.0],
            "sweeplong": [0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 1.0]}
 SWEEP_F_QUICK = {"sweep16": [0.0, 0.002, 0.01, 1.0], "sweeplong": [0.0, 0.05, 0.2, 1.0]}
-# (name, B, Hq, Hkv, Lq, Lk) of DESIGN §7; the sweeps run on the two query shapes, tile16 at Lk = 16K.
+# (name, B, Hq, Hkv, Lq, Lk) of docs/design.md §7; the sweeps run on the two query shapes, tile16 at Lk = 16K.
 SHAPES = {"query16of32": ("query16of32", 8, 16, 1, 4096, 4096),
           "query-long": ("query-long", 1, 32, 8, 32768, 32768),
           "tile16": ("tile16", 2, 16, 1, 4096, 16384)}
@@ -265,7 +265,7 @@ class Checker:
         return blocks_to_keys(allowed, self.pb.Lk)
 
     def check(self, out, semantics="query"):
-        """out [B, Lq, Hq, D] fully written (finite) and within the DESIGN §6 bounds on sampled rows."""
+        """out [B, Lq, Hq, D] fully written (finite) and within the docs/design.md §6 bounds on sampled rows."""
         return harness.verify_rows(out, self.q, self.k, self.v,
                                    lambda b, h, rows: self.keymask(semantics, b, h, rows), self.gen)
 

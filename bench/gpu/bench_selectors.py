@@ -19,7 +19,7 @@ import harness  # noqa: E402
 from harness import BLOCK, VerificationError  # noqa: E402
 
 SHAPE = {"B": 2, "Lq": 4096, "Lk": 16384, "Hq": 16, "Hkv": 1, "D": 128, "top_k": 16}
-# (name, call options, target in us where DESIGN §8 sets one)
+# (name, call options, target in us where docs/design.md §8 sets one)
 SELECTORS = [("pooled R1", {"representatives": 1}, 10.0), ("pooled R4", {"representatives": 4}, 20.0),
              ("token_max bf16", {"precision": "bf16"}, None), ("token_max fp8", {"precision": "fp8_e4m3"}, 40.0),
              ("token_max fp4", {"precision": "fp4_e2m1"}, None)]

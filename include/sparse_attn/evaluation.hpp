@@ -1,4 +1,4 @@
-// Selection quality (DESIGN §5.8): how much of dense attention a selection keeps.
+// Selection quality (docs/design.md §5.8): how much of dense attention a selection keeps.
 #pragma once
 
 #include <cstdint>

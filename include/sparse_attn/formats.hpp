@@ -1,4 +1,4 @@
-// Problem shapes and the selection formats (DESIGN §3).
+// Problem shapes and the selection formats (docs/design.md §3).
 //
 // Conventions: q [B, Lq, Hq, D]; k, v [B, Lk, Hkv, D]; a Q tile is 128 consecutive queries and a
 // KV block 128 consecutive keys (the last ones may be partial). Causal visibility is aligned to the

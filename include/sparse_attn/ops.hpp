@@ -1,4 +1,4 @@
-// Executors: attention restricted to a selection (DESIGN §5.1-5.6).
+// Executors: attention restricted to a selection (docs/design.md §5.1-5.6).
 //
 // Arguments follow flash-attn: q [B, Lq, Hq, D], k and v [B, Lk, Hkv, D] (last dim contiguous,
 // any other strides), out [B, Lq, Hq, D] of q's dtype, optional lse float32 [B, Hq, Lq] holding
@@ -17,7 +17,7 @@
 // An operator that has no implementation for the tensors' device throws Error; it never falls back
 // silently.
 //
-// Non-finite scores (DESIGN §2): a row whose visible, selected keys include a NaN or +inf score
+// Non-finite scores (docs/design.md §2): a row whose visible, selected keys include a NaN or +inf score
 // (scale * q.k in float32: NaN in q or k, +inf in k, or finite inputs whose score or scaled score
 // overflows float32) gets NaN in every element of out and in lse, on every backend and executor
 // (gated, entmax included). A -inf score weighs 0; a row with no visible, selected key, or only -inf
@@ -94,7 +94,7 @@ void bits_sparse(const TensorView& q, const TensorView& k, const TensorView& v,
 
 enum class PartialPrecision : std::uint8_t { f32, bf16 };
 
-/// How query_sparse runs on the GPU. Both give the same attention (within DESIGN §6 bounds); the CPU
+/// How query_sparse runs on the GPU. Both give the same attention (within docs/design.md §6 bounds); the CPU
 /// backend runs its reference for either.
 ///  - kv_centric: reverse index -> one partial output + LSE per (query, head, slot) -> combine.
 ///  - group_centric: one query's heads of a group are the rows of an MMA tile; a CTA streams the union
@@ -140,7 +140,7 @@ void sparse_attention(const TensorView& q, const TensorView& k, const TensorView
                       const std::optional<TensorView>& lse = std::nullopt,
                       const AttentionOptions& options = {});
 
-// ---- gated (BSFA, DESIGN §5.5) -----------------------------------------------------------------
+// ---- gated (BSFA, docs/design.md §5.5) -----------------------------------------------------------------
 
 struct GatedOptions {
   std::optional<float> softmax_scale;
@@ -165,7 +165,7 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v,
                  const TensorView& thresholds, const TensorView& out,
                  const std::optional<TensorView>& lse = std::nullopt, const GatedOptions& options = {});
 
-// ---- entmax (DESIGN §5.6) ----------------------------------------------------------------------
+// ---- entmax (docs/design.md §5.6) ----------------------------------------------------------------------
 
 struct EntmaxOptions {
   float alpha = 1.5f;  // > 1; alpha = 2 is sparsemax

@@ -1,6 +1,6 @@
-// Plans: the metadata work of an executor, done once and consumed by many runs (DESIGN §4.1), and the
+// Plans: the metadata work of an executor, done once and consumed by many runs (docs/design.md §4.1), and the
 // planner that chooses between the Q-centric, the KV-centric and the group-centric schedule for a
-// per-query selection (DESIGN §1, §5.2, §5.3).
+// per-query selection (docs/design.md §1, §5.2, §5.3).
 //
 // KV-centric query_sparse in two steps, as FlashInfer's wrappers do:
 //

@@ -1,4 +1,4 @@
-// Selectors: decide which KV blocks (or keys) each query sees (DESIGN §5.7).
+// Selectors: decide which KV blocks (or keys) each query sees (docs/design.md §5.7).
 //
 // Top-k is exact with ties broken by the lower index. Lists come out ascending, so TileLists are
 // valid for tile_sparse as produced. All selectors are deterministic.

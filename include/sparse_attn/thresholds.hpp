@@ -1,4 +1,4 @@
-// Calibrated block-max thresholds for the gated executor (DESIGN §3, §5.5), and their calibration.
+// Calibrated block-max thresholds for the gated executor (docs/design.md §3, §5.5), and their calibration.
 #pragma once
 
 #include <cstddef>
@@ -46,7 +46,7 @@ struct ThresholdTable {
   static ThresholdTable load(const std::string& path);
 };
 
-/// Accumulates per-sample thresholds and averages them (DESIGN §5.5). For each sample, layer, head
+/// Accumulates per-sample thresholds and averages them (docs/design.md §5.5). For each sample, layer, head
 /// and Q tile: sort the block maxima of the off-diagonal visible blocks and take the k-th largest;
 /// fewer than k candidates gives -inf (and then the average is -inf).
 class Calibrator {

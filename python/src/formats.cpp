@@ -126,7 +126,7 @@ void bind_formats(nb::module_& m) {
   m.attr("TILE_Q") = kTileQ;
   m.attr("BLOCK_K") = kBlockK;
 
-  nb::class_<ProblemShape> shape(m, "ProblemShape", "Problem extents and the causal flag (DESIGN §2).");
+  nb::class_<ProblemShape> shape(m, "ProblemShape", "Problem extents and the causal flag (docs/design.md §2).");
   shape.def(
       "__init__",
       [](ProblemShape* p, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,

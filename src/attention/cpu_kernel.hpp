@@ -15,7 +15,7 @@
 // iff start + j <= limit), so masking is a per-row length, never a -inf fill; rows whose prefix is
 // empty leave their state untouched, which is how "sees no key -> out 0, lse -inf" falls out.
 //
-// Non-finite scores (DESIGN §2): exp_f32 passes NaN through, so a NaN score, or a +inf one (inf - inf
+// Non-finite scores (docs/design.md §2): exp_f32 passes NaN through, so a NaN score, or a +inf one (inf - inf
 // against the max it raised), makes the row's l NaN for good; a -inf score weighs 0. finalize_row
 // tells "no key" (m = -inf and l = 0) from every other state, in which it divides by l: a NaN l, or
 // l = 0 under a max whose scaled value overflowed to +inf (every p underflowed), gives NaN out and

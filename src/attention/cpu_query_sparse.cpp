@@ -1,4 +1,4 @@
-// KV-centric query_sparse on the CPU, in the three phases of the GPU design (DESIGN §5.3), so that
+// KV-centric query_sparse on the CPU, in the three phases of the GPU design (docs/design.md §5.3), so that
 // the decomposition itself is exercised and tested:
 //   1. reverse index: for each KV block, the CSR list of (query, slot) pairs that chose it;
 //   2. attention: each chosen KV block is converted to float once, and each work item runs one

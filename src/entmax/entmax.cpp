@@ -1,4 +1,4 @@
-// alpha-entmax attention with block skipping (DESIGN §5.6, AdaSplash-style passes).
+// alpha-entmax attention with block skipping (docs/design.md §5.6, AdaSplash-style passes).
 //
 // Per (b, h, Q tile) work item, scores are recomputed per pass rather than stored, so scratch
 // memory stays O(tile x block) whatever Lk is:
@@ -108,7 +108,7 @@ class EntmaxTile {
     return am1_ * (double(z) - double(zmax_[static_cast<std::size_t>(r)])) + 1.0;
   }
 
-  // Also finds the rows holding a NaN or +inf score (their output is NaN, DESIGN §2).
+  // Also finds the rows holding a NaN or +inf score (their output is NaN, docs/design.md §2).
   void row_max() {
     zmax_.assign(static_cast<std::size_t>(R_), -std::numeric_limits<float>::infinity());
     poisoned_.assign(static_cast<std::size_t>(R_), 0);

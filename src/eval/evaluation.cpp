@@ -1,4 +1,4 @@
-// Selection quality in float64 on the CPU (DESIGN §5.8).
+// Selection quality in float64 on the CPU (docs/design.md §5.8).
 //
 // Work is split over (batch, query head); each job walks its queries one row at a time, so the
 // memory held is O(Lk) per job and never the [Lq, Lk] matrix. Per-job partial sums are reduced in

@@ -1,4 +1,4 @@
-// gated (BSFA, DESIGN §5.5): causal attention that scores every visible block exactly and runs the
+// gated (BSFA, docs/design.md §5.5): causal attention that scores every visible block exactly and runs the
 // value side only for blocks whose scaled block maximum reaches the calibrated threshold.
 #include <cmath>
 #include <limits>
@@ -70,7 +70,7 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
       ++counts.candidates;
       // ">=" as in the BSFA paper's main text: a block whose maximum equals the threshold is kept,
       // so a threshold of -inf keeps every block. A NaN score cannot be ranked: its block is kept, so
-      // the NaN reaches the rows (DESIGN §2).
+      // the NaN reaches the rows (docs/design.md §2).
       if (!(nan || block_max >= threshold)) continue;
       ++counts.gated_kept;
     }

@@ -1,4 +1,4 @@
-// ThresholdTable (lookup, safetensors file) and Calibrator (DESIGN §5.5).
+// ThresholdTable (lookup, safetensors file) and Calibrator (docs/design.md §5.5).
 #include "sparse_attn/thresholds.hpp"
 
 #include <algorithm>
@@ -104,7 +104,7 @@ float ThresholdTable::at(std::int64_t budget, std::int64_t layer, std::int64_t h
   check_index(kTableOp, "layer", layer, n_layers);
   check_index(kTableOp, "head", head, n_heads);
   detail::require(qtile >= 0, kTableOp, "qtile", [&] { return "must be >= 0, got " + std::to_string(qtile); });
-  // Positions past the calibrated length reuse the last calibrated position (DESIGN §5.5).
+  // Positions past the calibrated length reuse the last calibrated position (docs/design.md §5.5).
   const std::int64_t t = std::min(qtile, n_qtiles - 1);
   return values[static_cast<std::size_t>(((budget * n_layers + layer) * n_heads + head) * n_qtiles + t)];
 }
@@ -274,7 +274,7 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
     std::sort(maxima.begin(), maxima.end(), std::greater<float>());
     for (std::int64_t bi = 0; bi < nb; ++bi) {
       const std::int64_t kk = budgets_[static_cast<std::size_t>(bi)];
-      // Too short a history to prune: never gate it (DESIGN §5.5).
+      // Too short a history to prune: never gate it (docs/design.md §5.5).
       sample[static_cast<std::size_t>(item * nb + bi)] = static_cast<std::int64_t>(maxima.size()) >= kk
                                                              ? maxima[static_cast<std::size_t>(kk - 1)]
                                                              : -std::numeric_limits<float>::infinity();

@@ -1,5 +1,5 @@
 // The planner: statistics of a QueryLists selection and a cost model of the three schedules that can
-// execute it (DESIGN §1, §5.2, §5.3). docs/notes/planner.md gives the model and its constants.
+// execute it (docs/design.md §1, §5.2, §5.3). docs/notes/planner.md gives the model and its constants.
 //
 // Q-centric: query_lists_to_tile_lists on the device (one kernel, one CTA per Q tile), then
 // tile_sparse; each query head of a group visits every block of its tile's union, so the time is

@@ -1,4 +1,4 @@
-// DSA lightning indexer on the CPU (DESIGN §5.7, survey §3.1).
+// DSA lightning indexer on the CPU (docs/design.md §5.7).
 //
 // One query row at a time: the scores of its visible keys are streamed through a bounded heap
 // (token top-k) or max-pooled into one value per block (block top-k), so memory stays O(k + Tk)

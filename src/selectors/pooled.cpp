@@ -1,4 +1,4 @@
-// R1 / R4 pooled selector on the CPU (DESIGN §5.7, seed chapter 4).
+// R1 / R4 pooled selector on the CPU (docs/design.md §5.7, seed chapter 4).
 //
 // Representatives are computed once per (batch, head, tile or block, group) and then every
 // (batch, group, Q tile) ranks its candidate blocks independently.

@@ -1,4 +1,4 @@
-// MSA-style token-max selector on the CPU (DESIGN §5.7, survey §3.2).
+// MSA-style token-max selector on the CPU (docs/design.md §5.7).
 //
 // Index vectors go through the requested precision once (per-tensor scales over the whole
 // tensor), then every query scores the visible keys of each block in float64 (exact products of

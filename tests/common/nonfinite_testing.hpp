@@ -1,4 +1,4 @@
-// Non-finite scores (DESIGN §2), shared by the CPU and GPU suites: problems whose q or k hold NaN, +inf
+// Non-finite scores (docs/design.md §2), shared by the CPU and GPU suites: problems whose q or k hold NaN, +inf
 // or -inf, or whose scores overflow float32, each with the rows whose out and lse must be NaN; the
 // selections that give every executor every key; and the row-by-row check.
 #pragma once

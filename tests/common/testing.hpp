@@ -1,5 +1,5 @@
 // Test utilities: random inputs, poisoned outputs, and the float64 reference attention that applies a
-// selection as an explicit mask (DESIGN §6).
+// selection as an explicit mask (docs/design.md §6).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // CPU executors dense, tile_sparse, bits_sparse, token_sparse and sparse_attention against the
-// float64 reference that applies the selection as an explicit mask (DESIGN §6), on awkward shapes,
+// float64 reference that applies the selection as an explicit mask (docs/design.md §6), on awkward shapes,
 // plus their agreement with each other and their error reporting. query_sparse has its own suite.
 
 #include <gtest/gtest.h>
@@ -57,7 +57,7 @@ struct Problem {
 };
 
 // Output bounds: fp32 is checked at the level of float32 arithmetic; 16-bit outputs at one rounding
-// to the storage format (DESIGN §6 expects about 3e-3 for bf16).
+// to the storage format (docs/design.md §6 expects about 3e-3 for bf16).
 double out_bound(sa::DType dt) { return dt == sa::DType::f32 ? 1e-5 : dt == sa::DType::f16 ? 2e-3 : 8e-3; }
 
 void expect_matches(const Problem& pr, const st::Reference& ref, const std::string& what, double lse_bound = 1e-5) {
@@ -145,7 +145,7 @@ void expect_error(F&& f, const std::string& op, const std::string& argument, con
   }
 }
 
-// The awkward shapes of DESIGN §6 (small head dims where the float64 reference would be slow).
+// The awkward shapes of docs/design.md §6 (small head dims where the float64 reference would be slow).
 const std::vector<Shape> kShapes = {
     {2, 300, 300, 4, 4, 64, false},     // B > 1, Hq = Hkv, partial last tile and block
     {2, 300, 300, 4, 4, 64, true},

@@ -1,4 +1,4 @@
-// Non-finite scores on the CPU (DESIGN §2): a NaN or +inf score among a row's visible, selected keys
+// Non-finite scores on the CPU (docs/design.md §2): a NaN or +inf score among a row's visible, selected keys
 // (NaN in q or k, +inf in k, finite inputs whose score or scaled score overflows float32) makes that
 // row's out and lse NaN in every executor (dense, tile_sparse, bits_sparse, query_sparse,
 // token_sparse, gated); a -inf score weighs 0; every other row is as the float64 reference has it.

@@ -1,4 +1,4 @@
-// Non-finite scores on the GPU (DESIGN §2), the cases of the CPU suite (common/nonfinite_testing.hpp)
+// Non-finite scores on the GPU (docs/design.md §2), the cases of the CPU suite (common/nonfinite_testing.hpp)
 // on device tensors: NaN in q or k, +inf in k, finite bf16 inputs whose score overflows float32 and a
 // softmax_scale whose product overflows make exactly the rows that see them NaN in out and lse, in
 // dense, tile_sparse, bits_sparse, query_sparse (kv_centric one call and plan/run, group_centric)

@@ -1,5 +1,5 @@
 // GPU tests of the group-centric query_sparse schedule: every result against the float64 CPU
-// reference with the per-query lists applied as an explicit mask (DESIGN §6), on awkward shapes
+// reference with the per-query lists applied as an explicit mask (docs/design.md §6), on awkward shapes
 // (Lq = 1, 17, 1013; Lk not a multiple of 128; Lq > Lk under causal; empty lists and an empty Q
 // tile; group sizes 1, 4, 8, 16, 32 and 24 (a padded second head tile); B > 1 with different lists),
 // poisoned outputs, both dtypes and head dims, bitwise-identical repeated runs, agreement with the
@@ -146,7 +146,7 @@ TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
   EXPECT_EQ(0, std::memcmp(a.lse.view().data, b.lse.view().data, static_cast<std::size_t>(a.lse.numel()) * 4));
 }
 
-// Both schedules compute the same attention: each within DESIGN §6 bounds of the reference, and
+// Both schedules compute the same attention: each within docs/design.md §6 bounds of the reference, and
 // within the same bound of each other (with f32 partials the KV-centric combine adds only f32
 // rounding).
 TEST(QueryGroupGpu, AgreesWithKvCentric) {

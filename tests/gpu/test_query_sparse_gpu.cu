@@ -1,5 +1,5 @@
 // GPU tests of the KV-centric query_sparse: every result against the float64 CPU reference with the
-// per-query lists applied as an explicit mask (DESIGN §6), on awkward shapes (Lq = 1, 17, 1013; Lk
+// per-query lists applied as an explicit mask (docs/design.md §6), on awkward shapes (Lq = 1, 17, 1013; Lk
 // not a multiple of 128; Lq > Lk under causal; a Q tile with no selected block; a block chosen by
 // every query, split into many work items; Hq = Hkv and Hq = 16 x Hkv; B > 1 with different lists),
 // poisoned outputs, both dtypes, f32 and bf16 partials, bitwise-identical repeated runs, the

@@ -1,5 +1,5 @@
 // GPU tests of the Hopper Q-centric kernel behind dense and tile_sparse: every result against the
-// float64 CPU reference with the selection applied as an explicit mask (DESIGN §6), on awkward shapes,
+// float64 CPU reference with the selection applied as an explicit mask (docs/design.md §6), on awkward shapes,
 // with poisoned outputs, both dtypes, causal and not, per-group and per-head lists, strided inputs,
 // and the deferred validation of TileLists (faulty tiles, fault reports, CUDA graph capture).
 #include <cuda_runtime.h>

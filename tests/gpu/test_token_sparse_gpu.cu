@@ -1,6 +1,6 @@
 // GPU tests of token_sparse (per-query key positions shared by the heads of a GQA group) on device
 // tensors: every result against the float64 CPU reference with the lists applied as an explicit mask
-// (DESIGN §6), into poisoned outputs, on group sizes 1 to 32 (20 included), list capacities Kt from 1
+// (docs/design.md §6), into poisoned outputs, on group sizes 1 to 32 (20 included), list capacities Kt from 1
 // to 1000 (every key of Lk at most), causal and not, Lq > Lk under causal (queries that see no key:
 // out exactly 0, lse -inf), Lq = 1 and 17, B = 2 and Hkv = 2 with different lists, D = 64 and 128,
 // bf16 and f16, lists with random -1 holes, a row entirely -1, positions in shuffled and ascending

@@ -2,7 +2,7 @@
 // values and on sampled rows against a float64 reference -> `repeat` timed runs. A case whose check
 // fails is not timed, and the program exits non-zero.
 //
-// The full DESIGN §7 shapes are sized for an H200. On the CPU, --scale s (default 4, 8 or 16) divides the
+// The full docs/design.md §7 shapes are sized for an H200. On the CPU, --scale s (default 4, 8 or 16) divides the
 // batch (at least 1), the lengths and the per-tile / per-query block counts (at least 1) by s, which
 // keeps each workload's density while cutting its work by about s^2.
 #include "bench.hpp"

@@ -1,4 +1,4 @@
-// `sparse-attn bench <workload>`: the DESIGN §7 workloads, each case verified against a float64
+// `sparse-attn bench <workload>`: the docs/design.md §7 workloads, each case verified against a float64
 // reference before it is timed, with useful FLOPs counted from the pairs actually selected.
 #pragma once
 

@@ -1,4 +1,4 @@
-// `sparse-attn eval`: selection quality (DESIGN §5.8) of every selector against dense attention,
+// `sparse-attn eval`: selection quality (docs/design.md §5.8) of every selector against dense attention,
 // over a list of budgets, with an oracle (top blocks / keys by true attention mass) as the bound.
 #pragma once
 

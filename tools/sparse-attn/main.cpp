@@ -1,7 +1,7 @@
 // sparse-attn: command-line front end of the library.
 //   info   build configuration and CUDA devices
 //   demo   selectors -> executors on a synthetic workload with planted structure
-//   bench  the DESIGN §7 workloads, verified before they are timed
+//   bench  the docs/design.md §7 workloads, verified before they are timed
 //   eval   selection quality of every selector against dense attention and an oracle
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   demo->add_option("--json", demo_cfg.json, "Write the results as JSON to this file");
 
   sparse_attn::cli::BenchConfig bench_cfg;
-  auto* bench = app.add_subcommand("bench", "Benchmark a DESIGN §7 workload; every case is verified before it is timed");
+  auto* bench = app.add_subcommand("bench", "Benchmark a docs/design.md §7 workload; every case is verified before it is timed");
   sparse_attn::cli::add_bench_options(*bench, bench_cfg);
   sparse_attn::cli::add_plan_command(app);
 

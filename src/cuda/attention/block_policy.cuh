@@ -19,7 +19,7 @@
 
 namespace sparse_attn::cuda_kernels {
 
-inline constexpr int kTileRows = 128;  // queries per Q tile (DESIGN §2)
+inline constexpr int kTileRows = 128;  // queries per Q tile (docs/design.md §2)
 inline constexpr int kBlockKeys = 128;  // keys per KV block
 
 /// The first broken rule of a validated list as the producer found it (kind kNone: the list is valid),

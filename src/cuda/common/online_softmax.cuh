@@ -13,7 +13,7 @@
 // p = 2^-inf = 0 rather than NaN (-inf - -inf), its rescale factor is 1, and at the end l = 0 gives
 // out = 0 and LSE = -inf.
 //
-// Non-finite scores (DESIGN §2) cost nothing in the loop: fmaxf passes over a NaN score, so m stays
+// Non-finite scores (docs/design.md §2) cost nothing in the loop: fmaxf passes over a NaN score, so m stays
 // the max of the others, but its p = 2^NaN is NaN and poisons l for good; a +inf score raises m to
 // +inf and its p = 2^(inf - inf) is NaN too; a -inf score weighs 0 like a masked key. Only the
 // epilogue tells the cases apart, from m as well as l: "no key" is m = -inf with l = 0; with m = -inf,

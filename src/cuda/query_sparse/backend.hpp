@@ -1,4 +1,4 @@
-// CUDA backend of the KV-centric query_sparse (DESIGN §5.3). Arguments have been resolved by the
+// CUDA backend of the KV-centric query_sparse (docs/design.md §5.3). Arguments have been resolved by the
 // front end (core/call.hpp: tensors on a CUDA device, 16-bit dtypes, head dim 64 or 128, the lists'
 // shape, a known schedule and partial precision, the merge window); these functions check what only
 // this backend requires (16-byte aligned rows of q, k, v, 32-bit index ranges, shared memory,

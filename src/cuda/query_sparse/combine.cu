@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
       a[t] = head_ok && k < 32 && s < p.Kq ? lp[static_cast<long long>(s) * p.group + my_h] : -INFINITY;
     }
   };
-  // A NaN partial LSE (a NaN or +inf score in that slot's block, DESIGN §2) is passed over by fmaxf
+  // A NaN partial LSE (a NaN or +inf score in that slot's block, docs/design.md §2) is passed over by fmaxf
   // but makes sum NaN for good, and with it the head's LSE, every weight and the output. While the
   // max is -inf (only empty or NaN partials so far) the terms are taken against 0 instead: empty ones
   // add exp(-inf) = 0, NaN ones NaN.

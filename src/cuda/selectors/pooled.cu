@@ -1,4 +1,4 @@
-// R1 / R4 pooled selector on the GPU (DESIGN §5.7), version 3. The ids equal the CPU reference
+// R1 / R4 pooled selector on the GPU (docs/design.md §5.7), version 3. The ids equal the CPU reference
 // (src/selectors/pooled.cpp) bit for bit; see common.cuh for why float64 chains in the CPU's order
 // reproduce its doubles. Two kernels on the caller's stream, the second a programmatic dependent
 // launch of the first:

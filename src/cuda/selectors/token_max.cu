@@ -1,4 +1,4 @@
-// MSA-style token-max selector on the GPU (DESIGN §5.7), version 3: tensor-core screening with an
+// MSA-style token-max selector on the GPU (docs/design.md §5.7), version 3: tensor-core screening with an
 // exact float64 decision at the boundary. Kernels on the caller's stream:
 //  1. prepare (tc_index.cuh), one launch for both index tensors after one for their amax words (fp8,
 //     fp4): for every index row the bf16 codes (exact: value = code * scale up to rounding) and an upper
