@@ -69,13 +69,22 @@ Reference reference_attention(const TensorView& q, const TensorView& k, const Te
       selection_row(selection, p, b, h, i, row.data());
       detail::load_bhld(q, b, i, h, qf.data());
       double m = -std::numeric_limits<double>::infinity();
+      bool poisoned = false;  // a NaN or +inf score among the visible keys: the row is NaN (docs/design.md §2)
       for (std::int64_t j = 0; j < p.Lk; ++j) {
         if (!row[static_cast<std::size_t>(j)]) continue;
         detail::load_bhld(k, b, j, hk, kf.data());
         double dot = 0;
         for (std::int64_t d = 0; d < p.D; ++d) dot += double(qf[static_cast<std::size_t>(d)]) * kf[static_cast<std::size_t>(d)];
         s[static_cast<std::size_t>(j)] = dot * scale;
+        poisoned = poisoned || std::isnan(s[static_cast<std::size_t>(j)]) || s[static_cast<std::size_t>(j)] == std::numeric_limits<double>::infinity();
         m = std::max(m, s[static_cast<std::size_t>(j)]);
+      }
+      if (poisoned) {
+        const std::size_t o = static_cast<std::size_t>(((b * p.Lq + i) * p.Hq + h) * p.D);
+        std::fill(r.out.begin() + static_cast<std::ptrdiff_t>(o), r.out.begin() + static_cast<std::ptrdiff_t>(o + p.D),
+                  std::numeric_limits<double>::quiet_NaN());
+        r.lse[static_cast<std::size_t>((b * p.Hq + h) * p.Lq + i)] = std::numeric_limits<double>::quiet_NaN();
+        continue;
       }
       if (m == -std::numeric_limits<double>::infinity()) continue;  // sees no key: out 0, lse -inf
       double denom = 0;
