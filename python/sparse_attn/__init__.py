@@ -471,6 +471,15 @@ def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bi
 
 # ---- selectors --------------------------------------------------------------------------------
 
+def _tile_lists_out(ref, op, B, Hkv, Lq, top_k, kmax, out):
+    """TileLists for a selector to write: the caller's pair `out`, or new idx [B, Hkv, Tq, kmax]
+    filled with -1 and cnt [B, Hkv, Tq] on ref's device."""
+    if out is not None:
+        return _pair(out, op)
+    Tq = _ceil_div(Lq, TILE_Q)
+    return (_full(ref, (B, Hkv, Tq, _kmax(op, top_k, kmax)), -1, "int32"), _empty(ref, (B, Hkv, Tq), "int32"))
+
+
 def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_block0=False,
                   causal=False, kmax=None, out=None):
     """R1 / R4 pooled selector. Returns TileLists (idx int32 [B, Hkv, Tq, kmax], cnt int32
@@ -478,12 +487,7 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
     those tensors instead (kmax is then idx's last extent)."""
     B, Lq, _, _ = _shape(q, "pooled_select", "q", 4)
     Hkv = _shape(k, "pooled_select", "k", 4)[2]
-    Tq = _ceil_div(Lq, TILE_Q)
-    if out is not None:
-        idx, cnt = _pair(out, "pooled_select")
-    else:
-        idx = _full(q, (B, Hkv, Tq, _kmax("pooled_select", top_k, kmax)), -1, "int32")
-        cnt = _empty(q, (B, Hkv, Tq), "int32")
+    idx, cnt = _tile_lists_out(q, "pooled_select", B, Hkv, Lq, top_k, kmax, out)
     _native.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=representatives,
                           top_k=top_k, force_local=bool(force_local), force_block0=bool(force_block0),
                           causal=bool(causal), stream=_stream(q))
@@ -506,12 +510,7 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
                                  reserve_local=bool(reserve_local), stream=_stream(qidx))
         return idx
     if format == "tile":
-        Tq = _ceil_div(Lq, TILE_Q)
-        if out is not None:
-            idx, cnt = _pair(out, "token_max_select")
-        else:
-            idx = _full(qidx, (B, Hkv, Tq, _kmax("token_max_select", top_k, kmax)), -1, "int32")
-            cnt = _empty(qidx, (B, Hkv, Tq), "int32")
+        idx, cnt = _tile_lists_out(qidx, "token_max_select", B, Hkv, Lq, top_k, kmax, out)
         _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=top_k,
                                  precision=precision, causal=bool(causal),
                                  reserve_local=bool(reserve_local), stream=_stream(qidx))
