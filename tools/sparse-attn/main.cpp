@@ -74,6 +74,17 @@ int main(int argc, char** argv) {
   sparse_attn::cli::EvalConfig eval_cfg;
   auto* eval = sparse_attn::cli::add_eval_subcommand(app, eval_cfg);
 
+  // CLI11 leaves an option given an empty value ("--dim ''" or "--dim=") at zero without running its
+  // checks; no option of this program takes an empty value, so it is refused here, by name.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const bool empty_after = a.rfind("--", 0) == 0 && a.find('=') == std::string::npos && i + 1 < argc && argv[i + 1][0] == '\0';
+    if (empty_after || (a.rfind("--", 0) == 0 && a.back() == '=')) {
+      const std::string name = a.substr(0, a.find('='));
+      fmt::print(stderr, "{}: empty value\nRun with --help for more information.\n", name);
+      return 2;
+    }
+  }
   CLI11_PARSE(app, argc, argv);
   try {
     if (info->parsed()) return run_info();
