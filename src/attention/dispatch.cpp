@@ -74,10 +74,7 @@ template <class S>
 void check_selection(const std::string& op, const S& s, const detail::AttentionCall& a,
                      const AttentionOptions& options) {
   check_structure(op, s, a.p, a.q);
-  for (const auto& [name, t] : tensors_of(s)) {
-    detail::check_no_overlap(op, "out", a.out, name, t);
-    if (a.lse) detail::check_no_overlap(op, "lse", *a.lse, name, t);
-  }
+  for (const auto& [name, t] : tensors_of(s)) detail::check_outputs_apart(op, a.out, a.lse, name, t);
   if (!options.trusted) validate(s, a.p, op);
 }
 

@@ -117,10 +117,8 @@ void query_sparse_run(const QuerySparsePlan& plan, const TensorView& q, const Te
   const detail::AttentionCall a = detail::resolve_call(op, q, k, v, out, lse, options);
   const ProblemShape& p = a.p;
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"plan.lists.idx", &plan.lists.idx},
-                                {"plan.workspace", &plan.workspace}}) {
-    detail::check_no_overlap(op, "out", out, name, *t);
-    if (lse) detail::check_no_overlap(op, "lse", *lse, name, *t);
-  }
+                                {"plan.workspace", &plan.workspace}})
+    detail::check_outputs_apart(op, out, lse, name, *t);
   const ProblemShape& s = plan.shape;
   require(p.B == s.B && p.Lq == s.Lq && p.Hq == s.Hq && p.D == s.D, op, "q", [&] { return shape_mismatch(p, s); });
   require(p.Lk == s.Lk && p.Hkv == s.Hkv, op, "k", [&] { return shape_mismatch(p, s); });

@@ -79,10 +79,8 @@ AttentionCall resolve_call(const std::string& op, const TensorView& q, const Ten
     detail::check_same_device(op, "lse", *lse, "q", q);
   }
   if (check_outputs) {
-    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}}) {
-      detail::check_no_overlap(op, "out", out, name, *t);
-      if (lse) detail::check_no_overlap(op, "lse", *lse, name, *t);
-    }
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}})
+      detail::check_outputs_apart(op, out, lse, name, *t);
     if (lse) detail::check_no_overlap(op, "lse", *lse, "out", out);
   }
   a.scale_log2 = a.scale * 1.4426950408889634f;  // log2(e)

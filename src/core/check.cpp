@@ -124,6 +124,12 @@ void check_no_overlap(const std::string& op, const std::string& out_name, const 
                   std::to_string(hi - lo) + " bytes shared; an output must not share memory with any other argument");
 }
 
+void check_outputs_apart(const std::string& op, const TensorView& out, const std::optional<TensorView>& lse,
+                         const std::string& other_name, const TensorView& other) {
+  check_no_overlap(op, "out", out, other_name, other);
+  if (lse) check_no_overlap(op, "lse", *lse, other_name, other);
+}
+
 void unsupported_device(const std::string& op, const std::string& name, const TensorView& t) {
   throw Error(op, name, std::string("no ") + device_name(t.device) + " implementation of " + op +
                             " in this build (tensor " + t.describe() + ")");

@@ -96,6 +96,9 @@ ByteSpan byte_span(const TensorView& t);
 /// they share. Views that interleave without sharing an element are refused too.
 void check_no_overlap(const std::string& op, const std::string& out_name, const TensorView& out,
                       const std::string& other_name, const TensorView& other);
+/// check_no_overlap of an executor's two outputs, "out" and (when given) "lse", against `other`.
+void check_outputs_apart(const std::string& op, const TensorView& out, const std::optional<TensorView>& lse,
+                         const std::string& other_name, const TensorView& other);
 
 /// Throws the standard "no implementation on this device" error.
 [[noreturn]] void unsupported_device(const std::string& op, const std::string& name, const TensorView& t);

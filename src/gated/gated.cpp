@@ -173,8 +173,7 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, 
   detail::check_shape(kOp, "thresholds", thresholds, {p.Hq, -1});
   detail::require(thresholds.shape[1] >= 1, kOp, "thresholds",
                   [&] { return "needs at least one Q tile column, got shape " + detail::shape_string(thresholds); });
-  detail::check_no_overlap(kOp, "out", out, "thresholds", thresholds);
-  if (lse) detail::check_no_overlap(kOp, "lse", *lse, "thresholds", thresholds);
+  detail::check_outputs_apart(kOp, out, lse, "thresholds", thresholds);
   if (options.kept_per_tile) {
     const TensorView& kp = *options.kept_per_tile;
     detail::check_tensor(kOp, "options.kept_per_tile", kp, 3, {DType::i32});
