@@ -225,6 +225,9 @@ def entmax_probs(z, alpha):
     live = np.isfinite(rows).any(axis=1)
     if alpha in (1.5, 2.0):
         x = (alpha - 1.0) * rows[live]                  # -inf stays -inf and never contributes
+        # tau moves with the scores, so each row is taken relative to its max: tau is then of order 1
+        # and neither it nor x - tau loses the row's differences at any magnitude (scores of 1e30).
+        x = x - x.max(axis=1, keepdims=True)
         tau = np.array([_entmax_tau(r[np.isfinite(r)], alpha) for r in x])
         out[live] = np.maximum(x - tau[:, None], 0.0) ** (1.0 / (alpha - 1.0))
     else:

@@ -222,6 +222,15 @@ def expected_output(op, arrays, kwargs):
         rows[kind] = reached.transpose(0, 2, 1)                                      # (B, Lq, Hq)
     nan_rows = rows["nan"]
     any_rows = rows["inf"] | (np.zeros_like(nan_rows) if exact else nan_rows)
+    # A non-finite v may also reach the rows that visit its 128-key block without seeing the key
+    # itself (a masked key's weight 0 times NaN or inf is NaN; docs/design.md §2).
+    Tk = -(-Lk // 128)
+    pad = Tk * 128 - Lk
+    bad_v = ~np.isfinite(v).all(-1)                                                   # (B, Lk, Hkv)
+    bad_v = np.pad(bad_v, ((0, 0), (0, pad), (0, 0))).reshape(B, Tk, 128, Hkv).any(2)
+    bad_v = np.repeat(bad_v, Hq // Hkv, axis=2).transpose(0, 2, 1)                     # (B, Hq, Tk)
+    seen_blocks = np.pad(seen, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(B, Hq, Lq, Tk, 128).any(-1)
+    any_rows = any_rows | (seen_blocks & bad_v[:, :, None, :]).any(-1).transpose(0, 2, 1)
     return expected, nan_rows, any_rows
 
 

@@ -155,4 +155,44 @@ TEST(NonFinite, NaNInValuesReachesOutButNotLse) {
     }
 }
 
+TEST(NonFinite, HugeFiniteScaleGivesTheArgmaxNotNaN) {
+  // softmax_scale = 1e30 on scores of order 1: every scaled score is finite, and softmax is then the
+  // one-hot of each row's largest score (random scores have no ties), so out is v of that key. The
+  // weight of the max is computed as exp((s - m) * scale) = 1; exp(s * scale - m * scale) would be exp
+  // of the rounding error of m * scale (about 1e23) and overflow. Scaled scores past float32 stay NaN.
+  sa::ProblemShape p = shape();
+  p.causal = false;
+  const sa::HostTensor q = st::random_tensor(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}, 51);
+  const sa::HostTensor k = st::random_tensor(sa::DType::f32, {p.B, p.Lk, p.Hkv, p.D}, 52);
+  const sa::HostTensor v = st::random_tensor(sa::DType::f32, {p.B, p.Lk, p.Hkv, p.D}, 53);
+  sa::HostTensor out(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}), lse(sa::DType::f32, {p.B, p.Hq, p.Lq});
+  sa::AttentionOptions o;
+  o.softmax_scale = 1e30f;
+  const nf::FullSelections sel(p);
+  nf::Case c{"huge_scale", q, k, v, p, 1e30f, std::vector<char>(static_cast<std::size_t>(p.Hq * p.Lq), 0)};
+  for (const std::string ex : {"dense", "tile_sparse", "bits_sparse", "query_sparse", "token_sparse"}) {
+    const Outputs r = run(c, ex, sel);
+    for (std::int64_t h = 0; h < p.Hq; ++h)
+      for (std::int64_t i = 0; i < p.Lq; ++i) {
+        const std::int64_t kh = h / (p.Hq / p.Hkv);
+        std::int64_t best = 0;
+        double best_s = -1e300;
+        for (std::int64_t j = 0; j < p.Lk; ++j) {
+          double s = 0;
+          for (std::int64_t d = 0; d < p.D; ++d)
+            s += double(q.data<float>()[nf::at4(p, p.Lq, p.Hq, 0, i, h, d)]) *
+                 double(k.data<float>()[nf::at4(p, p.Lk, p.Hkv, 0, j, kh, d)]);
+          if (s > best_s) best_s = s, best = j;
+        }
+        const float l = r.lse.data<float>()[h * p.Lq + i];
+        EXPECT_TRUE(std::isfinite(l)) << ex << " head " << h << " query " << i;
+        EXPECT_NEAR(l, best_s * 1e30, std::abs(best_s) * 1e30 * 1e-5) << ex << " head " << h << " query " << i;
+        for (std::int64_t d = 0; d < p.D; ++d)
+          ASSERT_NEAR(r.out.data<float>()[nf::at4(p, p.Lq, p.Hq, 0, i, h, d)],
+                      v.data<float>()[nf::at4(p, p.Lk, p.Hkv, 0, best, kh, d)], 1e-6)
+              << ex << " head " << h << " query " << i;
+      }
+  }
+}
+
 }  // namespace
