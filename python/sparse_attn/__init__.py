@@ -436,7 +436,7 @@ def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None
     if return_kept_per_tile:
         B, Lq, Hq, _ = q.shape
         kept = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q)), "int32")
-    if _is_torch(q) and not _is_torch(thresholds):
+    if _is_torch(q) and isinstance(thresholds, _np.ndarray):
         thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
     counts = _native.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
                            softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))

@@ -131,12 +131,15 @@ void run(const std::string& op, const detail::AttentionCall& a, const detail::Ti
       }
     }
   }
-  const bool bf16 = q.dtype == DType::bf16;
-  const cudaError_t e =
-      s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-                         : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream))
-                 : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-                         : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
+  const auto launch = [&]<bool kValidate>() {
+    const bool bf16 = q.dtype == DType::bf16;
+    return s.D == 128
+               ? (bf16 ? launch_tile_attention<Bf16Tag, 128, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                       : launch_tile_attention<F16Tag, 128, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream))
+               : (bf16 ? launch_tile_attention<Bf16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                       : launch_tile_attention<F16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
+  };
+  const cudaError_t e = p.fault != nullptr ? launch.template operator()<true>() : launch.template operator()<false>();
   check_cuda(e, op, "kernel launch");
 }
 

@@ -79,7 +79,7 @@ inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column 
 template <int kHeadDim>
 inline constexpr std::uint32_t kTileBytes = kHeadDim / 64 * kHalfTileBytes;
 
-template <class Elem, int kHeadDim, bool kCausal>
+template <class Elem, int kHeadDim, bool kCausal, bool kValidate>
 __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<Elem, kHeadDim>& sm, const CUtensorMap* tm_q,
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
@@ -102,7 +102,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
-    const BlockPolicy bp = BlockPolicy::make<kCausal>(p, w);
+    const BlockPolicy bp = BlockPolicy::make<kCausal, kValidate>(p, w);
     int pos = bp.begin;
     int j = bp.next(pos);
     // An item without blocks loads no K, so the previous item's last V cannot wait for the next K: the
@@ -111,7 +111,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
     if (j < 0 && pend_j >= 0) load_pending_v();
     const int qst = qs.stage();
     sm.q_empty[qst].wait(qs.phase() ^ 1u);
-    const bool faulty = bp.fault.kind != ListFault::kNone;
+    const bool faulty = kValidate && bp.fault.kind != ListFault::kNone;
     sm.q_walk[qst] = faulty ? kFaulty : (j >= 0 ? kHasBlocks : kNoBlocks);
     if (faulty) sm.q_fault[qst] = bp.fault;
     sm.q_full[qst].arrive_expect_tx(kTileBytes<kHeadDim>);
@@ -136,7 +136,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   if (pend_j >= 0) load_pending_v();
 }
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out);
@@ -211,10 +211,10 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 // item's epilogue runs after the next item's first softmax, so an item boundary costs no turn of its
 // own and no exposed QK + softmax.
 //
-// kCausal and kSplit are p.causal and whether the launch has a split tail (p.tail_ctas > 0), fixed per
-// instantiation: a kernel without them carries neither the causal mask nor the pieces' stores, arrivals
-// and combine.
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
+// kCausal, kSplit and kValidate are p.causal, whether the launch has a split tail (p.tail_ctas > 0) and
+// whether its lists are checked (p.fault set), fixed per instantiation: a kernel without them carries
+// neither the causal mask, nor the pieces' stores, arrivals and combine, nor the faulty item's path.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out) {
@@ -337,17 +337,18 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
 
     const int walk = sm.q_walk[qst];
     if (walk != kHasBlocks) {  // nothing to visit: out = 0, lse = -inf; a faulty list: NaN
+      const bool faulty = kValidate && walk == kFaulty;
       // One thread records the fault (q_fault is read before this thread releases the Q buffer).
-      if (walk == kFaulty && consumer == 0 && thread == 0) BlockPolicy::record(p, sm.q_fault[qst], w);
+      if (faulty && consumer == 0 && thread == 0) BlockPolicy::record(p, sm.q_fault[qst], w);
       finish_pending();
       if (!p.tma_store) sm.q_empty[qst].arrive();
       // A faulty item's o, m and l are NaN, which every way out (the epilogues, a split unit's
       // combine) turns into NaN out and lse.
-      const float fill = walk == kFaulty ? __int_as_float(0x7fffffff) : 0.0f;
+      const float fill = faulty ? __int_as_float(0x7fffffff) : 0.0f;
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = fill;
       softmax.finish();
-      if (walk == kFaulty) softmax.m[0] = softmax.m[1] = softmax.l[0] = softmax.l[1] = fill;
+      if (faulty) softmax.m[0] = softmax.m[1] = softmax.l[0] = softmax.l[1] = fill;
       epilogue(softmax, w, qst);
       continue;
     }
