@@ -98,18 +98,24 @@ def _split(text, sep):
     return parts
 
 
-def _parameters(fn):
-    """[(name, annotation)] of an extension function with one signature."""
-    signatures = getattr(fn, "__nb_signature__", ())
-    if len(signatures) != 1:
-        return None
-    text = signatures[0][0]
+def _signature_parameters(text):
     params = text[text.index("(") + 1:text.rindex(")")]
     result = []
     for p in _split(params, ","):
         name, _, annotation = p.partition(":")
-        result.append((name.strip(), _split(annotation, "=")[0] or "object"))
+        if name.strip():
+            result.append((name.strip(), _split(annotation, "=")[0] or "object"))
     return result
+
+
+def _parameters(fn, args=(), kwargs=None):
+    """[(name, annotation)] of an extension function; of an overloaded one (ThresholdTable's
+    constructors), the one overload that can take as many arguments as were given, with their names."""
+    candidates = [_signature_parameters(s[0]) for s in getattr(fn, "__nb_signature__", ())]
+    if len(candidates) > 1:
+        candidates = [c for c in candidates
+                      if len(c) >= len(args) + len(kwargs or {}) and set(kwargs or {}) <= {n for n, _ in c}]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def _fits(value, annotation):
@@ -128,11 +134,16 @@ def _fits(value, annotation):
             ok = isinstance(value, str)
         elif "[" not in a and "." in a:
             ok = type(value).__name__ == a.rpartition(".")[2]
+        elif a.startswith("collections.abc.Sequence["):
+            ok = isinstance(value, (list, tuple)) or None  # the elements are not looked at
+        elif a.startswith("ndarray["):
+            ok = None if hasattr(value, "__array_interface__") or hasattr(value, "__dlpack__") else False
         else:
             unknown = True
             continue
         if ok:
             return True
+        unknown = unknown or ok is None
     return None if unknown else False
 
 
@@ -148,7 +159,7 @@ def _given(value):
 
 def _type_error(fn, op, args, kwargs):
     """The TypeError naming the first argument of a call that does not fit fn's signature, or None."""
-    params = _parameters(fn)
+    params = _parameters(fn, args, kwargs)
     if params is None:
         return None
     given = dict(zip((name for name, _ in params), args))
@@ -197,7 +208,35 @@ _native = _Native()
 for _name in ("check_device_faults", "e2m1_to_float", "e4m3_to_float", "float_to_e2m1", "float_to_e4m3",
               "precision_name", "quantize_dequantize"):
     globals()[_name] = getattr(_native, _name)
-del _name
+
+def _constructor_type_error(op, args, kwargs):
+    """Raises the TypeError for arguments that fit none of class `op`'s constructors (the extension's
+    last overload calls this): the first argument that does not fit the overload taking as many."""
+    init = getattr(_ext, op).__init__
+    signatures = [s for s in getattr(init, "__nb_signature__", ()) if "*" not in s[0]]
+
+    class _Init:  # the overloads the caller could have meant, for _type_error
+        __nb_signature__ = tuple(signatures)
+    error = _type_error(_Init, op, (_Init,) + tuple(args), dict(kwargs))
+    if error is None:
+        given = ", ".join([_given(a) for a in args] + [f"{k}={_given(v)}" for k, v in kwargs.items()])
+        forms = "; ".join(s[0].replace("def __init__(self, ", f"{op}(").replace("def __init__(self", f"{op}(")
+                          .replace(" -> None", "").replace("sparse_attn._ext.", "sparse_attn.") for s in signatures)
+        error = TypeError(f"{op}: arguments ({given}) match no constructor: {forms}")
+    raise error
+
+
+# The classes' methods name the argument too, with the class as the operator (as their own errors
+# do: "ThresholdTable: argument 'budget': ..."); their constructors do it through the extension's last
+# overload (_constructor_type_error above).
+for _cls in (ProblemShape, ThresholdTable, Calibrator):
+    for _name in [n for n in vars(_cls) if not n.startswith("_")]:
+        _fn = vars(_cls)[_name]
+        if type(_fn).__name__ == "nb_method":
+            setattr(_cls, _name, _named_type_errors(_fn, _cls.__name__))
+        elif type(_fn).__name__ == "nb_func":  # a static method (ThresholdTable.load)
+            setattr(_cls, _name, staticmethod(_named_type_errors(_fn, _cls.__name__)))
+del _name, _cls, _fn
 
 
 def _int(op, name, value, minimum=None):

@@ -132,6 +132,7 @@ void bind_formats(nb::module_& m) {
       [](ProblemShape* p, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
          std::int64_t D, bool causal) { new (p) ProblemShape(checked_shape({B, Lq, Lk, Hq, Hkv, D, causal})); },
       "B"_a, "Lq"_a, "Lk"_a, "Hq"_a, "Hkv"_a, "D"_a = 128, "causal"_a = false);
+  shape.def("__init__", constructor_type_error<ProblemShape>("ProblemShape"));
   extent_property<&ProblemShape::B>(shape, "B");
   extent_property<&ProblemShape::Lq>(shape, "Lq");
   extent_property<&ProblemShape::Lk>(shape, "Lk");

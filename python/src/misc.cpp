@@ -124,6 +124,7 @@ void bind_misc(nb::module_& m) {
           },
           "budgets"_a, "n_layers"_a, "n_heads"_a, "n_qtiles"_a, "values"_a.none() = nb::none(), "tile_q"_a = 128,
           "tile_k"_a = 128, "model"_a = "")
+      .def("__init__", constructor_type_error<ThresholdTable>("ThresholdTable"))
       // The extents describe `values`: read-only, so that they cannot disagree with it.
       .def_ro("budgets", &ThresholdTable::budgets)
       .def_ro("n_layers", &ThresholdTable::n_layers)
@@ -175,6 +176,7 @@ void bind_misc(nb::module_& m) {
   nb::class_<Calibrator>(m, "Calibrator", "Accumulates per-sample gate thresholds and averages them.")
       .def(nb::init<std::vector<std::int64_t>, std::int64_t, std::string>(), "budgets"_a, "n_layers"_a,
            "model"_a = "")
+      .def("__init__", constructor_type_error<Calibrator>("Calibrator"))
       .def(
           "add",
           [](Calibrator& c, std::int64_t layer, nb::handle q, nb::handle k, std::optional<float> scale) {
