@@ -17,7 +17,7 @@
 #include "cuda/common/fault_word.hpp"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/workspace_cache.hpp"
-#include "plan/split_tail.hpp"
+#include "schedule/split_tail.hpp"
 
 namespace sparse_attn::cuda_kernels {
 namespace {
