@@ -37,6 +37,13 @@ void dense(const detail::AttentionCall& a, const detail::AttentionTuning& tuning
 void tile_sparse(const detail::AttentionCall& a, const detail::TileCall& t,
                  const detail::AttentionTuning& tuning = {});
 
+/// gated (BSFA) on the GPU: the Q-centric kernel walking every visible block with the gate policy
+/// (attention/gate_policy.cuh). The counters go to options.counts when given (no synchronisation; the
+/// returned stats are `deferred`), else through a workspace cached per (device, stream) to the host
+/// (one synchronisation of the stream).
+GatedStats gated(const detail::AttentionCall& a, const TensorView& thresholds, const GatedOptions& options,
+                 const detail::AttentionTuning& tuning = {});
+
 /// Block-sparse attention over BlockBits on the GPU: the bit sets are converted to TileLists in a
 /// workspace cached per (device, stream) (B x G x Tq x Tk ids; the first call on a stream allocates
 /// it), checked on the device unless a.trusted (one synchronisation), then run by tile_sparse.

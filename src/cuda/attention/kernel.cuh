@@ -22,12 +22,15 @@ inline constexpr std::uint32_t kConsumerRegs = 240;
 static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
 
 // One instantiation per (causal, split tail) setting: kCausal = p.causal, kSplit = (p.tail_ctas > 0); the
-// launcher instantiates (false, false), (false, true) and (true, false).
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
+// launcher instantiates (false, false), (false, true) and (true, false) with NoGate, and gated's
+// (true, false) with BlockMaxGate (gate_policy.cuh), whose parameters come last so that the others'
+// argument layout is what it was without a gate.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, class Gate = NoGate>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                          const __grid_constant__ CUtensorMap tm_out) {
+                          const __grid_constant__ CUtensorMap tm_out,
+                          const __grid_constant__ typename Gate::Params gate) {
   using Storage = SharedStorage<typename Tag::Elem, kHeadDim>;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -65,7 +68,7 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
     if (thread == 0) producer_loop<typename Tag::Elem, kHeadDim, kCausal>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kHeadDim, kCausal, kSplit>(p, sched, sm, warpgroup - 1, thread, &tm_out);
+    consumer_loop<Tag, kHeadDim, kCausal, kSplit, Gate>(p, gate, sched, sm, warpgroup - 1, thread, &tm_out);
   }
 }
 
@@ -81,18 +84,25 @@ template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream);
 
+/// The same for gated (causal, never split): the kernel with BlockMaxGate.
+template <class Tag, int kHeadDim>
+cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParams& gate, const CUtensorMap& tm_q,
+                                   const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
+                                   int grid, cudaStream_t stream);
+
 }  // namespace sparse_attn::cuda_kernels
 
 #if defined(SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION)
 namespace sparse_attn::cuda_kernels {
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, class Gate = NoGate>
 cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                           const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid,
-                                          cudaStream_t stream) {
+                                          cudaStream_t stream, const typename Gate::Params& gate = {}) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
-  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit>;
-  return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out); });
+  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, Gate>;
+  return launch_with_smem(kernel, smem,
+                          [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out, gate); });
 }
 
 template <class Tag, int kHeadDim>
@@ -106,6 +116,15 @@ cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMa
   return p.tail_ctas > 0
              ? launch_tile_attention_variant<Tag, kHeadDim, false, true>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
              : launch_tile_attention_variant<Tag, kHeadDim, false, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
+}
+
+template <class Tag, int kHeadDim>
+cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParams& gate, const CUtensorMap& tm_q,
+                                   const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
+                                   int grid, cudaStream_t stream) {
+  if (!p.causal || p.tail_ctas > 0) return cudaErrorInvalidValue;
+  return launch_tile_attention_variant<Tag, kHeadDim, true, false, BlockMaxGate>(p, tm_q, tm_k, tm_v, tm_out, grid,
+                                                                                 stream, gate);
 }
 
 }  // namespace sparse_attn::cuda_kernels
