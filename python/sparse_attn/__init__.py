@@ -64,7 +64,7 @@ __version__ = _ext.build_info()["version"]
 
 __all__ = [
     "BLOCK_K", "GATE_ROWS", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
-    "bits_sparse", "block_bits_to_tile_lists", "build_info", "check_device_faults", "cuda_available", "cuda_devices",
+    "bits_sparse", "block_bits_to_tile_lists", "build_info", "calibrate_thresholds", "check_device_faults", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
     "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "plan_schedule", "pooled_select",
     "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
@@ -645,6 +645,27 @@ def evaluate(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=No
     kind, a, b = _selection("evaluate_selection", tiles, bits, query_lists, token_lists)
     return _native.evaluate_selection(_dl(q), _dl(k), _dl(v), kind, a, b,
                                       softmax_scale=softmax_scale, causal=bool(causal))
+
+
+def calibrate_thresholds(samples, budgets, *, softmax_scale=None, sink_blocks=1, model="") -> ThresholdTable:
+    """Gate thresholds of gated from calibration samples (docs/design.md §5.5). samples: an iterable
+    (a generator streams them) of samples, each a sequence over layers of (q [1, L, Hq, D],
+    k [1, L, Hkv, D]) pairs, numpy or torch; on a CUDA device (bf16 or f16, D <= 128) the block
+    maxima are computed by the GPU. Per sample, layer, head and gate tile: the k-th largest maximum of
+    the gate's candidate blocks for each budget k (-inf below k candidates), averaged over samples.
+    Returns the ThresholdTable (its sink_blocks is the one to give gated)."""
+    budgets = [_int("calibrate_thresholds", "budgets", b, 1) for b in budgets]
+    cal = None
+    for sample in samples:
+        layers = list(sample)
+        if cal is None:
+            cal = Calibrator(budgets, len(layers), model,
+                             sink_blocks=_int("calibrate_thresholds", "sink_blocks", sink_blocks, 0))
+        for layer, (q, k) in enumerate(layers):
+            cal.add(layer, _dl(q), _dl(k), softmax_scale)
+    if cal is None:
+        raise Error("calibrate_thresholds: argument 'samples': no calibration sample")
+    return cal.finish()
 
 
 def load_thresholds(path) -> ThresholdTable:

@@ -187,7 +187,8 @@ void bind_misc(nb::module_& m) {
             c.add(layer, qv, kv, scale);
           },
           "layer"_a, "q"_a, "k"_a, "softmax_scale"_a.none() = nb::none(),
-          "Adds one sample's layer: q [1, L, Hq, D], k [1, L, Hkv, D] on the CPU.")
+          "Adds one sample's layer: q [1, L, Hq, D], k [1, L, Hkv, D] on the CPU or a CUDA device (there "
+          "the block maxima are computed by the GPU, bf16 or f16, D <= 128).")
       .def("finish", &Calibrator::finish);
 }
 

@@ -15,6 +15,9 @@
 #include "gated/tile_kernels.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/ops.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/backend.hpp"
+#endif
 
 namespace sparse_attn {
 namespace {
@@ -238,7 +241,6 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
   const auto floats = {DType::f32, DType::f16, DType::bf16};
   detail::check_tensor(kCalibOp, "q", q, 4, floats);
   detail::check_tensor(kCalibOp, "k", k, 4, floats);
-  if (q.device != Device::cpu) detail::unsupported_device(kCalibOp, "q", q);
   detail::check_same_device(kCalibOp, "k", k, "q", q);
   detail::check_last_contiguous(kCalibOp, "q", q);
   detail::check_last_contiguous(kCalibOp, "k", k);
@@ -264,6 +266,14 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
   const float scale = resolve_scale(kCalibOp, softmax_scale, p.D);
 
   const std::int64_t T = detail::gate_tiles(p), nb = static_cast<std::int64_t>(budgets_.size());
+  if (q.device == Device::cuda) {
+#if defined(SPARSE_ATTN_WITH_CUDA)
+    accumulate(layer, p.Hq, T, cuda_backend::calibration_sample(q, k, scale, sink_blocks_, budgets_, kCalibOp));
+    return;
+#else
+    detail::unsupported_device(kCalibOp, "q", q);
+#endif
+  }
   // Per (head, gate tile): the sample's threshold of every budget, computed in parallel, then
   // accumulated serially so the sums do not depend on scheduling.
   std::vector<float> sample(static_cast<std::size_t>(p.Hq * T * nb));

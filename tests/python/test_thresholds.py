@@ -90,3 +90,18 @@ def test_sink_blocks_follow_through_calibration_and_gate(rng, sinks):
     assert ref.rel_err(out, ref_out) <= 1e-5
     assert stats["gated_candidates"] == ref_stats["gated_candidates"]
     assert stats["visible_blocks"] == ref_stats["visible_blocks"]
+
+
+def test_calibrate_thresholds_streams_samples_of_every_layer(rng):
+    samples = [[qkv(rng, 1, L, L, 2, 1, 16)[:2] for _ in range(2)] for L in (300, 520)]
+    table = sa.calibrate_thresholds(iter(samples), [1, 3], sink_blocks=0, model="streamed")
+    assert (table.n_layers, table.n_qtiles, table.sink_blocks, table.model) == (2, 9, 0, "streamed")
+    for layer in range(2):
+        expect = ref.calibrate([s[layer] for s in samples], [1, 3], sink_blocks=0)
+        got = table.values[:, layer]
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(expect))
+        np.testing.assert_allclose(got[np.isfinite(got)], expect[np.isfinite(expect)], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="no calibration sample"):
+        sa.calibrate_thresholds([], [1])
+    with pytest.raises(ValueError, match="budgets"):
+        sa.calibrate_thresholds(samples, [0])
