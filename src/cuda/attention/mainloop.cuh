@@ -403,9 +403,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
     };
     // Straight-line paths: a wgmma group issued under a condition makes ptxas serialise them all.
-    // The QK alone: the item's first block with nothing pending, or after a pending item whose last
-    // block the gate skipped (its V slot is waited for and released all the same).
-    const auto first_qk_alone = [&]() {
+    // The QK of block j alone, in a turn of its own: the item's first block with nothing pending, or
+    // where the block before it was skipped by the gate (its V slot is waited for and released all
+    // the same).
+    const auto qk_alone = [&](int j) {
       turns.begin();
       wgmma_fence();
       issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
@@ -413,7 +414,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       release_staged_q();
       settle_arrival();
       wgmma_wait<0>();
-      return softmax_block(first.j);
+      return softmax_block(j);
     };
     bool kept;  // whether the block whose P is in pa (once packed) is kept
     if (pending && (!Gate::kEnabled || pending_kept)) {
@@ -431,10 +432,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       retire_pending();
     } else if (pending) {
       sm.v_full[vs.stage()].wait(vs.phase());
-      kept = first_qk_alone();
+      kept = qk_alone(first.j);
       retire_pending();
     } else {
-      kept = first_qk_alone();
+      kept = qk_alone(first.j);
     }
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
@@ -462,14 +463,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         fence_operands(acc_o);
         keep_live(pa);
       } else {
-        turns.begin();
-        wgmma_fence();
-        issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-        turns.end();
-        release_staged_q();
-        settle_arrival();
-        wgmma_wait<0>();
-        next_kept = softmax_block(nb.j);
+        next_kept = qk_alone(nb.j);
       }
       release(sm.v_empty[vs.stage()]);
       vs.advance();
