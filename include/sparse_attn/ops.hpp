@@ -9,7 +9,9 @@
 // with exact float32 softmax; device tensors go to the CUDA backend, which runs on
 // `options.stream` without host synchronisation or allocation, with these exceptions: validating
 // the bits of bits_sparse, the lists of token_sparse or query_sparse when not `trusted` reads the
-// verdict back (one synchronisation); and dense and tile_sparse allocate a scratch buffer (about
+// verdict back (one synchronisation); gated, unless its counters go to GatedOptions::counts, keeps
+// them in 32 bytes allocated once per (device, stream) and waits for its stream to return them; and
+// dense and tile_sparse allocate a scratch buffer (about
 // 140 KB per SM) once per (device, stream), on the first non-causal call whose last, partial wave of
 // work they split over more CTAs. A call captured into a CUDA graph on a stream without that buffer
 // does not split (it computes the same attention with the sums in another order); make one eager
