@@ -22,8 +22,8 @@ def _qkv(B, Lq, Lk, Hq, Hkv, D, dtype, seed=0):
 
 
 def _midpoints(q, k, sinks):
-    """Per (head, gate tile) a threshold halfway between two neighbouring candidate maxima (float64
-    reference on the rounded inputs), so no decision is within rounding of it."""
+    """Per (head, gate tile) a threshold halfway across the widest gap between neighbouring candidate
+    maxima (float64 reference on the rounded inputs), so no decision is within rounding of it."""
     bmax, visible, straddle = ref.block_maxima(q.float().numpy(), k.float().numpy())
     cand = ref.gate_candidates(visible, straddle, sinks)
     _, Hq, Tg, _ = bmax.shape
@@ -31,7 +31,7 @@ def _midpoints(q, k, sinks):
     for h, t in np.ndindex(Hq, Tg):
         vals = np.unique(bmax[:, h, t][cand[:, h, t]])
         if len(vals) >= 2:
-            i = len(vals) // 2
+            i = int(np.argmax(np.diff(vals))) + 1
             thr[h, t] = 0.5 * (vals[i - 1] + vals[i])
     return torch.from_numpy(thr)
 
