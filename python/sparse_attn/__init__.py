@@ -42,6 +42,7 @@ import numpy as _np
 from . import _ext
 from ._ext import (
     BLOCK_K,
+    GATE_ROWS,
     TILE_Q,
     Calibrator,
     Error,
@@ -62,8 +63,8 @@ from ._ext import (
 __version__ = _ext.build_info()["version"]
 
 __all__ = [
-    "BLOCK_K", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
-    "bits_sparse", "block_bits_to_tile_lists", "build_info", "check_device_faults", "cuda_available", "cuda_devices",
+    "BLOCK_K", "GATE_ROWS", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
+    "bits_sparse", "block_bits_to_tile_lists", "build_info", "calibrate_thresholds", "check_device_faults", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
     "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "plan_schedule", "pooled_select",
     "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
@@ -461,24 +462,27 @@ def _gated_stats(counts, kept_per_tile):
 
 
 def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None,
-          return_kept_per_tile=False):
-    """Causal BSFA-gated attention. thresholds: float32 [Hq, T] (one budget and layer of a
-    ThresholdTable, e.g. ``table.slice(budget, layer)``); Q tiles past T use the last column.
+          return_kept_per_tile=False, sink_blocks=1):
+    """Causal BSFA-gated attention, gated per GATE_ROWS queries (a gate tile). thresholds: float32
+    [Hq, T] (one budget and layer of a ThresholdTable, e.g. ``table.slice(budget, layer)``); gate
+    tiles past T use the last column. The first sink_blocks KV blocks are always kept, like the
+    diagonal: pass the table's ``sink_blocks``.
 
     Returns (out, stats) or, with return_lse, (out, lse, stats), as ``sparse_attn.torch.gated``
     does. stats is a dict of Python numbers: kept_blocks (visits that ran PV), visible_blocks,
-    gated_candidates (visible visits off the diagonal), gated_kept, density (kept / visible) and,
-    with return_kept_per_tile, "kept_per_tile" (int32 [B, Hq, Tq] array of q's library: blocks
-    kept per tile, diagonal included)."""
+    gated_candidates (visible visits off the diagonal and past the sinks), gated_kept, density
+    (kept / visible) and, with return_kept_per_tile, "kept_per_tile" (int32 [B, Hq, ceil(Lq /
+    GATE_ROWS)] array of q's library: blocks kept per gate tile, diagonal and sinks included)."""
     out, lse = _outputs("gated", q, out, return_lse)
     kept = None
     if return_kept_per_tile:
         B, Lq, Hq, _ = q.shape
-        kept = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q)), "int32")
+        kept = _empty(q, (B, Hq, _ceil_div(Lq, GATE_ROWS)), "int32")
     if _is_torch(q) and isinstance(thresholds, _np.ndarray):
         thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
     counts = _native.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
-                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))
+                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q),
+                           sink_blocks=_int("gated", "sink_blocks", sink_blocks))
     stats = _gated_stats((counts[name] for name in _GATED_COUNTS), kept)
     return (out, lse, stats) if return_lse else (out, stats)
 
@@ -680,6 +684,27 @@ def evaluate(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=No
     kind, a, b = _selection("evaluate_selection", tiles, bits, query_lists, token_lists)
     return _native.evaluate_selection(_dl(q), _dl(k), _dl(v), kind, a, b,
                                       softmax_scale=softmax_scale, causal=bool(causal))
+
+
+def calibrate_thresholds(samples, budgets, *, softmax_scale=None, sink_blocks=1, model="") -> ThresholdTable:
+    """Gate thresholds of gated from calibration samples (docs/design.md §5.5). samples: an iterable
+    (a generator streams them) of samples, each a sequence over layers of (q [1, L, Hq, D],
+    k [1, L, Hkv, D]) pairs, numpy or torch; on a CUDA device (bf16 or f16, D <= 128) the block
+    maxima are computed by the GPU. Per sample, layer, head and gate tile: the k-th largest maximum of
+    the gate's candidate blocks for each budget k (-inf below k candidates), averaged over samples.
+    Returns the ThresholdTable (its sink_blocks is the one to give gated)."""
+    budgets = [_int("calibrate_thresholds", "budgets", b, 1) for b in budgets]
+    cal = None
+    for sample in samples:
+        layers = list(sample)
+        if cal is None:
+            cal = Calibrator(budgets, len(layers), model,
+                             sink_blocks=_int("calibrate_thresholds", "sink_blocks", sink_blocks, 0))
+        for layer, (q, k) in enumerate(layers):
+            cal.add(layer, _dl(q), _dl(k), softmax_scale)
+    if cal is None:
+        raise Error("calibrate_thresholds: argument 'samples': no calibration sample")
+    return cal.finish()
 
 
 def load_thresholds(path) -> ThresholdTable:

@@ -125,6 +125,7 @@ void extent_property(nb::class_<ProblemShape>& c, const char* name) {
 void bind_formats(nb::module_& m) {
   m.attr("TILE_Q") = kTileQ;
   m.attr("BLOCK_K") = kBlockK;
+  m.attr("GATE_ROWS") = kGateRows;
 
   nb::class_<ProblemShape> shape(m, "ProblemShape", "Problem extents and the causal flag (docs/design.md §2).");
   shape.def(

@@ -111,9 +111,9 @@ TEST(NonFinite, RowsThatSeeNoKeyStayZeroAndMinusInf) {
 }
 
 TEST(NonFinite, GatedKeepsABlockWithANaNScoreWhateverItsThreshold) {
-  // Thresholds of FLT_MAX gate off every off-diagonal block; a NaN in key 10 (block 0) must still
-  // reach every row of heads 2 and 3 that sees it, in Q tile 1 (block 0 off the diagonal) as well as
-  // in tile 0 (block 0 on it).
+  // Thresholds of FLT_MAX gate off every off-diagonal block (no sink block); a NaN in key 10 (block
+  // 0) must still reach every row of heads 2 and 3 that sees it, in gate tiles 2 and 3 (block 0 off
+  // the diagonal) as well as in gate tiles 0 and 1 (block 0 on it).
   const sa::ProblemShape p = shape();
   const sa::HostTensor q = st::random_tensor(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}, 31);
   sa::HostTensor k = st::random_tensor(sa::DType::f32, {p.B, p.Lk, p.Hkv, p.D}, 32);
@@ -121,11 +121,13 @@ TEST(NonFinite, GatedKeepsABlockWithANaNScoreWhateverItsThreshold) {
   sa::HostTensor t(sa::DType::f32, {p.Hq, p.Tq()});
   std::fill(t.data<float>(), t.data<float>() + t.numel(), std::numeric_limits<float>::max());
   sa::HostTensor out(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}), lse(sa::DType::f32, {p.B, p.Hq, p.Lq});
-  const sa::GatedStats clean = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view());
+  sa::GatedOptions g;
+  g.sink_blocks = 0;
+  const sa::GatedStats clean = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view(), g);
   EXPECT_EQ(clean.gated_kept, 0);
   k.data<float>()[nf::at4(p, p.Lk, p.Hkv, 0, 10, 1, 4)] = std::numeric_limits<float>::quiet_NaN();
-  const sa::GatedStats stats = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view());
-  EXPECT_EQ(stats.gated_kept, 2);  // block 0 for Q tile 1 of heads 2 and 3
+  const sa::GatedStats stats = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view(), g);
+  EXPECT_EQ(stats.gated_kept, 4);  // block 0 for gate tiles 2 and 3 of heads 2 and 3
   for (std::int64_t h = 0; h < p.Hq; ++h)
     for (std::int64_t i = 0; i < p.Lq; ++i) {
       const bool nan = h >= 2 && i >= 10;

@@ -23,12 +23,15 @@ static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "s
 
 // One instantiation per (causal, split tail, checked lists) setting: kCausal = p.causal, kSplit =
 // (p.tail_ctas > 0), kValidate = (p.fault != nullptr); the launcher instantiates (false, false),
-// (false, true) and (true, false) of the first two, each with and without the check.
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate>
+// (false, true) and (true, false) of the first two, each with and without the check, with NoGate, and
+// gated's (true, false, false) with BlockMaxGate (gate_policy.cuh), whose parameters come last so
+// that the others' argument layout is what it was without a gate.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                          const __grid_constant__ CUtensorMap tm_out) {
+                          const __grid_constant__ CUtensorMap tm_out,
+                          const __grid_constant__ typename Gate::Params gate) {
   using Storage = SharedStorage<typename Tag::Elem, kHeadDim>;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
       producer_loop<typename Tag::Elem, kHeadDim, kCausal, kValidate>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kHeadDim, kCausal, kSplit, kValidate>(p, sched, sm, warpgroup - 1, thread, &tm_out);
+    consumer_loop<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate>(p, gate, sched, sm, warpgroup - 1, thread, &tm_out);
   }
 }
 
@@ -83,18 +86,25 @@ template <class Tag, int kHeadDim, bool kValidate>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream);
 
+/// The same for gated (causal, never split): the kernel with BlockMaxGate.
+template <class Tag, int kHeadDim>
+cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParams& gate, const CUtensorMap& tm_q,
+                                   const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
+                                   int grid, cudaStream_t stream);
+
 }  // namespace sparse_attn::cuda_kernels
 
 #if defined(SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION)
 namespace sparse_attn::cuda_kernels {
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate>
 cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                           const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid,
-                                          cudaStream_t stream) {
+                                          cudaStream_t stream, const typename Gate::Params& gate = {}) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
-  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, kValidate>;
-  return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out); });
+  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate>;
+  return launch_with_smem(kernel, smem,
+                          [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out, gate); });
 }
 
 template <class Tag, int kHeadDim, bool kValidate>
@@ -112,6 +122,15 @@ cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMa
                                                                                    stream)
              : launch_tile_attention_variant<Tag, kHeadDim, false, false, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid,
                                                                                     stream);
+}
+
+template <class Tag, int kHeadDim>
+cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParams& gate, const CUtensorMap& tm_q,
+                                   const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
+                                   int grid, cudaStream_t stream) {
+  if (!p.causal || p.tail_ctas > 0 || p.fault != nullptr) return cudaErrorInvalidValue;
+  return launch_tile_attention_variant<Tag, kHeadDim, true, false, false, BlockMaxGate>(p, tm_q, tm_k, tm_v, tm_out,
+                                                                                        grid, stream, gate);
 }
 
 }  // namespace sparse_attn::cuda_kernels
