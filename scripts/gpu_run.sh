@@ -5,9 +5,9 @@
 # printed last.
 #
 # Usage: scripts/gpu_run.sh [--no-peers] [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-selector-bench]
-#                           [--no-pipeline-bench] [--no-query-bench] [--no-lightning-bench]
+#                           [--no-pipeline-bench] [--no-query-bench] [--no-lightning-bench] [--no-entmax-bench]
 # Each stage runs under a timeout (TEST_TIMEOUT, SANITIZER_TIMEOUT, BENCH_TIMEOUT, SELECTOR_TIMEOUT, PIPELINE_TIMEOUT,
-# QUERY_TIMEOUT, QSCHED_TIMEOUT, LIGHTNING_TIMEOUT seconds) so a hung kernel costs one stage, not the whole session.
+# QUERY_TIMEOUT, QSCHED_TIMEOUT, LIGHTNING_TIMEOUT, ENTMAX_TIMEOUT seconds) so a hung kernel costs one stage, not the whole session.
 # The benchmarks are the scripts of bench/gpu (sharing bench/harness.py), which call the library through the
 # Python package built here (staged in $BUILD/py, put on PYTHONPATH):
 #   bench       bench_attention.py -> $OUT/bench_results.json, plotted by bench/plot_attention.py where
@@ -18,7 +18,10 @@
 #   query       `sparse-attn bench query16of32` (the KV-centric breakdown, verified) -> $OUT/query_bench.json where
 #               the program was built, then bench_query.py (every query_sparse schedule and the Q-centric one on
 #               the same lists, the peers, the overlap sweep and the planner check) -> $OUT/query_schedules.json;
-#   lightning   bench_lightning.py (the lightning indexer against the fp8 matmul rate) -> $OUT/lightning.json.
+#   lightning   bench_lightning.py (the lightning indexer against the fp8 matmul rate) -> $OUT/lightning.json;
+#   entmax      `sparse-attn bench entmax` (whole call, output pass alone, the library's dense) -> $OUT/entmax_bench.json
+#               where the program was built, then bench_entmax.py (AdaSplash where importable, cuDNN) ->
+#               $OUT/entmax.json.
 # --no-peers times the library alone; --quick gives every benchmark fewer cases and shorter timing. The JSON
 # files record the git commit of the checkout, or $GIT_COMMIT where the tree is a copy without .git.
 # Build dependencies that the machine lacks (GoogleTest, nlohmann_json, and CLI11 and fmt for the program) are
@@ -29,7 +32,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu-out}"
 BUILD="${BUILD:-$ROOT/build-gpu}"
 JOBS="${JOBS:-$(nproc)}"
-PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1 SELBENCH=1 PIPEBENCH=1 QBENCH=1 LBENCH=1
+PEERS=1 QUICK=0 TESTS=1 SANITIZER=1 BENCH=1 SELBENCH=1 PIPEBENCH=1 QBENCH=1 LBENCH=1 EBENCH=1
 for arg in "$@"; do
   case "$arg" in
     --no-peers) PEERS=0 ;;
@@ -41,6 +44,7 @@ for arg in "$@"; do
     --no-pipeline-bench) PIPEBENCH=0 ;;
     --no-query-bench) QBENCH=0 ;;
     --no-lightning-bench) LBENCH=0 ;;
+    --no-entmax-bench) EBENCH=0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -155,6 +159,19 @@ fi
 if [ "$LBENCH" = 1 ] && stage "lightning benchmark" "${LIGHTNING_TIMEOUT:-300}" "$OUT/lightning.log" \
     python3 "$ROOT/bench/gpu/bench_lightning.py" --json "$OUT/lightning.json" "${COMMON[@]}"; then
   grep -E '^(fp8_e4m3|bf16): ' "$OUT/lightning.log" | while read -r line; do note "lightning $line"; done
+fi
+
+# ---- entmax: the whole call, the output pass alone and dense (sparse-attn), then AdaSplash and cuDNN -------
+if [ "$EBENCH" = 1 ]; then
+  CLI="$BUILD/tools/sparse-attn"
+  if [ -x "$CLI" ] && stage "entmax breakdown" "${ENTMAX_TIMEOUT:-600}" "$OUT/entmax_bench.log" \
+      "$CLI" bench entmax --device cuda --json "$OUT/entmax_bench.json"; then
+    grep '^entmax ' "$OUT/entmax_bench.log" | while read -r line; do note "$line"; done
+  fi
+  if stage "entmax benchmark" "${ENTMAX_TIMEOUT:-600}" "$OUT/entmax.log" \
+      python3 "$ROOT/bench/gpu/bench_entmax.py" --json "$OUT/entmax.json" "${PEER_ARGS[@]}"; then
+    note "$(stamp) entmax benchmark: $OUT/entmax.json"
+  fi
 fi
 
 echo

@@ -16,6 +16,10 @@
 #include "sparse_attn/ops.hpp"
 #include "sparse_attn/tensor.hpp"
 
+namespace sparse_attn::cuda_kernels {
+struct EntmaxTransformParams;  // attention/entmax_params.hpp
+}  // namespace sparse_attn::cuda_kernels
+
 namespace sparse_attn::cuda_backend {
 
 /// At the start of an operator on `device` with `stream`: if a validated call left a fault there
@@ -52,6 +56,12 @@ GatedStats gated(const detail::AttentionCall& a, const TensorView& thresholds, c
 /// Errors name `op`.
 std::vector<float> calibration_sample(const TensorView& q, const TensorView& k, float scale, std::int64_t sink_blocks,
                                       const std::vector<std::int64_t>& budgets, const std::string& op);
+
+/// The output pass of entmax (docs/design.md §5.6): the Q-centric kernel over TileLists t (G = Hq, made
+/// by entmax's support pass; walked as trusted) with the entmax transform (attention/entmax_transform.cuh)
+/// and the rows' thresholds in `entmax`.
+void entmax_output(const detail::AttentionCall& a, const detail::TileCall& t,
+                   const cuda_kernels::EntmaxTransformParams& entmax, const detail::AttentionTuning& tuning = {});
 
 /// Block-sparse attention over BlockBits on the GPU: the bit sets are converted to TileLists in a
 /// workspace cached per (device, stream) (B x G x Tq x Tk ids; the first call on a stream allocates

@@ -21,6 +21,10 @@
 #include "core/check.hpp"
 #include "core/cpu.hpp"
 #include "entmax/threshold_solver.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/backend.hpp"
+#include "cuda/entmax/backend.hpp"
+#endif
 #include "gated/tile_kernels.hpp"
 #include "sparse_attn/ops.hpp"
 
@@ -281,7 +285,13 @@ EntmaxStats entmax(const TensorView& q, const TensorView& k, const TensorView& v
 
   switch (q.device) {
     case Device::cpu: return entmax_cpu(a, options);
-    case Device::cuda: break;
+    case Device::cuda:
+#if defined(SPARSE_ATTN_WITH_CUDA)
+      cuda_backend::raise_pending_fault(q.device_index, options.stream, kOp);
+      return cuda_backend::entmax(a, options);
+#else
+      break;
+#endif
   }
   detail::unsupported_device(kOp, "q", q);
 }

@@ -12,6 +12,12 @@
 
 #include "sparse_attn/sparse_attn.hpp"
 
+/// Skips the current test where no supported GPU is present.
+#define SPARSE_ATTN_SKIP_WITHOUT_GPU()                                                                      \
+  do {                                                                                                      \
+    if (!sparse_attn::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped"; \
+  } while (0)
+
 namespace sparse_attn::testing {
 
 inline void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }

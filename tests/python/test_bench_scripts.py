@@ -15,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = ["bench_attention.py", "bench_selectors.py", "bench_pipeline.py", "bench_query.py", "bench_lightning.py",
-           "bench_gated.py"]
+           "bench_gated.py", "bench_entmax.py"]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -63,6 +63,8 @@ def test_script_help_runs_without_a_gpu(name):
     ("bench_query.py", ["--sweep-f", "0.1,2"], "fractions must lie in [0, 1]"),
     ("bench_query.py", ["--merge-window", "9"], "--merge-window must lie in [0, 8]"),
     ("bench_lightning.py", ["--L", "1000"], "--L must be at least the top-k"),
+    ("bench_entmax.py", ["--alphas", "1.5", "1"], "--alphas must be > 1"),
+    ("bench_entmax.py", ["--shapes", "32/5"], "Hq must be a positive multiple of Hkv"),
 ])
 def test_script_refuses_bad_arguments(name, args, message):
     r = script(name, *args)
@@ -71,7 +73,7 @@ def test_script_refuses_bad_arguments(name, args, message):
 
 
 @pytest.mark.skipif(cuda_available(), reason="with a CUDA device the script would run the benchmark")
-@pytest.mark.parametrize("name", ["bench_attention.py", "bench_selectors.py", "bench_lightning.py", "bench_gated.py"])
+@pytest.mark.parametrize("name", ["bench_attention.py", "bench_selectors.py", "bench_lightning.py", "bench_gated.py", "bench_entmax.py"])
 def test_script_without_a_gpu_says_what_it_needs(name, tmp_path):
     out = tmp_path / "r.json"
     r = script(name, "--quick", "--json", str(out))

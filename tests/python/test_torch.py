@@ -361,6 +361,30 @@ def test_cuda_sparse_executors_and_selectors(op):
 
 @pytest.mark.cuda
 @requires_cuda
+@pytest.mark.parametrize("alpha", [1.5, 2.0, 1.25])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_entmax_matches_reference_and_cpu(alpha, dtype):
+    B, Lq, Lk, Hq, Hkv, D = 1, 300, 700, 8, 2, 128
+    q, k, v = _qkv(B, Lq, Lk, Hq, Hkv, D, dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # runs on the caller's current stream
+        out, bits, stats = sa.entmax(q, k, v, alpha=alpha, causal=True, return_block_bits=True, return_stats=True)
+    stream.synchronize()
+    assert out.is_cuda and out.dtype == dtype and bits.is_cuda and bits.dtype == torch.uint32
+    ref_out, p = ref.entmax_attention(_np(q), _np(k), _np(v), alpha=alpha, causal=True)
+    _check(out, ref_out, dtype)
+    # The CPU executor on the same values: every tile it marks is marked on the GPU too.
+    cpu_out, cpu_bits, cpu_stats = sa.entmax(q.cpu().float(), k.cpu().float(), v.cpu().float(), alpha=alpha,
+                                             causal=True, return_block_bits=True, return_stats=True)
+    u32 = lambda t: t.cpu().view(torch.int32).numpy().view(np.uint32)  # noqa: E731
+    assert not np.any(u32(cpu_bits) & ~u32(bits))
+    assert stats["visible_tiles"] == cpu_stats["visible_tiles"]
+    assert stats["active_tiles"] >= cpu_stats["active_tiles"]
+    assert stats["support"] == pytest.approx(int((p > 0).sum()), rel=1e-3, abs=4)
+
+
+@pytest.mark.cuda
+@requires_cuda
 def test_validate_checks_the_contents_of_cuda_tensors():
     p = sa.ProblemShape(1, 300, 1000, 2, 1, 16)
     rng = np.random.default_rng(6)

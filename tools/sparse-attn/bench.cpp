@@ -20,6 +20,8 @@
 #include "common.hpp"
 #include "core/cpu.hpp"
 #ifdef SPARSE_ATTN_WITH_CUDA
+#include "cuda/backend.hpp"
+#include "cuda/entmax/backend.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #endif
 
@@ -851,56 +853,78 @@ void Bench::gated_workload() {
   }
 }
 
-// ---- entmax: alpha = 1.5, causal
+// ---- entmax: causal, H = 16 (MHA) and the GQA shape 32 / 8, alpha 1.5 and 2 ------------------------
+// Beside the whole call (threshold passes, bits, output pass, statistics read back): on the GPU the
+// output pass alone (the plan made once, then entmax_output timed) and the library's dense attention
+// on the same inputs.
 void Bench::entmax_workload() {
-  constexpr float kAlpha = 1.5f;
-  for (std::int64_t full_l : lengths({4096, 8192, 16384, 32768})) {
-    ProblemShape p{1, length(full_l), length(full_l), 32, 8, 128, true};
-    const std::string name = fmt::format("entmax L={} alpha=1.5", p.Lq);
-    progress("{}: verify, then {} timed runs", name, repeat_);
-    Inputs in = make_inputs(p, where_, rng_);
-    EntmaxStats stats;
-    RowReference ref = [&](std::int64_t b, std::int64_t i, std::int64_t h) -> std::optional<std::vector<double>> {
-      const auto z = scaled_scores(in, b, i, h);
-      const std::int64_t end = std::min(p.Lk, i + p.offset() + 1);
-      const double a1 = kAlpha - 1.0;
-      double hi = -INFINITY;
-      for (std::int64_t j = 0; j < end; ++j) hi = std::max(hi, a1 * z[j]);
-      // sum_j [(alpha-1) z_j - tau]_+^(1/(alpha-1)) decreases in tau; it is >= 1 at max - 1 and 0 at max.
-      double lo = hi - 1.0;
-      auto mass = [&](double tau) {
-        double s = 0.0;
-        for (std::int64_t j = 0; j < end; ++j) s += std::pow(std::max(0.0, a1 * z[j] - tau), 1.0 / a1);
-        return s;
-      };
-      for (int it = 0; it < 200; ++it) {
-        const double mid = 0.5 * (lo + hi);
-        (mass(mid) >= 1.0 ? lo : hi) = mid;
+  struct Heads {
+    std::int64_t hq, hkv;
+  };
+  for (const Heads heads : {Heads{16, 16}, Heads{32, 8}})
+    for (const float alpha : {1.5f, 2.0f})
+      for (std::int64_t full_l : lengths({4096, 8192, 16384, 32768})) {
+        ProblemShape p{1, length(full_l), length(full_l), heads.hq, heads.hkv, 128, true};
+        const std::string name = fmt::format("entmax L={} H={}/{} a={}", p.Lq, p.Hq, p.Hkv, alpha);
+        progress("{}: verify, then {} timed runs", name, repeat_);
+        Inputs in = make_inputs(p, where_, rng_);
+        EntmaxStats stats;
+        EntmaxOptions o;
+        o.alpha = alpha;
+        o.causal = true;
+        RowReference ref = [&](std::int64_t b, std::int64_t i, std::int64_t h) -> std::optional<std::vector<double>> {
+          const auto z = scaled_scores(in, b, i, h);
+          const std::int64_t end = std::min(p.Lk, i + p.offset() + 1);
+          const double a1 = alpha - 1.0;
+          double hi = -INFINITY;
+          for (std::int64_t j = 0; j < end; ++j) hi = std::max(hi, a1 * z[j]);
+          // sum_j [(alpha-1) z_j - tau]_+^(1/(alpha-1)) decreases in tau; it is >= 1 at max - 1 and 0 at max.
+          double lo = hi - 1.0;
+          auto mass = [&](double tau) {
+            double sum = 0.0;
+            for (std::int64_t j = 0; j < end; ++j) sum += std::pow(std::max(0.0, a1 * z[j] - tau), 1.0 / a1);
+            return sum;
+          };
+          for (int it = 0; it < 200; ++it) {
+            const double mid = 0.5 * (lo + hi);
+            (mass(mid) >= 1.0 ? lo : hi) = mid;
+          }
+          std::vector<double> w(static_cast<std::size_t>(p.Lk), 0.0);
+          double total = 0.0;
+          for (std::int64_t j = 0; j < end; ++j) total += (w[j] = std::pow(std::max(0.0, a1 * z[j] - lo), 1.0 / a1));
+          for (auto& x : w) x /= total;
+          return weighted_sum(in, b, h / p.group_size(), w);
+        };
+        auto r = measure(
+            in, [&](bool d) { stats = entmax(in.q.view(d), in.k.view(d), in.v.view(d), in.out.view(d), o); }, ref,
+            [&](CaseResult& cr) {
+              const double visible = double(p.B * p.Hq) * double(p.visible_pairs());
+              cr.pairs = double(stats.support);
+              cr.extra["support_fraction"] = double(stats.support) / visible;
+              cr.extra["active_tiles"] = stats.active_tiles;
+              cr.extra["visible_tiles"] = stats.visible_tiles;
+              cr.extra["tile_density"] = double(stats.active_tiles) / double(std::max<std::int64_t>(1, stats.visible_tiles));
+              if (!where_.cuda) return;
+              const auto median_ms = [&](const std::function<void()>& f) {
+                std::vector<double> ms;
+                for (int rep = 0; rep < repeat_; ++rep) ms.push_back(timed(true, f));
+                std::sort(ms.begin(), ms.end());
+                return ms[ms.size() / 2];
+              };
+              AttentionOptions ao;
+              ao.causal = true;
+#ifdef SPARSE_ATTN_WITH_CUDA
+              const detail::AttentionCall a =
+                  detail::resolve_call("entmax", in.q.view(true), in.k.view(true), in.v.view(true), in.out.view(true), std::nullopt, ao);
+              std::lock_guard<std::mutex> lock(cuda_backend::entmax_workspace_mutex());
+              const cuda_backend::EntmaxPlan plan = cuda_backend::entmax_thresholds(a, o);
+              cr.extra["output_pass_ms"] = median_ms([&] { cuda_backend::entmax_output(a, plan.tiles, plan.transform); });
+#endif
+              cr.extra["dense_ms"] = median_ms(
+                  [&] { dense(in.q.view(true), in.k.view(true), in.v.view(true), in.out.view(true), std::nullopt, ao); });
+            });
+        record(name, p, {{"alpha", alpha}, {"Hq", p.Hq}, {"Hkv", p.Hkv}}, std::move(r));
       }
-      std::vector<double> w(static_cast<std::size_t>(p.Lk), 0.0);
-      double total = 0.0;
-      for (std::int64_t j = 0; j < end; ++j) total += (w[j] = std::pow(std::max(0.0, a1 * z[j] - lo), 1.0 / a1));
-      for (auto& x : w) x /= total;
-      return weighted_sum(in, b, h / p.group_size(), w);
-    };
-    auto r = measure(
-        in,
-        [&](bool d) {
-          EntmaxOptions o;
-          o.alpha = kAlpha;
-          o.causal = true;
-          stats = entmax(in.q.view(d), in.k.view(d), in.v.view(d), in.out.view(d), o);
-        },
-        ref,
-        [&](CaseResult& cr) {
-          const double visible = double(p.B * p.Hq) * double(p.visible_pairs());
-          cr.pairs = double(stats.support);
-          cr.extra["support_fraction"] = double(stats.support) / visible;
-          cr.extra["active_tiles"] = stats.active_tiles;
-          cr.extra["visible_tiles"] = stats.visible_tiles;
-        });
-    record(name, p, {{"alpha", kAlpha}}, std::move(r));
-  }
 }
 
 int Bench::run() {

@@ -10,6 +10,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "cuda/attention/entmax_transform.cuh"
 #include "cuda/attention/mainloop.cuh"
 #include "cuda/attention/params.hpp"
 #include "cuda/common/smem_limit.hpp"
@@ -25,13 +26,17 @@ static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "s
 // (p.tail_ctas > 0), kValidate = (p.fault != nullptr); the launcher instantiates (false, false),
 // (false, true) and (true, false) of the first two, each with and without the check, with NoGate, and
 // gated's (true, false, false) with BlockMaxGate (gate_policy.cuh), whose parameters come last so
-// that the others' argument layout is what it was without a gate.
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate>
+// that the others' argument layout is what it was without a gate; and entmax's output pass, (causal,
+// false, false) with EntmaxTransform (entmax_transform.cuh) as the score transform, its parameters
+// after the gate's.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate,
+          class Transform = OnlineSoftmax>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                           const __grid_constant__ CUtensorMap tm_out,
-                          const __grid_constant__ typename Gate::Params gate) {
+                          const __grid_constant__ typename Gate::Params gate,
+                          const __grid_constant__ typename Transform::Params transform) {
   using Storage = SharedStorage<typename Tag::Elem, kHeadDim>;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -70,7 +75,8 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
       producer_loop<typename Tag::Elem, kHeadDim, kCausal, kValidate>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate>(p, gate, sched, sm, warpgroup - 1, thread, &tm_out);
+    consumer_loop<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate, Transform>(p, gate, transform, sched, sm,
+                                                                            warpgroup - 1, thread, &tm_out);
   }
 }
 
@@ -92,19 +98,28 @@ cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParam
                                    const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
                                    int grid, cudaStream_t stream);
 
+/// The same for entmax's output pass (trusted lists, never split): the kernel with EntmaxTransform.
+template <class Tag, int kHeadDim>
+cudaError_t launch_entmax_attention(const TileAttentionParams& p, const EntmaxTransformParams& entmax,
+                                    const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
+                                    const CUtensorMap& tm_out, int grid, cudaStream_t stream);
+
 }  // namespace sparse_attn::cuda_kernels
 
 #if defined(SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION)
 namespace sparse_attn::cuda_kernels {
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate,
+          class Transform = OnlineSoftmax>
 cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                           const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid,
-                                          cudaStream_t stream, const typename Gate::Params& gate = {}) {
+                                          cudaStream_t stream, const typename Gate::Params& gate = {},
+                                          const typename Transform::Params& transform = {}) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
-  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate>;
-  return launch_with_smem(kernel, smem,
-                          [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out, gate); });
+  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate, Transform>;
+  return launch_with_smem(kernel, smem, [&] {
+    kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out, gate, transform);
+  });
 }
 
 template <class Tag, int kHeadDim, bool kValidate>
@@ -131,6 +146,17 @@ cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParam
   if (!p.causal || p.tail_ctas > 0 || p.fault != nullptr) return cudaErrorInvalidValue;
   return launch_tile_attention_variant<Tag, kHeadDim, true, false, false, BlockMaxGate>(p, tm_q, tm_k, tm_v, tm_out,
                                                                                         grid, stream, gate);
+}
+
+template <class Tag, int kHeadDim>
+cudaError_t launch_entmax_attention(const TileAttentionParams& p, const EntmaxTransformParams& entmax,
+                                    const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
+                                    const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
+  if (p.tail_ctas > 0 || p.fault != nullptr) return cudaErrorInvalidValue;
+  return p.causal ? launch_tile_attention_variant<Tag, kHeadDim, true, false, false, NoGate, EntmaxTransform>(
+                        p, tm_q, tm_k, tm_v, tm_out, grid, stream, {}, entmax)
+                  : launch_tile_attention_variant<Tag, kHeadDim, false, false, false, NoGate, EntmaxTransform>(
+                        p, tm_q, tm_k, tm_v, tm_out, grid, stream, {}, entmax);
 }
 
 }  // namespace sparse_attn::cuda_kernels

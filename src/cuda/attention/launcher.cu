@@ -37,9 +37,11 @@ std::size_t tail_workspace_bytes(int sms) {
 // read back after the call.
 cuda_backend::WorkspaceCache g_gate_counters;
 
-/// `gate` non-null: gated (causal, every block walked, BlockMaxGate).
+/// `gate` non-null: gated (causal, every block walked, BlockMaxGate). `entmax` non-null: entmax's output
+/// pass (trusted lists, EntmaxTransform; the caller turns the split off).
 void run(const std::string& op, const detail::AttentionCall& a, const detail::TileCall* tiles,
-         const detail::AttentionTuning& tuning, const GateParams* gate = nullptr) {
+         const detail::AttentionTuning& tuning, const GateParams* gate = nullptr,
+         const EntmaxTransformParams* entmax = nullptr) {
   using detail::require;
   const ProblemShape& s = a.p;
   const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out;
@@ -145,8 +147,15 @@ void run(const std::string& op, const detail::AttentionCall& a, const detail::Ti
                : (bf16 ? launch_tile_attention<Bf16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
                        : launch_tile_attention<F16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
   };
+  const auto launch_entmax = [&]() {
+    return s.D == 128 ? (bf16 ? launch_entmax_attention<Bf16Tag, 128>(p, *entmax, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                              : launch_entmax_attention<F16Tag, 128>(p, *entmax, tm_q, tm_k, tm_v, tm_out, grid, stream))
+                      : (bf16 ? launch_entmax_attention<Bf16Tag, 64>(p, *entmax, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                              : launch_entmax_attention<F16Tag, 64>(p, *entmax, tm_q, tm_k, tm_v, tm_out, grid, stream));
+  };
   const cudaError_t e =
-      gate != nullptr
+      entmax != nullptr ? launch_entmax()
+      : gate != nullptr
           ? (s.D == 128 ? (bf16 ? launch_gated_attention<Bf16Tag, 128>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream)
                                 : launch_gated_attention<F16Tag, 128>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream))
                         : (bf16 ? launch_gated_attention<Bf16Tag, 64>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream)
@@ -167,6 +176,15 @@ void dense(const detail::AttentionCall& a, const detail::AttentionTuning& tuning
 
 void tile_sparse(const detail::AttentionCall& a, const detail::TileCall& t, const detail::AttentionTuning& tuning) {
   cuda_kernels::run("tile_sparse", a, &t, tuning);
+}
+
+void entmax_output(const detail::AttentionCall& a, const detail::TileCall& t,
+                   const cuda_kernels::EntmaxTransformParams& entmax, const detail::AttentionTuning& tuning) {
+  detail::AttentionCall run = a;
+  run.trusted = true;  // lists made from entmax's support bits: ascending and in range
+  detail::AttentionTuning unsplit = tuning;
+  unsplit.split = detail::SplitTail::off;  // one instantiation per causal setting
+  cuda_kernels::run("entmax", run, &t, unsplit, nullptr, &entmax);
 }
 
 GatedStats gated(const detail::AttentionCall& a, const TensorView& thresholds, const GatedOptions& options,

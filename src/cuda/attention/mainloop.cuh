@@ -138,8 +138,10 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   if (pend_j >= 0) load_pending_v();
 }
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate,
+          class Transform = OnlineSoftmax>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const typename Gate::Params& gp,
+                                              const typename Transform::Params& tp,
                                               const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out);
@@ -222,8 +224,12 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 // its branches fold away. A skipped block still takes its MMA and exponential turns (empty), so the
 // two warpgroups, which gate independently, keep alternating, and its V slot is waited for and
 // released without a P V.
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate>
+//
+// Transform turns a kept block's scores into P (OnlineSoftmax: softmax; entmax_transform.cuh: entmax
+// with thresholds already known); its (m, l) are what the epilogue and the combine normalise by.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate, class Transform>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const typename Gate::Params& gp,
+                                              const typename Transform::Params& tp,
                                               const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out) {
@@ -257,7 +263,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   // The item whose last P V has not been issued yet (pa holds its P unless the gate skipped its last
   // block: pending_kept false), and what its epilogue needs.
   bool pending = false, pending_kept = true;
-  OnlineSoftmax done_softmax;
+  Transform done_softmax;
   WorkItem done_w{0, 0, 0};
   int done_qst = 0;
   // A piece of a split unit leaves its partial in the workspace at its epilogue; its arrival (a fence
@@ -350,8 +356,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     release_staged_q();  // the producer may be waiting for it before it can fill this item's Q
     sm.q_full[qst].wait(qs.phase());
     qs.advance();
-    OnlineSoftmax softmax;
-    softmax.reset();
+    Transform softmax;
+    softmax.start(tp, p, w.b, w.head, first_row, thread);
 
     const int walk = sm.q_walk[qst];
     gate.begin(gp, p, w, consumer);
@@ -470,7 +476,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       vs.advance();
       kept = next_kept;
       if (!Gate::kEnabled || kept) {
-        OnlineSoftmax::rescale(acc_o, factor);
+        Transform::rescale(acc_o, factor);
         pack_p();
       }
     }

@@ -12,6 +12,7 @@
 
 #include <cmath>
 
+#include "cuda/attention/params.hpp"
 #include "cuda/common/online_softmax.cuh"
 
 namespace sparse_attn::cuda_kernels {
@@ -19,12 +20,21 @@ namespace sparse_attn::cuda_kernels {
 inline constexpr float kRescaleThreshold = 8.0f;
 
 struct OnlineSoftmax {
+  // The score transform policy of the consumer loop (mainloop.cuh): its kernel argument (Params),
+  // start() per work item, update() per kept block, rescale() of o, finish(), and the (m, l) that the
+  // epilogue normalises by. entmax's policy (entmax_transform.cuh) derives from this one.
+  struct Params {};
+
   float m[2];  // running max of t per owned row (-inf before any visible key)
   float l[2];  // this thread's partial sums of p per owned row (quad-reduced at the end)
 
   __device__ __forceinline__ void reset() {
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
+  }
+  __device__ __forceinline__ void start(const Params&, const TileAttentionParams&, int /*b*/, int /*head*/,
+                                        int /*first_row*/, int /*thread*/) {
+    reset();
   }
 
   /// Sets element (row, col) of the fragment to -inf where key col of block j is not visible to that

@@ -11,11 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-#if defined(__CUDACC__)
-#define SPARSE_ATTN_HD __host__ __device__ __forceinline__
-#else
-#define SPARSE_ATTN_HD inline
-#endif
+#include "cuda/common/host_device.hpp"
 
 namespace sparse_attn::cuda_kernels {
 
@@ -52,5 +48,3 @@ struct FastDiv {
 };
 
 }  // namespace sparse_attn::cuda_kernels
-
-#undef SPARSE_ATTN_HD

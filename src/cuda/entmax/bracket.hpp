@@ -1,0 +1,155 @@
+// The per-row arithmetic of the CUDA entmax's bracketing passes (entmax/threshold.cu): where a score
+// goes in a pass's bins, and what a row's bins say about its threshold. Host and device code: the CPU
+// suite (EntmaxBracketTest) runs the same functions on scores whose threshold the float64 solver knows.
+//
+// Shifted units u = (alpha - 1)(z - z_max) + 1, in which tau* lies in [0, 1). A pass cuts the row's
+// bracket [lo, hi] (f(lo) >= 1 > f(hi), f(tau) = sum [u - tau]_+^r) into kSections intervals with
+// edges e_0 = lo .. e_kSections = hi.
+//   r = 1 and 2 (alpha = 2, 1.5): bin k < kSections holds the scores in [e_k, e_k+1), bin kSections
+//   those >= hi; per bin the count and the sums of d and d^2, d = u - e_k >= 0. Then f at any edge is
+//   exact, sum over bins k >= j of (d + e_k - e_j)^r expanded, with no cancellation (every term >= 0).
+//   The root's interval is the next bracket; where no score lies inside it, f is a polynomial on it
+//   and tau has a closed form.
+//   Other r: bin j (1 <= j < kSections) holds f(e_j) itself.
+// Collecting (r = 1, 2, once a pass has counted at most kCollect scores inside the bracket): the next
+// pass keeps those scores themselves (d = u - lo) and the moments of the scores >= hi; f is then
+// piecewise polynomial between the collected scores, and tau is solved exactly in that pass (on random
+// rows the second bracketing pass finishes every row).
+#pragma once
+
+#include <cmath>
+
+#include "cuda/common/host_device.hpp"
+#include "cuda/attention/entmax_params.hpp"
+
+namespace sparse_attn::cuda_kernels::entmax {
+
+inline constexpr int kSections = 32;  // intervals of a bracketing pass
+inline constexpr int kMaxPasses = 6;  // bracketing passes launched (the closed forms finish in 1 or 2)
+// Bracket width where other alphas stop: 5 passes (32^-5 = 2.98e-8), about the float32 resolution of
+// u near 1. A row still bracketed after the last pass (the closed-form paths whose root keeps landing
+// in an interval holding scores) takes the bracket's midpoint.
+inline constexpr double kGeneralTolerance = 3e-8;
+inline constexpr int kCollect = 48;  // scores a row may collect inside its bracket
+
+/// Whether a row's next pass collects the scores inside its bracket (power 1 or 2 only).
+SPARSE_ATTN_HD bool collects(const EntmaxRow& st, int power) {
+  return power != 0 && st.inside >= 0 && st.inside <= kCollect;
+}
+
+/// x rounded to a float32 that is <= x.
+SPARSE_ATTN_HD float float_down(double x) {
+  float f = static_cast<float>(x);
+  if (static_cast<double>(f) > x) f = nextafterf(f, -INFINITY);
+  return f;
+}
+
+/// The z below which a row's pass ignores scores: the bracket's low end, rounded down.
+SPARSE_ATTN_HD float z_of_lo(const EntmaxRow& st, double am1) {
+  return float_down(static_cast<double>(st.z_max) + (st.lo - 1.0) / am1);
+}
+
+/// r = 1, 2: the bin of a score u > lo (up to rounding) and its d.
+SPARSE_ATTN_HD int bin_of(double u, double lo, double hi, double& d) {
+  if (u >= hi) {
+    d = u - hi;
+    return kSections;
+  }
+  const double w = (hi - lo) / kSections;
+  int k = static_cast<int>((u - lo) / w);
+  k = k < 0 ? 0 : (k > kSections - 1 ? kSections - 1 : k);
+  d = fmax(u - (lo + k * w), 0.0);
+  return k;
+}
+
+/// A row's threshold found: tau in shifted units -> z_tau in float32, kept below z_max (with n tied maxima
+/// tau = 1 - n^(1 - alpha), 1 - 4^-15 at alpha = 16, can round z_tau up to z_max, which would leave the
+/// row no weight at all; one float step below keeps the tied maxima in, with equal weights).
+SPARSE_ATTN_HD void finish_row(EntmaxRow& st, double tau, double am1) {
+  const float z = static_cast<float>(static_cast<double>(st.z_max) + (tau - 1.0) / am1);
+  st.z_tau = z < st.z_max ? z : nextafterf(st.z_max, -INFINITY);
+  st.status = EntmaxRow::kLive;
+}
+
+/// A row at the end of a pass, from its bins (cnt, s1, s2: kSections + 1 entries each): the next
+/// bracket, or its threshold (status kLive, z_tau = z_max + (tau - 1) / (alpha - 1) in float32).
+/// power: 1 (r = 1), 2 (r = 2) or 0 (other r: s1[j] = f(e_j)).
+SPARSE_ATTN_HD void close_row(EntmaxRow& st, const int* cnt, const float* s1, const float* s2, int power, double am1,
+                              bool last_pass) {
+  const double lo = st.lo, hi = st.hi, w = (hi - lo) / kSections;
+  const auto edge = [&](int k) { return k == kSections ? hi : lo + k * w; };
+  const auto finish = [&](double tau) { finish_row(st, tau, am1); };
+  int j = 0;  // the largest edge with f >= 1 (f(lo) >= 1 is known)
+  if (power != 0) {
+    for (int jj = kSections - 1; jj >= 1 && j == 0; --jj) {
+      double f = 0.0;
+      for (int k = jj; k <= kSections; ++k) {
+        const double dl = edge(k) - edge(jj), n = cnt[k], a1 = s1[k], a2 = s2[k];
+        f += power == 1 ? a1 + n * dl : a2 + 2.0 * dl * a1 + dl * dl * n;
+      }
+      if (f >= 1.0) j = jj;
+    }
+    const double e0 = edge(j), e1 = edge(j + 1);
+    st.inside = cnt[j];
+    if (cnt[j] == 0 || s1[j] == 0.0f) {  // no score strictly inside [e0, e1)
+      // f(e0 + t) = sum over bins k > j of (d + (e_k - e0) - t)^r for t in [0, e1 - e0].
+      double n = 0.0, a1 = 0.0, a2 = 0.0;
+      for (int k = j + 1; k <= kSections; ++k) {
+        const double dl = edge(k) - e0, nk = cnt[k];
+        n += nk;
+        a1 += s1[k] + nk * dl;
+        a2 += s2[k] + 2.0 * dl * s1[k] + dl * dl * nk;
+      }
+      double t = 0.0;
+      if (n > 0.0) t = power == 1 ? (a1 - 1.0) / n : (a1 - sqrt(fmax(a1 * a1 - n * (a2 - 1.0), 0.0))) / n;
+      finish(e0 + fmin(fmax(t, 0.0), e1 - e0));
+      return;
+    }
+  } else {
+    for (int jj = kSections - 1; jj >= 1 && j == 0; --jj)
+      if (s1[jj] >= 1.0f) j = jj;
+  }
+  st.lo = edge(j);
+  st.hi = edge(j + 1);
+  if (st.hi - st.lo < kGeneralTolerance || last_pass) {
+    finish(0.5 * (st.lo + st.hi));
+    return;
+  }
+  st.z_lo = z_of_lo(st, am1);
+}
+
+/// A collecting pass's verdict (power 1 or 2): `n`, `a1`, `a2` the count and the sums of d and d^2 of the
+/// scores >= hi (d = u - hi), `d` the c collected scores inside the bracket as u - lo (sorted here,
+/// descending; c <= kCollect). On [lo, hi) f(lo + t) = sum over the scores above t of (x - t)^r, with
+/// x = d + (hi - lo) for those >= hi and x = d for the collected: a polynomial between consecutive
+/// collected scores, solved in the segment where f crosses 1.
+SPARSE_ATTN_HD void close_collected(EntmaxRow& st, double n, double a1, double a2, float* d, int c, int power,
+                                    double am1) {
+  for (int i = 1; i < c; ++i)  // insertion sort, descending
+    for (int k = i; k > 0 && d[k] > d[k - 1]; --k) {
+      const float x = d[k];
+      d[k] = d[k - 1];
+      d[k - 1] = x;
+    }
+  const double w = st.hi - st.lo;
+  // Sums over the included scores of x and x^2 (x as above).
+  double p1 = a1 + n * w, p2 = a2 + 2.0 * w * a1 + w * w * n;
+  double t = 0.0, right = w;
+  for (int k = 0; k <= c; ++k) {
+    const double left = k < c ? fmin(static_cast<double>(d[k]), right) : 0.0;  // segment [left, right]
+    const double f_left = power == 1 ? p1 - n * left : p2 - 2.0 * left * p1 + left * left * n;
+    if (f_left >= 1.0 || k == c) {
+      if (n > 0.0) t = power == 1 ? (p1 - 1.0) / n : (p1 - sqrt(fmax(p1 * p1 - n * (p2 - 1.0), 0.0))) / n;
+      t = fmin(fmax(t, left), right);
+      break;
+    }
+    const double x = d[k];
+    n += 1.0;
+    p1 += x;
+    p2 += x * x;
+    right = left;
+  }
+  finish_row(st, st.lo + t, am1);
+}
+
+}  // namespace sparse_attn::cuda_kernels::entmax
