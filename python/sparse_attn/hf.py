@@ -298,10 +298,12 @@ class _Method:
         if self.method == "auto":
             shape = problem_shape(q, k, causal=causal)
             schedule = plan_schedule(idx, shape)["schedule"]
-            if schedule == "q_centric":
+            if schedule == "q_centric":  # every query of a tile attends to the union of the tile's lists
                 tiles = query_lists_to_tile_lists(idx, shape, trusted=True)
                 out = tile_sparse(q, k, v, *tiles, softmax_scale=scale, causal=causal, trusted=True)
-                return out, ("query", mask), schedule
+                pad = _cdiv(Lq, TILE_Q) * TILE_Q - Lq
+                union = torch.nn.functional.pad(mask, (0, 0, 0, pad)).unflatten(2, (-1, TILE_Q)).any(3)
+                return out, ("tile", union), schedule
         out = query_sparse(q, k, v, idx, softmax_scale=scale, causal=causal, trusted=True, schedule=schedule)
         return out, ("query", mask), schedule if self.method == "auto" else None
 

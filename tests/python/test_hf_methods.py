@@ -159,3 +159,20 @@ def test_padding_and_bad_options_raise():
         hf.make_hf_attention("token_max", granularity="head")
     with pytest.raises(sa.Error, match="'method' or its earlier spelling 'mode'"):
         hf.make_hf_attention("dense", mode="dense")
+
+
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric", "group_centric"])
+def test_auto_runs_the_planned_schedule_and_records_what_it_ran(monkeypatch, schedule):
+    """Each schedule the planner may choose (forced here: the planner's cost model is the H200's):
+    q_centric attends each query to its tile's union of lists, the others to the query's list."""
+    monkeypatch.setattr(hf, "plan_schedule", lambda lists, shape: {"schedule": schedule})
+    q, k, v = _inputs(L=700)
+    rec = PairRecorder()
+    out = _call("auto", q, k, v, recorder=rec, budget=3)
+    assert rec.schedules == {schedule: 1}
+    qn, kn, vn = _flash(q, k, v)
+    pairs = rec.pairs.repeat_interleave(3, dim=1).numpy()
+    expect, _ = ref.attention(qn, kn, vn, pairs, softmax_scale=0.2, causal=True)
+    assert ref.rel_err(_np(out), expect) <= 1e-5
+    per_query = rec.pairs[..., ::128].sum(-1)  # blocks per query
+    assert (int(per_query.max()) > 3) == (schedule == "q_centric")
