@@ -176,3 +176,34 @@ def test_auto_runs_the_planned_schedule_and_records_what_it_ran(monkeypatch, sch
     assert ref.rel_err(_np(out), expect) <= 1e-5
     per_query = rec.pairs[..., ::128].sum(-1)  # blocks per query
     assert (int(per_query.max()) > 3) == (schedule == "q_centric")
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA device")
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("method,options", [
+    ("dense", {}), ("pooled", {}), ("token_max", {}), ("token_max", {"granularity": "query"}), ("lightning", {}),
+    ("lightning", {"lightning_format": "block"}), ("oracle", {}), ("auto", {}), ("gated", {}), ("entmax", {}),
+])
+def test_cuda_methods_match_the_reference_on_their_selection(method, options):
+    """bf16 on the GPU: attention over the recorded selection (gated: its gate; entmax: the entmax
+    reference). gated and entmax need the library's CUDA gated and entmax."""
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _inputs(L=1000, Hq=8, Hkv=2, D=128))
+    if method == "gated":
+        table = sa.ThresholdTable([2], 1, 8, 1, values=np.full((1, 1, 8, 1), 1.0, dtype=np.float32))
+        options = dict(options, thresholds=table)
+    rec = PairRecorder()
+    out = _call(method, q, k, v, scale=0.05, recorder=rec, budget=3, **options)
+    assert out.device.type == "cuda" and out.dtype == torch.bfloat16
+    qn, kn, vn = _flash(q.cpu(), k.cpu(), v.cpu())
+    if method == "entmax":
+        expect = ref.entmax_attention(qn, kn, vn, alpha=1.5, softmax_scale=0.05, causal=True)[0]
+    else:
+        mask = None if rec.pairs is None else rec.pairs.repeat_interleave(
+            8 // rec.pairs.shape[1], dim=1).cpu().numpy()
+        expect, _ = ref.attention(qn, kn, vn, mask, softmax_scale=0.05, causal=True)
+    assert ref.rel_err(_np(out.cpu()), expect) <= 1e-2
