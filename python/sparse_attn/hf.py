@@ -260,7 +260,10 @@ class _Method:
         self.method, self.budget = method, budget
         self.sink, self.local = sink_blocks, local_blocks
         self.representatives, self.granularity = representatives, granularity
-        self.table, self.alpha, self.indexer = thresholds, alpha, indexer
+        self.table = None
+        if thresholds is not None:  # plain copies: no extension object lives on in transformers' registry
+            self.table = dict(values=thresholds.values, budgets=list(thresholds.budgets), model=thresholds.model)
+        self.alpha, self.indexer = alpha, indexer
         self.precision, self.lightning_format = precision, lightning_format
         self._slices = {}  # (layer, budget, device) -> thresholds tensor
 
@@ -379,12 +382,16 @@ class _Method:
             raise Error(f"{_OP}: method 'gated': the attention module has no layer_idx")
         key = (layer, budget, device)
         if key not in self._slices:
-            t = self.table
-            if t.n_heads != Hq or not 0 <= layer < t.n_layers:
-                raise Error(f"{_OP}: argument 'thresholds': the table has {t.n_layers} layers x {t.n_heads} heads "
-                            f"(model '{t.model}'); layer {layer} has {Hq} query heads")
+            values, budgets = self.table["values"], self.table["budgets"]
+            _, n_layers, n_heads, _ = values.shape
+            if n_heads != Hq or not 0 <= layer < n_layers:
+                raise Error(f"{_OP}: argument 'thresholds': the table has {n_layers} layers x {n_heads} heads "
+                            f"(model '{self.table['model']}'); layer {layer} has {Hq} query heads")
             off_diagonal = max(1, budget - 1)  # the diagonal block is always kept and counts as one
-            self._slices[key] = torch.as_tensor(t.slice(t.budget_index(off_diagonal), layer), device=device)
+            if off_diagonal not in budgets:
+                raise Error(f"{_OP}: argument 'budget': {budget} blocks needs the table's slice for budget "
+                            f"{off_diagonal}; the table has no slice for budget {off_diagonal} (budgets: {budgets})")
+            self._slices[key] = torch.as_tensor(values[budgets.index(off_diagonal), layer], device=device)
         return self._slices[key]
 
 

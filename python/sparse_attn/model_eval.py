@@ -170,17 +170,18 @@ def calibrate(model, sequences, budgets: Sequence[int], identity: str) -> Thresh
     layer's post-RoPE q and k of every sequence go to the library's Calibrator (block maxima per
     layer, head and Q tile; the k-th largest, averaged over sequences)."""
     layers = model.config.num_hidden_layers
-    calibrator = Calibrator(list(budgets), layers, identity)
+    # Held in a list that is emptied at the end: the observer stays in transformers' registry.
+    calibrator = [Calibrator(list(budgets), layers, identity)]
 
     def observe(module, q, k, v, scale):
         for b in range(q.shape[0]):  # the Calibrator takes one sample [1, L, H, D] at a time, on the CPU
-            calibrator.add(module.layer_idx, q[b:b + 1].float().cpu(), k[b:b + 1].float().cpu(), scale)
+            calibrator[0].add(module.layer_idx, q[b:b + 1].float().cpu(), k[b:b + 1].float().cpu(), scale)
 
     register_hf_attention("sparse_attn_calibrate", "dense", observer=observe)
     _use(model, "sparse_attn_calibrate")
     for _, ids in sequences:
         model(ids.to(model.device), logits_to_keep=1)
-    return calibrator.finish()
+    return calibrator.pop().finish()
 
 
 def default_device() -> str:
