@@ -18,6 +18,9 @@ namespace sparse_attn {
 
 inline constexpr std::int64_t kTileQ = 128;   // queries per Q tile
 inline constexpr std::int64_t kBlockK = 128;  // keys per KV block
+/// Queries per gate tile of `gated` (docs/design.md §5.5): the gate decides per 64 rows x 128 keys,
+/// the rows of one consumer warpgroup of the Hopper kernel. A Q tile holds two gate tiles.
+inline constexpr std::int64_t kGateRows = 64;
 
 inline constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 

@@ -9,7 +9,9 @@
 // with exact float32 softmax; device tensors go to the CUDA backend, which runs on
 // `options.stream` without host synchronisation or allocation, with these exceptions: validating
 // the bits of bits_sparse, the lists of token_sparse or query_sparse when not `trusted` reads the
-// verdict back (one synchronisation); and dense and tile_sparse allocate a scratch buffer (about
+// verdict back (one synchronisation); gated, unless its counters go to GatedOptions::counts, keeps
+// them in 32 bytes allocated once per (device, stream) and waits for its stream to return them; and
+// dense and tile_sparse allocate a scratch buffer (about
 // 140 KB per SM) once per (device, stream), on the first non-causal call whose last, partial wave of
 // work they split over more CTAs. A call captured into a CUDA graph on a stream without that buffer
 // does not split (it computes the same attention with the sums in another order); make one eager
@@ -145,22 +147,39 @@ void sparse_attention(const TensorView& q, const TensorView& k, const TensorView
 struct GatedOptions {
   std::optional<float> softmax_scale;
   void* stream = nullptr;
-  /// Optional int32 [B, Hq, Tq] output: blocks kept per (batch, head, Q tile), diagonal included.
+  /// The first `sink_blocks` KV blocks are always kept, like the diagonal (attention sinks). Must
+  /// equal the ThresholdTable's sink_blocks the thresholds come from (calibration excludes them).
+  std::int64_t sink_blocks = 1;
+  /// Optional int32 [B, Hq, Tg] output (Tg = ceil(Lq / kGateRows)): blocks kept per (batch, head,
+  /// gate tile), diagonal and sinks included.
   std::optional<TensorView> kept_per_tile;
+  /// Optional int32 [4] output on q's device: the counters of GatedStats (kept_blocks,
+  /// visible_blocks, gated_candidates, gated_kept), overwritten. When given, gated() on a CUDA
+  /// device does not wait for it: the counters are left there in stream order and the returned
+  /// GatedStats has `deferred` set and zero counts (the CPU returns them as well). Without it, a
+  /// CUDA call waits for its stream to return the counters. Refused where B x Hq x Tg x Tk
+  /// exceeds int32.
+  std::optional<TensorView> counts;
 };
 
+/// Counters in units of (b, h, gate tile, kv block) visits: a gate tile is kGateRows queries.
 struct GatedStats {
-  std::int64_t kept_blocks = 0;       // (b, h, q tile, kv block) visits that ran PV
+  std::int64_t kept_blocks = 0;       // visits that ran PV
   std::int64_t visible_blocks = 0;    // visits that were causally visible (all of them ran QK)
-  std::int64_t gated_candidates = 0;  // visible visits that were off the diagonal (subject to the gate)
+  std::int64_t gated_candidates = 0;  // visible visits off the diagonal and past the sinks (subject to the gate)
   std::int64_t gated_kept = 0;        // ... of which passed the gate
+  bool deferred = false;              // the counters went to GatedOptions::counts instead
   double density() const { return visible_blocks ? double(kept_blocks) / double(visible_blocks) : 0.0; }
 };
 
-/// Causal attention that computes QK for every visible block, takes the block max of the scaled
-/// scores over the whole tile, and skips V, PV and the softmax update where that max is below
-/// thresholds[h][min(q_tile, T - 1)] (float32 [Hq, T], one budget and layer of a ThresholdTable).
-/// Blocks that straddle the causal diagonal are always kept. A threshold of -inf keeps every block.
+/// Causal attention that computes QK for every visible block and, per gate tile of kGateRows
+/// queries (docs/design.md §5.5), takes the block max of the scaled scores over the gate tile's
+/// rows and skips the exponentials, PV and softmax update of the block where that max is below
+/// thresholds[h][min(g, T - 1)] (float32 [Hq, T], one budget and layer of a ThresholdTable; g the
+/// gate tile). Blocks that straddle the gate tile's causal diagonal, and the first
+/// options.sink_blocks blocks, are always kept. A threshold of -inf keeps every block; a block
+/// holding a NaN score is kept (the NaN reaches its rows). NaN thresholds are refused on the CPU;
+/// on a CUDA device they are not read back and keep every block, as -inf does.
 GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v,
                  const TensorView& thresholds, const TensorView& out,
                  const std::optional<TensorView>& lse = std::nullopt, const GatedOptions& options = {});

@@ -42,6 +42,7 @@ import numpy as _np
 from . import _ext
 from ._ext import (
     BLOCK_K,
+    GATE_ROWS,
     TILE_Q,
     Calibrator,
     Error,
@@ -62,8 +63,8 @@ from ._ext import (
 __version__ = _ext.build_info()["version"]
 
 __all__ = [
-    "BLOCK_K", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
-    "bits_sparse", "block_bits_to_tile_lists", "build_info", "check_device_faults", "cuda_available", "cuda_devices",
+    "BLOCK_K", "GATE_ROWS", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
+    "bits_sparse", "block_bits_to_tile_lists", "build_info", "calibrate_thresholds", "check_device_faults", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
     "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "Plan", "plan", "plan_schedule",
     "pooled_select", "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
@@ -98,18 +99,24 @@ def _split(text, sep):
     return parts
 
 
-def _parameters(fn):
-    """[(name, annotation)] of an extension function with one signature."""
-    signatures = getattr(fn, "__nb_signature__", ())
-    if len(signatures) != 1:
-        return None
-    text = signatures[0][0]
+def _signature_parameters(text):
     params = text[text.index("(") + 1:text.rindex(")")]
     result = []
     for p in _split(params, ","):
         name, _, annotation = p.partition(":")
-        result.append((name.strip(), _split(annotation, "=")[0] or "object"))
+        if name.strip():
+            result.append((name.strip(), _split(annotation, "=")[0] or "object"))
     return result
+
+
+def _parameters(fn, args=(), kwargs=None):
+    """[(name, annotation)] of an extension function; of an overloaded one (ThresholdTable's
+    constructors), the one overload that can take as many arguments as were given, with their names."""
+    candidates = [_signature_parameters(s[0]) for s in getattr(fn, "__nb_signature__", ())]
+    if len(candidates) > 1:
+        candidates = [c for c in candidates
+                      if len(c) >= len(args) + len(kwargs or {}) and set(kwargs or {}) <= {n for n, _ in c}]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def _fits(value, annotation):
@@ -128,11 +135,16 @@ def _fits(value, annotation):
             ok = isinstance(value, str)
         elif "[" not in a and "." in a:
             ok = type(value).__name__ == a.rpartition(".")[2]
+        elif a.startswith("collections.abc.Sequence["):
+            ok = isinstance(value, (list, tuple)) or None  # the elements are not looked at
+        elif a.startswith("ndarray["):
+            ok = None if hasattr(value, "__array_interface__") or hasattr(value, "__dlpack__") else False
         else:
             unknown = True
             continue
         if ok:
             return True
+        unknown = unknown or ok is None
     return None if unknown else False
 
 
@@ -148,7 +160,7 @@ def _given(value):
 
 def _type_error(fn, op, args, kwargs):
     """The TypeError naming the first argument of a call that does not fit fn's signature, or None."""
-    params = _parameters(fn)
+    params = _parameters(fn, args, kwargs)
     if params is None:
         return None
     given = dict(zip((name for name, _ in params), args))
@@ -197,7 +209,35 @@ _native = _Native()
 for _name in ("check_device_faults", "e2m1_to_float", "e4m3_to_float", "float_to_e2m1", "float_to_e4m3",
               "precision_name", "quantize_dequantize"):
     globals()[_name] = getattr(_native, _name)
-del _name
+
+def _constructor_type_error(op, args, kwargs):
+    """Raises the TypeError for arguments that fit none of class `op`'s constructors (the extension's
+    last overload calls this): the first argument that does not fit the overload taking as many."""
+    init = getattr(_ext, op).__init__
+    signatures = [s for s in getattr(init, "__nb_signature__", ()) if "*" not in s[0]]
+
+    class _Init:  # the overloads the caller could have meant, for _type_error
+        __nb_signature__ = tuple(signatures)
+    error = _type_error(_Init, op, (_Init,) + tuple(args), dict(kwargs))
+    if error is None:
+        given = ", ".join([_given(a) for a in args] + [f"{k}={_given(v)}" for k, v in kwargs.items()])
+        forms = "; ".join(s[0].replace("def __init__(self, ", f"{op}(").replace("def __init__(self", f"{op}(")
+                          .replace(" -> None", "").replace("sparse_attn._ext.", "sparse_attn.") for s in signatures)
+        error = TypeError(f"{op}: arguments ({given}) match no constructor: {forms}")
+    raise error
+
+
+# The classes' methods name the argument too, with the class as the operator (as their own errors
+# do: "ThresholdTable: argument 'budget': ..."); their constructors do it through the extension's last
+# overload (_constructor_type_error above).
+for _cls in (ProblemShape, ThresholdTable, Calibrator):
+    for _name in [n for n in vars(_cls) if not n.startswith("_")]:
+        _fn = vars(_cls)[_name]
+        if type(_fn).__name__ == "nb_method":
+            setattr(_cls, _name, _named_type_errors(_fn, _cls.__name__))
+        elif type(_fn).__name__ == "nb_func":  # a static method (ThresholdTable.load)
+            setattr(_cls, _name, staticmethod(_named_type_errors(_fn, _cls.__name__)))
+del _name, _cls, _fn
 
 
 def _int(op, name, value, minimum=None):
@@ -482,24 +522,27 @@ def _gated_stats(counts, kept_per_tile):
 
 
 def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, out=None,
-          return_kept_per_tile=False):
-    """Causal BSFA-gated attention. thresholds: float32 [Hq, T] (one budget and layer of a
-    ThresholdTable, e.g. ``table.slice(budget, layer)``); Q tiles past T use the last column.
+          return_kept_per_tile=False, sink_blocks=1):
+    """Causal BSFA-gated attention, gated per GATE_ROWS queries (a gate tile). thresholds: float32
+    [Hq, T] (one budget and layer of a ThresholdTable, e.g. ``table.slice(budget, layer)``); gate
+    tiles past T use the last column. The first sink_blocks KV blocks are always kept, like the
+    diagonal: pass the table's ``sink_blocks``.
 
     Returns (out, stats) or, with return_lse, (out, lse, stats), as ``sparse_attn.torch.gated``
     does. stats is a dict of Python numbers: kept_blocks (visits that ran PV), visible_blocks,
-    gated_candidates (visible visits off the diagonal), gated_kept, density (kept / visible) and,
-    with return_kept_per_tile, "kept_per_tile" (int32 [B, Hq, Tq] array of q's library: blocks
-    kept per tile, diagonal included)."""
+    gated_candidates (visible visits off the diagonal and past the sinks), gated_kept, density
+    (kept / visible) and, with return_kept_per_tile, "kept_per_tile" (int32 [B, Hq, ceil(Lq /
+    GATE_ROWS)] array of q's library: blocks kept per gate tile, diagonal and sinks included)."""
     out, lse = _outputs("gated", q, out, return_lse)
     kept = None
     if return_kept_per_tile:
         B, Lq, Hq, _ = q.shape
-        kept = _empty(q, (B, Hq, _ceil_div(Lq, TILE_Q)), "int32")
-    if _is_torch(q) and not _is_torch(thresholds):
+        kept = _empty(q, (B, Hq, _ceil_div(Lq, GATE_ROWS)), "int32")
+    if _is_torch(q) and isinstance(thresholds, _np.ndarray):
         thresholds = _torch().as_tensor(_np.ascontiguousarray(thresholds, dtype=_np.float32), device=q.device)
     counts = _native.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
-                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))
+                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q),
+                           sink_blocks=_int("gated", "sink_blocks", sink_blocks))
     stats = _gated_stats((counts[name] for name in _GATED_COUNTS), kept)
     return (out, lse, stats) if return_lse else (out, stats)
 
@@ -701,6 +744,27 @@ def evaluate(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=No
     kind, a, b = _selection("evaluate_selection", tiles, bits, query_lists, token_lists)
     return _native.evaluate_selection(_dl(q), _dl(k), _dl(v), kind, a, b,
                                       softmax_scale=softmax_scale, causal=bool(causal))
+
+
+def calibrate_thresholds(samples, budgets, *, softmax_scale=None, sink_blocks=1, model="") -> ThresholdTable:
+    """Gate thresholds of gated from calibration samples (docs/design.md §5.5). samples: an iterable
+    (a generator streams them) of samples, each a sequence over layers of (q [1, L, Hq, D],
+    k [1, L, Hkv, D]) pairs, numpy or torch; on a CUDA device (bf16 or f16, D <= 128) the block
+    maxima are computed by the GPU. Per sample, layer, head and gate tile: the k-th largest maximum of
+    the gate's candidate blocks for each budget k (-inf below k candidates), averaged over samples.
+    Returns the ThresholdTable (its sink_blocks is the one to give gated)."""
+    budgets = [_int("calibrate_thresholds", "budgets", b, 1) for b in budgets]
+    cal = None
+    for sample in samples:
+        layers = list(sample)
+        if cal is None:
+            cal = Calibrator(budgets, len(layers), model,
+                             sink_blocks=_int("calibrate_thresholds", "sink_blocks", sink_blocks, 0))
+        for layer, (q, k) in enumerate(layers):
+            cal.add(layer, _dl(q), _dl(k), softmax_scale)
+    if cal is None:
+        raise Error("calibrate_thresholds: argument 'samples': no calibration sample")
+    return cal.finish()
 
 
 def load_thresholds(path) -> ThresholdTable:

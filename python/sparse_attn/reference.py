@@ -14,6 +14,7 @@ import numpy as np
 
 TILE_Q = 128
 BLOCK_K = 128
+GATE_ROWS = 64  # queries per gate tile of gated (sparse_attn.GATE_ROWS)
 
 
 def _f64(x):
@@ -141,41 +142,50 @@ def tile_lists_to_block_bits(idx, cnt, Lk):
 # ---- gated (BSFA) -------------------------------------------------------------------------------
 
 def block_maxima(q, k, softmax_scale=None):
-    """Causal block maxima of the scaled scores over each (Q tile, KV block), float64
-    (B, Hq, Tq, Tk), -inf where nothing is visible; plus bool masks (visible, straddling) of the
-    same shape: visible = some pair visible, straddling = visible but not every pair visible."""
+    """Causal block maxima of the scaled scores over each (gate tile of GATE_ROWS queries, KV block),
+    float64 (B, Hq, Tg, Tk), -inf where nothing is visible; plus bool masks (visible, straddling) of
+    the same shape: visible = some pair visible, straddling = visible but not every pair visible."""
     s = scores(q, k, softmax_scale)
     B, Hq, Lq, Lk = s.shape
     vis = causal_visibility(Lq, Lk, True)
     s = np.where(vis, s, -np.inf)
-    Tq, Tk = _ceil_div(Lq, TILE_Q), _ceil_div(Lk, BLOCK_K)
-    bmax = np.full((B, Hq, Tq, Tk), -np.inf)
-    visible = np.zeros((Tq, Tk), dtype=bool)
-    straddle = np.zeros((Tq, Tk), dtype=bool)
-    for t in range(Tq):
+    Tg, Tk = _ceil_div(Lq, GATE_ROWS), _ceil_div(Lk, BLOCK_K)
+    bmax = np.full((B, Hq, Tg, Tk), -np.inf)
+    visible = np.zeros((Tg, Tk), dtype=bool)
+    straddle = np.zeros((Tg, Tk), dtype=bool)
+    for t in range(Tg):
+        rows = slice(t * GATE_ROWS, (t + 1) * GATE_ROWS)
         for j in range(Tk):
-            sub = vis[t * TILE_Q:(t + 1) * TILE_Q, j * BLOCK_K:(j + 1) * BLOCK_K]
+            keys = slice(j * BLOCK_K, (j + 1) * BLOCK_K)
+            sub = vis[rows, keys]
             visible[t, j] = sub.any()
             straddle[t, j] = sub.any() and not sub.all()
             if visible[t, j]:
-                bmax[:, :, t, j] = s[:, :, t * TILE_Q:(t + 1) * TILE_Q, j * BLOCK_K:(j + 1) * BLOCK_K].max(axis=(-1, -2))
+                bmax[:, :, t, j] = s[:, :, rows, keys].max(axis=(-1, -2))
     return bmax, np.broadcast_to(visible, bmax.shape), np.broadcast_to(straddle, bmax.shape)
 
 
-def gated(q, k, v, thresholds, softmax_scale=None):
-    """BSFA gate, causal: a visible block is kept when it straddles the diagonal or its block max is
-    >= thresholds[h, min(t, T - 1)]. Returns (out, lse, stats dict, kept bool (B, Hq, Tq, Tk))."""
+def gate_candidates(visible, straddle, sink_blocks=1):
+    """The blocks the gate decides: visible, off the gate tile's diagonal, past the first sink_blocks."""
+    sink = np.arange(visible.shape[-1]) < sink_blocks
+    return visible & ~straddle & ~sink
+
+
+def gated(q, k, v, thresholds, softmax_scale=None, sink_blocks=1):
+    """BSFA gate, causal, per gate tile of GATE_ROWS queries: a visible block is kept when it
+    straddles the gate tile's diagonal, is one of the first sink_blocks blocks, or its block max is
+    >= thresholds[h, min(t, T - 1)]. Returns (out, lse, stats dict, kept bool (B, Hq, Tg, Tk))."""
     thresholds = _f64(thresholds)
     bmax, visible, straddle = block_maxima(q, k, softmax_scale)
-    B, Hq, Tq, Tk = bmax.shape
+    B, Hq, Tg, Tk = bmax.shape
     T = thresholds.shape[1]
-    thr = thresholds[:, np.minimum(np.arange(Tq), T - 1)]            # (Hq, Tq)
+    thr = thresholds[:, np.minimum(np.arange(Tg), T - 1)]            # (Hq, Tg)
     passed = bmax >= thr[None, :, :, None]
-    kept = visible & (straddle | passed)
+    candidates = gate_candidates(visible, straddle, sink_blocks)
+    kept = visible & (~candidates | passed)
     Lq, Lk = q.shape[1], k.shape[1]
-    mask = kept[:, :, np.arange(Lq) // TILE_Q][..., np.arange(Lk) // BLOCK_K]
+    mask = kept[:, :, np.arange(Lq) // GATE_ROWS][..., np.arange(Lk) // BLOCK_K]
     out, lse = attention(q, k, v, mask, softmax_scale, causal=True)
-    candidates = visible & ~straddle
     stats = {
         "kept_blocks": int(kept.sum()),
         "visible_blocks": int(visible.sum()),
@@ -185,18 +195,18 @@ def gated(q, k, v, thresholds, softmax_scale=None):
     return out, lse, stats, kept
 
 
-def calibrate(samples, budgets, softmax_scale=None):
+def calibrate(samples, budgets, softmax_scale=None, sink_blocks=1):
     """Thresholds of one layer from samples [(q, k), ...] (each [1, L, H, D], causal, Lq = Lk):
-    per sample, head and Q tile, the k-th largest block max among the off-diagonal visible blocks
-    (-inf when fewer than k), averaged over the samples that reach the tile. Returns float64
-    (n_budgets, Hq, max Tq)."""
+    per sample, head and gate tile, the k-th largest block max among the gate's candidates (-inf
+    when fewer than k), averaged over the samples that reach the gate tile. Returns float64
+    (n_budgets, Hq, max Tg)."""
     per_sample = []
     for q, k in samples:
         bmax, visible, straddle = block_maxima(q, k, softmax_scale)
-        cand = visible & ~straddle
-        _, Hq, Tq, _ = bmax.shape
-        t = np.full((len(budgets), Hq, Tq), -np.inf)
-        for h, tq in np.ndindex(Hq, Tq):
+        cand = gate_candidates(visible, straddle, sink_blocks)
+        _, Hq, Tg, _ = bmax.shape
+        t = np.full((len(budgets), Hq, Tg), -np.inf)
+        for h, tq in np.ndindex(Hq, Tg):
             vals = np.sort(bmax[0, h, tq][cand[0, h, tq]])[::-1]
             for bi, kk in enumerate(budgets):
                 if len(vals) >= kk:
@@ -225,6 +235,9 @@ def entmax_probs(z, alpha):
     live = np.isfinite(rows).any(axis=1)
     if alpha in (1.5, 2.0):
         x = (alpha - 1.0) * rows[live]                  # -inf stays -inf and never contributes
+        # tau moves with the scores, so each row is taken relative to its max: tau is then of order 1
+        # and neither it nor x - tau loses the row's differences at any magnitude (scores of 1e30).
+        x = x - x.max(axis=1, keepdims=True)
         tau = np.array([_entmax_tau(r[np.isfinite(r)], alpha) for r in x])
         out[live] = np.maximum(x - tau[:, None], 0.0) ** (1.0 / (alpha - 1.0))
     else:

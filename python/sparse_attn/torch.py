@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _GATED_COUNTS, BLOCK_K, TILE_Q, Error, _dl, _ext, _gated_stats, _int, _kmax, _stream
+from . import _GATED_COUNTS, BLOCK_K, GATE_ROWS, TILE_Q, Error, _dl, _ext, _gated_stats, _int, _kmax, _stream
 
 __all__ = [
     "bits_sparse", "dense", "entmax", "gated", "lightning_select", "make_hf_attention", "pooled_select",
@@ -180,25 +180,26 @@ def _(q, k, v, idx, softmax_scale, causal, trusted):
 
 
 @_custom_op("gated", mutates_args=())
-def _gated(q: Tensor, k: Tensor, v: Tensor, thresholds: Tensor,
-           softmax_scale: Optional[float]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, lse, kept_per_tile, counts): counts int64 [4] on the host holds the gate's counters in
-    the order of sparse_attn._GATED_COUNTS."""
+def _gated(q: Tensor, k: Tensor, v: Tensor, thresholds: Tensor, softmax_scale: Optional[float],
+           sink_blocks: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, kept_per_tile, counts): counts int32 [4] on q's device holds the gate's counters
+    in the order of sparse_attn._GATED_COUNTS, written by the kernel (no synchronisation)."""
     out, lse = _out_like(q), _lse_like(q)
     B, Lq, Hq, _ = q.shape
-    kept = torch.empty((B, Hq, _cdiv(Lq, TILE_Q)), dtype=torch.int32, device=q.device)
+    kept = torch.empty((B, Hq, _cdiv(Lq, GATE_ROWS)), dtype=torch.int32, device=q.device)
+    counts = torch.empty((len(_GATED_COUNTS),), dtype=torch.int32, device=q.device)
     with _device(q):
-        stats = _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse),
-                           softmax_scale=softmax_scale, kept_per_tile=_dl(kept), stream=_stream(q))
-    return out, lse, kept, torch.tensor([stats[name] for name in _GATED_COUNTS], dtype=torch.int64)
+        _ext.gated(_dl(q), _dl(k), _dl(v), _dl(thresholds), _dl(out), _dl(lse), softmax_scale=softmax_scale,
+                   kept_per_tile=_dl(kept), stream=_stream(q), sink_blocks=sink_blocks, counts=_dl(counts))
+    return out, lse, kept, counts
 
 
 @_fake(_gated)
-def _(q, k, v, thresholds, softmax_scale):
+def _(q, k, v, thresholds, softmax_scale, sink_blocks):
     B, Lq, Hq, _ = q.shape
     out, lse = _fake_out_lse(q)
-    return (out, lse, q.new_empty((B, Hq, _cdiv(Lq, TILE_Q)), dtype=torch.int32),
-            torch.empty((len(_GATED_COUNTS),), dtype=torch.int64, device="cpu"))
+    return (out, lse, q.new_empty((B, Hq, _cdiv(Lq, GATE_ROWS)), dtype=torch.int32),
+            q.new_empty((len(_GATED_COUNTS),), dtype=torch.int32))
 
 
 @_custom_op("entmax", mutates_args=())
@@ -433,15 +434,23 @@ def token_sparse(q, k, v, idx, *, softmax_scale=None, causal=False, return_lse=F
     return _finish(out, lse, return_lse)
 
 
-def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, return_kept_per_tile=False):
+def gated(q, k, v, thresholds, *, softmax_scale=None, return_lse=False, return_kept_per_tile=False,
+          sink_blocks=1, stats=True):
     """Through torch.ops.sparse_attn.gated; returns what sparse_attn.gated returns: (out, stats) or,
     with return_lse, (out, lse, stats), stats the dict of the gate's counters and density (plus
-    "kept_per_tile", int32 [B, Hq, Tq] on q's device, with return_kept_per_tile)."""
+    "kept_per_tile", int32 [B, Hq, ceil(Lq / GATE_ROWS)] on q's device, with return_kept_per_tile).
+    Reading the counters waits for the device; with stats=False, stats is {"counts": int32 [4] on
+    q's device (order of sparse_attn._GATED_COUNTS)} and nothing waits."""
     if not isinstance(thresholds, Tensor):
         thresholds = torch.as_tensor(thresholds, dtype=torch.float32, device=q.device)
-    o, lse, kept, counts = torch.ops.sparse_attn.gated(q, k, v, thresholds, _scale(softmax_scale))
-    stats = _gated_stats(counts.tolist(), kept if return_kept_per_tile else None)
-    return (o, lse, stats) if return_lse else (o, stats)
+    o, lse, kept, counts = torch.ops.sparse_attn.gated(q, k, v, thresholds, _scale(softmax_scale),
+                                                       _int("gated", "sink_blocks", sink_blocks))
+    kept = kept if return_kept_per_tile else None
+    if stats:
+        result = _gated_stats(counts.tolist(), kept)
+    else:
+        result = {"counts": counts} if kept is None else {"counts": counts, "kept_per_tile": kept}
+    return (o, lse, result) if return_lse else (o, result)
 
 
 def entmax(q, k, v, *, alpha=1.5, softmax_scale=None, causal=False, histogram_bins=64, return_block_bits=False):

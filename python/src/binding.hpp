@@ -48,6 +48,16 @@ class Imports {
   std::vector<nb::ndarray<>> writable_;
 };
 
+/// The last constructor overload of a bound class (`.def("__init__", constructor_type_error<T>("T"))`):
+/// reached only when no other overload takes the arguments, it raises the TypeError that names the
+/// first argument which does not fit (sparse_attn._constructor_type_error), as the functions do.
+template <class T>
+auto constructor_type_error(const char* cls) {
+  return [cls](T*, nb::args args, nb::kwargs kwargs) {
+    nb::module_::import_("sparse_attn").attr("_constructor_type_error")(cls, args, kwargs);
+  };
+}
+
 /// The CUDA stream handed over by Python (an integer: cudaStream_t value, 0 for the default).
 inline void* stream_ptr(std::uintptr_t s) { return reinterpret_cast<void*>(s); }
 

@@ -125,6 +125,7 @@ void extent_property(nb::class_<ProblemShape>& c, const char* name) {
 void bind_formats(nb::module_& m) {
   m.attr("TILE_Q") = kTileQ;
   m.attr("BLOCK_K") = kBlockK;
+  m.attr("GATE_ROWS") = kGateRows;
 
   nb::class_<ProblemShape> shape(m, "ProblemShape", "Problem extents and the causal flag (docs/design.md §2).");
   shape.def(
@@ -132,6 +133,7 @@ void bind_formats(nb::module_& m) {
       [](ProblemShape* p, std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hq, std::int64_t Hkv,
          std::int64_t D, bool causal) { new (p) ProblemShape(checked_shape({B, Lq, Lk, Hq, Hkv, D, causal})); },
       "B"_a, "Lq"_a, "Lk"_a, "Hq"_a, "Hkv"_a, "D"_a = 128, "causal"_a = false);
+  shape.def("__init__", constructor_type_error<ProblemShape>("ProblemShape"));
   extent_property<&ProblemShape::B>(shape, "B");
   extent_property<&ProblemShape::Lq>(shape, "Lq");
   extent_property<&ProblemShape::Lk>(shape, "Lk");

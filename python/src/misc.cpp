@@ -101,13 +101,13 @@ void bind_misc(nb::module_& m) {
       "Rounds a contiguous float32 row through an index precision, in place.");
 
   nb::class_<ThresholdTable>(m, "ThresholdTable",
-                             "Calibrated block-max thresholds t[budget, layer, head, q_tile] and their metadata.")
+                             "Calibrated block-max thresholds t[budget, layer, head, gate_tile] and their metadata.")
       .def(nb::init<>())
       .def(
           "__init__",
           [](ThresholdTable* t, std::vector<std::int64_t> budgets, std::int64_t n_layers, std::int64_t n_heads,
              std::int64_t n_qtiles, std::optional<FloatArray> values, std::int64_t tile_q, std::int64_t tile_k,
-             std::string model) {
+             std::string model, std::int64_t sink_blocks) {
             // Checked before construction: nanobind does not destroy an object whose __init__ throws.
             ThresholdTable table;
             table.budgets = std::move(budgets);
@@ -117,13 +117,15 @@ void bind_misc(nb::module_& m) {
             table.tile_q = tile_q;
             table.tile_k = tile_k;
             table.model = std::move(model);
+            table.sink_blocks = sink_blocks;
             if (values) set_table_values(table, *values);
             else table.values.assign(ThresholdTable::value_count(table.budgets.size(), n_layers, n_heads, n_qtiles), 0.0f);
             table.validate();
             new (t) ThresholdTable(std::move(table));
           },
-          "budgets"_a, "n_layers"_a, "n_heads"_a, "n_qtiles"_a, "values"_a.none() = nb::none(), "tile_q"_a = 128,
-          "tile_k"_a = 128, "model"_a = "")
+          "budgets"_a, "n_layers"_a, "n_heads"_a, "n_qtiles"_a, "values"_a.none() = nb::none(), "tile_q"_a = kGateRows,
+          "tile_k"_a = kBlockK, "model"_a = "", "sink_blocks"_a = 1)
+      .def("__init__", constructor_type_error<ThresholdTable>("ThresholdTable"))
       // The extents describe `values`: read-only, so that they cannot disagree with it.
       .def_ro("budgets", &ThresholdTable::budgets)
       .def_ro("n_layers", &ThresholdTable::n_layers)
@@ -132,6 +134,7 @@ void bind_misc(nb::module_& m) {
       .def_rw("tile_q", &ThresholdTable::tile_q)
       .def_rw("tile_k", &ThresholdTable::tile_k)
       .def_rw("model", &ThresholdTable::model)
+      .def_rw("sink_blocks", &ThresholdTable::sink_blocks)
       .def_prop_rw(
           "values",
           // A fresh array that owns its copy: the default property policy (reference_internal)
@@ -169,12 +172,14 @@ void bind_misc(nb::module_& m) {
         for (std::size_t i = 0; i < t.budgets.size(); ++i) b += (i ? ", " : "") + std::to_string(t.budgets[i]);
         return "ThresholdTable(budgets=[" + b + "], n_layers=" + std::to_string(t.n_layers) +
                ", n_heads=" + std::to_string(t.n_heads) + ", n_qtiles=" + std::to_string(t.n_qtiles) +
-               ", tile=" + std::to_string(t.tile_q) + "x" + std::to_string(t.tile_k) + ", model='" + t.model + "')";
+               ", tile=" + std::to_string(t.tile_q) + "x" + std::to_string(t.tile_k) +
+               ", sink_blocks=" + std::to_string(t.sink_blocks) + ", model='" + t.model + "')";
       });
 
   nb::class_<Calibrator>(m, "Calibrator", "Accumulates per-sample gate thresholds and averages them.")
-      .def(nb::init<std::vector<std::int64_t>, std::int64_t, std::string>(), "budgets"_a, "n_layers"_a,
-           "model"_a = "")
+      .def(nb::init<std::vector<std::int64_t>, std::int64_t, std::string, std::int64_t>(), "budgets"_a, "n_layers"_a,
+           "model"_a = "", "sink_blocks"_a = 1)
+      .def("__init__", constructor_type_error<Calibrator>("Calibrator"))
       .def(
           "add",
           [](Calibrator& c, std::int64_t layer, nb::handle q, nb::handle k, std::optional<float> scale) {
@@ -184,7 +189,8 @@ void bind_misc(nb::module_& m) {
             c.add(layer, qv, kv, scale);
           },
           "layer"_a, "q"_a, "k"_a, "softmax_scale"_a.none() = nb::none(),
-          "Adds one sample's layer: q [1, L, Hq, D], k [1, L, Hkv, D] on the CPU.")
+          "Adds one sample's layer: q [1, L, Hq, D], k [1, L, Hkv, D] on the CPU or a CUDA device (there "
+          "the block maxima are computed by the GPU, bf16 or f16, D <= 128).")
       .def("finish", &Calibrator::finish);
 }
 

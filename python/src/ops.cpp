@@ -27,6 +27,7 @@ nb::dict gated_stats(const GatedStats& s) {
   d["gated_candidates"] = s.gated_candidates;
   d["gated_kept"] = s.gated_kept;
   d["density"] = s.density();
+  d["deferred"] = s.deferred;
   return d;
 }
 
@@ -152,7 +153,8 @@ void bind_ops(nb::module_& m) {
   m.def(
       "gated",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle thresholds, nb::handle out, nb::handle lse,
-         std::optional<float> scale, nb::handle kept_per_tile, std::uintptr_t stream) {
+         std::optional<float> scale, nb::handle kept_per_tile, std::uintptr_t stream, std::int64_t sink_blocks,
+         nb::handle counts) {
         Imports im("gated");
         const TensorView qv = im.in(q, "q"), kv = im.in(k, "k"), vv = im.in(v, "v");
         const TensorView tv = im.in(thresholds, "thresholds");
@@ -162,6 +164,8 @@ void bind_ops(nb::module_& m) {
         o.softmax_scale = scale;
         o.stream = stream_ptr(stream);
         o.kept_per_tile = im.out_opt(kept_per_tile, "kept_per_tile");
+        o.counts = im.out_opt(counts, "counts");
+        o.sink_blocks = sink_blocks;
         GatedStats stats;
         {
           nb::gil_scoped_release release;
@@ -171,7 +175,9 @@ void bind_ops(nb::module_& m) {
       },
       "q"_a, "k"_a, "v"_a, "thresholds"_a, "out"_a, "lse"_a.none() = nb::none(),
       "softmax_scale"_a.none() = nb::none(), "kept_per_tile"_a.none() = nb::none(), "stream"_a = 0,
-      "Causal BSFA-gated attention; returns the gate statistics as a dict.");
+      "sink_blocks"_a = 1, "counts"_a.none() = nb::none(),
+      "Causal BSFA-gated attention; returns the gate statistics as a dict (all 0 and 'deferred' True where "
+      "they went to `counts` on a CUDA device).");
 
   m.def(
       "entmax",

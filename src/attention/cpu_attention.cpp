@@ -156,7 +156,7 @@ void run_q_centric(const AttentionCall& a, const Source& src, std::int64_t kv_st
       for (std::int64_t hh = 0; hh < heads_per_item; ++hh) {
         const RowTile& tile = tiles[static_cast<std::size_t>(hh)];
         for (std::int64_t r = 0; r < rows; ++r) {
-          const float l = attn::finalize_row(tile, r, row.data());
+          const float l = attn::finalize_row(tile, r, row.data(), a.scale);
           store_row(a.out, addr4(a.out, b, i0 + r, h0 + hh, 0), p.D, row.data());
           if (a.lse) *attn::lse_ptr(*a.lse, b, h0 + hh, i0 + r) = l;
         }

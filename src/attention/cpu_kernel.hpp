@@ -15,11 +15,14 @@
 // iff start + j <= limit), so masking is a per-row length, never a -inf fill; rows whose prefix is
 // empty leave their state untouched, which is how "sees no key -> out 0, lse -inf" falls out.
 //
+// The running max m is kept unscaled and p = exp((s - m) * scale): the row's max weighs exactly 1
+// whatever the scale (exp(s * scale - m * scale) would weigh it exp of the rounding error of m * scale,
+// which overflows once that product is past 2^31 or so).
+//
 // Non-finite scores (docs/design.md §2): exp_f32 passes NaN through, so a NaN score, or a +inf one (inf - inf
 // against the max it raised), makes the row's l NaN for good; a -inf score weighs 0. finalize_row
-// tells "no key" (m = -inf and l = 0) from every other state, in which it divides by l: a NaN l, or
-// l = 0 under a max whose scaled value overflowed to +inf (every p underflowed), gives NaN out and
-// lse.
+// tells "no key" (m = -inf and l = 0) from every other state, in which it divides by l; a NaN l, or a
+// max whose scaled value overflows float32, gives NaN out and lse.
 #pragma once
 
 #include <algorithm>
@@ -210,7 +213,7 @@ class BlockStore {
 };
 
 /// Running state of a set of query rows: Q as float [R][D] (scale not applied), O [R][DP], the
-/// running max m (scaled scores), the denominator l, and each row's last visible key position.
+/// running max m (unscaled scores), the denominator l, and each row's last visible key position.
 struct RowTile {
   std::int64_t D = 0, DP = 0, capacity = 0, rows = 0;
   std::vector<float> q, o, m, l, s, alpha;
@@ -306,12 +309,12 @@ inline void softmax_row(RowTile& t, std::int64_t r, std::int64_t n, std::int64_t
   for (std::int64_t jj = 0; jj < kColChunk; ++jj) mx = std::max(mx, lanes[jj]);
 
   // The max passes over NaN (std::max with the running value first), so m is never NaN.
-  const float m_new = std::max(t.m[ri], mx * scale);
+  const float m_new = std::max(t.m[ri], mx);
   // While every score seen is -inf, m stays -inf: subtracting 0 instead makes p = exp(-inf) = 0
   // rather than NaN (-inf - -inf).
   const float base = m_new == kNegInf ? 0.0f : m_new;
-  const float a = exp_f32(t.m[ri] - base);  // m = -inf on the first visible block: a = 0
-  for (j = 0; j < nv; ++j) srow[j] = exp_f32(fmadd(srow[j], scale, -base));
+  const float a = exp_f32((t.m[ri] - base) * scale);  // m = -inf on the first visible block: a = 0
+  for (j = 0; j < nv; ++j) srow[j] = exp_f32((srow[j] - base) * scale);
 
   std::fill(lanes, lanes + kColChunk, 0.0f);
   for (j = 0; j + kColChunk <= nv; j += kColChunk)
@@ -361,19 +364,20 @@ inline void block_step(RowTile& t, const KVView& kv, float scale, bool causal_pr
 }
 
 /// Output row r (D floats) and its LSE: 0 and -inf for a row that saw no key; NaN for a row with a
-/// NaN or +inf score, or whose scaled max overflowed.
-inline float finalize_row(const RowTile& t, std::int64_t r, float* out_row) {
+/// NaN or +inf score, or whose scaled max overflows float32.
+inline float finalize_row(const RowTile& t, std::int64_t r, float* out_row, float scale) {
   const auto ri = static_cast<std::size_t>(r);
   const float l = t.l[ri];
   if (l == 0.0f && t.m[ri] == kNegInf) {
     std::fill(out_row, out_row + t.D, 0.0f);
     return kNegInf;
   }
-  const float inv = 1.0f / l;
+  const float m_scaled = t.m[ri] * scale;
+  const float inv = std::isfinite(m_scaled) ? 1.0f / l : std::numeric_limits<float>::quiet_NaN();
   const float* o = t.o_row(r);
 #pragma omp simd
   for (std::int64_t d = 0; d < t.D; ++d) out_row[d] = o[d] * inv;
-  return t.m[ri] + std::log(l);
+  return std::isfinite(m_scaled) ? m_scaled + std::log(l) : std::numeric_limits<float>::quiet_NaN();
 }
 
 /// Address of lse[b, h, i] (float32 [B, Hq, Lq], any strides).

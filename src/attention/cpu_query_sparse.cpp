@@ -191,7 +191,7 @@ void query_sparse(const AttentionCall& a, const QueryCall& c, std::int64_t parti
             for (std::int64_t e = 0; e < n_entries; ++e) {
               const Entry& en = ri.entries[static_cast<std::size_t>(item.begin + e)];
               for (std::int64_t hh = 0; hh < group; ++hh) {
-                const float l = attn::finalize_row(tile, e * group + hh, row.data());
+                const float l = attn::finalize_row(tile, e * group + hh, row.data(), a.scale);
                 partials.store(en.query, en.slot, hh, row.data());
                 partials.lse(en.query, en.slot, hh) = l;
               }

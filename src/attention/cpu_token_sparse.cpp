@@ -55,7 +55,7 @@ void token_sparse(const AttentionCall& a, const TokenCall& t) {
       }
       attn::block_step(tile, kv.view(), a.scale, false);
       for (std::int64_t hh = 0; hh < group; ++hh) {
-        const float l = attn::finalize_row(tile, hh, row.data());
+        const float l = attn::finalize_row(tile, hh, row.data(), a.scale);
         store_row(a.out, addr4(a.out, b, i, g * group + hh, 0), p.D, row.data());
         if (a.lse) *attn::lse_ptr(*a.lse, b, g * group + hh, i) = l;
       }

@@ -6,7 +6,7 @@
 #include "attention/cpu_backend.hpp"
 #include "core/call.hpp"
 #include "core/check.hpp"
-#include "plan/merge_window.hpp"
+#include "schedule/merge_window.hpp"
 #include "sparse_attn/plan.hpp"
 #if defined(SPARSE_ATTN_WITH_CUDA)
 #include "cuda/query_sparse/backend.hpp"

@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/call.hpp"
 #include "cuda/tuning.hpp"
@@ -36,6 +37,21 @@ void dense(const detail::AttentionCall& a, const detail::AttentionTuning& tuning
 /// recorded for raise_pending_fault / check_device_faults.
 void tile_sparse(const detail::AttentionCall& a, const detail::TileCall& t,
                  const detail::AttentionTuning& tuning = {});
+
+/// gated (BSFA) on the GPU: the Q-centric kernel walking every visible block with the gate policy
+/// (attention/gate_policy.cuh). The counters go to options.counts when given (no synchronisation; the
+/// returned stats are `deferred`), else through a workspace cached per (device, stream) to the host
+/// (one synchronisation of the stream).
+GatedStats gated(const detail::AttentionCall& a, const TensorView& thresholds, const GatedOptions& options,
+                 const detail::AttentionTuning& tuning = {});
+
+/// One calibration sample on the GPU (gated/calibrate.cu): q [1, L, Hq, D], k [1, L, Hkv, D] (bf16
+/// or f16, D <= 128) on the device; per (head, gate tile) the k-th largest maximum of the gate's
+/// candidate blocks for each budget, -inf below k candidates, as the CPU Calibrator defines them.
+/// Waits for the device, runs on its default stream and returns float [Hq][Tg][budgets] on the host.
+/// Errors name `op`.
+std::vector<float> calibration_sample(const TensorView& q, const TensorView& k, float scale, std::int64_t sink_blocks,
+                                      const std::vector<std::int64_t>& budgets, const std::string& op);
 
 /// Block-sparse attention over BlockBits on the GPU: the bit sets are converted to TileLists in a
 /// workspace cached per (device, stream) (B x G x Tq x Tk ids; the first call on a stream allocates

@@ -1,5 +1,7 @@
 // gated (BSFA, docs/design.md §5.5): causal attention that scores every visible block exactly and runs the
-// value side only for blocks whose scaled block maximum reaches the calibrated threshold.
+// value side only for blocks whose scaled block maximum over a gate tile (kGateRows queries) reaches
+// the calibrated threshold. The CPU reference; the CUDA backend runs the gate policy of the Q-centric
+// kernel (cuda/attention/gate_policy.cuh) with the same definition.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -10,6 +12,9 @@
 #include "core/cpu.hpp"
 #include "gated/tile_kernels.hpp"
 #include "sparse_attn/ops.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/backend.hpp"
+#endif
 
 namespace sparse_attn {
 namespace {
@@ -21,7 +26,7 @@ float threshold_at(const TensorView& t, std::int64_t h, std::int64_t col) {
   return *(t.ptr<const float>() + h * t.stride[0] + col * t.stride[1]);
 }
 
-// Counters of one (b, h, q tile) work item; summed after the parallel loop so the totals are exact
+// Counters of one (b, h, gate tile) work item; summed after the parallel loop so the totals are exact
 // and independent of scheduling.
 struct TileCounts {
   std::int64_t kept = 0, visible = 0, candidates = 0, gated_kept = 0;
@@ -29,12 +34,12 @@ struct TileCounts {
 
 TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& thresholds, const TensorView& out, const std::optional<TensorView>& lse,
-                          const ProblemShape& p, float scale, std::int64_t b, std::int64_t h, std::int64_t t,
-                          detail::TileScratch& w) {
+                          const ProblemShape& p, float scale, std::int64_t sink_blocks, std::int64_t b,
+                          std::int64_t h, std::int64_t g, detail::TileScratch& w) {
   const std::int64_t D = p.D, hk = h / p.group_size();
-  const detail::Span rows = detail::q_tile_rows(p, t);
+  const detail::Span rows = detail::gate_tile_rows(p, g);
   const std::int64_t R = rows.size();
-  const float threshold = threshold_at(thresholds, h, std::min(t, thresholds.shape[1] - 1));
+  const float threshold = threshold_at(thresholds, h, std::min(g, thresholds.shape[1] - 1));
 
   detail::pack_rows(q, b, h, rows, w.q.data());
   std::vector<float> m(static_cast<std::size_t>(R), kNegInf), l(static_cast<std::size_t>(R), 0.0f);
@@ -48,6 +53,7 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
     const detail::Span keys = detail::kv_block_keys(p, j);
     const std::int64_t C = keys.size();
     const bool diagonal = detail::straddles_diagonal(p, rows, keys);
+    const bool candidate = detail::gate_candidate(p, rows, keys, j, sink_blocks);
     detail::pack_keys_transposed(k, b, hk, keys, w.kt.data(), w.row.data());
     detail::tile_scores(w.q.data(), R, w.kt.data(), C, D, scale, w.s.data());
     ++counts.visible;
@@ -57,8 +63,8 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
         const std::int64_t visible = std::clamp<std::int64_t>(row_end[static_cast<std::size_t>(r)] - keys.begin, 0, C);
         for (std::int64_t c = visible; c < C; ++c) w.s[static_cast<std::size_t>(r * kBlockK + c)] = kNegInf;
       }
-    } else {
-      // Every pair of an off-diagonal block is visible, so its maximum is over the whole tile.
+    } else if (candidate) {
+      // Every pair of an off-diagonal block is visible, so its maximum is over the whole gate tile.
       float block_max = kNegInf;
       bool nan = false;
       for (std::int64_t r = 0; r < R; ++r)
@@ -128,17 +134,14 @@ TileCounts gated_tile_cpu(const TensorView& q, const TensorView& k, const Tensor
 
 GatedStats gated_cpu(const detail::AttentionCall& a, const TensorView& thresholds, const GatedOptions& options) {
   const ProblemShape& p = a.p;
-  for (std::int64_t h = 0; h < thresholds.shape[0]; ++h)
-    for (std::int64_t c = 0; c < thresholds.shape[1]; ++c)
-      detail::require(!std::isnan(threshold_at(thresholds, h, c)), kOp, "thresholds",
-                      [&] { return "NaN at " + detail::coord_string({h, c}); });
 
-  const std::int64_t Tq = p.Tq();
-  std::vector<TileCounts> counts(static_cast<std::size_t>(p.B * p.Hq * Tq));
-  detail::parallel_for(p.B * p.Hq * Tq, [&](std::int64_t item) {
-    const std::int64_t t = item % Tq, h = (item / Tq) % p.Hq, b = item / (Tq * p.Hq);
+  const std::int64_t Tg = detail::gate_tiles(p);
+  std::vector<TileCounts> counts(static_cast<std::size_t>(p.B * p.Hq * Tg));
+  detail::parallel_for(p.B * p.Hq * Tg, [&](std::int64_t item) {
+    const std::int64_t t = item % Tg, h = (item / Tg) % p.Hq, b = item / (Tg * p.Hq);
     detail::TileScratch scratch(p.D);
-    const TileCounts c = gated_tile_cpu(a.q, a.k, a.v, thresholds, a.out, a.lse, p, a.scale, b, h, t, scratch);
+    const TileCounts c =
+        gated_tile_cpu(a.q, a.k, a.v, thresholds, a.out, a.lse, p, a.scale, options.sink_blocks, b, h, t, scratch);
     counts[static_cast<std::size_t>(item)] = c;
     if (options.kept_per_tile) {
       const TensorView& kp = *options.kept_per_tile;
@@ -153,6 +156,11 @@ GatedStats gated_cpu(const detail::AttentionCall& a, const TensorView& threshold
     stats.visible_blocks += c.visible;
     stats.gated_candidates += c.candidates;
     stats.gated_kept += c.gated_kept;
+  }
+  if (options.counts) {
+    std::int32_t* out = options.counts->ptr<std::int32_t>();
+    const std::int64_t values[4] = {stats.kept_blocks, stats.visible_blocks, stats.gated_candidates, stats.gated_kept};
+    for (int i = 0; i < 4; ++i) out[i * options.counts->stride[0]] = static_cast<std::int32_t>(values[i]);
   }
   return stats;
 }
@@ -174,22 +182,46 @@ GatedStats gated(const TensorView& q, const TensorView& k, const TensorView& v, 
   detail::require(thresholds.shape[1] >= 1, kOp, "thresholds",
                   [&] { return "needs at least one Q tile column, got shape " + detail::shape_string(thresholds); });
   detail::check_outputs_apart(kOp, out, lse, "thresholds", thresholds);
+  detail::require(options.sink_blocks >= 0, kOp, "options.sink_blocks",
+                  [&] { return "must be >= 0, got " + std::to_string(options.sink_blocks); });
+  const std::int64_t Tg = detail::gate_tiles(p);
+  // Every other argument an optional output must not overlap.
+  std::vector<std::pair<const char*, const TensorView*>> others = {
+      {"q", &q}, {"k", &k}, {"v", &v}, {"thresholds", &thresholds}, {"out", &out}};
+  if (lse) others.emplace_back("lse", &*lse);
   if (options.kept_per_tile) {
     const TensorView& kp = *options.kept_per_tile;
     detail::check_tensor(kOp, "options.kept_per_tile", kp, 3, {DType::i32});
     detail::check_same_device(kOp, "options.kept_per_tile", kp, "q", q);
-    detail::check_shape(kOp, "options.kept_per_tile", kp, {p.B, p.Hq, p.Tq()});
-    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v},
-                                  {"thresholds", &thresholds}, {"out", &out}})
-      detail::check_no_overlap(kOp, "options.kept_per_tile", kp, name, *t);
-    if (lse) detail::check_no_overlap(kOp, "options.kept_per_tile", kp, "lse", *lse);
+    detail::check_shape(kOp, "options.kept_per_tile", kp, {p.B, p.Hq, Tg});
+    for (const auto& [name, t] : others) detail::check_no_overlap(kOp, "options.kept_per_tile", kp, name, *t);
   }
-
-  switch (q.device) {
-    case Device::cpu: return gated_cpu(a, thresholds, options);
-    case Device::cuda: break;
+  if (options.counts) {
+    const TensorView& c = *options.counts;
+    detail::check_tensor(kOp, "options.counts", c, 1, {DType::i32});
+    detail::check_same_device(kOp, "options.counts", c, "q", q);
+    detail::check_shape(kOp, "options.counts", c, {4});
+    // Every counter is at most the (b, h, gate tile, kv block) count, which must fit in int32.
+    const double visits = double(p.B) * double(p.Hq) * double(Tg) * double(p.Tk());
+    detail::require(visits <= double(std::numeric_limits<std::int32_t>::max()), kOp, "options.counts", [&] {
+      return "int32 counters cannot hold the " + std::to_string(static_cast<long long>(visits)) +
+             " (batch, head, gate tile, kv block) visits of " + p.describe() + "; ask for the returned GatedStats";
+    });
+    for (const auto& [name, t] : others) detail::check_no_overlap(kOp, "options.counts", c, name, *t);
+    if (options.kept_per_tile) detail::check_no_overlap(kOp, "options.counts", c, "options.kept_per_tile", *options.kept_per_tile);
   }
+  if (q.device == Device::cpu) {
+    for (std::int64_t h = 0; h < thresholds.shape[0]; ++h)
+      for (std::int64_t c = 0; c < thresholds.shape[1]; ++c)
+        detail::require(!std::isnan(threshold_at(thresholds, h, c)), kOp, "thresholds",
+                        [&] { return "NaN at " + detail::coord_string({h, c}); });
+    return gated_cpu(a, thresholds, options);
+  }
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  return cuda_backend::gated(a, thresholds, options);
+#else
   detail::unsupported_device(kOp, "q", q);
+#endif
 }
 
 }  // namespace sparse_attn

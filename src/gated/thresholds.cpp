@@ -15,6 +15,9 @@
 #include "gated/tile_kernels.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/ops.hpp"
+#if defined(SPARSE_ATTN_WITH_CUDA)
+#include "cuda/backend.hpp"
+#endif
 
 namespace sparse_attn {
 namespace {
@@ -96,6 +99,8 @@ std::size_t ThresholdTable::value_count(std::size_t n_budgets, std::int64_t n_la
 void ThresholdTable::validate() const {
   check_values(*this);
   check_budgets(kTableOp, budgets);
+  detail::require(sink_blocks >= 0, kTableOp, "sink_blocks",
+                  [&] { return "must be >= 0, got " + std::to_string(sink_blocks); });
 }
 
 float ThresholdTable::at(std::int64_t budget, std::int64_t layer, std::int64_t head, std::int64_t qtile) const {
@@ -134,6 +139,7 @@ void ThresholdTable::save(const std::string& path) const {
   file.metadata["format"] = kFormat;
   file.metadata["tile_q"] = std::to_string(tile_q);
   file.metadata["tile_k"] = std::to_string(tile_k);
+  file.metadata["sink_blocks"] = std::to_string(sink_blocks);
   file.metadata["model"] = model;
 
   detail::SafetensorsEntry t;
@@ -170,11 +176,17 @@ ThresholdTable ThresholdTable::load(const std::string& path) {
   ThresholdTable table;
   table.tile_q = parse_int(path, "tile_q", meta("tile_q"));
   table.tile_k = parse_int(path, "tile_k", meta("tile_k"));
-  // Block maxima depend on the tile shape; thresholds calibrated for another one are meaningless here.
-  detail::require(table.tile_q == kTileQ && table.tile_k == kBlockK, kTableOp, path,
-                  [&] { return "thresholds were calibrated for tiles of " + std::to_string(table.tile_q) + " x " +
-                      std::to_string(table.tile_k) + ", this library uses " + std::to_string(kTileQ) + " x " +
-                      std::to_string(kBlockK); });
+  // Block maxima depend on the gate tile's shape; thresholds calibrated for another one are
+  // meaningless here (the 128-row gate of earlier versions included).
+  detail::require(table.tile_q == kGateRows && table.tile_k == kBlockK, kTableOp, path,
+                  [&] { return "thresholds were calibrated for gate tiles of " + std::to_string(table.tile_q) + " x " +
+                      std::to_string(table.tile_k) + ", this library gates " + std::to_string(kGateRows) + " x " +
+                      std::to_string(kBlockK) + " (docs/design.md §5.5): recalibrate"; });
+  // Tables written before sink blocks existed treated every off-diagonal block as a candidate.
+  const auto sinks = file.metadata.find("sink_blocks");
+  table.sink_blocks = sinks == file.metadata.end() ? 0 : parse_int(path, "sink_blocks", sinks->second);
+  detail::require(table.sink_blocks >= 0, kTableOp, path,
+                  [&] { return "metadata 'sink_blocks' must be >= 0, got " + std::to_string(table.sink_blocks); });
   table.model = meta("model");
 
   const detail::SafetensorsEntry& t = file.get("thresholds");
@@ -208,12 +220,15 @@ ThresholdTable ThresholdTable::load(const std::string& path) {
 
 // ---- Calibrator ----------------------------------------------------------------------------------
 
-Calibrator::Calibrator(std::vector<std::int64_t> budgets, std::int64_t n_layers, std::string model)
-    : budgets_(std::move(budgets)), n_layers_(n_layers), model_(std::move(model)) {
+Calibrator::Calibrator(std::vector<std::int64_t> budgets, std::int64_t n_layers, std::string model,
+                       std::int64_t sink_blocks)
+    : budgets_(std::move(budgets)), n_layers_(n_layers), model_(std::move(model)), sink_blocks_(sink_blocks) {
   detail::require(!budgets_.empty(), kCalibOp, "budgets", "needs at least one budget");
   check_budgets(kCalibOp, budgets_);
   detail::require(n_layers_ >= 1, kCalibOp, "n_layers",
                   [&] { return "must be >= 1, got " + std::to_string(n_layers_); });
+  detail::require(sink_blocks_ >= 0, kCalibOp, "sink_blocks",
+                  [&] { return "must be >= 0, got " + std::to_string(sink_blocks_); });
   const std::size_t slices = budgets_.size() * static_cast<std::size_t>(n_layers_);
   sum_.resize(slices);
   n_.resize(slices);
@@ -226,7 +241,6 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
   const auto floats = {DType::f32, DType::f16, DType::bf16};
   detail::check_tensor(kCalibOp, "q", q, 4, floats);
   detail::check_tensor(kCalibOp, "k", k, 4, floats);
-  if (q.device != Device::cpu) detail::unsupported_device(kCalibOp, "q", q);
   detail::check_same_device(kCalibOp, "k", k, "q", q);
   detail::check_last_contiguous(kCalibOp, "q", q);
   detail::check_last_contiguous(kCalibOp, "k", k);
@@ -251,19 +265,28 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
                       std::to_string(n_heads_); });
   const float scale = resolve_scale(kCalibOp, softmax_scale, p.D);
 
-  const std::int64_t T = p.Tq(), nb = static_cast<std::int64_t>(budgets_.size());
-  // Per (head, q tile): the sample's threshold of every budget, computed in parallel, then
+  const std::int64_t T = detail::gate_tiles(p), nb = static_cast<std::int64_t>(budgets_.size());
+  if (q.device == Device::cuda) {
+#if defined(SPARSE_ATTN_WITH_CUDA)
+    accumulate(layer, p.Hq, T, cuda_backend::calibration_sample(q, k, scale, sink_blocks_, budgets_, kCalibOp));
+    return;
+#else
+    detail::unsupported_device(kCalibOp, "q", q);
+#endif
+  }
+  // Per (head, gate tile): the sample's threshold of every budget, computed in parallel, then
   // accumulated serially so the sums do not depend on scheduling.
   std::vector<float> sample(static_cast<std::size_t>(p.Hq * T * nb));
   detail::parallel_for(p.Hq * T, [&](std::int64_t item) {
     const std::int64_t h = item / T, t = item % T, hk = h / p.group_size();
-    const detail::Span rows = detail::q_tile_rows(p, t);
+    const detail::Span rows = detail::gate_tile_rows(p, t);
     detail::TileScratch w(p.D);
     detail::pack_rows(q, 0, h, rows, w.q.data());
     std::vector<float> maxima;
     for (std::int64_t j = 0; j < detail::visible_blocks(p, rows); ++j) {
       const detail::Span keys = detail::kv_block_keys(p, j);
-      if (detail::straddles_diagonal(p, rows, keys)) continue;  // the diagonal is kept outside the budget
+      // The diagonal and the sinks are kept outside the budget.
+      if (!detail::gate_candidate(p, rows, keys, j, sink_blocks_)) continue;
       detail::pack_keys_transposed(k, 0, hk, keys, w.kt.data(), w.row.data());
       detail::tile_scores(w.q.data(), rows.size(), w.kt.data(), keys.size(), p.D, scale, w.s.data());
       float m = -std::numeric_limits<float>::infinity();
@@ -280,18 +303,22 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
                                                              : -std::numeric_limits<float>::infinity();
     }
   });
+  accumulate(layer, p.Hq, T, sample);
+}
 
-  n_heads_ = p.Hq;
+void Calibrator::accumulate(std::int64_t layer, std::int64_t Hq, std::int64_t T, const std::vector<float>& sample) {
+  const std::int64_t nb = static_cast<std::int64_t>(budgets_.size());
+  n_heads_ = Hq;
   std::int64_t& layer_T = qtiles_[static_cast<std::size_t>(layer)];
   const std::int64_t new_T = std::max(layer_T, T);
   for (std::int64_t bi = 0; bi < nb; ++bi) {
     const std::size_t s = static_cast<std::size_t>(bi * n_layers_ + layer);
     if (new_T != layer_T) {
       // Re-lay the [head, qtile] accumulators out for the longer tile count.
-      std::vector<double> sum(static_cast<std::size_t>(p.Hq * new_T), 0.0);
+      std::vector<double> sum(static_cast<std::size_t>(Hq * new_T), 0.0);
       std::vector<std::int64_t> n(sum.size(), 0);
       std::vector<std::uint8_t> neg(sum.size(), 0);
-      for (std::int64_t h = 0; h < p.Hq && layer_T > 0; ++h)
+      for (std::int64_t h = 0; h < Hq && layer_T > 0; ++h)
         for (std::int64_t t = 0; t < layer_T; ++t) {
           const std::size_t from = static_cast<std::size_t>(h * layer_T + t), to = static_cast<std::size_t>(h * new_T + t);
           sum[to] = sum_[s][from];
@@ -302,7 +329,7 @@ void Calibrator::add(std::int64_t layer, const TensorView& q, const TensorView& 
       n_[s] = std::move(n);
       neg_inf_[s] = std::move(neg);
     }
-    for (std::int64_t h = 0; h < p.Hq; ++h)
+    for (std::int64_t h = 0; h < Hq; ++h)
       for (std::int64_t t = 0; t < T; ++t) {
         const float x = sample[static_cast<std::size_t>((h * T + t) * nb + bi)];
         const std::size_t at = static_cast<std::size_t>(h * new_T + t);
@@ -320,8 +347,9 @@ ThresholdTable Calibrator::finish() const {
   table.budgets = budgets_;
   table.n_layers = n_layers_;
   table.n_heads = n_heads_;
-  table.tile_q = kTileQ;
+  table.tile_q = kGateRows;
   table.tile_k = kBlockK;
+  table.sink_blocks = sink_blocks_;
   table.model = model_;
   for (std::int64_t l = 0; l < n_layers_; ++l) {
     detail::require(qtiles_[static_cast<std::size_t>(l)] > 0, kCalibOp, "layer",

@@ -34,6 +34,12 @@ inline Span kv_block_keys(const ProblemShape& p, std::int64_t j) {
   return {j * kBlockK, std::min(p.Lk, (j + 1) * kBlockK)};
 }
 
+/// Rows of gate tile g (kGateRows queries; docs/design.md §5.5), and the number of gate tiles.
+inline Span gate_tile_rows(const ProblemShape& p, std::int64_t g) {
+  return {g * kGateRows, std::min(p.Lq, (g + 1) * kGateRows)};
+}
+inline std::int64_t gate_tiles(const ProblemShape& p) { return ceil_div(p.Lq, kGateRows); }
+
 /// Number of KV blocks holding at least one key visible to some row of the tile (they are a prefix).
 inline std::int64_t visible_blocks(const ProblemShape& p, Span rows) {
   return ceil_div(visible_key_end(p, rows.end - 1), kBlockK);
@@ -43,6 +49,12 @@ inline std::int64_t visible_blocks(const ProblemShape& p, Span rows) {
 /// diagonal. The first row of a tile sees the fewest keys, so it decides.
 inline bool straddles_diagonal(const ProblemShape& p, Span rows, Span keys) {
   return keys.end > visible_key_end(p, rows.begin);
+}
+
+/// Whether visible block j (keys `keys`) of the gate tile `rows` is subject to the gate: it does not
+/// straddle the gate tile's causal diagonal and is not one of the first `sink_blocks` blocks.
+inline bool gate_candidate(const ProblemShape& p, Span rows, Span keys, std::int64_t j, std::int64_t sink_blocks) {
+  return j >= sink_blocks && !straddles_diagonal(p, rows, keys);
 }
 
 /// Rows [rows.begin, rows.end) of head h of q ([B, L, H, D]) packed as float [rows x D].

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "core/check.hpp"
-#include "plan/merge_window.hpp"
+#include "schedule/merge_window.hpp"
 #include "sparse_attn/plan.hpp"
 
 namespace sparse_attn {

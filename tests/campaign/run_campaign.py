@@ -60,12 +60,12 @@ def _dtype(name):
 
 
 class Problem:
-    def __init__(self, rng, dtype="float32", causal=None):
+    def __init__(self, rng, dtype="float32", causal=None, dims=(16, 32, 64)):
         import sparse_attn as sa
         self.B = int(rng.integers(1, 3))
         self.Hkv = int(rng.choice([1, 2]))
         self.Hq = self.Hkv * int(rng.choice([1, 2]))
-        self.D = int(rng.choice([16, 32, 64]))
+        self.D = int(rng.choice(dims))
         self.Lq = int(rng.choice([1, 70, 130, 257]))
         self.Lk = int(rng.choice([1, 100, 200, 300]))
         self.causal = bool(rng.integers(2)) if causal is None else causal
@@ -222,6 +222,15 @@ def expected_output(op, arrays, kwargs):
         rows[kind] = reached.transpose(0, 2, 1)                                      # (B, Lq, Hq)
     nan_rows = rows["nan"]
     any_rows = rows["inf"] | (np.zeros_like(nan_rows) if exact else nan_rows)
+    # A non-finite v may also reach the rows that visit its 128-key block without seeing the key
+    # itself (a masked key's weight 0 times NaN or inf is NaN; docs/design.md §2).
+    Tk = -(-Lk // 128)
+    pad = Tk * 128 - Lk
+    bad_v = ~np.isfinite(v).all(-1)                                                   # (B, Lk, Hkv)
+    bad_v = np.pad(bad_v, ((0, 0), (0, pad), (0, 0))).reshape(B, Tk, 128, Hkv).any(2)
+    bad_v = np.repeat(bad_v, Hq // Hkv, axis=2).transpose(0, 2, 1)                     # (B, Hq, Tk)
+    seen_blocks = np.pad(seen, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(B, Hq, Lq, Tk, 128).any(-1)
+    any_rows = any_rows | (seen_blocks & bad_v[:, :, None, :]).any(-1).transpose(0, 2, 1)
     return expected, nan_rows, any_rows
 
 
@@ -384,8 +393,8 @@ def _executor_call(rng, op, p, device):
     return arrays, kwargs
 
 
-def _new_problem(rng, dtype="float32", op=None):
-    p = Problem(rng, dtype, causal=True if op == "gated" else None)
+def _new_problem(rng, dtype="float32", op=None, dims=(16, 32, 64)):
+    p = Problem(rng, dtype, causal=True if op == "gated" else None, dims=dims)
     if op in ("gated", "entmax") and p.Lq != p.Lk:  # gated is causal over Lq = Lk
         p.Lk = p.Lq
         p.Tk = p.Tq
@@ -580,7 +589,9 @@ SELECTION_DEFECTS = ("id_past_end", "id_negative", "id_huge", "unsorted", "dupli
 def gen_invalid_selections(rng, index, device):
     op = str(rng.choice(("tile_sparse", "bits_sparse", "query_sparse", "token_sparse", "validate", "evaluate")
                         + CONVERSIONS))
-    p = _new_problem(rng)
+    # On the GPU a problem its executors take (bfloat16, head dim 64 or 128), so that the selection
+    # is what gets judged rather than q's dtype.
+    p = _new_problem(rng) if device != "cuda" else _new_problem(rng, "bfloat16", dims=(64, 128))
     kind = {"bits_sparse": "bits", "query_sparse": "query_lists", "token_sparse": "token_lists",
             "block_bits_to_tile_lists": "bits", "query_lists_to_tile_lists": "query_lists"}.get(op)
     if kind is None:

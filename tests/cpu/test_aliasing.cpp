@@ -161,10 +161,10 @@ TEST(Aliasing, GatedAndEntmaxSideOutputsMustNotOverlap) {
   sa::HostTensor thresholds(sa::DType::f32, {H, 2});
   std::fill(thresholds.data<float>(), thresholds.data<float>() + thresholds.numel(), 0.0f);
   sa::GatedOptions g;
-  g.kept_per_tile = sa::TensorView::contiguous(a.data.data() + 3 * L * H * D, sa::DType::i32, {B, H, p.Tq()});
+  g.kept_per_tile = sa::TensorView::contiguous(a.data.data() + 3 * L * H * D, sa::DType::i32, {B, H, (p.Lq + 63) / 64});
   expect_overlap_error([&] { sa::gated(q, k, v, thresholds.view(), out, std::nullopt, g); }, "gated",
                        "options.kept_per_tile", "out");
-  g.kept_per_tile = sa::TensorView::contiguous(thresholds.data<float>(), sa::DType::i32, {B, H, p.Tq()});
+  g.kept_per_tile = sa::TensorView::contiguous(thresholds.data<float>(), sa::DType::i32, {B, H, (p.Lq + 63) / 64});
   expect_overlap_error([&] { sa::gated(q, k, v, thresholds.view(), out, std::nullopt, g); }, "gated",
                        "options.kept_per_tile", "thresholds");
   sa::HostTensor big_thresholds(sa::DType::f32, {H, L * D});  // out viewed over it stays in bounds

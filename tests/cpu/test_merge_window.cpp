@@ -1,11 +1,11 @@
-// The merge window of the KV-centric query_sparse (src/plan/merge_window.hpp): the bins it
+// The merge window of the KV-centric query_sparse (src/schedule/merge_window.hpp): the bins it
 // implies, its estimate for random lists, the automatic choice on the benchmark workloads, and the
 // errors for values it does not take.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-#include "plan/merge_window.hpp"
+#include "schedule/merge_window.hpp"
 #include "sparse_attn/error.hpp"
 
 namespace {

@@ -111,9 +111,9 @@ TEST(NonFinite, RowsThatSeeNoKeyStayZeroAndMinusInf) {
 }
 
 TEST(NonFinite, GatedKeepsABlockWithANaNScoreWhateverItsThreshold) {
-  // Thresholds of FLT_MAX gate off every off-diagonal block; a NaN in key 10 (block 0) must still
-  // reach every row of heads 2 and 3 that sees it, in Q tile 1 (block 0 off the diagonal) as well as
-  // in tile 0 (block 0 on it).
+  // Thresholds of FLT_MAX gate off every off-diagonal block (no sink block); a NaN in key 10 (block
+  // 0) must still reach every row of heads 2 and 3 that sees it, in gate tiles 2 and 3 (block 0 off
+  // the diagonal) as well as in gate tiles 0 and 1 (block 0 on it).
   const sa::ProblemShape p = shape();
   const sa::HostTensor q = st::random_tensor(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}, 31);
   sa::HostTensor k = st::random_tensor(sa::DType::f32, {p.B, p.Lk, p.Hkv, p.D}, 32);
@@ -121,11 +121,13 @@ TEST(NonFinite, GatedKeepsABlockWithANaNScoreWhateverItsThreshold) {
   sa::HostTensor t(sa::DType::f32, {p.Hq, p.Tq()});
   std::fill(t.data<float>(), t.data<float>() + t.numel(), std::numeric_limits<float>::max());
   sa::HostTensor out(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}), lse(sa::DType::f32, {p.B, p.Hq, p.Lq});
-  const sa::GatedStats clean = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view());
+  sa::GatedOptions g;
+  g.sink_blocks = 0;
+  const sa::GatedStats clean = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view(), g);
   EXPECT_EQ(clean.gated_kept, 0);
   k.data<float>()[nf::at4(p, p.Lk, p.Hkv, 0, 10, 1, 4)] = std::numeric_limits<float>::quiet_NaN();
-  const sa::GatedStats stats = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view());
-  EXPECT_EQ(stats.gated_kept, 2);  // block 0 for Q tile 1 of heads 2 and 3
+  const sa::GatedStats stats = sa::gated(q.view(), k.view(), v.view(), t.view(), out.view(), lse.view(), g);
+  EXPECT_EQ(stats.gated_kept, 4);  // block 0 for gate tiles 2 and 3 of heads 2 and 3
   for (std::int64_t h = 0; h < p.Hq; ++h)
     for (std::int64_t i = 0; i < p.Lq; ++i) {
       const bool nan = h >= 2 && i >= 10;
@@ -153,6 +155,46 @@ TEST(NonFinite, NaNInValuesReachesOutButNotLse) {
       if (h < 2 && i >= 130) EXPECT_TRUE(std::isnan(o7)) << "query " << i << " head " << h;
       if (h >= 2 || i < 128) EXPECT_FALSE(std::isnan(o7)) << "query " << i << " head " << h;
     }
+}
+
+TEST(NonFinite, HugeFiniteScaleGivesTheArgmaxNotNaN) {
+  // softmax_scale = 1e30 on scores of order 1: every scaled score is finite, and softmax is then the
+  // one-hot of each row's largest score (random scores have no ties), so out is v of that key. The
+  // weight of the max is computed as exp((s - m) * scale) = 1; exp(s * scale - m * scale) would be exp
+  // of the rounding error of m * scale (about 1e23) and overflow. Scaled scores past float32 stay NaN.
+  sa::ProblemShape p = shape();
+  p.causal = false;
+  const sa::HostTensor q = st::random_tensor(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}, 51);
+  const sa::HostTensor k = st::random_tensor(sa::DType::f32, {p.B, p.Lk, p.Hkv, p.D}, 52);
+  const sa::HostTensor v = st::random_tensor(sa::DType::f32, {p.B, p.Lk, p.Hkv, p.D}, 53);
+  sa::HostTensor out(sa::DType::f32, {p.B, p.Lq, p.Hq, p.D}), lse(sa::DType::f32, {p.B, p.Hq, p.Lq});
+  sa::AttentionOptions o;
+  o.softmax_scale = 1e30f;
+  const nf::FullSelections sel(p);
+  nf::Case c{"huge_scale", q, k, v, p, 1e30f, std::vector<char>(static_cast<std::size_t>(p.Hq * p.Lq), 0)};
+  for (const std::string ex : {"dense", "tile_sparse", "bits_sparse", "query_sparse", "token_sparse"}) {
+    const Outputs r = run(c, ex, sel);
+    for (std::int64_t h = 0; h < p.Hq; ++h)
+      for (std::int64_t i = 0; i < p.Lq; ++i) {
+        const std::int64_t kh = h / (p.Hq / p.Hkv);
+        std::int64_t best = 0;
+        double best_s = -1e300;
+        for (std::int64_t j = 0; j < p.Lk; ++j) {
+          double s = 0;
+          for (std::int64_t d = 0; d < p.D; ++d)
+            s += double(q.data<float>()[nf::at4(p, p.Lq, p.Hq, 0, i, h, d)]) *
+                 double(k.data<float>()[nf::at4(p, p.Lk, p.Hkv, 0, j, kh, d)]);
+          if (s > best_s) best_s = s, best = j;
+        }
+        const float l = r.lse.data<float>()[h * p.Lq + i];
+        EXPECT_TRUE(std::isfinite(l)) << ex << " head " << h << " query " << i;
+        EXPECT_NEAR(l, best_s * 1e30, std::abs(best_s) * 1e30 * 1e-5) << ex << " head " << h << " query " << i;
+        for (std::int64_t d = 0; d < p.D; ++d)
+          ASSERT_NEAR(r.out.data<float>()[nf::at4(p, p.Lq, p.Hq, 0, i, h, d)],
+                      v.data<float>()[nf::at4(p, p.Lk, p.Hkv, 0, best, kh, d)], 1e-6)
+              << ex << " head " << h << " query " << i;
+      }
+  }
 }
 
 }  // namespace

@@ -1,9 +1,9 @@
-// The split tail's cost model (src/plan/split_tail.hpp): which launches cut the units of their
+// The split tail's cost model (src/schedule/split_tail.hpp): which launches cut the units of their
 // last wave into pieces, on the shapes the H200 measurements priced (docs/notes/hopper.md, v9 and v11),
 // and the limits that hold whatever the costs.
 #include <gtest/gtest.h>
 
-#include "plan/split_tail.hpp"
+#include "schedule/split_tail.hpp"
 
 namespace {
 

@@ -43,7 +43,8 @@ def test_gated_stats_hold_python_numbers(rng):
     out, stats = sa.gated(q, k, v, np.zeros((2, 3), np.float32))
     assert set(stats) == {"kept_blocks", "visible_blocks", "gated_candidates", "gated_kept", "density"}
     assert all(type(stats[n]) is int for n in ("kept_blocks", "visible_blocks", "gated_candidates", "gated_kept"))
-    # 3 Q tiles x 3 blocks, causal: 6 visible per head, 3 of them diagonal (always kept), 3 gated.
-    assert (stats["visible_blocks"], stats["gated_candidates"]) == (12, 6)
-    assert stats["kept_blocks"] == 6 + stats["gated_kept"]
-    assert stats["density"] == stats["kept_blocks"] / 12
+    # 5 gate tiles of 64 queries x 3 blocks, causal: 1 + 1 + 2 + 2 + 3 = 9 visible per head; only
+    # block 1 of gate tile 4 is gated (the others are diagonal or the sink block 0).
+    assert (stats["visible_blocks"], stats["gated_candidates"]) == (18, 2)
+    assert stats["kept_blocks"] == 16 + stats["gated_kept"]
+    assert stats["density"] == stats["kept_blocks"] / 18

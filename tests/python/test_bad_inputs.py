@@ -1,7 +1,9 @@
-"""Bad input to every operator on the CPU: each case asserts the error type and that the message names
-the operator, the argument and, where there is one, the offending value. The fixture (float32, head
-dim 16) is one the GPU executors refuse at q's dtype first, so the device side is covered by the GPU
-suites and tests/gpu/bad_selections.py instead."""
+"""Bad input to every operator, on the CPU and (where torch sees a CUDA device) on the GPU: each case
+asserts the error type and that the message names the operator, the argument and, where there is one,
+the offending value. The CPU fixture is float32 with head dim 16; the GPU one bfloat16 with head dim
+64, which the GPU executors take, so that each case reaches the check it is about rather than a dtype
+refusal. Invalid selections with trusted=True are unchecked on the GPU by contract; they run under
+compute-sanitizer in tests/gpu/bad_selections.py."""
 import re
 
 import numpy as np
@@ -15,20 +17,22 @@ try:
 except ImportError:
     torch, HAVE_CUDA = None, False
 
-DEVICES = ["cpu"]
+DEVICES = ["cpu"] + (["cuda"] if HAVE_CUDA else [])
 CPU_ONLY = "cpu_only"  # in a case's marks: the GPU leaves it unchecked (trusted device lists)
 
 
 class Data:
-    """A small valid problem (B 1, Lq 130, Lk 300, Hq 2, Hkv 1, D 16) and its selections, on `device`."""
+    """A small valid problem (B 1, Lq 130, Lk 300, Hq 2, Hkv 1; D 16 float32 on the CPU, D 64 bfloat16
+    on the GPU) and its selections, on `device`."""
 
     def __init__(self, device):
         rng = np.random.default_rng(7)
         self.device = device
-        self.p = sa.ProblemShape(1, 130, 300, 2, 1, 16)
-        self.q = self.on(rng.standard_normal((1, 130, 2, 16)).astype(np.float32))
-        self.k = self.on(rng.standard_normal((1, 300, 1, 16)).astype(np.float32))
-        self.v = self.on(rng.standard_normal((1, 300, 1, 16)).astype(np.float32))
+        self.D = D = 16 if device == "cpu" else 64
+        self.p = sa.ProblemShape(1, 130, 300, 2, 1, D)
+        self.q = self.on(rng.standard_normal((1, 130, 2, D)).astype(np.float32))
+        self.k = self.on(rng.standard_normal((1, 300, 1, D)).astype(np.float32))
+        self.v = self.on(rng.standard_normal((1, 300, 1, D)).astype(np.float32))
         self.idx = self.on(np.array([[[[0, 1, -1], [0, 2, -1]]]], np.int32))  # TileLists [1, 1, 2, 3]
         self.cnt = self.on(np.array([[[2, 2]]], np.int32))
         self.bits = self.on(np.array([[[[3], [5]]]], np.uint32))              # BlockBits [1, 1, 2, 1]
@@ -38,20 +42,41 @@ class Data:
         tokens = np.full((1, 1, 130, 4), -1, np.int32)
         tokens[..., 0] = 5
         self.tokens = self.on(tokens)                                         # TokenLists
-        self.thr = self.on(np.zeros((2, 2), np.float32))
-        self.qI = self.on(rng.standard_normal((1, 130, 2, 16)).astype(np.float32))
-        self.w = self.on(rng.standard_normal((1, 130, 2)).astype(np.float32))
-        self.kI = self.on(rng.standard_normal((1, 300, 16)).astype(np.float32))
+        self.thr = self.on(np.zeros((2, 2), np.float32), exact=True)
+        self.qI = self.on(rng.standard_normal((1, 130, 2, D)).astype(np.float32))
+        self.w = self.on(rng.standard_normal((1, 130, 2)).astype(np.float32), exact=True)
+        self.kI = self.on(rng.standard_normal((1, 300, D)).astype(np.float32))
 
-    def on(self, a):
-        return a if self.device == "cpu" else torch.from_numpy(a).to(self.device)
+    def on(self, a, exact=False):
+        """`a` on the device; on the GPU float32 becomes bfloat16 unless `exact` (thresholds, weights)."""
+        if self.device == "cpu":
+            return a
+        t = torch.from_numpy(a).to(self.device)
+        return t.to(torch.bfloat16) if a.dtype == np.float32 and not exact else t
 
     def np(self, a):
-        return a if isinstance(a, np.ndarray) else a.cpu().numpy()
+        if isinstance(a, np.ndarray):
+            return a
+        return (a.float() if a.dtype in (torch.bfloat16, torch.float16) else a).cpu().numpy()
 
     def edit(self, name, fn):
-        """A copy of array `name` changed by fn (on numpy), on the device."""
-        return self.on(fn(self.np(getattr(self, name)).copy()))
+        """A copy of array `name` changed by fn (on numpy), on the device; float32 goes back as the
+        array's own dtype was (bfloat16 on the GPU for q, k, v), any other dtype fn chose stays."""
+        x = getattr(self, name)
+        return self.on(fn(self.np(x).copy()), exact=self.device == "cpu" or x.dtype != torch.bfloat16)
+
+    def noncontig(self, name):
+        """Array `name` viewed with stride 2 in its last dimension (on the device itself: a copy to
+        the GPU would make it contiguous)."""
+        x = getattr(self, name)
+        return _noncontig(x) if self.device == "cpu" else x.repeat_interleave(2, dim=-1)[..., ::2]
+
+    def settle(self):
+        """On the GPU, raises what validated calls found in the lists as they ran (they report it
+        without a host round trip, at check_device_faults or the next call)."""
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+            sa.check_device_faults()
 
 
 def _set(a, where, value):
@@ -127,21 +152,34 @@ CASES = [
      lambda d: sa.tile_lists_to_block_bits(d.idx, d.cnt, "p"), TypeError, ()),
     ("scale-str", "dense", "softmax_scale", "'x'", lambda d: sa.dense(d.q, d.k, d.v, softmax_scale="x"), TypeError, ()),
     ("e4m3-f64", "float_to_e4m3", "x", "float64", lambda d: sa.float_to_e4m3(np.zeros(3)), TypeError, ()),
+    # the classes' constructors and methods (the class is the operator)
+    ("table-budgets-str", "ThresholdTable", "budgets", "'x'", lambda d: sa.ThresholdTable("x", 1, 1, 1), TypeError, ()),
+    ("table-values-str", "ThresholdTable", "values", "'v'", lambda d: sa.ThresholdTable([1], 1, 1, 1, "v"),
+     TypeError, ()),
+    ("table-values-int32", "ThresholdTable", "values", "int32",
+     lambda d: sa.ThresholdTable([1], 1, 1, 1, np.zeros(1, np.int32)), TypeError, ()),
+    ("table-at-str", "ThresholdTable", "budget", "'a'", lambda d: sa.ThresholdTable([1], 1, 1, 1).at("a", 0, 0, 0),
+     TypeError, ()),
+    ("table-load-int", "ThresholdTable", "path", "5", lambda d: sa.ThresholdTable.load(5), TypeError, ()),
+    ("shape-B-str", "ProblemShape", "B", "'a'", lambda d: sa.ProblemShape("a", 1, 1, 1, 1, 1), TypeError, ()),
+    ("shape-causal-str", "ProblemShape", "causal", "'no'", lambda d: sa.ProblemShape(1, 1, 1, 1, 1, 1, causal="no"),
+     TypeError, ()),
+    ("calibrator-layers-str", "Calibrator", "n_layers", "'x'", lambda d: sa.Calibrator([1], "x"), TypeError, ()),
     # ---- strides --------------------------------------------------------------------------------
-    ("dense-q-last-dim", "dense", "q", "stride 2", lambda d: sa.dense(d.edit("q", _noncontig), d.k, d.v), sa.Error, ()),
+    ("dense-q-last-dim", "dense", "q", "stride 2", lambda d: sa.dense(d.noncontig("q"), d.k, d.v), sa.Error, ()),
     ("tile-k-last-dim", "tile_sparse", "k", "stride 2",
-     lambda d: sa.tile_sparse(d.q, d.edit("k", _noncontig), d.v, d.idx, d.cnt), sa.Error, ()),
+     lambda d: sa.tile_sparse(d.q, d.noncontig("k"), d.v, d.idx, d.cnt), sa.Error, ()),
     ("pooled-q-last-dim", "pooled_select", "q", "stride 2",
-     lambda d: sa.pooled_select(d.edit("q", _noncontig), d.k, top_k=2), sa.Error, ()),
+     lambda d: sa.pooled_select(d.noncontig("q"), d.k, top_k=2), sa.Error, ()),
     ("dense-out-last-dim", "dense", "out", "stride 2",
-     lambda d: sa.dense(d.q, d.k, d.v, out=d.on(np.zeros((1, 130, 2, 32), np.float32))[..., ::2]), sa.Error, ()),
+     lambda d: sa.dense(d.q, d.k, d.v, out=d.on(np.zeros((1, 130, 2, 2 * d.D), np.float32))[..., ::2]), sa.Error, ()),
     # ---- aliasing (out overlapping an input) ------------------------------------------------------
     ("dense-out-is-q", "dense", "out", None, lambda d: sa.dense(d.q, d.q, d.q, out=d.q), sa.Error, ()),
     ("tile-out-is-k", "tile_sparse", "out", None,
      lambda d: sa.tile_sparse(d.q, d.q, d.q, d.idx[..., :1], d.cnt * 0 + 1, out=d.q), sa.Error, ()),
     ("query-out-overlaps-v", "query_sparse", "out", None,
      lambda d: (lambda buf: sa.query_sparse(d.q, buf[:, :130], buf[:, 1:], d.lists[..., :1], out=buf[:, 1:]))(
-         d.on(np.ones((1, 131, 2, 16), np.float32))), sa.Error, ()),
+         d.on(np.ones((1, 131, 2, d.D), np.float32))), sa.Error, ()),
     ("token-out-is-v", "token_sparse", "out", None, lambda d: sa.token_sparse(d.q, d.q, d.q, d.tokens, out=d.q),
      sa.Error, ()),
     # ---- invalid selections, with and without trusted --------------------------------------------
@@ -249,7 +287,7 @@ def test_bad_input_names_operator_argument_and_value(data, op, arg, value, call,
     if cpu_only and data.device != "cpu":
         pytest.skip("trusted device lists are not checked (tests/gpu/bad_selections.py runs them under "
                     "compute-sanitizer)")
-    _check(lambda: call(data), op, arg, value, exc)
+    _check(lambda: (call(data), data.settle()), op, arg, value, exc)
 
 
 @pytest.mark.parametrize("op", ["dense", "tile_sparse", "query_sparse", "token_sparse"])

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPTS = ["bench_attention.py", "bench_selectors.py", "bench_pipeline.py", "bench_query.py", "bench_lightning.py"]
+SCRIPTS = ["bench_attention.py", "bench_selectors.py", "bench_pipeline.py", "bench_query.py", "bench_lightning.py",
+           "bench_gated.py"]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -70,7 +71,7 @@ def test_script_refuses_bad_arguments(name, args, message):
 
 
 @pytest.mark.skipif(cuda_available(), reason="with a CUDA device the script would run the benchmark")
-@pytest.mark.parametrize("name", ["bench_attention.py", "bench_selectors.py", "bench_lightning.py"])
+@pytest.mark.parametrize("name", ["bench_attention.py", "bench_selectors.py", "bench_lightning.py", "bench_gated.py"])
 def test_script_without_a_gpu_says_what_it_needs(name, tmp_path):
     out = tmp_path / "r.json"
     r = script(name, "--quick", "--json", str(out))

@@ -8,12 +8,12 @@ from _util import assert_close, assert_lse, poisoned, qkv
 
 
 def _midpoint_thresholds(bmax, visible, straddle, rng):
-    """Per (head, Q tile) a threshold halfway between two neighbouring block maxima of the gated
+    """Per (head, gate tile) a threshold halfway between two neighbouring block maxima of the gated
     candidates, so no block max lies near a threshold and the gate decision is unambiguous."""
-    _, Hq, Tq, _ = bmax.shape
-    thr = np.full((Hq, Tq), -np.inf, dtype=np.float32)
-    for h, t in np.ndindex(Hq, Tq):
-        vals = np.unique(bmax[:, h, t][(visible & ~straddle)[:, h, t]])
+    _, Hq, Tg, _ = bmax.shape
+    thr = np.full((Hq, Tg), -np.inf, dtype=np.float32)
+    for h, t in np.ndindex(Hq, Tg):
+        vals = np.unique(bmax[:, h, t][ref.gate_candidates(visible, straddle)[:, h, t]])
         if len(vals) >= 2:
             i = int(rng.integers(1, len(vals)))
             thr[h, t] = 0.5 * (vals[i - 1] + vals[i])
@@ -46,7 +46,7 @@ def test_gated_minus_inf_keeps_every_block_and_equals_dense_causal(rng):
 
 
 def test_gated_reuses_the_last_calibrated_tile(rng):
-    # Three Q tiles, thresholds for one: every tile uses column 0.
+    # Five gate tiles, thresholds for one: every gate tile uses column 0.
     q, k, v = qkv(rng, 1, 300, 300, 2, 1, 32)
     bmax, visible, straddle = ref.block_maxima(q, k)
     thr = np.full((2, 1), np.float32(np.median(bmax[np.isfinite(bmax)])))

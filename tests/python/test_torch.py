@@ -120,7 +120,7 @@ def test_custom_ops_compute_the_reference():
     _check(g_out, ref_out, torch.float32)
     np.testing.assert_allclose(_np(g_lse), ref_lse, rtol=1e-5, atol=1e-5)
     kept = g_stats["kept_per_tile"]
-    assert kept.dtype == torch.int32 and kept.shape == (1, Hq, 2)
+    assert kept.dtype == torch.int32 and kept.shape == (1, Hq, 3)  # gate tiles of 64 queries
     assert g_stats["density"] == 1.0 and int(kept.sum()) == g_stats["kept_blocks"]
     e_out, bits = sat.entmax(q, k, v, causal=True, return_block_bits=True)
     _check(e_out, ref.entmax_attention(qn, kn, vn, causal=True)[0], torch.float32)
@@ -194,7 +194,7 @@ def test_opcheck_fake_kernels():
         (torch.ops.sparse_attn.dense_out.default, (q, k, v, torch.empty_like(q), torch.empty(1, 4, 17), None, True)),
         (torch.ops.sparse_attn.pooled_select.default, (q, k, 2, 3, 1, True, False, False)),
         (torch.ops.sparse_attn.entmax.default, (q, k, v, 1.5, None, False, 64)),
-        (torch.ops.sparse_attn.gated.default, (q, k, v, torch.zeros(4, 1), None)),
+        (torch.ops.sparse_attn.gated.default, (q, k, v, torch.zeros(4, 1), None, 1)),
         (torch.ops.sparse_attn.query_sparse.default,
          (q, k, v, torch.from_numpy(random_query_lists(rng, 1, 2, 17, 2, kq=2)), None, False, False, "f32",
           "kv_centric", 2)),

@@ -42,7 +42,7 @@ void add_bench_options(CLI::App& app, BenchConfig& c) {
       ->check(finite_range(0.0, 60000.0));
   app.add_option("--scale", c.scale, "Divide batch, lengths and block counts by this (default: 1 on the GPU; on the CPU 4, gated 16, entmax 8)")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--density", c.density, "gated: target block density of the gated case")
+  app.add_option("--density", c.densities, "gated: target block densities, one gated (and tile_sparse) case each")
       ->capture_default_str()
       ->check(finite_range(0.0, 1.0));
   app.add_option("--partials", c.partials,
@@ -617,51 +617,76 @@ void Bench::query_phases(Inputs& in, Mirrored& lists, std::int64_t Kq, PartialPr
 #endif
 }
 
-// ---- gated: dense causal baseline, the gate at -inf (density 1), and a gate at a target density
+// ---- gated: dense causal baseline; per target density the gate with thresholds from the input's
+// own block maxima, and beside it tile_sparse walking as many blocks per Q tile as the gate kept
+// (docs/design.md §5.5: gate tiles of kGateRows queries, sink blocks as GatedOptions' default).
+namespace {
+
+/// Pairs (query, key) of Q tile rows [q0, q1) and block keys [k0, k1) that the causal rule shows.
+std::int64_t visible_pairs_of(const ProblemShape& p, std::int64_t q0, std::int64_t q1, std::int64_t k0, std::int64_t k1) {
+  if (k1 - 1 <= q0 + p.offset()) return (q1 - q0) * (k1 - k0);  // every pair
+  std::int64_t n = 0;
+  for (std::int64_t i = q0; i < q1; ++i) n += std::clamp<std::int64_t>(i + p.offset() + 1 - k0, 0, k1 - k0);
+  return n;
+}
+
+/// The gate's geometry for gate tile g and block j: visible to some row, kept outside the gate.
+struct GateBlock {
+  bool visible, forced;
+};
+GateBlock gate_block(const ProblemShape& p, std::int64_t g, std::int64_t j, std::int64_t sinks) {
+  const std::int64_t q0 = g * kGateRows, q1 = std::min(p.Lq, q0 + kGateRows);
+  const std::int64_t k0 = j * kBlockK, k1 = std::min(p.Lk, k0 + kBlockK);
+  return {k0 < p.Lk && k0 <= q1 - 1 + p.offset(), j < sinks || k1 - 1 > q0 + p.offset()};
+}
+
+}  // namespace
+
 void Bench::gated_workload() {
+  const std::int64_t sinks = GatedOptions{}.sink_blocks;
   for (std::int64_t full_l : lengths({8192, 32768, 65536})) {
     ProblemShape p{1, length(full_l), length(full_l), 32, 8, 128, true};
     const std::string base = fmt::format("gated L={}", p.Lq);
     progress("{}: inputs", base);
     Inputs in = make_inputs(p, where_, rng_);
     const double scale = 1.0 / std::sqrt(double(p.D));
+    const std::int64_t Tg = ceil_div(p.Lq, kGateRows), Tq = p.Tq(), Tk = p.Tk();
 
-    // Thresholds from an independent sample of the same distribution: the quantile of off-diagonal
-    // block maxima that keeps the target density (diagonal blocks always run).
-    const std::int64_t Tq = p.Tq();
-    double visible_blocks = 0.0, diag_blocks = 0.0;
-    for (std::int64_t t = 0; t < Tq; ++t) {
-      const std::int64_t last_key = std::min(p.Lq - 1, t * kTileQ + kTileQ - 1) + p.offset();
-      const std::int64_t first_key_all = t * kTileQ + p.offset();  // keys up to here are seen by every query
-      for (std::int64_t j = 0; j * kBlockK <= last_key && j < p.Tk(); ++j) {
+    // Per (b, h): visible blocks, the ones kept outside the gate, and the gate's candidates.
+    double visible_blocks = 0.0, forced_blocks = 0.0;
+    std::vector<std::array<std::int64_t, 2>> candidates;  // (g, j)
+    for (std::int64_t g = 0; g < Tg; ++g)
+      for (std::int64_t j = 0; j < Tk; ++j) {
+        const GateBlock gb = gate_block(p, g, j, sinks);
+        if (!gb.visible) continue;
         visible_blocks += 1.0;
-        if (std::min(p.Lk, (j + 1) * kBlockK) - 1 > first_key_all) diag_blocks += 1.0;
+        if (gb.forced) forced_blocks += 1.0;
+        else candidates.push_back({g, j});
       }
-    }
-    const double off_fraction = visible_blocks > diag_blocks
-                                    ? std::clamp((cfg_.density * visible_blocks - diag_blocks) / (visible_blocks - diag_blocks), 0.0, 1.0)
-                                    : 1.0;
-    Rng cal_rng(cfg_.seed + 977);
+    // The maximum of a candidate block of the input, in float64 from the bf16 values.
+    const auto block_max = [&](std::int64_t b, std::int64_t h, std::int64_t g, std::int64_t j) {
+      double m = -INFINITY;
+      std::vector<std::vector<float>> ks;
+      for (std::int64_t s = j * kBlockK; s < std::min(p.Lk, (j + 1) * kBlockK); ++s)
+        ks.push_back(row_of(in.k.host().view(), b, s, h / p.group_size()));
+      for (std::int64_t i = g * kGateRows; i < std::min(p.Lq, (g + 1) * kGateRows); ++i) {
+        const auto qr = row_of(in.q.host().view(), b, i, h);
+        for (const auto& kr : ks) m = std::max(m, scale * dot(qr, kr));
+      }
+      return m;
+    };
+    // Thresholds from the input itself: quantiles of the maxima of sampled candidate blocks.
     std::vector<double> maxima;
     {
-      const std::int64_t Lc = std::min<std::int64_t>(p.Lq, 1024);
-      const auto cq = random_bf16({1, Lc, 1, p.D}, cal_rng), ck = random_bf16({1, Lc, 1, p.D}, cal_rng);
-      for (std::int64_t t = 1; t < ceil_div(Lc, kTileQ); ++t)
-        for (std::int64_t j = 0; j < t; ++j) {
-          double m = -INFINITY;
-          for (std::int64_t i = t * kTileQ; i < std::min(Lc, (t + 1) * kTileQ); ++i) {
-            const auto qr = row_of(cq.view(), 0, i, 0);
-            for (std::int64_t s = j * kBlockK; s < (j + 1) * kBlockK; ++s) m = std::max(m, scale * dot(qr, row_of(ck.view(), 0, s, 0)));
-          }
-          maxima.push_back(m);
-        }
-    }
-    std::sort(maxima.begin(), maxima.end());
-    float threshold = -INFINITY;
-    if (!maxima.empty() && off_fraction < 1.0) {
-      const auto pos = std::min(maxima.size() - 1, static_cast<std::size_t>((1.0 - off_fraction) * double(maxima.size())));
-      // Above every sampled maximum: only the diagonal blocks run.
-      threshold = off_fraction <= 0.0 ? static_cast<float>(maxima.back() + 1e3) : static_cast<float>(maxima[pos]);
+      Rng sample_rng(cfg_.seed + 977);
+      const std::int64_t n = std::min<std::int64_t>(static_cast<std::int64_t>(candidates.size()) * p.B * p.Hq,
+                                                    std::max<std::int64_t>(64, 1024 / scale_));
+      progress("{}: maxima of {} sampled candidate blocks", base, n);
+      for (std::int64_t s = 0; s < n && !candidates.empty(); ++s) {
+        const auto& [g, j] = candidates[static_cast<std::size_t>(sample_rng.below(static_cast<std::int64_t>(candidates.size())))];
+        maxima.push_back(block_max(sample_rng.below(p.B), sample_rng.below(p.Hq), g, j));
+      }
+      std::sort(maxima.begin(), maxima.end());
     }
 
     {
@@ -674,37 +699,42 @@ void Bench::gated_workload() {
       r.pairs = double(p.B * p.Hq) * double(p.visible_pairs());
       record(base + " dense causal", p, nlohmann::json::object(), std::move(r));
     }
-    for (const float t : {-INFINITY, threshold}) {
+    for (const double density : cfg_.densities) {
+      // Candidates that must pass for the target: the kept blocks less those kept outside the gate.
+      const double cand = visible_blocks - forced_blocks;
+      const double pass = cand > 0.0 ? std::clamp((density * visible_blocks - forced_blocks) / cand, 0.0, 1.0) : 1.0;
+      float t = -INFINITY;
+      if (pass < 1.0 && !maxima.empty())
+        t = pass <= 0.0 ? static_cast<float>(maxima.back() + 1e3)  // above every maximum: nothing passes
+                        : static_cast<float>(maxima[std::min(maxima.size() - 1,
+                                                             static_cast<std::size_t>((1.0 - pass) * double(maxima.size())))]);
       const bool open = std::isinf(t) && t < 0;
-      const std::string name = base + (open ? " gate off (-inf)" : fmt::format(" gate for density {:.2f}", cfg_.density));
+      const std::string name = base + (open ? fmt::format(" gate off (-inf) for density {:.2f}", density)
+                                            : fmt::format(" gate for density {:.2f}", density));
       progress("{}: verify, then {} timed runs", name, repeat_);
-      Mirrored thresholds(DType::f32, {p.Hq, 1}, where_), kept(DType::i32, {p.B, p.Hq, Tq}, where_);
+      Mirrored thresholds(DType::f32, {p.Hq, 1}, where_), kept(DType::i32, {p.B, p.Hq, Tg}, where_);
       std::fill_n(thresholds.host().data<float>(), p.Hq, t);
       GatedStats stats;
-      // Block decisions of each sampled (b, h, Q tile): 1 kept, 0 skipped, -1 too close to call.
+      // Block decisions of each sampled (b, h, gate tile): 1 kept, 0 skipped, -1 too close to call.
       std::map<std::array<std::int64_t, 3>, std::vector<int>> decisions;
-      auto decide = [&](std::int64_t b, std::int64_t h, std::int64_t tile) -> const std::vector<int>& {
-        auto it = decisions.find({b, h, tile});
+      auto decide = [&](std::int64_t b, std::int64_t h, std::int64_t g) -> const std::vector<int>& {
+        auto it = decisions.find({b, h, g});
         if (it != decisions.end()) return it->second;
-        const std::int64_t q0 = tile * kTileQ, q1 = std::min(p.Lq, q0 + kTileQ);
-        std::vector<int> dec(static_cast<std::size_t>(p.Tk()), 0);
-        std::vector<std::vector<float>> qs;
-        for (std::int64_t i = q0; i < q1; ++i) qs.push_back(row_of(in.q.host().view(), b, i, h));
-        for (std::int64_t j = 0; j < p.Tk(); ++j) {
-          const std::int64_t k0 = j * kBlockK, k1 = std::min(p.Lk, k0 + kBlockK);
-          if (k0 > q1 - 1 + p.offset()) break;                 // entirely in the future
-          if (k1 - 1 > q0 + p.offset()) { dec[j] = 1; continue; }  // straddles the diagonal: always kept
-          double m = -INFINITY;
-          for (std::int64_t s = k0; s < k1; ++s) {
-            const auto kr = row_of(in.k.host().view(), b, s, h / p.group_size());
-            for (const auto& qr : qs) m = std::max(m, scale * dot(qr, kr));
+        std::vector<int> dec(static_cast<std::size_t>(Tk), 0);
+        for (std::int64_t j = 0; j < Tk; ++j) {
+          const GateBlock gb = gate_block(p, g, j, sinks);
+          if (!gb.visible) break;
+          if (gb.forced) {
+            dec[static_cast<std::size_t>(j)] = 1;
+            continue;
           }
-          dec[j] = std::abs(m - double(t)) < kGateAmbiguity ? -1 : (m >= double(t) ? 1 : 0);
+          const double m = block_max(b, h, g, j);
+          dec[static_cast<std::size_t>(j)] = std::abs(m - double(t)) < kGateAmbiguity ? -1 : (m >= double(t) ? 1 : 0);
         }
-        return decisions.emplace(std::array<std::int64_t, 3>{b, h, tile}, std::move(dec)).first->second;
+        return decisions.emplace(std::array<std::int64_t, 3>{b, h, g}, std::move(dec)).first->second;
       };
       RowReference ref = [&](std::int64_t b, std::int64_t i, std::int64_t h) -> std::optional<std::vector<double>> {
-        const auto& dec = decide(b, h, i / kTileQ);
+        const auto& dec = decide(b, h, i / kGateRows);
         std::vector<std::uint8_t> mask(static_cast<std::size_t>(p.Lk), 0);
         for (std::int64_t j = 0; j <= std::min(p.Lk - 1, i + p.offset()); ++j) {
           const int d = dec[static_cast<std::size_t>(j / kBlockK)];
@@ -723,30 +753,29 @@ void Bench::gated_workload() {
           ref,
           [&](CaseResult& cr) {
             if (where_.cuda) kept.download();
-            // Kept blocks: every kept off-diagonal block is full; the diagonal one is partly visible.
             double pairs = 0.0, kept_total = 0.0;
             for (std::int64_t b = 0; b < p.B; ++b)
               for (std::int64_t h = 0; h < p.Hq; ++h)
-                for (std::int64_t tile = 0; tile < Tq; ++tile) {
-                  const std::int64_t n = kept.host().data<std::int32_t>()[(b * p.Hq + h) * Tq + tile];
-                  const std::int64_t q0 = tile * kTileQ, q1 = std::min(p.Lq, q0 + kTileQ);
-                  std::int64_t diag = 0, diag_pairs = 0;
-                  for (std::int64_t j = 0; j < p.Tk(); ++j) {
-                    const std::int64_t k0 = j * kBlockK, k1 = std::min(p.Lk, k0 + kBlockK);
-                    if (k0 > q1 - 1 + p.offset() || k1 - 1 <= q0 + p.offset()) continue;
-                    ++diag;
-                    for (std::int64_t i = q0; i < q1; ++i)
-                      diag_pairs += std::clamp<std::int64_t>(i + p.offset() + 1 - k0, 0, k1 - k0);
+                for (std::int64_t g = 0; g < Tg; ++g) {
+                  const std::int64_t n = kept.host().data<std::int32_t>()[(b * p.Hq + h) * Tg + g];
+                  const std::int64_t q0 = g * kGateRows, q1 = std::min(p.Lq, q0 + kGateRows);
+                  // Kept candidates are fully visible; the forced blocks as the causal rule shows them.
+                  std::int64_t forced = 0, forced_pairs = 0;
+                  for (std::int64_t j = 0; j < Tk; ++j) {
+                    const GateBlock gb = gate_block(p, g, j, sinks);
+                    if (!gb.visible || !gb.forced) continue;
+                    ++forced;
+                    forced_pairs += visible_pairs_of(p, q0, q1, j * kBlockK, std::min(p.Lk, (j + 1) * kBlockK));
                   }
-                  pairs += double(n - diag) * double(q1 - q0) * double(kBlockK) + double(diag_pairs);
+                  pairs += double(n - forced) * double(q1 - q0) * double(kBlockK) + double(forced_pairs);
                   kept_total += double(n);
-                  // Sampled tiles whose decisions are all clear must keep exactly the blocks counted here.
-                  auto it = decisions.find({b, h, tile});
+                  // Sampled gate tiles whose decisions are all clear must keep exactly the blocks counted here.
+                  auto it = decisions.find({b, h, g});
                   if (it != decisions.end() && cr.status == "ok" &&
                       std::find(it->second.begin(), it->second.end(), -1) == it->second.end()) {
                     const auto expect = std::count(it->second.begin(), it->second.end(), 1);
                     if (expect != n)
-                      cr.status = fmt::format("FAILED: kept_per_tile[{}, {}, {}] = {}, the reference keeps {}", b, h, tile, n, expect);
+                      cr.status = fmt::format("FAILED: kept_per_tile[{}, {}, {}] = {}, the reference keeps {}", b, h, g, n, expect);
                   }
                 }
             cr.pairs = pairs;
@@ -755,8 +784,69 @@ void Bench::gated_workload() {
             cr.extra["stats"] = {{"kept_blocks", stats.kept_blocks}, {"visible_blocks", stats.visible_blocks},
                                  {"gated_candidates", stats.gated_candidates}, {"gated_kept", stats.gated_kept}};
           });
-      record(name, p, {{"target_density", open ? 1.0 : cfg_.density}}, std::move(r));
-      if (std::isinf(threshold)) break;  // the target asks for every block: the gated case is the open one
+      const bool gated_ok = r.status == "ok";
+      record(name, p, {{"target_density", density}, {"sink_blocks", sinks}}, std::move(r));
+      if (!gated_ok) continue;
+
+      // tile_sparse over per-head lists of as many blocks per Q tile as the gate kept in either of its
+      // gate tiles: the blocks the gate had to keep, then random visible ones. The same attention work
+      // without the QK of the skipped blocks: the difference in time is the cost of the exact gate.
+      const std::string ts_name = base + fmt::format(" tile_sparse kept blocks {:.2f}", density);
+      progress("{}: verify, then {} timed runs", ts_name, repeat_);
+      Mirrored idx(DType::i32, {p.B, p.Hq, Tq, Tk}, where_), cnt(DType::i32, {p.B, p.Hq, Tq}, where_);
+      Rng list_rng(cfg_.seed + 31 * static_cast<std::uint64_t>(density * 1000.0));
+      std::vector<std::int32_t> pick;
+      for (std::int64_t b = 0; b < p.B; ++b)
+        for (std::int64_t h = 0; h < p.Hq; ++h)
+          for (std::int64_t tile = 0; tile < Tq; ++tile) {
+            std::int64_t n = 0;
+            std::vector<std::uint8_t> chosen(static_cast<std::size_t>(Tk), 0);
+            std::vector<std::int32_t> others;
+            for (std::int64_t g = 2 * tile; g < std::min(Tg, 2 * tile + 2); ++g) {
+              n = std::max<std::int64_t>(n, kept.host().data<std::int32_t>()[(b * p.Hq + h) * Tg + g]);
+              for (std::int64_t j = 0; j < Tk; ++j) {
+                const GateBlock gb = gate_block(p, g, j, sinks);
+                if (gb.visible && gb.forced) chosen[static_cast<std::size_t>(j)] = 1;
+              }
+            }
+            for (std::int64_t j = 0; j < Tk; ++j)
+              if (!chosen[static_cast<std::size_t>(j)] && gate_block(p, std::min(Tg - 1, 2 * tile + 1), j, sinks).visible)
+                others.push_back(static_cast<std::int32_t>(j));
+            std::int64_t have = std::count(chosen.begin(), chosen.end(), std::uint8_t{1});
+            for (std::size_t s = 0; have < n && s < others.size(); ++s, ++have) {
+              std::swap(others[s], others[s + static_cast<std::size_t>(list_rng.below(static_cast<std::int64_t>(others.size() - s)))]);
+              chosen[static_cast<std::size_t>(others[s])] = 1;
+            }
+            std::int32_t* row = idx.host().data<std::int32_t>() + ((b * p.Hq + h) * Tq + tile) * Tk;
+            std::int32_t c = 0;
+            for (std::int64_t j = 0; j < Tk; ++j)
+              if (chosen[static_cast<std::size_t>(j)]) row[c++] = static_cast<std::int32_t>(j);
+            std::fill(row + c, row + Tk, -1);
+            cnt.host().data<std::int32_t>()[(b * p.Hq + h) * Tq + tile] = c;
+          }
+      if (where_.cuda) {
+        idx.upload();
+        cnt.upload();
+      }
+      const TileLists lists{idx.host().view(), cnt.host().view()};
+      auto ts = measure(
+          in,
+          [&](bool d) {
+            AttentionOptions o = selection_options();
+            o.causal = true;
+            tile_sparse(in.q.view(d), in.k.view(d), in.v.view(d), TileLists{idx.view(d), cnt.view(d)}, in.out.view(d),
+                        std::nullopt, o);
+          },
+          selection_reference(in, lists), nullptr);
+      double pairs = 0.0;
+      for (std::int64_t row = 0; row < p.B * p.Hq * Tq; ++row) {
+        const std::int64_t tile = row % Tq, q0 = tile * kTileQ, q1 = std::min(p.Lq, q0 + kTileQ);
+        const std::int32_t* ids = idx.host().data<std::int32_t>() + row * Tk;
+        for (std::int32_t s = 0; s < cnt.host().data<std::int32_t>()[row]; ++s)
+          pairs += double(visible_pairs_of(p, q0, q1, ids[s] * kBlockK, std::min(p.Lk, (ids[s] + 1) * kBlockK)));
+      }
+      ts.pairs = pairs;
+      record(ts_name, p, {{"target_density", density}, {"lists", "per head, the gate's counts per Q tile"}}, std::move(ts));
     }
   }
 }

@@ -19,7 +19,7 @@ struct BenchConfig {
   int repeat = 0;                       // timed runs per case; 0: 5 on the GPU, 2 on the CPU
   double sustain_ms = 0.0;  // > 0: each timed run is as many back-to-back calls as fill this many ms
   int scale = 0;  // divides B, L and block counts; 0: 1 on the GPU, 4 (gated 16, entmax 8) on the CPU
-  double density = 0.36;                // gated: target block density of the gated case
+  std::vector<double> densities{1.0, 0.7, 0.5, 0.36, 0.2};  // gated: target block densities, a case each
   std::string partials = "both";        // query workloads: KV-centric partials f32, bf16 or both (a case each)
   int verify_rows = 48;                 // sampled (batch, query, head) rows checked per case
   std::uint64_t seed = 1;

@@ -3,6 +3,7 @@
 //   demo   selectors -> executors on a synthetic workload with planted structure
 //   bench  the docs/design.md §7 workloads, verified before they are timed
 //   eval   selection quality of every selector against dense attention and an oracle
+//   calibrate  gated's thresholds from calibration samples
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
@@ -10,6 +11,7 @@
 #include <new>
 
 #include "bench.hpp"
+#include "calibrate.hpp"
 #include "common.hpp"
 #include "demo.hpp"
 #include "plan.hpp"
@@ -70,6 +72,7 @@ int main(int argc, char** argv) {
   auto* bench = app.add_subcommand("bench", "Benchmark a docs/design.md §7 workload; every case is verified before it is timed");
   sparse_attn::cli::add_bench_options(*bench, bench_cfg);
   sparse_attn::cli::add_plan_command(app);
+  sparse_attn::cli::add_calibrate_command(app);
 
   sparse_attn::cli::EvalConfig eval_cfg;
   auto* eval = sparse_attn::cli::add_eval_subcommand(app, eval_cfg);

@@ -38,8 +38,10 @@ struct BlockPolicy {
   int last_visible_key = 0;            // keys past this are in every row's future (causal); Lk - 1 otherwise
   FoundFault fault{ListFault::kNone, 0, 0, 0};  // validated call, list breaks a rule: nothing is walked
 
-  /// kCausal: p.causal, known at compile time (each kernel instantiation serves one setting).
-  template <bool kCausal>
+  /// kCausal: p.causal; kValidate: p.fault != nullptr (the lists are checked). Both are known at compile
+  /// time: each kernel instantiation serves one setting, so a trusted or dense launch carries none of
+  /// the checking and recording code.
+  template <bool kCausal, bool kValidate>
   __device__ __forceinline__ static BlockPolicy make(const TileAttentionParams& p, const WorkItem& w) {
     const int b = w.b, q_tile = w.q_tile, head = w.head;
     BlockPolicy bp;
@@ -53,7 +55,7 @@ struct BlockPolicy {
       const int c = __ldg(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + q_tile * p.cnt_stride[2]);
       // A trusted list's count is clamped so that it never reads past its row.
       bp.count = c < 0 ? 0 : (c > p.Kmax ? p.Kmax : c);
-      if (p.fault != nullptr) {
+      if constexpr (kValidate) {
         bp.fault = check_list(p, bp.list, bp.list_stride, c);
         if (bp.fault.kind != ListFault::kNone) bp.count = 0;
       }
@@ -67,17 +69,27 @@ struct BlockPolicy {
 
   /// The first rule of the CPU's validation (detail::tile_row_message) that a list breaks: its count
   /// c as read in [0, Kmax], its first c ids in [0, Tk) and strictly ascending. Reads no id past the
-  /// count, nor past Kmax. One id at a time: after the row's first load the others come from L1 (and
-  /// the walk then reads them again from there).
+  /// count, nor past Kmax. The ids are loaded kCheckBatch at a time, each batch's loads issued before
+  /// any of them is used, so a list costs about c / kCheckBatch load latencies rather than c (the
+  /// producer must be back at the K ring before the consumers drain it); the walk then reads them
+  /// again from L1.
+  static constexpr int kCheckBatch = 8;
   __device__ __forceinline__ static FoundFault check_list(const TileAttentionParams& p, const std::int32_t* list,
                                                           std::int64_t stride, int c) {
     if (c < 0 || c > p.Kmax) return {ListFault::kCount, -1, c, -1};
     int prev = -1;
-    for (int s = 0; s < c; ++s, list += stride) {
-      const int j = __ldg(list);
-      if (j < 0 || j >= p.Tk) return {ListFault::kRange, s, j, prev};
-      if (j <= prev) return {ListFault::kOrder, s, j, prev};
-      prev = j;
+    for (int s0 = 0; s0 < c; s0 += kCheckBatch) {
+      int ids[kCheckBatch];
+#pragma unroll
+      for (int u = 0; u < kCheckBatch; ++u) ids[u] = s0 + u < c ? __ldg(list + (s0 + u) * stride) : 0;
+#pragma unroll
+      for (int u = 0; u < kCheckBatch; ++u) {
+        const int s = s0 + u, j = ids[u];
+        if (s >= c) break;
+        if (j < 0 || j >= p.Tk) return {ListFault::kRange, s, j, prev};
+        if (j <= prev) return {ListFault::kOrder, s, j, prev};
+        prev = j;
+      }
     }
     return {ListFault::kNone, 0, 0, 0};
   }

@@ -21,13 +21,17 @@ inline constexpr std::uint32_t kProducerRegs = 24;
 inline constexpr std::uint32_t kConsumerRegs = 240;
 static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
 
-// One instantiation per (causal, split tail) setting: kCausal = p.causal, kSplit = (p.tail_ctas > 0); the
-// launcher instantiates (false, false), (false, true) and (true, false).
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
+// One instantiation per (causal, split tail, checked lists) setting: kCausal = p.causal, kSplit =
+// (p.tail_ctas > 0), kValidate = (p.fault != nullptr); the launcher instantiates (false, false),
+// (false, true) and (true, false) of the first two, each with and without the check, with NoGate, and
+// gated's (true, false, false) with BlockMaxGate (gate_policy.cuh), whose parameters come last so
+// that the others' argument layout is what it was without a gate.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                          const __grid_constant__ CUtensorMap tm_out) {
+                          const __grid_constant__ CUtensorMap tm_out,
+                          const __grid_constant__ typename Gate::Params gate) {
   using Storage = SharedStorage<typename Tag::Elem, kHeadDim>;
   extern __shared__ std::uint8_t smem_raw[];
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -62,10 +66,11 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
                                         kSplit ? p.dp_units : p.num_units, kSplit ? p.tail_ctas : 0, p.tail_len};
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
-    if (thread == 0) producer_loop<typename Tag::Elem, kHeadDim, kCausal>(p, sched, sm, &tm_q, &tm_k, &tm_v);
+    if (thread == 0)
+      producer_loop<typename Tag::Elem, kHeadDim, kCausal, kValidate>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kHeadDim, kCausal, kSplit>(p, sched, sm, warpgroup - 1, thread, &tm_out);
+    consumer_loop<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate>(p, gate, sched, sm, warpgroup - 1, thread, &tm_out);
   }
 }
 
@@ -75,37 +80,57 @@ constexpr std::size_t tile_attention_smem_bytes() {
 }
 
 /// Launches one instantiation on `stream` with a persistent grid of `grid` CTAs (at most one per SM;
-/// the scheduler's split of the work assumes exactly this grid). Returns the CUDA error of the launch
-/// (cudaSuccess on success).
-template <class Tag, int kHeadDim>
+/// the scheduler's split of the work assumes exactly this grid). kValidate must equal
+/// (p.fault != nullptr). Returns the CUDA error of the launch (cudaSuccess on success).
+template <class Tag, int kHeadDim, bool kValidate>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream);
+
+/// The same for gated (causal, never split): the kernel with BlockMaxGate.
+template <class Tag, int kHeadDim>
+cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParams& gate, const CUtensorMap& tm_q,
+                                   const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
+                                   int grid, cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda_kernels
 
 #if defined(SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION)
 namespace sparse_attn::cuda_kernels {
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate>
 cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                           const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid,
-                                          cudaStream_t stream) {
+                                          cudaStream_t stream, const typename Gate::Params& gate = {}) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
-  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit>;
-  return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out); });
+  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate>;
+  return launch_with_smem(kernel, smem,
+                          [&] { kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out, gate); });
 }
 
-template <class Tag, int kHeadDim>
+template <class Tag, int kHeadDim, bool kValidate>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
+  if ((p.fault != nullptr) != kValidate) return cudaErrorInvalidValue;
   // Causal launches are never split (launcher.cu: their units of paired tiles already balance the
   // CTAs), so there is no causal instantiation with the split code.
   if (p.causal)
     return p.tail_ctas > 0 ? cudaErrorInvalidValue
-                           : launch_tile_attention_variant<Tag, kHeadDim, true, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
+                           : launch_tile_attention_variant<Tag, kHeadDim, true, false, kValidate>(p, tm_q, tm_k, tm_v,
+                                                                                                   tm_out, grid, stream);
   return p.tail_ctas > 0
-             ? launch_tile_attention_variant<Tag, kHeadDim, false, true>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-             : launch_tile_attention_variant<Tag, kHeadDim, false, false>(p, tm_q, tm_k, tm_v, tm_out, grid, stream);
+             ? launch_tile_attention_variant<Tag, kHeadDim, false, true, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid,
+                                                                                   stream)
+             : launch_tile_attention_variant<Tag, kHeadDim, false, false, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid,
+                                                                                    stream);
+}
+
+template <class Tag, int kHeadDim>
+cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParams& gate, const CUtensorMap& tm_q,
+                                   const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
+                                   int grid, cudaStream_t stream) {
+  if (!p.causal || p.tail_ctas > 0 || p.fault != nullptr) return cudaErrorInvalidValue;
+  return launch_tile_attention_variant<Tag, kHeadDim, true, false, false, BlockMaxGate>(p, tm_q, tm_k, tm_v, tm_out,
+                                                                                        grid, stream, gate);
 }
 
 }  // namespace sparse_attn::cuda_kernels

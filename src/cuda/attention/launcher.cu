@@ -1,5 +1,6 @@
 // Host side of the Q-centric kernel: the checks specific to the CUDA backend (32-bit ranges, out's
-// alignment), the fault sink of validated TileLists, tensor maps, parameters and the dtype dispatch.
+// alignment), the fault sink of validated TileLists, tensor maps, parameters and the dtype dispatch;
+// dense and tile_sparse launch it with NoGate, gated with BlockMaxGate (gate_policy.cuh).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -17,7 +18,7 @@
 #include "cuda/common/fault_word.hpp"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/workspace_cache.hpp"
-#include "plan/split_tail.hpp"
+#include "schedule/split_tail.hpp"
 
 namespace sparse_attn::cuda_kernels {
 namespace {
@@ -32,8 +33,13 @@ std::size_t tail_workspace_bytes(int sms) {
   return tail_counter_bytes(sms) + static_cast<std::size_t>(2 * sms) * 2 * kTailPartFloats * sizeof(float);
 }
 
+// gated's counters when the caller gives no device tensor for them: four uint64 per (device, stream),
+// read back after the call.
+cuda_backend::WorkspaceCache g_gate_counters;
+
+/// `gate` non-null: gated (causal, every block walked, BlockMaxGate).
 void run(const std::string& op, const detail::AttentionCall& a, const detail::TileCall* tiles,
-         const detail::AttentionTuning& tuning) {
+         const detail::AttentionTuning& tuning, const GateParams* gate = nullptr) {
   using detail::require;
   const ProblemShape& s = a.p;
   const TensorView &q = a.q, &k = a.k, &v = a.v, &out = a.out;
@@ -132,11 +138,21 @@ void run(const std::string& op, const detail::AttentionCall& a, const detail::Ti
     }
   }
   const bool bf16 = q.dtype == DType::bf16;
+  const auto launch = [&]<bool kValidate>() {
+    return s.D == 128
+               ? (bf16 ? launch_tile_attention<Bf16Tag, 128, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                       : launch_tile_attention<F16Tag, 128, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream))
+               : (bf16 ? launch_tile_attention<Bf16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                       : launch_tile_attention<F16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
+  };
   const cudaError_t e =
-      s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-                         : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream))
-                 : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-                         : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
+      gate != nullptr
+          ? (s.D == 128 ? (bf16 ? launch_gated_attention<Bf16Tag, 128>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                                : launch_gated_attention<F16Tag, 128>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream))
+                        : (bf16 ? launch_gated_attention<Bf16Tag, 64>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                                : launch_gated_attention<F16Tag, 64>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream)))
+      : p.fault != nullptr ? launch.template operator()<true>()
+                           : launch.template operator()<false>();
   check_cuda(e, op, "kernel launch");
 }
 
@@ -151,6 +167,53 @@ void dense(const detail::AttentionCall& a, const detail::AttentionTuning& tuning
 
 void tile_sparse(const detail::AttentionCall& a, const detail::TileCall& t, const detail::AttentionTuning& tuning) {
   cuda_kernels::run("tile_sparse", a, &t, tuning);
+}
+
+GatedStats gated(const detail::AttentionCall& a, const TensorView& thresholds, const GatedOptions& options,
+                 const detail::AttentionTuning& tuning) {
+  constexpr const char* kOp = "gated";
+  using cuda_kernels::g_gate_counters;
+  constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
+  detail::require(thresholds.shape[1] <= kIntMax, kOp, "thresholds",
+                  [&] { return "too many columns for 32-bit indices: " + thresholds.describe(); });
+  cuda_kernels::GateParams g;
+  g.thresholds = static_cast<const float*>(thresholds.data);
+  g.thr_stride[0] = thresholds.stride[0];
+  g.thr_stride[1] = thresholds.stride[1];
+  g.T = static_cast<int>(thresholds.shape[1]);
+  g.scale = a.scale;
+  g.sink_blocks = static_cast<int>(std::min<std::int64_t>(options.sink_blocks, kIntMax));
+  if (options.kept_per_tile) {
+    g.kept_per_tile = static_cast<int*>(options.kept_per_tile->data);
+    for (int i = 0; i < 3; ++i) g.kept_stride[i] = options.kept_per_tile->stride[i];
+  }
+  cuda_kernels::DeviceGuard guard(a.device, kOp);
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  std::unique_lock<std::mutex> lock;
+  if (options.counts) {
+    g.counts32 = static_cast<int*>(options.counts->data);
+    g.counts32_stride = options.counts->stride[0];
+    for (int i = 0; i < 4; ++i)
+      cuda_kernels::check_cuda(cudaMemsetAsync(g.counts32 + i * g.counts32_stride, 0, sizeof(int), stream), kOp, "options.counts");
+  } else {
+    lock = std::unique_lock<std::mutex>(g_gate_counters.mutex());
+    g.counts64 = static_cast<unsigned long long*>(g_gate_counters.get(kOp, a.device, a.stream, 4 * sizeof(unsigned long long)));
+    cuda_kernels::check_cuda(cudaMemsetAsync(g.counts64, 0, 4 * sizeof(unsigned long long), stream), kOp, "counters");
+  }
+  cuda_kernels::run(kOp, a, nullptr, tuning, &g);
+  GatedStats stats;
+  if (options.counts) {
+    stats.deferred = true;
+    return stats;
+  }
+  unsigned long long host[4] = {0, 0, 0, 0};
+  cuda_kernels::check_cuda(cudaMemcpyAsync(host, g.counts64, sizeof(host), cudaMemcpyDeviceToHost, stream), kOp, "counters");
+  cuda_kernels::check_cuda(cudaStreamSynchronize(stream), kOp, "stream synchronisation");
+  stats.kept_blocks = static_cast<std::int64_t>(host[0]);
+  stats.visible_blocks = static_cast<std::int64_t>(host[1]);
+  stats.gated_candidates = static_cast<std::int64_t>(host[2]);
+  stats.gated_kept = static_cast<std::int64_t>(host[3]);
+  return stats;
 }
 
 }  // namespace sparse_attn::cuda_backend

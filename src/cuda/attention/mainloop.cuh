@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "cuda/attention/block_policy.cuh"
+#include "cuda/attention/gate_policy.cuh"
 #include "cuda/attention/params.hpp"
 #include "cuda/attention/softmax.cuh"
 #include "cuda/common/scheduler.cuh"
@@ -73,13 +74,14 @@ struct alignas(1024) SharedStorage {
   MBarrier q_full[kQStages], q_empty[kQStages];
   MBarrier k_full[kKStages], k_empty[kKStages];
   MBarrier v_full[kVStages], v_empty[kVStages];
+  float gate_max[kConsumerWarpgroups][2][4];  // the gate's exchange of warp maxima (gate_policy.cuh)
 };
 
 inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column half of 128 rows, 16-bit
 template <int kHeadDim>
 inline constexpr std::uint32_t kTileBytes = kHeadDim / 64 * kHalfTileBytes;
 
-template <class Elem, int kHeadDim, bool kCausal>
+template <class Elem, int kHeadDim, bool kCausal, bool kValidate>
 __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<Elem, kHeadDim>& sm, const CUtensorMap* tm_q,
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
@@ -102,7 +104,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
-    const BlockPolicy bp = BlockPolicy::make<kCausal>(p, w);
+    const BlockPolicy bp = BlockPolicy::make<kCausal, kValidate>(p, w);
     int pos = bp.begin;
     int j = bp.next(pos);
     // An item without blocks loads no K, so the previous item's last V cannot wait for the next K: the
@@ -111,7 +113,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
     if (j < 0 && pend_j >= 0) load_pending_v();
     const int qst = qs.stage();
     sm.q_empty[qst].wait(qs.phase() ^ 1u);
-    const bool faulty = bp.fault.kind != ListFault::kNone;
+    const bool faulty = kValidate && bp.fault.kind != ListFault::kNone;
     sm.q_walk[qst] = faulty ? kFaulty : (j >= 0 ? kHasBlocks : kNoBlocks);
     if (faulty) sm.q_fault[qst] = bp.fault;
     sm.q_full[qst].arrive_expect_tx(kTileBytes<kHeadDim>);
@@ -136,8 +138,9 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   if (pend_j >= 0) load_pending_v();
 }
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
-__device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate>
+__device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const typename Gate::Params& gp,
+                                              const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out);
 
@@ -211,11 +214,17 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 // item's epilogue runs after the next item's first softmax, so an item boundary costs no turn of its
 // own and no exposed QK + softmax.
 //
-// kCausal and kSplit are p.causal and whether the launch has a split tail (p.tail_ctas > 0), fixed per
-// instantiation: a kernel without them carries neither the causal mask nor the pieces' stores, arrivals
-// and combine.
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit>
-__device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
+// kCausal, kSplit and kValidate are p.causal, whether the launch has a split tail (p.tail_ctas > 0) and
+// whether its lists are checked (p.fault set), fixed per instantiation: a kernel without them carries
+// neither the causal mask, nor the pieces' stores, arrivals and combine, nor the faulty item's path.
+//
+// Gate (gate_policy.cuh) decides after each QK whether the block leaves a trace; NoGate keeps all and
+// its branches fold away. A skipped block still takes its MMA and exponential turns (empty), so the
+// two warpgroups, which gate independently, keep alternating, and its V slot is waited for and
+// released without a P V.
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate>
+__device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const typename Gate::Params& gp,
+                                              const StaticPersistentScheduler& sched,
                                               SharedStorage<typename Tag::Elem, kHeadDim>& sm, int consumer,
                                               int thread, const CUtensorMap* tm_out) {
   constexpr int kHalves = kHeadDim / 64;
@@ -244,8 +253,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   const MmaTurns turns{consumer};
   const ExpTurns exp_turns{consumer};
 
-  // The item whose last P V has not been issued yet (pa holds its P), and what its epilogue needs.
-  bool pending = false;
+  Gate gate;
+  // The item whose last P V has not been issued yet (pa holds its P unless the gate skipped its last
+  // block: pending_kept false), and what its epilogue needs.
+  bool pending = false, pending_kept = true;
   OnlineSoftmax done_softmax;
   WorkItem done_w{0, 0, 0};
   int done_qst = 0;
@@ -310,13 +321,20 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
   const auto finish_pending = [&]() {
     if (!pending) return;
     sm.v_full[vs.stage()].wait(vs.phase());
-    turns.begin();
-    wgmma_fence();
-    issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
-    turns.end();
-    release_staged_q();
-    settle_arrival();
-    wgmma_wait<0>();
+    if (!Gate::kEnabled || pending_kept) {
+      turns.begin();
+      wgmma_fence();
+      issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
+      turns.end();
+      release_staged_q();
+      settle_arrival();
+      wgmma_wait<0>();
+    } else {
+      turns.begin();
+      turns.end();
+      release_staged_q();
+      settle_arrival();
+    }
     retire_pending();
   };
 
@@ -336,18 +354,21 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     softmax.reset();
 
     const int walk = sm.q_walk[qst];
+    gate.begin(gp, p, w, consumer);
     if (walk != kHasBlocks) {  // nothing to visit: out = 0, lse = -inf; a faulty list: NaN
+      gate.finish(gp, p, w, consumer, thread);
+      const bool faulty = kValidate && walk == kFaulty;
       // One thread records the fault (q_fault is read before this thread releases the Q buffer).
-      if (walk == kFaulty && consumer == 0 && thread == 0) BlockPolicy::record(p, sm.q_fault[qst], w);
+      if (faulty && consumer == 0 && thread == 0) BlockPolicy::record(p, sm.q_fault[qst], w);
       finish_pending();
       if (!p.tma_store) sm.q_empty[qst].arrive();
       // A faulty item's o, m and l are NaN, which every way out (the epilogues, a split unit's
       // combine) turns into NaN out and lse.
-      const float fill = walk == kFaulty ? __int_as_float(0x7fffffff) : 0.0f;
+      const float fill = faulty ? __int_as_float(0x7fffffff) : 0.0f;
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = fill;
       softmax.finish();
-      if (walk == kFaulty) softmax.m[0] = softmax.m[1] = softmax.l[0] = softmax.l[1] = fill;
+      if (faulty) softmax.m[0] = softmax.m[1] = softmax.l[0] = softmax.l[1] = fill;
       epilogue(softmax, w, qst);
       continue;
     }
@@ -356,15 +377,24 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     sm.k_full[ks.stage()].wait(ks.phase());
     const SlotBlock first = sm.k_block[ks.stage()];
     bool last = first.last != 0;
-    // Block j's softmax, once its QK has retired: its K slot goes back, then the mask and the online
-    // update (for the item's first block o starts at 0: no rescale follows).
+    // Block j's softmax, once its QK has retired: its K slot goes back, then the mask, the gate and
+    // the online update (for the item's first block o starts at 0: no rescale follows). Returns
+    // whether the block is kept; a skipped one takes an empty exponential turn.
     const auto softmax_block = [&](int j) {
       fence_operands(acc_s);
       release(sm.k_empty[ks.stage()]);
       ks.advance();
       if (BlockPolicy::needs_mask<kCausal>(p, j, first_row))
         OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
-      softmax.update(acc_s, p.scale_log2, factor, [&] { exp_turns.begin(); }, [&] { exp_turns.end(); });
+      float mx[2];
+      OnlineSoftmax::row_maxima<Gate::kEnabled>(acc_s, mx);
+      if (!gate.keep(gp, p, mx, j, consumer, &sm.gate_max[consumer][0][0])) {
+        exp_turns.begin();
+        exp_turns.end();
+        return false;
+      }
+      softmax.update(acc_s, mx, p.scale_log2, factor, [&] { exp_turns.begin(); }, [&] { exp_turns.end(); });
+      return true;
     };
     // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
     const auto pack_p = [&]() {
@@ -373,8 +403,22 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
 #pragma unroll
         for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
     };
-    // Two straight-line paths: a wgmma group issued under a condition makes ptxas serialise them all.
-    if (pending) {
+    // Straight-line paths: a wgmma group issued under a condition makes ptxas serialise them all.
+    // The QK of block j alone, in a turn of its own: the item's first block with nothing pending, or
+    // where the block before it was skipped by the gate (its V slot is waited for and released all
+    // the same).
+    const auto qk_alone = [&](int j) {
+      turns.begin();
+      wgmma_fence();
+      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
+      turns.end();
+      release_staged_q();
+      settle_arrival();
+      wgmma_wait<0>();
+      return softmax_block(j);
+    };
+    bool kept;  // whether the block whose P is in pa (once packed) is kept
+    if (pending && (!Gate::kEnabled || pending_kept)) {
       sm.v_full[vs.stage()].wait(vs.phase());
       turns.begin();
       wgmma_fence();
@@ -384,50 +428,58 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       release_staged_q();
       settle_arrival();
       wgmma_wait<1>();
-      softmax_block(first.j);
+      kept = softmax_block(first.j);
       wgmma_wait<0>();
       retire_pending();
+    } else if (pending) {
+      sm.v_full[vs.stage()].wait(vs.phase());
+      kept = qk_alone(first.j);
+      retire_pending();
     } else {
-      turns.begin();
-      wgmma_fence();
-      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-      turns.end();
-      release_staged_q();
-      settle_arrival();
-      wgmma_wait<0>();
-      softmax_block(first.j);
+      kept = qk_alone(first.j);
     }
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
-    pack_p();
+    if (!Gate::kEnabled || kept) pack_p();
 
-    // Steady state: one turn per further block, QK of the next block and P V of the current one.
+    // Steady state: one turn per further block, QK of the next block and P V of the current one
+    // (QK alone where the gate skipped the current one).
     while (!last) {
       sm.k_full[ks.stage()].wait(ks.phase());
       const SlotBlock nb = sm.k_block[ks.stage()];
       last = nb.last != 0;
       sm.v_full[vs.stage()].wait(vs.phase());
-      turns.begin();
-      wgmma_fence();
-      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-      issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
-      turns.end();
-      release_staged_q();
-      settle_arrival();
-      wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-      softmax_block(nb.j);
-      wgmma_wait<0>();
-      fence_operands(acc_o);
-      keep_live(pa);
+      bool next_kept;
+      if (!Gate::kEnabled || kept) {
+        turns.begin();
+        wgmma_fence();
+        issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
+        issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
+        turns.end();
+        release_staged_q();
+        settle_arrival();
+        wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+        next_kept = softmax_block(nb.j);
+        wgmma_wait<0>();
+        fence_operands(acc_o);
+        keep_live(pa);
+      } else {
+        next_kept = qk_alone(nb.j);
+      }
       release(sm.v_empty[vs.stage()]);
       vs.advance();
-      OnlineSoftmax::rescale(acc_o, factor);
-      pack_p();
+      kept = next_kept;
+      if (!Gate::kEnabled || kept) {
+        OnlineSoftmax::rescale(acc_o, factor);
+        pack_p();
+      }
     }
+    gate.finish(gp, p, w, consumer, thread);
     // Every QK of the item has retired: unless the output is staged there, the Q buffer may take the
     // item after next.
     if (!p.tma_store) sm.q_empty[qst].arrive();
     pending = true;
+    pending_kept = kept;
     done_softmax = softmax;
     done_w = w;
     done_qst = qst;

@@ -43,16 +43,24 @@ struct OnlineSoftmax {
       }
   }
 
-  /// Turns scores s into p (in place) and updates m and l. `factor` receives what o must be scaled by
-  /// (1 when m did not move); the caller applies it with rescale() once no wgmma is accumulating into o.
-  /// before_exp() and after_exp() run around the exponentials.
-  template <class BeforeExp, class AfterExp>
-  __device__ __forceinline__ void update(float (&s)[64], float scale_log2, float (&factor)[2], BeforeExp before_exp,
-                                         AfterExp after_exp) {
-    float mx[2] = {-INFINITY, -INFINITY};
-    row_max(s, mx);
+  /// The maxima mx of the raw scores of the thread's two rows over the block (quad-reduced). kKeepNan:
+  /// a row holding a NaN score gets NaN (the gate keeps its block); the update below then leaves m
+  /// alone and the NaN p makes l NaN, as with the NaN passed over.
+  template <bool kKeepNan>
+  __device__ __forceinline__ static void row_maxima(const float (&s)[64], float (&mx)[2]) {
+    mx[0] = mx[1] = -INFINITY;
+    row_max<kKeepNan>(s, mx);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) mx[r] = quad_max(mx[r]);
+    for (int r = 0; r < 2; ++r) mx[r] = quad_max<kKeepNan>(mx[r]);
+  }
+
+  /// Turns scores s, whose row maxima row_maxima gave in mx, into p (in place) and updates m and l.
+  /// `factor` receives what o must be scaled by (1 when m did not move); the caller applies it with
+  /// rescale() once no wgmma is accumulating into o. before_exp() and after_exp() run around the
+  /// exponentials.
+  template <class BeforeExp, class AfterExp>
+  __device__ __forceinline__ void update(float (&s)[64], const float (&mx)[2], float scale_log2, float (&factor)[2],
+                                         BeforeExp before_exp, AfterExp after_exp) {
     float m_use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

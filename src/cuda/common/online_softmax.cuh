@@ -40,20 +40,35 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-/// The thread's share of each of its two rows' maxima, folded into m (quad_max completes it).
-template <class F>
+/// max(a, b); with kKeepNan, NaN when either is NaN (max.NaN, the same cost as fmaxf).
+template <bool kKeepNan>
+__device__ __forceinline__ float max2(float a, float b) {
+  if constexpr (kKeepNan) {
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+  } else {
+    return fmaxf(a, b);
+  }
+}
+
+/// The thread's share of each of its two rows' maxima, folded into m (quad_max completes it). By
+/// default NaN scores are passed over (see above); kKeepNan makes the max of a row holding one NaN,
+/// for a caller that must notice it (the gate, attention/gate_policy.cuh).
+template <bool kKeepNan = false, class F>
 __device__ __forceinline__ void row_max(const F& s, float (&m)[2]) {
 #pragma unroll
   for (int i = 0; i < Frag<F>::kSize / 4; ++i) {
-    m[0] = fmaxf(m[0], fmaxf(Frag<F>::at(s, 4 * i), Frag<F>::at(s, 4 * i + 1)));
-    m[1] = fmaxf(m[1], fmaxf(Frag<F>::at(s, 4 * i + 2), Frag<F>::at(s, 4 * i + 3)));
+    m[0] = max2<kKeepNan>(m[0], max2<kKeepNan>(Frag<F>::at(s, 4 * i), Frag<F>::at(s, 4 * i + 1)));
+    m[1] = max2<kKeepNan>(m[1], max2<kKeepNan>(Frag<F>::at(s, 4 * i + 2), Frag<F>::at(s, 4 * i + 3)));
   }
 }
 
 /// A row's maximum over the four lanes of the quad that share it.
+template <bool kKeepNan = false>
 __device__ __forceinline__ float quad_max(float m) {
-  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  m = max2<kKeepNan>(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  return max2<kKeepNan>(m, __shfl_xor_sync(0xffffffffu, m, 2));
 }
 
 /// A row's sum over the four lanes of its quad (every lane gets it).

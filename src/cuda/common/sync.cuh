@@ -21,6 +21,8 @@ enum class NamedBarrier : std::uint32_t {
   kExpTurnWG0 = 5,   // consumer warpgroup 0 may compute its exponentials (pingpong)
   kExpTurnWG1 = 6,   // consumer warpgroup 1 may compute its exponentials
   kItemWalk = 7,     // KV-centric attention: the threads of one item walk read the next item ids
+  kGateWG0 = 8,      // consumer warpgroup 0 has left its warps' block maxima for the gate (gate_policy.cuh)
+  kGateWG1 = 9,      // consumer warpgroup 1 likewise
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {

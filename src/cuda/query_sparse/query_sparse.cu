@@ -17,7 +17,7 @@
 #include "cuda/common/workspace_cache.hpp"
 #include "cuda/query_sparse/backend.hpp"
 #include "cuda/query_sparse/launch.hpp"
-#include "plan/merge_window.hpp"
+#include "schedule/merge_window.hpp"
 
 namespace sparse_attn::cuda_backend {
 namespace {

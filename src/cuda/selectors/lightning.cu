@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/common/smem_limit.hpp"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 
@@ -151,10 +152,6 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   if (rank_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "kI", "Lk = " + std::to_string(Lk) + " gives " + std::to_string(Tk) +
                               " blocks, more than the CUDA selector's shared-memory ranking holds");
-  check_cuda(cudaFuncSetAttribute(lightning_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(score_smem)), op, "cudaFuncSetAttribute");
-  check_cuda(cudaFuncSetAttribute(lightning_topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(rank_smem)), op, "cudaFuncSetAttribute");
 
   const std::size_t a_bytes = align_up(2 * sizeof(unsigned int));
   const std::size_t q_bytes = align_up(static_cast<std::size_t>(B * Lq * HI * Di) * sizeof(float));
@@ -175,7 +172,9 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   p.k = kd, p.scores = scores;
   p.B = B, p.Lq = Lq, p.Lk = Lk, p.HI = HI, p.Di = Di, p.Tk = Tk, p.causal = o.causal;
   const dim3 grid(static_cast<unsigned>(ceil_div(Lq, kLQueries)), static_cast<unsigned>(B));
-  lightning_scores_kernel<<<grid, kLThreads, score_smem, stream>>>(p);
+  check_cuda(cuda_kernels::launch_with_smem(lightning_scores_kernel, score_smem,
+                                            [&] { lightning_scores_kernel<<<grid, kLThreads, score_smem, stream>>>(p); }),
+             op, "scores kernel launch");
 
   LTopParams t{};
   t.scores = scores;
@@ -183,8 +182,12 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   t.is0 = out.idx.stride[0], t.is1 = out.idx.stride[1], t.is2 = out.idx.stride[2], t.is3 = out.idx.stride[3];
   t.width = out.idx.shape[3], t.G = out.idx.shape[1];
   t.Lq = Lq, t.Lk = Lk, t.Tk = Tk, t.top_k = o.top_k, t.causal = o.causal;
-  lightning_topk_kernel<<<static_cast<unsigned>(B * Lq), kLRankThreads, rank_smem, stream>>>(t);
-  check_cuda(cudaGetLastError(), op, "kernel launch");
+  check_cuda(cuda_kernels::launch_with_smem(lightning_topk_kernel, rank_smem,
+                                            [&] {
+                                              lightning_topk_kernel<<<static_cast<unsigned>(B * Lq), kLRankThreads,
+                                                                      rank_smem, stream>>>(t);
+                                            }),
+             op, "kernel launch");
 }
 
 }  // namespace sparse_attn::cuda_backend

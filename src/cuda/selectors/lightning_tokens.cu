@@ -58,6 +58,7 @@
 #include <string>
 
 #include "cuda/common/mma_sync.cuh"
+#include "cuda/common/smem_limit.hpp"
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
@@ -1219,9 +1220,8 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     const int per_cta = wgmma ? kWgQueries : nw;
     const dim3 grid(static_cast<unsigned>(ceil_div(Lq, per_cta)), static_cast<unsigned>(B));
     auto go = [&](auto kernel) {
-      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), op,
-                 "cudaFuncSetAttribute");
-      kernel<<<grid, nw * 32, smem, stream>>>(sp);
+      check_cuda(cuda_kernels::launch_with_smem(kernel, smem, [&] { kernel<<<grid, nw * 32, smem, stream>>>(sp); }),
+                 op, "screen kernel launch");
     };
     if (wgmma) {
       if (halves == 1) go(screen_wgmma_kernel<1>);
@@ -1247,15 +1247,13 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   rp.und = screen ? scratch.as<std::int32_t>(o_u) : nullptr;
   rp.top_k = k, rp.all = !screen, rp.stats = tuning.lightning_counters;
   const auto rows = static_cast<unsigned>(B * Lq);
-  if (screen) {
-    check_cuda(cudaFuncSetAttribute(resolve_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(rsmem)),
-               op, "cudaFuncSetAttribute");
-    resolve_kernel<<<rows, kResolveThreads, rsmem, stream>>>(rp);
-  }
-  check_cuda(cudaFuncSetAttribute(fallback_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(fsmem)),
-             op, "cudaFuncSetAttribute");
-  fallback_kernel<<<rows, kRowThreads, fsmem, stream>>>(rp);
-  check_cuda(cudaGetLastError(), op, "kernel launch");
+  if (screen)
+    check_cuda(cuda_kernels::launch_with_smem(resolve_kernel, rsmem,
+                                              [&] { resolve_kernel<<<rows, kResolveThreads, rsmem, stream>>>(rp); }),
+               op, "resolve kernel launch");
+  check_cuda(cuda_kernels::launch_with_smem(fallback_kernel, fsmem,
+                                            [&] { fallback_kernel<<<rows, kRowThreads, fsmem, stream>>>(rp); }),
+             op, "kernel launch");
 }
 
 }  // namespace sparse_attn::cuda_backend

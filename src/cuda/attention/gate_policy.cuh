@@ -1,0 +1,138 @@
+// The gate policy of the Q-centric mainloop (docs/design.md §5.5): which of the blocks a consumer
+// warpgroup walks leave a trace. NoGate (dense, tile_sparse) keeps every block and compiles to
+// nothing; BlockMaxGate is `gated` (BSFA).
+//
+// The gate tile is a consumer warpgroup's 64 rows (kGateRows): after QK, the maximum of the block's
+// raw scores over the warpgroup's rows below Lq is reduced across its four warps (shuffles, then one
+// named barrier of the warpgroup) and, times the softmax scale, compared with the threshold of (head,
+// gate tile). Below it the block leaves no trace: no exponentials, no P V, no update of m or l. Blocks
+// straddling the gate tile's causal diagonal and the first sink_blocks blocks are always kept; blocks
+// no row of the gate tile sees are skipped without being counted (they would add nothing). Deciding per
+// warpgroup costs one barrier of 128 threads per block; a 128-row gate would have to exchange maxima
+// between the two warpgroups, which run half a block apart (pingpong).
+//
+// V of a skipped block is loaded anyway (the producer does not wait for the gate): the consumer waits
+// for it and releases the slot, which keeps the rings in step without any signal back to the producer.
+// The alternative, the producer waiting for both warpgroups' verdicts before loading V, would put the
+// gate's latency on the producer's path.
+//
+// Counters (GatedStats units: (b, h, gate tile, block) visits) are kept in registers, uniform across
+// the warpgroup, and added to device memory by one thread per item: no host synchronisation.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/block_policy.cuh"
+#include "cuda/common/online_softmax.cuh"
+#include "cuda/common/scheduler.cuh"
+#include "cuda/common/sync.cuh"
+
+namespace sparse_attn::cuda_kernels {
+
+inline constexpr int kGateRows = 64;  // rows of a gate tile: one consumer warpgroup's
+
+/// What the launcher gives BlockMaxGate (a kernel argument of its own, after the tensor maps).
+struct GateParams {
+  const float* thresholds = nullptr;  // [Hq, T], strides in elements
+  std::int64_t thr_stride[2] = {0, 0};
+  int T = 1;
+  float scale = 1.0f;  // softmax scale: the threshold is on scale * q.k, computed as the CPU does
+  int sink_blocks = 0;
+  int* kept_per_tile = nullptr;  // int32 [B, Hq, Tg] or null
+  std::int64_t kept_stride[3] = {0, 0, 0};
+  unsigned long long* counts64 = nullptr;  // the four counters of GatedStats, added to (one of these two)
+  int* counts32 = nullptr;
+  std::int64_t counts32_stride = 1;
+};
+
+/// The policy of dense and tile_sparse: every walked block is kept.
+struct NoGate {
+  static constexpr bool kEnabled = false;
+  struct Params {};
+  __device__ __forceinline__ void begin(const Params&, const TileAttentionParams&, const WorkItem&, int) {}
+  __device__ __forceinline__ constexpr bool keep(const Params&, const TileAttentionParams&, const float (&)[2], int,
+                                                 int, float*) {
+    return true;
+  }
+  __device__ __forceinline__ void finish(const Params&, const TileAttentionParams&, const WorkItem&, int, int) {}
+};
+
+struct BlockMaxGate {
+  static constexpr bool kEnabled = true;
+  using Params = GateParams;
+
+  float threshold;  // this item's threshold; -inf: nothing to compare (every block kept)
+  int key_end_first, key_end_last;  // visible key ends of the gate tile's first and last row below Lq
+  bool exists;          // the gate tile has a row below Lq (else: nothing is counted or skipped)
+  bool row_in[2];       // the thread's two rows are below Lq
+  int parity = 0;       // which half of the exchange buffer the next reduction uses (kept across items)
+  int visible, candidates, passed;
+
+  /// Per work item and consumer warpgroup: the geometry of its gate tile and its threshold.
+  __device__ __forceinline__ void begin(const Params& g, const TileAttentionParams& p, const WorkItem& w, int consumer) {
+    const int first_row = w.q_tile * kTileRows + consumer * kGateRows;
+    const int last_row = min(first_row + kGateRows, p.Lq) - 1;
+    exists = first_row < p.Lq;
+    // Bottom-right causal: row i sees keys [0, clamp(i + Lk - Lq + 1, 0, Lk)).
+    key_end_first = max(0, min(first_row + p.Lk - p.Lq + 1, p.Lk));
+    key_end_last = max(0, min(last_row + p.Lk - p.Lq + 1, p.Lk));
+    const int t = min(w.q_tile * 2 + consumer, g.T - 1);
+    threshold = exists ? __ldg(g.thresholds + w.head * g.thr_stride[0] + t * g.thr_stride[1]) : -INFINITY;
+    const int lane_row = first_row + 16 * ((static_cast<int>(threadIdx.x) % 128) / 32) + (static_cast<int>(threadIdx.x) % 32) / 4;
+    row_in[0] = lane_row < p.Lq;
+    row_in[1] = lane_row + 8 < p.Lq;
+    visible = candidates = passed = 0;
+  }
+
+  /// Whether block j, whose raw row maxima (row_maxima<true>) are mx, is kept. Uniform across the
+  /// warpgroup; `exchange` is the warpgroup's [2][4] floats of shared memory.
+  __device__ __forceinline__ bool keep(const Params& g, const TileAttentionParams& p, const float (&mx)[2], int j,
+                                       int consumer, float* exchange) {
+    if (!exists) return true;  // rows at or past Lq only: computed, never stored
+    if (j * kBlockKeys >= key_end_last) return false;  // no row of the gate tile sees the block
+    ++visible;
+    if (j < g.sink_blocks || min((j + 1) * kBlockKeys, p.Lk) > key_end_first) return true;  // sink or diagonal
+    ++candidates;
+    bool pass = true;
+    if (threshold != -INFINITY) {
+      float v = max2<true>(row_in[0] ? mx[0] : -INFINITY, row_in[1] ? mx[1] : -INFINITY);
+#pragma unroll
+      for (int lanes = 4; lanes < 32; lanes *= 2) v = max2<true>(v, __shfl_xor_sync(0xffffffffu, v, lanes));
+      const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
+      float* slot = exchange + 4 * parity;
+      if (threadIdx.x % 32 == 0) slot[warp] = v;
+      named_barrier_sync(consumer == 0 ? NamedBarrier::kGateWG0 : NamedBarrier::kGateWG1, 128);
+      // Double-buffered: a warp writes this half again two reductions later, after every thread
+      // has passed the next reduction's barrier and so has read this one.
+      v = max2<true>(max2<true>(slot[0], slot[1]), max2<true>(slot[2], slot[3]));
+      parity ^= 1;
+      // Scaled as the CPU scales each score; a NaN maximum (a NaN score) keeps the block.
+      pass = !(v * g.scale < threshold);
+    }
+    passed += pass;
+    return pass;
+  }
+
+  /// After the item's last block: its counters to device memory (one thread of the warpgroup).
+  __device__ __forceinline__ void finish(const Params& g, const TileAttentionParams& p, const WorkItem& w, int consumer,
+                                         int thread) {
+    if (thread != 0 || !exists) return;
+    const int kept = visible - candidates + passed;
+    if (g.kept_per_tile != nullptr)
+      g.kept_per_tile[w.b * g.kept_stride[0] + w.head * g.kept_stride[1] + (w.q_tile * 2 + consumer) * g.kept_stride[2]] = kept;
+    if (visible == 0) return;
+    if (g.counts64 != nullptr) {
+      atomicAdd(g.counts64 + 0, static_cast<unsigned long long>(kept));
+      atomicAdd(g.counts64 + 1, static_cast<unsigned long long>(visible));
+      atomicAdd(g.counts64 + 2, static_cast<unsigned long long>(candidates));
+      atomicAdd(g.counts64 + 3, static_cast<unsigned long long>(passed));
+    } else {
+      atomicAdd(g.counts32, kept);
+      atomicAdd(g.counts32 + g.counts32_stride, visible);
+      atomicAdd(g.counts32 + 2 * g.counts32_stride, candidates);
+      atomicAdd(g.counts32 + 3 * g.counts32_stride, passed);
+    }
+  }
+};
+
+}  // namespace sparse_attn::cuda_kernels
