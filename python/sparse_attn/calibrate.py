@@ -1,15 +1,16 @@
 """python -m sparse_attn.calibrate: a ThresholdTable for gated attention from a Hugging Face model.
 
 Runs the model over calibration text with dense attention, hands every layer's post-RoPE q and k to
-the library's Calibrator (block maxima per layer, head and Q tile; the k-th largest off-diagonal
-one per budget k, averaged over the sequences) and writes the table as safetensors, with the model's
-identity and the tile shape in its metadata.
+the library's Calibrator (block maxima per layer, head and gate tile, on the model's device; the
+k-th largest candidate per budget k, averaged over the sequences) and writes the table as
+safetensors, with the model's identity, the tile shape and the sink blocks in its metadata.
 
     python -m sparse_attn.calibrate --model smollm2 --text ../shared/data/texts \\
         --length 2048 --sequences 4 --budgets 1,3,7 --out smollm2.thresholds.safetensors
 
-Budgets are off-diagonal blocks kept per Q tile; ``register_hf_attention(method="gated",
-thresholds=PATH, budget=b)`` uses the slice for b - 1.
+Budgets are gated blocks kept per gate tile besides the diagonal and the sinks;
+``register_hf_attention(method="gated", thresholds=PATH, budget=b)`` uses the slice for
+b - 1 - sink_blocks.
 """
 
 import argparse
@@ -31,6 +32,8 @@ def main(argv=None):
     parser.add_argument("--sequences", type=int, default=4, help="sequences, one per document (default 4)")
     parser.add_argument("--skip", type=int, default=0, help="documents to skip first (default 0)")
     parser.add_argument("--budgets", type=_ints, required=True, help="off-diagonal blocks kept per Q tile, e.g. 1,3,7")
+    parser.add_argument("--sink-blocks", type=int, default=1,
+                        help="leading KV blocks gated always keeps, left out of the calibration (default 1)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--out", required=True, help="the safetensors file to write")
     args = parser.parse_args(argv)
@@ -40,7 +43,7 @@ def main(argv=None):
     from . import model_eval as me
     model, tokenizer, identity = me.load_model(args.model, device=args.device)
     sequences = me.token_sequences(tokenizer, me.text_files(args.text), args.length, args.sequences, args.skip)
-    table = me.calibrate(model, sequences, args.budgets, identity)
+    table = me.calibrate(model, sequences, args.budgets, identity, args.sink_blocks)
     table.save(args.out)
     print(f"{args.out}: {table!r}")
     return 0

@@ -66,10 +66,10 @@ def evaluate(model, tokenizer, identity, *, texts, length, sequences, densities,
         if thresholds is not None:
             table = load_thresholds(thresholds)
         else:
-            budgets = sorted({max(1, budget_blocks(d, length) - 1) for d in densities})
+            budgets = sorted({max(1, budget_blocks(d, length) - 1 - sink_blocks) for d in densities})
             log(f"calibrating gated thresholds for budgets {budgets} on {calibration_sequences} other documents")
             cal = me.token_sequences(tokenizer, texts, length, calibration_sequences, skip=sequences)
-            table = me.calibrate(model, cal, budgets, identity)
+            table = me.calibrate(model, cal, budgets, identity, sink_blocks)
     runs = []
 
     def run(label, method, density=None, **options):

@@ -15,9 +15,11 @@ Methods (``method=``):
   128 keys per query) or query_sparse over its block lists (``"block"``). Without ``indexer`` each
   KV group's selection scores its own query heads (weights 1 / group size) against its own keys;
   ``indexer(module, q, k) -> (qI, w, kI)`` supplies a trained indexer shared by all groups.
-* ``gated``: BSFA gating with a calibrated ThresholdTable (``thresholds=`` a path or a table; the
-  layer is ``module.layer_idx``). ``budget`` b picks the table's slice for b - 1 off-diagonal blocks
-  (the diagonal block is always kept), so the gate keeps about b blocks per Q tile. Causal only.
+* ``gated``: BSFA gating per gate tile of GATE_ROWS queries with a calibrated ThresholdTable
+  (``thresholds=`` a path or a table; the layer is ``module.layer_idx``; the table's sink_blocks
+  are kept as it was calibrated). ``budget`` b picks the table's slice for b - 1 - sink_blocks gated
+  blocks (at least 1; the diagonal block and the sinks are always kept), so the gate keeps about b
+  blocks. Causal only.
 * ``entmax``: alpha-entmax attention (``alpha=``), for models trained with it.
 * ``oracle``: the top ``budget`` blocks of each Q tile by exact attention mass (summed over the
   tile's queries and the group's heads), computed with torch: the upper bound a block selector of
@@ -48,7 +50,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from . import BLOCK_K, TILE_Q, Error, ThresholdTable, load_thresholds, plan_schedule, problem_shape
+from . import BLOCK_K, GATE_ROWS, TILE_Q, Error, ThresholdTable, load_thresholds, plan_schedule, problem_shape
 from . import query_lists_to_tile_lists
 from .torch import (dense, entmax, gated, lightning_select, pooled_select, query_sparse, tile_sparse,
                     token_max_select, token_sparse)
@@ -192,8 +194,9 @@ def _pairs(grid: str, mask: Tensor, Lq: int, Lk: int) -> Tensor:
     """bool [B, G, Lq, Lk] of a selection mask on `grid`."""
     if grid == "token":
         return mask
-    if grid == "tile":
-        mask = mask[:, :, torch.arange(Lq, device=mask.device) // TILE_Q]
+    if grid in ("tile", "gate"):
+        rows = TILE_Q if grid == "tile" else GATE_ROWS
+        mask = mask[:, :, torch.arange(Lq, device=mask.device) // rows]
     return mask[..., torch.arange(Lk, device=mask.device) // BLOCK_K]
 
 
@@ -204,23 +207,25 @@ def _bits_mask(bits: Tensor, Tk: int) -> Tensor:
     return ((words[..., None] >> shifts) & 1).bool().flatten(-2)[..., :Tk]
 
 
-def _gate_mask(q: Tensor, k: Tensor, thresholds: Tensor, scale: float) -> Tensor:
-    """The blocks gated() keeps, bool [B, Hq, Tq, Tk]: visible and straddling the diagonal, or
-    block max of the scaled scores >= thresholds[h, min(t, T - 1)] (as reference.gated)."""
+def _gate_mask(q: Tensor, k: Tensor, thresholds: Tensor, scale: float, sink_blocks: int) -> Tensor:
+    """The blocks gated() keeps, bool [B, Hq, Tg, Tk] per gate tile of GATE_ROWS queries: visible
+    and straddling the gate tile's diagonal, or one of the first sink_blocks, or with a block max of
+    the scaled scores >= thresholds[h, min(t, T - 1)] (as reference.gated)."""
     B, L, Hq, _ = q.shape
     Hkv = k.shape[2]
     s = torch.einsum("bqhgd,bkhd->bhgqk", q.float().view(B, L, Hkv, Hq // Hkv, -1), k.float()).reshape(B, Hq, L, L)
     vis = torch.arange(L, device=q.device)[None, :] <= torch.arange(L, device=q.device)[:, None]
     s = (s * scale).masked_fill(~vis, -math.inf)
-    Tq = _cdiv(L, TILE_Q)
-    pad = Tq * TILE_Q - L
-    s = torch.nn.functional.pad(s, (0, pad, 0, pad), value=-math.inf).view(B, Hq, Tq, TILE_Q, Tq, BLOCK_K)
+    Tg, Tk = _cdiv(L, GATE_ROWS), _cdiv(L, BLOCK_K)
+    pad_q, pad_k = Tg * GATE_ROWS - L, Tk * BLOCK_K - L
+    s = torch.nn.functional.pad(s, (0, pad_k, 0, pad_q), value=-math.inf).view(B, Hq, Tg, GATE_ROWS, Tk, BLOCK_K)
     bmax = s.amax(dim=(3, 5))
-    v = torch.nn.functional.pad(vis, (0, pad, 0, pad)).view(Tq, TILE_Q, Tq, BLOCK_K)
+    v = torch.nn.functional.pad(vis, (0, pad_k, 0, pad_q)).view(Tg, GATE_ROWS, Tk, BLOCK_K)
     visible, full = v.any(dim=(1, 3)), v.all(dim=(1, 3))
+    sink = torch.arange(Tk, device=q.device) < sink_blocks
     T = thresholds.shape[1]
-    thr = thresholds[:, torch.clamp(torch.arange(Tq, device=q.device), max=T - 1)].to(q.device)
-    return visible & ((visible & ~full) | (bmax >= thr[None, :, :, None]))
+    thr = thresholds[:, torch.clamp(torch.arange(Tg, device=q.device), max=T - 1)].to(q.device)
+    return visible & ((visible & ~full) | sink | (bmax >= thr[None, :, :, None]))
 
 
 # ---- the methods ----------------------------------------------------------------------------------
@@ -254,15 +259,16 @@ class _Method:
                             "or the path of one (python -m sparse_attn.calibrate writes it)")
             if not isinstance(thresholds, ThresholdTable):
                 thresholds = load_thresholds(thresholds)
-            if thresholds.tile_q != TILE_Q or thresholds.tile_k != BLOCK_K:
-                raise Error(f"register_hf_attention: argument 'thresholds': calibrated for tile "
-                            f"{thresholds.tile_q}x{thresholds.tile_k}, the kernels use {TILE_Q}x{BLOCK_K}")
+            if thresholds.tile_q != GATE_ROWS or thresholds.tile_k != BLOCK_K:
+                raise Error(f"register_hf_attention: argument 'thresholds': calibrated for gate tiles of "
+                            f"{thresholds.tile_q}x{thresholds.tile_k}, the kernels use {GATE_ROWS}x{BLOCK_K}")
         self.method, self.budget = method, budget
         self.sink, self.local = sink_blocks, local_blocks
         self.representatives, self.granularity = representatives, granularity
         self.table = None
         if thresholds is not None:  # plain copies: no extension object lives on in transformers' registry
-            self.table = dict(values=thresholds.values, budgets=list(thresholds.budgets), model=thresholds.model)
+            self.table = dict(values=thresholds.values, budgets=list(thresholds.budgets), model=thresholds.model,
+                              sink_blocks=thresholds.sink_blocks)
         self.alpha, self.indexer = alpha, indexer
         self.precision, self.lightning_format = precision, lightning_format
         self._slices = {}  # (layer, budget, device) -> thresholds tensor
@@ -366,7 +372,8 @@ class _Method:
                 raise Error(f"{_OP}: method 'gated': needs causal attention with Lq == Lk, got causal={causal}, "
                             f"Lq={Lq}, Lk={Lk}")
             thresholds = self._thresholds(module, Hq, top, q.device)
-            out, _ = gated(q, k, v, thresholds, softmax_scale=scale)
+            out, _ = gated(q, k, v, thresholds, softmax_scale=scale, sink_blocks=self.table["sink_blocks"],
+                           stats=False)
             return out, ("gated", thresholds), None
         if m == "entmax":
             out, bits = entmax(q, k, v, alpha=self.alpha, softmax_scale=scale, causal=causal,
@@ -387,7 +394,8 @@ class _Method:
             if n_heads != Hq or not 0 <= layer < n_layers:
                 raise Error(f"{_OP}: argument 'thresholds': the table has {n_layers} layers x {n_heads} heads "
                             f"(model '{self.table['model']}'); layer {layer} has {Hq} query heads")
-            off_diagonal = max(1, budget - 1)  # the diagonal block is always kept and counts as one
+            # The diagonal block and the table's sinks are always kept and count towards the budget.
+            off_diagonal = max(1, budget - 1 - self.table["sink_blocks"])
             if off_diagonal not in budgets:
                 raise Error(f"{_OP}: argument 'budget': {budget} blocks needs the table's slice for budget "
                             f"{off_diagonal}; the table has no slice for budget {off_diagonal} (budgets: {budgets})")
@@ -465,7 +473,7 @@ def make_hf_attention(method: Optional[str] = None, *, budget=16, sink_blocks: i
             if sel is not None:
                 grid, mask = sel
                 if grid == "gated":
-                    grid, mask = "tile", _gate_mask(q, k, mask, scale)
+                    grid, mask = "gate", _gate_mask(q, k, mask, scale, impl.table["sink_blocks"])
                 pairs = _pairs(grid, mask, Lq, Lk)
             with torch.no_grad():
                 recorder.record(layer, q, k, scale, causal, pairs)

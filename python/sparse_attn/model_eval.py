@@ -165,17 +165,18 @@ def _plain(v) -> bool:
 
 
 @torch.no_grad()
-def calibrate(model, sequences, budgets: Sequence[int], identity: str) -> ThresholdTable:
-    """The ThresholdTable of `model` for `budgets` (off-diagonal blocks kept per Q tile): every
-    layer's post-RoPE q and k of every sequence go to the library's Calibrator (block maxima per
-    layer, head and Q tile; the k-th largest, averaged over sequences)."""
+def calibrate(model, sequences, budgets: Sequence[int], identity: str, sink_blocks: int = 1) -> ThresholdTable:
+    """The ThresholdTable of `model` for `budgets` (gated blocks kept per gate tile, besides the
+    diagonal and the first sink_blocks): every layer's post-RoPE q and k of every sequence go to the
+    library's Calibrator (block maxima per layer, head and gate tile, on q's device; the k-th
+    largest candidate, averaged over sequences)."""
     layers = model.config.num_hidden_layers
     # Held in a list that is emptied at the end: the observer stays in transformers' registry.
-    calibrator = [Calibrator(list(budgets), layers, identity)]
+    calibrator = [Calibrator(list(budgets), layers, identity, sink_blocks)]
 
     def observe(module, q, k, v, scale):
-        for b in range(q.shape[0]):  # the Calibrator takes one sample [1, L, H, D] at a time, on the CPU
-            calibrator[0].add(module.layer_idx, q[b:b + 1].float().cpu(), k[b:b + 1].float().cpu(), scale)
+        for b in range(q.shape[0]):  # the Calibrator takes one sample [1, L, H, D] at a time
+            calibrator[0].add(module.layer_idx, q[b:b + 1], k[b:b + 1], scale)
 
     register_hf_attention("sparse_attn_calibrate", "dense", observer=observe)
     _use(model, "sparse_attn_calibrate")

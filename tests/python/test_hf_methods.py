@@ -102,23 +102,27 @@ def test_oracle_keeps_the_most_mass_of_the_tile_selectors():
 def test_gated_with_a_table_and_minus_infinity_thresholds_is_dense(tmp_path):
     q, k, v = _inputs()
     Hq = q.shape[1]
-    table = sa.ThresholdTable([1, 2], 1, Hq, 3, tile_q=128, tile_k=128, model="test")
+    table = sa.ThresholdTable([1, 2], 1, Hq, 3, model="test")  # gate tiles of GATE_ROWS, 1 sink block
     values = np.full((2, 1, Hq, 3), -np.inf, dtype=np.float32)
-    values[1] = 1.5  # budget 3 -> slice for 2 off-diagonal blocks: a real gate
+    # budget 4 -> the slice for 4 - 1 (diagonal) - 1 (sink) = 2 gated blocks: a real gate, at the
+    # median block max of the gate's candidates
+    bmax, visible, straddle = ref.block_maxima(*_flash(q, k), softmax_scale=0.2)
+    values[1] = np.median(bmax[ref.gate_candidates(visible, straddle, 1)])
     table.values = values
     table.save(str(tmp_path / "t.safetensors"))
     dense = _call("dense", q, k, v)
     rec = hf.Recorder()
-    out = _call("gated", q, k, v, recorder=rec, budget=2, thresholds=str(tmp_path / "t.safetensors"))
+    out = _call("gated", q, k, v, recorder=rec, budget=3, thresholds=str(tmp_path / "t.safetensors"))
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
     assert rec.summary()["block_density"] == 1.0
     rec = PairRecorder()
-    out = _call("gated", q, k, v, recorder=rec, budget=3, thresholds=table)
+    out = _call("gated", q, k, v, recorder=rec, budget=4, thresholds=table)
     qn, kn, vn = _flash(q, k, v)
-    expect, _, stats, kept = ref.gated(qn, kn, vn, values[1, 0], softmax_scale=0.2)
+    expect, _, stats, kept = ref.gated(qn, kn, vn, values[1, 0], softmax_scale=0.2, sink_blocks=1)
     assert ref.rel_err(_np(out), expect) <= 1e-5
-    assert torch.equal(rec.pairs[:, :, ::128, ::128], torch.from_numpy(kept))
-    with pytest.raises(sa.Error, match="no slice for budget 4"):
+    assert torch.equal(rec.pairs[:, :, ::sa.GATE_ROWS, ::128], torch.from_numpy(kept))
+    assert 0 < rec.summary()["block_density"] < 1
+    with pytest.raises(sa.Error, match="no slice for budget 3"):
         _call("gated", q, k, v, budget=5, thresholds=table)
 
 
@@ -194,7 +198,7 @@ def test_cuda_methods_match_the_reference_on_their_selection(method, options):
     reference). gated and entmax need the library's CUDA gated and entmax."""
     q, k, v = (t.to("cuda", torch.bfloat16) for t in _inputs(L=1000, Hq=8, Hkv=2, D=128))
     if method == "gated":
-        table = sa.ThresholdTable([2], 1, 8, 1, values=np.full((1, 1, 8, 1), 1.0, dtype=np.float32))
+        table = sa.ThresholdTable([1], 1, 8, 1, values=np.full((1, 1, 8, 1), 1.0, dtype=np.float32))
         options = dict(options, thresholds=table)
     rec = PairRecorder()
     out = _call(method, q, k, v, scale=0.05, recorder=rec, budget=3, **options)
