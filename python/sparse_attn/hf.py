@@ -28,10 +28,10 @@ Methods (``method=``):
   Q-centric tile_sparse, KV-centric or group-centric query_sparse.
 
 Options: ``budget`` is blocks per Q tile (per query for query-granular lists) when an int, or a
-fraction of the sequence's key blocks when a float in (0, 1]. ``sink_blocks`` (leading key blocks)
-and ``local_blocks`` (the query's own block and those before it) are kept on top of every selection
-(gated keeps the blocks on the diagonal; entmax and dense need none). Sequences with fewer than
-``min_length`` keys run dense. GQA is native: selections are per KV group (gated and entmax: per
+fraction of the sequence's key blocks when a float in (0, 1]; the forced blocks count towards it.
+``sink_blocks`` (leading key blocks) and ``local_blocks`` (the query's own block and those before
+it) are part of every selection (gated keeps the diagonal and its table's sink blocks; entmax and
+dense need none). Sequences with fewer than ``min_length`` keys run dense. GQA is native: selections are per KV group (gated and entmax: per
 query head) and K/V are never repeated.
 
 Decode and padding: a call with one query (a decode step with a KV cache) runs dense attention,
