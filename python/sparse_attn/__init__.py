@@ -66,10 +66,10 @@ __all__ = [
     "BLOCK_K", "GATE_ROWS", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
     "bits_sparse", "block_bits_to_tile_lists", "build_info", "calibrate_thresholds", "check_device_faults", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
-    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "plan_schedule", "pooled_select",
-    "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
-    "query_sparse", "sparse_attention", "tile_lists_to_block_bits", "tile_sparse",
-    "token_max_select", "token_sparse", "validate",
+    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "Plan", "plan", "plan_schedule",
+    "pooled_select", "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
+    "query_sparse", "run", "sparse_attention", "tile_lists_to_block_bits", "tile_sparse",
+    "token_max_select", "token_sparse", "validate", "workspace_bytes",
 ]
 
 
@@ -434,6 +434,66 @@ def _selection(op, tiles, bits, query_lists, token_lists):
             raise Error(f"{op}: argument 'tiles': expected a pair (idx, cnt)")
         return kind, _dl(sel[0]), _dl(sel[1])
     return kind, _dl(sel), None
+
+
+# ---- plan / run ----------------------------------------------------------------------------------
+
+def workspace_bytes(shape: ProblemShape, Kq, *, partials="f32") -> int:
+    """Bytes of device workspace that plan() needs for QueryLists of Kq slots per query (0 in a
+    build without the CUDA backend; CPU problems need none whatever this returns)."""
+    return _native.query_sparse_workspace_bytes(_problem("workspace_bytes", shape), Kq, partials)
+
+
+class Plan:
+    """A KV-centric query_sparse plan (see plan()). It keeps the lists and the workspace it was built
+    in alive; both must stay unchanged while the plan is used. Attributes: shape (ProblemShape),
+    lists, workspace, partials, merge_window (resolved), softmax_scale, causal."""
+
+    def __init__(self, native, lists, workspace, partials, merge_window, softmax_scale, causal):
+        self.native, self.lists, self.workspace = native, lists, workspace
+        self.partials, self.merge_window = partials, merge_window
+        self.softmax_scale, self.causal = softmax_scale, causal
+        self.shape = native.shape
+
+    def __repr__(self):
+        return (f"sparse_attn.Plan({self.shape}, Kq={self.native.Kq}, partials={self.partials!r}, "
+                f"merge_window={self.native.merge_window})")
+
+
+def plan(q, k, v, query_lists, *, workspace=None, partials="f32", softmax_scale=None, causal=False,
+         trusted=False, merge_window=0) -> Plan:
+    """Plans KV-centric query_sparse over QueryLists (idx [B, Hkv, Lq, Kq]): validates the lists
+    (unless trusted: validation reads its verdict back, one synchronisation) and builds the reverse
+    index in `workspace` (uint8 [>= workspace_bytes(...)] on q's device, owned by the caller; None
+    allocates one). q, k and v give the shapes, dtype and device; their values are not read.
+
+    run(plan, q, k, v, out=...) then runs attention and combine on the current stream without
+    allocating or synchronising, as often as needed with new q, k, v of the same shapes: a CUDA
+    graph can capture it. Make the plan on the stream that runs it (or order the streams)."""
+    shape = problem_shape(q, k, causal=causal)
+    Kq = _shape(query_lists, "plan", "query_lists", 4)[3]
+    if workspace is None:
+        on_cpu = not _is_torch(q) or q.device.type == "cpu"
+        workspace = _empty(q, (0 if on_cpu else workspace_bytes(shape, Kq, partials=partials),), "uint8")
+    native = _native.query_sparse_plan(_dl(q), _dl(k), _dl(v), _dl(query_lists), _dl(workspace),
+                                       softmax_scale=softmax_scale, causal=bool(causal), trusted=bool(trusted),
+                                       partials=partials, merge_window=merge_window, stream=_stream(q))
+    return Plan(native, query_lists, workspace, partials, merge_window, softmax_scale, bool(causal))
+
+
+def run(plan: Plan, q, k, v, *, out=None, lse=None, return_lse=False):
+    """Attention of a Plan over q, k, v of its shapes, on the current stream. out= (and lse=, float32
+    [B, Hq, Lq]) write into caller tensors: with both given nothing is allocated. Returns out, or
+    (out, lse) with return_lse or lse=."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"run: argument 'plan': expected sparse_attn.Plan, got {_given(plan)}")
+    if out is None or (return_lse and lse is None):
+        new_out, new_lse = _outputs("run", q, out, return_lse and lse is None)
+        out, lse = new_out, lse if lse is not None else new_lse
+    _native.query_sparse_run(plan.native, _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse),
+                             softmax_scale=plan.softmax_scale, causal=plan.causal, partials=plan.partials,
+                             merge_window=plan.merge_window, stream=_stream(q))
+    return (out, lse) if (return_lse or lse is not None) else out
 
 
 def sparse_attention(q, k, v, *, tiles=None, bits=None, query_lists=None, token_lists=None,

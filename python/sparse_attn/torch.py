@@ -10,7 +10,7 @@ are safe inside CUDA graphs. There is no backward: these are inference (prefill)
     import sparse_attn.torch as sat
     out, lse = torch.ops.sparse_attn.dense(q, k, v, None, True)
     out = sat.tile_sparse(q, k, v, idx, cnt, causal=True)          # same, with flash-attn arguments
-    sat.register_hf_attention()                                     # attn_implementation="sparse_attn"
+    sat.register_hf_attention("sa", method="token_max", budget=0.25)  # attn_implementation="sa"
 """
 
 import contextlib
@@ -24,8 +24,8 @@ from torch import Tensor
 from . import _GATED_COUNTS, BLOCK_K, GATE_ROWS, TILE_Q, Error, _dl, _ext, _gated_stats, _int, _kmax, _stream
 
 __all__ = [
-    "bits_sparse", "dense", "entmax", "gated", "lightning_select", "pooled_select", "query_sparse",
-    "register_hf_attention", "tile_sparse", "token_max_select", "token_sparse",
+    "bits_sparse", "dense", "entmax", "gated", "lightning_select", "make_hf_attention", "pooled_select",
+    "query_sparse", "register_hf_attention", "tile_sparse", "token_max_select", "token_sparse",
 ]
 
 
@@ -492,65 +492,13 @@ def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3
 
 # ---- Hugging Face transformers -------------------------------------------------------------------
 
-def _padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
-    """AttentionMaskInterface entry: the kernels apply the causal rule themselves, so no 4-d mask is
-    built; a 2-d padding mask is passed on only when it pads something (the attention function
-    then refuses it rather than attending to padding). Keyword-only on purpose: the arguments
-    transformers passes differ between releases (cache_position, q_length, q_offset, ...)."""
-    if attention_mask is None:
-        return None
-    if kv_length is not None:
-        attention_mask = attention_mask[:, -kv_length:]
-    return None if bool(attention_mask.all()) else attention_mask
+def make_hf_attention(*args, **kwargs):
+    """sparse_attn.hf.make_hf_attention (every method behind the transformers attention interface)."""
+    from .hf import make_hf_attention as make
+    return make(*args, **kwargs)
 
 
-def make_hf_attention(*, mode="dense", top_k=16, representatives=1, min_length=0):
-    """An attention function with the transformers AttentionInterface signature.
-
-    mode="dense": dense attention (causal when the module is). mode="pooled": the R1/R4 pooled
-    selector picks top_k blocks per Q tile (diagonal block and block 0 forced) and tile_sparse runs
-    on them, for prompts of at least min_length keys; shorter ones run dense."""
-    if mode not in ("dense", "pooled"):
-        raise Error(f"register_hf_attention: argument 'mode': expected 'dense' or 'pooled', got {mode!r}")
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if dropout:
-            raise Error(f"sparse_attn attention: argument 'dropout': must be 0 for inference, got {dropout}")
-        if kwargs.get("sliding_window") is not None:
-            raise Error("sparse_attn attention: argument 'sliding_window': sliding-window layers are not supported")
-        if attention_mask is not None:
-            raise Error("sparse_attn attention: argument 'attention_mask': padded batches are not supported "
-                        "(the kernels apply only the causal rule)")
-        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-        # (B, H, L, D) -> (B, L, H, D) views: strides are free as long as D is contiguous.
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if mode == "pooled" and k.shape[1] >= max(min_length, 1) and _cdiv(k.shape[1], BLOCK_K) > top_k:
-            idx, cnt = pooled_select(q, k, top_k=top_k, representatives=representatives, force_local=True,
-                                     force_block0=True, causal=causal)
-            out = tile_sparse(q, k, v, idx, cnt, softmax_scale=scaling, causal=causal, trusted=True)
-        else:
-            out = dense(q, k, v, softmax_scale=scaling, causal=causal)
-        return out, None
-
-    return attention
-
-
-def register_hf_attention(name="sparse_attn", **options):
-    """Registers `name` with transformers' AttentionInterface (the attention function, see
-    make_hf_attention for options) and AttentionMaskInterface (without a mask entry transformers
-    would build no causal mask for an unknown implementation). Returns False when transformers is
-    not importable. Use with ``model = AutoModelForCausalLM.from_pretrained(..., attn_implementation=name)``
-    or ``model.set_attn_implementation(name)``."""
-    try:
-        from transformers import AttentionInterface
-    except ImportError:
-        return False
-    AttentionInterface.register(name, make_hf_attention(**options))
-    try:
-        from transformers import AttentionMaskInterface
-    except ImportError:
-        from transformers.masking_utils import AttentionMaskInterface
-    AttentionMaskInterface.register(name, _padding_mask)
-    return True
+def register_hf_attention(*args, **kwargs):
+    """sparse_attn.hf.register_hf_attention: registers an attention implementation with transformers."""
+    from .hf import register_hf_attention as register
+    return register(*args, **kwargs)

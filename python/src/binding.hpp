@@ -81,5 +81,6 @@ void bind_ops(nb::module_& m);
 void bind_selectors(nb::module_& m);
 void bind_formats(nb::module_& m);
 void bind_misc(nb::module_& m);
+void bind_plan(nb::module_& m);
 
 }  // namespace sparse_attn::python

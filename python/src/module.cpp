@@ -14,4 +14,5 @@ NB_MODULE(_ext, m) {
   sparse_attn::python::bind_selectors(m);
   sparse_attn::python::bind_formats(m);
   sparse_attn::python::bind_misc(m);
+  sparse_attn::python::bind_plan(m);
 }

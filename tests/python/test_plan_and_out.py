@@ -77,3 +77,39 @@ def test_selectors_and_conversion_write_into_out(rng):
     np.testing.assert_array_equal(out[1], want[1])
     with pytest.raises(ValueError, match="query_lists_to_tile_lists: argument 'out': expected a pair"):
         sa.query_lists_to_tile_lists(lists, p, out=out[0])
+
+
+# ---- plan / run with a caller-owned workspace ---------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plan_and_run_match_query_sparse(rng, causal):
+    q, k, v = qkv(rng, 1, 300, 700, 8, 2, 32)
+    lists = random_query_lists(rng, 1, 2, 300, 6, kq=3)
+    plan = sa.plan(q, k, v, lists, causal=causal, softmax_scale=0.2)
+    assert plan.shape.Lq == 300 and plan.shape.Lk == 700 and plan.shape.causal == causal
+    expect, expect_lse = sa.query_sparse(q, k, v, lists, causal=causal, softmax_scale=0.2, return_lse=True)
+    out = np.full_like(q, np.nan)
+    lse = np.full((1, 8, 300), np.nan, dtype=np.float32)
+    for _ in range(2):  # a plan runs any number of times, here with new values of the same shape
+        got, got_lse = sa.run(plan, q, k, v, out=out, lse=lse)
+        assert got is out and got_lse is lse
+        np.testing.assert_array_equal(out, expect)
+        np.testing.assert_array_equal(lse, expect_lse)
+        q, k, v = qkv(rng, 1, 300, 700, 8, 2, 32)
+        expect, expect_lse = sa.query_sparse(q, k, v, lists, causal=causal, softmax_scale=0.2, return_lse=True)
+
+
+def test_run_refuses_another_shape_and_plan_checks_the_lists(rng):
+    q, k, v = qkv(rng, 1, 300, 700, 8, 2, 32)
+    lists = random_query_lists(rng, 1, 2, 300, 6, kq=3)
+    plan = sa.plan(q, k, v, lists, causal=True)
+    q2, k2, v2 = qkv(rng, 1, 300, 600, 8, 2, 32)
+    with pytest.raises(sa.Error, match="query_sparse_run: argument 'k'"):
+        sa.run(plan, q2, k2, v2)
+    with pytest.raises(TypeError, match="run: argument 'plan'"):
+        sa.run("plan", q, k, v)
+    bad = lists.copy()
+    bad[0, 0, 0, 0] = 99
+    with pytest.raises(sa.Error, match="query_sparse_plan"):
+        sa.plan(q, k, v, bad, causal=True)
+    assert sa.workspace_bytes(sa.problem_shape(q, k, causal=True), 3) >= 0

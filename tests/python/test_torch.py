@@ -129,7 +129,7 @@ def test_custom_ops_compute_the_reference():
 
 def test_torch_functions_default_to_non_causal_as_the_package_does():
     torch_defaults = causal_defaults(sat)
-    assert set(torch_defaults) == set(causal_defaults(sa)) - {"sparse_attention", "problem_shape", "evaluate"}
+    assert set(torch_defaults) == set(causal_defaults(sa)) - {"sparse_attention", "problem_shape", "evaluate", "plan"}
     assert {n: d for n, d in torch_defaults.items() if d is not False} == {}
 
 
@@ -481,3 +481,31 @@ def test_cuda_validated_tile_sparse_captures_into_a_graph_and_defers_faults():
                                        r"range \[0, 8\) \(found on CUDA device 0 by an earlier validated"):
         sa.check_device_faults()
     sa.check_device_faults()  # raised once
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_graph_captures_run_of_a_plan():
+    """plan() once, then run() captured in a CUDA graph: replays with new q, k, v values give the
+    one-call query_sparse result (run neither allocates nor synchronises)."""
+    q, k, v = _qkv(1, 1000, 3000, 8, 2, 128, torch.bfloat16, device="cuda")
+    lists = torch.from_numpy(random_query_lists(np.random.default_rng(5), 1, 2, 1000, 24, kq=4)).cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        plan = sa.plan(q, k, v, lists, causal=True)
+        out = torch.empty_like(q)
+        lse = torch.empty((1, 8, 1000), dtype=torch.float32, device="cuda")
+        sa.run(plan, q, k, v, out=out, lse=lse)  # warm-up outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        sa.run(plan, q, k, v, out=out, lse=lse)
+    for seed in (6, 7):
+        new = _qkv(1, 1000, 3000, 8, 2, 128, torch.bfloat16, device="cuda", seed=seed)
+        for dst, src in zip((q, k, v), new):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect, expect_lse = sa.query_sparse(q, k, v, lists, causal=True, return_lse=True)
+        torch.testing.assert_close(out, expect)
+        torch.testing.assert_close(lse, expect_lse)
