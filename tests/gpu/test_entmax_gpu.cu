@@ -156,16 +156,31 @@ TEST(EntmaxGpu, Alpha15And2AcrossShapes) {
 
 TEST(EntmaxGpu, OtherAlphas) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  for (float alpha : {1.01f, 1.25f, 3.0f, 16.0f}) {
+  for (float alpha : {1.01f, 1.25f, 3.0f}) {
     const std::string a = " alpha " + std::to_string(alpha);
     check_case({"causal" + a, sa::DType::bf16, 1, 300, 300, 2, 2, 128, true, alpha});
     check_case({"d64 f16" + a, sa::DType::f16, 1, 190, 411, 2, 1, 64, false, alpha});
   }
 }
 
+TEST(EntmaxGpu, AlphaAboveTheBoundIsRefused) {
+  // At alpha 16 the float32 threshold left 5-10 % relative error against the CPU (support short by
+  // 12 %): the CUDA executor refuses alphas above kMaxCudaEntmaxAlpha, naming the argument.
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  const Case c{"alpha 16", sa::DType::bf16, 1, 300, 300, 2, 2, 128, true, 16.0f};
+  const Inputs in = make_inputs(c, 7);
+  try {
+    (void)run_gpu(c, in);
+    ADD_FAILURE() << "alpha 16 was accepted on the GPU";
+  } catch (const sa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("entmax: argument 'options.alpha'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("16"), std::string::npos) << e.what();
+  }
+}
+
 TEST(EntmaxGpu, SingleKeySupportAndTies) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  for (float alpha : {1.5f, 2.0f, 1.25f, 16.0f}) {
+  for (float alpha : {1.5f, 2.0f, 1.25f, 3.0f}) {
     const std::string a = " alpha " + std::to_string(alpha);
     // A large scale leaves most rows a support of one key.
     check_case({"single-key support" + a, sa::DType::bf16, 1, 256, 300, 2, 2, 128, false, alpha, 4.0f});
