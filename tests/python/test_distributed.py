@@ -1,0 +1,307 @@
+"""sparse_attn.distributed on the CPU: the planner (partition, balance, byte counts against a direct
+count) in this process, and the context-parallel operators on 2 and 4 gloo processes against the
+single-process operator on the same global tensors.
+
+Bounds: the "kv" strategy runs the operator on each rank's own rows over the same blocks in the same
+order as one process does, so its out and lse must be bitwise equal to the single-process ones. The
+"partials" strategy splits each row's softmax by rank and merges the partials in float32; its error
+against the single-process result is bounded by 1e-5 relative (float32; 4e-3 for bfloat16, whose
+partial outputs travel rounded to bfloat16) and lse within 1e-5 absolute."""
+
+import functools
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+
+import sparse_attn as sa  # noqa: E402
+import sparse_attn.distributed as sd  # noqa: E402
+from sparse_attn import reference as ref  # noqa: E402
+
+T = sa.TILE_Q
+PARTIALS_TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
+WORKER_TIMEOUT_S = 120
+
+
+# ---- the cases -------------------------------------------------------------------------------------
+
+def _uneven_tile_lists(rng, B, G, Tq, Tk, causal):
+    """Ascending lists: some tiles empty, some with every (visible) block, the rest random (invisible
+    future blocks included under causal: the executors skip them)."""
+    kind = rng.integers(0, 4, (B, G, Tq))
+    chosen = rng.random((B, G, Tq, Tk)) < 0.3
+    every = np.arange(Tk) <= (np.arange(Tq)[:, None] if causal else Tk)
+    chosen = np.where((kind == 1)[..., None], every, chosen) & (kind != 0)[..., None]
+    cnt = chosen.sum(-1).astype(np.int32)
+    # The chosen ids first, ascending, then -1.
+    idx = np.where(chosen, np.arange(Tk), Tk).astype(np.int32)
+    idx.sort(axis=-1)
+    idx[idx == Tk] = -1
+    return torch.from_numpy(idx), torch.from_numpy(cnt)
+
+
+def _uneven_query_lists(rng, B, Hkv, L, Tk, kq):
+    """Distinct ids in random order, -1 for empty slots: the queries of the first tile fill every
+    slot, every seventh query selects nothing, the rest a random number."""
+    ids = np.argsort(rng.random((B, Hkv, L, Tk)), axis=-1)[..., :kq].astype(np.int32)
+    n = rng.integers(0, kq + 1, (B, Hkv, L))
+    n[:, :, :T] = kq
+    n[:, :, ::7] = 0
+    ids[np.arange(kq) >= n[..., None]] = -1
+    return torch.from_numpy(ids)
+
+
+# name: (op, B, L, Hq, Hkv, D, causal, dtype, selection)
+CASES = {
+    "dense_causal_gqa": ("dense", 1, 1000, 4, 2, 16, True, torch.float32, None),
+    "dense_noncausal": ("dense", 2, 640, 2, 2, 16, False, torch.float32, None),
+    "tiles_causal_gqa": ("tile_sparse", 1, 1100, 4, 2, 16, True, torch.float32, "hkv"),
+    "tiles_noncausal_per_head": ("tile_sparse", 2, 900, 4, 2, 16, False, torch.float32, "hq"),
+    "tiles_causal_bf16": ("tile_sparse", 1, 1024, 4, 1, 32, True, torch.bfloat16, "hkv"),
+    "query_causal_gqa": ("query_sparse", 1, 1000, 4, 2, 16, True, torch.float32, 3),
+    "query_noncausal": ("query_sparse", 1, 768, 2, 1, 16, False, torch.float32, 4),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def make_case(name):
+    """Global q, k, v, the selection kwargs for plan() and the operator's selection arguments, all
+    from the case's seed (the workers and the test build the same tensors)."""
+    op, B, L, Hq, Hkv, D, causal, dtype, sel = CASES[name]
+    seed = sum(map(ord, name))
+    g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    q, k, v = (torch.randn(B, L, H, D, generator=g).to(dtype) for H in (Hq, Hkv, Hkv))
+    shape = sa.ProblemShape(B, L, L, Hq, Hkv, D, causal)
+    if op == "dense":
+        return shape, q, k, v, {}, ()
+    if op == "tile_sparse":
+        idx, cnt = _uneven_tile_lists(rng, B, Hkv if sel == "hkv" else Hq, shape.Tq, shape.Tk, causal)
+        return shape, q, k, v, {"tiles": (idx, cnt)}, (idx, cnt)
+    idx = _uneven_query_lists(rng, B, Hkv, L, shape.Tk, sel)
+    return shape, q, k, v, {"query_lists": idx}, (idx,)
+
+
+@functools.lru_cache(maxsize=None)
+def single_process(name):
+    op = CASES[name][0]
+    shape, q, k, v, _, sel = make_case(name)
+    return getattr(sa, op)(q, k, v, *sel, causal=shape.causal, return_lse=True)
+
+
+# ---- the workers ------------------------------------------------------------------------------------
+
+def _worker(rank, world, port, outdir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for name in CASES:
+            op = CASES[name][0]
+            shape, q, k, v, sel_kw, sel = make_case(name)
+            for strategy in sd.STRATEGIES:
+                plan = sd.plan(shape, world, dtype=q.dtype, strategy=strategy, **sel_kw)
+                ql, kl, vl = (plan.shard(x, rank) for x in (q, k, v))
+                out, lse, stats = getattr(sd, op)(ql, kl, vl, *sel, plan, return_lse=True, return_stats=True)
+                again = getattr(sd, op)(ql, kl, vl, *sel, plan)
+                results[name, strategy] = {
+                    "out": out, "lse": lse, "stats": stats, "repeat_equal": torch.equal(again, out),
+                    "gathered_out": sd.gather(out, plan), "gathered_lse": sd.gather(lse, plan, dim=2)}
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world, outdir):
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(outdir)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{world} gloo workers did not finish within {WORKER_TIMEOUT_S} s")
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def runs(request, tmp_path_factory):
+    world = request.param
+    return world, _spawn(world, tmp_path_factory.mktemp(f"world{world}"))
+
+
+# ---- operators against one process -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kv_exchange_is_bitwise_the_single_process_result(runs, name):
+    world, per_rank = runs
+    shape, q, _, _, sel_kw, _ = make_case(name)
+    plan = sd.plan(shape, world, dtype=q.dtype, strategy="kv", **sel_kw)
+    want_out, want_lse = single_process(name)
+    out = plan.unshard([r[name, "kv"]["out"] for r in per_rank])
+    lse = plan.unshard([r[name, "kv"]["lse"] for r in per_rank], dim=2)
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, want_out), f"max diff {(out.float() - want_out.float()).abs().max()}"
+    assert torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_partial_exchange_matches_single_process_within_tolerance(runs, name):
+    world, per_rank = runs
+    shape, q, _, _, sel_kw, _ = make_case(name)
+    plan = sd.plan(shape, world, dtype=q.dtype, strategy="partials", **sel_kw)
+    want_out, want_lse = single_process(name)
+    out = plan.unshard([r[name, "partials"]["out"] for r in per_rank])
+    lse = plan.unshard([r[name, "partials"]["lse"] for r in per_rank], dim=2)
+    assert out.dtype == want_out.dtype and torch.isfinite(out.float()).all()
+    err = ref.rel_err(out.float().numpy(), want_out.float().numpy())
+    assert err <= PARTIALS_TOL[q.dtype], f"relerr {err:.3g}"
+    # Rows that see no key: lse -inf in both; the rest within 1e-5.
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    assert (lse[fin] - want_lse[fin]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", sd.STRATEGIES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_runs_report_the_planned_bytes_repeat_and_gather(runs, name, strategy):
+    world, per_rank = runs
+    shape, q, _, _, sel_kw, _ = make_case(name)
+    plan = sd.plan(shape, world, dtype=q.dtype, strategy=strategy, **sel_kw)
+    for rank, r in enumerate(per_rank):
+        res = r[name, strategy]
+        assert res["stats"]["strategy"] == strategy
+        assert res["stats"]["bytes_sent"] == plan.traffic[strategy].sent[rank]
+        assert res["stats"]["bytes_received"] == plan.traffic[strategy].received[rank]
+        assert res["stats"]["work"] == plan.work[rank]
+        assert res["repeat_equal"], "a second run differs from the first (bitwise)"
+        assert torch.equal(res["gathered_out"], plan.unshard([p[name, strategy]["out"] for p in per_rank]))
+        assert torch.equal(res["gathered_lse"], plan.unshard([p[name, strategy]["lse"] for p in per_rank], dim=2))
+
+
+# ---- the planner, in this process --------------------------------------------------------------------
+
+def _direct_traffic(shape, R, owner, itemsize, tiles=None, query_lists=None):
+    """Bytes of both strategies counted pair by pair from the lists (the definitions of the module
+    text), as [src][dst] matrices."""
+    B, L, Hq, Hkv, D, Tq = shape.B, shape.Lq, shape.Hq, shape.Hkv, shape.D, shape.Tq
+    pairs = set()  # (b, kv head, query tile, block): block selected and visible
+    if tiles is not None:
+        idx, cnt = (x.numpy() for x in tiles)
+        per = Hq // idx.shape[1]
+        for b, g, t in np.ndindex(*cnt.shape):
+            for j in idx[b, g, t, :cnt[b, g, t]]:
+                if not shape.causal or j <= t:
+                    pairs.add((b, g * per // (Hq // Hkv), t, int(j)))
+    elif query_lists is not None:
+        idx = query_lists.numpy()
+        for b, h, i, s in np.ndindex(*idx.shape):
+            j = idx[b, h, i, s]
+            if j >= 0 and (not shape.causal or j <= i // T):
+                pairs.add((b, h, i // T, int(j)))
+    else:
+        pairs = {(b, h, t, j) for b in range(B) for h in range(Hkv) for t in range(Tq) for j in range(Tq)
+                 if not shape.causal or j <= t}
+    kv_triples, q_units = set(), set()
+    for b, h, t, j in pairs:
+        if owner[t] != owner[j]:
+            kv_triples.add((owner[j], owner[t], b, h, j))
+            q_units.add((owner[t], owner[j], t))
+    kv = np.zeros((R, R), dtype=np.int64)
+    part = np.zeros((R, R), dtype=np.int64)
+    for src, dst, *_ in kv_triples:
+        kv[src, dst] += 2 * T * D * itemsize
+    for home, other, _ in q_units:
+        part[home, other] += B * T * Hq * D * itemsize
+        part[other, home] += B * T * Hq * (D * itemsize + 4)
+    return kv, part
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_planner_bytes_equal_a_direct_count(name, world):
+    shape, q, _, _, sel_kw, _ = make_case(name)
+    plan = sd.plan(shape, world, dtype=q.dtype, **sel_kw)
+    owner = [None] * shape.Tq
+    for r, ts in enumerate(plan.tiles):
+        for t in ts:
+            owner[t] = r
+    assert None not in owner and sorted(t for ts in plan.tiles for t in ts) == list(range(shape.Tq))
+    kv, part = _direct_traffic(shape, world, owner, q.element_size(), **sel_kw)
+    assert np.array_equal(np.array(plan.traffic["kv"].matrix), kv)
+    assert np.array_equal(np.array(plan.traffic["partials"].matrix), part)
+    t = plan.traffic[plan.strategy]
+    assert t.total == sum(t.sent) == sum(t.received)
+    other = "partials" if plan.strategy == "kv" else "kv"
+    assert t.total <= plan.traffic[other].total
+
+
+def test_planner_picks_partials_when_queries_are_cheaper_to_move():
+    # Non-causal, Hq = Hkv = 1: every tile selects its own block, and tile 0 also every other block.
+    # Moving tile 0's q and its partial back (one tile each way) costs less than moving the other
+    # rank's eight blocks, whichever rank holds tile 0.
+    shape = sa.ProblemShape(1, 16 * T, 16 * T, 1, 1, 64, False)
+    idx = torch.arange(16, dtype=torch.int32).repeat(1, 1, 16, 1)
+    cnt = torch.ones((1, 1, 16), dtype=torch.int32)
+    idx[0, 0, 1:, 0] = torch.arange(1, 16, dtype=torch.int32)
+    cnt[0, 0, 0] = 16
+    plan = sd.plan(shape, 2, dtype=torch.float32, tiles=(idx, cnt), chunk_tiles=4)
+    assert plan.traffic["kv"].total == 8 * 2 * T * 64 * 4
+    assert plan.traffic["partials"].total == T * 64 * 4 + T * (64 * 4 + 4)
+    assert plan.strategy == "partials"
+    # Dense causal with GQA: every rank needs nearly every block, and K/V are the smaller side.
+    dense = sd.plan(sa.ProblemShape(1, 16 * T, 16 * T, 8, 2, 64, True), 4, dtype=torch.bfloat16)
+    assert dense.strategy == "kv" and dense.traffic["kv"].total < dense.traffic["partials"].total
+
+
+def test_partition_keeps_equal_pair_counts_and_balances_uneven_work():
+    # Work on the first quarter of the tiles only: the plain zig-zag puts it on rank 0.
+    Tq = 32
+    shape = sa.ProblemShape(1, Tq * T, Tq * T, 2, 1, 16, False)
+    idx = torch.full((1, 1, Tq, Tq), -1, dtype=torch.int32)
+    cnt = torch.zeros((1, 1, Tq), dtype=torch.int32)
+    for t in range(Tq // 4):
+        cnt[0, 0, t] = Tq
+        idx[0, 0, t] = torch.arange(Tq)
+    plan = sd.plan(shape, 4, dtype=torch.float32, tiles=(idx, cnt), chunk_tiles=1)
+    assert plan.layout == "balanced"
+    assert [len(ts) for ts in plan.tiles] == [8, 8, 8, 8]
+    assert plan.balance == pytest.approx(max(plan.work) / (sum(plan.work) / 4))
+    assert plan.balance == 1.0
+    # Each rank holds whole zig-zag pairs (t with 31 - t).
+    for ts in plan.tiles:
+        assert sorted(Tq - 1 - t for t in ts) == list(ts)
+    # Dense causal: the plain zig-zag is already balanced and kept (contiguous runs).
+    dense = sd.plan(sa.ProblemShape(1, Tq * T, Tq * T, 2, 1, 16, True), 4, dtype=torch.float32, chunk_tiles=4)
+    assert dense.layout == "zigzag" and dense.balance == 1.0
+    assert dense.tiles[0] == tuple(range(4)) + tuple(range(28, 32))
+
+
+def test_plan_and_operator_errors():
+    shape = sa.ProblemShape(1, 4 * T, 4 * T, 2, 1, 16, True)
+    with pytest.raises(sa.Error, match="Lq == Lk"):
+        sd.plan(sa.ProblemShape(1, T, 2 * T, 2, 1, 16, True), 2, dtype=torch.float32)
+    with pytest.raises(sa.Error, match="strategy"):
+        sd.plan(shape, 2, dtype=torch.float32, strategy="ring")
+    with pytest.raises(sa.Error, match="world_size"):
+        sd.plan(shape, 0, dtype=torch.float32)
+    bad = torch.full((1, 1, 4, 2), 7, dtype=torch.int32), torch.ones((1, 1, 4), dtype=torch.int32)
+    with pytest.raises(sa.Error, match="tiles.idx"):
+        sd.plan(shape, 2, dtype=torch.float32, tiles=bad)
+    plan = sd.plan(shape, 2, dtype=torch.float32)
+    q = torch.randn(1, 2 * T, 2, 16)
+    with pytest.raises(sa.Error, match="not initialised"):
+        sd.dense(q, q[:, :, :1], q[:, :, :1], plan)
