@@ -97,6 +97,21 @@ class _Selection:
     work: np.ndarray     # int64 [Tq]
     idx: np.ndarray | None = None
     cnt: np.ndarray | None = None
+    given: tuple = ()    # the caller's tensors and their torch version counters, for same()
+
+    def same(self, kind, shape, arrays):
+        """Whether `arrays` (the selection an operator got) is the one this was made from: the same
+        tensor objects unmodified since (no copy, no hash), else the same contents."""
+        if kind != self.kind:
+            return False
+        if len(arrays) == len(self.given) and all(
+                a is g and isinstance(a, torch.Tensor) and a._version == v for a, (g, v) in zip(arrays, self.given)):
+            return True
+        return _fingerprint(kind, shape, tuple(_host(a) for a in arrays)) == self.fingerprint
+
+
+def _given(*arrays):
+    return tuple((a, a._version if isinstance(a, torch.Tensor) else None) for a in arrays)
 
 
 def _selection(op, shape, tiles, query_lists):
@@ -122,7 +137,8 @@ def _selection(op, shape, tiles, query_lists):
         need[b, g, t, idx[b, g, t, s]] = True
         need &= visible
         work = rows * (Hq // G) * need.sum(axis=(0, 1, 3))
-        return _Selection("tiles", _fingerprint("tiles", shape, (idx, cnt)), need, work, idx, cnt)
+        return _Selection("tiles", _fingerprint("tiles", shape, (idx, cnt)), need, work, idx, cnt,
+                          _given(*tiles))
     idx = _host(query_lists)
     _sa.validate(shape, query_lists=idx, op=op)
     tile_of = np.arange(L) // TILE
@@ -133,7 +149,7 @@ def _selection(op, shape, tiles, query_lists):
     need = np.zeros((B, Hkv, T, T), dtype=bool)
     need[b, g, tile_of[i], idx[b, g, i, s]] = True
     work = (Hq // Hkv) * np.bincount(tile_of[i], minlength=T).astype(np.int64)
-    return _Selection("query", _fingerprint("query", shape, (idx,)), need, work, idx)
+    return _Selection("query", _fingerprint("query", shape, (idx,)), need, work, idx, None, _given(query_lists))
 
 
 # ---- the partition of tiles over ranks -----------------------------------------------------------
@@ -217,6 +233,9 @@ class Plan:
     _q_send: tuple = dataclasses.field(repr=False)
     _remote: np.ndarray = dataclasses.field(repr=False)
     _selection: _Selection = dataclasses.field(repr=False)
+    # The lists of each run on its device, made by the first call that needs them (a plan is made
+    # once and run many times, as query_sparse_plan / query_sparse_run are).
+    _lists: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def causal(self):
@@ -334,50 +353,55 @@ class _Executor:
     """The operator on one run of consecutive tiles t0 .. t1 - 1 (global rows start .. end - 1) against
     K/V buffers of the whole sequence in global positions. Under a causal mask the keys are cut at
     `end`: with the bottom-right alignment of docs/design.md §2, row i of the run then sees key j iff
-    j <= start + i, its global position. `allowed` (bool [Tk] or None) restricts the blocks to
-    those of one rank."""
+    j <= start + i, its global position. `only` (a rank or None) restricts the blocks to that rank's;
+    ids a causal run cannot see (at or past its end) are dropped, as the executors skip them."""
 
     def __init__(self, plan, scale, partials):
         self.plan, self.scale, self.partials = plan, scale, partials
-        self.sel = plan._selection
         self.calls = 0
 
-    def __call__(self, q, kbuf, vbuf, t0, t1, allowed=None):
-        shape, sel = self.plan.shape, self.sel
-        L = shape.Lq
-        start, end = t0 * TILE, min(L, t1 * TILE)
-        kend = end if shape.causal else L
+    def __call__(self, q, kbuf, vbuf, t0, t1, only=None):
+        shape = self.plan.shape
+        kend = min(shape.Lq, t1 * TILE) if shape.causal else shape.Lq
         k, v = kbuf[:, :kend], vbuf[:, :kend]
-        tk = _ceil_div(kend, TILE)
         args = dict(softmax_scale=self.scale, causal=shape.causal, return_lse=True)
         self.calls += 1
-        if sel.kind == "dense" and allowed is None:
+        if self.plan.kind == "dense" and only is None:
             return _sa.dense(q, k, v, **args)
+        key = (t0, t1, only, q.device)
+        lists = self.plan._lists.get(key)
+        if lists is None:
+            lists = tuple(torch.from_numpy(np.ascontiguousarray(x)).to(q.device)
+                          for x in self._lists(t0, t1, _ceil_div(kend, TILE), only))
+            self.plan._lists[key] = lists
+        if self.plan.kind == "query":
+            return _sa.query_sparse(q, k, v, *lists, partials=self.partials, trusted=True, **args)
+        return _sa.tile_sparse(q, k, v, *lists, trusted=True, **args)
+
+    def _lists(self, t0, t1, tk, only):
+        """The run's lists (numpy): the selection's rows of the run without ids >= tk and, with
+        `only`, without other ranks' blocks."""
+        plan, sel = self.plan, self.plan._selection
+        allowed = np.arange(plan.shape.Tk) < tk
+        if only is not None:
+            allowed &= plan._owner == only
         if sel.kind == "query":
-            idx = sel.idx[:, :, start:end].copy()
-            drop = idx >= tk
-            if allowed is not None:
-                drop |= ~allowed[np.clip(idx, 0, None)]
-            idx[drop & (idx >= 0)] = -1
-            return _sa.query_sparse(q, k, v, torch.from_numpy(idx).to(q.device), partials=self.partials,
-                                    trusted=True, **args)
+            idx = sel.idx[:, :, t0 * TILE:min(plan.shape.Lq, t1 * TILE)].copy()
+            idx[(idx >= 0) & ~allowed[np.clip(idx, 0, None)]] = -1
+            return (idx,)
         if sel.kind == "dense":
-            blocks = np.flatnonzero(allowed[:tk]).astype(np.int32)
-            idx = np.broadcast_to(blocks, (shape.B, shape.Hkv, t1 - t0, len(blocks)))
+            blocks = np.flatnonzero(allowed).astype(np.int32)
+            idx = np.broadcast_to(blocks, (plan.shape.B, plan.shape.Hkv, t1 - t0, len(blocks)))
             cnt = np.full(idx.shape[:3], len(blocks), dtype=np.int32)
         else:
             idx, cnt = sel.idx[:, :, t0:t1], sel.cnt[:, :, t0:t1]
-            keep = (np.arange(idx.shape[3]) < cnt[..., None]) & (idx < tk)
-            if allowed is not None:
-                keep &= allowed[np.clip(idx, 0, len(allowed) - 1)]
+            keep = (np.arange(idx.shape[3]) < cnt[..., None]) & allowed[np.clip(idx, 0, len(allowed) - 1)]
             # The kept ids of each list, still ascending, moved to its front.
             idx = np.take_along_axis(idx, np.argsort(~keep, axis=-1, kind="stable"), axis=-1)
             cnt = keep.sum(axis=-1, dtype=np.int32)
         if idx.shape[3] == 0:
             idx = np.full(idx.shape[:3] + (1,), -1, dtype=np.int32)
-        dev = q.device
-        return _sa.tile_sparse(q, k, v, torch.from_numpy(np.ascontiguousarray(idx)).to(dev),
-                               torch.from_numpy(np.ascontiguousarray(cnt)).to(dev), trusted=True, **args)
+        return idx, cnt
 
 
 def _rank_of(group):
@@ -528,7 +552,6 @@ def _partial_exchange(plan, rank, group, q, k, v, run):
     R, dev, s = plan.world_size, q.device, plan.shape
     B, n, Hq, D = q.shape
     kbuf, vbuf = _full_length(plan, k, rank), _full_length(plan, v, rank)
-    mine = plan._owner == rank
     local_pos = {t: i for i, t in enumerate(plan.tiles[rank])}
     ntiles = len(plan.tiles[rank])
     qpad = torch.zeros((B, ntiles * TILE, Hq, D), dtype=q.dtype, device=dev)
@@ -549,7 +572,7 @@ def _partial_exchange(plan, rank, group, q, k, v, run):
     first = 0
     for t0, t1 in _runs(plan.tiles[rank]):
         rows = min(s.Lq, t1 * TILE) - t0 * TILE
-        o, l = run(q[:, first:first + rows], kbuf, vbuf, t0, t1, mine)
+        o, l = run(q[:, first:first + rows], kbuf, vbuf, t0, t1, rank)
         o_own[:, first:first + rows], l_own[:, :, first:first + rows] = o, l
         first += rows
     work.wait()
@@ -565,7 +588,7 @@ def _partial_exchange(plan, rank, group, q, k, v, run):
             m, rows = t1 - t0, min(s.Lq, t1 * TILE) - t0 * TILE
             seg = slice(base + i, base + i + m)
             qr = recv_q[seg].permute(1, 0, 2, 3, 4).reshape(B, m * TILE, Hq, D)[:, :rows]
-            o, l = run(qr, kbuf, vbuf, t0, t1, mine)
+            o, l = run(qr, kbuf, vbuf, t0, t1, rank)
             send_o[seg] = _pad_rows(o, m * TILE).reshape(B, m, TILE, Hq, D).permute(1, 0, 2, 3, 4)
             send_l[seg] = _pad_rows(l.permute(0, 2, 1), m * TILE, float("-inf")).reshape(
                 B, m, TILE, Hq).permute(1, 0, 3, 2)
@@ -600,10 +623,10 @@ def _pad_rows(x, rows, value=0.0):
     return torch.cat((x, pad), dim=1)
 
 
-def _run(op, kind, plan, q, k, v, group, softmax_scale, partials, return_lse, return_stats, fingerprint):
+def _run(op, kind, plan, q, k, v, selection, group, softmax_scale, partials, return_lse, return_stats):
     rank, world = _rank_of(group)
     _check(op, plan, q, k, v, rank, world)
-    if plan.kind != kind or plan._selection.fingerprint != fingerprint:
+    if not plan._selection.same(kind, plan.shape, selection):
         raise _sa.Error(f"{op}: argument 'plan': made for another selection (a {plan.kind} plan)")
     run = _Executor(plan, softmax_scale, partials)
     exchange = _kv_exchange if plan.strategy == "kv" else _partial_exchange
@@ -620,27 +643,24 @@ def dense(q, k, v, plan, *, group=None, softmax_scale=None, return_lse=False, re
     whole sequence; causal as the plan's shape. Returns out, then lse with return_lse, then a stats
     dict (strategy, bytes_sent, bytes_received as the collectives carried them, calls, work) with
     return_stats."""
-    fp = _fingerprint("dense", plan.shape, ()) if isinstance(plan, Plan) else None
-    return _run("distributed.dense", "dense", plan, q, k, v, group, softmax_scale, "f32", return_lse,
-                return_stats, fp)
+    return _run("distributed.dense", "dense", plan, q, k, v, (), group, softmax_scale, "f32", return_lse,
+                return_stats)
 
 
 def tile_sparse(q, k, v, idx, cnt, plan, *, group=None, softmax_scale=None, return_lse=False,
                 return_stats=False):
     """tile_sparse of this rank's rows over the global TileLists (idx, cnt) the plan was made from
     (every rank passes the same lists). Returns as ``dense``."""
-    fp = _fingerprint("tiles", plan.shape, (_host(idx), _host(cnt))) if isinstance(plan, Plan) else None
-    return _run("distributed.tile_sparse", "tiles", plan, q, k, v, group, softmax_scale, "f32", return_lse,
-                return_stats, fp)
+    return _run("distributed.tile_sparse", "tiles", plan, q, k, v, (idx, cnt), group, softmax_scale, "f32",
+                return_lse, return_stats)
 
 
 def query_sparse(q, k, v, idx, plan, *, group=None, softmax_scale=None, partials="f32", return_lse=False,
                  return_stats=False):
     """query_sparse (KV-centric) of this rank's rows over the global QueryLists idx the plan was made
     from. partials: the executor's per-slot partial storage. Returns as ``dense``."""
-    fp = _fingerprint("query", plan.shape, (_host(idx),)) if isinstance(plan, Plan) else None
-    return _run("distributed.query_sparse", "query", plan, q, k, v, group, softmax_scale, partials, return_lse,
-                return_stats, fp)
+    return _run("distributed.query_sparse", "query", plan, q, k, v, (idx,), group, softmax_scale, partials,
+                return_lse, return_stats)
 
 
 def gather(x, plan, *, group=None, dim=1):

@@ -305,3 +305,40 @@ def test_plan_and_operator_errors():
     q = torch.randn(1, 2 * T, 2, 16)
     with pytest.raises(sa.Error, match="not initialised"):
         sd.dense(q, q[:, :, :1], q[:, :, :1], plan)
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_and_a_plan_of_another_selection(group_of_one):
+    shape, q, k, v, _, (idx, cnt) = make_case("tiles_causal_gqa")
+    idx, cnt = idx.clone(), cnt.clone()  # changed in place below
+    sel_kw = {"tiles": (idx, cnt)}
+    want_out, want_lse = single_process("tiles_causal_gqa")
+    for strategy in sd.STRATEGIES:
+        plan = sd.plan(shape, 1, dtype=q.dtype, strategy=strategy, **sel_kw)
+        assert plan.traffic[strategy].total == 0 and plan.balance == 1.0
+        out, lse = sd.tile_sparse(q, k, v, idx, cnt, plan, return_lse=True)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    # Equal contents in another tensor pass; changed contents, another kind or another shard do not.
+    assert torch.equal(sd.tile_sparse(q, k, v, idx.clone(), cnt.clone(), plan), want_out)
+    other = cnt.clone()
+    other[0, 0, 0] = 0
+    with pytest.raises(sa.Error, match="another selection"):
+        sd.tile_sparse(q, k, v, idx, other, plan)
+    with pytest.raises(sa.Error, match="another selection"):
+        sd.dense(q, k, v, plan)
+    with pytest.raises(sa.Error, match="argument 'q'"):
+        sd.tile_sparse(q[:, :T], k, v, idx, cnt, plan)
+    two = sd.plan(shape, 2, dtype=q.dtype, **sel_kw)
+    with pytest.raises(sa.Error, match="made for 2 ranks"):
+        sd.tile_sparse(q, k, v, idx, cnt, two)
+    with pytest.raises(sa.Error, match="2-byte elements"):
+        sd.tile_sparse(q, k, v, idx, cnt, sd.plan(shape, 1, dtype=torch.bfloat16, **sel_kw))
+    cnt[0, 0, 0] = 0  # the plan's own tensor, changed after it was made
+    with pytest.raises(sa.Error, match="another selection"):
+        sd.tile_sparse(q, k, v, idx, cnt, plan)
