@@ -342,3 +342,30 @@ def test_one_rank_and_a_plan_of_another_selection(group_of_one):
     cnt[0, 0, 0] = 0  # the plan's own tensor, changed after it was made
     with pytest.raises(sa.Error, match="another selection"):
         sd.tile_sparse(q, k, v, idx, cnt, plan)
+
+
+# ---- the multi-GPU benchmark, in its CPU mode --------------------------------------------------------
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "gpu", "bench_distributed.py")
+
+
+def test_bench_distributed_runs_on_two_gloo_processes(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "cp.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        BENCH, "--device", "cpu", "--len", "1024", "--heads", "4,2", "--head-dim", "32", "--quick",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["workload"], row["impl"]) for row in rows] == [
+        ("dense", "sparse_attn"), ("dense", "ring_sdpa"), ("sparse", "sparse_attn")]
+    for row in rows:
+        assert row["verify"]["ok"] and row["world_size"] == 2
+        assert row["ms"] > 0 and row["scaling_efficiency"] > 0 and row["balance"] >= 1.0
+        assert sum(row["bytes_sent"]) == sum(row["bytes_received"]) > 0
+    lib = rows[0]
+    assert lib["bytes_sent"] == lib["plan"][f"{lib['plan']['strategy']}_bytes_sent"]
+    # The ring moves R - 1 = 1 K/V shard (2 x 512 rows x 2 heads x 32 x bf16) each way.
+    assert rows[1]["bytes_sent"] == [2 * 512 * 2 * 32 * 2] * 2
