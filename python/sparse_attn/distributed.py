@@ -233,30 +233,31 @@ class Plan:
     _q_send: tuple = dataclasses.field(repr=False)
     _remote: np.ndarray = dataclasses.field(repr=False)
     _selection: _Selection = dataclasses.field(repr=False)
-    # The lists of each run on its device, made by the first call that needs them (a plan is made
-    # once and run many times, as query_sparse_plan / query_sparse_run are).
+    # The lists of each run and each rank's row positions on their device, made by the first call that
+    # needs them (a plan is made once and run many times, as query_sparse_plan / query_sparse_run are).
     _lists: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def causal(self):
         return bool(self.shape.causal)
 
-    def rows(self, rank):
-        """The global sequence positions of rank's local rows (int64 tensor, ascending)."""
-        L = self.shape.Lq
-        return torch.cat([torch.arange(t * TILE, min(L, (t + 1) * TILE)) for t in self.tiles[rank]]
-                         or [torch.zeros(0, dtype=torch.int64)])
+    def rows(self, rank, device="cpu"):
+        """The global sequence positions of rank's local rows (int64 tensor on device, ascending)."""
+        key = ("rows", rank, torch.device(device))
+        if key not in self._lists:
+            rows = (np.asarray(self.tiles[rank], dtype=np.int64)[:, None] * TILE + np.arange(TILE)).ravel()
+            self._lists[key] = torch.from_numpy(rows[rows < self.shape.Lq]).to(device)
+        return self._lists[key]
 
     def shard(self, x, rank, dim=1):
         """Rank's rows of a tensor holding the whole sequence along dim (q, k, v: dim 1; lse: dim 2)."""
-        return x.index_select(dim, self.rows(rank).to(x.device))
+        return x.index_select(dim, self.rows(rank, x.device))
 
     def unshard(self, parts, dim=1):
         """The whole sequence from every rank's local rows (the inverse of shard)."""
-        rows = torch.cat([self.rows(r) for r in range(self.world_size)])
         cat = torch.cat(list(parts), dim=dim)
-        out = torch.empty_like(cat)
-        return out.index_copy_(dim, rows.to(cat.device), cat)
+        rows = torch.cat([self.rows(r, cat.device) for r in range(self.world_size)])
+        return torch.empty_like(cat).index_copy_(dim, rows, cat)
 
     def summary(self):
         """A dict of plain numbers for a report: layout, strategy, work, balance, bytes per rank."""
@@ -438,7 +439,7 @@ def _full_length(plan, local, rank):
     s = plan.shape
     buf = torch.full((s.B, s.Tk * TILE) + tuple(local.shape[2:]), float("nan"), dtype=local.dtype,
                      device=local.device)
-    return buf.index_copy_(1, plan.rows(rank).to(local.device), local)
+    return buf.index_copy_(1, plan.rows(rank, local.device), local)
 
 
 def _blocks(buf):
@@ -449,8 +450,8 @@ def _blocks(buf):
 
 def _exchange(recv, send, recv_rows, send_rows, group):
     """One all_to_all_single of row-major tensors as bytes (any dtype), asynchronous."""
-    as_bytes = (lambda x: x.view(torch.uint8)) if send.dtype != torch.uint8 else (lambda x: x)
-    return dist.all_to_all_single(as_bytes(recv), as_bytes(send), recv_rows, send_rows, group=group, async_op=True)
+    return dist.all_to_all_single(recv.view(torch.uint8), send.view(torch.uint8), recv_rows, send_rows, group=group,
+                                  async_op=True)
 
 
 def _kv_exchange(plan, rank, group, q, k, v, run):
