@@ -69,6 +69,8 @@ CASES = {
     "tiles_causal_bf16": ("tile_sparse", 1, 1024, 4, 1, 32, True, torch.bfloat16, "hkv"),
     "query_causal_gqa": ("query_sparse", 1, 1000, 4, 2, 16, True, torch.float32, 3),
     "query_noncausal": ("query_sparse", 1, 768, 2, 1, 16, False, torch.float32, 4),
+    # Three tiles make two zig-zag units: on 4 ranks two ranks hold no rows.
+    "tiles_three_tiles": ("tile_sparse", 1, 300, 4, 2, 16, True, torch.float32, "hkv"),
 }
 
 
@@ -289,6 +291,40 @@ def test_partition_keeps_equal_pair_counts_and_balances_uneven_work():
     dense = sd.plan(sa.ProblemShape(1, Tq * T, Tq * T, 2, 1, 16, True), 4, dtype=torch.float32, chunk_tiles=4)
     assert dense.layout == "zigzag" and dense.balance == 1.0
     assert dense.tiles[0] == tuple(range(4)) + tuple(range(28, 32))
+
+
+def test_merge_is_the_log_sum_exp_combine_in_rank_order():
+    # Rank 1 of 3 holds tiles 1 and 2 of 4 (chunk 1: pairs (0, 3) and (1, 2); LPT off on equal work).
+    shape = sa.ProblemShape(1, 3 * T + 5, 3 * T + 5, 2, 1, 8, False)
+    plan = sd.plan(shape, 2, dtype=torch.float32, chunk_tiles=1)
+    assert plan.tiles[1] == (1, 2)
+    g = torch.Generator().manual_seed(3)
+    n = 2 * T
+    own = torch.randn(1, n, 2, 8, generator=g), torch.randn(1, 2, n, generator=g) * 3
+    other_o, other_l = torch.randn(2, 1, T, 2, 8, generator=g), torch.randn(2, 1, 2, T, generator=g) * 3
+    own[1][0, 0, 5] = float("-inf")           # one side empty: the other side's partial as it is
+    other_l[0, 0, 1, 7] = float("-inf")
+    own[1][0, 1, 7] = float("-inf")           # both empty: out 0, lse -inf
+    other_l[1, 0, 0, 9] = float("nan")        # a NaN partial: NaN row (tile 2, row 9, head 0)
+    received = [(torch.tensor([0, 1]), other_o, other_l), None]
+    out, lse = sd._merge(plan, 1, own, received)
+    # float64 reference: per row, logsumexp over the two sides.
+    lo = other_l.permute(1, 2, 0, 3).reshape(1, 2, n).double()
+    oo = other_o.permute(1, 0, 2, 3, 4).reshape(1, n, 2, 8).double()
+    want_lse = torch.logaddexp(own[1].double(), lo)
+    w_own = torch.exp(own[1].double() - want_lse).nan_to_num(0.0).permute(0, 2, 1)[..., None]
+    w_oth = torch.exp(lo - want_lse).nan_to_num(0.0).permute(0, 2, 1)[..., None]
+    want = w_own * own[0].double() + w_oth * oo
+    assert torch.isnan(out[0, T + 9, 0]).all() and torch.isnan(lse[0, 0, T + 9])
+    assert torch.equal(out[0, 7, 1], torch.zeros(8)) and lse[0, 1, 7] == float("-inf")
+    assert torch.equal(out[0, 5, 0], other_o[0, 0, 5, 0]) and lse[0, 0, 5] == other_l[0, 0, 0, 5]
+    ok = torch.ones_like(lse, dtype=torch.bool)
+    ok[0, 0, T + 9] = False
+    ok[0, 1, 7] = False
+    assert torch.isfinite(lse[ok]).all()
+    assert (lse[ok].double() - want_lse[ok]).abs().max() < 1e-5
+    rows = ok.permute(0, 2, 1)
+    assert (out[rows].double() - want[rows]).abs().max() < 1e-5
 
 
 def test_plan_and_operator_errors():
