@@ -233,9 +233,10 @@ class Plan:
     _q_send: tuple = dataclasses.field(repr=False)
     _remote: np.ndarray = dataclasses.field(repr=False)
     _selection: _Selection = dataclasses.field(repr=False)
-    # The lists of each run and each rank's row positions on their device, made by the first call that
-    # needs them (a plan is made once and run many times, as query_sparse_plan / query_sparse_run are).
-    _lists: dict = dataclasses.field(default_factory=dict, repr=False)
+    # The lists of each run, each rank's row positions and the exchanges' indices on their device, made
+    # by the first call that needs them (a plan is made once and run many times, as query_sparse_plan /
+    # query_sparse_run are). See _cached.
+    _device_cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def causal(self):
@@ -243,11 +244,15 @@ class Plan:
 
     def rows(self, rank, device="cpu"):
         """The global sequence positions of rank's local rows (int64 tensor on device, ascending)."""
-        key = ("rows", rank, torch.device(device))
-        if key not in self._lists:
-            rows = (np.asarray(self.tiles[rank], dtype=np.int64)[:, None] * TILE + np.arange(TILE)).ravel()
-            self._lists[key] = torch.from_numpy(rows[rows < self.shape.Lq]).to(device)
-        return self._lists[key]
+        rows = (np.asarray(self.tiles[rank], dtype=np.int64)[:, None] * TILE + np.arange(TILE)).ravel()
+        return self._cached(("rows", rank), device, lambda: (rows[rows < self.shape.Lq],))[0]
+
+    def _cached(self, key, device, make):
+        """The tensors of make() (numpy arrays) on device, made once per plan, key and device."""
+        key = key + (torch.device(device),)
+        if key not in self._device_cache:
+            self._device_cache[key] = tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in make())
+        return self._device_cache[key]
 
     def shard(self, x, rank, dim=1):
         """Rank's rows of a tensor holding the whole sequence along dim (q, k, v: dim 1; lse: dim 2)."""
@@ -369,12 +374,8 @@ class _Executor:
         self.calls += 1
         if self.plan.kind == "dense" and only is None:
             return _sa.dense(q, k, v, **args)
-        key = (t0, t1, only, q.device)
-        lists = self.plan._lists.get(key)
-        if lists is None:
-            lists = tuple(torch.from_numpy(np.ascontiguousarray(x)).to(q.device)
-                          for x in self._lists(t0, t1, _ceil_div(kend, TILE), only))
-            self.plan._lists[key] = lists
+        lists = self.plan._cached(("run", t0, t1, only), q.device,
+                                  lambda: self._lists(t0, t1, _ceil_div(kend, TILE), only))
         if self.plan.kind == "query":
             return _sa.query_sparse(q, k, v, *lists, partials=self.partials, trusted=True, **args)
         return _sa.tile_sparse(q, k, v, *lists, trusted=True, **args)
@@ -459,13 +460,12 @@ def _kv_exchange(plan, rank, group, q, k, v, run):
     kbuf, vbuf = _full_length(plan, k, rank), _full_length(plan, v, rank)
     kb, vb = _blocks(kbuf), _blocks(vbuf)
 
-    def triples(rows):
-        rows = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
-        return [torch.from_numpy(rows[:, i]).to(dev) for i in range(3)]
+    def triples(name, sets):
+        return plan._cached((name, rank), dev, lambda: np.concatenate(sets).T)
 
     out_sets = [plan._kv_send[rank][dst] for dst in range(R)]
     in_sets = [plan._kv_send[src][rank] for src in range(R)]
-    b, h, j = triples(out_sets)
+    b, h, j = triples("kv_out", out_sets)
     send = torch.stack((kb[b, j, :, h, :], vb[b, j, :, h, :]), dim=1).contiguous()  # [n, 2, 128, D]
     recv = torch.empty((sum(len(s) for s in in_sets),) + tuple(send.shape[1:]), dtype=send.dtype, device=dev)
     work = _exchange(recv, send, [len(s) for s in in_sets], [len(s) for s in out_sets], group)
@@ -494,7 +494,7 @@ def _kv_exchange(plan, rank, group, q, k, v, run):
         if not remote:
             compute(t0, t1, first, rows)
     work.wait()
-    b, h, j = triples(in_sets)
+    b, h, j = triples("kv_in", in_sets)
     kb[b, j, :, h, :] = recv[:, 0]
     vb[b, j, :, h, :] = recv[:, 1]
     for t0, t1, first, rows, remote in runs:
@@ -561,7 +561,8 @@ def _partial_exchange(plan, rank, group, q, k, v, run):
 
     out_sets = [plan._q_send[rank][dst] for dst in range(R)]
     in_sets = [plan._q_send[src][rank] for src in range(R)]
-    pos = torch.tensor([local_pos[t] for ts in out_sets for t in ts], dtype=torch.int64, device=dev)
+    pos, = plan._cached(("q_out", rank), dev, lambda: (np.array([local_pos[t] for ts in out_sets for t in ts],
+                                                                 dtype=np.int64),))
     send_q = qt[:, pos].permute(1, 0, 2, 3, 4).contiguous()  # [m, B, 128, Hq, D]
     m_in = sum(len(ts) for ts in in_sets)
     recv_q = torch.empty((m_in, B, TILE, Hq, D), dtype=q.dtype, device=dev)
@@ -606,7 +607,7 @@ def _partial_exchange(plan, rank, group, q, k, v, run):
     for dst in range(R):
         ts = out_sets[dst]
         if ts:
-            p = torch.tensor([local_pos[t] for t in ts], dtype=torch.int64, device=dev)
+            p, = plan._cached(("q_back", rank, dst), dev, lambda: (np.array([local_pos[t] for t in ts], dtype=np.int64),))
             received.append((p, recv_o[base:base + len(ts)], recv_l[base:base + len(ts)]))
         else:
             received.append(None)
