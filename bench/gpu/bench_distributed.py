@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--strategy", choices=("auto", "kv", "partials"), default="auto")
     p.add_argument("--reps", type=int, help="timed calls per figure (default 10, 3 with --quick)")
     p.add_argument("--no-single", action="store_true", help="skip the one-device figures (and the efficiency)")
+    p.add_argument("--ring-sdpa", choices=("cudnn", "flash"), default="cudnn",
+                   help="the SDPA kernel of the ring peer's steps on the GPU (its LSE merges the steps)")
     args = p.parse_args(argv)
     harness.finish_args(p, args)
     try:
@@ -111,14 +113,17 @@ def sparse_pairs(idx, cnt, L, Hq, causal):
 
 # ---- the peer: ring attention ---------------------------------------------------------------------
 
-def _sdpa_lse(q, k, v, causal):
+def _sdpa_lse(q, k, v, causal, kernel="cudnn"):
     """(out float32 [B, H, L, D], lse [B, H, L]) of one SDPA call on (B, H, L, D) tensors with K/V at
-    Hq heads: cuDNN on the GPU, the flash kernel for CPU on the CPU."""
+    Hq heads: on the GPU the cuDNN kernel (or with kernel="flash" the flash one), on the CPU the flash
+    kernel for CPU."""
     import torch
-    if q.device.type == "cuda":
+    if q.device.type != "cuda":
+        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    elif kernel == "cudnn":
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
     else:
-        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
     return r[0].float(), r[1].reshape(q.shape[:3]).float()
 
 
@@ -136,7 +141,7 @@ def ring_unshard(parts):
     return torch.cat([halves[r][0] for r in range(R)] + [halves[R - 1 - r][1] for r in range(R)], dim=1)
 
 
-def ring_attention(q, k, v, causal, group=None):
+def ring_attention(q, k, v, causal, kernel="cudnn", group=None):
     """Dense attention of the zig-zag shard q [B, 2c, Hq, D] over the whole sequence: the K/V shards
     travel around the ring (step s holds rank r - s's), each step one SDPA call on the rows and keys
     that see each other, merged by LSE in float32. Returns out [B, 2c, Hq, D] in q's dtype."""
@@ -151,7 +156,8 @@ def ring_attention(q, k, v, causal, group=None):
 
     def merge(rows, o, l):
         new = torch.logaddexp(lse[:, :, rows], l)
-        out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None] + o * torch.exp(l - new)[..., None]
+        keep, add = torch.exp(lse[:, :, rows] - new), torch.exp(l - new)
+        out[:, :, rows] = out[:, :, rows] * keep[..., None] + o * add[..., None]
         lse[:, :, rows] = new
 
     kv = torch.stack((k, v)).contiguous()
@@ -164,13 +170,13 @@ def ring_attention(q, k, v, causal, group=None):
         src = (r - step) % R
         kt, vt = (x.transpose(1, 2).repeat_interleave(rep, dim=1) for x in kv)
         if not causal:
-            merge(slice(None), *_sdpa_lse(qt, kt, vt, False))
+            merge(slice(None), *_sdpa_lse(qt, kt, vt, False, kernel))
         elif step == 0:
-            merge(slice(None), *_sdpa_lse(qt, kt, vt, True))
+            merge(slice(None), *_sdpa_lse(qt, kt, vt, True, kernel))
         elif src < r:   # its first chunk precedes both of ours, its second follows both
-            merge(slice(None), *_sdpa_lse(qt, kt[:, :, :c], vt[:, :, :c], False))
+            merge(slice(None), *_sdpa_lse(qt, kt[:, :, :c], vt[:, :, :c], False, kernel))
         else:           # both of its chunks precede our second one and follow our first
-            merge(slice(c, None), *_sdpa_lse(qt[:, :, c:], kt, vt, False))
+            merge(slice(c, None), *_sdpa_lse(qt[:, :, c:], kt, vt, False, kernel))
         for req in reqs:
             req.wait()
         if step < R - 1:
@@ -312,7 +318,7 @@ def _run(args, torch, dist, sa, sd):
 
                 if workload == "dense" and not args.no_peers:
                     qr, kr, vr = (ring_shard(x, rank, R) for x in (q, k, v))
-                    out = ring_attention(qr, kr, vr, causal)
+                    out = ring_attention(qr, kr, vr, causal, args.ring_sdpa)
                     parts = [torch.empty_like(out) for _ in range(R)]
                     dist.all_gather(parts, out)
                     check = None
@@ -320,17 +326,18 @@ def _run(args, torch, dist, sa, sd):
                         check = harness.verify_tile_output(ring_unshard(parts), q, k, v, None, None, causal,
                                                            verify_gen, f"ring attention L={L}")
                     del parts
-                    ms = time_all_ranks(lambda: ring_attention(qr, kr, vr, causal), args.reps, args.device)
-                    rep = Hq // Hkv
-
-                    def one_sdpa():
-                        _sdpa_lse(*(x.transpose(1, 2) for x in (q, k.repeat_interleave(rep, 2),
-                                                                 v.repeat_interleave(rep, 2))), causal)
-                    ms1 = None if args.no_single else time_rank0(one_sdpa, args.reps, args.device)
+                    ms = time_all_ranks(lambda: ring_attention(qr, kr, vr, causal, args.ring_sdpa), args.reps,
+                                        args.device)
+                    ms1 = None
+                    if not args.no_single:  # one SDPA call on the whole problem, K/V repeated beforehand
+                        qkv = tuple(x.transpose(1, 2).repeat_interleave(Hq // x.shape[2], 1) for x in (q, k, v))
+                        ms1 = time_rank0(lambda: _sdpa_lse(*qkv, causal, args.ring_sdpa), args.reps, args.device)
+                        del qkv
                     shard_bytes = kr.numel() * kr.element_size() * 2
                     work = ring_work(L, R, causal)
-                    add({**base, "workload": workload, "impl": "ring_sdpa", "density": 1.0, "ms": ms,
-                         "ms_one_device": ms1, "scaling_efficiency": ms1 / (R * ms) if ms1 else None,
+                    impl = "ring_sdpa_" + (args.ring_sdpa if args.device == "cuda" else "cpu")
+                    add({**base, "workload": workload, "impl": impl, "density": 1.0, "ms": ms, "ms_one_device": ms1,
+                         "scaling_efficiency": ms1 / (R * ms) if ms1 else None,
                          "useful_tflops": harness.tflops(flop, ms), "bytes_sent": [(R - 1) * shard_bytes] * R,
                          "bytes_received": [(R - 1) * shard_bytes] * R,
                          "balance": max(work) / (sum(work) / R), "verify": check})

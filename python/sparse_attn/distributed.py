@@ -607,7 +607,8 @@ def _partial_exchange(plan, rank, group, q, k, v, run):
     for dst in range(R):
         ts = out_sets[dst]
         if ts:
-            p, = plan._cached(("q_back", rank, dst), dev, lambda: (np.array([local_pos[t] for t in ts], dtype=np.int64),))
+            p, = plan._cached(("q_back", rank, dst), dev,
+                              lambda: (np.array([local_pos[t] for t in ts], dtype=np.int64),))
             received.append((p, recv_o[base:base + len(ts)], recv_l[base:base + len(ts)]))
         else:
             received.append(None)

@@ -397,7 +397,7 @@ def test_bench_distributed_runs_on_two_gloo_processes(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(row["workload"], row["impl"]) for row in rows] == [
-        ("dense", "sparse_attn"), ("dense", "ring_sdpa"), ("sparse", "sparse_attn")]
+        ("dense", "sparse_attn"), ("dense", "ring_sdpa_cpu"), ("sparse", "sparse_attn")]
     for row in rows:
         assert row["verify"]["ok"] and row["world_size"] == 2
         assert row["ms"] > 0 and row["scaling_efficiency"] > 0 and row["balance"] >= 1.0
