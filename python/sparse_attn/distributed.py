@@ -105,13 +105,22 @@ class _Selection:
         if kind != self.kind:
             return False
         if len(arrays) == len(self.given) and all(
-                a is g and isinstance(a, torch.Tensor) and a._version == v for a, (g, v) in zip(arrays, self.given)):
+                a is g and v is not None and _version(a) == v for a, (g, v) in zip(arrays, self.given)):
             return True
         return _fingerprint(kind, shape, tuple(_host(a) for a in arrays)) == self.fingerprint
 
 
+def _version(a):
+    """A tensor's version counter (bumped by every in-place change); None for anything else and for
+    inference-mode tensors, which keep none."""
+    try:
+        return a._version if isinstance(a, torch.Tensor) else None
+    except RuntimeError:
+        return None
+
+
 def _given(*arrays):
-    return tuple((a, a._version if isinstance(a, torch.Tensor) else None) for a in arrays)
+    return tuple((a, _version(a)) for a in arrays)
 
 
 def _selection(op, shape, tiles, query_lists):

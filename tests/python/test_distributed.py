@@ -102,6 +102,7 @@ def single_process(name):
 # ---- the workers ------------------------------------------------------------------------------------
 
 def _worker(rank, world, port, outdir):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {}
@@ -345,7 +346,8 @@ def test_plan_and_operator_errors():
 
 
 @pytest.fixture
-def group_of_one():
+def group_of_one(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -379,6 +381,15 @@ def test_one_rank_and_a_plan_of_another_selection(group_of_one):
     cnt[0, 0, 0] = 0  # the plan's own tensor, changed after it was made
     with pytest.raises(sa.Error, match="another selection"):
         sd.tile_sparse(q, k, v, idx, cnt, plan)
+    # Inference-mode lists keep no version counter: checked by contents.
+    with torch.inference_mode():
+        idx_i, cnt_i = idx.clone(), cnt.clone()
+        plan = sd.plan(shape, 1, dtype=q.dtype, tiles=(idx_i, cnt_i))
+        out = sd.tile_sparse(q, k, v, idx_i, cnt_i, plan)
+        cnt_i[0, 0, 1] = 0
+        with pytest.raises(sa.Error, match="another selection"):
+            sd.tile_sparse(q, k, v, idx_i, cnt_i, plan)
+    assert torch.equal(out, sa.tile_sparse(q, k, v, idx, cnt, causal=True))
 
 
 # ---- the multi-GPU benchmark, in its CPU mode --------------------------------------------------------
@@ -393,7 +404,8 @@ def test_bench_distributed_runs_on_two_gloo_processes(tmp_path):
     out = tmp_path / "cp.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         BENCH, "--device", "cpu", "--len", "1024", "--heads", "4,2", "--head-dim", "32", "--quick",
-                        "--json", str(out)], capture_output=True, text=True, timeout=120)
+                        "--json", str(out)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(row["workload"], row["impl"]) for row in rows] == [
