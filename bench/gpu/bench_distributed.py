@@ -199,6 +199,14 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _on_backend(values, dtype):
+    """A tensor of values where the process group's collectives take it (NCCL: the current GPU)."""
+    import torch
+    import torch.distributed as dist
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    return torch.tensor(values, dtype=dtype, device=dev)
+
+
 def time_all_ranks(fn, reps, device, warmup=1):
     """Median over reps of the slowest rank's time (ms) from a barrier to the device's completion."""
     import torch
@@ -212,7 +220,7 @@ def time_all_ranks(fn, reps, device, warmup=1):
         t0 = time.perf_counter()
         fn()
         _sync(device)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dt = _on_backend([time.perf_counter() - t0], torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         times.append(dt.item() * 1e3)
     return statistics.median(times)
@@ -222,7 +230,7 @@ def time_rank0(fn, reps, device):
     """The same timing of fn on rank 0 alone (the other ranks wait); the figure on every rank."""
     import torch
     import torch.distributed as dist
-    ms = torch.zeros(1, dtype=torch.float64)
+    ms = _on_backend([0.0], torch.float64)
     if dist.get_rank() == 0:
         fn()
         times = []
@@ -271,6 +279,21 @@ def _run(args, torch, dist, sa, sd):
         if rank == 0:
             results.add(row)
 
+    def checked(verify):
+        """verify() on rank 0; every rank raises VerificationError if it failed (none is left waiting
+        in a collective)."""
+        result, error = None, None
+        if rank == 0:
+            try:
+                result = verify()
+            except harness.VerificationError as e:
+                error = e
+        flag = _on_backend([error is None], torch.int64)
+        dist.broadcast(flag, 0)
+        if not flag.item():
+            raise error or harness.VerificationError("rank 0's verification failed")
+        return result
+
     with results.recording_failure():
         for L in args.lens:
             if L % (2 * R * BLOCK):
@@ -295,17 +318,13 @@ def _run(args, torch, dist, sa, sd):
 
                 out, stats = op(ql, kl, vl, *sel, plan, return_stats=True)
                 full = sd.gather(out, plan)
-                check = None
-                if rank == 0:
-                    check = harness.verify_tile_output(full, q, k, v, *(sel or (None, None)), causal, verify_gen,
-                                                       f"distributed {workload} L={L}")
+                check = checked(lambda: harness.verify_tile_output(
+                    full, q, k, v, *(sel or (None, None)), causal, verify_gen, f"distributed {workload} L={L}"))
                 del full
                 ms = time_all_ranks(lambda: op(ql, kl, vl, *sel, plan), args.reps, args.device)
                 ms1 = None if args.no_single else time_rank0(
                     lambda: one(q, k, v, *sel, causal=causal), args.reps, args.device)
-                sent = [0] * R
-                received = [0] * R
-                counts = torch.tensor([stats["bytes_sent"], stats["bytes_received"]], dtype=torch.int64)
+                counts = _on_backend([stats["bytes_sent"], stats["bytes_received"]], torch.int64)
                 every = [torch.zeros_like(counts) for _ in range(R)]
                 dist.all_gather(every, counts)
                 sent, received = [int(c[0]) for c in every], [int(c[1]) for c in every]
@@ -321,10 +340,8 @@ def _run(args, torch, dist, sa, sd):
                     out = ring_attention(qr, kr, vr, causal, args.ring_sdpa)
                     parts = [torch.empty_like(out) for _ in range(R)]
                     dist.all_gather(parts, out)
-                    check = None
-                    if rank == 0:
-                        check = harness.verify_tile_output(ring_unshard(parts), q, k, v, None, None, causal,
-                                                           verify_gen, f"ring attention L={L}")
+                    check = checked(lambda: harness.verify_tile_output(
+                        ring_unshard(parts), q, k, v, None, None, causal, verify_gen, f"ring attention L={L}"))
                     del parts
                     ms = time_all_ranks(lambda: ring_attention(qr, kr, vr, causal, args.ring_sdpa), args.reps,
                                         args.device)
