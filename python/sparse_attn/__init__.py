@@ -29,6 +29,8 @@ Selections (int32 index tensors, on q's device):
 Importing this package does not import torch; :mod:`sparse_attn.torch` holds the torch.library
 custom ops and the Hugging Face attention registration. Its functions take the same arguments and
 return the same results as the functions of the same name here.
+:mod:`sparse_attn.distributed` (torch too) shards one sequence across the ranks of a
+torch.distributed group (context-parallel dense, tile_sparse and query_sparse).
 """
 
 from __future__ import annotations
