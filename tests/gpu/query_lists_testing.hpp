@@ -13,14 +13,10 @@
 #include <vector>
 
 #include "common/testing.hpp"
+#include "gpu/device_testing.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sparse_attn::testing::query_lists {
-
-#define QUERY_SPARSE_SKIP_WITHOUT_GPU()                                                                   \
-  do {                                                                                                    \
-    if (!sparse_attn::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped"; \
-  } while (0)
 
 inline void cuda_ok(cudaError_t e, const char* what) {
   ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e);

@@ -83,7 +83,7 @@ struct Worker {
 }  // namespace
 
 TEST(ConcurrencyGpu, TwoThreadsTwoStreamsEqualOneThread) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   // Different shapes, dtypes and head dims, so that the two threads' calls need different workspace
   // sizes and shared memory. The first is non-causal with 24 units (dense splits its last wave).
   std::vector<std::unique_ptr<Worker>> workers;

@@ -117,10 +117,9 @@ void check_case(const Case& c, std::uint64_t seed) {
   ASSERT_NO_FATAL_FAILURE(expect_equal(want, gpu_convert(lists, p, roomy, trusted), "trusted"));
 }
 
-#define SKIP_WITHOUT_GPU() QUERY_SPARSE_SKIP_WITHOUT_GPU()
 
 TEST(ConvertGpu, EqualsCpuOnRandomLists) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case cases[] = {
       {"one tile", 1, 128, 256, 1, 4},
       {"Lq = 1", 1, 1, 300, 1, 3},
@@ -140,12 +139,12 @@ TEST(ConvertGpu, EqualsCpuOnRandomLists) {
 // Tk = 8594 blocks: the bit set has 269 words, more than one compaction round of 256 threads, and the
 // unions (up to 128 x 96 ids) span both rounds.
 TEST(ConvertGpu, EqualsCpuPastOneCompactionRound) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   ASSERT_NO_FATAL_FAILURE(check_case({"Tk = 8594", 2, 300, 1100000, 1, 96}, 5));
 }
 
 TEST(ConvertGpu, NoSelectedBlock) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 200, 512, 2);
   sa::HostTensor empty(sa::DType::i32, {p.B, p.Hkv, p.Lq, 3});
   std::fill(empty.data<std::int32_t>(), empty.data<std::int32_t>() + empty.numel(), -1);
@@ -159,7 +158,7 @@ TEST(ConvertGpu, NoSelectedBlock) {
 // Lists that are a slice of wider rows (row stride Kq + 3) and outputs with padded rows and a
 // transposed count tensor, converted on a stream of the caller.
 TEST(ConvertGpu, StridedTensorsOnAStream) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 400, 3000, 3);
   const std::int64_t kq = 6, wide = kq + 3, kmax = p.Tk() + 1, kpad = kmax + 4;
   const sa::HostTensor packed = st::query_lists::random_lists(p, kq, false, false, 77);
@@ -231,7 +230,7 @@ std::int32_t& at(sa::HostTensor& l, const sa::ProblemShape& p, std::int64_t b, s
 }
 
 TEST(ConvertGpu, InvalidListsReportedAsOnTheCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 1013, 1100, 2);  // Tk = 9
   const std::int64_t kq = 5, kmax = p.Tk();
   std::mt19937_64 rng(3);
@@ -260,7 +259,7 @@ TEST(ConvertGpu, InvalidListsReportedAsOnTheCpu) {
 // Several faults: the first in row-major order wins, a repeat before a range fault in the same row
 // is the one reported, and a list fault anywhere comes before a capacity fault in an earlier tile.
 TEST(ConvertGpu, FirstFaultWins) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 600, 4000, 2);  // Tk = 32, Tq = 5
   const std::int64_t kq = 6;
   sa::HostTensor base = st::query_lists::random_lists(p, kq, false, false, 9);
@@ -286,7 +285,7 @@ TEST(ConvertGpu, FirstFaultWins) {
 }
 
 TEST(ConvertGpu, UnionOverCapacity) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 700, 2000, 2);  // Tk = 16, Tq = 6
   const std::int64_t kq = 3;
   // Every query picks blocks 0..2 except one query of tile [1, 1, 4] (and, later, of [1, 1, 5]) that
@@ -303,7 +302,7 @@ TEST(ConvertGpu, UnionOverCapacity) {
 }
 
 TEST(ConvertGpu, TrustedNeedsRoomForTheLargestUnion) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(1, 300, 4096, 1);  // Tk = 32
   const sa::HostTensor lists = st::query_lists::random_lists(p, 4, false, false, 21);
   sa::ConvertOptions trusted;
@@ -326,7 +325,7 @@ TEST(ConvertGpu, TrustedNeedsRoomForTheLargestUnion) {
 }
 
 TEST(ConvertGpu, DeviceMismatchNamesTheArgument) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(1, 128, 256, 1);
   const sa::HostTensor lists = st::query_lists::random_lists(p, 2, false, false, 1);
   Tiles host = poisoned_tiles(p, 2);
@@ -342,7 +341,7 @@ TEST(ConvertGpu, DeviceMismatchNamesTheArgument) {
 // Small enough for compute-sanitizer (memcheck, racecheck, synccheck): the checked and the trusted
 // kernel on a partial tile, Hkv = 2, -1 slots, a tight Kmax, then an error path.
 TEST(ConvertGpu, SanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 200, 1000, 2, true);
   const sa::HostTensor lists = st::query_lists::random_lists(p, 5, false, true, 8);
   const Tiles want = cpu_convert(lists, p, p.Tk());
@@ -412,7 +411,7 @@ struct BitsCase {
 // Shapes with Tk below, at and past one word and past one warp round of 32 words (Tk 1094: 35 words);
 // G = Hkv and G = Hq; densities from empty to full; roomy, tight and trusted capacities.
 TEST(ConvertGpu, BitsEqualCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const BitsCase cases[] = {
       {"Tk 1", 1, 200, 100, 1, 1, 0.5},         {"Tk 9, Hkv 2", 2, 1013, 1100, 2, 2, 0.3},
       {"Tk 32, full", 1, 300, 4096, 1, 1, 1.0}, {"Tk 33, G = Hq", 2, 256, 4100, 2, 4, 0.2},
@@ -442,7 +441,7 @@ void expect_same_bits_error(const sa::HostTensor& bits, const sa::ProblemShape& 
 // Stray bits (the first row in row-major order, its lowest stray bit) before any row over capacity;
 // a trusted conversion drops stray bits and needs Kmax >= Tk.
 TEST(ConvertGpu, BitsErrorsAsOnTheCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 600, 1100, 2);  // Tk = 9, Tq = 5, one word
   const sa::HostTensor base = random_bits(p, p.Hkv, 0.3, 7);
   auto word = [&](sa::HostTensor& b, std::int64_t bb, std::int64_t g, std::int64_t t) -> std::uint32_t& {
@@ -477,7 +476,7 @@ TEST(ConvertGpu, BitsErrorsAsOnTheCpu) {
 
 // Bits that are a column slice of wider rows, outputs with padded rows, on a caller's stream.
 TEST(ConvertGpu, BitsStridedOnAStream) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 300, 9000, 2);  // Tk = 71, W = 3
   const std::int64_t W = 3, wide = W + 2, kmax = p.Tk(), kpad = kmax + 4;
   const sa::HostTensor packed = random_bits(p, p.Hkv, 0.3, 5);
@@ -507,7 +506,7 @@ TEST(ConvertGpu, BitsStridedOnAStream) {
 
 // Small enough for compute-sanitizer: checked, tight and trusted bit conversions, then a stray bit.
 TEST(ConvertGpu, BitsSanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 300, 4300, 2);  // Tk = 34, W = 2
   const sa::HostTensor bits = random_bits(p, p.Hkv, 0.3, 3);
   const Tiles want = cpu_bits(bits, p, p.Tk());
@@ -562,7 +561,7 @@ void expect_same_words(const sa::HostTensor& want, const sa::HostTensor& got, co
 }
 
 TEST(ConvertGpu, TilesToBitsEqualCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const BitsCase cases[] = {{"Tk 1", 1, 200, 100, 1, 1, 0.5},
                             {"Tk 9 Hkv 2", 2, 1013, 1100, 2, 2, 0.3},
                             {"Tk 33 G = Hq", 2, 256, 4100, 2, 4, 0.2},
@@ -589,7 +588,7 @@ void expect_same_tiles_error(const TileListsHost& l, const sa::ProblemShape& p, 
 // order, its first fault, as on the CPU. Trusted lists with such entries are clamped and never written
 // out of bounds.
 TEST(ConvertGpu, TilesToBitsErrorsAsOnTheCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 600, 2000, 2);  // Tk = 16, Tq = 5
   const TileListsHost base = random_tile_lists(p, p.Hkv, 6, 0.3, 5);
   const std::int64_t kmax = base.idx.shape()[3];
@@ -637,7 +636,7 @@ TEST(ConvertGpu, TilesToBitsErrorsAsOnTheCpu) {
 
 // Lists with padded rows and a count tensor with padded rows, on a caller's stream, into padded bit rows.
 TEST(ConvertGpu, TilesToBitsStridedOnAStream) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 300, 9000, 2);  // Tk = 71, W = 3, Tq = 3
   const TileListsHost l = random_tile_lists(p, p.Hkv, 1, 0.3, 9);
   const std::int64_t kmax = l.idx.shape()[3], kpad = kmax + 3, W = 3, wpad = W + 2, tpad = p.Tq() + 2;
@@ -671,7 +670,7 @@ TEST(ConvertGpu, TilesToBitsStridedOnAStream) {
 
 // Small enough for compute-sanitizer: TileLists -> BlockBits checked, trusted, then an error.
 TEST(ConvertGpu, TilesToBitsSanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::ProblemShape p = shape(2, 300, 4300, 2);  // Tk = 34, W = 2
   TileListsHost l = random_tile_lists(p, p.Hkv, 1, 0.3, 3);
   const sa::HostTensor words = cpu_tiles_to_bits(l, p);

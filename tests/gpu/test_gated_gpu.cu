@@ -17,18 +17,13 @@
 #include <vector>
 
 #include "common/testing.hpp"
-#include "device_testing.hpp"
+#include "gpu/device_testing.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
 namespace st = sparse_attn::testing;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                                           \
-  do {                                                                                               \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped"; \
-  } while (0)
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr std::int64_t kRows = sa::kGateRows;
@@ -144,7 +139,7 @@ void expect_stats_eq(const sa::GatedStats& a, const sa::GatedStats& b) {
 class GatedGpu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GatedGpu, NegInfThresholdsGiveDenseCausal) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c = GetParam();
   const sa::ProblemShape p = shape_of(c);
   const Inputs in = make_inputs(c, 10 + c.Lq);
@@ -167,7 +162,7 @@ TEST_P(GatedGpu, NegInfThresholdsGiveDenseCausal) {
 }
 
 TEST_P(GatedGpu, KeptBlocksMatchTheCpuUpToNearThresholdBlocks) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c = GetParam();
   const sa::ProblemShape p = shape_of(c);
   const Inputs in = make_inputs(c, 500 + c.Lk);
@@ -247,7 +242,7 @@ TEST_P(GatedGpu, KeptBlocksMatchTheCpuUpToNearThresholdBlocks) {
 }
 
 TEST_P(GatedGpu, SinksAndDiagonalSurviveInfiniteThresholds) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c = GetParam();
   const sa::ProblemShape p = shape_of(c);
   const Inputs in = make_inputs(c, 900);
@@ -280,7 +275,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
 
 TEST(GatedGpu, HostStatsAndDeviceCountersAgree) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"", sa::DType::bf16, 2, 900, 900, 4, 2, 128};
   const sa::ProblemShape p = shape_of(c);
   const Inputs in = make_inputs(c, 77);
@@ -304,7 +299,7 @@ TEST(GatedGpu, HostStatsAndDeviceCountersAgree) {
 }
 
 TEST(GatedGpu, ABlockWithANaNScoreIsKept) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   // FLT_MAX thresholds skip every candidate; a NaN in key 10 (block 0, no sink) is still seen by
   // every row of the heads of KV head 1 past query 10, as on the CPU.
   const Case c{"", sa::DType::bf16, 1, 384, 384, 4, 2, 64};
@@ -333,7 +328,7 @@ TEST(GatedGpu, ABlockWithANaNScoreIsKept) {
 namespace {
 
 TEST(GatedGpu, CalibrationMatchesTheCpuCalibrator) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   // Samples of several lengths (off the tiles), GQA, both dtypes and head dims: the same -inf
   // pattern (it depends on candidate counts only) and thresholds equal up to the float32 rounding of
   // the scores (the sums' order is the CPU's; fused or not).
@@ -367,7 +362,7 @@ TEST(GatedGpu, CalibrationMatchesTheCpuCalibrator) {
 }
 
 TEST(GatedGpu, CalibrationRefusesWhatTheGpuCannotRun) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::HostTensor q = st::random_tensor(sa::DType::f32, {1, 256, 2, 64}, 1);
   const sa::HostTensor k = st::random_tensor(sa::DType::f32, {1, 256, 2, 64}, 2);
   const st::Dev dq(q), dk(k);

@@ -29,11 +29,6 @@ using st::Dev;
 using st::expect_equal_i32;
 using st::poisoned_i32;
 
-#define SKIP_WITHOUT_GPU()                                                                                        \
-  do {                                                                                                            \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU lightning test skipped"; \
-  } while (0)
-
 // The tuning of one GPU call (tuning.hpp) with its device counters.
 struct Hooks {
   unsigned long long* d = nullptr;
@@ -115,7 +110,7 @@ const Case kCases[] = {
 };
 
 TEST(LightningTokensGpu, EqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4000;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
     for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10));
@@ -124,7 +119,7 @@ TEST(LightningTokensGpu, EqualsCpu) {
 // The mma.sync screening kernel (up to eight queries per CTA, a warp-private buffer; the automatic choice
 // where the wgmma kernel's buffers would be too small for top_k) on the same cases.
 TEST(LightningTokensGpu, MmaSyncScreenEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4200;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
     for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10), false, 0, true);
@@ -133,7 +128,7 @@ TEST(LightningTokensGpu, MmaSyncScreenEqualsCpu) {
 // A buffer barely larger than top_k: compaction runs every few chunks, including rows whose kept set is
 // exactly k after it.
 TEST(LightningTokensGpu, SmallBufferCompactsEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case cases[] = {
       {"compaction, causal", 1, 200, 1500, 6, 32, 1, 40, true},
       {"compaction, non-causal B=2 G=2", 2, 20, 2000, 64, 128, 2, 100, false},
@@ -152,7 +147,7 @@ TEST(LightningTokensGpu, SmallBufferCompactsEqualsCpu) {
 // Every row on the float64 streaming path (SelectorTuning::lightning_fallback_only), and shapes the screening
 // kernels do not take (HI > 64, Di > 128), which fall back automatically.
 TEST(LightningTokensGpu, FallbackEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4700;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3}) {
     const Case forced{"forced fallback", 2, 60, 700, 4, 32, 2, 150, true};
@@ -168,7 +163,7 @@ TEST(LightningTokensGpu, FallbackEqualsCpu) {
 // Structured inputs: ties and near-ties at the k-th place, where only the exact float64 scores and the tie
 // rule (lower key first) decide.
 TEST(LightningTokensGpu, TiesAndNearTiesEqualCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4900;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3}) {
     {  // key 2i + 1 duplicates key 2i: every score is tied with its pair
@@ -221,7 +216,7 @@ TEST(LightningTokensGpu, TiesAndNearTiesEqualCpu) {
 // An output view that is a strided slice of a larger buffer ([B, Lq, G, Kt + 3] storage): only the view's
 // elements are written, each with the CPU's value; the rest keeps its poison.
 TEST(LightningTokensGpu, StridedOutput) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"strided", 2, 90, 500, 4, 32, 2, 24, true};
   const Inputs in = random_inputs(c, 5100);
   const sa::LightningOptions o = options_of(c, sa::IndexPrecision::fp8_e4m3);
@@ -250,7 +245,7 @@ TEST(LightningTokensGpu, StridedOutput) {
 // Non-finite inputs are not rejected on the device (no synchronisation): the rows go to the float64 path and
 // the lists stay well formed (distinct ascending visible ids, then -1).
 TEST(LightningTokensGpu, NonFiniteInputsGiveWellFormedLists) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"nan", 1, 50, 400, 4, 32, 1, 20, true, sa::DType::f32};
   Inputs in = random_inputs(c, 5300);
   in.q.data<float>()[7 * c.HI * c.Di + 3] = std::nanf("");
@@ -275,7 +270,7 @@ TEST(LightningTokensGpu, NonFiniteInputsGiveWellFormedLists) {
 }
 
 TEST(LightningTokensGpu, TopKBeyondSharedMemoryIsAnError) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"huge k", 1, 4, 64, 2, 16, 1, 1 << 20, true};
   const Inputs in = random_inputs(c, 5400);
   Dev dq(in.q), dw(in.w), dk(in.k), didx(poisoned_i32({1, 1, 4, c.top_k}));
@@ -289,7 +284,7 @@ TEST(LightningTokensGpu, TopKBeyondSharedMemoryIsAnError) {
 
 // Small enough for compute-sanitizer: the screen (with compaction), the resolve and the fallback kernels.
 TEST(LightningTokensGpu, SanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"sanitizer", 2, 40, 333, 5, 40, 2, 24, true};
   const Inputs in = random_inputs(c, 5500);
   compare(c, sa::IndexPrecision::fp8_e4m3, in);

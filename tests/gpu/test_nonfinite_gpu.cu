@@ -27,11 +27,6 @@ namespace nf = sparse_attn::testing::nonfinite;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                                                  \
-  do {                                                                                                      \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU non-finite test skipped"; \
-  } while (0)
-
 const std::vector<std::string> kExecutors = {"dense",        "tile_sparse",         "bits_sparse",
                                              "query_sparse", "query_sparse_group",  "query_sparse_plan_run",
                                              "token_sparse"};
@@ -69,7 +64,7 @@ std::pair<sa::HostTensor, sa::HostTensor> run(const nf::Case& c, const std::stri
 }
 
 TEST(NonFiniteGpu, EveryExecutorGivesNaNRowsAndLeavesTheOthers) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (const std::int64_t D : {64, 128})
     for (const bool causal : {true, false}) {
       sa::ProblemShape shape;
@@ -88,7 +83,7 @@ TEST(NonFiniteGpu, EveryExecutorGivesNaNRowsAndLeavesTheOthers) {
 }
 
 TEST(NonFiniteGpu, RowsThatSeeNoKeyStayZeroAndMinusInfNextToNaNRows) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   // Lq > Lk under the causal mask: the first 100 queries see no key; head 0 holds a NaN in every row.
   sa::ProblemShape p;
   p.B = 1, p.Lq = 300, p.Lk = 200, p.Hq = 4, p.Hkv = 2, p.D = 64, p.causal = true;
@@ -108,7 +103,7 @@ TEST(NonFiniteGpu, RowsThatSeeNoKeyStayZeroAndMinusInfNextToNaNRows) {
 }
 
 TEST(NonFiniteGpu, OverlappingOutputIsRefusedOnTheDevice) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   sa::ProblemShape p;
   p.B = 1, p.Lq = 128, p.Lk = 128, p.Hq = 2, p.Hkv = 2, p.D = 64;
   const sa::HostTensor h = st::random_tensor(sa::DType::bf16, {p.B, 3 * p.Lq + 1, p.Hq, p.D}, 31);

@@ -29,6 +29,7 @@
 
 #include "common/testing.hpp"
 #include "cuda/selectors/backend.hpp"
+#include "gpu/device_testing.hpp"
 #include "sparse_attn/dtype.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
@@ -36,11 +37,6 @@ namespace sa = sparse_attn;
 namespace st = sparse_attn::testing;
 
 namespace {
-
-#define POOLED_SKIP_WITHOUT_GPU()                                                                          \
-  do {                                                                                                     \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): pooled GPU test skipped"; \
-  } while (0)
 
 void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
 
@@ -227,7 +223,7 @@ void plant_near_ties(const Input& q, Input& k, std::int64_t group, std::int64_t 
 }
 
 TEST(PooledGpu, RandomEqualsCpu) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const auto bf16 = sa::DType::bf16, f16 = sa::DType::f16, f32 = sa::DType::f32;
   std::uint64_t seed = 1000;
   for (int r : {1, 4}) {
@@ -292,7 +288,7 @@ TEST(PooledGpu, RandomEqualsCpu) {
 // on views that allow 16 bytes (bf16 D = 128, f32 D = 80), only 8 or 4 (f16 D = 68, bf16 D = 30 + padding)
 // or none (a view one element into its buffer). A bad width is an Error naming tuning.pooled_rep_bytes.
 TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const auto bf16 = sa::DType::bf16, f16 = sa::DType::f16, f32 = sa::DType::f32;
   struct Case {
     const char* name;
@@ -340,7 +336,7 @@ TEST(PooledGpu, RepresentativeLoadWidthsEqualCpu) {
 // The float64 scoring kernel asked for explicitly where it does not apply (more than 64 query rows per
 // tile, or more staged rows than its shared memory holds): an Error naming q, the outputs untouched.
 TEST(PooledGpu, ExactKernelRefusesLargeGroups) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   EXPECT_TRUE(sa::detail::pooled_exact_applies(64, 128));
   EXPECT_FALSE(sa::detail::pooled_exact_applies(65, 64));
   EXPECT_FALSE(sa::detail::pooled_exact_applies(32, 300));
@@ -369,7 +365,7 @@ TEST(PooledGpu, ExactKernelRefusesLargeGroups) {
 // Enough (b, group, tile) jobs that each CTA takes all of a tile's key rows, several KV passes of 128
 // rows each (R4 with 40 blocks: 160 rows).
 TEST(PooledGpu, ManyTilesSeveralKeyPasses) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (int r : {1, 4}) {
     const Input q = make_input(sa::DType::bf16, 1, 600 * 128 - 50, 2, 32, 51 + r);
     const Input k = make_input(sa::DType::bf16, 1, 40 * 128 - 7, 2, 32, 61 + r);
@@ -382,7 +378,7 @@ TEST(PooledGpu, ManyTilesSeveralKeyPasses) {
 // Block scores equal up to their last bits: the int8 screen cannot separate them, the float64
 // evaluation must, and exact copies must rank by id.
 TEST(PooledGpu, NearTiesEqualCpu) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 2000;
   for (auto dtype : {sa::DType::bf16, sa::DType::f32, sa::DType::f16}) {
     for (int r : {1, 4}) {
@@ -410,7 +406,7 @@ TEST(PooledGpu, NearTiesEqualCpu) {
 // Every query and every key equal: all pairs of all blocks tie, the candidate queue overflows and the
 // blocks are ranked by id.
 TEST(PooledGpu, AllEqualInputs) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (int r : {1, 4}) {
     Input q = make_input(sa::DType::bf16, 1, 1024, 16, 128, 31), k = make_input(sa::DType::bf16, 1, 4096, 1, 128, 32);
     for (std::int64_t i = 0; i < q.buf.numel(); ++i) q.set(i, 0.5f);
@@ -423,7 +419,7 @@ TEST(PooledGpu, AllEqualInputs) {
 // NaN and infinities rank as the CPU's sanitize says; huge and tiny f32 values leave the int8 screen
 // without a scale (outside [2^-60, 2^40]) and must still give the CPU's lists.
 TEST(PooledGpu, NonFiniteAndExtremeValues) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (int r : {1, 4}) {
     const std::string R = "R" + std::to_string(r) + " ";
     Input q = make_input(sa::DType::bf16, 2, 500, 4, 64, 41), k = make_input(sa::DType::bf16, 2, 2000, 2, 64, 42);
@@ -460,7 +456,7 @@ TEST(PooledGpu, NonFiniteAndExtremeValues) {
 // and its bound is charged in full. Key blocks come in pairs that differ by one level in one column
 // (score gaps of about 2^-14 of an entry), which only the float64 evaluation separates.
 TEST(PooledGpu, LevelEdgesEqualCpu) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::int64_t levels[] = {16255, -16255, 16254, -16254, 63, 64, -64, -65, 8191, -8192, 127, -128, 1, 0, 12345, -7777};
   std::mt19937_64 rng(77);
   auto level = [&] { return static_cast<float>(levels[rng() % 16]) * 0x1p-14f; };
@@ -528,7 +524,7 @@ struct GpuCall {
 // and shrinking shapes (the growth waits for the earlier calls), and calls on two streams at once,
 // must each give the CPU's lists.
 TEST(PooledGpu, ScratchAcrossShapesAndStreams) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   cudaStream_t s1 = nullptr, s2 = nullptr;
   cuda_ok(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), "cudaStreamCreate");
   cuda_ok(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -559,7 +555,7 @@ TEST(PooledGpu, ScratchAcrossShapesAndStreams) {
 // its scratch) on a stream without cached scratch, and on one with it; replayed twice, the second time
 // after a larger call on the same stream has grown (freed and replaced) the stream's cached scratch.
 TEST(PooledGpu, GraphCapture) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Input q = make_input(sa::DType::bf16, 2, 500, 8, 128, 401), k = make_input(sa::DType::bf16, 2, 3000, 2, 128, 402);
   const Input qbig = make_input(sa::DType::bf16, 2, 2000, 8, 128, 403), kbig = make_input(sa::DType::bf16, 2, 12000, 2, 128, 404);
   DevCopy dq(q.buf), dk(k.buf), dqbig(qbig.buf), dkbig(kbig.buf);
@@ -602,7 +598,7 @@ TEST(PooledGpu, GraphCapture) {
 // Small enough for compute-sanitizer: both tile configurations, both load paths, two query chunks,
 // near-ties and a queue overflow.
 TEST(PooledGpu, SanitizerSmall) {
-  POOLED_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (int r : {1, 4}) {
     const std::string R = "R" + std::to_string(r) + " ";
     Input q = make_input(sa::DType::bf16, 2, 200, 4, 64, 81), k = make_input(sa::DType::bf16, 2, 700, 2, 64, 82);

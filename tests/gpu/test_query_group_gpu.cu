@@ -108,7 +108,7 @@ void check_case(const Case& c, std::uint64_t seed) {
 }
 
 TEST(QueryGroupGpu, ShapesAndGroupSizes) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using sa::DType;
   const std::vector<Case> cases = {
       {"G=16 Lq=1013 Lk=1000 causal", DType::bf16, 1, 1013, 1000, 16, 1, 128, true, 6, true},
@@ -130,13 +130,13 @@ TEST(QueryGroupGpu, ShapesAndGroupSizes) {
 // partial last block, a padded head tile, B = 2, an empty tile, and a 2-stage and a 5-stage ring
 // wrapping several times.
 TEST(QueryGroupGpu, SanitizerSmall) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   check_case({"sanitizer G=16 D=128 causal", sa::DType::bf16, 2, 260, 300, 16, 1, 128, true, 3, true}, 7);
   check_case({"sanitizer G=4 D=64 f16", sa::DType::f16, 1, 40, 700, 8, 2, 64, false, 5}, 8);
 }
 
 TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"determinism", sa::DType::bf16, 2, 700, 900, 16, 1, 128, true, 8};
   const Inputs in = make_inputs(c, 55);
   const Result a = run_gpu(c, in, sa::QuerySchedule::group_centric);
@@ -150,7 +150,7 @@ TEST(QueryGroupGpu, RepeatedRunsAreBitwiseIdentical) {
 // within the same bound of each other (with f32 partials the KV-centric combine adds only f32
 // rounding).
 TEST(QueryGroupGpu, AgreesWithKvCentric) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (const Case& c : {Case{"agree G=16 causal", sa::DType::bf16, 2, 500, 640, 16, 1, 128, true, 6},
                         Case{"agree G=4 f16 D=64", sa::DType::f16, 1, 333, 1000, 16, 4, 64, false, 8}}) {
     SCOPED_TRACE(c.name);
@@ -171,7 +171,7 @@ TEST(QueryGroupGpu, AgreesWithKvCentric) {
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (a fused QKV projection), out and lse
 // into wider buffers: the kernel follows every stride and equals the contiguous run bit for bit.
 TEST(QueryGroupGpu, StridedTensors) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"strided", sa::DType::bf16, 2, 300, 300, 4, 4, 128, true, 3};
   const Inputs in = make_inputs(c, 31);
   const Result ref = run_gpu(c, in, sa::QuerySchedule::group_centric);
@@ -218,7 +218,7 @@ TEST(QueryGroupGpu, StridedTensors) {
 }
 
 TEST(QueryGroupGpu, ValidationAndRejections) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"validation", sa::DType::bf16, 2, 200, 300, 8, 2, 128, false, 3};
   const Inputs in = make_inputs(c, 5);
   sa::QuerySparseOptions opt;

@@ -149,7 +149,7 @@ void check_case(const Case& c, std::uint64_t seed,
 }
 
 TEST(QuerySparseGpu, Shapes) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using P = sa::PartialPrecision;
   const std::vector<Case> cases = {
       {"qs Hq=Hkv f32 partials", sa::DType::bf16, P::f32, 1, 256, 512, 2, 2, 128, false, 4},
@@ -170,7 +170,7 @@ TEST(QuerySparseGpu, Shapes) {
 // and a popular block, Kq = 40 (two ballots in the combine), D = 64, f16, both partial precisions, and
 // the automatic choice on a query16of32-like shape.
 TEST(QuerySparseGpu, MergedSlots) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using P = sa::PartialPrecision;
   const std::vector<Case> cases = {
       {"merge8 GQA16 bf16 part", sa::DType::bf16, P::bf16, 1, 700, 2048, 16, 1, 128, false, 8, false, false, 8},
@@ -192,7 +192,7 @@ TEST(QuerySparseGpu, MergedSlots) {
 // Small enough for compute-sanitizer (memcheck, racecheck, synccheck): both head dims, causal with a
 // partial last block, GQA, B = 2, both partial precisions, an empty tile and a popular block.
 TEST(QuerySparseGpu, SanitizerSmall) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using P = sa::PartialPrecision;
   check_case({"qs sanitizer D=128", sa::DType::bf16, P::f32, 2, 260, 300, 4, 2, 128, true, 3, true, true}, 7);
   check_case({"qs sanitizer D=64", sa::DType::f16, P::bf16, 1, 140, 200, 2, 1, 64, false, 2}, 8);
@@ -204,7 +204,7 @@ TEST(QuerySparseGpu, SanitizerSmall) {
 }
 
 TEST(QuerySparseGpu, RepeatedRunsAreBitwiseIdentical) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (auto prec : {sa::PartialPrecision::f32, sa::PartialPrecision::bf16}) {
     for (int merge : {1, 8}) {
       const Case c{"qs determinism", sa::DType::bf16, prec, 2, 700, 900, 16, 1, 128, true, 8, false, true, merge};
@@ -243,7 +243,7 @@ void expect_same_bits_across(const Case (&cases)[N], std::uint64_t seed, const s
 // never the values; with merged slots they are not used. Automatic bands (0) on these small shapes
 // are one band.
 TEST(QuerySparseGpu, QueryBandsDoNotChangeOutputs) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case cases[] = {
       {"qs bands GQA4 causal", sa::DType::bf16, sa::PartialPrecision::bf16, 2, 1013, 1500, 8, 2, 128, true, 5},
       {"qs bands GQA16 popular f32", sa::DType::f16, sa::PartialPrecision::f32, 1, 2000, 2048, 16, 1, 128, false, 4,
@@ -258,7 +258,7 @@ TEST(QuerySparseGpu, QueryBandsDoNotChangeOutputs) {
 // A few CTAs over many work items (the producer's loads run an item ahead across item boundaries, K/V
 // slots and Q buffers cycle many times): the outputs equal those of one CTA per SM bit for bit.
 TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case cases[] = {
       {"qs few CTAs GQA16", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 3000, 1024, 16, 1, 128, false, 4},
       {"qs few CTAs causal f32", sa::DType::f16, sa::PartialPrecision::f32, 2, 1500, 1500, 8, 2, 128, true, 5},
@@ -276,7 +276,7 @@ TEST(QuerySparseGpu, FewCtasManyItemsEqualFullGrid) {
 // plan() once with a caller-owned workspace, run() for two different q: each equals the one-call
 // operator bit for bit.
 TEST(QuerySparseGpu, PlanOnceRunMany) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   // merge_window 0: the automatic choice, which merges on this shape (5 blocks, 4 slots per query).
   const Case c{"qs plan/run", sa::DType::bf16, sa::PartialPrecision::f32, 2, 333, 640, 8, 2, 128, true, 4, false, false,
                0};
@@ -315,7 +315,7 @@ TEST(QuerySparseGpu, PlanOnceRunMany) {
 // made under forced bands runs under them (the automatic plan's outputs bit for bit), a workspace sized
 // without them is refused, and so are bins that no plan makes.
 TEST(QuerySparseGpu, PlanKeepsItsBins) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   namespace cb = sa::cuda_backend;
   const Case c{"qs bins", sa::DType::bf16, sa::PartialPrecision::bf16, 1, 1013, 1500, 8, 2, 128, true, 5};
   const Inputs in = make_inputs(c, 95);
@@ -367,7 +367,7 @@ TEST(QuerySparseGpu, PlanKeepsItsBins) {
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (a fused QKV projection): the gathers
 // follow the strides, and the result equals the contiguous run bit for bit.
 TEST(QuerySparseGpu, PackedQkvStrides) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"qs packed qkv", sa::DType::bf16, sa::PartialPrecision::f32, 2, 300, 300, 4, 4, 128, true, 3};
   const Inputs in = make_inputs(c, 31);
   const Result ref = run_gpu(c, in);
@@ -403,7 +403,7 @@ TEST(QuerySparseGpu, PackedQkvStrides) {
 }
 
 TEST(QuerySparseGpu, ValidationReportsFirstBadEntry) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"qs validation", sa::DType::bf16, sa::PartialPrecision::f32, 2, 200, 300, 4, 2, 128, false, 3};
   const Inputs in = make_inputs(c, 5);
   auto expect_error = [&](const sa::HostTensor& lists, const std::string& needle) {
@@ -447,7 +447,7 @@ TEST(QuerySparseGpu, ValidationReportsFirstBadEntry) {
 }
 
 TEST(QuerySparseGpu, RejectsUnsupportedArguments) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   Case c{"qs D=96", sa::DType::bf16, sa::PartialPrecision::f32, 1, 64, 128, 2, 1, 96, false, 2};
   const Inputs in = make_inputs(c, 3);
   DeviceBuffer q(in.q), k(in.k), v(in.v), idx(in.idx);
@@ -619,7 +619,7 @@ void check_reverse_index(const IndexCase& c, std::uint64_t seed) {
 }
 
 TEST(QuerySparseGpu, ReverseIndexMatchesHostCsr) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using L = IdxLayout;
   const std::vector<IndexCase> cases = {
       {"ri GQA4 causal Lq=1013", 2, 1013, 5000, 12, 3, 7, true, true},
@@ -790,7 +790,7 @@ void check_combine(const CombineCase& c, std::uint64_t seed) {
 }
 
 TEST(QuerySparseGpu, CombineMatchesFloat64) {
-  QUERY_SPARSE_SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using L = IdxLayout;
   const auto bf = sa::DType::bf16, f16 = sa::DType::f16;
   const std::vector<CombineCase> cases = {

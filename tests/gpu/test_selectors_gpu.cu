@@ -25,11 +25,6 @@ using st::Dev;
 using st::expect_equal_i32;
 using st::poisoned_i32;
 
-#define SKIP_WITHOUT_GPU()                                                                                  \
-  do {                                                                                                      \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU selector test skipped"; \
-  } while (0)
-
 // Copies `n` rows of [B, L, H, D] tensors of one dtype: dst[b, dl + r, dh] = src[b, sl + r, sh].
 void copy_rows(sa::HostTensor& dst, std::int64_t b, std::int64_t dl, std::int64_t dh, const sa::HostTensor& src,
                std::int64_t sl, std::int64_t sh, std::int64_t n) {
@@ -90,7 +85,7 @@ void run_pooled(const PooledCase& c, std::uint64_t seed) {
 }
 
 TEST(SelectorsGpu, PooledEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::vector<PooledCase> cases;
   for (int r : {1, 4}) {
     const std::string R = "R" + std::to_string(r) + " ";
@@ -164,14 +159,14 @@ std::vector<TokenCase> token_cases() {
 }
 
 TEST(SelectorsGpu, TokenMaxQueryListsEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 500;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::fp4_e2m1})
     for (const auto& c : token_cases()) run_token_max(c, prec, false, seed += 10);
 }
 
 TEST(SelectorsGpu, TokenMaxTileListsEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 900;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::fp4_e2m1})
     for (const auto& c : token_cases()) run_token_max(c, prec, true, seed += 10);
@@ -203,7 +198,7 @@ void run_lightning(const LightningCase& c, sa::IndexPrecision prec, std::uint64_
 }
 
 TEST(SelectorsGpu, LightningBlocksEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const LightningCase cases[] = {
       {"Lq=1 causal", 1, 1, 300, 4, 32, 1, 2, true},
       {"Lq=17 non-causal G=2 B=2", 2, 17, 700, 3, 24, 2, 3, false},
@@ -218,7 +213,7 @@ TEST(SelectorsGpu, LightningBlocksEqualsCpu) {
 
 // Host memory labelled cuda is an Error naming the tensor, before any kernel could fault on it.
 TEST(SelectorsGpu, HostMemoryLabelledCudaIsRejected) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 130, 2, 64}, 8);
   const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {1, 300, 1, 64}, 9);
   sa::HostTensor idx(sa::DType::i32, {1, 1, 2, 2}), cnt(sa::DType::i32, {1, 1, 2});
@@ -246,7 +241,7 @@ TEST(SelectorsGpu, HostMemoryLabelledCudaIsRejected) {
 
 // The public functions run on the caller's stream: results on a fresh stream equal the CPU's.
 TEST(SelectorsGpu, RunOnCallerStream) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   cudaStream_t s = nullptr;
   cuda_ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 256, 2, 64}, 77);
@@ -269,7 +264,7 @@ TEST(SelectorsGpu, RunOnCallerStream) {
 // the pooled (R1, R4), token_max (three precisions, both formats) and lightning (blocks) selectors once,
 // with partial blocks.
 TEST(SelectorsGpu, SanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   run_pooled({"sanitizer R1", 2, 200, 300, 4, 2, 64, 1, 2, 3, true, true, true, true}, 11);
   run_pooled({"sanitizer R4", 1, 130, 390, 2, 1, 64, 4, 2, 2, false, true, false, false}, 12);
   const TokenCase c{"sanitizer token_max", 2, 150, 290, 2, 1, 40, 2, 3, true, true, true};

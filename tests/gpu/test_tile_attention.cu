@@ -18,17 +18,13 @@
 
 #include "common/testing.hpp"
 #include "cuda/backend.hpp"
+#include "gpu/device_testing.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
 namespace st = sparse_attn::testing;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                                   \
-  do {                                                                                       \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU test skipped"; \
-  } while (0)
 
 void cuda_ok(cudaError_t e, const char* what) { ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e); }
 
@@ -211,7 +207,7 @@ void run_case(const Case& c, std::uint64_t seed, const sa::detail::AttentionTuni
 }  // namespace
 
 TEST(TileAttentionGpu, SparseShapes) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 1000;
   // Lq = 1013 / 17 / 1: partial last Q tile; Lk = 1500: partial last KV block (Tk = 12).
   run_case({"bf16 gqa1 lists per group", sa::DType::bf16, 2, 1013, 1500, 2, 2, false, false, false, 5}, seed += 10);
@@ -228,7 +224,7 @@ TEST(TileAttentionGpu, SparseShapes) {
 }
 
 TEST(TileAttentionGpu, DenseShapes) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 2000;
   run_case({"dense bf16 causal Lq=Lk=1013", sa::DType::bf16, 2, 1013, 1013, 2, 1, true, true}, seed += 10);
   run_case({"dense f16 Lq=300 Lk=1100", sa::DType::f16, 1, 300, 1100, 2, 2, false, true}, seed += 10);
@@ -241,7 +237,7 @@ TEST(TileAttentionGpu, DenseShapes) {
 
 // A small case for the compute-sanitizer runs (memcheck, racecheck, synccheck).
 TEST(TileAttentionGpu, SanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   run_case({"small causal lists", sa::DType::bf16, 2, 300, 520, 2, 1, true, false, false, 3}, 3000);
   run_case({"small dense", sa::DType::f16, 1, 200, 200, 1, 1, false, true}, 3010);
   // Non-causal, so tile 0's list (never empty) is visible whatever blocks it drew.
@@ -255,7 +251,7 @@ TEST(TileAttentionGpu, SanitizerSmall) {
 // Many work items per CTA on a problem larger than one wave: 512 items over 3 CTAs and over the full
 // grid, per-group lists with empty tiles, against the reference.
 TEST(TileAttentionGpu, ManyItemsPerCta) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"bf16 512 items Hq=16Hkv", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3};
   run_case(c, 3100);
   run_case({"bf16 512 items, 3 CTAs", sa::DType::bf16, 2, 1024, 1100, 32, 2, false, false, false, 3}, 3110,
@@ -272,7 +268,7 @@ TEST(TileAttentionGpu, ManyItemsPerCta) {
 // four units over five CTAs with short and empty lists (empty pieces), and below one wave on the full
 // grid, where every unit is cut into several pieces.
 TEST(TileAttentionGpu, SplitTail) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   struct Setting {
     int ctas;  // AttentionTuning::max_ctas (0: the full grid)
     Case c;
@@ -328,7 +324,7 @@ TEST(TileAttentionGpu, SplitTail) {
 // on a stream that has none yet must not allocate (it runs unsplit), and once the stream has one a
 // captured call splits like an eager one: same bits.
 TEST(TileAttentionGpu, GraphCaptureOfSplitProblems) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   // 12 units, far below one wave: the launcher splits them (dense, non-causal).
   const Case c{"graph capture", sa::DType::bf16, 1, 700, 2000, 2, 1, false, true};
   const CaseData d = make_case(c, 8000);
@@ -376,7 +372,7 @@ TEST(TileAttentionGpu, GraphCaptureOfSplitProblems) {
 // TileLists whose slots are not adjacent (idx stride 3 = 2, the other slots holding valid but wrong
 // ids): the kernel must read the slots the strides name, as the validation and the reference do.
 TEST(TileAttentionGpu, StridedListSlots) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (const bool causal : {false, true}) {
     const Case c{causal ? "strided slots, causal" : "strided slots", sa::DType::bf16, 2, 700, 900, 4, 2, causal,
                  false, false, 5};
@@ -407,7 +403,7 @@ TEST(TileAttentionGpu, StridedListSlots) {
 // q, k, v as views into one packed [B, L, 3, H, D] buffer (strides l = 3HD, h = D), as a fused QKV
 // projection produces them.
 TEST(TileAttentionGpu, PackedQkvStrides) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::int64_t B = 2, L = 517, H = 2;
   const sa::HostTensor qkv = st::random_tensor(sa::DType::bf16, {B, L, 3, H, kD}, 4000);
   sa::HostTensor q(sa::DType::bf16, {B, L, H, kD}), k(q), v(q);
@@ -447,7 +443,7 @@ TEST(TileAttentionGpu, PackedQkvStrides) {
 // tile_sparse with every block listed walks the same blocks in the same order as dense: the outputs
 // must be identical, and two runs of the persistent kernel must agree bit for bit (a race would not).
 TEST(TileAttentionGpu, AllBlocksEqualsDenseAndIsDeterministic) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::int64_t B = 2, L = 1900, Hq = 8, Hkv = 2;
   sa::ProblemShape p;
   p.B = B, p.Lq = L, p.Lk = L, p.Hq = Hq, p.Hkv = Hkv, p.D = kD, p.causal = true;
@@ -487,7 +483,7 @@ TEST(TileAttentionGpu, AllBlocksEqualsDenseAndIsDeterministic) {
 // registers: same bounds against the reference, the padding between heads never touched, and the same
 // bits as a contiguous output, which the TMA store writes.
 TEST(TileAttentionGpu, OutputOffTheTmaGrid) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::int64_t B = 2, L = 333, Hq = 4, Hkv = 2, Dpad = kD + 2;
   const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, Hq, kD}, 5500);
   const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 5501);
@@ -649,7 +645,7 @@ void expect_nan_tile_only(const sa::HostTensor& out, const sa::HostTensor& lse, 
 // Valid lists give the trusted call's output bit for bit. Causal (whole units) and not (a split tail:
 // 40 units on a full GPU).
 TEST(TileAttentionGpu, ValidationIsDeferredAndMarksTheFaultyTile) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using namespace faults;
   ASSERT_NO_THROW(sa::check_device_faults());
   const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, Hq, kD}, 6000);
@@ -723,7 +719,7 @@ TEST(TileAttentionGpu, ValidationIsDeferredAndMarksTheFaultyTile) {
 // A validated tile_sparse call captured into a CUDA graph: the replay equals the eager call bit for
 // bit, and a replay over lists made faulty after the capture records the fault.
 TEST(TileAttentionGpu, ValidatedCallsCaptureIntoGraphs) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using namespace faults;
   const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, Hq, kD}, 6100);
   const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, Hkv, kD}, 6101);
@@ -782,7 +778,7 @@ TEST(TileAttentionGpu, ValidatedCallsCaptureIntoGraphs) {
 }
 
 TEST(TileAttentionGpu, RejectsUnsupportedHeadDim) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 64, 1, 96}, 7000);
   sa::HostTensor out(sa::DType::bf16, {1, 64, 1, 96});
   DeviceTensor dq(q), dout(out);
@@ -797,7 +793,7 @@ TEST(TileAttentionGpu, RejectsUnsupportedHeadDim) {
 
 // The public operators route device tensors to this backend.
 TEST(TileAttentionGpu, PublicOperatorsDispatchToCuda) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::int64_t B = 1, L = 300, H = 2;
   const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {B, L, H, kD}, 8000);
   const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {B, L, H, kD}, 8001);
@@ -833,7 +829,7 @@ TEST(TileAttentionGpu, PublicOperatorsDispatchToCuda) {
 // D = 64 and 128; where no tail is split (causal) its output equals tile_sparse's on the same lists bit
 // for bit. Stray bits are reported as on the CPU; trusted bits skip the check.
 TEST(TileAttentionGpu, BitsSparse) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case cases[] = {
       {"bits bf16 per group", sa::DType::bf16, 2, 1013, 1500, 2, 2, false, false, false, 5},
       {"bits bf16 causal per head", sa::DType::bf16, 2, 1013, 1500, 4, 2, true, false, true, 6},
@@ -899,7 +895,7 @@ TEST(TileAttentionGpu, BitsSparse) {
 
 // Small enough for compute-sanitizer: the public bits_sparse on device bits, checked and trusted.
 TEST(TileAttentionGpu, BitsSanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"small bits causal", sa::DType::bf16, 2, 300, 520, 2, 1, true, false, false, 3};
   const CaseData d = make_case(c, 3030);
   sa::HostTensor bits(sa::DType::u32, {d.p.B, d.p.Hkv, d.p.Tq(), 1});

@@ -31,11 +31,6 @@ using st::Dev;
 using st::expect_equal_i32;
 using st::poisoned_i32;
 
-#define SKIP_WITHOUT_GPU()                                                                                   \
-  do {                                                                                                       \
-    if (!sa::cuda_available()) GTEST_SKIP() << "no supported CUDA device (sm_90): GPU token_max test skipped"; \
-  } while (0)
-
 constexpr sa::IndexPrecision kPrecisions[] = {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3,
                                               sa::IndexPrecision::fp4_e2m1};
 
@@ -211,7 +206,7 @@ __global__ void division_mismatches(int mode, const float* ds, unsigned long lon
 }
 
 TEST(TokenMaxGpu, DivisionMatchesFdivRn) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   // Divisors as the tensor scales of the fp8 and fp4 paths produce them (amax / 448, amax / 2688) and
   // block scales, plus mantissas at the ends of the binade.
   const std::vector<float> divisors = {3.7f / 448.0f, 11.25f / 448.0f, 0.031f / 2688.0f, 1.0f, 1.0000001f, 1.9999999f,
@@ -244,7 +239,7 @@ TEST(TokenMaxGpu, DivisionMatchesFdivRn) {
 // The device values equal the CPU's quantize_dequantize bit for bit (ties, subnormals, saturation, the
 // format boundaries, NaN), and the codes are exact in bf16 with value = fl(code * scale) for fp8.
 TEST(TokenMaxGpu, QuantisationEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   using sa::cuda_backend::sel::Prec;
   const int n = 40, rows = 4096;
   std::mt19937_64 rng(99);
@@ -315,7 +310,7 @@ std::vector<Case> shapes() {
 
 // Every shape of shapes() in every precision, as TileLists and as QueryLists.
 TEST(TokenMaxGpu, RandomEqualsCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 7000;
   for (auto prec : kPrecisions)
     for (bool tiles : {false, true})
@@ -323,7 +318,7 @@ TEST(TokenMaxGpu, RandomEqualsCpu) {
 }
 
 TEST(TokenMaxGpu, InputDtypesEqualCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"f32 / f16 inputs", 2, 257, 777, 2, 1, 64, 4, 4, true};
   std::uint64_t seed = 7400;
   for (auto dtype : {sa::DType::f32, sa::DType::f16})
@@ -335,7 +330,7 @@ TEST(TokenMaxGpu, InputDtypesEqualCpu) {
 // elements: the preparation's aligned vector loads apply to one row in four, so both of its load paths run;
 // the ids must still equal the CPU's on the contiguous copies.
 TEST(TokenMaxGpu, StridedUnalignedViewsEqualCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"strided views, Di = 42 (a partial group per row)", 2, 300, 900, 2, 1, 42, 4, 4, true};
   std::uint64_t seed = 7700;
   for (auto dtype : {sa::DType::bf16, sa::DType::f32})
@@ -371,7 +366,7 @@ TEST(TokenMaxGpu, StridedUnalignedViewsEqualCpu) {
 // Block maxima that differ in their last bits (and exact ties): the screening cannot separate them, so
 // the float64 path decides; the counters show it ran.
 TEST(TokenMaxGpu, NearTiesEqualCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case cases[] = {
       {"near ties QueryLists-sized", 2, 150, 2000, 2, 2, 64, 5, 6, false},
       {"near ties causal Hk=1", 1, 300, 1700, 4, 1, 128, 4, 4, true},
@@ -396,7 +391,7 @@ TEST(TokenMaxGpu, NearTiesEqualCpu) {
 
 // Random inputs: the screening decides nearly everything; the re-scored share stays small.
 TEST(TokenMaxGpu, RescoredShareIsSmallOnRandomInputs) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"random share", 2, 1024, 4096, 1, 1, 128, 16, 16, false};
   for (auto prec : kPrecisions) {
     Stats stats;
@@ -415,7 +410,7 @@ TEST(TokenMaxGpu, RescoredShareIsSmallOnRandomInputs) {
 // an all-NaN key row drops out of its block, like a duplicate of the block's first key. fp4 maps NaN to
 // 0 (an all-NaN 16-block has scale 0), so its CPU equivalent is zero rows.
 TEST(TokenMaxGpu, NonFiniteRowsMatchCpuRule) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"NaN rows", 1, 300, 900, 2, 1, 64, 4, 4, true};
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::uint64_t seed = 8100;
@@ -447,7 +442,7 @@ TEST(TokenMaxGpu, NonFiniteRowsMatchCpuRule) {
 // Every kernel once (prepare, screen, decide, re-score, finish) on a small input with near-ties, for
 // compute-sanitizer.
 TEST(TokenMaxGpu, SanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"sanitizer", 2, 150, 290, 2, 1, 40, 2, 3, true};
   std::uint64_t seed = 8500;
   for (auto prec : kPrecisions) {
@@ -461,7 +456,7 @@ TEST(TokenMaxGpu, SanitizerSmall) {
 
 // Di past the tensor-core path's limit is an Error naming qidx, not a fault.
 TEST(TokenMaxGpu, IndexDimLimitIsAnError) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const sa::HostTensor q = st::random_tensor(sa::DType::bf16, {1, 16, 1, 272}, 1);
   const sa::HostTensor k = st::random_tensor(sa::DType::bf16, {1, 200, 1, 272}, 2);
   Dev dq(q), dk(k), didx(poisoned_i32({1, 1, 16, 2}));

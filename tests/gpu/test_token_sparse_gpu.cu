@@ -37,7 +37,6 @@ namespace {
 using st::query_lists::cuda_ok;
 using st::query_lists::DeviceBuffer;
 
-#define SKIP_WITHOUT_GPU() QUERY_SPARSE_SKIP_WITHOUT_GPU()
 
 enum class Order { shuffled, ascending };  // slot order of a row's positions
 enum class Draw { anywhere, visible };     // positions from [0, Lk), or from the keys the query sees
@@ -279,7 +278,7 @@ void expect_same_error(const std::string& name, const Case& c, const CaseData& d
 }  // namespace
 
 TEST(TokenSparseGpu, MatchesReference) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const auto bf = sa::DType::bf16, f16 = sa::DType::f16;
   const auto asc = Order::ascending, shuf = Order::shuffled;
   const auto vis = Draw::visible, any = Draw::anywhere;
@@ -319,7 +318,7 @@ TEST(TokenSparseGpu, MatchesReference) {
 // Two checked runs and a trusted one on the same inputs agree bit for bit (out and lse); a run without
 // lse gives the same attention.
 TEST(TokenSparseGpu, TrustedAndDeterministic) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::vector<Case> cases = {
       {"det B=2 G8 Hkv=2 Kt=200 causal", sa::DType::bf16, 2, 700, 1000, 16, 2, 128, true, 200},
       {"det G20 Kt=64 D=64 f16", sa::DType::f16, 1, 300, 800, 20, 1, 64, false, 64},
@@ -350,7 +349,7 @@ TEST(TokenSparseGpu, TrustedAndDeterministic) {
 // which the validation would report if it read them), on a non-blocking stream of the caller; checked
 // and trusted runs against the reference.
 TEST(TokenSparseGpu, StridedViewsAndStream) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::vector<Case> cases = {
       {"strided B=2 G4 Hkv=2 Kt=50 causal", sa::DType::bf16, 2, 300, 700, 8, 2, 128, true, 50},
       {"strided G8 Kt=200 D=64 f16", sa::DType::f16, 1, 257, 900, 8, 1, 64, false, 200},
@@ -422,7 +421,7 @@ TEST(TokenSparseGpu, StridedViewsAndStream) {
 // (b, g, i) order and within it at the first faulty slot. Afterwards the valid lists run, checked and
 // trusted, against the reference.
 TEST(TokenSparseGpu, ErrorsAsOnTheCpu) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   {
     const Case c{"errors Kt=6", sa::DType::bf16, 2, 600, 300, 4, 2, 128, false, 6};
     ASSERT_EQ(std::gcd(std::int64_t{37}, c.Lk), 1);
@@ -533,7 +532,7 @@ TEST(TokenSparseGpu, ErrorsAsOnTheCpu) {
 // Small enough for compute-sanitizer (memcheck, racecheck, synccheck): checked then trusted against the
 // reference, both head dims and dtypes, causal with B = 2 and Hkv = 2; then one faulty list.
 TEST(TokenSparseGpu, SanitizerSmall) {
-  SKIP_WITHOUT_GPU();
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const std::vector<Case> cases = {
       {"small B=2 G2 Hkv=2 Kt=40 causal", sa::DType::bf16, 2, 200, 300, 4, 2, 128, true, 40},
       {"small G8 Kt=33 D=64 f16", sa::DType::f16, 1, 150, 200, 8, 1, 64, false, 33},
