@@ -186,6 +186,22 @@ def exit_status(run, args):
     return 0
 
 
+def run_measurement(args, measure, table):
+    """The common driver of a benchmark script: generators (GPU and CPU) from args.seed, the timer,
+    the peers, the results file; measure(args, res, timer, peers, gen, cpu_gen) fills the rows,
+    table(rows) prints them."""
+    torch, _ = gpu_modules()
+    gen = generator(args.seed)
+    cpu_gen = torch.Generator().manual_seed(args.seed)
+    timer = Timer(args)
+    peers = Peers(enabled=not args.no_peers)
+    res = Results(args.json, run_meta(args, peers=peers.status, timer=timer.method))
+    with res.recording_failure():
+        measure(args, res, timer, peers, gen, cpu_gen)
+    print()
+    print(table(res.rows))
+
+
 def tflops(flop, ms):
     return flop / ms / 1e9 if ms and ms > 0 else None
 

@@ -123,16 +123,7 @@ def gate_keymask(q, k, t, geometry, scale, kept):
 
 
 def run(args):
-    torch, _ = harness.gpu_modules()
-    gen = harness.generator(args.seed)
-    cpu_gen = torch.Generator().manual_seed(args.seed)
-    timer = harness.Timer(args)
-    peers = harness.Peers(enabled=not args.no_peers)
-    res = harness.Results(args.json, harness.run_meta(args, peers=peers.status, timer=timer.method))
-    with res.recording_failure():
-        measure(args, res, timer, peers, gen, cpu_gen)
-    print()
-    print(table(res.rows))
+    harness.run_measurement(args, measure, table)
 
 
 def measure(args, res, timer, peers, gen, cpu_gen):
