@@ -373,11 +373,12 @@ inline float finalize_row(const RowTile& t, std::int64_t r, float* out_row, floa
     return kNegInf;
   }
   const float m_scaled = t.m[ri] * scale;
-  const float inv = std::isfinite(m_scaled) ? 1.0f / l : std::numeric_limits<float>::quiet_NaN();
+  const bool in_range = std::isfinite(m_scaled);
+  const float inv = in_range ? 1.0f / l : std::numeric_limits<float>::quiet_NaN();
   const float* o = t.o_row(r);
 #pragma omp simd
   for (std::int64_t d = 0; d < t.D; ++d) out_row[d] = o[d] * inv;
-  return std::isfinite(m_scaled) ? m_scaled + std::log(l) : std::numeric_limits<float>::quiet_NaN();
+  return in_range ? m_scaled + std::log(l) : std::numeric_limits<float>::quiet_NaN();
 }
 
 /// Address of lse[b, h, i] (float32 [B, Hq, Lq], any strides).

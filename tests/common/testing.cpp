@@ -166,4 +166,11 @@ std::int64_t expect_empty_rows(const HostTensor& out, const HostTensor& lse, con
   return empty;
 }
 
+void expect_gated_stats_eq(const GatedStats& got, const GatedStats& want) {
+  EXPECT_EQ(got.kept_blocks, want.kept_blocks);
+  EXPECT_EQ(got.visible_blocks, want.visible_blocks);
+  EXPECT_EQ(got.gated_candidates, want.gated_candidates);
+  EXPECT_EQ(got.gated_kept, want.gated_kept);
+}
+
 }  // namespace sparse_attn::testing

@@ -41,4 +41,7 @@ double max_abs_err(const HostTensor& out, const std::vector<double>& ref);
 /// max |lse - ref| over finite entries; +inf if the -inf pattern differs or lse holds NaN.
 double lse_max_err(const HostTensor& lse, const std::vector<double>& ref);
 
+/// Expects every counter of gated's statistics to be equal (gtest failures, one per counter).
+void expect_gated_stats_eq(const GatedStats& got, const GatedStats& want);
+
 }  // namespace sparse_attn::testing

@@ -241,13 +241,6 @@ Outputs run_gated(const Inputs& in, const ProblemShape& p, const TensorView& thr
   return o;
 }
 
-void expect_stats_eq(const GatedStats& got, const GatedStats& want) {
-  EXPECT_EQ(got.kept_blocks, want.kept_blocks);
-  EXPECT_EQ(got.visible_blocks, want.visible_blocks);
-  EXPECT_EQ(got.gated_candidates, want.gated_candidates);
-  EXPECT_EQ(got.gated_kept, want.gated_kept);
-}
-
 class GatedShapes : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GatedShapes, NegInfThresholdsEqualDenseCausal) {
@@ -267,7 +260,7 @@ TEST_P(GatedShapes, NegInfThresholdsEqualDenseCausal) {
   EXPECT_LE(testing::lse_max_err(o.lse, ref.lse), 1e-5);
 
   const Expected e = expected_gate(in, p, scale, T, [](std::int64_t, std::int64_t) { return -kInf; });
-  expect_stats_eq(o.stats, e.stats);
+  testing::expect_gated_stats_eq(o.stats, e.stats);
   EXPECT_EQ(o.stats.kept_blocks, o.stats.visible_blocks);
   EXPECT_DOUBLE_EQ(o.stats.density(), 1.0);
   for (std::int64_t i = 0; i < o.kept.numel(); ++i)
@@ -287,7 +280,7 @@ TEST_P(GatedShapes, FiniteThresholdsEqualMaskedReference) {
     const Outputs o = run_gated(in, p, th.view, DType::f32, sinks);
     const Expected e = expected_gate(in, p, scale, T, th, sinks);
 
-    expect_stats_eq(o.stats, e.stats);
+    testing::expect_gated_stats_eq(o.stats, e.stats);
     // The +inf head alone guarantees skipped blocks wherever the gate has candidates.
     if (e.stats.gated_candidates > 0) EXPECT_LT(e.stats.gated_kept, e.stats.gated_candidates);
     for (std::int64_t i = 0; i < o.kept.numel(); ++i)
@@ -367,7 +360,7 @@ TEST(Gated, Bf16InputsMatchReference) {
   const Thresholds th = pick_thresholds(in, p, scale, 2, /*closed_head=*/-1);
   const Outputs o = run_gated(in, p, th.view, DType::bf16);
   const Expected e = expected_gate(in, p, scale, 2, th);
-  expect_stats_eq(o.stats, e.stats);
+  testing::expect_gated_stats_eq(o.stats, e.stats);
   // Output rounded to bf16 (8 bits of mantissa).
   expect_matches(o.out, o.lse, gate_reference(in, p, scale, e.bits), 4e-3, 1e-4);
 }

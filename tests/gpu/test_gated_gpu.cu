@@ -129,13 +129,6 @@ void gpu_dense_causal(const Inputs& in, const sa::ProblemShape& p, sa::HostTenso
   lse = l.download(lse);
 }
 
-void expect_stats_eq(const sa::GatedStats& a, const sa::GatedStats& b) {
-  EXPECT_EQ(a.kept_blocks, b.kept_blocks);
-  EXPECT_EQ(a.visible_blocks, b.visible_blocks);
-  EXPECT_EQ(a.gated_candidates, b.gated_candidates);
-  EXPECT_EQ(a.gated_kept, b.gated_kept);
-}
-
 class GatedGpu : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GatedGpu, NegInfThresholdsGiveDenseCausal) {
@@ -155,7 +148,7 @@ TEST_P(GatedGpu, NegInfThresholdsGiveDenseCausal) {
     for (std::int64_t i = 0; i < lse.numel(); ++i)
       ASSERT_EQ(g.lse.data<float>()[i], lse.data<float>()[i]) << "lse element " << i;
     const GatedRun cpu = run_gated(in, p, thr, false, sinks);
-    expect_stats_eq(g.stats, cpu.stats);
+    st::expect_gated_stats_eq(g.stats, cpu.stats);
     EXPECT_EQ(g.stats.kept_blocks, g.stats.visible_blocks);
     st::expect_equal_i32(g.kept, cpu.kept, "kept_per_tile");
   }
@@ -251,7 +244,7 @@ TEST_P(GatedGpu, SinksAndDiagonalSurviveInfiniteThresholds) {
   for (const std::int64_t sinks : {0, 1, 3}) {
     const GatedRun cpu = run_gated(in, p, thr, false, sinks);
     const GatedRun gpu = run_gated(in, p, thr, true, sinks);
-    expect_stats_eq(gpu.stats, cpu.stats);
+    st::expect_gated_stats_eq(gpu.stats, cpu.stats);
     EXPECT_EQ(gpu.stats.gated_kept, 0);
     st::expect_equal_i32(gpu.kept, cpu.kept, "kept_per_tile, sinks " + std::to_string(sinks));
     std::int64_t want = 0;
@@ -313,7 +306,7 @@ TEST(GatedGpu, ABlockWithANaNScoreIsKept) {
   in.k.data<std::uint16_t>()[(10 * 2 + 1) * 64 + 3] = 0x7fc0;
   const GatedRun cpu = run_gated(in, p, thr, false, 0);
   const GatedRun gpu = run_gated(in, p, thr, true, 0);
-  expect_stats_eq(gpu.stats, cpu.stats);
+  st::expect_gated_stats_eq(gpu.stats, cpu.stats);
   EXPECT_GT(gpu.stats.gated_kept, 0);
   for (std::int64_t h = 0; h < p.Hq; ++h)
     for (std::int64_t i = 0; i < p.Lq; ++i) {
