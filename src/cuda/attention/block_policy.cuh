@@ -3,31 +3,21 @@
 // same mainloop. The producer and the consumers walk the same sequence, which keeps the K/V ring in
 // step without any communication beyond the mbarriers.
 //
-// Validated calls (p.fault set) check each tile's list as the producer takes the item, before any of
-// it is walked: a faulty list walks no block, and the consumers give its tile NaN rows and record the
-// fault (mainloop.cuh; fault_word.hpp). The check runs on the producer thread only, which waits for
-// ring slots most of the time; the recording (a spin lock and a dozen stores, more than the
-// producer's 24 registers hold without spilling) is left to a consumer thread, off its path for valid
-// items.
+// The walk never leaves the list's row and never visits an id outside [0, Tk), whatever the list
+// holds: a count is clamped to [0, Kmax] and an id out of range is skipped. Validated calls check the
+// lists in a kernel of their own after the attention (list_check.cu), which gives a faulty tile NaN
+// rows; the attention kernel is the same for both.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/attention/params.hpp"
-#include "cuda/common/fault_word.hpp"
 #include "cuda/common/scheduler.cuh"
 
 namespace sparse_attn::cuda_kernels {
 
 inline constexpr int kTileRows = 128;  // queries per Q tile (docs/design.md §2)
 inline constexpr int kBlockKeys = 128;  // keys per KV block
-
-/// The first broken rule of a validated list as the producer found it (kind kNone: the list is valid),
-/// with the values read: the slot (-1 for the count), the count or id there, the id before it.
-struct FoundFault {
-  ListFault kind;
-  int slot, value, prev;
-};
 
 struct BlockPolicy {
   const std::int32_t* list = nullptr;  // ids of this tile's list (null for dense)
@@ -36,12 +26,9 @@ struct BlockPolicy {
   int count = 0;                       // end of the walk: cnt, or Tk for dense, cut at the piece's end
   int Tk = 0;
   int last_visible_key = 0;            // keys past this are in every row's future (causal); Lk - 1 otherwise
-  FoundFault fault{ListFault::kNone, 0, 0, 0};  // validated call, list breaks a rule: nothing is walked
 
-  /// kCausal: p.causal; kValidate: p.fault != nullptr (the lists are checked). Both are known at compile
-  /// time: each kernel instantiation serves one setting, so a trusted or dense launch carries none of
-  /// the checking and recording code.
-  template <bool kCausal, bool kValidate>
+  /// kCausal: p.causal, known at compile time.
+  template <bool kCausal>
   __device__ __forceinline__ static BlockPolicy make(const TileAttentionParams& p, const WorkItem& w) {
     const int b = w.b, q_tile = w.q_tile, head = w.head;
     BlockPolicy bp;
@@ -53,12 +40,8 @@ struct BlockPolicy {
       bp.list = p.idx + b * p.idx_stride[0] + g * p.idx_stride[1] + q_tile * p.idx_stride[2];
       bp.list_stride = p.idx_stride[3];
       const int c = __ldg(p.cnt + b * p.cnt_stride[0] + g * p.cnt_stride[1] + q_tile * p.cnt_stride[2]);
-      // A trusted list's count is clamped so that it never reads past its row.
+      // The count is clamped so that the walk never reads past the list's row.
       bp.count = c < 0 ? 0 : (c > p.Kmax ? p.Kmax : c);
-      if constexpr (kValidate) {
-        bp.fault = check_list(p, bp.list, bp.list_stride, c);
-        if (bp.fault.kind != ListFault::kNone) bp.count = 0;
-      }
     }
     bp.begin = w.lo;
     bp.count = min(bp.count, w.hi);
@@ -67,46 +50,8 @@ struct BlockPolicy {
     return bp;
   }
 
-  /// The first rule of the CPU's validation (detail::tile_row_message) that a list breaks: its count
-  /// c as read in [0, Kmax], its first c ids in [0, Tk) and strictly ascending. Reads no id past the
-  /// count, nor past Kmax. The ids are loaded kCheckBatch at a time, each batch's loads issued before
-  /// any of them is used, so a list costs about c / kCheckBatch load latencies rather than c (the
-  /// producer must be back at the K ring before the consumers drain it); the walk then reads them
-  /// again from L1.
-  static constexpr int kCheckBatch = 8;
-  __device__ __forceinline__ static FoundFault check_list(const TileAttentionParams& p, const std::int32_t* list,
-                                                          std::int64_t stride, int c) {
-    if (c < 0 || c > p.Kmax) return {ListFault::kCount, -1, c, -1};
-    int prev = -1;
-    for (int s0 = 0; s0 < c; s0 += kCheckBatch) {
-      int ids[kCheckBatch];
-#pragma unroll
-      for (int u = 0; u < kCheckBatch; ++u) ids[u] = s0 + u < c ? __ldg(list + (s0 + u) * stride) : 0;
-#pragma unroll
-      for (int u = 0; u < kCheckBatch; ++u) {
-        const int s = s0 + u, j = ids[u];
-        if (s >= c) break;
-        if (j < 0 || j >= p.Tk) return {ListFault::kRange, s, j, prev};
-        if (j <= prev) return {ListFault::kOrder, s, j, prev};
-        prev = j;
-      }
-    }
-    return {ListFault::kNone, 0, 0, 0};
-  }
-
-  /// Records `f`, found in the list of work item w, in the device's fault record, ordered as the CPU
-  /// scans: tile (b, g, t) row-major, its count before its slots.
-  __device__ __forceinline__ static void record(const TileAttentionParams& p, const FoundFault& f, const WorkItem& w) {
-    const int g = w.head / p.heads_per_list, G = p.Hq / p.heads_per_list;
-    const unsigned long long tile = (static_cast<unsigned long long>(w.b) * G + g) * p.Tq + w.q_tile;
-    const unsigned long long position = tile * (static_cast<unsigned long long>(p.Kmax) + 1) + (f.slot + 1);
-    record_list_fault(FaultSink{p.fault, p.fault_flag},
-                      DeviceFault{(position << 2) | static_cast<unsigned>(f.kind), 0, f.kind, w.b, g, w.q_tile, f.slot,
-                                  f.value, f.prev, p.Kmax, p.Tk});
-  }
-
   /// Block id at position i of the walk, or -1 when it is skipped (entirely in the future, or an id
-  /// out of range in a trusted list).
+  /// out of range (a list that breaks its format)).
   __device__ __forceinline__ int block(int i) const {
     const int j = list ? __ldg(list + i * list_stride) : i;
     if (j < 0 || j >= Tk) return -1;

@@ -13,6 +13,7 @@
 #include "cuda/attention/entmax_transform.cuh"
 #include "cuda/attention/mainloop.cuh"
 #include "cuda/attention/params.hpp"
+#include "cuda/common/pdl.cuh"
 #include "cuda/common/smem_limit.hpp"
 
 namespace sparse_attn::cuda_kernels {
@@ -22,14 +23,13 @@ inline constexpr std::uint32_t kProducerRegs = 24;
 inline constexpr std::uint32_t kConsumerRegs = 240;
 static_assert(sizeof(SharedStorage<Bf16Tag::Elem, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
 
-// One instantiation per (causal, split tail, checked lists) setting: kCausal = p.causal, kSplit =
-// (p.tail_ctas > 0), kValidate = (p.fault != nullptr); the launcher instantiates (false, false),
-// (false, true) and (true, false) of the first two, each with and without the check, with NoGate, and
+// One instantiation per (causal, split tail) setting: kCausal = p.causal, kSplit = (p.tail_ctas > 0);
+// the launcher instantiates (false, false), (false, true) and (true, false) with NoGate, and
 // gated's (true, false, false) with BlockMaxGate (gate_policy.cuh), whose parameters come last so
 // that the others' argument layout is what it was without a gate; and entmax's output pass, (causal,
 // false, false) with EntmaxTransform (entmax_transform.cuh) as the score transform, its parameters
 // after the gate's.
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate,
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, class Gate = NoGate,
           class Transform = OnlineSoftmax>
 __global__ void __launch_bounds__(kKernelThreads, 1)
     tile_attention_kernel(const __grid_constant__ TileAttentionParams p, const __grid_constant__ CUtensorMap tm_q,
@@ -63,6 +63,8 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
       sm.v_empty[s].init(kConsumerThreads);
     }
     fence_barrier_init();
+    // A validated call's list check (list_check.cu) may launch now and take the SMs this grid leaves.
+    pdl_launch_dependents();
   }
   __syncthreads();
 
@@ -72,10 +74,10 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     if (thread == 0)
-      producer_loop<typename Tag::Elem, kHeadDim, kCausal, kValidate>(p, sched, sm, &tm_q, &tm_k, &tm_v);
+      producer_loop<typename Tag::Elem, kHeadDim, kCausal>(p, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consumer_loop<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate, Transform>(p, gate, transform, sched, sm,
+    consumer_loop<Tag, kHeadDim, kCausal, kSplit, Gate, Transform>(p, gate, transform, sched, sm,
                                                                             warpgroup - 1, thread, &tm_out);
   }
 }
@@ -86,9 +88,9 @@ constexpr std::size_t tile_attention_smem_bytes() {
 }
 
 /// Launches one instantiation on `stream` with a persistent grid of `grid` CTAs (at most one per SM;
-/// the scheduler's split of the work assumes exactly this grid). kValidate must equal
-/// (p.fault != nullptr). Returns the CUDA error of the launch (cudaSuccess on success).
-template <class Tag, int kHeadDim, bool kValidate>
+/// the scheduler's split of the work assumes exactly this grid). Returns the CUDA error of the launch
+/// (cudaSuccess on success).
+template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream);
 
@@ -109,33 +111,32 @@ cudaError_t launch_entmax_attention(const TileAttentionParams& p, const EntmaxTr
 #if defined(SPARSE_ATTN_INSTANTIATE_TILE_ATTENTION)
 namespace sparse_attn::cuda_kernels {
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate = NoGate,
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, class Gate = NoGate,
           class Transform = OnlineSoftmax>
 cudaError_t launch_tile_attention_variant(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                           const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid,
                                           cudaStream_t stream, const typename Gate::Params& gate = {},
                                           const typename Transform::Params& transform = {}) {
   constexpr std::size_t smem = tile_attention_smem_bytes<Tag, kHeadDim>();
-  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, kValidate, Gate, Transform>;
+  auto* kernel = &tile_attention_kernel<Tag, kHeadDim, kCausal, kSplit, Gate, Transform>;
   return launch_with_smem(kernel, smem, [&] {
     kernel<<<grid, kKernelThreads, smem, stream>>>(p, tm_q, tm_k, tm_v, tm_out, gate, transform);
   });
 }
 
-template <class Tag, int kHeadDim, bool kValidate>
+template <class Tag, int kHeadDim>
 cudaError_t launch_tile_attention(const TileAttentionParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k,
                                   const CUtensorMap& tm_v, const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
-  if ((p.fault != nullptr) != kValidate) return cudaErrorInvalidValue;
   // Causal launches are never split (launcher.cu: their units of paired tiles already balance the
   // CTAs), so there is no causal instantiation with the split code.
   if (p.causal)
     return p.tail_ctas > 0 ? cudaErrorInvalidValue
-                           : launch_tile_attention_variant<Tag, kHeadDim, true, false, kValidate>(p, tm_q, tm_k, tm_v,
+                           : launch_tile_attention_variant<Tag, kHeadDim, true, false>(p, tm_q, tm_k, tm_v,
                                                                                                    tm_out, grid, stream);
   return p.tail_ctas > 0
-             ? launch_tile_attention_variant<Tag, kHeadDim, false, true, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid,
+             ? launch_tile_attention_variant<Tag, kHeadDim, false, true>(p, tm_q, tm_k, tm_v, tm_out, grid,
                                                                                    stream)
-             : launch_tile_attention_variant<Tag, kHeadDim, false, false, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid,
+             : launch_tile_attention_variant<Tag, kHeadDim, false, false>(p, tm_q, tm_k, tm_v, tm_out, grid,
                                                                                     stream);
 }
 
@@ -144,7 +145,7 @@ cudaError_t launch_gated_attention(const TileAttentionParams& p, const GateParam
                                    const CUtensorMap& tm_k, const CUtensorMap& tm_v, const CUtensorMap& tm_out,
                                    int grid, cudaStream_t stream) {
   if (!p.causal || p.tail_ctas > 0 || p.fault != nullptr) return cudaErrorInvalidValue;
-  return launch_tile_attention_variant<Tag, kHeadDim, true, false, false, BlockMaxGate>(p, tm_q, tm_k, tm_v, tm_out,
+  return launch_tile_attention_variant<Tag, kHeadDim, true, false, BlockMaxGate>(p, tm_q, tm_k, tm_v, tm_out,
                                                                                         grid, stream, gate);
 }
 
@@ -153,9 +154,9 @@ cudaError_t launch_entmax_attention(const TileAttentionParams& p, const EntmaxTr
                                     const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                                     const CUtensorMap& tm_out, int grid, cudaStream_t stream) {
   if (p.tail_ctas > 0 || p.fault != nullptr) return cudaErrorInvalidValue;
-  return p.causal ? launch_tile_attention_variant<Tag, kHeadDim, true, false, false, NoGate, EntmaxTransform>(
+  return p.causal ? launch_tile_attention_variant<Tag, kHeadDim, true, false, NoGate, EntmaxTransform>(
                         p, tm_q, tm_k, tm_v, tm_out, grid, stream, {}, entmax)
-                  : launch_tile_attention_variant<Tag, kHeadDim, false, false, false, NoGate, EntmaxTransform>(
+                  : launch_tile_attention_variant<Tag, kHeadDim, false, false, NoGate, EntmaxTransform>(
                         p, tm_q, tm_k, tm_v, tm_out, grid, stream, {}, entmax);
 }
 

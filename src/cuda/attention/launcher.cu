@@ -12,6 +12,7 @@
 
 #include "core/check.hpp"
 #include "cuda/attention/kernel.cuh"
+#include "cuda/attention/list_check.hpp"
 #include "cuda/attention/params.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
@@ -90,7 +91,7 @@ void run(const std::string& op, const detail::AttentionCall& a, const detail::Ti
     for (int i = 0; i < 4; ++i) p.idx_stride[i] = idx.stride[i];
     for (int i = 0; i < 3; ++i) p.cnt_stride[i] = cnt.stride[i];
     p.heads_per_list = static_cast<int>(s.Hq / tiles->G);
-    if (!a.trusted) {  // checked by the kernel as it runs (block_policy.cuh): no synchronisation
+    if (!a.trusted) {  // checked on the device after the attention (list_check.cu): no synchronisation
       const FaultSink sink = fault_sink(a.device, op);
       p.fault = sink.record;
       p.fault_flag = sink.flag;
@@ -140,12 +141,11 @@ void run(const std::string& op, const detail::AttentionCall& a, const detail::Ti
     }
   }
   const bool bf16 = q.dtype == DType::bf16;
-  const auto launch = [&]<bool kValidate>() {
-    return s.D == 128
-               ? (bf16 ? launch_tile_attention<Bf16Tag, 128, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-                       : launch_tile_attention<F16Tag, 128, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream))
-               : (bf16 ? launch_tile_attention<Bf16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
-                       : launch_tile_attention<F16Tag, 64, kValidate>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
+  const auto launch = [&]() {
+    return s.D == 128 ? (bf16 ? launch_tile_attention<Bf16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                              : launch_tile_attention<F16Tag, 128>(p, tm_q, tm_k, tm_v, tm_out, grid, stream))
+                      : (bf16 ? launch_tile_attention<Bf16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream)
+                              : launch_tile_attention<F16Tag, 64>(p, tm_q, tm_k, tm_v, tm_out, grid, stream));
   };
   const auto launch_entmax = [&]() {
     return s.D == 128 ? (bf16 ? launch_entmax_attention<Bf16Tag, 128>(p, *entmax, tm_q, tm_k, tm_v, tm_out, grid, stream)
@@ -160,9 +160,9 @@ void run(const std::string& op, const detail::AttentionCall& a, const detail::Ti
                                 : launch_gated_attention<F16Tag, 128>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream))
                         : (bf16 ? launch_gated_attention<Bf16Tag, 64>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream)
                                 : launch_gated_attention<F16Tag, 64>(p, *gate, tm_q, tm_k, tm_v, tm_out, grid, stream)))
-      : p.fault != nullptr ? launch.template operator()<true>()
-                           : launch.template operator()<false>();
+      : launch();
   check_cuda(e, op, "kernel launch");
+  if (p.fault != nullptr) check_cuda(launch_list_check(p, static_cast<int>(s.D), stream), op, "list check launch");
 }
 
 }  // namespace

@@ -44,7 +44,6 @@ inline constexpr int kVStages = 2;
 enum ItemWalk : int {
   kNoBlocks = 0,   // nothing to visit: out = 0, lse = -inf
   kHasBlocks = 1,  // its blocks follow in the K/V rings
-  kFaulty = 2,     // a validated list broke a rule (block_policy.cuh): out and lse are NaN
 };
 
 struct SlotBlock {
@@ -64,7 +63,6 @@ struct alignas(1024) SharedStorage {
   // buffer the item's ItemWalk, per K slot the block and whether it is the item's last. Written
   // before the slot's full barrier is armed, read after it completes, before the slot is released.
   int q_walk[kQStages];
-  FoundFault q_fault[kQStages];  // what a kFaulty item's list broke
   SlotBlock k_block[kKStages];
   // Per consumer warpgroup: the piece of a split unit whose arrival is pending, and the verdict of its
   // arrival (epilogue.cuh, arrive_piece).
@@ -81,7 +79,7 @@ inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column 
 template <int kHeadDim>
 inline constexpr std::uint32_t kTileBytes = kHeadDim / 64 * kHalfTileBytes;
 
-template <class Elem, int kHeadDim, bool kCausal, bool kValidate>
+template <class Elem, int kHeadDim, bool kCausal>
 __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
                                               SharedStorage<Elem, kHeadDim>& sm, const CUtensorMap* tm_q,
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
@@ -104,7 +102,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   for (auto cur = sched.first(); sched.valid(cur); cur = sched.next(cur)) {
     const WorkItem w = sched.decode(cur);
     const int kv_head = w.head / p.group_size;
-    const BlockPolicy bp = BlockPolicy::make<kCausal, kValidate>(p, w);
+    const BlockPolicy bp = BlockPolicy::make<kCausal>(p, w);
     int pos = bp.begin;
     int j = bp.next(pos);
     // An item without blocks loads no K, so the previous item's last V cannot wait for the next K: the
@@ -113,9 +111,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
     if (j < 0 && pend_j >= 0) load_pending_v();
     const int qst = qs.stage();
     sm.q_empty[qst].wait(qs.phase() ^ 1u);
-    const bool faulty = kValidate && bp.fault.kind != ListFault::kNone;
-    sm.q_walk[qst] = faulty ? kFaulty : (j >= 0 ? kHasBlocks : kNoBlocks);
-    if (faulty) sm.q_fault[qst] = bp.fault;
+    sm.q_walk[qst] = j >= 0 ? kHasBlocks : kNoBlocks;
     sm.q_full[qst].arrive_expect_tx(kTileBytes<kHeadDim>);
     for (int half = 0; half < kHalves; ++half)
       tma_load_bhld(&sm.q[qst][half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full[qst].word);
@@ -138,7 +134,7 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
   if (pend_j >= 0) load_pending_v();
 }
 
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate,
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, class Gate,
           class Transform = OnlineSoftmax>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const typename Gate::Params& gp,
                                               const typename Transform::Params& tp,
@@ -216,9 +212,9 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 // item's epilogue runs after the next item's first softmax, so an item boundary costs no turn of its
 // own and no exposed QK + softmax.
 //
-// kCausal, kSplit and kValidate are p.causal, whether the launch has a split tail (p.tail_ctas > 0) and
-// whether its lists are checked (p.fault set), fixed per instantiation: a kernel without them carries
-// neither the causal mask, nor the pieces' stores, arrivals and combine, nor the faulty item's path.
+// kCausal and kSplit are p.causal and whether the launch has a split tail (p.tail_ctas > 0), fixed per
+// instantiation: a kernel without them carries neither the causal mask nor the pieces' stores,
+// arrivals and combine.
 //
 // Gate (gate_policy.cuh) decides after each QK whether the block leaves a trace; NoGate keeps all and
 // its branches fold away. A skipped block still takes its MMA and exponential turns (empty), so the
@@ -227,7 +223,7 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 //
 // Transform turns a kept block's scores into P (OnlineSoftmax: softmax; entmax_transform.cuh: entmax
 // with thresholds already known); its (m, l) are what the epilogue and the combine normalise by.
-template <class Tag, int kHeadDim, bool kCausal, bool kSplit, bool kValidate, class Gate, class Transform>
+template <class Tag, int kHeadDim, bool kCausal, bool kSplit, class Gate, class Transform>
 __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, const typename Gate::Params& gp,
                                               const typename Transform::Params& tp,
                                               const StaticPersistentScheduler& sched,
@@ -235,7 +231,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
                                               int thread, const CUtensorMap* tm_out) {
   constexpr int kHalves = kHeadDim / 64;
   // Every consumer thread arrives on the empty barriers (count kConsumerThreads): each has read the slot's
-  // metadata (k_block, q_walk, q_fault) that the producer overwrites once the barrier completes.
+  // metadata (k_block, q_walk) that the producer overwrites once the barrier completes.
   const auto release = [&](MBarrier& bar) { bar.arrive(); };
   // Q buffer release. With the TMA store the buffer holds the staged output until the store has read
   // it: the storing thread arrives only after that read, so the buffer's phase cannot complete before
@@ -361,20 +357,13 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
 
     const int walk = sm.q_walk[qst];
     gate.begin(gp, p, w, consumer);
-    if (walk != kHasBlocks) {  // nothing to visit: out = 0, lse = -inf; a faulty list: NaN
+    if (walk != kHasBlocks) {  // nothing to visit: out = 0, lse = -inf
       gate.finish(gp, p, w, consumer, thread);
-      const bool faulty = kValidate && walk == kFaulty;
-      // One thread records the fault (q_fault is read before this thread releases the Q buffer).
-      if (faulty && consumer == 0 && thread == 0) BlockPolicy::record(p, sm.q_fault[qst], w);
       finish_pending();
       if (!p.tma_store) sm.q_empty[qst].arrive();
-      // A faulty item's o, m and l are NaN, which every way out (the epilogues, a split unit's
-      // combine) turns into NaN out and lse.
-      const float fill = faulty ? __int_as_float(0x7fffffff) : 0.0f;
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = fill;
+      for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
       softmax.finish();
-      if (faulty) softmax.m[0] = softmax.m[1] = softmax.l[0] = softmax.l[1] = fill;
       epilogue(softmax, w, qst);
       continue;
     }

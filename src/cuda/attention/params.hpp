@@ -24,8 +24,8 @@ struct TileAttentionParams {
   std::int64_t idx_stride[4] = {0, 0, 0, 0};
   std::int64_t cnt_stride[3] = {0, 0, 0};
   // Validated calls: the device's fault record and the device address of its host flag (fault_word.hpp,
-  // FaultSink). Null when the lists are trusted: counts are then clamped to [0, Kmax] and ids out of
-  // range skipped, with nothing checked or recorded.
+  // FaultSink), for the list check that follows the attention (list_check.cu). The attention kernel does
+  // not read them: its walk clamps counts to [0, Kmax] and skips ids out of range whatever the lists hold.
   DeviceFault* fault = nullptr;
   int* fault_flag = nullptr;
 
