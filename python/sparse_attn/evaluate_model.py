@@ -55,7 +55,8 @@ def budget_blocks(density: float, length: int) -> int:
 
 
 def evaluate(model, tokenizer, identity, *, texts, length, sequences, densities, variants, thresholds=None,
-             calibration_sequences=2, sink_blocks=1, local_blocks=1, mass=True, log=print) -> dict:
+             calibration_sequences=2, sink_blocks=1, local_blocks=1, mass=True, prefill_repeats=0,
+             log=print) -> dict:
     """The evaluation as a dict (see the module documentation); `texts` are text files."""
     from . import load_thresholds
     from . import model_eval as me
@@ -73,13 +74,15 @@ def evaluate(model, tokenizer, identity, *, texts, length, sequences, densities,
     runs = []
 
     def run(label, method, density=None, **options):
-        r = me.run_method(model, seqs, f"sparse_attn_eval_{len(runs)}", method, mass=mass, **options)
+        r = me.run_method(model, seqs, f"sparse_attn_eval_{len(runs)}", method, mass=mass,
+                          prefill_repeats=prefill_repeats, **options)
         r.update(variant=label, target_density=density)
         runs.append(r)
         shown = "" if r.get("block_density") is None else f"  block density {r['block_density']:.3f}"
         kept = "" if r.get("kept_mass") is None else f"  kept mass {r['kept_mass']:.4f}"
+        timed = "" if r.get("prefill_ms") is None else f"  prefill {r['prefill_ms']:.2f} ms"
         log(f"{label:16s} {'' if density is None else f'{density:5.3f}':5s}  ppl {r['perplexity']:8.3f}"
-            f"{shown}{kept}  {r['seconds']:.1f} s")
+            f"{shown}{kept}{timed}  {r['seconds']:.1f} s")
 
     run("sdpa", "sdpa")
     run("dense", "dense", **common)
@@ -111,6 +114,7 @@ def evaluate(model, tokenizer, identity, *, texts, length, sequences, densities,
         "densities": densities,
         "sink_blocks": sink_blocks,
         "local_blocks": local_blocks,
+        "prefill_repeats": prefill_repeats,
         "results": runs,
     }
 
@@ -121,10 +125,14 @@ def to_json(result: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """The results as a Markdown table: perplexity (and its change against dense), densities, kept mass."""
+    """The results as a Markdown table: perplexity (and its change against dense), densities, kept mass,
+    and, where measured, the whole-model prefill time and its ratio to transformers' SDPA."""
     dense = next(r for r in result["results"] if r["variant"] == "dense")["perplexity"]
-    rows = ["| method | target density | perplexity | vs dense | block density | pair density | kept mass |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    sdpa_ms = next((r.get("prefill_ms") for r in result["results"] if r["variant"] == "sdpa"), None)
+    timed = sdpa_ms is not None
+    rows = ["| method | target density | perplexity | vs dense | block density | pair density | kept mass |"
+            + (" prefill ms | SDPA / method |" if timed else ""),
+            "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if timed else "")]
 
     def cell(value, fmt):
         return "" if value is None else format(value, fmt)
@@ -132,7 +140,8 @@ def markdown(result: dict) -> str:
     for r in result["results"]:
         rows.append(f"| {r['variant']} | {cell(r.get('target_density'), '.3f')} | {r['perplexity']:.3f} | "
                     f"{100 * (r['perplexity'] / dense - 1):+.2f} % | {cell(r.get('block_density'), '.3f')} | "
-                    f"{cell(r.get('pair_density'), '.3f')} | {cell(r.get('kept_mass'), '.4f')} |")
+                    f"{cell(r.get('pair_density'), '.3f')} | {cell(r.get('kept_mass'), '.4f')} |"
+                    + (f" {cell(r.get('prefill_ms'), '.2f')} | {cell(sdpa_ms / r['prefill_ms'], '.3f')} |" if timed else ""))
     return "\n".join(rows)
 
 
@@ -185,16 +194,25 @@ def main(argv=None):
     parser.add_argument("--local-blocks", type=int, default=1)
     parser.add_argument("--no-mass", action="store_true", help="skip the kept-mass statistics (saves time and memory)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--prefill-repeats", type=int, default=None,
+                        help="time each method's whole-model prefill of the first sequence, median of N runs "
+                             "(default 5 on CUDA; CUDA only)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--plot", help="PNG file to write (needs matplotlib)")
     args = parser.parse_args(argv)
 
     from . import model_eval as me
     model, tokenizer, identity = me.load_model(args.model, device=args.device)
+    repeats = args.prefill_repeats
+    if repeats is None:
+        repeats = 5 if model.device.type == "cuda" else 0
+    if repeats < 0 or (repeats > 0 and model.device.type != "cuda"):
+        parser.error(f"--prefill-repeats {repeats}: needs a value >= 0, and 0 on {model.device.type}")
     result = evaluate(model, tokenizer, identity, texts=me.text_files(args.text), length=args.length,
                       sequences=args.sequences, densities=args.densities, variants=args.methods,
                       thresholds=args.thresholds, calibration_sequences=args.calibration_sequences,
-                      sink_blocks=args.sink_blocks, local_blocks=args.local_blocks, mass=not args.no_mass)
+                      sink_blocks=args.sink_blocks, local_blocks=args.local_blocks, mass=not args.no_mass,
+                      prefill_repeats=repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(to_json(result), indent=1) + "\n")
     print(markdown(result))

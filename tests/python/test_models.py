@@ -116,3 +116,12 @@ def test_calibrate_writes_a_table_that_gated_uses(smollm2, sequences, tmp_path):
     assert (values[0, :, :, Tg - 1] >= values[1, :, :, Tg - 1]).all()  # the 1st largest block max >= the 2nd
     gated = me.run_method(model, short, "sa_test_gated_cal", "gated", budget=2, thresholds=str(path))
     assert 0 < gated["block_density"] < 1
+
+
+def test_prefill_timing_needs_cuda(smollm2, sequences):
+    model = smollm2[0]
+    with pytest.raises(ValueError, match="prefill_repeats needs a model on a CUDA device, got cpu"):
+        me.run_method(model, sequences, "sparse_attn_eval_timed_cpu", "dense", mass=False, prefill_repeats=1)
+    with pytest.raises(SystemExit):  # the CLI refuses it on the CPU
+        em.main(["--model", "smollm2", "--device", "cpu", "--text", str(TEXTS), "--length", "256",
+                 "--prefill-repeats", "2", "--methods", "pooled", "--out", "/dev/null"])
