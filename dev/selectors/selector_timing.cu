@@ -6,8 +6,9 @@
 //   selector_timing [pooled] [token_max] [lightning]   (all three without arguments)
 //
 // pooled: tile16 shape (B = 2, Lq = 4096, Hq = 16, Hkv = 1, D = 128, bf16, top-16, local block forced) at
-//   Lk = 4K, 16K, 32K, R1 and R4, the public function and each scoring kernel (SelectorTuning): warm median
-//   of 30 calls queued behind a spin kernel, cold-L2 median of 10 calls after a 512 MB memset.
+//   Lk = 4K, 16K, 32K, R1 and R4: warm median of 30 calls queued behind a spin kernel, cold-L2 median of 10
+//   calls after a 512 MB memset; the lists equal to the CPU's at 16K (the exit status is 1 where any differs:
+//   allowed within the contract's bound, worth a look).
 // token_max: the same shape's index vectors (Di = 128, TileLists, top-16, non-causal) per precision at
 //   Lk = 4K, 16K, 32K: median of 25 calls and the share of candidate blocks re-scored in float64; QueryLists
 //   at 16K, fp8.
@@ -129,7 +130,6 @@ bool equals_cpu(const DevTensor& idx, const DevTensor& cnt, const std::function<
 }
 
 bool pooled() {
-  using sa::detail::PooledScoring;
   const std::int64_t B = 2, Lq = 4096, Hq = 16, Hkv = 1, D = 128, top_k = 16, Tq = Lq / sa::kTileQ;
   cudaStream_t s = nullptr;
   ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -145,50 +145,45 @@ bool pooled() {
     for (int r : {1, 4}) {
       sa::PooledOptions o;
       o.representatives = r, o.top_k = static_cast<int>(top_k), o.stream = s;
-      const struct {
-        const char* label;
-        PooledScoring scoring;
-      } variants[] = {{"public", PooledScoring::automatic}, {"float64-kernel", PooledScoring::exact_f64},
-                      {"int8-screen", PooledScoring::int8_tensor_cores}};
-      for (const auto& v : variants) {
-        if (v.scoring == PooledScoring::exact_f64 && !sa::detail::pooled_exact_applies(Hq / Hkv * r, D)) continue;
-        sa::detail::SelectorTuning tuning;
-        tuning.pooled_scoring = v.scoring;
-        const auto run = [&] {
-          if (v.scoring == PooledScoring::automatic) sa::pooled_select(q.view, k.view, out, o);
-          else sa::cuda_backend::pooled_select(q.view, k.view, out, o, tuning);
-        };
-        if (Lk == 16384) {  // verify before timing
-          run();
-          ok(cudaStreamSynchronize(s), "verification call");
-          const sa::HostTensor hq = q.host(), hk = k.host();
-          sa::PooledOptions co = o;
-          co.stream = nullptr;
-          const bool equal =
-              equals_cpu(idx, cnt, [&](const sa::TileLists& ref) { sa::pooled_select(hq.view(), hk.view(), ref, co); });
-          all_equal = all_equal && equal;
-          std::printf("pooled %s R%d Lk=16384: lists %s the CPU's\n", v.label, r, equal ? "equal" : "DIFFER FROM");
-        }
-        const std::vector<double> warm = time_warm(s, 30, run);
-        std::vector<double> cold;
-        cudaEvent_t e0, e1;
-        cudaEventCreate(&e0), cudaEventCreate(&e1);
-        for (int i = 0; i < 10; ++i) {
-          cudaMemsetAsync(flush, i & 0xff, flush_bytes, s);
-          spin_kernel<<<1, 1, 0, s>>>(1'000'000);  // the host queues the call meanwhile
-          cudaEventRecord(e0, s);
-          run();
-          cudaEventRecord(e1, s);
-          ok(cudaStreamSynchronize(s), "cold call");
-          float ms = 0.0f;
-          cudaEventElapsedTime(&ms, e0, e1);
-          cold.push_back(1000.0 * ms);
-        }
-        cudaEventDestroy(e0), cudaEventDestroy(e1);
-        std::printf("pooled %s R%d tile16 Lk=%lld: warm median %.1f us (min %.1f), cold-L2 median %.1f us\n", v.label, r,
-                    static_cast<long long>(Lk), median(warm), *std::min_element(warm.begin(), warm.end()),
-                    median(cold));
+      const auto run = [&] { sa::pooled_select(q.view, k.view, out, o); };
+      if (Lk == 16384) {  // the lists before the timing: a top-k of the CPU's scores within the kernel's bound, so
+                          // only near-ties may differ from the CPU's lists
+        run();
+        ok(cudaStreamSynchronize(s), "verification call");
+        const sa::HostTensor hq = q.host(), hk = k.host();
+        sa::PooledOptions co = o;
+        co.stream = nullptr;
+        sa::HostTensor ridx(sa::DType::i32, idx.shape), rcnt(sa::DType::i32, cnt.shape);
+        sa::pooled_select(hq.view(), hk.view(), sa::TileLists{ridx.view(), rcnt.view()}, co);
+        const sa::HostTensor gidx = idx.host(), gcnt = cnt.host();
+        std::int64_t same = 0;
+        for (std::int64_t l = 0; l < gcnt.numel(); ++l)
+          same += std::memcmp(gidx.data<std::int32_t>() + l * top_k, ridx.data<std::int32_t>() + l * top_k,
+                              top_k * 4) == 0 &&
+                  gcnt.data<std::int32_t>()[l] == rcnt.data<std::int32_t>()[l];
+        all_equal = all_equal && same == gcnt.numel();
+        std::printf("pooled R%d Lk=16384: %lld of %lld lists equal the CPU's\n", r, static_cast<long long>(same),
+                    static_cast<long long>(gcnt.numel()));
       }
+      const std::vector<double> warm = time_warm(s, 30, run);
+      std::vector<double> cold;
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0), cudaEventCreate(&e1);
+      for (int i = 0; i < 10; ++i) {
+        cudaMemsetAsync(flush, i & 0xff, flush_bytes, s);
+        spin_kernel<<<1, 1, 0, s>>>(1'000'000);  // the host queues the call meanwhile
+        cudaEventRecord(e0, s);
+        run();
+        cudaEventRecord(e1, s);
+        ok(cudaStreamSynchronize(s), "cold call");
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, e0, e1);
+        cold.push_back(1000.0 * ms);
+      }
+      cudaEventDestroy(e0), cudaEventDestroy(e1);
+      std::printf("pooled R%d tile16 Lk=%lld: warm median %.1f us (min %.1f), cold-L2 median %.1f us\n", r,
+                  static_cast<long long>(Lk), median(warm), *std::min_element(warm.begin(), warm.end()),
+                  median(cold));
     }
   }
   cudaFree(flush);

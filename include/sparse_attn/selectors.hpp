@@ -44,6 +44,8 @@ struct PooledOptions {
 /// force_local: causal, the blocks holding keys i + (Lk - Lq) >= 0 for the tile's queries i (one
 /// or two blocks); non-causal, the block holding key min(first query * Lk / Lq, Lk - 1).
 /// force_block0 applies to tiles that see any key.
+/// On a CUDA device the scores are float32: each list is a top-k of the scores above up to a derived
+/// bound (docs/design.md §5.7), ties to the lower id, the same bits on every run.
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out,
                    const PooledOptions& options = {});
 

@@ -1,4 +1,4 @@
-// GPU tests of the CUDA selectors (pooled, token_max, lightning blocks): every output element (ids, counts, -1 padding) must equal the CPU
+// GPU tests of the CUDA selectors (token_max, lightning blocks; pooled in test_pooled_gpu.cu): every output element (ids, counts, -1 padding) must equal the CPU
 // reference bit for bit, on random inputs and on planted ones (far-away blocks copied from the
 // queries, and duplicated blocks whose exact ties must go to the lower id), over awkward shapes
 // (Lq = 1, 17, 1013; Lk not a multiple of 128; GQA 1 and 16; B > 1; causal and not). Device outputs
@@ -51,60 +51,6 @@ void plant(const sa::HostTensor& q, sa::HostTensor& k, std::int64_t group) {
     const std::int64_t twin = Tk - 2 == far ? Tk - 1 : Tk - 2, src = far;
     for (std::int64_t h = 0; h < Hk; ++h) copy_rows(k, b, twin * sa::kBlockK, h, k, src * sa::kBlockK, h, sa::kBlockK);
   }
-}
-
-// ---- pooled --------------------------------------------------------------------------------------
-
-struct PooledCase {
-  std::string name;
-  std::int64_t B = 1, Lq = 128, Lk = 128, Hq = 1, Hkv = 1, D = 128;
-  int r = 1, top_k = 4, kmax = 4;
-  bool causal = false, force_local = true, force_block0 = false, planted = false;
-  sa::DType dtype = sa::DType::bf16;
-};
-
-void run_pooled(const PooledCase& c, std::uint64_t seed) {
-  SCOPED_TRACE(c.name);
-  sa::HostTensor q = st::random_tensor(c.dtype, {c.B, c.Lq, c.Hq, c.D}, seed);
-  sa::HostTensor k = st::random_tensor(c.dtype, {c.B, c.Lk, c.Hkv, c.D}, seed + 1);
-  if (c.planted) plant(q, k, c.Hq / c.Hkv);
-  const std::int64_t Tq = sa::ceil_div(c.Lq, sa::kTileQ);
-  sa::PooledOptions o;
-  o.representatives = c.r, o.top_k = c.top_k, o.causal = c.causal, o.force_local = c.force_local,
-  o.force_block0 = c.force_block0;
-
-  sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, Tq, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, Tq});
-  sa::pooled_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, o);
-
-  const sa::HostTensor gidx0 = poisoned_i32(idx.shape()), gcnt0 = poisoned_i32(cnt.shape());
-  Dev dq(q), dk(k), didx(gidx0), dcnt(gcnt0);
-  sa::pooled_select(dq.view, dk.view, sa::TileLists{didx.view, dcnt.view}, o);
-  cuda_ok(cudaDeviceSynchronize(), "pooled_select");
-  expect_equal_i32(dcnt.download(cnt), cnt, "cnt");
-  expect_equal_i32(didx.download(idx), idx, "idx");
-}
-
-TEST(SelectorsGpu, PooledEqualsCpu) {
-  SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  std::vector<PooledCase> cases;
-  for (int r : {1, 4}) {
-    const std::string R = "R" + std::to_string(r) + " ";
-    cases.push_back({R + "Lq=1 causal", 1, 1, 300, 1, 1, 128, r, 3, 4, true});
-    cases.push_back({R + "Lq=17 non-causal GQA16", 1, 17, 1000, 16, 1, 128, r, 4, 6, false});
-    cases.push_back({R + "Lq=1013 causal B=2 GQA2 block0", 2, 1013, 1013, 4, 2, 128, r, 5, 5, true, true, true});
-    cases.push_back({R + "Lq<Lk causal planted", 2, 300, 2000, 16, 1, 128, r, 4, 7, true, true, false, true});
-    cases.push_back({R + "non-causal no forcing planted", 2, 256, 1700, 2, 2, 128, r, 6, 6, false, false, false, true});
-    cases.push_back({R + "Lq>Lk causal (tiles see nothing)", 1, 700, 200, 2, 1, 128, r, 2, 3, true});
-    cases.push_back({R + "top_k above candidates, D=64 f16", 1, 260, 390, 2, 1, 64, r, 16, 16, true, true, true, false,
-                     sa::DType::f16});
-    cases.push_back({R + "f32, D=80", 2, 130, 650, 3, 3, 80, r, 3, 3, false, true, false, true, sa::DType::f32});
-    // A row of means spread over two warps (the int8 copy's reductions go through shared memory), and
-    // D past the int8 screen's limit (every pair evaluated in float64).
-    cases.push_back({R + "D=256 planted", 1, 300, 1500, 4, 1, 256, r, 4, 5, true, true, false, true});
-    cases.push_back({R + "D=288 (no int8 screen)", 1, 200, 900, 2, 1, 288, r, 3, 3, false, true, true});
-  }
-  std::uint64_t seed = 100;
-  for (const auto& c : cases) run_pooled(c, seed += 10);
 }
 
 // ---- token_max -----------------------------------------------------------------------------------
@@ -261,12 +207,10 @@ TEST(SelectorsGpu, RunOnCallerStream) {
 }
 
 // Small enough for compute-sanitizer (scripts/gpu_run.sh runs '*SanitizerSmall*'): every kernel of
-// the pooled (R1, R4), token_max (three precisions, both formats) and lightning (blocks) selectors once,
-// with partial blocks.
+// the token_max (three precisions, both formats) and lightning (blocks) selectors once, with partial
+// blocks (pooled: PooledGpu.SanitizerSmall).
 TEST(SelectorsGpu, SanitizerSmall) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  run_pooled({"sanitizer R1", 2, 200, 300, 4, 2, 64, 1, 2, 3, true, true, true, true}, 11);
-  run_pooled({"sanitizer R4", 1, 130, 390, 2, 1, 64, 4, 2, 2, false, true, false, false}, 12);
   const TokenCase c{"sanitizer token_max", 2, 150, 290, 2, 1, 40, 2, 3, true, true, true};
   run_token_max(c, sa::IndexPrecision::bf16, false, 13);
   run_token_max(c, sa::IndexPrecision::fp8_e4m3, true, 14);

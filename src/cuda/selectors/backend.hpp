@@ -13,6 +13,10 @@
 // `tuning` (tuning.hpp) is for the GPU tests; the default is what the public functions run.
 #pragma once
 
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
 #include "cuda/selectors/tuning.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/selectors.hpp"
@@ -20,8 +24,33 @@
 
 namespace sparse_attn::cuda_backend {
 
-void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& options,
-                   const detail::SelectorTuning& tuning = {});
+void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out, const PooledOptions& options);
+
+/// Device scratch of one pooled_select call for this shape and these options (pooled.cu).
+std::size_t pooled_scratch_bytes(const ProblemShape& shape, const PooledOptions& options);
+
+/// Error bound of the CUDA pooled selector's scores (derivation beside its kernels in pooled.cu). For one
+/// representative pair with the CPU's float32 means cq, ck and the means of |x| over the same tokens aq, ak
+/// (per column), the device score is within pair(...) of the CPU's float64 score; a block's score within
+/// the largest bound over its counted pairs; and each list is a top-k of the CPU's block scores up to the
+/// sum of two block bounds. Valid while every mean is finite and below 2^60 in magnitude.
+struct PooledErrorBound {
+  double mean_rel = 0.0;  // delta: |device mean - CPU mean| <= delta * a (+ the absolute term)
+  double dot_rel = 0.0;   // relative to sum_d (|cq| + delta aq) (|ck| + delta ak)
+  double abs_rel = 0.0;   // times 1 + D + sum_d (|cq| + |ck| + aq + ak)
+
+  double pair(const double* cq, const double* aq, const double* ck, const double* ak, std::int64_t D) const {
+    double mean = 0.0, dot = 0.0, mass = 1.0 + static_cast<double>(D);
+    for (std::int64_t d = 0; d < D; ++d) {
+      const double q = std::abs(cq[d]), k = std::abs(ck[d]);
+      mean += aq[d] * k + q * ak[d] + mean_rel * aq[d] * ak[d];
+      dot += (q + mean_rel * aq[d]) * (k + mean_rel * ak[d]);
+      mass += q + k + aq[d] + ak[d];
+    }
+    return mean_rel * mean + dot_rel * dot + abs_rel * mass;
+  }
+};
+PooledErrorBound pooled_error_bound(std::int64_t D, int representatives);
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& options, const detail::SelectorTuning& tuning = {});
