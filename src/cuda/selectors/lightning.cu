@@ -96,9 +96,9 @@ struct Plan {
 
 int elem_bytes(IndexPrecision p) { return p == IndexPrecision::bf16 ? 2 : 1; }
 
-// The most queries per CTA (fewest padded heads), then the most stages, whose candidate buffers hold top_k
-// plus one stage's insertions (per_stage: 128 keys, or 1 block); buffers of 2 top_k are preferred (fewer
-// compactions) when they fit.
+// The most queries per CTA (fewest padded head slots), then buffers of 2 top_k (fewer compactions) over
+// buffers of top_k, then the most stages, such that a candidate buffer holds top_k plus one tile's insertions
+// (128 keys, or 1 block).
 Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec, bool blocks) {
   Plan best;
   if (HI < 1 || HI > kRows || Di < 1 || Di > 256 || top_k < 1) return best;
@@ -109,8 +109,8 @@ Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec,
   while (hp_min < HI) hp_min *= 2;
   const int per_stage = blocks ? 1 : kStageKeys;
   const long long need_min = static_cast<long long>(top_k) + per_stage;
-  for (const long long need : {2LL * top_k + per_stage, need_min})
-    for (int nq = kRows / hp_min; nq >= 1; nq /= 2)
+  for (int nq = kRows / hp_min; nq >= 1; nq /= 2)
+    for (const long long need : {2LL * top_k + per_stage, need_min})
       for (int stages = kMaxStages; stages >= 2; --stages) {
         Plan p;
         p.nq = nq, p.hp = kRows / nq, p.chunks = chunks, p.ksteps = ksteps, p.stages = stages;
