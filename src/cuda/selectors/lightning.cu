@@ -337,33 +337,18 @@ __device__ u64 warp_kth_key(const u64* a, int na, const u64* b, int nb, int k, u
   return found;
 }
 
-// Keeps the entries of a[0, n) that are >= v, in place (order kept); returns their number. A chunk's reads
-// happen before its writes, which land at or below the chunk.
-__device__ int warp_keep_at_least(u64* a, int n, u64 v, int lane) {
-  int out = 0;
-  for (int base = 0; base < n; base += 32) {
-    const int i = base + lane;
-    const u64 x = i < n ? a[i] : 0ull;
-    const bool keep = i < n && x >= v;
-    const unsigned m = __ballot_sync(0xffffffffu, keep);
-    __syncwarp();
-    if (keep) a[out + __popc(m & ((1u << lane) - 1u))] = x;
-    out += __popc(m);
-    __syncwarp();
-  }
-  return out;
-}
-
-// The ids of the keys >= v of a[0, na) then b[0, nb), written as ints from ids[at] on, where `ids` aliases
-// a (4-byte slots over 8-byte keys: a write never passes an unread key); returns the new end.
-__device__ int warp_ids_at_least(const u64* src, int n, u64 v, int* ids, int at, int lane) {
+// Streams src[0, n) by one warp, 32 keys at a time, and hands each key >= v to put(position, key), the
+// positions counting up from `at` in src order; returns the end. A chunk's reads all happen before its
+// writes, so put may write over src at or below the chunk (in place, or 4-byte ids over 8-byte keys).
+template <class Put>
+__device__ int warp_keep(const u64* src, int n, u64 v, int at, int lane, Put&& put) {
   for (int base = 0; base < n; base += 32) {
     const int i = base + lane;
     const u64 x = i < n ? src[i] : 0ull;
     const bool keep = i < n && x >= v;
     const unsigned m = __ballot_sync(0xffffffffu, keep);
     __syncwarp();
-    if (keep) ids[at + __popc(m & ((1u << lane) - 1u))] = key_id(x);
+    if (keep) put(at + __popc(m & ((1u << lane) - 1u)), x);
     at += __popc(m);
     __syncwarp();
   }
@@ -576,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
       if (c <= cap - per_stage) continue;
       u64* a = buf + (static_cast<std::int64_t>(qi) * 2 + wg) * cap;
       const u64 v = warp_kth_key(a, c, nullptr, 0, k, hist, lane);
-      warp_keep_at_least(a, c, v, lane);
+      warp_keep(a, c, v, 0, lane, [&](int pos, u64 x) { a[pos] = x; });
       if (lane == 0) cnt[qi * 2 + wg] = k, thr[qi * 2 + wg] = v;
       __syncwarp();
     }
@@ -591,11 +576,11 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
     if (t >= p.Lq) break;
     u64* a = buf + static_cast<std::int64_t>(qi) * 2 * cap;
     const u64* bb = a + cap;
-    const int na = cnt[qi * 2], nb = cnt[qi * 2 + 1], n = na + nb, m = imin(n, k);
+    const int na = cnt[qi * 2], nb = cnt[qi * 2 + 1], n = na + nb;
     const u64 v = n > k ? warp_kth_key(a, na, bb, nb, k, hist, lane) : 0ull;
     int* ids = reinterpret_cast<int*>(a);
-    int at = warp_ids_at_least(a, na, v, ids, 0, lane);
-    at = warp_ids_at_least(bb, nb, v, ids, at, lane);
+    const auto put_id = [&](int pos, u64 x) { ids[pos] = key_id(x); };
+    const int m = warp_keep(bb, nb, v, warp_keep(a, na, v, 0, lane, put_id), lane, put_id);  // min(n, k)
     int P = 1;
     while (P < m) P <<= 1;
     for (int i = m + lane; i < P; i += 32) ids[i] = 0x7fffffff;
