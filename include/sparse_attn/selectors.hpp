@@ -86,6 +86,8 @@ struct LightningOptions {
   int top_k = 2048;
   bool causal = false;       // bottom-right causal visibility; false like every other option struct
   IndexPrecision precision = IndexPrecision::fp8_e4m3;  // bf16 or fp8_e4m3
+  int sink_keys = 0;         // keys 0 .. sink_keys - 1 (those the query sees) are always selected and count
+                             // towards top_k (lower ids first); the block form forces the blocks holding them
   void* stream = nullptr;
 };
 
@@ -93,10 +95,12 @@ struct LightningOptions {
 /// w [B, Lq, HI] (float32), kI [B, Lk, Di]. Top-k keys per query, written to every group of
 /// out.idx [B, G, Lq, Kt >= top_k] (ascending, -1 padded). The [Lq, Lk] score matrix is never stored.
 /// qI and kI are rounded through options.precision with per-tensor scales; w stays float32. A query
-/// seeing fewer than top_k keys gets all of them.
+/// seeing fewer than top_k keys gets all of them. On the CPU the lists are the exact top-k of the
+/// float64 scores; on the GPU a top-k of them up to the bound ε of docs/design.md §5.7 (the
+/// tensor-core scores in float32 may order near-ties differently).
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI,
                       const TokenLists& out, const LightningOptions& options = {});
-/// Same scores max-pooled to KV blocks; top-k blocks per query.
+/// Same scores max-pooled to KV blocks (over each block's visible keys); top-k blocks per query.
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI,
                       const QueryLists& out, const LightningOptions& options = {});
 

@@ -624,12 +624,14 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
 
 
 def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3", groups=1,
-                     format="token", kmax=None, out=None):
+                     format="token", kmax=None, out=None, sink_keys=0):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] * relu(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
     w float32 [B, Lq, HI], kI [B, Lk, Di]. format="token": TokenLists idx [B, groups, Lq, kmax] of
     key positions; format="query": QueryLists of blocks (scores max-pooled over each block). The
     same lists are written for each of the `groups` KV groups. out= writes into a caller's idx
-    [B, groups, Lq, kmax] instead."""
+    [B, groups, Lq, kmax] instead. sink_keys: keys 0 .. sink_keys - 1 (those a query sees) are always
+    selected and count towards top_k (the block form forces their blocks). On the CPU the lists are the
+    exact top-k of float64 scores; on the GPU a top-k up to the bound of docs/design.md §5.7."""
     B, Lq, _, _ = _shape(qI, "lightning_select", "qI", 4)
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
@@ -640,7 +642,7 @@ def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3
         idx = out
     _native.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
                              top_k=top_k, causal=bool(causal), precision=precision,
-                             stream=_stream(qI))
+                             sink_keys=_int("lightning_select", "sink_keys", sink_keys, 0), stream=_stream(qI))
     return idx
 
 

@@ -352,17 +352,17 @@ def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local):
 
 @_custom_op("lightning_select", mutates_args=())
 def _lightning_select(qI: Tensor, w: Tensor, kI: Tensor, top_k: int, kmax: int, groups: int, blocks: bool,
-                      causal: bool, precision: str) -> Tensor:
+                      causal: bool, precision: str, sink_keys: int) -> Tensor:
     B, Lq = qI.shape[0], qI.shape[1]
     idx = torch.full((B, groups, Lq, kmax), -1, dtype=torch.int32, device=qI.device)
     with _device(qI):
         _ext.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=blocks, top_k=top_k, causal=causal,
-                              precision=precision, stream=_stream(qI))
+                              precision=precision, sink_keys=sink_keys, stream=_stream(qI))
     return idx
 
 
 @_fake(_lightning_select)
-def _(qI, w, kI, top_k, kmax, groups, blocks, causal, precision):
+def _(qI, w, kI, top_k, kmax, groups, blocks, causal, precision, sink_keys):
     return qI.new_empty((qI.shape[0], groups, qI.shape[1], kmax), dtype=torch.int32)
 
 
@@ -481,13 +481,14 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
 
 
 def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3", groups=1, format="token",
-                     kmax=None):
+                     kmax=None, sink_keys=0):
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
     return torch.ops.sparse_attn.lightning_select(qI, w, kI, _int("lightning_select", "top_k", top_k),
                                                   _kmax("lightning_select", top_k, kmax),
                                                   _int("lightning_select", "groups", groups, 1), format == "query",
-                                                  bool(causal), str(precision))
+                                                  bool(causal), str(precision),
+                                                  _int("lightning_select", "sink_keys", sink_keys, 0))
 
 
 # ---- Hugging Face transformers -------------------------------------------------------------------

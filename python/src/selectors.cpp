@@ -58,13 +58,14 @@ void bind_selectors(nb::module_& m) {
   m.def(
       "lightning_select",
       [](nb::handle qI, nb::handle w, nb::handle kI, nb::handle idx, bool blocks, int top_k, bool causal,
-         const std::string& precision, std::uintptr_t stream) {
+         const std::string& precision, int sink_keys, std::uintptr_t stream) {
         Imports im("lightning_select");
         const TensorView qv = im.in(qI, "qI"), wv = im.in(w, "w"), kv = im.in(kI, "kI");
         LightningOptions o;
         o.top_k = top_k;
         o.causal = causal;
         o.precision = parse_precision("lightning_select", precision);
+        o.sink_keys = sink_keys;
         o.stream = stream_ptr(stream);
         if (blocks) {
           const QueryLists out{im.out(idx, "out.idx")};
@@ -77,7 +78,7 @@ void bind_selectors(nb::module_& m) {
         }
       },
       "qI"_a, "w"_a, "kI"_a, "idx"_a, "blocks"_a = false, "top_k"_a = 2048, "causal"_a = true,
-      "precision"_a = "fp8_e4m3", "stream"_a = 0,
+      "precision"_a = "fp8_e4m3", "sink_keys"_a = 0, "stream"_a = 0,
       "DSA lightning indexer: top-k keys per query (TokenLists), or blocks (QueryLists) when blocks=True.");
 
   m.def("precision_name", [](const std::string& p) {

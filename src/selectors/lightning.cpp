@@ -21,16 +21,20 @@ using detail::require;
 using detail::Scored;
 
 struct LightningShape {
-  std::int64_t B, Lq, Lk, HI, Di;
+  std::int64_t B, Lq, Lk, HI, Di, sink;
   bool causal;
   std::int64_t key_end(std::int64_t t) const {
     return causal ? std::clamp<std::int64_t>(t + (Lk - Lq) + 1, 0, Lk) : Lk;
   }
+  // Sink keys rank above every scored key (+inf), so ties among them go to the lower id.
+  bool forced(std::int64_t key) const { return key < sink; }
 };
 
 LightningShape check_lightning_args(const std::string& op, const TensorView& qI, const TensorView& w,
                                     const TensorView& kI, const TensorView& idx, const LightningOptions& o) {
   require(o.top_k >= 1, op, "options.top_k", [&] { return "must be >= 1, got " + std::to_string(o.top_k); });
+  require(o.sink_keys >= 0, op, "options.sink_keys",
+          [&] { return "must be >= 0, got " + std::to_string(o.sink_keys); });
   detail::check_precision(op, o.precision);
   require(o.precision != IndexPrecision::fp4_e2m1, op, "options.precision",
           "fp4_e2m1 is not supported by the lightning indexer (use bf16 or fp8_e4m3)");
@@ -46,6 +50,7 @@ LightningShape check_lightning_args(const std::string& op, const TensorView& qI,
   s.Di = qI.shape[3];
   s.Lk = kI.shape[1];
   s.causal = o.causal;
+  s.sink = o.sink_keys;
   require(s.B > 0 && s.Lq > 0 && s.HI > 0 && s.Di > 0, op, "qI",
           [&] { return "every extent must be > 0, got " + detail::shape_string(qI); });
   require(s.Lk > 0, op, "kI", [&] { return "every extent must be > 0, got " + detail::shape_string(kI); });
@@ -133,8 +138,9 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     std::vector<Scored> heap;
     heap.reserve(std::min<std::size_t>(k, static_cast<std::size_t>(s.key_end(t))));
     for (std::int64_t key = 0; key < s.key_end(t); ++key) {
-      const Scored c{index_score(in, s, b, t, key, scratch.qrows.data(), scratch.dots.data()),
-                     static_cast<std::int32_t>(key)};
+      const double v = s.forced(key) ? std::numeric_limits<double>::infinity()
+                                     : index_score(in, s, b, t, key, scratch.qrows.data(), scratch.dots.data());
+      const Scored c{v, static_cast<std::int32_t>(key)};
       if (heap.size() < k) {
         heap.push_back(c);
         std::push_heap(heap.begin(), heap.end(), detail::ranks_before);
@@ -169,7 +175,8 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
     std::vector<Scored> cand;
     cand.reserve(static_cast<std::size_t>(Tk));
     for (std::int64_t key = 0; key < end; ++key) {
-      const double v = index_score(in, s, b, t, key, scratch.qrows.data(), scratch.dots.data());
+      const double v = s.forced(key) ? std::numeric_limits<double>::infinity()
+                                     : index_score(in, s, b, t, key, scratch.qrows.data(), scratch.dots.data());
       const auto j = static_cast<std::int32_t>(key / kBlockK);
       if (cand.empty() || cand.back().id != j) cand.push_back({v, j});
       else cand.back().score = std::max(cand.back().score, v);

@@ -589,6 +589,7 @@ struct LightningCase {
   IndexPrecision precision;
   bool causal;
   int top_k;
+  int sink = 0;  // options.sink_keys
 };
 
 // The whole score matrix of batch b, -inf where invisible (the test may hold it; the selector may not).
@@ -618,6 +619,7 @@ void check_lightning(const LightningCase& c, const HostTensor& qI, const HostTen
   o.top_k = c.top_k;
   o.causal = c.causal;
   o.precision = c.precision;
+  o.sink_keys = c.sink;
   sa::lightning_select(qI.view(), w.view(), kI.view(), sa::TokenLists{tokens.view()}, o);
   o.top_k = block_k;
   sa::lightning_select(qI.view(), w.view(), kI.view(), sa::QueryLists{blocks.view()}, o);
@@ -632,17 +634,19 @@ void check_lightning(const LightningCase& c, const HostTensor& qI, const HostTen
     for (I64 t = 0; t < c.Lq; ++t) {
       std::vector<Cand> keys;
       std::vector<double> pooled(static_cast<std::size_t>(Tk), -std::numeric_limits<double>::infinity());
-      std::vector<bool> seen(static_cast<std::size_t>(Tk), false);
+      std::vector<bool> seen(static_cast<std::size_t>(Tk), false), forced(static_cast<std::size_t>(Tk), false);
       for (I64 s = 0; s < c.Lk; ++s) {
         if (!visible(c.causal, c.Lq, c.Lk, t, s)) continue;
         const double v = I[static_cast<std::size_t>(t * c.Lk + s)];
-        keys.push_back({v, static_cast<int>(s), false});
+        keys.push_back({v, static_cast<int>(s), s < c.sink});
         pooled[static_cast<std::size_t>(s / kBlockK)] = std::max(pooled[static_cast<std::size_t>(s / kBlockK)], v);
         seen[static_cast<std::size_t>(s / kBlockK)] = true;
+        if (s < c.sink) forced[static_cast<std::size_t>(s / kBlockK)] = true;
       }
       std::vector<Cand> blks;
       for (I64 j = 0; j < Tk; ++j)
-        if (seen[static_cast<std::size_t>(j)]) blks.push_back({pooled[static_cast<std::size_t>(j)], static_cast<int>(j), false});
+        if (seen[static_cast<std::size_t>(j)])
+          blks.push_back({pooled[static_cast<std::size_t>(j)], static_cast<int>(j), forced[static_cast<std::size_t>(j)]});
       const auto want_tokens = rank_top_k(keys, c.top_k), want_blocks = rank_top_k(blks, block_k);
       for (I64 g = 0; g < c.G; ++g) {
         expect_row(tokens, b, g, t, want_tokens, "tokens " + where(b, g, t));
@@ -659,6 +663,10 @@ TEST(Lightning, MatchesBruteForceTopK) {
       {1, 300, 129, 2, 16, 1, DType::f32, IndexPrecision::fp8_e4m3, true, 7},  // early rows see nothing
       {1, 64, 500, 3, 16, 3, DType::f16, IndexPrecision::bf16, false, 64},
       {1, 1, 1000, 4, 16, 1, DType::f32, IndexPrecision::fp8_e4m3, true, 100},
+      // Sink keys: fewer than top_k; more than top_k (the lower ids); across blocks 0..2 (block form forced).
+      {1, 150, 400, 2, 16, 1, DType::f32, IndexPrecision::fp8_e4m3, true, 20, 5},
+      {2, 60, 300, 3, 16, 2, DType::bf16, IndexPrecision::bf16, true, 8, 30},
+      {1, 20, 700, 2, 16, 1, DType::f32, IndexPrecision::bf16, false, 4, 300},
   };
   std::uint64_t seed = 900;
   for (const auto& c : cases) {
@@ -709,6 +717,10 @@ TEST(Lightning, RejectsBadArguments) {
   sa::LightningOptions zero = o;
   zero.top_k = 0;
   expect_error([&] { sa::lightning_select(qI.view(), w.view(), kI.view(), sa::TokenLists{tokens.view()}, zero); }, "options.top_k");
+  sa::LightningOptions sink = o;
+  sink.sink_keys = -1;
+  expect_error([&] { sa::lightning_select(qI.view(), w.view(), kI.view(), sa::TokenLists{tokens.view()}, sink); },
+               "options.sink_keys", "-1");
   const HostTensor w_bad = sa::testing::random_tensor(DType::f32, {1, 50, 3}, 1104);
   expect_error([&] { sa::lightning_select(qI.view(), w_bad.view(), kI.view(), sa::TokenLists{tokens.view()}, o); }, "w");
   const HostTensor w_bf16 = sa::testing::random_tensor(DType::bf16, {1, 50, 2}, 1105);

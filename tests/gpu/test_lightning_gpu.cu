@@ -1,22 +1,25 @@
-// GPU tests of the lightning indexer's token form (TokenLists: tensor-core screen with a fused top-k, float64
-// for the keys the screen cannot decide, float64 streaming fallback): every id and -1 pad of every group must
-// equal the CPU reference bit for bit, in bf16 and fp8, on random inputs, awkward shapes (Lq = 1, 17, 1013,
-// Lq != Lk both ways, queries seeing fewer than top_k keys or none), B > 1, G > 1, strided outputs, and
-// structured inputs built to defeat the screen (exact ties from duplicated keys, near-ties one code apart, all
-// keys equal, an all-zero query tensor). The small-capacity cases make short rows go through the candidate
-// buffer's compaction many times. Device outputs are poisoned first.
+// GPU tests of the lightning indexer (TokenLists and the block form, QueryLists) against its contract
+// (docs/design.md §5.7): every list of every group is a top-k of the exact float64 scores of the CPU-quantised
+// inputs up to the kernel's bound ε (lightning_epsilon), holds min(top_k, candidates) ascending visible ids,
+// the forced sink keys (blocks) first, -1 after; two runs are bitwise equal. In bf16 and fp8, on random
+// inputs, awkward shapes (Lq = 1, 17, 1013, Lk not a multiple of 128, Lq != Lk both ways, queries seeing fewer
+// than top_k keys or none, B > 1, G > 1, HI from 1 to 128, Di from 20 to 256) and adversarial ones (planted
+// near-ties below and above ε, huge and tiny magnitudes, rows whose scores increase so that the candidate
+// buffer overflows and its threshold rises many times, sinks). Device outputs are poisoned first.
 #include <cuda_runtime.h>
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/testing.hpp"
 #include "gpu/device_testing.hpp"
-#include "cuda/selectors/backend.hpp"
+#include "gpu/lightning_testing.hpp"
 #include "sparse_attn/sparse_attn.hpp"
 
 namespace sa = sparse_attn;
@@ -26,31 +29,7 @@ namespace {
 
 using st::cuda_ok;
 using st::Dev;
-using st::expect_equal_i32;
 using st::poisoned_i32;
-
-// The tuning of one GPU call (tuning.hpp) with its device counters.
-struct Hooks {
-  unsigned long long* d = nullptr;
-  sa::detail::SelectorTuning tuning;
-  explicit Hooks(bool fallback_only = false, int capacity = 0, bool mma_sync = false) {
-    cuda_ok(cudaMalloc(&d, 4 * sizeof(unsigned long long)), "cudaMalloc");
-    cuda_ok(cudaMemset(d, 0, 4 * sizeof(unsigned long long)), "cudaMemset");
-    tuning.lightning_counters = d;
-    tuning.lightning_fallback_only = fallback_only;
-    tuning.lightning_capacity = capacity;
-    tuning.lightning_screen = mma_sync ? sa::detail::LightningScreen::mma_sync : sa::detail::LightningScreen::automatic;
-  }
-  Hooks(const Hooks&) = delete;
-  Hooks& operator=(const Hooks&) = delete;
-  ~Hooks() { cudaFree(d); }
-  // rows screened, (row, key) pairs re-scored in float64, rows on the float64 fallback, compactions
-  std::vector<unsigned long long> read() const {
-    std::vector<unsigned long long> h(4, 0);
-    cudaMemcpy(h.data(), d, 4 * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
-    return h;
-  }
-};
 
 struct Case {
   std::string name;
@@ -59,6 +38,7 @@ struct Case {
   bool causal = true;
   sa::DType dtype = sa::DType::bf16;
   int extra_width = 0;  // Kt - top_k
+  int sink = 0;
 };
 
 struct Inputs {
@@ -72,30 +52,38 @@ Inputs random_inputs(const Case& c, std::uint64_t seed) {
 
 sa::LightningOptions options_of(const Case& c, sa::IndexPrecision prec) {
   sa::LightningOptions o;
-  o.top_k = c.top_k, o.causal = c.causal, o.precision = prec;
+  o.top_k = c.top_k, o.causal = c.causal, o.precision = prec, o.sink_keys = c.sink;
   return o;
 }
 
-// CPU and GPU on the same inputs; every element of the [B, G, Lq, Kt] output compared. The GPU call is the
-// public function, or with any tuning the CUDA backend with that tuning and counters, which are returned
-// (zeros for the public function).
-std::vector<unsigned long long> compare(const Case& c, sa::IndexPrecision prec, const Inputs& in,
-                                        bool fallback_only = false, int capacity = 0, bool mma_sync = false) {
-  SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (fallback_only ? " fallback" : "") +
-               (capacity ? " capacity " + std::to_string(capacity) : "") + (mma_sync ? " mma.sync" : " automatic"));
+// The GPU output [B, G, Lq, top_k + extra_width] of one form.
+sa::HostTensor run_gpu(const Case& c, sa::IndexPrecision prec, const Inputs& in, bool blocks) {
   const sa::LightningOptions o = options_of(c, prec);
-  sa::HostTensor idx(sa::DType::i32, {c.B, c.G, c.Lq, c.top_k + c.extra_width});
-  sa::lightning_select(in.q.view(), in.w.view(), in.k.view(), sa::TokenLists{idx.view()}, o);
-  Dev dq(in.q), dw(in.w), dk(in.k), didx(poisoned_i32(idx.shape()));
-  Hooks hooks(fallback_only, capacity, mma_sync);
-  if (fallback_only || capacity != 0 || mma_sync)
-    sa::cuda_backend::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o, hooks.tuning);
-  else
-    sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o);
-  cudaError_t e = cudaDeviceSynchronize();
+  const sa::HostTensor like(sa::DType::i32, {c.B, c.G, c.Lq, c.top_k + c.extra_width});
+  Dev dq(in.q), dw(in.w), dk(in.k), didx(poisoned_i32(like.shape()));
+  if (blocks) sa::lightning_select(dq.view, dw.view, dk.view, sa::QueryLists{didx.view}, o);
+  else sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view}, o);
+  const cudaError_t e = cudaDeviceSynchronize();
   EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
-  expect_equal_i32(didx.download(idx), idx, "idx");
-  return hooks.read();
+  return didx.download(like);
+}
+
+// Both forms: the contract against the oracle, every slot past top_k -1, and a second run bitwise equal.
+// Returns the token form's report.
+st::ContractReport check(const Case& c, sa::IndexPrecision prec, const Inputs& in) {
+  st::ContractReport token_report;
+  for (const bool blocks : {false, true}) {
+    const std::string what = c.name + " " + sa::precision_name(prec) + (blocks ? " blocks" : " tokens");
+    SCOPED_TRACE(what);
+    const sa::HostTensor got = run_gpu(c, prec, in, blocks);
+    const st::LightningOracle oracle = st::lightning_oracle(in.q, in.w, in.k, options_of(c, prec), blocks);
+    const st::ContractReport rep = st::expect_lightning_contract(oracle, got, c.top_k, what);
+    if (!blocks) token_report = rep;
+    const sa::HostTensor again = run_gpu(c, prec, in, blocks);
+    EXPECT_EQ(std::memcmp(got.data<std::int32_t>(), again.data<std::int32_t>(), static_cast<std::size_t>(got.numel()) * 4), 0)
+        << what << ": two runs differ";
+  }
+  return token_report;
 }
 
 const Case kCases[] = {
@@ -107,121 +95,165 @@ const Case kCases[] = {
     {"Di=20 HI=5 G=3 non-causal", 1, 40, 333, 5, 20, 3, 7, false},
     {"64 heads of 128, top-256", 1, 96, 2100, 64, 128, 1, 256, true},
     {"k=1", 2, 33, 257, 4, 48, 1, 1, true},
+    {"HI=1", 1, 70, 650, 1, 64, 1, 12, true},
+    {"HI=80 (128 head slots), Di=160", 1, 30, 400, 80, 160, 1, 50, true},
+    {"HI=128, Di=256", 1, 9, 300, 128, 256, 1, 20, false},
+    {"HI=16 (8 queries a tile), Lk % 128 = 1", 1, 100, 1153, 16, 32, 1, 24, true},
 };
 
-TEST(LightningTokensGpu, EqualsCpu) {
+TEST(LightningGpu, ContractRandom) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4000;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
-    for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10));
+    for (const auto& c : kCases) check(c, prec, random_inputs(c, seed += 10));
 }
 
-// The mma.sync screening kernel (up to eight queries per CTA, a warp-private buffer; the automatic choice
-// where the wgmma kernel's buffers would be too small for top_k) on the same cases.
-TEST(LightningTokensGpu, MmaSyncScreenEqualsCpu) {
-  SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  std::uint64_t seed = 4200;
-  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
-    for (const auto& c : kCases) compare(c, prec, random_inputs(c, seed += 10), false, 0, true);
-}
-
-// A buffer barely larger than top_k: compaction runs every few chunks, including rows whose kept set is
-// exactly k after it.
-TEST(LightningTokensGpu, SmallBufferCompactsEqualsCpu) {
-  SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  const Case cases[] = {
-      {"compaction, causal", 1, 200, 1500, 6, 32, 1, 40, true},
-      {"compaction, non-causal B=2 G=2", 2, 20, 2000, 64, 128, 2, 100, false},
-  };
-  std::uint64_t seed = 4500;
-  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
-    for (const auto& c : cases) {
-      const Inputs in = random_inputs(c, seed += 10);
-      for (bool mma_sync : {false, true}) {
-        const auto stats = compare(c, prec, in, false, c.top_k + 32, mma_sync);
-        EXPECT_GT(stats[0], 0u) << "no row was screened";
-      }
-    }
-}
-
-// Every row on the float64 streaming path (SelectorTuning::lightning_fallback_only), and shapes the screening
-// kernels do not take (HI > 64, Di > 128), which fall back automatically.
-TEST(LightningTokensGpu, FallbackEqualsCpu) {
-  SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  std::uint64_t seed = 4700;
+// The bound is not vacuous: on random inputs ε stays well below the spread of a row's scores (a selection of
+// arbitrary visible keys would break the contract), and (on a GPU) some rows come out equal to the float64 top-k.
+TEST(LightningGpu, BoundIsNotVacuous) {
+  const Case c{"non-vacuous", 1, 64, 1500, 8, 64, 1, 64, false};
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3}) {
-    const Case forced{"forced fallback", 2, 60, 700, 4, 32, 2, 150, true};
-    const auto st1 = compare(forced, prec, random_inputs(forced, seed += 10), true);
-    EXPECT_EQ(st1[2], static_cast<unsigned long long>(forced.B * forced.Lq));
-    const Case wide{"HI=80", 1, 30, 400, 80, 16, 1, 50, true};
-    compare(wide, prec, random_inputs(wide, seed += 10));
-    const Case deep{"Di=160", 1, 30, 400, 3, 160, 1, 50, false};
-    compare(deep, prec, random_inputs(deep, seed += 10));
+    SCOPED_TRACE(sa::precision_name(prec));
+    const Inputs in = random_inputs(c, 4300);
+    const st::LightningOracle oracle = st::lightning_oracle(in.q, in.w, in.k, options_of(c, prec), false);
+    for (std::int64_t r = 0; r < oracle.exact.rows; ++r) {
+      double lo = INFINITY, hi = -INFINITY;
+      for (std::int64_t s = 0; s < oracle.exact.candidates; ++s)
+        lo = std::min(lo, oracle.exact.at(r, s)), hi = std::max(hi, oracle.exact.at(r, s));
+      EXPECT_LT(oracle.eps[static_cast<std::size_t>(r)], 0.25 * (hi - lo)) << "row " << r;
+    }
+    // The worst keys instead of the best (row 0; the others take the exact top-k) break the contract: the
+    // checker with this ε can fail.
+    sa::HostTensor worst(sa::DType::i32, {1, 1, c.Lq, c.top_k});
+    for (std::int64_t t = 0; t < c.Lq; ++t) {
+      std::vector<std::pair<double, std::int32_t>> v;
+      for (std::int64_t s = 0; s < c.Lk; ++s)
+        v.push_back({(t == 0 ? 1.0 : -1.0) * oracle.exact.at(t, s), static_cast<std::int32_t>(s)});
+      std::sort(v.begin(), v.end());
+      std::vector<std::int32_t> ids;
+      for (int i = 0; i < c.top_k; ++i) ids.push_back(v[static_cast<std::size_t>(i)].second);
+      std::sort(ids.begin(), ids.end());
+      std::copy(ids.begin(), ids.end(), worst.data<std::int32_t>() + t * c.top_k);
+    }
+    EXPECT_NONFATAL_FAILURE(st::expect_lightning_contract(oracle, worst, c.top_k, "worst keys"), "min selected");
+    if (!sa::cuda_available()) continue;  // the bound's part above needs no GPU
+    const st::ContractReport rep = check(c, prec, in);
+    EXPECT_LT(rep.rows_differing, rep.rows_checked) << "no row equals the float64 top-k";
   }
 }
 
-// Structured inputs: ties and near-ties at the k-th place, where only the exact float64 scores and the tie
-// rule (lower key first) decide.
-TEST(LightningTokensGpu, TiesAndNearTiesEqualCpu) {
+// Planted near-ties: key 3i + 1 and 3i + 2 are key 3i scaled by 1 + δ with δ far below ε (the order among them
+// is free) and far above it (the order is forced); exact duplicates (key 2i + 1 = key 2i); all keys equal.
+TEST(LightningGpu, ContractNearTies) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::uint64_t seed = 4900;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3}) {
-    {  // key 2i + 1 duplicates key 2i: every score is tied with its pair
-      const Case c{"duplicated keys", 1, 130, 1100, 8, 64, 1, 64, true, sa::DType::f32};
-      Inputs in = random_inputs(c, seed += 10);
-      float* k = in.k.data<float>();
-      for (std::int64_t s = 1; s < c.Lk; s += 2) std::copy(k + (s - 1) * c.Di, k + s * c.Di, k + s * c.Di);
-      compare(c, prec, in);
-      compare(c, prec, in, false, c.top_k + 32, true);
-    }
-    {  // key 3i + 1 and 3i + 2 are key 3i with one element nudged by about one code: near-ties everywhere
-      const Case c{"near-ties", 2, 70, 900, 16, 32, 1, 48, false, sa::DType::f32};
+    for (const float delta : {0x1p-12f, 0x1p-2f}) {
+      const Case c{"near-ties delta " + std::to_string(delta), 2, 70, 900, 16, 32, 1, 48, false, sa::DType::f32};
       Inputs in = random_inputs(c, seed += 10);
       float* k = in.k.data<float>();
       for (std::int64_t b = 0; b < c.B; ++b)
         for (std::int64_t s = 0; s + 2 < c.Lk; s += 3) {
           float* r = k + (b * c.Lk + s) * c.Di;
-          std::copy(r, r + c.Di, r + c.Di);
-          std::copy(r, r + c.Di, r + 2 * c.Di);
-          r[c.Di + static_cast<std::int64_t>(s % c.Di)] *= 1.0f + 0x1p-4f;
-          r[2 * c.Di + static_cast<std::int64_t>((s + 5) % c.Di)] *= 1.0f - 0x1p-7f;
+          for (std::int64_t d = 0; d < c.Di; ++d) r[c.Di + d] = r[d] * (1.0f + delta), r[2 * c.Di + d] = r[d] * (1.0f - delta);
         }
-      compare(c, prec, in);
+      check(c, prec, in);
     }
-    {  // all keys equal: every visible key ties, the lowest k ids win (the rows overflow to the fallback)
+    {
+      const Case c{"duplicated keys", 1, 130, 1100, 8, 64, 1, 64, true, sa::DType::f32};
+      Inputs in = random_inputs(c, seed += 10);
+      float* k = in.k.data<float>();
+      for (std::int64_t s = 1; s < c.Lk; s += 2) std::copy(k + (s - 1) * c.Di, k + s * c.Di, k + s * c.Di);
+      check(c, prec, in);
+    }
+    {
       const Case c{"all keys equal", 1, 50, 600, 4, 32, 2, 20, true, sa::DType::f32};
       Inputs in = random_inputs(c, seed += 10);
       float* k = in.k.data<float>();
       for (std::int64_t s = 1; s < c.Lk; ++s) std::copy(k, k + c.Di, k + s * c.Di);
-      compare(c, prec, in);
+      check(c, prec, in);
     }
-    {  // an all-zero query tensor: every score is 0 (fp8: zero per-tensor scale)
-      const Case c{"zero queries", 1, 40, 300, 3, 16, 1, 10, false, sa::DType::f32};
+  }
+}
+
+// Magnitudes: qI times 2^60 and kI times 2^-70 (the per-tensor fp8 scales absorb them; bf16 keeps them),
+// weights of 1e6; an all-zero query tensor (fp8: scale 0, every score 0, the lowest ids win).
+TEST(LightningGpu, ContractMagnitudes) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 5000;
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3}) {
+    {
+      const Case c{"huge q, tiny k, large w", 1, 120, 1000, 12, 64, 1, 30, true, sa::DType::f32};
       Inputs in = random_inputs(c, seed += 10);
-      std::fill(in.q.data<float>(), in.q.data<float>() + in.q.numel(), 0.0f);
-      compare(c, prec, in);
+      for (std::int64_t i = 0; i < in.q.numel(); ++i) in.q.data<float>()[i] *= 0x1p60f;
+      for (std::int64_t i = 0; i < in.k.numel(); ++i) in.k.data<float>()[i] *= 0x1p-70f;
+      for (std::int64_t i = 0; i < in.w.numel(); ++i) in.w.data<float>()[i] *= 1e6f;
+      check(c, prec, in);
     }
-    {  // weights of one sign and keys with a wide spread of norms (a few much longer keys)
-      const Case c{"positive weights, long keys", 1, 120, 1000, 12, 64, 1, 30, true, sa::DType::f32};
+    {
+      const Case c{"positive weights, a few long keys", 1, 120, 1000, 12, 64, 1, 30, true, sa::DType::f32};
       Inputs in = random_inputs(c, seed += 10);
       for (std::int64_t i = 0; i < in.w.numel(); ++i) in.w.data<float>()[i] = std::fabs(in.w.data<float>()[i]);
       float* k = in.k.data<float>();
       for (std::int64_t s = 0; s < c.Lk; s += 37)
         for (std::int64_t d = 0; d < c.Di; ++d) k[s * c.Di + d] *= 16.0f;
-      compare(c, prec, in);
+      check(c, prec, in);
+    }
+    {
+      const Case c{"zero queries", 1, 40, 300, 3, 16, 1, 10, false, sa::DType::f32};
+      Inputs in = random_inputs(c, seed += 10);
+      std::fill(in.q.data<float>(), in.q.data<float>() + in.q.numel(), 0.0f);
+      check(c, prec, in);
     }
   }
 }
 
+// Long rows whose scores increase with the key (every key enters the candidate buffer, which fills and is
+// compacted again and again, the threshold rising each time), decrease (nothing enters after the first
+// keys), or zig-zag; top_k small against rows of 20000 keys, B = 2, both causal modes.
+TEST(LightningGpu, ContractBufferOverflow) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
+    for (const int pattern : {0, 1, 2})
+      for (const bool causal : {true, false}) {
+        const Case c{"overflow pattern " + std::to_string(pattern), 2, 5, 20000, 4, 32, 1, 100, causal, sa::DType::f32};
+        Inputs in = random_inputs(c, 5200 + pattern);
+        for (std::int64_t i = 0; i < in.q.numel(); ++i) in.q.data<float>()[i] = 1.0f + 0.01f * static_cast<float>(i % 7);
+        for (std::int64_t i = 0; i < in.w.numel(); ++i) in.w.data<float>()[i] = 1.0f;
+        float* k = in.k.data<float>();
+        for (std::int64_t b = 0; b < c.B; ++b)
+          for (std::int64_t s = 0; s < c.Lk; ++s) {
+            const double x = static_cast<double>(s) / c.Lk;
+            const double f = pattern == 0 ? 1.0 + x : pattern == 1 ? 2.0 - x : 1.0 + 0.5 * x + 0.3 * ((s * 7919) % 13) / 13.0;
+            for (std::int64_t d = 0; d < c.Di; ++d)
+              k[(b * c.Lk + s) * c.Di + d] = static_cast<float>(f * (1.0 + 0.001 * static_cast<double>(d % 5)));
+          }
+        check(c, prec, in);
+      }
+}
+
+// Sink keys: fewer than top_k, more than top_k (the lowest top_k ids), beyond what a causal query sees, and
+// spanning several blocks in the block form.
+TEST(LightningGpu, ContractSinkKeys) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  const Case cases[] = {
+      {"sink 4", 1, 200, 700, 4, 32, 1, 16, true, sa::DType::bf16, 0, 4},
+      {"sink 40 > top_k", 2, 60, 500, 4, 32, 2, 16, true, sa::DType::bf16, 0, 40},
+      {"sink 300 non-causal (3 blocks)", 1, 30, 900, 8, 64, 1, 5, false, sa::DType::bf16, 0, 300},
+  };
+  std::uint64_t seed = 5400;
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
+    for (const auto& c : cases) check(c, prec, random_inputs(c, seed += 10));
+}
+
 // An output view that is a strided slice of a larger buffer ([B, Lq, G, Kt + 3] storage): only the view's
-// elements are written, each with the CPU's value; the rest keeps its poison.
-TEST(LightningTokensGpu, StridedOutput) {
+// elements are written, equal to the dense call's; the rest keeps its poison.
+TEST(LightningGpu, StridedOutput) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"strided", 2, 90, 500, 4, 32, 2, 24, true};
   const Inputs in = random_inputs(c, 5100);
   const sa::LightningOptions o = options_of(c, sa::IndexPrecision::fp8_e4m3);
-  sa::HostTensor ref(sa::DType::i32, {c.B, c.G, c.Lq, c.top_k});
-  sa::lightning_select(in.q.view(), in.w.view(), in.k.view(), sa::TokenLists{ref.view()}, o);
+  const sa::HostTensor ref = run_gpu(c, sa::IndexPrecision::fp8_e4m3, in, false);
   const std::int64_t W = c.top_k + 3;
   Dev dq(in.q), dw(in.w), dk(in.k), dst(poisoned_i32({c.B, c.Lq, c.G, W}));
   sa::TensorView v = dst.view;
@@ -242,34 +274,29 @@ TEST(LightningTokensGpu, StridedOutput) {
   EXPECT_EQ(bad, 0);
 }
 
-// Non-finite inputs are not rejected on the device (no synchronisation): the rows go to the float64 path and
-// the lists stay well formed (distinct ascending visible ids, then -1).
-TEST(LightningTokensGpu, NonFiniteInputsGiveWellFormedLists) {
+// Non-finite inputs are not rejected on the device (no synchronisation): the lists stay well formed (distinct
+// ascending visible ids, then -1).
+TEST(LightningGpu, NonFiniteInputsGiveWellFormedLists) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"nan", 1, 50, 400, 4, 32, 1, 20, true, sa::DType::f32};
   Inputs in = random_inputs(c, 5300);
   in.q.data<float>()[7 * c.HI * c.Di + 3] = std::nanf("");
   in.k.data<float>()[100 * c.Di + 1] = INFINITY;
-  Dev dq(in.q), dw(in.w), dk(in.k), didx(poisoned_i32({c.B, c.G, c.Lq, c.top_k}));
-  sa::lightning_select(dq.view, dw.view, dk.view, sa::TokenLists{didx.view},
-                       options_of(c, sa::IndexPrecision::fp8_e4m3));
-  cuda_ok(cudaDeviceSynchronize(), "lightning_select");
-  const sa::HostTensor got = didx.download(poisoned_i32({c.B, c.G, c.Lq, c.top_k}));
-  for (std::int64_t t = 0; t < c.Lq; ++t) {
-    const std::int64_t visible = std::min<std::int64_t>(c.Lk, t + (c.Lk - c.Lq) + 1);
-    const std::int64_t n = std::min<std::int64_t>(visible, c.top_k);
-    const std::int32_t* r = got.data<std::int32_t>() + t * c.top_k;
-    for (std::int64_t s = 0; s < c.top_k; ++s) {
-      if (s < n) {
-        EXPECT_TRUE(r[s] >= 0 && r[s] < visible && (s == 0 || r[s] > r[s - 1])) << "row " << t << " slot " << s;
-      } else {
-        EXPECT_EQ(r[s], -1) << "row " << t << " slot " << s;
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3}) {
+    const sa::HostTensor got = run_gpu(c, prec, in, false);
+    for (std::int64_t t = 0; t < c.Lq; ++t) {
+      const std::int64_t visible = std::min<std::int64_t>(c.Lk, t + (c.Lk - c.Lq) + 1);
+      const std::int64_t n = std::min<std::int64_t>(visible, c.top_k);
+      const std::int32_t* r = got.data<std::int32_t>() + t * c.top_k;
+      for (std::int64_t s = 0; s < c.top_k; ++s) {
+        if (s < n) EXPECT_TRUE(r[s] >= 0 && r[s] < visible && (s == 0 || r[s] > r[s - 1])) << "row " << t << " slot " << s;
+        else EXPECT_EQ(r[s], -1) << "row " << t << " slot " << s;
       }
     }
   }
 }
 
-TEST(LightningTokensGpu, TopKBeyondSharedMemoryIsAnError) {
+TEST(LightningGpu, TopKBeyondSharedMemoryIsAnError) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const Case c{"huge k", 1, 4, 64, 2, 16, 1, 1 << 20, true};
   const Inputs in = random_inputs(c, 5400);
@@ -282,14 +309,42 @@ TEST(LightningTokensGpu, TopKBeyondSharedMemoryIsAnError) {
   }
 }
 
-// Small enough for compute-sanitizer: the screen (with compaction), the resolve and the fallback kernels.
-TEST(LightningTokensGpu, SanitizerSmall) {
+// The scratch size is a pure function of the shapes: one allocation holding the amax words and the codes of
+// both tensors in whole 128-row tiles; 0 where the call is refused.
+TEST(LightningGpu, ScratchBytes) {
+  const std::size_t fp8 = sa::cuda_backend::lightning_scratch_bytes(1, 32768, 32768, 64, 128, 2048,
+                                                                    sa::IndexPrecision::fp8_e4m3, false);
+  // 32768 queries x 64 heads and 32768 keys, 128 bytes a row, plus the amax words (256 bytes).
+  EXPECT_EQ(fp8, 256u + 32768u * 64u * 128u + 32768u * 128u);
+  EXPECT_EQ(sa::cuda_backend::lightning_scratch_bytes(1, 32768, 32768, 64, 128, 2048, sa::IndexPrecision::bf16, false),
+            256u + 2u * (32768u * 64u * 128u + 32768u * 128u));
+  EXPECT_EQ(sa::cuda_backend::lightning_scratch_bytes(1, 8, 8, 4, 32, 1 << 20, sa::IndexPrecision::fp8_e4m3, false), 0u);
+  EXPECT_EQ(sa::cuda_backend::lightning_scratch_bytes(1, 8, 8, 200, 32, 16, sa::IndexPrecision::fp8_e4m3, false), 0u);
+}
+
+// The oracle itself (no GPU needed): the CPU's exact lists pass the contract, with sinks, in both forms.
+TEST(LightningGpu, OracleAcceptsCpuLists) {
+  const Case c{"cpu", 2, 40, 333, 5, 40, 2, 24, true, sa::DType::bf16, 0, 3};
+  const Inputs in = random_inputs(c, 5600);
+  for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
+    for (const bool blocks : {false, true}) {
+      const sa::LightningOptions o = options_of(c, prec);
+      sa::HostTensor idx(sa::DType::i32, {c.B, c.G, c.Lq, c.top_k});
+      if (blocks) sa::lightning_select(in.q.view(), in.w.view(), in.k.view(), sa::QueryLists{idx.view()}, o);
+      else sa::lightning_select(in.q.view(), in.w.view(), in.k.view(), sa::TokenLists{idx.view()}, o);
+      const st::ContractReport rep =
+          st::expect_lightning_contract(st::lightning_oracle(in.q, in.w, in.k, o, blocks), idx, c.top_k, "cpu");
+      EXPECT_EQ(rep.rows_differing, 0);
+    }
+}
+
+// Small enough for compute-sanitizer: both forms, both precisions, with partial tiles.
+TEST(LightningGpu, SanitizerSmall) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
-  const Case c{"sanitizer", 2, 40, 333, 5, 40, 2, 24, true};
+  const Case c{"sanitizer", 2, 40, 333, 5, 40, 2, 24, true, sa::DType::bf16, 0, 3};
   const Inputs in = random_inputs(c, 5500);
-  compare(c, sa::IndexPrecision::fp8_e4m3, in);
-  compare(c, sa::IndexPrecision::bf16, in, false, c.top_k + 32, true);
-  compare(c, sa::IndexPrecision::fp8_e4m3, in, true);
+  check(c, sa::IndexPrecision::fp8_e4m3, in);
+  check(c, sa::IndexPrecision::bf16, in);
 }
 
 }  // namespace

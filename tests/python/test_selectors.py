@@ -158,6 +158,26 @@ def test_lightning_query_lists_pool_to_blocks(rng):
         check_top_k(idx[0, 0, i], blocks[0, i], 2, 1e-3, f"query {i}")
 
 
+@pytest.mark.parametrize("fmt", ["token", "query"])
+def test_lightning_sink_keys_are_always_selected(rng, fmt):
+    B, Lq, Lk, HI, Di, sink = 1, 40, 400, 2, 16, 3
+    k = 6 if fmt == "token" else 1  # a query sees at most 4 blocks
+    qI, kI = _bf16_exact(rng, (B, Lq, HI, Di)), _bf16_exact(rng, (B, Lk, Di))
+    w = np.abs(randn(rng, (B, Lq, HI))) + 0.1
+    idx = sa.lightning_select(qI, w, kI, top_k=k, causal=True, precision="bf16", format=fmt, sink_keys=sink)
+    _assert_lists(idx)
+    scores = ref.lightning_scores(qI, w, kI, causal=True)
+    scores[..., :sink] = np.where(np.isfinite(scores[..., :sink]), 1e300, -np.inf)  # visible sinks rank first
+    if fmt == "query":
+        scores = np.stack([scores[..., j * 128:(j + 1) * 128].max(axis=-1) for j in range(4)], axis=-1)
+    for i in range(Lq):
+        np.testing.assert_array_equal(idx[0, 0, i][idx[0, 0, i] >= 0], ref.top_k(scores[0, i], k), f"query {i}")
+    plain = sa.lightning_select(qI, w, kI, top_k=k, causal=True, precision="bf16", format=fmt)
+    assert not np.array_equal(plain, idx)
+    with pytest.raises(sa.Error, match=r"lightning_select: argument 'sink_keys': must be >= 0, got -1"):
+        sa.lightning_select(qI, w, kI, top_k=k, sink_keys=-1)
+
+
 def test_lightning_fp8_default_precision(rng):
     B, Lq, Lk, HI, Di = 1, 5, 400, 2, 32
     qI, kI = randn(rng, (B, Lq, HI, Di)), randn(rng, (B, Lk, Di))

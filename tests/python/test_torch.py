@@ -82,6 +82,14 @@ def test_selectors_return_torch_int32():
     assert qi.dtype == torch.int32 and qi.shape == (1, 2, 200, 2)
 
 
+def test_lightning_op_passes_sink_keys():
+    q, w, k = torch.randn(1, 40, 2, 16), torch.rand(1, 40, 2) + 0.1, torch.randn(1, 400, 16)
+    got = sat.lightning_select(q, w, k, top_k=6, causal=True, precision="bf16", sink_keys=3)
+    want = sa.lightning_select(_np(q), _np(w), _np(k), top_k=6, causal=True, precision="bf16", sink_keys=3)
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert (got[0, 0, :, :3] == torch.arange(3, dtype=torch.int32)).all()  # every query sees keys 0..2
+
+
 def test_bad_torch_input_raises_value_error():
     q, k, v = _qkv(1, 4, 8, 2, 1, 16)
     with pytest.raises(ValueError, match=r"dense: argument 'q'"):

@@ -23,6 +23,9 @@ enum class NamedBarrier : std::uint32_t {
   kItemWalk = 7,     // KV-centric attention: the threads of one item walk read the next item ids
   kGateWG0 = 8,      // consumer warpgroup 0 has left its warps' block maxima for the gate (gate_policy.cuh)
   kGateWG1 = 9,      // consumer warpgroup 1 likewise
+  kLightningWG0 = 10,   // lightning selector: consumer warpgroup 0's candidate buffers are settled
+  kLightningWG1 = 11,   // consumer warpgroup 1 likewise
+  kLightningMerge = 12,  // both consumer warpgroups are done with their key tiles
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {

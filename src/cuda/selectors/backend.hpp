@@ -57,12 +57,23 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Quer
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
                       const TokenMaxOptions& options, const detail::SelectorTuning& tuning = {});
 
-/// Block form of the lightning indexer (QueryLists): float64 scores per key, block maxima, top-k (lightning.cu).
+/// Lightning indexer (lightning.cu): one pass per query tile that scores keys on the tensor cores (fp8 or bf16
+/// wgmma) and selects on chip; each list is a top-k of the exact scores up to lightning_epsilon. Block form
+/// (QueryLists) and token form (TokenLists).
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const QueryLists& out,
                       const LightningOptions& options);
-/// Token form (TokenLists): tensor-core screening with a fused top-k, float64 only for the keys the screen
-/// cannot decide (lightning_tokens.cu).
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
-                      const LightningOptions& options, const detail::SelectorTuning& tuning = {});
+                      const LightningOptions& options);
+/// Device scratch of one lightning_select call (its single allocation: the amax words and the fp8 / bf16 codes
+/// of qI and kI in the kernel's tile layout); 0 where the call is refused (top_k too large for the candidate
+/// buffers, HI > 128, Di > 256).
+std::size_t lightning_scratch_bytes(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t HI, std::int64_t Di,
+                                    int top_k, IndexPrecision precision, bool blocks);
+/// The bound ε of the GPU lightning indexer for one query row (derivation in lightning.cu): every list is a
+/// top-k of the exact (CPU float64) scores up to ε. `w` holds the row's HI weights, `q_values` its HI x Di
+/// dequantised index queries (the CPU's load_quantized values); key_inf and key_norm bound the largest |value|
+/// and 2-norm of the dequantised keys the row sees; zero_scale: fp8 with a per-tensor scale of 0.
+double lightning_epsilon(IndexPrecision precision, std::int64_t HI, std::int64_t Di, const float* w,
+                         const float* q_values, double key_inf, double key_norm, bool zero_scale);
 
 }  // namespace sparse_attn::cuda_backend

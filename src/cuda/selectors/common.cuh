@@ -259,12 +259,6 @@ inline void check_device_memory(const std::string& op, const std::string& name, 
 
 inline In in_type(DType d) { return d == DType::f32 ? In::f32 : d == DType::f16 ? In::f16 : In::bf16; }
 
-/// Dense float32 copy [rows, D] of an index tensor ([B, L, H, D] or [B, L, D], f32/f16/bf16) rounded
-/// through `prec` with the values of the CPU's load_quantized (prepare.cu). amax: the tensor's
-/// per-tensor scale word (zeroed by the caller; unused for bf16).
-void prepare_index_tensor(const TensorView& t, IndexPrecision prec, unsigned int* amax, float* dst,
-                          cudaStream_t stream);
-
 // Stream-ordered scratch: allocated and freed on the caller's stream (no host synchronisation).
 class StreamScratch {
  public:

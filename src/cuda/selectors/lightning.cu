@@ -1,16 +1,56 @@
-// DSA lightning indexer on the GPU, block form (QueryLists): I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s])
-// max-pooled over the visible keys of each KV block, then the exact top-k blocks per query, written to
-// every group. Kernels on the caller's stream:
-//  1. (fp8) amax of qI and kI; 2. dequantise both to dense float32 (prepare.cu, identical to the CPU);
-//  3. a CTA holds kLQueries query rows (all index heads) and streams KV blocks through shared memory;
-//     each thread owns one key: per head a float64 dot in d order, then acc = fma(w, ReLU(dot), acc)
-//     over the heads in order, exactly the CPU's index_score; the block maximum goes to [B, Lq, Tk];
-//  4. exact top-k per query for every group.
-// Only block scores (1 / 128 of the [Lq, Lk] matrix) reach device memory.
+// DSA lightning indexer on the GPU (docs/design.md §5.7): I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s]),
+// per query the top-k keys (TokenLists) or the top-k KV blocks by the maximum over their visible keys
+// (QueryLists), ascending, -1 padded, written to every group. Kernels on the caller's stream:
+//  1. (fp8) amax of qI and kI (float bits, atomicMax);
+//  2. codes: qI and kI rounded through the precision exactly as the CPU's load_quantized (fp8: the e4m3 byte
+//     of x / scale; bf16: the bf16 bits), written to scratch already in the wgmma shared-memory layout (rows
+//     of 128-byte chunks, 128B swizzle), so that a tile is one contiguous bulk copy: key tiles of 128 keys,
+//     query tiles of 128 (query, head) rows = nq queries x hp head slots (hp = 128 / nq >= HI, zero padded);
+//  3. select: one CTA per query tile, one pass over the tile's visible keys (described at select_kernel).
+// What reaches device memory: the codes (fp8: Lq * hp + Lk rows of Di bytes rounded up to 128; bf16: twice
+// that) and the output lists; no score (token or block) is ever stored.
+//
+// The bound ε (lightning_epsilon below). Notation: a row (query t) has heads j with weights w_j; cq_j, ck the
+// codes (fp8: e4m3 values without the per-tensor scales sq, sk; bf16: the values, sq = sk = 1). The GPU score
+// of key s is Ic = fl-sum_j w_j ReLU(T^_j) in code units, T^_j the tensor-core dot of cq_j and ck. The exact
+// score (the CPU's) is X = sum_j w_j ReLU(D_j), D_j the float64 dot of the dequantised values.
+//  a. Tensor cores, fp8 (m64n128k32, products of two e4m3 values exact). Assumed, conservatively: within
+//     one wgmma k32 instruction the 32 products and the incoming accumulator are aligned to the largest
+//     exponent among them and each is truncated to 13 significant bits relative to it (error below 2^-12 x
+//     the largest magnitude, per addend), the sum is formed without further loss and rounded once to float32.
+//     The kernel therefore starts every k32 step from a zero accumulator (no incoming term: 32 addends of at
+//     most M = max |product| of the step) and adds the steps in float32 in d order. Per step the error is at
+//     most 32 * 2^-12 M = 2^-7 M plus 2^-24 of the result; the n = ceil(Di / 32) step results and their n - 1
+//     float32 additions add at most n 2^-23 sum_d |cq_d ck_d|. With M <= |cq_j|inf |ck|inf per step:
+//       |T^_j - T_j| <= 2^-7 n |cq_j|inf |ck|inf + n 2^-23 |cq_j|2 |ck|2.
+//     bf16 (m64n128k16, products exact in float32): float32 accumulation keeps at least 24 bits after the
+//     alignment, so each k16 step errs by at most 2^-18 (|acc| + sum |products|) (tc_index.cuh, item 1):
+//       |T^_j - T_j| <= 2^-18 n |cq_j|2 |ck|2 with n = ceil(Di / 16) (the accumulator chain is not reset).
+//  b. ReLU is 1-Lipschitz; the head sum is an fma chain over the thread's heads (at most 32) then two quad
+//     shuffles: at most 34 roundings on any term's path, so the float32 sum errs by at most
+//     34 * 2^-24 (1 + 2^-18) sum_j |w_j| |T^_j|, with |T^_j| <= |cq_j|2 |ck|2 (1 + 2^-6).
+//  c. Dequantisation: vq = fl(cq sq) = cq sq (1 + d), |d| <= 2^-24 (below 2^-126, an absolute 2^-150), the
+//     same for vk, and the CPU's float64 sum of Di products: |D_j - sq sk T_j| <= 2^-22 |vq_j|2 |vk|2 (1 + ...)
+//     plus 2^-148 Di (|vq_j|inf + |vk|inf + 2^-150) for underflow.
+//  So |X - sq sk Ic| <= E with, in value units (|v| = sq |c| up to 2^-23 relative, absorbed by the 2^-10
+//  margin below),
+//    E = (1 + 2^-10) sum_j |w_j| [A_j + (34 * 2^-24 + 2^-22 + n 2^-23) |vq_j|2 |vk|2max] + underflow terms,
+//    A_j = 2^-7 n |vq_j|inf |vk|infmax (fp8) or 2^-18 n |vq_j|2 |vk|2max (bf16),
+//  taking the largest key norms over the row's keys. The kernel selects the top-k of Ic with ties to the
+//  lower id, so for a selected key a and an unselected candidate u: X_a >= sq sk Ic_a - E >= sq sk Ic_u - E
+//  >= X_u - 2E: the contract holds with ε = 2E. A forced key (sink) is +inf on both sides; NaN scores rank
+//  as -inf. When a per-tensor scale is 0 (an fp8 tensor whose amax underflows, kept raw by the CPU, all
+//  codes 0 here), ε is twice the largest possible |X|: 2 sum_j |w_j| Di |vq_j|inf |vk|infmax.
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cmath>
+#include <string>
 
+#include "cuda/common/mma_sync.cuh"
 #include "cuda/common/smem_limit.hpp"
+#include "cuda/common/sync.cuh"
+#include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 
@@ -18,176 +58,651 @@ namespace sparse_attn::cuda_backend {
 
 namespace {
 
-using namespace sel;
+using sel::check_cuda;
+using sel::imax;
+using sel::imin;
+using sel::In;
+using sel::Prec;
+namespace ck = cuda_kernels;
 
-constexpr int kLQueries = 2;         // query rows per CTA (each with all HI index heads in shared memory)
-constexpr int kLThreads = kBlockK;   // one key per thread
+constexpr int kStageKeys = 128;               // keys per pipeline stage = one KV block (kBlockK)
+constexpr int kRows = 128;                    // rows of a tile: keys, or (query, head) columns of wgmma N
+constexpr int kChunkBytes = kRows * 128;      // one 128-byte column chunk of a tile (128B swizzle rows)
+constexpr int kKStepBytes = 32;               // bytes of a row per wgmma k-step (fp8 k32, bf16 k16)
+constexpr int kConsumerWGs = 2;               // each takes whole stages, alternately
+constexpr int kThreads = 128 * (kConsumerWGs + 1);  // + a producer warpgroup (one thread issues the copies; the
+                                                    // kernel fits 168 registers a thread without spills)
+constexpr int kConsumerWarps = 4 * kConsumerWGs;
+constexpr int kHist = 256;                    // radix digit of the exact selection
+constexpr int kSmemLimit = 227 * 1024;        // Hopper's opt-in dynamic shared memory per block
+constexpr int kMaxStages = 4;
 
-struct LScoreParams {
-  const float* q;  // dense [B, Lq, HI, Di]
-  const float* w;  // [B, Lq, HI] with strides
-  std::int64_t ws0, ws1, ws2;
-  const float* k;  // dense [B, Lk, Di]
-  double* scores;  // [B, Lq, Tk]
-  std::int64_t B, Lq, Lk, HI, Di, Tk;
-  bool causal;
-  __device__ std::int64_t key_end(std::int64_t i) const {
-    return causal ? imax(std::int64_t{0}, imin(i + (Lk - Lq) + 1, Lk)) : Lk;
+static_assert(kStageKeys == kBlockK, "a stage is one KV block (the block form pools per stage)");
+
+// ---- plan: tile geometry and shared-memory layout (host) ------------------------------------------------
+
+struct Plan {
+  int nq = 0;        // queries per CTA (query tile)
+  int hp = 0;        // head slots per query: 128 / nq >= HI
+  int chunks = 0;    // 128-byte chunks per row (Di bytes rounded up)
+  int ksteps = 0;    // wgmma k-steps per row
+  int stages = 0;    // key tiles in flight
+  int cap = 0;       // candidate buffer entries per (query, consumer warpgroup)
+  // byte offsets in the 1024-aligned dynamic shared memory
+  int off_q = 0, off_stage = 0, off_buf = 0, off_hist = 0, off_thr = 0, off_cnt = 0, off_red = 0, off_w = 0, off_bar = 0;
+  int smem = 0;      // dynamic bytes to request (+1024 alignment slack)
+  bool ok() const { return nq > 0; }
+};
+
+int elem_bytes(IndexPrecision p) { return p == IndexPrecision::bf16 ? 2 : 1; }
+
+// The most queries per CTA (fewest padded head slots), then buffers of 2 top_k (fewer compactions) over
+// buffers of top_k, then the most stages, such that a candidate buffer holds top_k plus one tile's insertions
+// (128 keys, or 1 block).
+Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec, bool blocks) {
+  Plan best;
+  if (HI < 1 || HI > kRows || Di < 1 || Di > 256 || top_k < 1) return best;
+  const int es = elem_bytes(prec);
+  const int row_bytes = static_cast<int>(Di) * es;
+  const int chunks = (row_bytes + 127) / 128, ksteps = (row_bytes + kKStepBytes - 1) / kKStepBytes;
+  int hp_min = 8;
+  while (hp_min < HI) hp_min *= 2;
+  const int per_stage = blocks ? 1 : kStageKeys;
+  const long long need_min = static_cast<long long>(top_k) + per_stage;
+  for (int nq = kRows / hp_min; nq >= 1; nq /= 2)
+    for (const long long need : {2LL * top_k + per_stage, need_min})
+      for (int stages = kMaxStages; stages >= 2; --stages) {
+        Plan p;
+        p.nq = nq, p.hp = kRows / nq, p.chunks = chunks, p.ksteps = ksteps, p.stages = stages;
+        int off = 0;
+        p.off_q = off, off += chunks * kChunkBytes;
+        p.off_stage = off, off += stages * chunks * kChunkBytes;
+        p.off_hist = off, off += kConsumerWarps * kHist * 4;
+        p.off_thr = off, off += nq * kConsumerWGs * 8;
+        p.off_cnt = off, off += nq * kConsumerWGs * 4;
+        p.off_red = off, off += kConsumerWGs * 2 * 4 * nq * 4;
+        p.off_w = off, off += kRows * 4;
+        off = (off + 7) / 8 * 8;
+        p.off_bar = off, off += (2 * stages + 1) * 8;
+        p.off_buf = (off + 15) / 16 * 16;
+        const long long room = static_cast<long long>(kSmemLimit) - 1024 - p.off_buf;
+        if (room <= 0) continue;
+        const long long cap = room / (8LL * nq * kConsumerWGs) / 32 * 32;
+        if (cap < need) continue;
+        p.cap = static_cast<int>(std::min<long long>(cap, 1 << 24));
+        p.smem = p.off_buf + 8 * nq * kConsumerWGs * p.cap + 1024;
+        return p;
+      }
+  return best;
+}
+
+struct ScratchLayout {
+  std::size_t amax = 0, qcodes = 0, kcodes = 0, total = 0;
+};
+
+ScratchLayout scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, const Plan& p) {
+  ScratchLayout s;
+  const std::size_t tile = static_cast<std::size_t>(p.chunks) * kChunkBytes;
+  s.amax = 0;
+  s.qcodes = sel::align_up(2 * sizeof(unsigned));
+  s.kcodes = s.qcodes + sel::align_up(static_cast<std::size_t>(B * ceil_div(Lq, p.nq)) * tile);
+  s.total = s.kcodes + sel::align_up(static_cast<std::size_t>(B * ceil_div(Lk, kStageKeys)) * tile);
+  return s;
+}
+
+// ---- 1. amax --------------------------------------------------------------------------------------------
+
+struct RowsSrc {  // an index tensor [B, L, H, D] (H = 1 for [B, L, D]), d contiguous
+  const void* x;
+  In type;
+  std::int64_t sb, sl, sh, B, L, H, D;
+};
+
+RowsSrc rows_src(const TensorView& t) {
+  if (t.ndim == 3)
+    return {t.data, sel::in_type(t.dtype), t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]};
+  return {t.data, sel::in_type(t.dtype), t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2],
+          t.shape[3]};
+}
+
+__device__ __forceinline__ float load_rt(const void* base, std::int64_t i, In t) {
+  switch (t) {
+    case In::f32: return sel::load_elem<In::f32>(base, i);
+    case In::f16: return sel::load_elem<In::f16>(base, i);
+    default: return sel::load_elem<In::bf16>(base, i);
+  }
+}
+
+// Largest |x| as float bits (non-negative floats order like their bits); fmaxf skips NaN like std::fmax.
+__global__ void amax_kernel(const RowsSrc s, unsigned* amax) {
+  const std::int64_t rows = s.B * s.L * s.H;
+  const int lane = threadIdx.x % 32;
+  float m = 0.0f;
+  for (std::int64_t r = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows;
+       r += static_cast<std::int64_t>(gridDim.x) * blockDim.x / 32) {
+    const std::int64_t h = r % s.H, l = (r / s.H) % s.L, b = r / (s.H * s.L);
+    const std::int64_t off = b * s.sb + l * s.sl + h * s.sh;
+    for (std::int64_t d = lane; d < s.D; d += 32) m = fmaxf(m, fabsf(load_rt(s.x, off + d, s.type)));
+  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) atomicMax(amax, __float_as_uint(m));
+}
+
+// ---- 2. codes in the tile layout ------------------------------------------------------------------------
+
+struct CodeParams {
+  RowsSrc src;
+  unsigned char* dst;
+  const unsigned* amax;  // this tensor's word (fp8)
+  std::int64_t tiles;    // per batch
+  int items_per_tile;    // keys: 128; queries: nq
+  int hp;                // rows per item: keys 1; queries hp (heads past H are zero)
+  int chunks;
+};
+
+// One thread per 16-byte unit u of row r of chunk c of a tile; the unit lands at r * 128 + ((u ^ r % 8) * 16)
+// of the chunk (what TMA's SWIZZLE_128B writes, which the wgmma descriptors expect).
+template <Prec P>
+__global__ void codes_kernel(const CodeParams p) {
+  constexpr int kPerUnit = P == Prec::fp8 ? 16 : 8;
+  const RowsSrc& s = p.src;
+  const std::int64_t units = s.B * p.tiles * p.chunks * kRows * 8;
+  const float ts = P == Prec::fp8 ? sel::tensor_scale_of<Prec::fp8>(__uint_as_float(*p.amax)) : 1.0f;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < units;
+       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const int u = static_cast<int>(e % 8), r = static_cast<int>((e / 8) % kRows);
+    const std::int64_t tc = e / (8 * kRows);  // (b * tiles + tile) * chunks + c
+    const int c = static_cast<int>(tc % p.chunks);
+    const std::int64_t bt = tc / p.chunks, tile = bt % p.tiles, b = bt / p.tiles;
+    const std::int64_t item = tile * p.items_per_tile + r / p.hp, h = r % p.hp;
+    const bool valid = item < s.L && h < s.H;
+    const std::int64_t off = b * s.sb + item * s.sl + h * s.sh;
+    const int d0 = (c * 128 + u * 16) / (16 / kPerUnit);
+    std::uint32_t word[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < kPerUnit; ++i) {
+      const int d = d0 + i;
+      std::uint32_t code = 0u;
+      if (valid && d < s.D) {
+        const float x = load_rt(s.x, off + d, s.type);
+        if constexpr (P == Prec::fp8) {
+          // A zero scale (all-zero tensor, or an amax that underflows): the CPU keeps the raw values; codes 0
+          // (lightning_epsilon covers that case).
+          code = ts == 0.0f ? 0u : sel::float_to_e4m3(__fdiv_rn(x, ts));
+        } else {
+          code = __float_as_uint(sel::round_bf16(x)) >> 16;
+        }
+      }
+      constexpr int bits = P == Prec::fp8 ? 8 : 16;
+      word[i * bits / 32] |= code << ((i * bits) % 32);
+    }
+    unsigned char* at = p.dst + tc * kChunkBytes + r * 128 + ((u ^ (r % 8)) * 16);
+    *reinterpret_cast<uint4*>(at) = make_uint4(word[0], word[1], word[2], word[3]);
+  }
+}
+
+// ---- 3. selection ---------------------------------------------------------------------------------------
+
+struct OutRows {
+  std::int32_t* idx;
+  std::int64_t s0, s1, s2, s3, G, width;
+  __device__ std::int32_t* row(std::int64_t b, std::int64_t g, std::int64_t t) const {
+    return idx + b * s0 + g * s1 + t * s2;
   }
 };
 
-// grid: (ceil(Lq / kLQueries), B). Shared: the KV block (odd row stride: conflict-free per key), the
-// query rows [kLQueries][HI][Di], their weights as doubles, and per-warp maxima.
-__global__ void __launch_bounds__(kLThreads) lightning_scores_kernel(const LScoreParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const std::int64_t ks = p.Di + 1;
-  double* wsh = reinterpret_cast<double*>(smem);                 // [kLQueries][HI]
-  double* red = wsh + kLQueries * p.HI;                          // [4][kLQueries]
-  float* kb = reinterpret_cast<float*>(red + 4 * kLQueries);     // [128][Di + 1]
-  float* qs = kb + kBlockK * ks;                                 // [kLQueries][HI][Di]
-
-  const std::int64_t b = blockIdx.y;
-  const std::int64_t i0 = static_cast<std::int64_t>(blockIdx.x) * kLQueries;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const std::int64_t qrow = p.HI * p.Di;
-  for (std::int64_t e = tid; e < kLQueries * qrow; e += kLThreads) {
-    const std::int64_t qi = i0 + e / qrow;
-    qs[e] = qi < p.Lq ? p.q[(b * p.Lq + qi) * qrow + e % qrow] : 0.0f;
+struct SelectParams {
+  const unsigned char* qcodes;  // [B, Gq] tiles
+  const unsigned char* kcodes;  // [B, Tk] tiles
+  const float* w;
+  std::int64_t ws0, ws1, ws2;
+  std::int64_t Lq, Lk, HI, Gq, Tk;
+  std::int64_t sink;
+  bool causal;
+  int top_k;
+  Plan plan;
+  OutRows out;
+  __device__ std::int64_t key_end(std::int64_t t) const {
+    const std::int64_t e = t + (Lk - Lq) + 1;
+    return causal ? (e < 0 ? 0 : (e > Lk ? Lk : e)) : Lk;
   }
-  for (std::int64_t e = tid; e < kLQueries * p.HI; e += kLThreads) {
-    const std::int64_t qi = i0 + e / p.HI, j = e % p.HI;
-    wsh[e] = qi < p.Lq ? static_cast<double>(p.w[b * p.ws0 + qi * p.ws1 + j * p.ws2]) : 0.0;
-  }
-  const std::int64_t last_end = p.key_end(imin(p.Lq, i0 + kLQueries) - 1);
-  double* out = p.scores + b * p.Lq * p.Tk;
+};
 
-  for (std::int64_t jb = 0; jb < p.Tk; ++jb) {
-    const std::int64_t k0 = jb * kBlockK;
-    if (k0 >= last_end) {
-      if (tid < kLQueries && i0 + tid < p.Lq) out[(i0 + tid) * p.Tk + jb] = -INFINITY;
-      continue;
+using u64 = unsigned long long;
+
+// The rank order as one unsigned key: a larger key ranks first (higher score, then lower id). Scores are
+// sanitised first: NaN -> -inf, -0 -> +0 (the CPU compares them equal, so they must tie on the id).
+__device__ __forceinline__ float sanitize(float s) { return isnan(s) ? -INFINITY : (s == 0.0f ? 0.0f : s); }
+__device__ __forceinline__ u64 rank_key(float s, std::int64_t id) {
+  const unsigned u = __float_as_uint(s);
+  const unsigned ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<u64>(ord) << 32) | (0xffffffffu - static_cast<unsigned>(id));
+}
+__device__ __forceinline__ int key_id(u64 k) { return static_cast<int>(0xffffffffu - static_cast<unsigned>(k)); }
+
+// The k-th largest of the (distinct) keys a[0, na) and b[0, nb) (1 <= k <= na + nb), by one warp: radix
+// select, 8 bits a pass from the top, ending as soon as the prefix holds one key. `hist` is 256 words.
+__device__ u64 warp_kth_key(const u64* a, int na, const u64* b, int nb, int k, unsigned* hist, int lane) {
+  u64 prefix = 0, mask = 0;
+  int kk = k, inbin = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int i = lane; i < kHist; i += 32) hist[i] = 0u;
+    __syncwarp();
+    for (int i = lane; i < na; i += 32)
+      if ((a[i] & mask) == prefix) atomicAdd(&hist[(a[i] >> shift) & 255], 1u);
+    for (int i = lane; i < nb; i += 32)
+      if ((b[i] & mask) == prefix) atomicAdd(&hist[(b[i] >> shift) & 255], 1u);
+    __syncwarp();
+    // Lane l owns digits [8 l, 8 l + 8); suffix sums over lanes find the digit holding the kk-th largest.
+    unsigned c[8], local = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) local += (c[i] = hist[8 * lane + i]);
+    unsigned suffix = local;
+    for (int o = 1; o < 32; o <<= 1) {
+      const unsigned y = __shfl_down_sync(0xffffffffu, suffix, o);
+      if (lane + o < 32) suffix += y;
     }
-    __syncthreads();  // previous readers of kb and red are done (and qs, wsh are filled)
-    const std::int64_t nk = imin<std::int64_t>(kBlockK, p.Lk - k0);
-    for (std::int64_t e = tid; e < nk * p.Di; e += kLThreads) {
-      const std::int64_t r = e / p.Di, d = e % p.Di;
-      kb[r * ks + d] = p.k[(b * p.Lk + k0 + r) * p.Di + d];
-    }
-    __syncthreads();
-    for (int m = 0; m < kLQueries; ++m) {
-      const std::int64_t i = i0 + m;
-      const bool seen = tid < nk && i < p.Lq && k0 + tid < p.key_end(i);
-      double v = -INFINITY;
-      if (seen) {
-        const float* kr = kb + tid * ks;
-        double acc = 0.0;
-        for (std::int64_t j = 0; j < p.HI; ++j) {
-          const float* qr = qs + (m * p.HI + j) * p.Di;
-          double dot = 0.0;
-          for (std::int64_t d = 0; d < p.Di; ++d) dot = fma(static_cast<double>(qr[d]), static_cast<double>(kr[d]), dot);
-          acc = fma(wsh[m * p.HI + j], fmax(0.0, dot), acc);
+    const unsigned above = suffix - local;
+    const bool mine = above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix;
+    int dig = 0, rest = 0, cnt = 0;
+    if (mine) {
+      unsigned acc = above;
+      for (int i = 7; i >= 0; --i) {
+        if (acc + c[i] >= static_cast<unsigned>(kk)) {
+          dig = 8 * lane + i, rest = kk - static_cast<int>(acc), cnt = static_cast<int>(c[i]);
+          break;
         }
-        v = sanitize(acc);
+        acc += c[i];
       }
-      for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-      if (lane == 0) red[warp * kLQueries + m] = v;
     }
-    __syncthreads();
-    if (tid < kLQueries && i0 + tid < p.Lq) {
-      double v = -INFINITY;
-      for (int w = 0; w < 4; ++w) v = fmax(v, red[w * kLQueries + tid]);
-      out[(i0 + tid) * p.Tk + jb] = v;
+    const int src = __ffs(__ballot_sync(0xffffffffu, mine)) - 1;
+    dig = __shfl_sync(0xffffffffu, dig, src);
+    kk = __shfl_sync(0xffffffffu, rest, src);
+    inbin = __shfl_sync(0xffffffffu, cnt, src);
+    prefix |= static_cast<u64>(dig) << shift;
+    mask |= 0xffull << shift;
+    __syncwarp();
+    if (inbin == 1) break;
+  }
+  if (mask == ~0ull) return prefix;
+  u64 found = 0;
+  for (int i = lane; i < na; i += 32)
+    if ((a[i] & mask) == prefix) found = a[i];
+  for (int i = lane; i < nb; i += 32)
+    if ((b[i] & mask) == prefix) found = b[i];
+  for (int o = 16; o > 0; o >>= 1) {
+    const u64 y = __shfl_xor_sync(0xffffffffu, found, o);
+    found = y > found ? y : found;
+  }
+  return found;
+}
+
+// Streams src[0, n) by one warp, 32 keys at a time, and hands each key >= v to put(position, key), the
+// positions counting up from `at` in src order; returns the end. A chunk's reads all happen before its
+// writes, so put may write over src at or below the chunk (in place, or 4-byte ids over 8-byte keys).
+template <class Put>
+__device__ int warp_keep(const u64* src, int n, u64 v, int at, int lane, Put&& put) {
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    const u64 x = i < n ? src[i] : 0ull;
+    const bool keep = i < n && x >= v;
+    const unsigned m = __ballot_sync(0xffffffffu, keep);
+    __syncwarp();
+    if (keep) put(at + __popc(m & ((1u << lane) - 1u)), x);
+    at += __popc(m);
+    __syncwarp();
+  }
+  return at;
+}
+
+__device__ void warp_sort_ints(int* v, int n, int lane) {  // bitonic, n a power of two, ascending
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+      for (int i = lane; i < n / 2; i += 32) {
+        const int lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
+        const bool up = (lo & size) == 0;
+        if ((v[lo] > v[hi]) == up) {
+          const int t = v[lo];
+          v[lo] = v[hi], v[hi] = t;
+        }
+      }
+      __syncwarp();
+    }
+}
+
+#define LT_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+// d = A(64 x 32, smem, K-major) * B(32 x 128, smem, K-major), e4m3 inputs, float32 accumulator (scale-d = 0).
+__device__ __forceinline__ void wgmma_fp8_first(float (&d)[64], u64 desc_a, u64 desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
+      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
+      : LT_D8(0), LT_D8(8), LT_D8(16), LT_D8(24), LT_D8(32), LT_D8(40), LT_D8(48), LT_D8(56)
+      : "l"(desc_a), "l"(desc_b));
+}
+#undef LT_D8
+
+// Barrier ids: each consumer warpgroup's stage barrier, and the two warpgroups' final merge.
+__device__ __forceinline__ ck::NamedBarrier wg_barrier(int wg) {
+  return wg == 0 ? ck::NamedBarrier::kLightningWG0 : ck::NamedBarrier::kLightningWG1;
+}
+
+// grid: (Gq, B), kThreads. Query tile gq (its nq queries, longest rows first) against key tiles
+// 0 .. ceil(key_end(last query) / 128) - 1. The producer thread (warpgroup 2) bulk-copies the query tile once
+// and the key tiles through a ring of `stages` slots (full / empty mbarriers). Consumer warpgroup w takes the
+// key tiles j = w, w + 2, ...: per 64-key half, wgmma with keys on M and the 128 (query, head) columns on N;
+// thread (warp v, lane 4 g + q) then holds keys 16 v + g (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a
+// query's weighted ReLU sum over its heads is an fma chain over the thread's columns (i, then the pair, in
+// order) and two quad shuffles. Token form: each visible key's score enters the (query, warpgroup) candidate
+// buffer if it ranks before the buffer's threshold (the k-th best key at the last compaction); block form:
+// the tile's maximum over visible keys is one candidate. After each tile, a buffer that could overflow on the
+// next one is compacted by one warp: an exact radix selection of the k-th best, keep the k best, raise the
+// threshold to it. Every candidate dropped is outranked by k kept ones, so the final top-k of the two
+// warpgroups' buffers is the top-k of all scores. Sink keys (and the blocks holding them) score +inf.
+template <bool kFp8, bool kBlocks>
+__global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_constant__ SelectParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
+  const Plan& pl = p.plan;
+  const int nq = pl.nq, hp = pl.hp, cap = pl.cap, k = p.top_k;
+  u64* buf = reinterpret_cast<u64*>(smem + pl.off_buf);        // [nq][2][cap]
+  u64* thr = reinterpret_cast<u64*>(smem + pl.off_thr);        // [nq][2]
+  int* cnt = reinterpret_cast<int*>(smem + pl.off_cnt);        // [nq][2]
+  float* red = reinterpret_cast<float*>(smem + pl.off_red);    // [2 wg][2 halves][4 warps][nq]
+  float* wsm = reinterpret_cast<float*>(smem + pl.off_w);      // [128] weight per column
+  ck::MBarrier* full = reinterpret_cast<ck::MBarrier*>(smem + pl.off_bar);
+  ck::MBarrier* empty = full + pl.stages;
+  ck::MBarrier* qbar = empty + pl.stages;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  const std::int64_t b = blockIdx.y, gq = p.Gq - 1 - blockIdx.x, t0 = gq * nq;
+  const std::int64_t t_last = imin(p.Lq, t0 + nq) - 1;
+  const std::int64_t end_max = p.key_end(t_last);
+  const int ntiles = static_cast<int>((end_max + kStageKeys - 1) / kStageKeys);
+  const int tile_bytes = pl.chunks * kChunkBytes;
+
+  if (tid == 0) {
+    for (int s = 0; s < pl.stages; ++s) full[s].init(1), empty[s].init(4);
+    qbar->init(1);
+    ck::fence_barrier_init();
+  }
+  for (int i = tid; i < nq * kConsumerWGs; i += kThreads) thr[i] = 0ull, cnt[i] = 0;
+  // The weight of column c: query c / hp, head c % hp (0 past HI or Lq).
+  for (int c = tid; c < kRows; c += kThreads) {
+    const std::int64_t t = t0 + c / hp, h = c % hp;
+    wsm[c] = t < p.Lq && h < p.HI ? p.w[b * p.ws0 + t * p.ws1 + h * p.ws2] : 0.0f;
+  }
+  __syncthreads();
+
+  if (wg == kConsumerWGs) {  // producer warpgroup
+    if (warp == 4 * kConsumerWGs && lane == 0 && ntiles > 0) {
+      qbar->arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
+      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem + pl.off_q,
+                                 p.qcodes + (b * p.Gq + gq) * tile_bytes, static_cast<std::uint32_t>(tile_bytes),
+                                 &qbar->word);
+      for (int j = 0; j < ntiles; ++j) {
+        const int slot = j % pl.stages;
+        empty[slot].wait(((j / pl.stages) & 1) ^ 1);
+        full[slot].arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
+        ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global,
+                                   smem + pl.off_stage + slot * tile_bytes, p.kcodes + (b * p.Tk + j) * tile_bytes,
+                                   static_cast<std::uint32_t>(tile_bytes), &full[slot].word);
+      }
+    }
+    return;
+  }
+
+  const int wl = warp % 4, g = lane / 4, q4 = lane % 4, wtid = tid % 128;
+  unsigned* hist = reinterpret_cast<unsigned*>(smem + pl.off_hist) + warp * kHist;
+  const std::uint32_t q_base = ck::smem_addr(smem + pl.off_q);
+  const std::uint32_t s_base = ck::smem_addr(smem + pl.off_stage);
+  const int per_stage = kBlocks ? 1 : kStageKeys;
+
+  float acc[64], part[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, part[i] = 0.0f;
+
+  if (ntiles > 0) qbar->wait(0);
+  for (int j = wg; j < ntiles; j += kConsumerWGs) {
+    const int slot = j % pl.stages;
+    full[slot].wait((j / pl.stages) & 1);
+    for (int half = 0; half < 2; ++half) {
+      // Scores of keys 128 j + 64 half + [0, 64) against the 128 columns.
+      const std::uint32_t a0 = s_base + slot * tile_bytes + half * (kChunkBytes / 2);
+      auto desc = [&](std::uint32_t base, int kk) {
+        return ck::make_desc_sw128(base + (kk / 4) * kChunkBytes + (kk % 4) * kKStepBytes, 16, 1024);
+      };
+      if constexpr (kFp8) {
+        // Every k32 step from a zero accumulator, the steps added in float32 in d order (the bound's item a).
+        ck::wgmma_fence();
+        wgmma_fp8_first(acc, desc(a0, 0), desc(q_base, 0));
+        ck::wgmma_commit();
+        ck::wgmma_wait<0>();
+        ck::fence_operands(acc);
+        for (int kk = 1; kk < pl.ksteps; ++kk) {
+          ck::wgmma_fence();
+          wgmma_fp8_first(part, desc(a0, kk), desc(q_base, kk));
+          ck::wgmma_commit();
+          ck::wgmma_wait<0>();
+          ck::fence_operands(part);
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[i] += part[i];
+        }
+      } else {
+        ck::wgmma_fence();
+        ck::wgmma_ss<ck::Bf16Tag>(acc, desc(a0, 0), desc(q_base, 0), 0);
+        for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc, desc(a0, kk), desc(q_base, kk), 1);
+        ck::wgmma_commit();
+        ck::wgmma_wait<0>();
+        ck::fence_operands(acc);
+      }
+      if (half == 1 && lane == 0) empty[slot].arrive();  // this warp's reads of the tile are done
+
+      const std::int64_t key0 = static_cast<std::int64_t>(j) * kStageKeys + 64 * half + 16 * wl + g;
+      float slo = 0.0f, shi = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float2 wi = *reinterpret_cast<const float2*>(wsm + 8 * i + 2 * q4);
+        slo = fmaf(wi.x, fmaxf(acc[4 * i], 0.0f), slo);
+        slo = fmaf(wi.y, fmaxf(acc[4 * i + 1], 0.0f), slo);
+        shi = fmaf(wi.x, fmaxf(acc[4 * i + 2], 0.0f), shi);
+        shi = fmaf(wi.y, fmaxf(acc[4 * i + 3], 0.0f), shi);
+        if (((8 * (i + 1)) & (hp - 1)) != 0) continue;  // the query's columns continue (uniform)
+        const int qi = 8 * i / hp;
+        slo += __shfl_xor_sync(0xffffffffu, slo, 1);
+        shi += __shfl_xor_sync(0xffffffffu, shi, 1);
+        slo += __shfl_xor_sync(0xffffffffu, slo, 2);
+        shi += __shfl_xor_sync(0xffffffffu, shi, 2);
+        const std::int64_t t = t0 + qi;
+        const std::int64_t end = t < p.Lq ? p.key_end(t) : 0;
+        if constexpr (kBlocks) {
+          float m = fmaxf(key0 < end ? sanitize(slo) : -INFINITY, key0 + 8 < end ? sanitize(shi) : -INFINITY);
+          for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+          if (lane == 0) red[((wg * 2 + half) * 4 + wl) * nq + qi] = m;
+        } else {
+          const std::int64_t sink_end = imin(p.sink, end);
+          // Lane q4 = 0 offers key0, q4 = 1 key0 + 8 (the quad holds both sums).
+          const std::int64_t key = q4 == 0 ? key0 : key0 + 8;
+          const float sc = key < sink_end ? INFINITY : sanitize(q4 == 0 ? slo : shi);
+          const u64 rk = rank_key(sc, key);
+          const bool offer = q4 < 2 && key < end && rk > thr[qi * 2 + wg];
+          const unsigned m = __ballot_sync(0xffffffffu, offer);
+          if (m != 0u) {
+            const int leader = __ffs(m) - 1;
+            int base = 0;
+            if (lane == leader) base = atomicAdd(&cnt[qi * 2 + wg], __popc(m));
+            base = __shfl_sync(0xffffffffu, base, leader);
+            if (offer) buf[(static_cast<std::int64_t>(qi) * 2 + wg) * cap + base + __popc(m & ((1u << lane) - 1u))] = rk;
+          }
+        }
+        slo = 0.0f, shi = 0.0f;
+      }
+    }
+    ck::named_barrier_sync(wg_barrier(wg), 128);
+    if constexpr (kBlocks) {
+      for (int qi = wtid; qi < nq; qi += 128) {
+        const std::int64_t t = t0 + qi;
+        const std::int64_t end = t < p.Lq ? p.key_end(t) : 0;
+        if (static_cast<std::int64_t>(j) * kStageKeys >= end) continue;  // the block holds no visible key
+        float m = -INFINITY;
+        for (int r = 0; r < 8; ++r) m = fmaxf(m, red[(wg * 8 + r) * nq + qi]);
+        if (static_cast<std::int64_t>(j) * kStageKeys < imin(p.sink, end)) m = INFINITY;
+        const u64 rk = rank_key(m, j);
+        if (rk > thr[qi * 2 + wg]) buf[(static_cast<std::int64_t>(qi) * 2 + wg) * cap + cnt[qi * 2 + wg]++] = rk;
+      }
+      ck::named_barrier_sync(wg_barrier(wg), 128);
+    }
+    // Compaction of the buffers that the next tile could overflow.
+    for (int qi = wl; qi < nq; qi += 4) {
+      const int c = cnt[qi * 2 + wg];
+      if (c <= cap - per_stage) continue;
+      u64* a = buf + (static_cast<std::int64_t>(qi) * 2 + wg) * cap;
+      const u64 v = warp_kth_key(a, c, nullptr, 0, k, hist, lane);
+      warp_keep(a, c, v, 0, lane, [&](int pos, u64 x) { a[pos] = x; });
+      if (lane == 0) cnt[qi * 2 + wg] = k, thr[qi * 2 + wg] = v;
+      __syncwarp();
+    }
+    ck::named_barrier_sync(wg_barrier(wg), 128);
+  }
+
+  // The two warpgroups' buffers of each query: the best min(k, n) ids, ascending, to every group.
+  ck::named_barrier_sync(ck::NamedBarrier::kLightningMerge, 128 * kConsumerWGs);
+  const int cw = warp;  // consumer warp 0..7
+  for (int qi = cw; qi < nq; qi += kConsumerWarps) {
+    const std::int64_t t = t0 + qi;
+    if (t >= p.Lq) break;
+    u64* a = buf + static_cast<std::int64_t>(qi) * 2 * cap;
+    const u64* bb = a + cap;
+    const int na = cnt[qi * 2], nb = cnt[qi * 2 + 1], n = na + nb;
+    const u64 v = n > k ? warp_kth_key(a, na, bb, nb, k, hist, lane) : 0ull;
+    int* ids = reinterpret_cast<int*>(a);
+    const auto put_id = [&](int pos, u64 x) { ids[pos] = key_id(x); };
+    const int m = warp_keep(bb, nb, v, warp_keep(a, na, v, 0, lane, put_id), lane, put_id);  // min(n, k)
+    int P = 1;
+    while (P < m) P <<= 1;
+    for (int i = m + lane; i < P; i += 32) ids[i] = 0x7fffffff;
+    __syncwarp();
+    warp_sort_ints(ids, P, lane);
+    for (std::int64_t gr = 0; gr < p.out.G; ++gr) {
+      std::int32_t* r = p.out.row(b, gr, t);
+      for (std::int64_t s = lane; s < p.out.width; s += 32) r[s * p.out.s3] = s < m ? ids[s] : -1;
     }
   }
 }
 
-struct LTopParams {
-  const double* scores;  // [B, Lq, Tk]
-  std::int32_t* idx;
-  std::int64_t is0, is1, is2, is3, width, G;
-  std::int64_t Lq, Lk, Tk;
-  int top_k;
-  bool causal;
-};
+template <bool kBlocks>
+void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const TensorView& idx,
+         const LightningOptions& o) {
+  const std::string op = "lightning_select";
+  const std::int64_t B = qI.shape[0], Lq = qI.shape[1], HI = qI.shape[2], Di = qI.shape[3], Lk = kI.shape[1];
+  const auto stream = static_cast<cudaStream_t>(o.stream);
+  const int max_smem = sel::usable_device_smem(op, "qI", qI);
+  sel::check_device_memory(op, "qI", qI);
+  sel::check_device_memory(op, "w", w);
+  sel::check_device_memory(op, "kI", kI);
+  sel::check_device_memory(op, "out.idx", idx);
+  if (HI > kRows)
+    throw Error(op, "qI", std::to_string(HI) + " index heads exceed the CUDA lightning selector's limit of 128");
+  if (Di > 256)
+    throw Error(op, "qI", "index dimension " + std::to_string(Di) + " exceeds the CUDA lightning selector's limit of 256");
+  if (B > 65535) throw Error(op, "qI", "batch " + std::to_string(B) + " exceeds the CUDA lightning selector's limit of 65535");
+  if (Lk >= 0x7fffffffLL)
+    throw Error(op, "kI", "Lk = " + std::to_string(Lk) + " exceeds the CUDA lightning selector's limit of 2^31 - 2");
+  const Plan pl = make_plan(HI, Di, o.top_k, o.precision, kBlocks);
+  if (!pl.ok())
+    throw Error(op, "options.top_k", "top_k = " + std::to_string(o.top_k) + " with " + std::to_string(HI) +
+                                         " index heads exceeds the CUDA lightning selector's shared memory");
+  if (pl.smem > max_smem)
+    throw Error(op, "qI", "the CUDA lightning selector needs " + std::to_string(pl.smem) +
+                              " bytes of shared memory per block; the device allows " + std::to_string(max_smem));
+  const std::int64_t Gq = ceil_div(Lq, pl.nq), Tk = ceil_div(Lk, kStageKeys);
+  if (Gq > 0x7fffffffLL) throw Error(op, "qI", "Lq = " + std::to_string(Lq) + " exceeds the CUDA lightning selector's grid");
 
-constexpr int kLRankThreads = 128;
+  const ScratchLayout sl = scratch_layout(B, Lq, Lk, pl);
+  sel::StreamScratch scratch(sl.total, stream, op);
+  auto* amax = scratch.as<unsigned>(sl.amax);
+  const bool fp8 = o.precision == IndexPrecision::fp8_e4m3;
+  const RowsSrc qs = rows_src(qI), ks = rows_src(kI);
+  if (fp8) {
+    check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned), stream), op, "cudaMemsetAsync");
+    for (int i = 0; i < 2; ++i) {
+      const RowsSrc& s = i == 0 ? qs : ks;
+      const std::int64_t rows = s.B * s.L * s.H;
+      amax_kernel<<<static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, 8), 1024)), 256, 0, stream>>>(s, amax + i);
+      check_cuda(cudaGetLastError(), op, "amax kernel launch");
+    }
+  }
+  CodeParams cq{qs, scratch.as<unsigned char>(sl.qcodes), amax, Gq, pl.nq, pl.hp, pl.chunks};
+  CodeParams ckp{ks, scratch.as<unsigned char>(sl.kcodes), amax + 1, Tk, kRows, 1, pl.chunks};
+  for (const CodeParams& c : {cq, ckp}) {
+    const std::int64_t units = c.src.B * c.tiles * c.chunks * kRows * 8;
+    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(units, 256), 65535));
+    if (fp8) codes_kernel<Prec::fp8><<<blocks, 256, 0, stream>>>(c);
+    else codes_kernel<Prec::bf16><<<blocks, 256, 0, stream>>>(c);
+    check_cuda(cudaGetLastError(), op, "codes kernel launch");
+  }
 
-// grid: B * Lq; the same list is written to every group.
-__global__ void lightning_topk_kernel(const LTopParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  double* sc = reinterpret_cast<double*>(smem);
-  int* part = reinterpret_cast<int*>(sc + p.Tk);
-  unsigned char* flags = reinterpret_cast<unsigned char*>(part + blockDim.x + 1);
-  const std::int64_t row = blockIdx.x, i = row % p.Lq, b = row / p.Lq;
-  const std::int64_t end = p.causal ? imax(std::int64_t{0}, imin(i + (p.Lk - p.Lq) + 1, p.Lk)) : p.Lk;
-  const std::int64_t n = (end + kBlockK - 1) / kBlockK;
-  for (std::int64_t j = threadIdx.x; j < n; j += blockDim.x) sc[j] = p.scores[row * p.Tk + j];
-  __syncthreads();
-  for (std::int64_t g = 0; g < p.G; ++g)
-    top_k_ascending(sc, static_cast<int>(n), p.top_k, flags, part, p.idx + b * p.is0 + g * p.is1 + i * p.is2, p.is3,
-                    p.width);
+  SelectParams sp{};
+  sp.qcodes = scratch.as<unsigned char>(sl.qcodes), sp.kcodes = scratch.as<unsigned char>(sl.kcodes);
+  sp.w = w.ptr<float>(), sp.ws0 = w.stride[0], sp.ws1 = w.stride[1], sp.ws2 = w.stride[2];
+  sp.Lq = Lq, sp.Lk = Lk, sp.HI = HI, sp.Gq = Gq, sp.Tk = Tk;
+  sp.sink = o.sink_keys, sp.causal = o.causal, sp.top_k = o.top_k, sp.plan = pl;
+  sp.out = OutRows{idx.ptr<std::int32_t>(), idx.stride[0], idx.stride[1], idx.stride[2], idx.stride[3], idx.shape[1],
+                   idx.shape[3]};
+  const dim3 grid(static_cast<unsigned>(Gq), static_cast<unsigned>(B));
+  auto go = [&](auto kernel) {
+    check_cuda(ck::launch_with_smem(kernel, static_cast<std::size_t>(pl.smem),
+                                    [&] { kernel<<<grid, kThreads, pl.smem, stream>>>(sp); }),
+               op, "select kernel launch");
+  };
+  if (fp8) go(select_kernel<true, kBlocks>);
+  else go(select_kernel<false, kBlocks>);
 }
 
 }  // namespace
 
+std::size_t lightning_scratch_bytes(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t HI, std::int64_t Di,
+                                    int top_k, IndexPrecision precision, bool blocks) {
+  const Plan pl = make_plan(HI, Di, top_k, precision, blocks);
+  return pl.ok() ? scratch_layout(B, Lq, Lk, pl).total : 0;
+}
+
+double lightning_epsilon(IndexPrecision precision, std::int64_t HI, std::int64_t Di, const float* w,
+                         const float* q_values, double key_inf, double key_norm, bool zero_scale) {
+  double e = 0.0;
+  const double n = precision == IndexPrecision::bf16 ? std::ceil(Di / 16.0) : std::ceil(Di / 32.0);
+  for (std::int64_t j = 0; j < HI; ++j) {
+    double qinf = 0.0, q2 = 0.0;
+    for (std::int64_t d = 0; d < Di; ++d) {
+      const double x = std::fabs(static_cast<double>(q_values[j * Di + d]));
+      qinf = std::max(qinf, x), q2 += x * x;
+    }
+    q2 = std::sqrt(q2) * (1.0 + 0x1p-40);
+    const double aw = std::fabs(static_cast<double>(w[j]));
+    if (zero_scale) {
+      e += aw * static_cast<double>(Di) * qinf * key_inf;
+      continue;
+    }
+    const double tc = precision == IndexPrecision::bf16 ? std::ldexp(n, -18) * q2 * key_norm
+                                                        : std::ldexp(n, -7) * qinf * key_inf;
+    const double rest = (34.0 * 0x1p-24 + 0x1p-22 + n * 0x1p-23) * q2 * key_norm;
+    const double under = 0x1p-148 * static_cast<double>(Di) * (qinf + key_inf + 0x1p-150);
+    e += aw * ((tc + rest) * (1.0 + 0x1p-10) + under);
+  }
+  return 2.0 * e;
+}
+
+void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const TokenLists& out,
+                      const LightningOptions& options) {
+  run<false>(qI, w, kI, out.idx, options);
+}
+
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI, const QueryLists& out,
-                      const LightningOptions& o) {
-  const std::string op = "lightning_select";
-  const std::int64_t B = qI.shape[0], Lq = qI.shape[1], HI = qI.shape[2], Di = qI.shape[3];
-  const std::int64_t Lk = kI.shape[1], Tk = ceil_div(Lk, kBlockK);
-  const auto stream = static_cast<cudaStream_t>(o.stream);
-  const int max_smem = usable_device_smem(op, "qI", qI);
-  check_device_memory(op, "qI", qI);
-  check_device_memory(op, "w", w);
-  check_device_memory(op, "kI", kI);
-  check_device_memory(op, "out.idx", out.idx);
-  if (B > 65535)  // the scoring grid's y extent
-    throw Error(op, "qI", "batch " + std::to_string(B) + " exceeds the CUDA selector's limit of 65535");
-  const std::size_t score_smem = static_cast<std::size_t>(kLQueries * HI + 4 * kLQueries) * sizeof(double) +
-                                 static_cast<std::size_t>(kBlockK * (Di + 1) + kLQueries * HI * Di) * sizeof(float);
-  const std::size_t rank_smem = static_cast<std::size_t>(Tk) * (sizeof(double) + 1) + (kLRankThreads + 1) * sizeof(int);
-  if (score_smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "qI", "HI x Di = " + std::to_string(HI) + " x " + std::to_string(Di) +
-                              " index heads do not fit the CUDA lightning selector's shared memory");
-  if (rank_smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "kI", "Lk = " + std::to_string(Lk) + " gives " + std::to_string(Tk) +
-                              " blocks, more than the CUDA selector's shared-memory ranking holds");
-
-  const std::size_t a_bytes = align_up(2 * sizeof(unsigned int));
-  const std::size_t q_bytes = align_up(static_cast<std::size_t>(B * Lq * HI * Di) * sizeof(float));
-  const std::size_t k_bytes = align_up(static_cast<std::size_t>(B * Lk * Di) * sizeof(float));
-  const std::size_t s_bytes = align_up(static_cast<std::size_t>(B * Lq * Tk) * sizeof(double));
-  StreamScratch scratch(a_bytes + q_bytes + k_bytes + s_bytes, stream, op);
-  auto* amax = scratch.as<unsigned int>(0);
-  float* qd = scratch.as<float>(a_bytes);
-  float* kd = scratch.as<float>(a_bytes + q_bytes);
-  double* scores = scratch.as<double>(a_bytes + q_bytes + k_bytes);
-  if (o.precision != IndexPrecision::bf16)
-    check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
-  prepare_index_tensor(qI, o.precision, amax, qd, stream);
-  prepare_index_tensor(kI, o.precision, amax + 1, kd, stream);
-
-  LScoreParams p{};
-  p.q = qd, p.w = w.ptr<float>(), p.ws0 = w.stride[0], p.ws1 = w.stride[1], p.ws2 = w.stride[2];
-  p.k = kd, p.scores = scores;
-  p.B = B, p.Lq = Lq, p.Lk = Lk, p.HI = HI, p.Di = Di, p.Tk = Tk, p.causal = o.causal;
-  const dim3 grid(static_cast<unsigned>(ceil_div(Lq, kLQueries)), static_cast<unsigned>(B));
-  check_cuda(cuda_kernels::launch_with_smem(lightning_scores_kernel, score_smem,
-                                            [&] { lightning_scores_kernel<<<grid, kLThreads, score_smem, stream>>>(p); }),
-             op, "scores kernel launch");
-
-  LTopParams t{};
-  t.scores = scores;
-  t.idx = out.idx.ptr<std::int32_t>();
-  t.is0 = out.idx.stride[0], t.is1 = out.idx.stride[1], t.is2 = out.idx.stride[2], t.is3 = out.idx.stride[3];
-  t.width = out.idx.shape[3], t.G = out.idx.shape[1];
-  t.Lq = Lq, t.Lk = Lk, t.Tk = Tk, t.top_k = o.top_k, t.causal = o.causal;
-  check_cuda(cuda_kernels::launch_with_smem(lightning_topk_kernel, rank_smem,
-                                            [&] {
-                                              lightning_topk_kernel<<<static_cast<unsigned>(B * Lq), kLRankThreads,
-                                                                      rank_smem, stream>>>(t);
-                                            }),
-             op, "kernel launch");
+                      const LightningOptions& options) {
+  run<true>(qI, w, kI, out.idx, options);
 }
 
 }  // namespace sparse_attn::cuda_backend
