@@ -4,9 +4,9 @@ Shape: B = 1, Lq = Lk = L, 64 index heads, Di = 128, top-2048, causal; qI and kI
 e4m3 with per-tensor scales by the selector for precision fp8_e4m3), w float32; sparse_attn.lightning_select
 into TokenLists allocated once. FLOP rate = 2 * HI * Di * visible pairs / time; the fp8 matmul rate is
 torch._scaled_mm on 8192^3, timed the same way. Before timing, the lists are checked: well formed on every
-row, and on a few rows equal to the top-k of float64 scores recomputed here from the same fp8-rounded values
-(differences allowed only between keys whose float64 scores tie the k-th to 1e-12 relative, where the
-summation order of this check and the library's differ).
+row, and on a few rows against the top-k of float64 scores recomputed here from the same fp8-rounded values
+(the share of its ids held and the regret; the kernel may swap near-ties within its bound ε, docs/design.md
+§5.7, which the GPU tests check).
 
 Usage: python3 bench_lightning.py [--L 32768] [--json PATH] [--quick] [timing options, see --help]
 """
@@ -43,30 +43,32 @@ def check_lists(idx, L, top_k, causal):
 
 
 def check_rows(idx, q, w, k, rows, top_k, causal):
-    """Rows whose list differs from the float64 top-k on keys that do not tie the k-th score: the worst count."""
+    """Spot rows against float64 scores recomputed here from the same fp8-rounded values: per row the share
+    of the float64 top-k's ids the list holds, and the regret max(unselected) - min(selected) relative to the
+    row's largest |score| (0 for an exact top-k; the kernel's bound ε allows a little). Returns the worst
+    share and the worst regret."""
     import torch
     sq = q.abs().max().float() / 448.0
     sk = k.abs().max().float() / 448.0
     kv = fp8_values(k[0], sk).double()
-    worst = 0
+    worst_share, worst_regret = 1.0, 0.0
     for t in rows:
         end = t + 1 if causal else k.shape[1]
         d = kv[:end] @ fp8_values(q[0, t], sq).double().T  # [end, HI]
         s = torch.relu(d) @ w[0, t].double()
-        order = sorted(range(end), key=lambda j: (-s[j].item(), j)) if end <= 4096 else None
-        if order is None:
-            vals, ids = torch.sort(s, descending=True, stable=True)
-            ref = set(ids[:top_k].tolist())
-            kth = vals[min(top_k, end) - 1].item()
-        else:
-            ref = set(order[:top_k])
-            kth = s[order[min(top_k, end) - 1]].item()
-        got = set(x for x in idx[0, 0, t].tolist() if x >= 0)
-        diff = ref ^ got
-        tol = 1e-12 * max(1.0, abs(kth))
-        bad = [j for j in diff if abs(s[j].item() - kth) > tol]
-        worst = max(worst, len(bad))
-    return worst
+        ref = torch.sort(s, descending=True, stable=True).indices[:min(top_k, end)]
+        got = idx[0, 0, t][idx[0, 0, t] >= 0].long()
+        share = torch.isin(ref, got).double().mean().item()
+        chosen = torch.zeros(end, dtype=torch.bool, device=s.device)
+        chosen[got] = True
+        regret = 0.0
+        if bool((~chosen).any()):
+            regret = max(0.0, (s[~chosen].max() - s[chosen].min()).item()) / max(s.abs().max().item(), 1e-30)
+        worst_share, worst_regret = min(worst_share, share), max(worst_regret, regret)
+    return worst_share, worst_regret
+
+
+MIN_SHARE, MAX_REGRET = 0.9, 2.0 ** -5  # loose: the GPU tests check the kernel's derived bound itself
 
 
 def scaled_mm_rate(timer, n=8192):
@@ -112,18 +114,18 @@ def run(args):
             call(precision)
             torch.cuda.synchronize()
             well_formed = check_lists(idx, L, top_k, causal)
-            bad = check_rows(idx, q, w, k, [L - 1, L // 2, 3000, 2047, 2048], top_k, causal) \
-                if precision == "fp8_e4m3" else None
-            if not well_formed or bad:
-                raise VerificationError(f"lightning {precision}: lists well formed {well_formed}, spot-check rows "
-                                        f"off the k-th score tie {bad}")
+            share, regret = check_rows(idx, q, w, k, [L - 1, L // 2, 3000, 2047, 2048], top_k, causal) \
+                if precision == "fp8_e4m3" else (None, None)
+            if not well_formed or (share is not None and (share < MIN_SHARE or regret > MAX_REGRET)):
+                raise VerificationError(f"lightning {precision}: lists well formed {well_formed}, spot rows: share of "
+                                        f"the float64 top-k {share}, relative regret {regret}")
             ms = timer(lambda: call(precision))
             tf = flop / (ms * 1e-3) / 1e12
             row = {"precision": precision, "ms": ms, "tflops": tf, "fraction_of_fp8_matmul": tf / fp8_rate,
-                   "lists_well_formed": well_formed, "spot_rows_off_tie": bad}
+                   "lists_well_formed": well_formed, "spot_rows_min_share": share, "spot_rows_max_regret": regret}
             res.add(row, echo=False)
             print(f"{precision}: {ms:.3f} ms, {tf:.1f} TFLOP/s = {tf / fp8_rate:.3f} x fp8 matmul ({fp8_rate:.0f}); "
-                  f"well formed {well_formed}, spot check off-tie differences {bad}", flush=True)
+                  f"well formed {well_formed}, spot rows: share {share}, regret {regret}", flush=True)
 
 
 def main(argv=None):
