@@ -61,6 +61,7 @@ struct TokenMaxOptions {
   bool causal = false;       // bottom-right causal visibility; false like every other option struct
   bool reserve_local = true;   // the block holding the query's own position (causal diagonal) is
                                // always selected and counts towards top_k
+  bool force_block0 = false;   // always keep block 0 (attention sink) in lists that see any key
   void* stream = nullptr;
 };
 
@@ -71,7 +72,12 @@ struct TokenMaxOptions {
 /// Each of qidx and kidx is rounded through options.precision with its own per-tensor scale
 /// (amax over the whole tensor: amax / 448 for fp8, amax / (448 * 6) for fp4's scale-of-scales).
 /// The local block is the one holding the query's aligned key i + (Lk - Lq): causal, only when
-/// that key exists (>= 0); non-causal, clamped to [0, Lk - 1].
+/// that key exists (>= 0); non-causal, clamped to [0, Lk - 1]. force_block0 forces block 0 like the
+/// local block (PooledOptions::force_block0).
+///
+/// On CUDA devices the scores come from the tensor cores (docs/design.md §5.7): each list is a top-k
+/// of these exact scores up to a bound eps stated with the kernel (src/cuda/selectors/token_max.cu),
+/// not necessarily the CPU's ids.
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& options = {});
 /// Per-tile lists: the block score is also maxed over the queries of the tile; the reserved blocks
