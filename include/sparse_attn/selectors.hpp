@@ -75,9 +75,9 @@ struct TokenMaxOptions {
 /// that key exists (>= 0); non-causal, clamped to [0, Lk - 1]. force_block0 forces block 0 like the
 /// local block (PooledOptions::force_block0).
 ///
-/// On CUDA devices the scores come from the tensor cores (docs/design.md §5.7): each list is a top-k
-/// of these exact scores up to a bound eps stated with the kernel (src/cuda/selectors/token_max.cu),
-/// not necessarily the CPU's ids.
+/// On CUDA devices the scores come from the tensor cores in float32 (docs/design.md §5.7): each list is
+/// a top-k of the exact (float64) scores within a bound eps derived in src/cuda/selectors/token_max.cu
+/// from the row norms, not necessarily the CPU's ids; runs are bitwise repeatable.
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& options = {});
 /// Per-tile lists: the block score is also maxed over the queries of the tile; the reserved blocks

@@ -31,11 +31,6 @@ struct SelectorTuning {
   /// tuning.pooled_rep_bytes.
   int pooled_rep_bytes = 0;
 
-  /// token_max: while non-null (device memory of two unsigned long long), a call adds to [0] the number
-  /// of candidate blocks it ranked and to [1] the number of (list, block) pairs whose screened score was
-  /// too close to the k-th to decide, so they were re-scored in float64.
-  unsigned long long* token_max_counters = nullptr;
-
   /// lightning, token form: while non-null (device memory of four unsigned long long), a call adds to [0]
   /// the query rows screened on the tensor cores (rows seeing more than top_k keys), to [1] the (row, key)
   /// pairs re-scored in float64, to [2] the rows handed to the float64 streaming fallback (candidate
