@@ -178,6 +178,21 @@ __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts
   }
 }
 
+/// quantize_codes of the 8 consecutive elements one lane holds. fp4: the lane's 16-element block is its 8
+/// and those of its xor-1 partner lane, whose amax they share by a shuffle (every lane of the warp calls).
+template <Prec P>
+__device__ __forceinline__ void quantize_lane8(const float (&x)[8], float ts, float (&v)[8], float (&c)[8]) {
+  if constexpr (P == Prec::fp4) {
+    float am = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) am = fmaxf(am, fabsf(x[i]));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    fp4_values(x, 8, ts, am, v, c);
+  } else {
+    quantize_codes<P>(x, 8, ts, v, c);
+  }
+}
+
 __device__ __forceinline__ float load_elem_rt(const void* base, std::int64_t i, In t) {
   switch (t) {
     case In::f32: return sel::load_elem<In::f32>(base, i);
@@ -413,16 +428,7 @@ __device__ __forceinline__ void prepare_dense(const IndexSrc& s, In t, const Pre
       for (int i = 0; i < 8; ++i) x[i] = 0.0f;
     }
     float v[8], c[8];
-    if constexpr (P == Prec::fp4) {
-      // A 16-element block is the two lanes 2 m, 2 m + 1 of the segment (lpr >= 2).
-      float am = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) am = fmaxf(am, fabsf(x[i]));
-      am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-      fp4_values(x, 8, ts, am, v, c);
-    } else {
-      quantize_codes<P>(x, 8, ts, v, c);
-    }
+    quantize_lane8<P>(x, ts, v, c);  // fp4: a 16-element block is the lanes 2 m, 2 m + 1 of the segment (lpr >= 2)
     float sq = 0.0f;
     bool finite = true;
 #pragma unroll

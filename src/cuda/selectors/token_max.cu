@@ -166,15 +166,7 @@ template <Prec P>
 __device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it, const float (&x)[8], float ts,
                                             float down) {
   float v[8], c[8];
-  if constexpr (P == Prec::fp4) {
-    float am = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) am = fmaxf(am, fabsf(x[i]));
-    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-    tc::fp4_values(x, 8, ts, am, v, c);
-  } else {
-    tc::quantize_codes<P>(x, 8, ts, v, c);
-  }
+  tc::quantize_lane8<P>(x, ts, v, c);
   if (!it.in) return;
   if constexpr (P == Prec::fp8) {
     unsigned w[2];
