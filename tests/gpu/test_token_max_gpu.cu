@@ -21,6 +21,10 @@
 
 #include "common/testing.hpp"
 #include "cuda/selectors/backend.hpp"
+#include "cuda/common/mma_sync.cuh"
+#include "cuda/common/sync.cuh"
+#include "cuda/common/wgmma.cuh"
+#include "cuda/common/wgmma_fp8.cuh"
 #include "cuda/selectors/tc_index.cuh"
 #include "gpu/device_testing.hpp"
 #include "gpu/token_max_contract.hpp"
@@ -250,6 +254,97 @@ TEST(TokenMaxGpu, QuantisationEqualsCpu) {
       }
       EXPECT_EQ(bad, 0);
     }
+  }
+}
+
+// ---- the fp8 accumulation the bound relies on ----------------------------------------------------------
+
+// One warpgroup: d = `steps` chained m64n128k32 e4m3 wgmmas (as the screen issues them) of a [64][32 steps]
+// and b [128][32 steps] (bytes, row-major), written by the threads into 128B-swizzled shared memory (16-byte
+// chunk index XOR row % 8, the layout TMA writes); out [64][128] row-major.
+__global__ void fp8_mma_kernel(const unsigned char* a, const unsigned char* b, int steps, float* out) {
+  namespace ck = sparse_attn::cuda_kernels;
+  extern __shared__ __align__(16) unsigned char raw[];
+  unsigned char* sa_ = raw + ((1024 - (ck::smem_addr(raw) & 1023)) & 1023);
+  unsigned char* sb_ = sa_ + 64 * 128;
+  const int w = static_cast<int>(threadIdx.x);
+  for (int e = w; e < 192 * 128; e += 128) {
+    const int r = e / 128, c = e % 128, rr = r < 64 ? r : r - 64;
+    const unsigned char* src = r < 64 ? a + r * 32 * steps : b + rr * 32 * steps;
+    unsigned char* dst = r < 64 ? sa_ : sb_;
+    dst[rr * 128 + (((c / 16) ^ (rr % 8)) * 16) + c % 16] = c < 32 * steps ? src[c] : 0;
+  }
+  ck::fence_async_shared();
+  __syncthreads();
+  float d[64];
+  for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+  ck::wgmma_fence();
+  for (int s = 0; s < 4; ++s)
+    if (s < steps)
+      ck::wgmma_ss_e4m3(d, ck::make_desc_sw128(ck::smem_addr(sa_) + s * 32, 16, 1024),
+                        ck::make_desc_sw128(ck::smem_addr(sb_) + s * 32, 16, 1024), s > 0);
+  ck::wgmma_commit();
+  ck::wgmma_wait<0>();
+  ck::fence_operands(d);
+  const int warp = w / 32, g = (w % 32) / 4, q = w % 4;
+  for (int i = 0; i < 64; ++i)
+    out[(16 * warp + g + 8 * ((i % 4) / 2)) * 128 + 8 * (i / 4) + 2 * q + i % 2] = d[i];
+}
+
+// The fp8 MMA's error on adversarial operands (one large product and many small ones of the same sign, a
+// large accumulator followed by small products, random exponents over the whole e4m3 range) against the
+// model token_max.cu relies on: an instruction errs by at most 40 x 2^-13 of the largest magnitude in it, so
+// n chained instructions by n x 40 x 2^-13 S, S the sum of |products|. Prints the worst observed error in
+// units of 2^-13 S, to show how much of the bound the hardware uses.
+TEST(TokenMaxGpu, Fp8AccumulationWithinModel) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(4242);
+  std::uniform_int_distribution<int> pick(0, 3), ex(-9, 8), sign(0, 1);
+  std::uniform_real_distribution<float> mant(1.0f, 1.875f);
+  for (int steps : {1, 4}) {
+    const int K = 32 * steps;
+    std::vector<unsigned char> a(64 * K), b(128 * K);
+    auto fill_row = [&](unsigned char* row, int kind) {
+      for (int d = 0; d < K; ++d) {
+        float v;
+        switch (kind) {
+          case 0: v = d == 0 ? 240.0f : std::ldexp(mant(rng), -7); break;        // one large, many small
+          case 1: v = d < 32 ? 224.0f : std::ldexp(mant(rng), -(d % 9)); break;  // large accumulator first
+          case 2: v = std::ldexp(mant(rng), ex(rng)) * (sign(rng) ? -1.0f : 1.0f); break;
+          default: v = std::ldexp(mant(rng), ex(rng) / 3); break;                // same sign, moderate
+        }
+        row[d] = sa::float_to_e4m3(v);
+      }
+    };
+    for (int r = 0; r < 64; ++r) fill_row(a.data() + r * K, pick(rng));
+    for (int r = 0; r < 128; ++r) fill_row(b.data() + r * K, r % 4 == 3 ? 2 : r % 4);
+    unsigned char *da = nullptr, *db = nullptr;
+    float* dout = nullptr;
+    cuda_ok(cudaMalloc(&da, a.size()), "cudaMalloc");
+    cuda_ok(cudaMalloc(&db, b.size()), "cudaMalloc");
+    cuda_ok(cudaMalloc(&dout, 64 * 128 * 4), "cudaMalloc");
+    cuda_ok(cudaMemcpy(da, a.data(), a.size(), cudaMemcpyHostToDevice), "upload");
+    cuda_ok(cudaMemcpy(db, b.data(), b.size(), cudaMemcpyHostToDevice), "upload");
+    fp8_mma_kernel<<<1, 128, 192 * 128 + 1024>>>(da, db, steps, dout);
+    cuda_ok(cudaDeviceSynchronize(), "fp8_mma_kernel");
+    std::vector<float> out(64 * 128);
+    cuda_ok(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost), "download");
+    cudaFree(da), cudaFree(db), cudaFree(dout);
+    double worst = 0.0;
+    for (int i = 0; i < 64; ++i)
+      for (int j = 0; j < 128; ++j) {
+        double t = 0.0, S = 0.0;
+        for (int d = 0; d < K; ++d) {
+          const double p = static_cast<double>(sa::e4m3_to_float(a[i * K + d])) * sa::e4m3_to_float(b[j * K + d]);
+          t += p, S += std::fabs(p);
+        }
+        const double err = std::fabs(static_cast<double>(out[i * 128 + j]) - t);
+        if (S > 0.0) worst = std::max(worst, err / (0x1p-13 * S));
+        EXPECT_LE(err, steps * 40.0 * 0x1p-13 * S) << "steps " << steps << " (" << i << ", " << j << "): mma "
+                                                     << out[i * 128 + j] << ", exact " << t;
+      }
+    std::printf("fp8 MMA, %d chained k32 instructions: worst error %.3f x 2^-13 S (model bound %d x 2^-13 S)\n", steps,
+                worst, 40 * steps);
   }
 }
 

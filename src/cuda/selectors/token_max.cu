@@ -72,6 +72,7 @@
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
+#include "cuda/common/wgmma_fp8.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
@@ -277,22 +278,6 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
 
 // ---- 3. screen ------------------------------------------------------------------------------------------
 
-// d (+)= A(64x32 e4m3, smem, K-major) * B(32x128 e4m3, smem, K-major), float32 accumulators in the
-// layout of the bf16 m64n128 (wgmma.cuh). fp8 wgmma has no transpose operands.
-__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], std::uint64_t desc_a, std::uint64_t desc_b, int accumulate) {
-#define TM_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                 "+f"(d[i + 6]), "+f"(d[i + 7])
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
-      : TM_D8(0), TM_D8(8), TM_D8(16), TM_D8(24), TM_D8(32), TM_D8(40), TM_D8(48), TM_D8(56)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-#undef TM_D8
-}
-
 // The 128 query code rows of a Q tile times each KV block's 128 key code rows, both K-major in 128B-swizzled
 // shared memory as S = Q K^T of the attention kernels: a tile is [kHalves][128 rows][128 B], halves
 // 1024-aligned, bytes past the row's codes zero (TMA fills past Dc and past L with zeros; the visibility
@@ -455,7 +440,7 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     for (int kk = 0; kk < ksteps; ++kk) {
       const std::uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
       const std::uint64_t da = ck::make_desc_sw128(a_base + off, 16, 1024), db = ck::make_desc_sw128(b_base + off, 16, 1024);
-      if constexpr (kFp8) wgmma_e4m3(d, da, db, kk > 0);
+      if constexpr (kFp8) ck::wgmma_ss_e4m3(d, da, db, kk > 0);
       else ck::wgmma_ss<ck::Bf16Tag>(d, da, db, kk > 0);
     }
     ck::wgmma_commit();
