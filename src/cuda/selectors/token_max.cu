@@ -28,16 +28,16 @@
 //
 // Exact score (the CPU's): s = sum_d vq_d vk_d in float64 of the dequantised values. The screen computes
 // T^ = the tensor-core dot of the codes cq, ck in float32; vq_d = cq_d sq up to rounding (sq, sk the
-// per-tensor scales; 2^e <= 2 amax for bf16). Ranking by T^ is ranking by s^ = sq sk T^ (sq sk >= 0 is common to the
-// list). Let S = sum_d |cq_d ck_d| <= |cq| |ck|, n the MMA instructions per dot (4 per 128 code bytes of
+// per-tensor scales; 2^e <= 2 amax for bf16). Ranking by T^ is ranking by s^ = sq sk T^ (sq sk >= 0 is
+// common to the list). Let S = sum_d |cq_d ck_d| <= |cq| |ck|, n the MMA instructions per dot (4 per 128 code bytes of
 // a row: n = 4 ceil(Dc / 128) for fp8, 4 ceil(Dc / 64) for bf16 codes, zero k-steps included), and NQ, NK
 // bounds of the 2-norms of the dequantised query and key rows.
 //  1. Accumulation. Products of codes are exact (e4m3 x e4m3: 8 significant bits; bf16 x bf16: 16).
 //     bf16 wgmma (tc_index.cuh's analysis): terms aligned to the largest and truncated with >= 24 bits
 //     kept, <= 2^-18 (|acc| + the k16 step's |products|) <= 2^-18 S (1 + rho) per step.
-//     fp8 wgmma: Hopper keeps fewer bits (DeepSeek-V3: about 14; the accumulator has been measured as
-//     e8m13 with truncation). Relied on, conservatively: an m64n128k32 instruction adds its 32 products to
-//     the incoming accumulator in at most 4 steps, each aligning its terms (the running value and <= 32
+//     fp8 wgmma: Hopper keeps fewer bits (DeepSeek-V3 reports about 14; others an e8m13 accumulator with
+//     truncation; TokenMaxGpu.Fp8AccumulationWithinModel checks the model). Relied on, conservatively:
+//     an m64n128k32 instruction adds its 32 products to the incoming accumulator in at most 4 steps, each aligning its terms (the running value and <= 32
 //     products) to the largest magnitude and keeping >= 13 bits below that leading bit (truncation), then
 //     normalising the result to >= 13 bits. Each term loses < 2^-13 M, M <= S (1 + rho) the largest
 //     magnitude (every partial sum and product is bounded by S), so a step with m products errs by
@@ -726,10 +726,20 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   void (*prepare)(PrepParams) = prec == IndexPrecision::bf16 ? prepare_kernel<Prec::bf16>
                                 : fp8                        ? prepare_kernel<Prec::fp8>
                                                              : prepare_kernel<Prec::fp4>;
-  int sms = 0, per_sm = 0;
+  int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prepare, kPrepThreads, 0), op,
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int per_sm = [&] {  // resident CTAs per SM, once per (kernel, device)
+    static std::mutex mu;
+    static std::map<std::pair<const void*, int>, int> known;
+    const std::lock_guard<std::mutex> lock(mu);
+    const auto key = std::make_pair(reinterpret_cast<const void*>(prepare), dev);
+    auto it = known.find(key);
+    if (it != known.end()) return it->second;
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prepare, kPrepThreads, 0), op,
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return known[key] = n;
+  }();
   // Resident CTAs only (the grid barrier), no more than the items need.
   const std::int64_t prep_ctas =
       imax<std::int64_t>(1, imin<std::int64_t>(static_cast<std::int64_t>(sms) * per_sm, ceil_div(pp.items, kPrepThreads)));
