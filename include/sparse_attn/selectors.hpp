@@ -1,7 +1,8 @@
 // Selectors: decide which KV blocks (or keys) each query sees (docs/design.md §5.7).
 //
-// Top-k is exact with ties broken by the lower index. Lists come out ascending, so TileLists are
-// valid for tile_sparse as produced. All selectors are deterministic.
+// Top-k is exact with ties broken by the lower index (token_max on CUDA devices: within a stated eps,
+// below). Lists come out ascending, so TileLists are valid for tile_sparse as produced. All selectors
+// are deterministic.
 //
 // Shared rules of the CPU implementations:
 // - Candidates are the blocks (keys) holding at least one causally visible key; a list holds
