@@ -365,7 +365,7 @@ std::vector<TokenMaxCase> shapes() {
       {"Hkv=16 Hk=16 non-causal Di=32 sink", 1, 130, 700, 16, 16, 32, 3, 3, false, true, true},
       {"B=3 non-causal no reserve Di=48", 3, 200, 1100, 1, 1, 48, 3, 3, false, false},
       {"Lq>Lk causal (queries see nothing) Di=32", 1, 300, 140, 1, 1, 32, 2, 2, true},
-      {"Lq>Lk causal sink top_k=1 (block 0 beats the local block)", 1, 300, 400, 1, 1, 32, 1, 2, true, true, true},
+      {"Lq>Lk causal sink top_k=1 (block 0 beats the local block)", 1, 500, 400, 1, 1, 32, 1, 2, true, true, true},
       {"top_k above candidates Di=20", 1, 130, 400, 1, 1, 20, 8, 9, true},
       {"Di=256 non-causal", 1, 129, 700, 1, 1, 256, 3, 3, false},
       {"Di=200 causal sink B=2", 2, 250, 1000, 2, 1, 200, 4, 4, true, true, true},
