@@ -195,9 +195,9 @@ __device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it,
 constexpr int kKeep = 4;  // items per thread held in registers across the grid barrier
 
 // One cooperative launch (every CTA resident): the amax of both tensors, a grid barrier, then the codes.
-// Each thread loads its first kKeep items (item stride = the grid's threads) once and keeps them in
-// registers across the barrier; items past those (only on inputs larger than kKeep x the resident
-// threads) are loaded again after it. amax is an atomicMax on float bits (non-negative floats order
+// Each thread takes items in rounds of kKeep (item stride = the grid's threads) and keeps its first round
+// in registers across the barrier; later rounds (inputs larger than kKeep x the resident threads: tile16 at
+// 16K has about 10 items per thread) are loaded again after it, mostly from L2. amax is an atomicMax on float bits (non-negative floats order
 // like their bits): order-free, and fmaxf skips NaN as the CPU's std::fmax does.
 template <Prec P>
 __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_constant__ PrepParams p) {
@@ -214,17 +214,25 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
     if (it.which) m1 = fmaxf(m1, a);
     else m0 = fmaxf(m0, a);
   };
+  // Every load of a round is issued before its values are used: a round keeps 2 kKeep loads in flight.
 #pragma unroll
   for (int k = 0; k < kKeep; ++k) {
     its[k] = item_of(p, t0 + k * stride);
     load_item(p, its[k], x[k]);
-    fold(its[k], x[k]);
   }
-  for (std::int64_t t = t0 + kKeep * stride; t - lane < p.items; t += stride) {  // warp-uniform
-    const Item it = item_of(p, t);
-    float v[8];
-    load_item(p, it, v);
-    fold(it, v);
+#pragma unroll
+  for (int k = 0; k < kKeep; ++k) fold(its[k], x[k]);
+  const std::int64_t round = kKeep * stride;
+  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {  // warp-uniform
+    Item it[kKeep];
+    float v[kKeep][8];
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) {
+      it[k] = item_of(p, t + k * stride);
+      load_item(p, it[k], v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) fold(it[k], v[k]);
   }
   __shared__ float red[2][kPrepThreads / 32];
 #pragma unroll
@@ -268,11 +276,16 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   };
 #pragma unroll
   for (int k = 0; k < kKeep; ++k) store(its[k], x[k]);
-  for (std::int64_t t = t0 + kKeep * stride; t - lane < p.items; t += stride) {
-    const Item it = item_of(p, t);
-    float v[8];
-    load_item(p, it, v);
-    store(it, v);
+  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {
+    Item it[kKeep];
+    float v[kKeep][8];
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) {
+      it[k] = item_of(p, t + k * stride);
+      load_item(p, it[k], v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) store(it[k], v[k]);
   }
 }
 
