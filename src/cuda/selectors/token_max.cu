@@ -19,8 +19,8 @@
 // No atomics on scores and a fixed reduction order, so two runs give the same bits.
 //
 // Bytes that reach HBM per call (tile16 TileLists at Lk = 16K, fp8, bf16 inputs: B = 2, Lq = 4096,
-// Lk = 16384, Di = 128): the inputs are read once (10.5 MB; each thread keeps its items in registers across
-// the barrier), the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes
+// Lk = 16384, Di = 128): the inputs are read once (10.5 MB; each thread keeps its first items in registers
+// across the barrier and reads the rest again, mostly from L2), the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes
 // once per Q tile, from L2 after the first), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB)
 // written and read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
 //
