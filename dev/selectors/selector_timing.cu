@@ -191,14 +191,13 @@ bool pooled() {
   return all_equal;
 }
 
-bool token_max() {
+// The GPU lists are a top-k of the exact scores within the kernel's eps (docs/design.md §5.7), not the
+// CPU's ids: the count of lists equal to the CPU's is printed, not required (the GPU tests check eps).
+void token_max() {
   const std::int64_t B = 2, Lq = 4096, Di = 128, Tq = Lq / sa::kTileQ;
   const int top_k = 16;
   cudaStream_t s = nullptr;
   ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-  unsigned long long* counters = nullptr;
-  ok(cudaMalloc(&counters, 2 * sizeof(unsigned long long)), "cudaMalloc");
-  bool all_equal = true;
   for (std::int64_t Lk : {4096, 16384, 32768}) {
     DevTensor q(sa::DType::bf16, {B, Lq, 1, Di}), k(sa::DType::bf16, {B, Lk, 1, Di});
     DevTensor idx(sa::DType::i32, {B, 1, Tq, top_k}), cnt(sa::DType::i32, {B, 1, Tq});
@@ -207,26 +206,19 @@ bool token_max() {
     for (auto prec : {sa::IndexPrecision::fp8_e4m3, sa::IndexPrecision::bf16, sa::IndexPrecision::fp4_e2m1}) {
       sa::TokenMaxOptions o;
       o.top_k = top_k, o.precision = prec, o.causal = false, o.stream = s;
-      ok(cudaMemset(counters, 0, 2 * sizeof(unsigned long long)), "cudaMemset");
-      sa::detail::SelectorTuning tuning;
-      tuning.token_max_counters = counters;
-      sa::cuda_backend::token_max_select(q.view, k.view, out, o, tuning);
-      ok(cudaStreamSynchronize(s), "counted call");
-      unsigned long long c[2] = {0, 0};
-      ok(cudaMemcpy(c, counters, sizeof c, cudaMemcpyDeviceToHost), "download");
-      if (Lk == 4096) {  // verify before timing
+      if (Lk == 4096) {
+        sa::token_max_select(q.view, k.view, out, o);
+        ok(cudaStreamSynchronize(s), "call");
         const sa::HostTensor hq = q.host(), hk = k.host();
         sa::TokenMaxOptions co = o;
         co.stream = nullptr;
         const bool equal =
             equals_cpu(idx, cnt, [&](const sa::TileLists& ref) { sa::token_max_select(hq.view(), hk.view(), ref, co); });
-        all_equal = all_equal && equal;
-        std::printf("token_max %s Lk=4096: lists %s the CPU's\n", sa::precision_name(prec), equal ? "equal" : "DIFFER FROM");
+        std::printf("token_max %s Lk=4096: lists %s the CPU's\n", sa::precision_name(prec), equal ? "equal" : "differ from");
       }
       const std::vector<double> us = time_warm(s, 25, [&] { sa::token_max_select(q.view, k.view, out, o); });
-      std::printf("token_max %s TileLists Lk=%lld: median %.1f us (min %.1f), re-scored %llu of %llu blocks\n",
-                  sa::precision_name(prec), static_cast<long long>(Lk), median(us), *std::min_element(us.begin(), us.end()),
-                  c[1], c[0]);
+      std::printf("token_max %s TileLists Lk=%lld: median %.1f us (min %.1f)\n", sa::precision_name(prec),
+                  static_cast<long long>(Lk), median(us), *std::min_element(us.begin(), us.end()));
     }
     if (Lk == 16384) {
       DevTensor qidx(sa::DType::i32, {B, 1, Lq, top_k});
@@ -237,9 +229,7 @@ bool token_max() {
       std::printf("token_max fp8_e4m3 QueryLists Lk=16384: median %.1f us\n", median(us));
     }
   }
-  cudaFree(counters);
   cudaStreamDestroy(s);
-  return all_equal;
 }
 
 // No CPU check at this size (the CPU reference takes minutes); the GPU tests cover the ids.
@@ -289,7 +279,7 @@ int main(int argc, char** argv) {
   };
   bool equal = true;
   if (want("pooled")) equal = pooled() && equal;
-  if (want("token_max")) equal = token_max() && equal;
+  if (want("token_max")) token_max();
   if (want("lightning")) lightning();
   return equal ? 0 : 1;
 }

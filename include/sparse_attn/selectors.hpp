@@ -1,7 +1,8 @@
 // Selectors: decide which KV blocks (or keys) each query sees (docs/design.md §5.7).
 //
-// Top-k is exact with ties broken by the lower index. Lists come out ascending, so TileLists are
-// valid for tile_sparse as produced. All selectors are deterministic.
+// Top-k is exact with ties broken by the lower index (token_max on CUDA devices: within a stated eps,
+// below). Lists come out ascending, so TileLists are valid for tile_sparse as produced. All selectors
+// are deterministic.
 //
 // Shared rules of the CPU implementations:
 // - Candidates are the blocks (keys) holding at least one causally visible key; a list holds
@@ -63,6 +64,7 @@ struct TokenMaxOptions {
   bool causal = false;       // bottom-right causal visibility; false like every other option struct
   bool reserve_local = true;   // the block holding the query's own position (causal diagonal) is
                                // always selected and counts towards top_k
+  bool force_block0 = false;   // always keep block 0 (attention sink) in lists that see any key
   void* stream = nullptr;
 };
 
@@ -73,7 +75,12 @@ struct TokenMaxOptions {
 /// Each of qidx and kidx is rounded through options.precision with its own per-tensor scale
 /// (amax over the whole tensor: amax / 448 for fp8, amax / (448 * 6) for fp4's scale-of-scales).
 /// The local block is the one holding the query's aligned key i + (Lk - Lq): causal, only when
-/// that key exists (>= 0); non-causal, clamped to [0, Lk - 1].
+/// that key exists (>= 0); non-causal, clamped to [0, Lk - 1]. force_block0 forces block 0 like the
+/// local block (PooledOptions::force_block0).
+///
+/// On CUDA devices the scores come from the tensor cores in float32 (docs/design.md §5.7): each list is
+/// a top-k of the exact (float64) scores within a bound eps derived in src/cuda/selectors/token_max.cu
+/// from the row norms, not necessarily the CPU's ids; runs are bitwise repeatable.
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
                       const TokenMaxOptions& options = {});
 /// Per-tile lists: the block score is also maxed over the queries of the tile; the reserved blocks

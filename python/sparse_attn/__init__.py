@@ -600,11 +600,12 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
 
 
 def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True,
-                     format="query", kmax=None, out=None):
+                     force_block0=False, format="query", kmax=None, out=None):
     """MSA token-max selector on index vectors qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
     format="query": QueryLists idx [B, Hkv, Lq, kmax] (ascending, -1 padded);
     format="tile": TileLists (idx [B, Hkv, Tq, kmax], cnt [B, Hkv, Tq]).
-    precision: "bf16", "fp8_e4m3" or "fp4_e2m1". out= writes into caller tensors instead: idx for
+    precision: "bf16", "fp8_e4m3" or "fp4_e2m1". force_block0 keeps block 0 (attention sink) in every
+    list that sees a key, like the reserved local block. out= writes into caller tensors instead: idx for
     format="query", the pair (idx, cnt) for format="tile"."""
     B, Lq, Hkv, _ = _shape(qidx, "token_max_select", "qidx", 4)
     if format == "query":
@@ -612,13 +613,15 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
                                                 "int32")
         _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=top_k,
                                  precision=precision, causal=bool(causal),
-                                 reserve_local=bool(reserve_local), stream=_stream(qidx))
+                                 reserve_local=bool(reserve_local), force_block0=bool(force_block0),
+                                 stream=_stream(qidx))
         return idx
     if format == "tile":
         idx, cnt = _tile_lists_out(qidx, "token_max_select", B, Hkv, Lq, top_k, kmax, out)
         _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=top_k,
                                  precision=precision, causal=bool(causal),
-                                 reserve_local=bool(reserve_local), stream=_stream(qidx))
+                                 reserve_local=bool(reserve_local), force_block0=bool(force_block0),
+                                 stream=_stream(qidx))
         return idx, cnt
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 

@@ -315,36 +315,38 @@ def _(q, k, top_k, kmax, representatives, force_local, force_block0, causal):
 
 @_custom_op("token_max_select", mutates_args=())
 def _token_max_select(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, precision: str, causal: bool,
-                      reserve_local: bool) -> Tensor:
+                      reserve_local: bool, force_block0: bool) -> Tensor:
     B, Lq, Hkv, _ = qidx.shape
     idx = torch.full((B, Hkv, Lq, kmax), -1, dtype=torch.int32, device=qidx.device)
     with _device(qidx):
         _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=top_k, precision=precision,
-                              causal=causal, reserve_local=reserve_local, stream=_stream(qidx))
+                              causal=causal, reserve_local=reserve_local, force_block0=force_block0,
+                              stream=_stream(qidx))
     return idx
 
 
 @_fake(_token_max_select)
-def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local):
+def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local, force_block0):
     B, Lq, Hkv, _ = qidx.shape
     return qidx.new_empty((B, Hkv, Lq, kmax), dtype=torch.int32)
 
 
 @_custom_op("token_max_select_tiles", mutates_args=())
 def _token_max_select_tiles(qidx: Tensor, kidx: Tensor, top_k: int, kmax: int, precision: str, causal: bool,
-                            reserve_local: bool) -> Tuple[Tensor, Tensor]:
+                            reserve_local: bool, force_block0: bool) -> Tuple[Tensor, Tensor]:
     B, Lq, Hkv, _ = qidx.shape
     Tq = _cdiv(Lq, TILE_Q)
     idx = torch.full((B, Hkv, Tq, kmax), -1, dtype=torch.int32, device=qidx.device)
     cnt = torch.empty((B, Hkv, Tq), dtype=torch.int32, device=qidx.device)
     with _device(qidx):
         _ext.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=top_k, precision=precision,
-                              causal=causal, reserve_local=reserve_local, stream=_stream(qidx))
+                              causal=causal, reserve_local=reserve_local, force_block0=force_block0,
+                              stream=_stream(qidx))
     return idx, cnt
 
 
 @_fake(_token_max_select_tiles)
-def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local):
+def _(qidx, kidx, top_k, kmax, precision, causal, reserve_local, force_block0):
     B, Lq, Hkv, _ = qidx.shape
     Tq = _cdiv(Lq, TILE_Q)
     return qidx.new_empty((B, Hkv, Tq, kmax), dtype=torch.int32), qidx.new_empty((B, Hkv, Tq), dtype=torch.int32)
@@ -467,16 +469,16 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
                                                bool(causal))
 
 
-def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True, format="query",
-                     kmax=None):
+def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True,
+                     force_block0=False, format="query", kmax=None):
     kmax = _kmax("token_max_select", top_k, kmax)
     top_k = _int("token_max_select", "top_k", top_k)
     if format == "query":
         return torch.ops.sparse_attn.token_max_select(qidx, kidx, top_k, kmax, str(precision), bool(causal),
-                                                      bool(reserve_local))
+                                                      bool(reserve_local), bool(force_block0))
     if format == "tile":
         return torch.ops.sparse_attn.token_max_select_tiles(qidx, kidx, top_k, kmax, str(precision),
-                                                            bool(causal), bool(reserve_local))
+                                                            bool(causal), bool(reserve_local), bool(force_block0))
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
 

@@ -32,7 +32,7 @@ void bind_selectors(nb::module_& m) {
   m.def(
       "token_max_select",
       [](nb::handle qidx, nb::handle kidx, nb::handle idx, nb::handle cnt, int top_k, const std::string& precision,
-         bool causal, bool reserve_local, std::uintptr_t stream) {
+         bool causal, bool reserve_local, bool force_block0, std::uintptr_t stream) {
         Imports im("token_max_select");
         const TensorView qv = im.in(qidx, "qidx"), kv = im.in(kidx, "kidx");
         TokenMaxOptions o;
@@ -40,6 +40,7 @@ void bind_selectors(nb::module_& m) {
         o.precision = parse_precision("token_max_select", precision);
         o.causal = causal;
         o.reserve_local = reserve_local;
+        o.force_block0 = force_block0;
         o.stream = stream_ptr(stream);
         if (cnt.is_none()) {
           const QueryLists out{im.out(idx, "out.idx")};
@@ -52,7 +53,7 @@ void bind_selectors(nb::module_& m) {
         }
       },
       "qidx"_a, "kidx"_a, "idx"_a, "cnt"_a.none() = nb::none(), "top_k"_a = 16, "precision"_a = "bf16",
-      "causal"_a = true, "reserve_local"_a = true, "stream"_a = 0,
+      "causal"_a = true, "reserve_local"_a = true, "force_block0"_a = false, "stream"_a = 0,
       "MSA token-max selector: QueryLists into idx [B, Hkv, Lq, Kq] when cnt is None, else TileLists.");
 
   m.def(

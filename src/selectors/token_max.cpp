@@ -122,8 +122,10 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Quer
       query_block_scores(in.q.row(b, i, g), in.k, b, hk, end, scores);
       const std::int64_t local = options.reserve_local && s.aligned(i) >= 0 ? s.aligned(i) / kBlockK : -1;
       cand.clear();
-      for (std::int64_t j = 0; j < ceil_div(end, kBlockK); ++j)
-        cand.push_back({j == local ? kForced : scores[static_cast<std::size_t>(j)], static_cast<std::int32_t>(j)});
+      for (std::int64_t j = 0; j < ceil_div(end, kBlockK); ++j) {
+        const bool forced = j == local || (options.force_block0 && j == 0);
+        cand.push_back({forced ? kForced : scores[static_cast<std::size_t>(j)], static_cast<std::int32_t>(j)});
+      }
       detail::top_k_ascending(cand, options.top_k, ids);
       detail::write_padded(detail::idx_ptr4(out.idx, b, g, i, 0), out.idx.stride[3], out.idx.shape[3], ids);
     }
@@ -159,6 +161,7 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Tile
         tile[static_cast<std::size_t>(j)] = std::max(tile[static_cast<std::size_t>(j)], row[static_cast<std::size_t>(j)]);
       if (options.reserve_local && s.aligned(i) >= 0) reserved[static_cast<std::size_t>(s.aligned(i) / kBlockK)] = 1;
     }
+    if (options.force_block0) reserved[0] = 1;  // only candidates are listed: a tile seeing no key stays empty
     std::vector<Scored> cand;
     for (std::int64_t j = 0; j < ceil_div(s.key_end(i_last), kBlockK); ++j)
       cand.push_back({reserved[static_cast<std::size_t>(j)] ? kForced : tile[static_cast<std::size_t>(j)],

@@ -404,6 +404,7 @@ struct TokenCase {
   IndexPrecision precision;
   bool causal, reserve;
   int top_k;
+  bool block0 = false;  // force_block0
 };
 
 // Per query block scores by a double loop over its visible keys (-inf where a block has none).
@@ -441,6 +442,7 @@ TokenRun run_token_max(const TokenCase& c, const HostTensor& qidx, const HostTen
   o.precision = c.precision;
   o.causal = c.causal;
   o.reserve_local = c.reserve;
+  o.force_block0 = c.block0;
   sa::token_max_select(qidx.view(), kidx.view(), sa::QueryLists{r.lists.view()}, o);
   sa::token_max_select(qidx.view(), kidx.view(), sa::TileLists{r.tiles.view(), r.cnt.view()}, o);
   return r;
@@ -463,10 +465,11 @@ void check_token_max(const TokenCase& c, const HostTensor& qidx, const HostTenso
           const I64 local = c.reserve ? aligned_block(c, i) : -1;
           std::vector<Cand> cand;
           for (I64 j = 0; j < Tk; ++j) {
+            const bool forced = local == j || (c.block0 && j == 0);
             tile[static_cast<std::size_t>(j)] = std::max(tile[static_cast<std::size_t>(j)], sc[static_cast<std::size_t>(j)]);
-            if (local == j) reserved[static_cast<std::size_t>(j)] = true;
+            if (forced) reserved[static_cast<std::size_t>(j)] = true;
             if (sc[static_cast<std::size_t>(j)] == -std::numeric_limits<double>::infinity()) continue;  // no visible key
-            cand.push_back({sc[static_cast<std::size_t>(j)], static_cast<int>(j), local == j});
+            cand.push_back({sc[static_cast<std::size_t>(j)], static_cast<int>(j), forced});
           }
           expect_row(r.lists, b, g, i, rank_top_k(cand, c.top_k), "query " + std::to_string(i) + " " + where(b, g, t));
         }
@@ -489,6 +492,8 @@ TEST(TokenMax, MatchesBruteForceOnRandomInputs) {
       {1, 300, 129, 1, 1, 16, DType::f32, IndexPrecision::fp8_e4m3, true, true, 2},
       {1, 260, 900, 4, 1, 16, DType::f16, IndexPrecision::bf16, true, false, 3},
       {1, 1, 700, 1, 1, 8, DType::f32, IndexPrecision::fp8_e4m3, false, false, 8},
+      {2, 260, 1100, 2, 1, 16, DType::bf16, IndexPrecision::fp8_e4m3, true, true, 3, true},
+      {1, 130, 500, 1, 1, 16, DType::f32, IndexPrecision::fp4_e2m1, false, false, 2, true},
   };
   std::uint64_t seed = 500;
   for (const auto& c : cases) {
@@ -535,6 +540,32 @@ TEST(TokenMax, TiesAndReservedLocalBlock) {
   for (I64 i = 0; i < 128; ++i) expect_row(r.lists, 0, 0, i, {1, 4}, "query " + std::to_string(i));
   expect_row(r.tiles, 0, 0, 0, {1, 4}, "tile");
   check_token_max(c, qidx, kidx);
+}
+
+// force_block0: block 0 ranks like the reserved local block in every list that sees a key; with
+// top_k = 1 and both forced, the lower id (block 0) wins; lists that see no key stay empty.
+TEST(TokenMax, ForceBlock0KeepsTheSink) {
+  HostTensor qidx = sa::testing::random_tensor(DType::f32, {1, 300, 1, 16}, 73, 0.2f);
+  HostTensor kidx = sa::testing::random_tensor(DType::f32, {1, 640, 1, 16}, 74, 0.2f);
+  for (I64 i = 0; i < qidx.numel(); ++i) qidx.data<float>()[i] += 1.0f;
+  for (I64 d = 0; d < 16; ++d) kidx.data<float>()[(2 * 128 + 9) * 16 + d] = 3.0f;  // block 2 scores highest
+  TokenCase c{1, 300, 640, 1, 1, 16, DType::f32, IndexPrecision::bf16, false, false, 2, true};
+  TokenRun r = run_token_max(c, qidx, kidx);
+  for (I64 i = 0; i < 300; ++i) expect_row(r.lists, 0, 0, i, {0, 2}, "query " + std::to_string(i));
+  expect_row(r.tiles, 0, 0, 1, {0, 2}, "tile 1");
+  check_token_max(c, qidx, kidx);
+  // Causal, reserved local block too, top_k = 1: block 0 (the lower forced id) is the list.
+  c.causal = true, c.reserve = true, c.top_k = 1;
+  r = run_token_max(c, qidx, kidx);
+  for (I64 i = 0; i < 300; ++i) expect_row(r.lists, 0, 0, i, {0}, "query " + std::to_string(i));
+  check_token_max(c, qidx, kidx);
+  // Lq > Lk causal: the first queries see no key and get empty lists, block 0 included.
+  const TokenCase late{1, 300, 140, 1, 1, 16, DType::f32, IndexPrecision::fp8_e4m3, true, true, 2, true};
+  const HostTensor k2 = sa::testing::random_tensor(DType::f32, {1, 140, 1, 16}, 75);
+  r = run_token_max(late, qidx, k2);
+  expect_row(r.lists, 0, 0, 0, {}, "query 0 sees nothing");
+  expect_row(r.lists, 0, 0, 299, {0, 1}, "query 299");
+  check_token_max(late, qidx, k2);
 }
 
 TEST(TokenMax, StridedViewsGiveTheSameLists) {

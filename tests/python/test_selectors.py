@@ -100,6 +100,27 @@ def test_token_max_reserves_the_local_block(rng):
         check_top_k(others, row, 1, 1e-4, f"query {i}")
 
 
+@pytest.mark.parametrize("fmt", ["query", "tile"])
+def test_token_max_force_block0_keeps_the_sink(rng, fmt):
+    B, Lq, Lk, Hkv, Di = 1, 200, 700, 1, 16
+    qidx, kidx = _bf16_exact(rng, (B, Lq, Hkv, Di)), _bf16_exact(rng, (B, Lk, 1, Di))
+    plain = sa.token_max_select(qidx, kidx, top_k=3, causal=True, reserve_local=False, format=fmt)
+    sink = sa.token_max_select(qidx, kidx, top_k=3, causal=True, reserve_local=False, force_block0=True,
+                               format=fmt)
+    idx = sink[0] if fmt == "tile" else sink
+    rows = idx.reshape(-1, idx.shape[-1])
+    assert (rows[:, 0] == 0).all()  # ascending lists: block 0 first in every list (all see a key)
+    scores = ref.token_max_scores(qidx, kidx, causal=True, per_tile=fmt == "tile").reshape(len(rows), -1).copy()
+    scores[:, 0] = -np.inf
+    for r, row in enumerate(rows):
+        check_top_k(row[1:][row[1:] >= 0], scores[r], 2, 1e-4, f"list {r}")
+    # top_k = 1 with the local block reserved too: the lower forced id, block 0, wins.
+    one = sa.token_max_select(qidx, kidx, top_k=1, causal=True, force_block0=True, format=fmt)
+    one = one[0] if fmt == "tile" else one
+    assert (one == 0).all()
+    assert not np.array_equal(plain[0] if fmt == "tile" else plain, idx)
+
+
 def test_token_max_tile_lists(rng):
     B, Lq, Lk, Hkv, Di = 1, 200, 700, 2, 16
     qidx, kidx = _bf16_exact(rng, (B, Lq, Hkv, Di)), _bf16_exact(rng, (B, Lk, Hkv, Di))

@@ -80,6 +80,8 @@ def test_selectors_return_torch_int32():
     assert idx.dtype == torch.int32 and idx.shape == (1, 2, 2, 3) and cnt.shape == (1, 2, 2)
     qi = sa.token_max_select(q[..., :2, :], k, top_k=2)
     assert qi.dtype == torch.int32 and qi.shape == (1, 2, 200, 2)
+    sink = sa.token_max_select(q[..., :2, :], k, top_k=2, force_block0=True)
+    assert (sink[..., 0] == 0).all()
 
 
 def test_lightning_op_passes_sink_keys():

@@ -9,15 +9,12 @@
 // Non-finite index inputs: the CPU selectors reject them with an Error; the device path does not
 // synchronise to look, so NaN / inf inputs give lists computed from NaN-sanitised scores (NaN ranks
 // as -inf) instead of an Error.
-//
-// `tuning` (tuning.hpp) is for the GPU tests; the default is what the public functions run.
 #pragma once
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/selectors/tuning.hpp"
 #include "sparse_attn/formats.hpp"
 #include "sparse_attn/selectors.hpp"
 #include "sparse_attn/tensor.hpp"
@@ -53,9 +50,17 @@ struct PooledErrorBound {
 PooledErrorBound pooled_error_bound(std::int64_t D, int representatives);
 
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out,
-                      const TokenMaxOptions& options, const detail::SelectorTuning& tuning = {});
+                      const TokenMaxOptions& options);
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
-                      const TokenMaxOptions& options, const detail::SelectorTuning& tuning = {});
+                      const TokenMaxOptions& options);
+/// Bytes of the one scratch allocation of a token_max call of this shape (TileLists when `tiles`).
+std::size_t token_max_scratch_bytes(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, std::int64_t Hk,
+                                    std::int64_t Di, IndexPrecision precision, bool tiles);
+/// token_max's bound on |screened - exact| of one (list, block) score (the derivation in token_max.cu):
+/// `nq`, `nk` bound the 2-norms of the dequantised query rows of the list and key rows of the block,
+/// `sq`, `sk` the per-tensor scales from above (amax / 448 for fp8, amax / 2688 for fp4, 2 amax for bf16).
+/// A list is a top-k of the exact scores within eps = 2 x the largest bound over its candidate blocks.
+double token_max_score_error(IndexPrecision precision, std::int64_t Di, double nq, double nk, double sq, double sk);
 
 /// Lightning indexer (lightning.cu): one pass per query tile that scores keys on the tensor cores (fp8 or bf16
 /// wgmma) and selects on chip; each list is a top-k of the exact scores up to lightning_epsilon. Block form

@@ -1,5 +1,5 @@
-// Index tensors for the tensor-core screening of the index selectors (token_max; lightning can use the
-// same): one pass over an index tensor writes
+// Index tensors for the tensor-core screening of the index selectors (lightning's token form; token_max
+// takes the quantisation and the amax from here): one pass over an index tensor writes
 //   - codes: bf16 [rows, Dp] (Dp = Di rounded up to 16, zero padded), values without the per-tensor
 //            scale: value = code * scale up to the dequantisation rounding (see below),
 //   - norms: float32 [rows], an upper bound of the 2-norm of the code row (+inf when the row holds a
@@ -10,11 +10,9 @@
 //   fp8:  code = e4m3 value (4 significant bits, magnitude in [2^-9, 448]), value = fl(code * ts);
 //   fp4:  code = e2m1 value (2 bits) * the block scale's e4m3 value (4 bits): at most 6 significant
 //         bits, magnitude in [2^-10, 2688]; value = fl(e2m1 * fl(e4m3 * ts)).
-// The float64 re-scoring path recomputes the CPU's dequantised values (load_quantized) of the few rows it
-// needs from the input with the same function (row_values), instead of storing a float32 copy.
 // So value = code * ts * (1 + d1) * (1 + d2) + eta with |d| <= 2^-24 and |eta| <= 2^-147 (the two
 // roundings may underflow: each contributes at most half the smallest subnormal, times 6 for the
-// e2m1 factor), which is what the screening bound (score_interval) charges for.
+// e2m1 factor), which is what the screening bound below charges for.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -180,6 +178,21 @@ __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts
   }
 }
 
+/// quantize_codes of the 8 consecutive elements one lane holds. fp4: the lane's 16-element block is its 8
+/// and those of its xor-1 partner lane, whose amax they share by a shuffle (every lane of the warp calls).
+template <Prec P>
+__device__ __forceinline__ void quantize_lane8(const float (&x)[8], float ts, float (&v)[8], float (&c)[8]) {
+  if constexpr (P == Prec::fp4) {
+    float am = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) am = fmaxf(am, fabsf(x[i]));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    fp4_values(x, 8, ts, am, v, c);
+  } else {
+    quantize_codes<P>(x, 8, ts, v, c);
+  }
+}
+
 __device__ __forceinline__ float load_elem_rt(const void* base, std::int64_t i, In t) {
   switch (t) {
     case In::f32: return sel::load_elem<In::f32>(base, i);
@@ -262,23 +275,6 @@ __device__ __forceinline__ void load_group(const void* x, In t, std::int64_t off
 #pragma unroll
   for (int i = 0; i < kPrepG; ++i)
     if (i < cnt) v[i] = load_elem_rt(x, e + i, t);  // unrolled: a dynamic index would put v in local memory
-}
-
-/// The dequantised values (as the CPU's) of elements [d0, d0 + cnt) (cnt <= 16, d0 a multiple of 16) of
-/// the row at element offset `off`: the same loads and arithmetic as prepare_pair_kernel, so the same floats.
-__device__ __forceinline__ void group_values(const IndexSrc& s, In t, int prec, float ts, std::int64_t off,
-                                             std::int64_t d0, int cnt, float* v) {
-  float x[kGroup], c[kGroup];
-#pragma unroll
-  for (int g = 0; g < kGroup / kPrepG; ++g) {
-    float part[kPrepG];
-    load_group(s.x, t, off, static_cast<int>(d0) + g * kPrepG, imax(0, imin(kPrepG, cnt - g * kPrepG)), part);
-#pragma unroll
-    for (int i = 0; i < kPrepG; ++i) x[g * kPrepG + i] = part[i];
-  }
-  if (prec == static_cast<int>(Prec::bf16)) quantize_codes<Prec::bf16>(x, cnt, ts, v, c);
-  else if (prec == static_cast<int>(Prec::fp8)) quantize_codes<Prec::fp8>(x, cnt, ts, v, c);
-  else quantize_codes<Prec::fp4>(x, cnt, ts, v, c);
 }
 
 struct PairSlice {
@@ -432,16 +428,7 @@ __device__ __forceinline__ void prepare_dense(const IndexSrc& s, In t, const Pre
       for (int i = 0; i < 8; ++i) x[i] = 0.0f;
     }
     float v[8], c[8];
-    if constexpr (P == Prec::fp4) {
-      // A 16-element block is the two lanes 2 m, 2 m + 1 of the segment (lpr >= 2).
-      float am = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) am = fmaxf(am, fabsf(x[i]));
-      am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
-      fp4_values(x, 8, ts, am, v, c);
-    } else {
-      quantize_codes<P>(x, 8, ts, v, c);
-    }
+    quantize_lane8<P>(x, ts, v, c);  // fp4: a 16-element block is the lanes 2 m, 2 m + 1 of the segment (lpr >= 2)
     float sq = 0.0f;
     bool finite = true;
 #pragma unroll
@@ -632,11 +619,10 @@ inline void launch_prepare_pair(const TensorView& q, const TensorView& k, IndexP
 //  4. the CPU's float64 sum: <= Di 2^-53 sum |vq vk|, below 2^-40 P for Di <= 2^13.
 // Hence |s^ - s| <= (n 2^-18 + 2^-19) P + 2^-146 sqrt(Di) (nq' + nk') + n 2^-121 sq sk
 //                   + 2^-148 (1 + sk) + 2^-140,
-// with nq' = sq |cq| and nk' = sk |ck| (the 2^-19 covers items 2-4 with room to spare). Every term is
-// evaluated in float32 rounded upward, so the computed E is >= the bound. A block (or tile) score is a
-// max over pairs, and |max s^ - max s| <= max E, so the largest query and key norms of the block give
-// its E. When a norm is +inf (a non-finite value), when sq, sk or the score are not finite, or when
-// |cq| |ck| > 2^120 (float32 overflow inside the MMA becomes possible), the interval is everything.
+// with nq' = sq |cq| and nk' = sk |ck| (the 2^-19 covers items 2-4 with room to spare). A user evaluates
+// every term in float32 rounded upward, so its computed E is >= the bound. When a norm is +inf (a
+// non-finite value), when sq, sk or the score are not finite, or when |cq| |ck| > 2^120 (float32 overflow
+// inside the MMA becomes possible), no finite E holds.
 struct BoundConsts {
   float rel;     // n 2^-18 + 2^-19
   float deq;     // 2^-146 sqrt(Di)
@@ -650,27 +636,6 @@ inline BoundConsts bound_consts(std::int64_t Di, std::int64_t Dp) {
   c.deq = static_cast<float>(std::ldexp(std::sqrt(static_cast<double>(Di)) * (1.0 + 0x1p-20), -146));
   c.tc_abs = static_cast<float>(n * 0x1p-121);
   return c;
-}
-
-/// [lo, hi] holding the exact score for the screened code-space maximum m, scales sq, sk and code
-/// norm bounds nq, nk (see above).
-__device__ __forceinline__ void score_interval(float m, float sq, float sk, float nq, float nk, const BoundConsts& c,
-                                               float& lo, float& hi) {
-  lo = -INFINITY;
-  hi = INFINITY;
-  const float nn = __fmul_ru(nq, nk);
-  if (!(nn <= 0x1p120f) || !isfinite(sq) || !isfinite(sk)) return;
-  const float s = __fmul_rn(__fmul_rn(m, sq), sk);
-  if (!isfinite(s)) return;
-  const float nqr = __fmul_ru(nq, sq), nkr = __fmul_ru(nk, sk);
-  float e = __fmul_ru(c.rel, __fmul_ru(nqr, nkr));
-  e = __fadd_ru(e, __fmul_ru(c.deq, __fadd_ru(nqr, nkr)));
-  e = __fadd_ru(e, __fmul_ru(c.tc_abs, __fmul_ru(sq, sk)));
-  e = __fadd_ru(e, __fmul_ru(0x1p-148f, __fadd_ru(sk, 1.0f)));
-  e = __fadd_ru(e, 0x1p-140f);
-  if (!isfinite(e)) return;
-  lo = __fsub_rd(s, e);
-  hi = __fadd_ru(s, e);
 }
 
 }  // namespace sparse_attn::cuda_backend::tc

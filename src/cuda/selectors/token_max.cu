@@ -1,35 +1,67 @@
-// MSA-style token-max selector on the GPU (docs/design.md §5.7), version 3: tensor-core screening with an
-// exact float64 decision at the boundary. Kernels on the caller's stream:
-//  1. prepare (tc_index.cuh), one launch for both index tensors after one for their amax words (fp8,
-//     fp4): for every index row the bf16 codes (exact: value = code * scale up to rounding) and an upper
-//     bound of the code row's norm, maxed per 128 rows (Q tile, KV block);
-//  2. screen: the 128 query code rows of a Q tile times each KV block's 128 key code rows in bf16 with
-//     float32 accumulation, keeping per visible (query, block) the max over the block's keys; TileLists
-//     also max over the tile's queries (as partial maxima per consumer warp, maxed by the decision).
-//     Only these maxima reach memory, never the [Lq, Lk] scores. The kernel is warp-specialised (TMA
-//     producer, wgmma consumers: screen_ws_kernel);
-//  3. decide: per list, every candidate gets an interval [lo, hi] that provably holds its exact
-//     (CPU) score (tc_index.cuh: score_interval). A block that at most k - 1 others can rank before is
-//     in; one that at least k others certainly rank before is out; the rest are undecided. A list
-//     without undecided blocks is written here;
-//  4. rescore: the undecided (list, block) pairs, queued by (3), get their exact block score: the
-//     float64 dots of the dequantised values (recomputed from the inputs as the CPU computes them) in d order (products of floats are exact in float64, so
-//     fma equals the CPU's multiply-add) maxed over the visible keys (and the tile's queries), NaN as
-//     -inf; spread over the grid in units of 16 queries x 32 keys (TileLists; one query x 128 keys for
-//     QueryLists) with the values staged as doubles, combined by an atomic max on an order-preserving
-//     integer encoding;
-//  5. finish: lists with undecided blocks rank (class, exact score, id) and are written.
-// Each launch after the first is a programmatic dependent of the one before (chain_start).
+// MSA-style token_max selector on the GPU (docs/design.md §5.7): block scores on the tensor cores with
+// float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Three
+// launches on the caller's stream after a memset of three words:
+//  1. prepare (prepare_kernel, cooperative): the largest |x| of qidx and of kidx, a grid barrier, then every
+//     index row rounded through the precision exactly as the CPU's load_quantized (tc_index.cuh;
+//     QuantisationEqualsCpu), stored as codes, value = code x per-tensor scale up to one or two float32
+//     roundings: fp8 as e4m3 bytes (scale amax / 448), fp4 as bf16 (an NVFP4 value, e2m1 x its e4m3 block
+//     scale, has up to 6 significant bits: exact in bf16, not in e4m3; scale amax / 2688), bf16 as itself
+//     times 2^-e, 2^e the power of two above amax (exact unless the result is subnormal; it keeps every dot
+//     of codes far from float32 overflow, whatever the inputs' magnitude). Rows are padded with zero codes
+//     to Dc = Di rounded up to 16;
+//  2. screen (screen_kernel, a programmatic dependent of 1): persistent and warp-specialised; per
+//     (Q tile, KV block) the 128 x 128 code dots on wgmma (fp8: m64n128k32 e4m3 x e4m3; bf16, fp4:
+//     m64n128k16 bf16), keeping per query the max over the block's visible keys (QueryLists) or one
+//     partial max per consumer warp (TileLists);
+//  3. rank (rank_kernel, a programmatic dependent of 2): per list, the forced blocks (reserved local
+//     block, block 0 with force_block0) first, then the screened maxima, ties to the lower id; top_k ids
+//     ascending, -1 padded, and the count.
+// No atomics on scores and a fixed reduction order, so two runs give the same bits.
 //
-// Why the ids equal the CPU's: let T be the CPU's top-k set under its strict total order (score
-// descending, id ascending; reserved blocks score +inf), and let every candidate's exact score lie in
-// its interval. If fewer than k candidates can possibly rank before j, fewer than k do, so j is in T;
-// if k candidates certainly rank before j, j is not in T. So IN is a subset of T, T is a subset of
-// IN + UNDECIDED, and T minus IN is exactly the best k - |IN| undecided blocks under the exact order,
-// because every member of T ranks before every non-member. Step 5 picks IN first, then the undecided by
-// exact score (ties to the lower id), never an OUT block; when no block is undecided, T = IN.
-// "Can rank before": hi_i > lo_j, or hi_i == lo_j and i < j; "certainly": lo_i > hi_j, or lo_i == hi_j
-// and i < j (equal bounds force equal scores, and the tie goes to the lower id).
+// Bytes that reach HBM per call (tile16 TileLists at Lk = 16K, fp8, bf16 inputs: B = 2, Lq = 4096,
+// Lk = 16384, Di = 128): the inputs are read once (10.5 MB; each thread keeps its first items in registers
+// across the barrier and reads the rest again, mostly from L2), the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes
+// once per Q tile, from L2 after the first), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB)
+// written and read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
+//
+// ---- the bound eps ---------------------------------------------------------------------------------------
+//
+// Exact score (the CPU's): s = sum_d vq_d vk_d in float64 of the dequantised values. The screen computes
+// T^ = the tensor-core dot of the codes cq, ck in float32; vq_d = cq_d sq up to rounding (sq, sk the
+// per-tensor scales; 2^e <= 2 amax for bf16). Ranking by T^ is ranking by s^ = sq sk T^ (sq sk >= 0 is
+// common to the list). Let S = sum_d |cq_d ck_d| <= |cq| |ck|, n the MMA instructions per dot (4 per 128 code bytes of
+// a row: n = 4 ceil(Dc / 128) for fp8, 4 ceil(Dc / 64) for bf16 codes, zero k-steps included), and NQ, NK
+// bounds of the 2-norms of the dequantised query and key rows.
+//  1. Accumulation. Products of codes are exact (e4m3 x e4m3: 8 significant bits; bf16 x bf16: 16).
+//     bf16 wgmma (tc_index.cuh's analysis): terms aligned to the largest and truncated with >= 24 bits
+//     kept, <= 2^-18 (|acc| + the k16 step's |products|) <= 2^-18 S (1 + rho) per step.
+//     fp8 wgmma: Hopper keeps fewer bits (DeepSeek-V3 reports about 14; others an e8m13 accumulator with
+//     truncation; TokenMaxGpu.Fp8AccumulationWithinModel checks the model). Relied on, conservatively:
+//     an m64n128k32 instruction adds its 32 products to the incoming accumulator in at most 4 steps, each aligning its terms (the running value and <= 32
+//     products) to the largest magnitude and keeping >= 13 bits below that leading bit (truncation), then
+//     normalising the result to >= 13 bits. Each term loses < 2^-13 M, M <= S (1 + rho) the largest
+//     magnitude (every partial sum and product is bounded by S), so a step with m products errs by
+//     <= (m + 2) 2^-13 M and an instruction by <= (32 + 2 x 4) 2^-13 S (1 + rho) = 40 x 2^-13 S (1 + rho).
+//     Over n instructions: |T^ - T| <= n r S (1 + rho), r = 40 x 2^-13 (fp8) or 2^-18 (bf16), and
+//     rho <= n r <= 2^-4 for Di <= 256. Products or sums below 2^-126 may be flushed: only bf16 codes can
+//     be that small (e4m3 products are >= 2^-18, fp4 code products >= 2^-20): <= n 2^-121 sq sk.
+//  2. Dequantisation (tc_index.cuh header): fp8, fp4: vq vk = cq ck sq sk (1 + 4 x 2^-24) plus underflow
+//     terms <= 2^-146 sqrt(Di) (NQ + NK), and sq |cq| <= (1 + 2^-22) (|vq| + 2^-143) for Di <= 256. bf16:
+//     vq = cq sq exactly unless the code is subnormal, |vq - cq sq| <= 2^-134 sq per element, so the
+//     products differ by <= 2^-130 (sq NK + sk NQ) + 2^-260 sq sk in all, and sq |cq| <= |vq| + 2^-130 sq.
+//  3. The CPU's float64 sum differs from the real s by <= Di 2^-53 NQ NK <= 2^-40 NQ NK.
+//  4. A block score is a max over pairs, and |max a - max b| <= max |a - b|.
+// Hence, for every candidate block j of a list (NQ over the list's query rows, NK over block j's keys):
+//   |s^_j - s_j| <= e_j = (n r (1 + 2^-4) + 2^-20) NQ NK + 2^-140 (NQ + NK) + 2^-128 (sq NK + sk NQ)
+//                         + n 2^-120 sq sk + 2^-280,
+// (token_max_score_error below). A selected a and an unselected b have s^_a >= s^_b, so
+// s_a >= s_b - e_a - e_b: every list satisfies min(exact selected) >= max(exact unselected) - eps with
+// eps = 2 max_j e_j over its candidates. At Di = 128: n r = 2^-14 (bf16, fp4: eps ~ 2^-13 NQ NK) and
+// 160 x 2^-13 ~ 2^-5.7 (fp8: eps ~ 0.04 NQ NK). Non-finite inputs (the CPU rejects them; the device does
+// not synchronise to look) give NaN dots, which the maxima skip: a block whose every dot is NaN ranks as
+// -inf.
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -40,6 +72,7 @@
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
+#include "cuda/common/wgmma_fp8.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
@@ -48,33 +81,19 @@ namespace sparse_attn::cuda_backend {
 
 namespace {
 
-using namespace tc;
-using namespace cuda_kernels;  // mma_sync.cuh
 using sel::check_cuda;
 using sel::imax;
 using sel::imin;
+using sel::In;
+using sel::Prec;
+using tc::IndexSrc;
 
-// Doubles (never NaN) to unsigned integers of the same order, so atomicMax on the integer is a max on
-// the double: positives get the sign bit set, negatives are complemented.
-__device__ __forceinline__ unsigned long long ordered_key(double v) {
-  const auto u = static_cast<unsigned long long>(__double_as_longlong(v));
-  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
-}
-__device__ __forceinline__ double ordered_value(unsigned long long k) {
-  const unsigned long long u = (k >> 63) ? (k & 0x7fffffffffffffffull) : ~k;
-  return __longlong_as_double(static_cast<long long>(u));
-}
-
-constexpr int kMaxDp = 256;          // WsLayout<4>: the Q tile and two K stages of 128 x 256 bf16, 194 KB
+constexpr int kMaxDi = 256;
 constexpr int kRankThreads = 128;
-constexpr int kRescoreThreads = 128;  // see RescoreShape
-constexpr int kChunk = 16;            // queries of a tile per re-scoring work item
-constexpr int kChunksPerTile = kTileQ / kChunk;
-
-enum Cls : unsigned char { kOut = 0, kUndecided = 1, kIn = 2 };
+constexpr int kPrepThreads = 256;
 
 struct Shape {
-  std::int64_t B, Lq, Lk, Hkv, Hk, Di, Dp, Tq, Tk;
+  std::int64_t B, Lq, Lk, Hkv, Hk, Di, Dc, Tq, Tk;
   bool causal;
   __host__ __device__ std::int64_t key_end(std::int64_t i) const {
     const std::int64_t e = i + (Lk - Lq) + 1;
@@ -87,47 +106,217 @@ struct Shape {
   }
 };
 
-// ---- 2. screening GEMM ---------------------------------------------------------------------------------
+/// Code bytes per element: e4m3 for fp8, bf16 otherwise.
+constexpr int code_bytes(IndexPrecision p) { return p == IndexPrecision::fp8_e4m3 ? 1 : 2; }
 
-// Every kernel after the preparation starts here. Each is a programmatic dependent of the kernel before
-// it: it may be scheduled while that one drains and waits here until it has completed (its memory
-// visible). The short kernels then let the next one be scheduled at once (kTrigger); the screen does not,
-// so the decision's CTAs are not resident beside it for the whole screen (which cost the 32K fp8 call
-// 22 us on the H200): its trigger is its exit.
-template <bool kTrigger = true>
-__device__ __forceinline__ void chain_start() {
-  sel::pdl_wait();
-  if constexpr (kTrigger) sel::pdl_launch_dependents();
-}
+/// 128-byte halves of a code row (the TMA box width and the swizzle span).
+std::int64_t code_halves(std::int64_t Dc, IndexPrecision p) { return (Dc * code_bytes(p) + 127) / 128; }
 
-// The screen: the 128 query code rows of a Q tile times each KV block's 128 key code rows on wgmma
-// (m64n128k16, bf16 products, float32 accumulation), both operands K-major in 128B-swizzled shared memory
-// as S = Q K^T of the attention kernels; a tile is [Dw / 64 halves][128 rows][128 B] with Dw = Dp rounded
-// up to 64 (zero filled). Warp-specialised: a producer warp streams the Q tile and the KV blocks with
-// TMA (128B-swizzled boxes of 128 rows x 64 columns, rows past L read as zero, which the visibility
-// limits exclude) through a ring of kStages K slots; two consumer warpgroups own 64 query rows each and
-// keep two accumulator sets, so the wgmmas of block j + 1 run while the maxima of block j are formed. TileLists: each consumer warp writes its own partial maximum (the maximum over its 16 rows), so
-// no barrier joins the warps; the decision takes the maximum of the kScreenParts partials. QueryLists: a
-// row's maximum is complete in its quad of lanes. Persistent: CTA c owns units [c U, (c + 1) U) of the
-// (Q tile, KV block) sequence, tile-major; a new run (Q tile) waits until the consumers are done with the
-// previous tile.
-constexpr int kWgHalfBytes = kTileQ * 128;  // one 64-column half of a 128-row bf16 tile
-constexpr int kScreenParts = 8;               // consumer warps: TileLists partial maxima
-constexpr int kWsThreads = 384;               // producer warpgroup + two consumer warpgroups
-constexpr int kWsConsumerThreads = 256;
+// ---- 1.-2. preparation ----------------------------------------------------------------------------------
 
-std::int64_t wg_width(std::int64_t Dp) { return (Dp + 63) / 64 * 64; }
-
-template <int kHalves>
-struct WsLayout {
-  static constexpr int kTile = kHalves * kWgHalfBytes;                 // a 128-row tile of codes
-  static constexpr int kStages = kHalves <= 2 ? 4 : 2;                 // K ring
-  static constexpr int kBarOffset = (1 + kStages) * kTile;             // after Q and the ring
-  static constexpr std::size_t kBytes = kBarOffset + 1024 + 1024;      // barriers, alignment slack
+struct PrepParams {
+  IndexSrc src[2];
+  In type[2];
+  void* codes[2];            // [rows, Dc] e4m3 bytes (fp8) or bf16
+  std::int64_t rows[2];
+  std::int64_t items0, items; // items of tensor 0 (rows[0] * lanes), of both
+  int lanes;                 // Dc / 8 items per row, 8 elements each
+  int Dc;
+  unsigned int* words;       // [0], [1]: amax of qidx, kidx (float bits); [2]: barrier count; zeroed per call
 };
 
-struct WsParams {
-  CUtensorMap qmap, kmap;  // codes [B, Lq, Hkv, Dp] and [B, Lk, Hk, Dp]
+// An item: 8 consecutive elements of one row, which tensor it is in and whether it exists.
+struct Item {
+  int which, d0;
+  std::int64_t row;
+  bool in;
+};
+__device__ __forceinline__ Item item_of(const PrepParams& p, std::int64_t t) {
+  Item it;
+  it.which = t < p.items0 ? 0 : 1;
+  const std::int64_t u = it.which ? t - p.items0 : t;
+  if (p.items <= 0x7fffffff) {  // 64-bit division costs ~100 instructions: 32 bits where they suffice
+    const auto u32 = static_cast<std::uint32_t>(u), l32 = static_cast<std::uint32_t>(p.lanes);
+    const std::uint32_t r = u32 / l32;
+    it.row = r;
+    it.d0 = static_cast<int>(u32 - r * l32) * 8;
+  } else {
+    it.row = u / p.lanes;
+    it.d0 = static_cast<int>(u - it.row * p.lanes) * 8;
+  }
+  it.in = t < p.items;
+  return it;
+}
+
+__device__ __forceinline__ void load_item(const PrepParams& p, const Item& it, float (&x)[8]) {
+  const IndexSrc s = it.which ? p.src[1] : p.src[0];
+  const In type = it.which ? p.type[1] : p.type[0];
+  const int D = static_cast<int>(s.D);
+  float a[tc::kPrepG], b[tc::kPrepG];
+  const std::int64_t off = it.in ? s.offset(it.row) : -1;
+  tc::load_group(s.x, type, off, it.d0, imax(0, imin(4, D - it.d0)), a);
+  tc::load_group(s.x, type, off, it.d0 + 4, imax(0, imin(4, D - it.d0 - 4)), b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = a[i], x[4 + i] = b[i];
+}
+
+// Rounds the item's 8 values through the precision (as the CPU's load_quantized) and stores their codes.
+// fp4: an NVFP4 block of 16 is the even-odd lane pair (lanes is even, every tensor and row starts at an
+// even item, and the grid's item stride is even), so every lane of the warp must call this.
+template <Prec P>
+__device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it, const float (&x)[8], float ts,
+                                            float down) {
+  float v[8], c[8];
+  tc::quantize_lane8<P>(x, ts, v, c);
+  if (!it.in) return;
+  if constexpr (P == Prec::fp8) {
+    unsigned w[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const auto lo = __nv_cvt_float2_to_fp8x2(make_float2(c[4 * h], c[4 * h + 1]), __NV_SATFINITE, __NV_E4M3);
+      const auto hi = __nv_cvt_float2_to_fp8x2(make_float2(c[4 * h + 2], c[4 * h + 3]), __NV_SATFINITE, __NV_E4M3);
+      w[h] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+    }
+    *reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.codes[it.which]) + it.row * p.Dc + it.d0) =
+        make_uint2(w[0], w[1]);
+  } else {
+    unsigned w[4];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      // bf16: times 2^-e, exact unless subnormal; fp4: down = 1.
+      const __nv_bfloat162 b2 = __floats2bfloat162_rn(__fmul_rn(c[2 * h], down), __fmul_rn(c[2 * h + 1], down));
+      w[h] = *reinterpret_cast<const unsigned*>(&b2);
+    }
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.codes[it.which]) + it.row * p.Dc + it.d0) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+constexpr int kKeep = 4;  // items per thread held in registers across the grid barrier
+
+// One cooperative launch (every CTA resident): the amax of both tensors, a grid barrier, then the codes.
+// Each thread takes items in rounds of kKeep (item stride = the grid's threads) and keeps its first round
+// in registers across the barrier; later rounds (inputs larger than kKeep x the resident threads: tile16 at
+// 16K has about 10 items per thread) are loaded again after it, mostly from L2. amax is an atomicMax on float bits (non-negative floats order
+// like their bits): order-free, and fmaxf skips NaN as the CPU's std::fmax does.
+template <Prec P>
+__global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_constant__ PrepParams p) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kPrepThreads;
+  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
+  const int lane = threadIdx.x % 32;
+  float x[kKeep][8];
+  Item its[kKeep];
+  float m0 = 0.0f, m1 = 0.0f;  // scalars, not an array indexed at run time (which would live in local memory)
+  auto fold = [&](const Item& it, const float (&v)[8]) {
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
+    if (it.which) m1 = fmaxf(m1, a);
+    else m0 = fmaxf(m0, a);
+  };
+  // Every load of a round is issued before its values are used: a round keeps 2 kKeep loads in flight.
+#pragma unroll
+  for (int k = 0; k < kKeep; ++k) {
+    its[k] = item_of(p, t0 + k * stride);
+    load_item(p, its[k], x[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kKeep; ++k) fold(its[k], x[k]);
+  const std::int64_t round = kKeep * stride;
+  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {  // warp-uniform
+    Item it[kKeep];
+    float v[kKeep][8];
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) {
+      it[k] = item_of(p, t + k * stride);
+      load_item(p, it[k], v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) fold(it[k], v[k]);
+  }
+  __shared__ float red[2][kPrepThreads / 32];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    float v = w ? m1 : m0;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) red[w][threadIdx.x / 32] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float a0 = red[0][0], a1 = red[1][0];
+    for (int w = 1; w < kPrepThreads / 32; ++w) a0 = fmaxf(a0, red[0][w]), a1 = fmaxf(a1, red[1][w]);
+    atomicMax(p.words, __float_as_uint(a0));
+    atomicMax(p.words + 1, __float_as_uint(a1));
+    // Grid barrier: every CTA is resident (cooperative launch), the count was zeroed with the words.
+    __threadfence();
+    atomicAdd(p.words + 2, 1u);
+    while (*static_cast<volatile unsigned int*>(p.words + 2) < gridDim.x) {
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  sel::pdl_launch_dependents();
+  // Per tensor: the scale and, for bf16, 2^-e with 2^e above amax (0 for an all-zero tensor), so codes are
+  // below 1 in magnitude.
+  auto scales = [&](int w, float& ts, float& down) {
+    const unsigned bits = __ldcg(p.words + w);
+    ts = tc::tensor_scale(static_cast<int>(P), &bits);
+    down = 1.0f;
+    if constexpr (P == Prec::bf16) {
+      int e = 0;
+      frexpf(__uint_as_float(bits), &e);
+      down = ldexpf(1.0f, -imax(-100, imin(128, e)));
+    }
+  };
+  float ts0, ts1, down0, down1;
+  scales(0, ts0, down0);
+  scales(1, ts1, down1);
+  auto store = [&](const Item& it, const float (&v)[8]) {
+    store_codes<P>(p, it, v, it.which ? ts1 : ts0, it.which ? down1 : down0);
+  };
+#pragma unroll
+  for (int k = 0; k < kKeep; ++k) store(its[k], x[k]);
+  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {
+    Item it[kKeep];
+    float v[kKeep][8];
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) {
+      it[k] = item_of(p, t + k * stride);
+      load_item(p, it[k], v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kKeep; ++k) store(it[k], v[k]);
+  }
+}
+
+// ---- 3. screen ------------------------------------------------------------------------------------------
+
+// The 128 query code rows of a Q tile times each KV block's 128 key code rows, both K-major in 128B-swizzled
+// shared memory as S = Q K^T of the attention kernels: a tile is [kHalves][128 rows][128 B], halves
+// 1024-aligned, bytes past the row's codes zero (TMA fills past Dc and past L with zeros; the visibility
+// limits exclude rows past L). A k-step reads 32 B of each row: k16 of bf16, k32 of e4m3.
+// Warp-specialised: one producer thread streams the Q tile and the KV blocks with TMA (128-row x 128-byte
+// boxes) through a ring of kStages K slots; two consumer warpgroups own 64 query rows each and keep two
+// accumulator sets, so the wgmmas of block j + 1 run while the maxima of block j are formed (every path
+// waits before it reads, so ptxas keeps the wgmmas asynchronous). Persistent: CTA c owns units
+// [c U, (c + 1) U) of the (Q tile, KV block) sequence, tile-major; a new run (Q tile) waits until the
+// consumers are done with the previous Q tile.
+constexpr int kHalfBytes = 128 * 128;  // one 128-byte-wide half of a 128-row tile
+constexpr int kScreenParts = 8;        // consumer warps: TileLists partial maxima
+constexpr int kScreenThreads = 384;    // producer warpgroup + two consumer warpgroups
+constexpr int kConsumerThreads = 256;
+
+template <int kHalves>
+struct ScreenLayout {
+  static constexpr int kTile = kHalves * kHalfBytes;             // 128 rows of codes
+  // K slots: up to 8, as many as fit beside the Q tile in 194 KB (4 halves: 2 slots).
+  static constexpr int kStages = kHalves == 1 ? 8 : kHalves == 2 ? 4 : kHalves == 3 ? 3 : 2;
+  static constexpr int kBarOffset = (1 + kStages) * kTile;       // after Q and the ring
+  static constexpr std::size_t kBytes = kBarOffset + 1024 + 1024;  // barriers, alignment slack
+};
+
+struct ScreenParams {
+  CUtensorMap qmap, kmap;  // codes [B, Lq, Hkv, Dc] and [B, Lk, Hk, Dc] as 16-bit columns
   float* out;              // QueryLists [B, Hkv, Lq, Tk]; TileLists kScreenParts x [B, Hkv, Tq, Tk]
   std::int64_t part_stride;
   Shape s;
@@ -135,11 +324,11 @@ struct WsParams {
 };
 
 // The run of units [u, ...) of one Q tile: its coordinates and the visible blocks [j_begin, j_end).
-struct WsRun {
+struct Run {
   std::int64_t t, bg, b, g, hk, i0, j_begin, j_end, next;
 };
-__device__ __forceinline__ WsRun ws_run(const Shape& s, std::int64_t u, std::int64_t u_end) {
-  WsRun r;
+__device__ __forceinline__ Run run_of(const Shape& s, std::int64_t u, std::int64_t u_end) {
+  Run r;
   const std::int64_t tile = u / s.Tk, run_end = imin(u_end, (tile + 1) * s.Tk);
   r.t = tile % s.Tq, r.bg = tile / s.Tq, r.b = r.bg / s.Hkv, r.g = r.bg % s.Hkv;
   r.hk = s.Hk == 1 ? 0 : r.g;
@@ -152,27 +341,28 @@ __device__ __forceinline__ WsRun ws_run(const Shape& s, std::int64_t u, std::int
   return r;
 }
 
-template <bool kTiles, int kHalves>
-__global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_constant__ WsParams p) {
-  chain_start<false>();
-  using Lay = WsLayout<kHalves>;
+template <bool kTiles, bool kFp8, int kHalves>
+__global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_constant__ ScreenParams p) {
+  // Waits for the codes; does not let the ranking start early (its CTAs would sit beside the screen).
+  sel::pdl_wait();
+  using Lay = ScreenLayout<kHalves>;
   constexpr int kStages = Lay::kStages;
   namespace ck = cuda_kernels;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* qs = smem;
   unsigned char* ks = smem + Lay::kTile;
   auto* bars = reinterpret_cast<ck::MBarrier*>(smem + Lay::kBarOffset);
-  ck::MBarrier* full = bars;               // [kStages]: K slot loaded
-  ck::MBarrier* empty = bars + kStages;    // [kStages]: K slot released by every consumer thread
+  ck::MBarrier* full = bars;             // [kStages]: K slot loaded
+  ck::MBarrier* empty = bars + kStages;  // [kStages]: K slot released by every consumer thread
   ck::MBarrier& q_full = bars[2 * kStages];
   ck::MBarrier& q_empty = bars[2 * kStages + 1];
   const Shape& s = p.s;
   const int tid = threadIdx.x;
   if (tid == 0) {
-    for (int i = 0; i < kStages; ++i) full[i].init(1), empty[i].init(kWsConsumerThreads);
+    for (int i = 0; i < kStages; ++i) full[i].init(1), empty[i].init(kConsumerThreads);
     q_full.init(1);
-    q_empty.init(kWsConsumerThreads);
+    q_empty.init(kConsumerThreads);
     ck::fence_barrier_init();
   }
   __syncthreads();
@@ -187,13 +377,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_c
     ck::PipelineState<kStages> ring;
     int run = 0;
     for (std::int64_t u = u_first; u < u_end;) {
-      const WsRun r = ws_run(s, u, u_end);
+      const Run r = run_of(s, u, u_end);
       u = r.next;
       if (r.j_begin >= r.j_end) continue;
       if (run > 0) q_empty.wait(static_cast<std::uint32_t>((run - 1) & 1));
       q_full.arrive_expect_tx(Lay::kTile);
       for (int h = 0; h < kHalves; ++h)
-        ck::tma_load_bhld(qs + h * kWgHalfBytes, &p.qmap, h * 64, static_cast<int>(r.g), static_cast<int>(r.i0),
+        ck::tma_load_bhld(qs + h * kHalfBytes, &p.qmap, h * 64, static_cast<int>(r.g), static_cast<int>(r.i0),
                           static_cast<int>(r.b), &q_full.word);
       ++run;
       for (std::int64_t j = r.j_begin; j < r.j_end; ++j) {
@@ -201,7 +391,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_c
         empty[st].wait(ring.phase() ^ 1u);
         full[st].arrive_expect_tx(Lay::kTile);
         for (int h = 0; h < kHalves; ++h)
-          ck::tma_load_bhld(ks + st * Lay::kTile + h * kWgHalfBytes, &p.kmap, h * 64, static_cast<int>(r.hk),
+          ck::tma_load_bhld(ks + st * Lay::kTile + h * kHalfBytes, &p.kmap, h * 64, static_cast<int>(r.hk),
                             static_cast<int>(j * kBlockK), static_cast<int>(r.b), &full[st].word);
         ring.advance();
       }
@@ -212,12 +402,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_c
   ck::warpgroup_reg_alloc<232>();
   const int ctid = tid - 128, wg = ctid / 128, warp = ctid / 32, w = warp % 4, lane = tid % 32;
   constexpr int ksteps = kHalves * 4;
-  const std::uint32_t a_base = smem_addr(qs) + wg * 64 * 128;
+  const std::uint32_t a_base = ck::smem_addr(qs) + wg * 64 * 128;
   ck::PipelineState<kStages> ring;
   float acc[2][64];
 
   // Maxima of block j from the accumulators `d` (complete), then the K slot goes back to the producer.
-  auto epilogue = [&](const float (&d)[64], const WsRun& r, std::int64_t j, int st) {
+  // Accumulator d[4c + 2h + e] of this thread: row 16 w + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + e.
+  auto epilogue = [&](const float (&d)[64], const Run& r, std::int64_t j, int st) {
     const std::int64_t k0 = j * kBlockK;
     float m[2];
 #pragma unroll
@@ -256,26 +447,27 @@ __global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_c
   };
   // Issues the wgmmas of block j into `d` (K slot `st` loaded).
   auto issue = [&](float (&d)[64], int st) {
-    const std::uint32_t b_base = smem_addr(ks + st * Lay::kTile);
+    const std::uint32_t b_base = ck::smem_addr(ks + st * Lay::kTile);
     ck::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < ksteps; ++kk) {
-      const std::uint32_t off = (kk / 4) * kWgHalfBytes + (kk % 4) * 32;
-      ck::wgmma_ss<ck::Bf16Tag>(d, ck::make_desc_sw128(a_base + off, 16, 1024), ck::make_desc_sw128(b_base + off, 16, 1024),
-                                kk > 0);
+      const std::uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
+      const std::uint64_t da = ck::make_desc_sw128(a_base + off, 16, 1024), db = ck::make_desc_sw128(b_base + off, 16, 1024);
+      if constexpr (kFp8) ck::wgmma_ss_e4m3(d, da, db, kk > 0);
+      else ck::wgmma_ss<ck::Bf16Tag>(d, da, db, kk > 0);
     }
     ck::wgmma_commit();
   };
 
   int run = 0;
   for (std::int64_t u = u_first; u < u_end;) {
-    const WsRun r = ws_run(s, u, u_end);
+    const Run r = run_of(s, u, u_end);
     u = r.next;
     if (r.j_begin >= r.j_end) continue;
     q_full.wait(static_cast<std::uint32_t>(run & 1));
     ++run;
     // Blocks in pairs: acc[0] takes j, acc[1] takes j + 1; each block's epilogue follows the issue of the
-    // next block, so the tensor cores are busy while it runs. Every path waits before it reads.
+    // next block, so the tensor cores are busy while it runs.
     auto next_slot = [&]() {
       const int st = ring.stage();
       full[st].wait(ring.phase());
@@ -314,38 +506,26 @@ __global__ void __launch_bounds__(kWsThreads, 1) screen_ws_kernel(const __grid_c
   }
 }
 
-// ---- 3.-5. ranking -------------------------------------------------------------------------------------
+// ---- 4. ranking -----------------------------------------------------------------------------------------
 
 struct RankParams {
-  const float* m;                 // screened maxima [parts][R, Tk] (code space)
-  int parts;                      // partial maxima per entry (their maximum is the screened maximum)
-  std::int64_t part_stride;       // R * Tk
-  const float* qnorm;             // [B, Lq, Hkv] code-norm bounds (QueryLists)
-  const unsigned int* qmax;       // [B, Hkv, Tq] float bits (TileLists)
-  const unsigned int* kmax;       // [B, Hk, Tk] float bits
-  const unsigned int* amax;       // [2]: qidx, kidx
-  int prec;
-  BoundConsts bc;
-  unsigned char* cls;             // [R, Tk]
-  unsigned long long* exact;      // [R, Tk] ordered keys
-  int* pending;                   // [R]
-  unsigned int* count;            // queue length
-  int2* queue;                    // (row, block * kChunksPerTile + chunk)
-  unsigned long long* stats;      // optional: [0] candidates, [1] re-scored blocks
+  const float* m;            // screened maxima [parts][R, Tk]
+  int parts;
+  std::int64_t part_stride;  // R * Tk
   std::int32_t* idx;
   std::int64_t is0, is1, is2, is3, width;
-  std::int32_t* cnt;              // TileLists only
+  std::int32_t* cnt;         // TileLists only
   std::int64_t cs0, cs1, cs2;
   Shape s;
   int top_k;
-  bool reserve_local;
+  bool reserve_local, force_block0;
 };
 
-// One list: which candidates, which are reserved, where it goes.
+// One list: its candidates, its reserved local blocks, where it goes.
 struct ListRow {
-  std::int64_t b, g, hk, pos;  // pos: query i (QueryLists) or tile t (TileLists)
-  std::int64_t n;              // candidates: blocks 0 .. n - 1
-  std::int64_t r_lo, r_hi;     // reserved blocks (empty when r_lo > r_hi)
+  std::int64_t b, g, pos;   // pos: query i (QueryLists) or tile t (TileLists)
+  std::int64_t n;           // candidates: blocks 0 .. n - 1
+  std::int64_t r_lo, r_hi;  // reserved local blocks (empty when r_lo > r_hi)
   std::int32_t* out;
 };
 
@@ -357,19 +537,15 @@ __device__ ListRow list_row(const RankParams& p, std::int64_t row) {
   L.pos = row % per;
   L.g = (row / per) % s.Hkv;
   L.b = row / (per * s.Hkv);
-  L.hk = s.Hk == 1 ? 0 : L.g;
   L.r_lo = 1, L.r_hi = 0;
   if constexpr (kTiles) {
     const std::int64_t i_first = L.pos * kTileQ, i_last = imin(s.Lq, i_first + kTileQ) - 1;
     L.n = (s.key_end(i_last) + kBlockK - 1) / kBlockK;
-    if (p.reserve_local) {
-      // The aligned key grows with i: the reserved blocks are a contiguous range.
-      std::int64_t first_seen = -1;
-      if (s.aligned(i_last) >= 0) first_seen = s.causal ? imax(i_first, s.Lq - s.Lk) : i_first;
-      if (first_seen >= 0) {
-        L.r_lo = s.aligned(first_seen) / kBlockK;
-        L.r_hi = s.aligned(i_last) / kBlockK;
-      }
+    // The aligned key grows with i: the reserved blocks are a contiguous range.
+    if (p.reserve_local && s.aligned(i_last) >= 0) {
+      const std::int64_t first_seen = s.causal ? imax(i_first, s.Lq - s.Lk) : i_first;
+      L.r_lo = s.aligned(first_seen) / kBlockK;
+      L.r_hi = s.aligned(i_last) / kBlockK;
     }
   } else {
     L.n = (s.key_end(L.pos) + kBlockK - 1) / kBlockK;
@@ -380,7 +556,7 @@ __device__ ListRow list_row(const RankParams& p, std::int64_t row) {
 }
 
 // Writes the flagged ids of [0, n) ascending to out[s * stride], pads to `width` with -1, returns the
-// count (to every thread). `part`: blockDim.x + 1 ints of shared memory.
+// count (to every thread). `part`: blockDim.x / 32 ints of shared memory.
 __device__ int write_ascending(const unsigned char* flags, int n, int* part, std::int32_t* out, std::int64_t stride,
                                std::int64_t width) {
   const int tid = threadIdx.x, nt = blockDim.x;
@@ -388,8 +564,7 @@ __device__ int write_ascending(const unsigned char* flags, int n, int* part, std
   const int lo = imin(n, tid * chunk), hi = imin(n, lo + chunk);
   int mine = 0;
   for (int j = lo; j < hi; ++j) mine += flags[j];
-  // Exclusive scan of the per-thread counts: inclusive scan within each warp, then the warp totals
-  // (blockDim.x is a multiple of 32).
+  // Exclusive scan of the per-thread counts: inclusive scan within each warp, then the warp totals.
   const int lane = tid % 32, warp = tid / 32, warps = nt / 32;
   int incl = mine;
   for (int o = 1; o < 32; o <<= 1) {
@@ -406,276 +581,52 @@ __device__ int write_ascending(const unsigned char* flags, int n, int* part, std
   for (int j = lo; j < hi; ++j)
     if (flags[j]) out[static_cast<std::int64_t>(pos++) * stride] = j;
   for (std::int64_t q = cnt + tid; q < width; q += nt) out[q * stride] = -1;
-  __syncthreads();
   return cnt;
 }
 
-std::size_t rank_smem(std::int64_t Tk) {
-  return static_cast<std::size_t>(Tk) * (2 * sizeof(float) + 2) + 16 + (kRankThreads + 1) * sizeof(int);
-}
-std::size_t finish_smem(std::int64_t Tk) {
-  return static_cast<std::size_t>(Tk) * (sizeof(double) + 2) + 16 + (kRankThreads + 1) * sizeof(int);
+// Ranking key of a candidate: forced blocks above every score, then the score's order (floats to
+// unsigned integers of the same order; -0 is +0 first, so equal scores give equal keys).
+__device__ __forceinline__ unsigned long long rank_key(bool forced, float v) {
+  const unsigned u = __float_as_uint(v + 0.0f);
+  const unsigned ordered = (u >> 31) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(forced) << 32) | ordered;
 }
 
-// grid: R lists.
+std::size_t rank_smem(std::int64_t Tk) {
+  return static_cast<std::size_t>(Tk) * (sizeof(unsigned long long) + 1) + 16 + kRankThreads / 32 * sizeof(int);
+}
+
+// grid: R lists. A candidate is kept iff fewer than top_k candidates rank before it (key descending, id
+// ascending): a total order, so exactly min(top_k, n) are kept.
 template <bool kTiles>
-__global__ void __launch_bounds__(kRankThreads) decide_kernel(const RankParams p) {
-  chain_start();
+__global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constant__ RankParams p) {
+  sel::pdl_wait();
+  sel::pdl_launch_dependents();
   extern __shared__ __align__(16) unsigned char smem[];
   const Shape& s = p.s;
-  float* lo = reinterpret_cast<float*>(smem);
-  float* hi = lo + s.Tk;
-  unsigned char* cls = reinterpret_cast<unsigned char*>(hi + s.Tk);
-  unsigned char* flags = cls + s.Tk;
-  int* part = reinterpret_cast<int*>(smem + ((static_cast<std::size_t>(s.Tk) * 10 + 15) / 16) * 16);
-
+  auto* key = reinterpret_cast<unsigned long long*>(smem);
+  unsigned char* flags = smem + static_cast<std::size_t>(s.Tk) * sizeof(unsigned long long);
+  int* part = reinterpret_cast<int*>(smem + (static_cast<std::size_t>(s.Tk) * 9 + 15) / 16 * 16);
   const std::int64_t row = blockIdx.x;
   const ListRow L = list_row<kTiles>(p, row);
   const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
-  const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
-  const float nq = kTiles ? __uint_as_float(p.qmax[(L.b * s.Hkv + L.g) * s.Tq + L.pos])
-                          : p.qnorm[(L.b * s.Lq + L.pos) * s.Hkv + L.g];
   const float* mrow = p.m + row * s.Tk;
   for (int j = tid; j < n; j += kRankThreads) {
-    if (j >= L.r_lo && j <= L.r_hi) {
-      lo[j] = hi[j] = INFINITY;
-    } else {
-      const float nk = __uint_as_float(p.kmax[(L.b * s.Hk + L.hk) * s.Tk + j]);
-      float screened = mrow[j];
-      for (int q = 1; q < p.parts; ++q) screened = fmaxf(screened, mrow[q * p.part_stride + j]);
-      score_interval(screened, sq, sk, nq, nk, p.bc, lo[j], hi[j]);
-    }
-  }
-  __syncthreads();
-  int mine_undecided = 0;
-  for (int j = tid; j < n; j += kRankThreads) {
-    unsigned char c = kIn;
-    if (n > k) {
-      int can = 0, sure = 0;
-      const float lj = lo[j], hj = hi[j];
-      // Branch-free and unrolled: the loads of several i are in flight at once (an early exit would
-      // serialise the loop on shared-memory latency). i == j never counts as surely before itself.
-#pragma unroll 8
-      for (int i = 0; i < n; ++i) {
-        const float hi_i = hi[i], lo_i = lo[i];
-        can += (i != j) & ((hi_i > lj) | ((hi_i == lj) & (i < j)));
-        sure += (lo_i > hj) | ((lo_i == hj) & (i < j));
-      }
-      c = can < k ? kIn : (sure >= k ? kOut : kUndecided);
-    }
-    cls[j] = c;
-    flags[j] = c == kIn ? 1 : 0;
-    mine_undecided += c == kUndecided ? 1 : 0;
-  }
-  const int any_undecided = __syncthreads_count(mine_undecided > 0);
-  if (p.stats != nullptr && tid == 0) atomicAdd(p.stats, static_cast<unsigned long long>(n));
-  if (any_undecided == 0) {
-    if (tid == 0) p.pending[row] = 0;
-    const int c = write_ascending(flags, n, part, L.out, p.is3, p.width);
-    if constexpr (kTiles)
-      if (tid == 0) p.cnt[L.b * p.cs0 + L.g * p.cs1 + L.pos * p.cs2] = c;
-    return;
-  }
-  if (tid == 0) p.pending[row] = 1;
-  for (int j = tid; j < n; j += kRankThreads) {
-    p.cls[row * s.Tk + j] = cls[j];
-    if (cls[j] != kUndecided) continue;
-    const bool reserved = j >= L.r_lo && j <= L.r_hi;
-    p.exact[row * s.Tk + j] = ordered_key(reserved ? INFINITY : -INFINITY);
-    if (reserved) continue;  // reserved blocks score +inf; nothing to compute
-    if (p.stats != nullptr) atomicAdd(p.stats + 1, 1ull);
-    if constexpr (kTiles) {
-      const std::int64_t k0 = static_cast<std::int64_t>(j) * kBlockK;
-      int2 items[kChunksPerTile];
-      int m = 0;
-      for (int c = 0; c < kChunksPerTile; ++c) {
-        const std::int64_t qa = L.pos * kTileQ + c * kChunk;
-        if (qa >= s.Lq) break;
-        if (s.key_end(imin(s.Lq, qa + kChunk) - 1) > k0) items[m++] = make_int2(static_cast<int>(row), j * kChunksPerTile + c);
-      }
-      const unsigned int at = atomicAdd(p.count, static_cast<unsigned int>(m));
-      for (int q = 0; q < m; ++q) p.queue[at + q] = items[q];
-    } else {
-      p.queue[atomicAdd(p.count, 1u)] = make_int2(static_cast<int>(row), j * kChunksPerTile);
-    }
-  }
-}
-
-struct RescoreParams {
-  IndexSrc q, k;  // the inputs; fp4 values (and any with a zero scale) are recomputed (group_values)
-  const __nv_bfloat16* qc;  // codes [B, Lq, Hkv, Dp]: bf16 and fp8 values are fl(code * scale), as prepared
-  const __nv_bfloat16* kc;  // [B, Lk, Hk, Dp]
-  In qt, kt;
-  int prec;
-  const unsigned int* amax;  // [2]: qidx, kidx
-  unsigned long long* exact;
-  const unsigned int* count;
-  const int2* queue;
-  Shape s;
-};
-
-// How a re-scoring work unit is laid out. TileLists: a queued item (16 queries x one KV block) is split
-// into 4 units of 32 keys; warp w of the CTA takes queries 4 w .. 4 w + 3 and lane l key l, so each
-// thread runs 4 independent float64 chains (ILP) and the 16 queries' values are read as warp-wide
-// broadcasts. QueryLists: a unit is the item (1 query x 128 keys), one key per thread. The values are
-// staged once per unit in shared memory already converted to double where more than one thread reads
-// them (keys of TileLists, queries), so the inner loop is loads and DFMAs only.
-template <bool kTiles>
-struct RescoreShape {
-  static constexpr int QC = kTiles ? kChunk : 1;           // queries per item
-  static constexpr int KU = kTiles ? 32 : kBlockK;         // keys per unit
-  static constexpr int KS = kBlockK / KU;                  // units per item
-  static constexpr int QT = QC * KU / kRescoreThreads;     // queries per thread
-  using KeyT = std::conditional_t<kTiles, double, float>;  // staged key values
-  static_assert(QT >= 1 && QT * (kRescoreThreads / KU) == QC);
-  // Key row pitch: odd (in elements), so the 32 lanes' rows at one column fall on distinct banks.
-  __host__ __device__ static std::int64_t key_pitch(std::int64_t Di) { return Di | 1; }
-};
-
-template <bool kTiles>
-std::size_t rescore_smem(std::int64_t Di) {
-  using RS = RescoreShape<kTiles>;
-  return 16 * sizeof(double) + static_cast<std::size_t>(RS::QC * Di) * sizeof(double) +
-         static_cast<std::size_t>(RS::KU * RS::key_pitch(Di)) * sizeof(typename RS::KeyT);
-}
-
-// grid: any; each CTA walks the units of the queue (item u / KS, key part u % KS).
-template <bool kTiles>
-__global__ void __launch_bounds__(kRescoreThreads) rescore_kernel(const RescoreParams p) {
-  chain_start();
-  using RS = RescoreShape<kTiles>;
-  using KeyT = typename RS::KeyT;
-  constexpr int QC = RS::QC, KU = RS::KU, KS = RS::KS, QT = RS::QT;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const Shape& s = p.s;
-  const int Di = static_cast<int>(s.Di), kp = static_cast<int>(RS::key_pitch(Di));
-  double* red = reinterpret_cast<double*>(smem);
-  double* qs = red + 16;                               // [QC][Di]
-  KeyT* kb = reinterpret_cast<KeyT*>(qs + QC * Di);    // [KU][kp]
-  const int tid = threadIdx.x;
-  const unsigned int units = *p.count * KS;
-  const float sq = tensor_scale(p.prec, p.amax), sk = tensor_scale(p.prec, p.amax + 1);
-  const bool from_codes = p.prec != static_cast<int>(Prec::fp4) && sq != 0.0f && sk != 0.0f;
-  for (unsigned int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int2 it = p.queue[unit / KS];
-    const int part = static_cast<int>(unit % KS);
-    const std::int64_t row = it.x, j = it.y / kChunksPerTile, chunk = it.y % kChunksPerTile;
-    const std::int64_t per = kTiles ? s.Tq : s.Lq;
-    const std::int64_t pos = row % per, g = (row / per) % s.Hkv, b = row / (per * s.Hkv);
-    const std::int64_t hk = s.Hk == 1 ? 0 : g;
-    const std::int64_t qa = kTiles ? pos * kTileQ + chunk * kChunk : pos;
-    const int qn = static_cast<int>(imin<std::int64_t>(QC, s.Lq - qa));
-    const std::int64_t k0 = j * kBlockK + part * KU;
-    const int nk = static_cast<int>(imax<std::int64_t>(0, imin<std::int64_t>(KU, s.Lk - k0)));
-    __syncthreads();  // the previous unit's readers are done with kb and qs
-    if (from_codes) {
-      // value = fl(code * scale) exactly as prepare_pair_kernel computed it (scale 1 for bf16: the code itself);
-      // 8 codes per 16-byte load (code rows are Dp >= Di bf16, Dp a multiple of 16), every load of a
-      // thread's batch in flight before the first store.
-      const int vecs = (Di + 7) / 8, total = (nk + qn) * vecs;
-      constexpr int kBatch = 8;
-      for (int base = tid; base < total; base += kBatch * kRescoreThreads) {
-        uint4 v[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int e = base + u * kRescoreThreads;
-          if (e < total) {
-            const int r = e / vecs, c = e - r * vecs;
-            const __nv_bfloat16* src = r < nk ? p.kc + ((b * s.Lk + k0 + r) * s.Hk + hk) * s.Dp
-                                              : p.qc + ((b * s.Lq + qa + (r - nk)) * s.Hkv + g) * s.Dp;
-            v[u] = __ldg(reinterpret_cast<const uint4*>(src) + c);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int e = base + u * kRescoreThreads;
-          if (e < total) {
-            const int r = e / vecs, d0 = (e - r * vecs) * 8;
-            const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[u]);
-            for (int i = 0; i < 8 && d0 + i < Di; ++i) {
-              const float c = __bfloat162float(h[i]);
-              if (r < nk) kb[r * kp + d0 + i] = static_cast<KeyT>(__fmul_rn(c, sk));
-              else qs[(r - nk) * Di + d0 + i] = static_cast<double>(__fmul_rn(c, sq));
-            }
-          }
-        }
-      }
-    } else {
-      const int ng = (Di + kGroup - 1) / kGroup;
-      for (int e = tid; e < (nk + qn) * ng; e += kRescoreThreads) {
-        const int r = e / ng, d0 = (e - r * ng) * kGroup;
-        const int cnt = imin(kGroup, Di - d0);
-        float v[kGroup];
-        if (r < nk) {
-          group_values(p.k, p.kt, p.prec, sk, p.k.offset((b * s.Lk + k0 + r) * s.Hk + hk), d0, cnt, v);
-          for (int i = 0; i < cnt; ++i) kb[r * kp + d0 + i] = static_cast<KeyT>(v[i]);
-        } else {
-          const int rq = r - nk;
-          group_values(p.q, p.qt, p.prec, sq, p.q.offset((b * s.Lq + qa + rq) * s.Hkv + g), d0, cnt, v);
-          for (int i = 0; i < cnt; ++i) qs[rq * Di + d0 + i] = static_cast<double>(v[i]);
-        }
-      }
-    }
-    __syncthreads();
-    // The CPU's dot: one float64 chain over d in order per (query, key); products of floats are exact
-    // in float64, so the fma rounds as the CPU's multiply and add.
-    const int key = tid % KU, m0 = (tid / KU) * QT;
-    double best = -INFINITY;
-    if (key < nk && m0 < qn) {
-      double acc[QT];
-#pragma unroll
-      for (int m = 0; m < QT; ++m) acc[m] = 0.0;
-      const KeyT* kr = kb + key * kp;
-      const double* qr = qs + m0 * Di;
-#pragma unroll 4
-      for (int d = 0; d < Di; ++d) {
-        const double kd = static_cast<double>(kr[d]);
-#pragma unroll
-        for (int m = 0; m < QT; ++m) acc[m] = fma(qr[m * Di + d], kd, acc[m]);
-      }
-#pragma unroll
-      for (int m = 0; m < QT; ++m)
-        if (m0 + m < qn && k0 + key < s.key_end(qa + m0 + m)) best = fmax(best, sel::sanitize(acc[m]));
-    }
-    for (int o = 16; o > 0; o >>= 1) best = fmax(best, __shfl_xor_sync(0xffffffffu, best, o));
-    if (tid % 32 == 0) red[tid / 32] = best;
-    __syncthreads();
-    if (tid == 0) {
-      double v = red[0];
-      for (int w = 1; w < kRescoreThreads / 32; ++w) v = fmax(v, red[w]);
-      if (v > -INFINITY) atomicMax(p.exact + row * s.Tk + j, ordered_key(v));
-    }
-  }
-}
-
-// grid: R lists; only lists with undecided blocks work.
-template <bool kTiles>
-__global__ void __launch_bounds__(kRankThreads) finish_kernel(const RankParams p) {
-  chain_start();
-  extern __shared__ __align__(16) unsigned char smem[];
-  const Shape& s = p.s;
-  const std::int64_t row = blockIdx.x;
-  if (p.pending[row] == 0) return;
-  double* ex = reinterpret_cast<double*>(smem);
-  unsigned char* cls = reinterpret_cast<unsigned char*>(ex + s.Tk);
-  unsigned char* flags = cls + s.Tk;
-  int* part = reinterpret_cast<int*>(smem + ((static_cast<std::size_t>(s.Tk) * 10 + 15) / 16) * 16);
-  const ListRow L = list_row<kTiles>(p, row);
-  const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
-  for (int j = tid; j < n; j += kRankThreads) {
-    cls[j] = p.cls[row * s.Tk + j];
-    ex[j] = cls[j] == kUndecided ? ordered_value(p.exact[row * s.Tk + j]) : 0.0;
+    float v = mrow[j];
+    for (int q = 1; q < p.parts; ++q) v = fmaxf(v, mrow[q * p.part_stride + j]);
+    key[j] = rank_key((j >= L.r_lo && j <= L.r_hi) || (p.force_block0 && j == 0), v);
   }
   __syncthreads();
   for (int j = tid; j < n; j += kRankThreads) {
     int before = 0;
-    const unsigned char cj = cls[j];
-    const double ej = ex[j];
-#pragma unroll 4
-    for (int i = 0; i < n; ++i) {
-      const unsigned char ci = cls[i];
-      const double ei = ex[i];
-      before += (ci > cj) | ((ci == cj) & (ci == kUndecided ? ((ei > ej) | ((ei == ej) & (i < j))) : (i < j)));
+    if (n > k) {
+      const unsigned long long kj = key[j];
+      // Branch-free and unrolled: the loads of several i are in flight at once.
+#pragma unroll 8
+      for (int i = 0; i < n; ++i) {
+        const unsigned long long ki = key[i];
+        before += (ki > kj) | ((ki == kj) & (i < j));
+      }
     }
     flags[j] = before < k ? 1 : 0;
   }
@@ -685,11 +636,35 @@ __global__ void __launch_bounds__(kRankThreads) finish_kernel(const RankParams p
     if (tid == 0) p.cnt[L.b * p.cs0 + L.g * p.cs1 + L.pos * p.cs2] = c;
 }
 
-// ---- host ----------------------------------------------------------------------------------------------
+// ---- host ------------------------------------------------------------------------------------------------
+
+/// Offsets of the one scratch allocation of a call.
+struct Scratch {
+  std::size_t words, qc, kc, m, bytes;
+};
+
+Scratch scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, std::int64_t Hk,
+                       std::int64_t Di, IndexPrecision p, bool tiles) {
+  const std::int64_t Dc = tc::padded_dim(Di), Tq = ceil_div(Lq, kTileQ), Tk = ceil_div(Lk, kBlockK);
+  const std::int64_t R = B * Hkv * (tiles ? Tq : Lq);
+  Scratch sc{};
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off += sel::align_up(bytes);
+    return at;
+  };
+  sc.words = take(3 * sizeof(unsigned int));  // amax of qidx, kidx, the preparation's barrier (zeroed per call)
+  sc.qc = take(static_cast<std::size_t>(B * Lq * Hkv * Dc * code_bytes(p)));
+  sc.kc = take(static_cast<std::size_t>(B * Lk * Hk * Dc * code_bytes(p)));
+  sc.m = take(static_cast<std::size_t>(R * Tk * (tiles ? kScreenParts : 1)) * sizeof(float));
+  sc.bytes = off;
+  return sc;
+}
 
 template <bool kTiles>
 void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorView& idx, const TensorView* cnt,
-                   const TokenMaxOptions& o, const detail::SelectorTuning& tuning) {
+                   const TokenMaxOptions& o) {
   const std::string op = "token_max_select";
   const int max_smem = sel::usable_device_smem(op, "qidx", qidx);
   sel::check_device_memory(op, "qidx", qidx);
@@ -700,23 +675,22 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   Shape s{};
   s.B = qidx.shape[0], s.Lq = qidx.shape[1], s.Hkv = qidx.shape[2], s.Di = qidx.shape[3];
   s.Lk = kidx.shape[1], s.Hk = kidx.shape[2];
-  s.Dp = padded_dim(s.Di), s.Tq = ceil_div(s.Lq, kTileQ), s.Tk = ceil_div(s.Lk, kBlockK);
+  s.Dc = tc::padded_dim(s.Di), s.Tq = ceil_div(s.Lq, kTileQ), s.Tk = ceil_div(s.Lk, kBlockK);
   s.causal = o.causal;
   const auto stream = static_cast<cudaStream_t>(o.stream);
+  const IndexPrecision prec = o.precision;
+  const bool fp8 = prec == IndexPrecision::fp8_e4m3;
 
-  if (s.Dp > kMaxDp)
+  if (s.Di > kMaxDi)
     throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " exceeds the CUDA token_max selector's limit of " +
-                                std::to_string(kMaxDp));
-  if (s.B * s.Hkv > 65535)
-    throw Error(op, "qidx", "B x Hkv = " + std::to_string(s.B * s.Hkv) + " exceeds the CUDA selector's limit of 65535");
-  const std::size_t rk_smem = std::max(rank_smem(s.Tk), finish_smem(s.Tk));
-  const std::size_t rs_smem = rescore_smem<kTiles>(s.Di);
+                                std::to_string(kMaxDi));
+  const std::size_t rk_smem = rank_smem(s.Tk);
   if (rk_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "kidx", "Lk = " + std::to_string(s.Lk) + " gives " + std::to_string(s.Tk) +
                                 " blocks, more than the CUDA selector's shared-memory ranking holds");
   const std::int64_t R = s.B * s.Hkv * (kTiles ? s.Tq : s.Lq);
-  if (R > 0x7fffffff || s.Tk * kChunksPerTile > 0x7fffffff)
-    throw Error(op, "qidx", "the problem has more lists or blocks than the CUDA token_max selector indexes");
+  if (R > 0x7fffffff || s.Lq > 0x7fffffff || s.Lk > 0x7fffffff)
+    throw Error(op, "qidx", "the problem has more lists or rows than the CUDA token_max selector indexes");
 
   // The opt-in shared-memory size is set once per (kernel, device) and raised when a call needs more:
   // repeating cudaFuncSetAttribute on every call costs host time in front of every selection.
@@ -732,94 +706,91 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                "cudaFuncSetAttribute");
     have = bytes;
   };
-  using WsFn = void (*)(WsParams);
-  constexpr WsFn ws_by_halves[] = {screen_ws_kernel<kTiles, 1>, screen_ws_kernel<kTiles, 2>, screen_ws_kernel<kTiles, 3>,
-                                   screen_ws_kernel<kTiles, 4>};
-  constexpr std::size_t ws_bytes[] = {WsLayout<1>::kBytes, WsLayout<2>::kBytes, WsLayout<3>::kBytes, WsLayout<4>::kBytes};
-  const int halves = static_cast<int>(wg_width(s.Dp) / 64);
-  const WsFn ws = ws_by_halves[halves - 1];
-  const std::size_t ws_smem = ws_bytes[halves - 1];
-  if (ws_smem > static_cast<std::size_t>(max_smem))
-    throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " needs " + std::to_string(ws_smem) +
+  using ScreenFn = void (*)(ScreenParams);
+  constexpr ScreenFn bf16_screens[] = {screen_kernel<kTiles, false, 1>, screen_kernel<kTiles, false, 2>,
+                                       screen_kernel<kTiles, false, 3>, screen_kernel<kTiles, false, 4>};
+  constexpr ScreenFn fp8_screens[] = {screen_kernel<kTiles, true, 1>, screen_kernel<kTiles, true, 2>};
+  constexpr std::size_t screen_bytes[] = {ScreenLayout<1>::kBytes, ScreenLayout<2>::kBytes, ScreenLayout<3>::kBytes,
+                                          ScreenLayout<4>::kBytes};
+  const int halves = static_cast<int>(code_halves(s.Dc, prec));
+  const ScreenFn screen = fp8 ? fp8_screens[halves - 1] : bf16_screens[halves - 1];
+  const std::size_t sc_smem = screen_bytes[halves - 1];
+  if (sc_smem > static_cast<std::size_t>(max_smem))
+    throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " needs " + std::to_string(sc_smem) +
                                 " bytes of shared memory for the screening kernel; the device allows " +
                                 std::to_string(max_smem));
-  attr(reinterpret_cast<const void*>(ws), ws_smem);
-  attr(reinterpret_cast<const void*>(decide_kernel<kTiles>), rk_smem);
-  attr(reinterpret_cast<const void*>(finish_kernel<kTiles>), rk_smem);
-  attr(reinterpret_cast<const void*>(rescore_kernel<kTiles>), rs_smem);
+  attr(reinterpret_cast<const void*>(screen), sc_smem);
+  attr(reinterpret_cast<const void*>(rank_kernel<kTiles>), rk_smem);
 
-  // Scratch; the zeroed words (amax, queue length, group maxima) come first so one memset clears them.
-  const std::int64_t q_rows = s.B * s.Lq * s.Hkv, k_rows = s.B * s.Lk * s.Hk;
-  const std::int64_t qgroups = s.B * s.Hkv * s.Tq, kgroups = s.B * s.Hk * s.Tk;
-  const std::int64_t cap = R * s.Tk * (kTiles ? kChunksPerTile : 1);
-  std::size_t off = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t at = off;
-    off += sel::align_up(bytes);
-    return at;
-  };
-  const std::size_t o_words = take(4 * sizeof(unsigned int));
-  const std::size_t o_kmax = take(static_cast<std::size_t>(kgroups) * 4);
-  const std::size_t o_qmax = take(static_cast<std::size_t>(qgroups) * 4);
-  const std::size_t zero_bytes = off;
-  const std::size_t o_qc = take(static_cast<std::size_t>(q_rows * s.Dp) * 2);
-  const std::size_t o_kc = take(static_cast<std::size_t>(k_rows * s.Dp) * 2);
-  const std::size_t o_qn = take(static_cast<std::size_t>(q_rows) * 4);
-  const std::size_t o_kn = take(static_cast<std::size_t>(k_rows) * 4);
-  // Screened maxima; the screen leaves kScreenParts partial maxima per TileLists entry.
-  const int parts = kTiles ? kScreenParts : 1;
-  const std::size_t o_m = take(static_cast<std::size_t>(R * s.Tk * parts) * 4);
-  const std::size_t o_cls = take(static_cast<std::size_t>(R * s.Tk));
-  const std::size_t o_ex = take(static_cast<std::size_t>(R * s.Tk) * 8);
-  const std::size_t o_pend = take(static_cast<std::size_t>(R) * 4);
-  const std::size_t o_queue = take(static_cast<std::size_t>(cap) * sizeof(int2));
-  sel::StreamScratch scratch(off, stream, op);
-  check_cuda(cudaMemsetAsync(scratch.as<void>(0), 0, zero_bytes, stream), op, "cudaMemsetAsync");
-  auto* words = scratch.as<unsigned int>(o_words);  // [0], [1]: amax of qidx, kidx; [2]: queue length
-  // Every launch after the first a programmatic dependent of the one before (chain_start).
-  auto launch = [&](const char* what, auto kernel, dim3 grid, dim3 block, std::size_t smem, const auto& params) {
-    sel::launch_dependent(op, what, kernel, grid, block, smem, stream, params);
-  };
-
-  launch_prepare_pair(qidx, kidx, o.precision, words,
-                      PrepOut{scratch.as<__nv_bfloat16>(o_qc), scratch.as<float>(o_qn), scratch.as<unsigned int>(o_qmax), s.Dp},
-                      PrepOut{scratch.as<__nv_bfloat16>(o_kc), scratch.as<float>(o_kn), scratch.as<unsigned int>(o_kmax), s.Dp},
-                      stream, op, true);
-
+  const Scratch lay = scratch_layout(s.B, s.Lq, s.Lk, s.Hkv, s.Hk, s.Di, prec, kTiles);
+  sel::StreamScratch scratch(lay.bytes, stream, op);
+  auto* words = scratch.as<unsigned int>(lay.words);
+  check_cuda(cudaMemsetAsync(words, 0, 3 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
+  PrepParams pp{};
+  pp.src[0] = tc::index_src(qidx), pp.src[1] = tc::index_src(kidx);
+  pp.type[0] = sel::in_type(qidx.dtype), pp.type[1] = sel::in_type(kidx.dtype);
+  pp.codes[0] = scratch.as<void>(lay.qc), pp.codes[1] = scratch.as<void>(lay.kc);
+  pp.rows[0] = s.B * s.Lq * s.Hkv, pp.rows[1] = s.B * s.Lk * s.Hk;
+  pp.lanes = static_cast<int>(s.Dc / 8);
+  pp.Dc = static_cast<int>(s.Dc);
+  pp.items0 = pp.rows[0] * pp.lanes;
+  pp.items = pp.items0 + pp.rows[1] * pp.lanes;
+  pp.words = words;
+  void (*prepare)(PrepParams) = prec == IndexPrecision::bf16 ? prepare_kernel<Prec::bf16>
+                                : fp8                        ? prepare_kernel<Prec::fp8>
+                                                             : prepare_kernel<Prec::fp4>;
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
+  const int per_sm = [&] {  // resident CTAs per SM, once per (kernel, device)
+    static std::mutex mu;
+    static std::map<std::pair<const void*, int>, int> known;
+    const std::lock_guard<std::mutex> lock(mu);
+    const auto key = std::make_pair(reinterpret_cast<const void*>(prepare), dev);
+    auto it = known.find(key);
+    if (it != known.end()) return it->second;
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prepare, kPrepThreads, 0), op,
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return known[key] = n;
+  }();
+  // Resident CTAs only (the grid barrier), no more than the items need.
+  const std::int64_t prep_ctas =
+      imax<std::int64_t>(1, imin<std::int64_t>(static_cast<std::int64_t>(sms) * per_sm, ceil_div(pp.items, kPrepThreads)));
+  {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(prep_ctas));
+    cfg.blockDim = dim3(kPrepThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute coop{};
+    coop.id = cudaLaunchAttributeCooperative;
+    coop.val.cooperative = 1;
+    cfg.attrs = &coop;
+    cfg.numAttrs = 1;
+    check_cuda(cudaLaunchKernelEx(&cfg, prepare, pp), op, "preparation launch");
+  }
+
+  // The code rows as 16-bit columns (e4m3 bytes in pairs): TMA moves bits, and a box of 64 columns is the
+  // 128-byte swizzle span either way.
+  const std::int64_t cols = s.Dc * code_bytes(prec) / 2;
+  ScreenParams sp{};
+  sp.qmap = cuda_kernels::make_bhld_tensor_map(
+      op, "qidx", TensorView::contiguous(scratch.as<void>(lay.qc), DType::bf16, {s.B, s.Lq, s.Hkv, cols}, Device::cuda, dev));
+  sp.kmap = cuda_kernels::make_bhld_tensor_map(
+      op, "kidx", TensorView::contiguous(scratch.as<void>(lay.kc), DType::bf16, {s.B, s.Lk, s.Hk, cols}, Device::cuda, dev));
+  sp.out = scratch.as<float>(lay.m);
+  sp.part_stride = R * s.Tk;
+  sp.s = s;
   // One wave of persistent CTAs (one per SM) over contiguous ranges of (Q tile, KV block) units.
-  WsParams wp{};
-  wp.qmap = cuda_kernels::make_bhld_tensor_map(
-      op, "qidx", TensorView::contiguous(scratch.as<void>(o_qc), DType::bf16, {s.B, s.Lq, s.Hkv, s.Dp}, Device::cuda, dev));
-  wp.kmap = cuda_kernels::make_bhld_tensor_map(
-      op, "kidx", TensorView::contiguous(scratch.as<void>(o_kc), DType::bf16, {s.B, s.Lk, s.Hk, s.Dp}, Device::cuda, dev));
-  wp.out = scratch.as<float>(o_m);
-  wp.part_stride = R * s.Tk;
-  wp.s = s;
   const std::int64_t units = s.Tq * s.B * s.Hkv * s.Tk;
   const std::int64_t ctas = imin<std::int64_t>(units, static_cast<std::int64_t>(sms));
-  wp.per_cta = ceil_div(units, ctas);
-  launch("screen launch", ws, dim3(static_cast<unsigned>(ceil_div(units, wp.per_cta))), dim3(kWsThreads), ws_smem, wp);
+  sp.per_cta = ceil_div(units, ctas);
+  sel::launch_dependent(op, "screen launch", screen, dim3(static_cast<unsigned>(ceil_div(units, sp.per_cta))),
+                        dim3(kScreenThreads), sc_smem, stream, sp);
 
   RankParams rp{};
-  rp.m = scratch.as<float>(o_m);
-  rp.parts = parts;
+  rp.m = scratch.as<float>(lay.m);
+  rp.parts = kTiles ? kScreenParts : 1;
   rp.part_stride = R * s.Tk;
-  rp.qnorm = scratch.as<float>(o_qn);
-  rp.qmax = scratch.as<unsigned int>(o_qmax);
-  rp.kmax = scratch.as<unsigned int>(o_kmax);
-  rp.amax = words;
-  rp.prec = o.precision == IndexPrecision::bf16 ? static_cast<int>(Prec::bf16)
-            : o.precision == IndexPrecision::fp8_e4m3 ? static_cast<int>(Prec::fp8)
-                                                      : static_cast<int>(Prec::fp4);
-  rp.bc = bound_consts(s.Di, s.Dp);
-  rp.cls = scratch.as<unsigned char>(o_cls);
-  rp.exact = scratch.as<unsigned long long>(o_ex);
-  rp.pending = scratch.as<int>(o_pend);
-  rp.count = words + 2;
-  rp.queue = scratch.as<int2>(o_queue);
-  rp.stats = tuning.token_max_counters;
   rp.idx = idx.ptr<std::int32_t>();
   rp.is0 = idx.stride[0], rp.is1 = idx.stride[1], rp.is2 = idx.stride[2], rp.is3 = idx.stride[3];
   rp.width = idx.shape[3];
@@ -830,29 +801,34 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   rp.s = s;
   rp.top_k = o.top_k;
   rp.reserve_local = o.reserve_local;
-  launch("decision launch", decide_kernel<kTiles>, dim3(static_cast<unsigned>(R)), dim3(kRankThreads), rk_smem, rp);
-
-  RescoreParams xp{index_src(qidx), index_src(kidx), scratch.as<__nv_bfloat16>(o_qc), scratch.as<__nv_bfloat16>(o_kc),
-                   sel::in_type(qidx.dtype), sel::in_type(kidx.dtype), rp.prec, words, rp.exact, rp.count, rp.queue, s};
-  // Enough CTAs for every unit of a typical queue to start at once (a handful of undecided blocks per
-  // list); a long queue is walked by the same CTAs.
-  const std::int64_t rgrid = imin<std::int64_t>(4 * static_cast<std::int64_t>(sms), cap * RescoreShape<kTiles>::KS);
-  launch("re-scoring launch", rescore_kernel<kTiles>, dim3(static_cast<unsigned>(imax<std::int64_t>(1, rgrid))),
-         dim3(kRescoreThreads), rs_smem, xp);
-  launch("ranking launch", finish_kernel<kTiles>, dim3(static_cast<unsigned>(R)), dim3(kRankThreads), rk_smem, rp);
+  rp.force_block0 = o.force_block0;
+  sel::launch_dependent(op, "ranking launch", rank_kernel<kTiles>, dim3(static_cast<unsigned>(R)), dim3(kRankThreads),
+                        rk_smem, stream, rp);
   check_cuda(cudaGetLastError(), op, "kernel launch");
 }
 
 }  // namespace
 
-void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out, const TokenMaxOptions& o,
-                      const detail::SelectorTuning& tuning) {
-  run_token_max<false>(qidx, kidx, out.idx, nullptr, o, tuning);
+std::size_t token_max_scratch_bytes(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, std::int64_t Hk,
+                                    std::int64_t Di, IndexPrecision precision, bool tiles) {
+  return scratch_layout(B, Lq, Lk, Hkv, Hk, Di, precision, tiles).bytes;
 }
 
-void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out, const TokenMaxOptions& o,
-                      const detail::SelectorTuning& tuning) {
-  run_token_max<true>(qidx, kidx, out.idx, &out.cnt, o, tuning);
+double token_max_score_error(IndexPrecision precision, std::int64_t Di, double nq, double nk, double sq, double sk) {
+  const std::int64_t Dc = tc::padded_dim(Di);
+  const bool fp8 = precision == IndexPrecision::fp8_e4m3;
+  const double n = 4.0 * static_cast<double>(code_halves(Dc, precision));
+  const double r = fp8 ? 40.0 * 0x1p-13 : 0x1p-18;
+  return (n * r * (1.0 + 0x1p-4) + 0x1p-20) * nq * nk + 0x1p-140 * (nq + nk) + 0x1p-128 * (sq * nk + sk * nq) +
+         n * 0x1p-120 * sq * sk + 0x1p-280;
+}
+
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const QueryLists& out, const TokenMaxOptions& o) {
+  run_token_max<false>(qidx, kidx, out.idx, nullptr, o);
+}
+
+void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out, const TokenMaxOptions& o) {
+  run_token_max<true>(qidx, kidx, out.idx, &out.cnt, o);
 }
 
 }  // namespace sparse_attn::cuda_backend
