@@ -338,28 +338,31 @@ class _Method:
             return self._tiles(q, k, v, scale, causal, _mask_from_lists(idx, Tk, cnt), ask)
         if m in ("token_max", "auto"):
             qidx, kidx = self._index_vectors(module, q, k)
-            ask = self._ask(top, 0, 1)
+            ask = self._ask(top, 1, 1)  # the selector forces block 0 and the local block itself
+            sink = self.sink > 0
             if m == "token_max" and self.granularity == "tile":
                 idx, cnt = token_max_select(qidx, kidx, top_k=ask, precision=self.precision, causal=causal,
-                                            reserve_local=self.local > 0, format="tile")
+                                            reserve_local=self.local > 0, force_block0=sink, format="tile")
                 return self._tiles(q, k, v, scale, causal, _mask_from_lists(idx, Tk, cnt), ask)
             idx = token_max_select(qidx, kidx, top_k=ask, precision=self.precision, causal=causal,
-                                   reserve_local=self.local > 0, format="query")
+                                   reserve_local=self.local > 0, force_block0=sink, format="query")
             return self._queries(q, k, v, scale, causal, _mask_from_lists(idx, Tk), ask)
         if m == "lightning":
             blocks = self.lightning_format == "block"
-            ask = self._ask(top, 0, 0)
+            ask = self._ask(top, self.sink, 0)  # the selector keeps the sink blocks' keys itself
             top_k = ask if blocks else min(ask * BLOCK_K, Lk)
             fmt = "query" if blocks else "token"
+            sink_keys = self.sink * BLOCK_K
             if self.indexer is not None:
                 qI, w, kI = self.indexer(module, q, k)
                 idx = lightning_select(qI, w, kI, top_k=top_k, causal=causal, precision=self.precision,
-                                       groups=Hkv, format=fmt)
+                                       groups=Hkv, format=fmt, sink_keys=sink_keys)
             else:
                 G = Hq // Hkv
                 w = torch.full((B, Lq, G), 1.0 / G, dtype=torch.float32, device=q.device)
                 idx = torch.cat([lightning_select(q[:, :, g * G:(g + 1) * G], w, k[:, :, g], top_k=top_k,
-                                                  causal=causal, precision=self.precision, format=fmt)
+                                                  causal=causal, precision=self.precision, format=fmt,
+                                                  sink_keys=sink_keys)
                                  for g in range(Hkv)], dim=1)
             if blocks:
                 return self._queries(q, k, v, scale, causal, _mask_from_lists(idx, Tk), ask)
