@@ -151,6 +151,8 @@ TEST(EntmaxGpu, Alpha15And2AcrossShapes) {
     check_case({"Lq > Lk causal (rows without keys)" + a, sa::DType::bf16, 1, 333, 100, 2, 2, 64, true, alpha});
     check_case({"long 1000" + a, sa::DType::bf16, 1, 1000, 1000, 1, 1, 128, true, alpha});
     check_case({"gqa 4:1" + a, sa::DType::bf16, 1, 200, 700, 8, 2, 128, false, alpha});
+    // 20 key blocks: the first pass's ring slides over many blocks, both accumulators alternate.
+    check_case({"long 2500 gqa d64" + a, sa::DType::bf16, 1, 2500, 2500, 4, 2, 64, true, alpha});
   }
 }
 
