@@ -97,11 +97,12 @@ union RowBins {
   Collected coll;
 };
 constexpr int kRowWords = sizeof(RowBins) / 4;
-// What a refining pass's search reads of a row on its few candidate scores (in shared memory: held in
-// registers it would push the two accumulators' neighbours into local memory).
+// What a refining pass reads of a row on its few candidate scores (in shared memory: held in registers
+// it would push the two accumulators' neighbours into local memory).
 struct RowSearch {
   double lo, hi;
-  float z_max;
+  float z_max, z_lo, z_tau;
+  float z_bit;  // scores above this set their block's bit (+inf: none)
   Role role;
 };
 
@@ -142,6 +143,14 @@ __device__ __forceinline__ float pick(const float (&s)[64], int e) {
   return v;
 }
 
+// A cut on raw scores s for a cut z on z = s * scale (scale > 0), a few float steps low: every s with
+// s * scale > z (or >=) lies above it. The hot loops compare raw scores (one instruction per score);
+// the few above the cut are tested exactly.
+__device__ __forceinline__ float raw_cut(float z, float scale) {
+  const float t = z / scale;
+  return t < INFINITY ? t - fabsf(t) * 1e-6f - 1e-30f : t;
+}
+
 // a[i] for i in {0, 1} not known at compile time, as a select (an index would move a to local memory).
 template <class T>
 __device__ __forceinline__ T sel(const T (&a)[2], int i) {
@@ -170,14 +179,16 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
     __syncwarp();
   }
 
-  // First pass: running max M, the ring's anchor and top bin, the window's floor (+inf: not binned).
+  // First pass: running max M, the ring's anchor and top bin, the window's floor as a raw cut (+inf: not
+  // binned).
   const bool ring = kPass == Pass::kFirst && p.power != 0;
   const double c = kSections * p.am1;
   float M[2] = {-INFINITY, -INFINITY}, anchor[2] = {0.0f, 0.0f}, wfloor[2] = {INFINITY, INFINITY};
   int top[2] = {0, 0};
   bool bad[2] = {false, false}, lost[2] = {false, false};
-  // Refining passes: per row its role's cuts (+inf: none); the rest in sm.search.
-  float zcut[2] = {INFINITY, INFINITY}, zbit[2] = {INFINITY, INFINITY}, zsup[2] = {INFINITY, INFINITY};
+  // Refining passes: per row the raw cut below which its role has nothing to do (+inf: no role); the
+  // rest in sm.search.
+  float scut[2] = {INFINITY, INFINITY};
   bool live_row[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -185,15 +196,11 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
     if (kPass == Pass::kFirst || !live_row[i]) continue;
     const EntmaxRow st = p.rows[row_base + row0 + rl(i)];
     const Role role = role_of(st, p.power);
-    if (t4 == 0) sm.search[rl(i)] = RowSearch{st.lo, st.hi, st.z_max, role};
     const float margin = kBitMargin * fmaxf(1.0f, fabsf(st.z_max));
-    if (role == Role::kMark) {
-      zbit[i] = st.z_tau - margin;
-      zsup[i] = st.z_tau;
-    } else if (role != Role::kNone) {
-      zcut[i] = st.z_lo;
-      if (role == Role::kCollect) zbit[i] = st.z_lo - margin;
-    }
+    // Mark: the bits below z_tau by the margin; collect: below the bracket's low end by the margin.
+    const float z_bit = role == Role::kMark ? st.z_tau - margin : (role == Role::kCollect ? st.z_lo - margin : INFINITY);
+    if (t4 == 0) sm.search[rl(i)] = RowSearch{st.lo, st.hi, st.z_max, st.z_lo, st.z_tau, z_bit, role};
+    if (role != Role::kNone) scut[i] = raw_cut(role == Role::kBin ? st.z_lo : z_bit, p.scale);
   }
   __syncwarp();
   unsigned long long support = 0;
@@ -249,13 +256,13 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
         }
         top[i] = nt;
       }
-      wfloor[i] = ring_floor(anchor[i], top[i], c);
+      wfloor[i] = raw_cut(ring_floor(anchor[i], top[i], c), p.scale);
     }
     __syncwarp();
     std::uint32_t cand[2] = {0u, 0u};
 #pragma unroll
     for (int e = 0; e < 64; ++e)
-      if (s[e] * p.scale >= wfloor[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
+      if (s[e] >= wfloor[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
 #pragma unroll
     for (int half = 0; half < 2; ++half)
       for (std::uint32_t m = cand[half]; m != 0u; m &= m - 1u) {
@@ -270,27 +277,27 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
       }
   };
 
-  // A refining pass's block: marks and counts on every score, the search on the few above a cut.
+  // A refining pass's block: the few scores above a row's cut are marked, counted and searched.
   const auto refine_block = [&](float (&s)[64], int j) {
     std::uint32_t cand[2] = {0u, 0u};
-    bool hit = false;
-    int in_support = 0;
 #pragma unroll
-    for (int e = 0; e < 64; ++e) {
-      const int i = row_of(e);
-      const float z = s[e] * p.scale;
-      hit |= z > zbit[i];
-      in_support += z > zsup[i] ? 1 : 0;
-      if (z > zcut[i]) cand[e / 32] |= 1u << (e % 32);
-    }
-    support += static_cast<unsigned>(in_support);
+    for (int e = 0; e < 64; ++e)
+      if (s[e] > scut[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
+    bool hit = false;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
       for (std::uint32_t m = cand[half]; m != 0u; m &= m - 1u) {
         const int e = 32 * half + __ffs(m) - 1, r = rl(row_of(e));
         const RowSearch rs = sm.search[r];
+        const float z = pick(s, e) * p.scale;
+        hit |= z > rs.z_bit;
+        if (rs.role == Role::kMark) {
+          support += z > rs.z_tau ? 1u : 0u;
+          continue;
+        }
+        if (!(z > rs.z_lo)) continue;
         const double rlo = rs.lo, rhi = rs.hi;
-        const double u = p.am1 * (static_cast<double>(pick(s, e) * p.scale) - static_cast<double>(rs.z_max)) + 1.0;
+        const double u = p.am1 * (static_cast<double>(z) - static_cast<double>(rs.z_max)) + 1.0;
         RowBins& rb = sm.bins[r];
         if (rs.role == Role::kCollect) {
           if (u < rhi) {
