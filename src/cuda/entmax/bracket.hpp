@@ -36,7 +36,7 @@
 namespace sparse_attn::cuda_kernels::entmax {
 
 inline constexpr int kSections = 32;  // intervals of a bracketing pass
-inline constexpr int kMaxPasses = 6;  // bracketing passes launched (the closed forms finish in 1 or 2)
+inline constexpr int kMaxPasses = 6;  // refining passes after the first (random rows need one)
 // Bracket width where other alphas stop: 5 passes (32^-5 = 2.98e-8), about the float32 resolution of
 // u near 1. A row still bracketed after the last pass (the closed-form paths whose root keeps landing
 // in an interval holding scores) takes the bracket's midpoint.

@@ -11,8 +11,9 @@
 //      slides up with the running max; at the end each row is closed where the root's bin holds no
 //      score (closed form), or left with the bracket of that bin and its count. NaN/+inf rows and rows
 //      without keys are found here. Other alphas: the row max only.
-//   2. refining passes (up to kMaxPasses; a CTA with nothing left to do returns at once, so the
-//      launches past convergence cost a launch each). Per row, by its state:
+//   2. refining passes (kMaxPasses, and one more that marks the rows the last finished by binning):
+//      each pass counts the rows the next one has work for, so a launch past convergence reads one
+//      word and returns, and a CTA whose rows need nothing returns at once. Per row, by its state:
 //      - collect (the bracket holds at most kCollect scores): those scores (as u - lo) and the moments
 //        of the scores above the bracket; tau solved exactly at the end of the pass;
 //      - bin (a bracket holding more, or other alphas): the bracket cut into kSections intervals, as
@@ -58,7 +59,7 @@
 namespace sparse_attn::cuda_kernels::entmax {
 
 // K ring depth: with no V ring the slots take its room (D = 128: Q 32 KB + 4 x 32 KB + the rows' bins
-// 50 KB of the 227 KB), three blocks of lead over the consumers' score arithmetic.
+// and search state 55 KB of the 227 KB), three blocks of lead over the consumers' score arithmetic.
 constexpr int kStages = 4;
 constexpr int kThreads = 128 + kConsumerThreads;  // producer warpgroup + two consumer warpgroups
 constexpr std::uint32_t kProducerRegs = 24, kConsumerRegs = 240;  // as the Q-centric kernel
@@ -74,7 +75,11 @@ struct ScanParams {
   float scale = 1.0f;
   double am1 = 0.5, r = 2.0;
   int power = 2;                    // 1: r = 1, 2: r = 2, 0: other
+  int pass = 0;                     // refining pass: 0, 1, .. kMaxPasses
   bool last_pass = false;           // the last bracketing pass: every row finishes
+  // Rows that refining pass k has work for, counted by the pass before it (zeroed first): a launch
+  // past convergence reads one word and returns.
+  int* pending = nullptr;           // [kMaxPasses + 1]
   EntmaxRow* rows = nullptr;        // [B, Hq, Lq]
   std::uint32_t* bits = nullptr;    // [B, Hq, Tq, words], zeroed before the first pass
   unsigned long long* support = nullptr;
@@ -383,6 +388,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
 
   // Each row closed by one lane of its quad (row g by lane 0, row g + 8 by lane 1).
   __syncwarp();
+  bool next = false;  // the row this lane closed has work in the next refining pass
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (t4 != i || !live_row[i]) continue;
@@ -411,6 +417,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
         ring_close(st, cnt, s1, s2, ring_pos(M[i], anchor[i], c), p.power, p.am1);
       }
       out = st;
+      next = role_of(st, p.power) != Role::kNone;
     } else {
       const Role role = sm.search[r].role;
       if (role == Role::kNone) continue;
@@ -433,8 +440,12 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
         st.inside = -1;  // bin the bracket on the next pass
       }
       out = st;
+      next = role_of(st, p.power) != Role::kNone;
     }
   }
+  const int next_rows = __popc(__ballot_sync(0xffffffffu, next));
+  const int next_pass = kPass == Pass::kFirst ? 0 : p.pass + 1;
+  if (lane == 0 && next_rows != 0 && next_pass <= kMaxPasses) atomicAdd(p.pending + next_pass, next_rows);
   if constexpr (kPass == Pass::kRefine) {
     for (int o = 16; o > 0; o >>= 1) support += __shfl_xor_sync(0xffffffffu, support, o);
     if (lane == 0 && support != 0) atomicAdd(p.support, support);
@@ -451,6 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tile = static_cast<int>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y, b = blockIdx.z;
   const int row0 = tile * kTileRows;
   if constexpr (kPass == Pass::kRefine) {
+    if (p.pending[p.pass] == 0) return;
     int need = 0;
     const int row = row0 + static_cast<int>(threadIdx.x);
     if (threadIdx.x < kTileRows && row < p.Lq)
@@ -538,6 +550,7 @@ cudaError_t launch_passes(ScanParams p, const CUtensorMap& tm_q, const CUtensorM
                           cudaStream_t stream) {
   cudaError_t e = launch_scan<Tag, D, Pass::kFirst>(p, tm_q, tm_k, grid, stream);
   for (int i = 0; i <= kMaxPasses && e == cudaSuccess; ++i) {
+    p.pass = i;
     p.last_pass = i == kMaxPasses - 1;
     e = launch_scan<Tag, D, Pass::kRefine>(p, tm_q, tm_k, grid, stream);
   }
@@ -551,7 +564,8 @@ namespace {
 
 constexpr const char* kOp = "entmax";
 
-// Per (device, stream): the row states, the bits, the tile lists of the output pass and two counters.
+// Per (device, stream): the row states, the bits, the tile lists of the output pass, two counters
+// (support, active tiles) and the refining passes' pending rows.
 // entmax holds its lock across both phases.
 WorkspaceCache g_entmax_workspaces;
 
@@ -587,8 +601,10 @@ EntmaxPlan entmax_thresholds(const detail::AttentionCall& a, const EntmaxOptions
   char* idx = ws + rows_bytes + bits_bytes;
   char* cnt = idx + idx_bytes;
   auto* counters = reinterpret_cast<unsigned long long*>(cnt + cnt_bytes);  // support, active tiles
+  int* pending = reinterpret_cast<int*>(counters + 2);
+  static_assert(2 * sizeof(unsigned long long) + (kMaxPasses + 1) * sizeof(int) <= 256, "counters over their room");
   check_cuda(cudaMemsetAsync(bits, 0, bits_bytes, stream), kOp, "bits");
-  check_cuda(cudaMemsetAsync(counters, 0, 2 * sizeof(unsigned long long), stream), kOp, "counters");
+  check_cuda(cudaMemsetAsync(counters, 0, 256, stream), kOp, "counters");
 
   const double alpha = options.alpha;
   ScanParams p;
@@ -606,6 +622,7 @@ EntmaxPlan entmax_thresholds(const detail::AttentionCall& a, const EntmaxOptions
   p.rows = rows;
   p.bits = bits;
   p.support = counters;
+  p.pending = pending;
   const dim3 grid(static_cast<unsigned>(Tq), static_cast<unsigned>(s.Hq), static_cast<unsigned>(s.B));
   const bool bf16 = a.q.dtype == DType::bf16;
   using cuda_kernels::Bf16Tag;
