@@ -278,7 +278,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
         RingBins& rb = sm.bins[rl(i)].ring;
         atomicAdd(&rb.cnt[sl], 1);
         atomicAdd(&rb.s1[sl], d);
-        atomicAdd(&rb.s2[sl], d * d);
+        if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
       }
   };
 
@@ -312,14 +312,14 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
             const double d = u - rhi;
             atomicAdd(&rb.coll.n, 1);
             atomicAdd(&rb.coll.s1, static_cast<float>(d));
-            atomicAdd(&rb.coll.s2, static_cast<float>(d * d));
+            if (p.power == 2) atomicAdd(&rb.coll.s2, static_cast<float>(d * d));
           }
         } else if (p.power != 0) {
           double d;
           const int k = bin_of(u, rlo, rhi, d);
           atomicAdd(&rb.ring.cnt[k], 1);
           atomicAdd(&rb.ring.s1[k], static_cast<float>(d));
-          atomicAdd(&rb.ring.s2[k], static_cast<float>(d * d));
+          if (p.power == 2) atomicAdd(&rb.ring.s2[k], static_cast<float>(d * d));
         } else {
           const float rf = static_cast<float>(p.r);
           const double wd = (rhi - rlo) / kSections;
