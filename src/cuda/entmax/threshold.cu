@@ -580,12 +580,12 @@ EntmaxPlan entmax_thresholds(const detail::AttentionCall& a, const EntmaxOptions
   using cuda_kernels::check_cuda;
   const ProblemShape& s = a.p;
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
-  detail::require(s.Lq <= kIntMax && s.Lk <= kIntMax && s.Tq() <= 2147483647 && s.Hq <= 65535 && s.B <= 65535,
+  detail::require(s.Lq <= kIntMax && s.Lk <= kIntMax && s.Tq() <= kIntMax && s.Hq <= 65535 && s.B <= 65535,
                   kOp, "q", [&] { return "problem too large for the CUDA entmax's grid: " + s.describe(); });
+  cuda_kernels::DeviceGuard guard(a.device, kOp);
   // TMA loads (throws naming the tensor where TMA cannot address it: alignment of the base or strides).
   const CUtensorMap tm_q = cuda_kernels::make_bhld_tensor_map(kOp, "q", a.q);
   const CUtensorMap tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", a.k);
-  cuda_kernels::DeviceGuard guard(a.device, kOp);
   const auto stream = static_cast<cudaStream_t>(a.stream);
   const std::int64_t Tq = s.Tq(), Tk = s.Tk(), words = ceil_div(Tk, 32);
   const std::int64_t nrows = s.B * s.Hq * s.Lq, nbits = s.B * s.Hq * Tq * words;
