@@ -222,10 +222,12 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
   const auto first_block = [&](float (&s)[64]) {
     float mx[2] = {-INFINITY, -INFINITY};
     row_max<true>(s, mx);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) mx[i] = quad_max<true>(mx[i]);
     __syncwarp();  // every lane's atomics of the previous block are in before slots are cleared
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float zm = quad_max<true>(mx[i]) * p.scale;
+      const float zm = mx[i] * p.scale;
       if (!(zm < INFINITY)) {  // NaN or +inf: the row is poisoned
         bad[i] = true;
         wfloor[i] = INFINITY;
