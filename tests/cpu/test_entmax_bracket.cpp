@@ -38,16 +38,17 @@ struct Outcome {
 
 constexpr std::size_t kBlock = 128;  // keys per block of the kernel's walk
 
-// The first pass as the kernel runs it: per block the running max, the ring slid up with it, then the
-// block's scores in the window binned.
+// The first pass as the kernel runs it: per block the running max, the ring slid up with it, the
+// bottom settled on the kernel's schedule, then the block's scores in the window binned.
 void first_pass(const std::vector<float>& z, double am1, int power, EntmaxRow& st) {
   const double c = ek::kSections * am1;
   int cnt[ek::kRing] = {};
   float s1[ek::kRing] = {}, s2[ek::kRing] = {};
   float m = -INFINITY, anchor = 0.0f, wfloor = INFINITY;
-  int top = 0;
+  int top = 0, settled = 0;
   for (std::size_t b0 = 0; b0 < z.size(); b0 += kBlock) {
     const std::size_t b1 = std::min(z.size(), b0 + kBlock);
+    const int j = static_cast<int>(b0 / kBlock);
     const float zm = *std::max_element(z.begin() + static_cast<std::ptrdiff_t>(b0), z.begin() + static_cast<std::ptrdiff_t>(b1));
     if (zm > m) {
       int nt = ek::kRingBase;
@@ -66,12 +67,27 @@ void first_pass(const std::vector<float>& z, double am1, int power, EntmaxRow& s
         s1[sl] = s2[sl] = 0.0f;
       }
       top = std::max(top, nt);
-      wfloor = ek::ring_floor(anchor, top, c);
+      wfloor = ek::ring_edge(anchor, ek::ring_bottom(top, settled), c);
+    }
+    if (j >= 1 && ((j & (j - 1)) == 0 || (j & 15) == 0)) {
+      const int base = top - ek::kSections;
+      const int k = base + ek::ring_settled(
+                               [&](int kk, int& n, float& a1, float& a2) {
+                                 const int sl = ek::ring_slot(base + kk);
+                                 n = cnt[sl];
+                                 a1 = s1[sl];
+                                 a2 = s2[sl];
+                               },
+                               power);
+      if (k > settled) {
+        settled = k;
+        wfloor = ek::ring_edge(anchor, ek::ring_bottom(top, settled), c);
+      }
     }
     for (std::size_t i = b0; i < b1; ++i) {
       int sl;
       float d;
-      if (!(z[i] >= wfloor) || !ek::ring_place(z[i], anchor, top, c, sl, d)) continue;
+      if (!(z[i] >= wfloor) || !ek::ring_place(z[i], anchor, ek::ring_bottom(top, settled), c, sl, d)) continue;
       ++cnt[sl];
       s1[sl] += d;
       s2[sl] += d * d;

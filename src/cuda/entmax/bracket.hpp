@@ -12,8 +12,11 @@
 // + 1 bins, the bin of its running max (top) and the kSections below it: when the running max moves
 // up, the bins that fall out are cleared for reuse, which loses nothing, since they lie at least
 // kSections bins (u <= 0) below the max. Per bin the count and the sums of d and d^2, d = u - (the
-// bin's left edge) in [0, 1 / kSections). At the end the ring is the layout below with
-// lo = (floor(P) - P) / kSections in (-1 / kSections, 0], P = pos(z_max), and hi = lo + 1.
+// bin's left edge) in [0, 1 / kSections). Now and then the pass also raises the row's bottom bin to
+// where f over the scores seen so far reaches 1 (ring_settled): the threshold can only be higher, so
+// the scores below need no bin (on random rows this cuts the binned scores several-fold). At the end
+// the ring is the layout below with lo = (floor(P) - P) / kSections in (-1 / kSections, 0],
+// P = pos(z_max), and hi = lo + 1.
 //
 // A bracketing pass cuts the row's bracket [lo, hi] (f(lo) >= 1 > f(hi), f(tau) = sum [u - tau]_+^r)
 // into kSections intervals with edges e_0 = lo .. e_kSections = hi.
@@ -96,18 +99,47 @@ SPARSE_ATTN_HD int ring_index(double pos) { return static_cast<int>(floor(pos)) 
 /// The ring slot of bin index idx (>= 0).
 SPARSE_ATTN_HD int ring_slot(int idx) { return idx % kRing; }
 
-/// The z below which no score lies in the window of a row whose top bin is `top` (rounded down: the
-/// bin test decides the scores at the edge).
-SPARSE_ATTN_HD float ring_floor(float anchor, int top, double c) {
-  return float_down(static_cast<double>(anchor) + (top - kSections - kRingBase) / c);
+/// The z of the left edge of bin index idx, rounded down (the bin test decides the scores at the edge).
+SPARSE_ATTN_HD float ring_edge(float anchor, int idx, double c) {
+  return float_down(static_cast<double>(anchor) + (idx - kRingBase) / c);
 }
 
-/// Where score z (<= the running max, whose bin is `top`) goes: false below the window, else its slot
-/// and d = u - (the bin's left edge) in [0, 1 / kSections).
-SPARSE_ATTN_HD bool ring_place(float z, float anchor, int top, double c, int& slot, float& d) {
+/// The lowest bin index a row still bins: the window's bottom (kSections below the top bin), or above
+/// it the row's settled index (ring_settled).
+SPARSE_ATTN_HD int ring_bottom(int top, int settled) {
+  return top - kSections > settled ? top - kSections : settled;
+}
+
+/// While the first pass runs: the position k (0 .. kSections) in the ring, gathered in order by
+/// `bin(k, n, s1, s2)`, of the lowest bin that can still matter. f over the scores seen so far only
+/// grows as scores come (each term is >= 0 at a fixed absolute edge), so the threshold lies at or
+/// above the highest edge where that f reaches 1; scores below it weigh nothing and need no bin. One
+/// bin of slack under that edge absorbs the rounding of the float32 sums. The bins from the returned
+/// position up must stay complete: close_row, searching from the top down, stops at or above it.
+template <class Bin>
+SPARSE_ATTN_HD int ring_settled(Bin bin, int power) {
+  constexpr double w = 1.0 / kSections;
+  double n = 0.0, a1 = 0.0, a2 = 0.0;  // moments of x = u - e_k over the bins >= k
+  for (int k = kSections; k >= 1; --k) {
+    int cnt;
+    float s1, s2;
+    bin(k, cnt, s1, s2);
+    n += cnt;
+    a1 += s1;
+    a2 += s2;
+    if ((power == 1 ? a1 : a2) >= 1.0) return k - 1;
+    a2 += 2.0 * w * a1 + w * w * n;
+    a1 += w * n;
+  }
+  return 0;
+}
+
+/// Where score z (<= the running max) goes: false below bin index `bottom` (ring_bottom), else its
+/// slot and d = u - (the bin's left edge) in [0, 1 / kSections).
+SPARSE_ATTN_HD bool ring_place(float z, float anchor, int bottom, double c, int& slot, float& d) {
   const double pos = ring_pos(z, anchor, c), fl = floor(pos);
   const int idx = static_cast<int>(fl) + kRingBase;
-  if (idx < top - kSections) return false;
+  if (idx < bottom) return false;
   slot = ring_slot(idx);
   d = static_cast<float>((pos - fl) * (1.0 / kSections));
   return true;

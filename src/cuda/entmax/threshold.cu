@@ -189,7 +189,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
   const bool ring = kPass == Pass::kFirst && p.power != 0;
   const double c = kSections * p.am1;
   float M[2] = {-INFINITY, -INFINITY}, anchor[2] = {0.0f, 0.0f}, wfloor[2] = {INFINITY, INFINITY};
-  int top[2] = {0, 0};
+  int top[2] = {0, 0}, settled[2] = {0, 0};  // the top bin, and the settled bottom (ring_settled)
   bool bad[2] = {false, false}, lost[2] = {false, false};
   // Refining passes: per row the raw cut below which its role has nothing to do (+inf: no role); the
   // rest in sm.search.
@@ -219,7 +219,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
 
   // The running max of a block's rows, the ring slid up with it (bins falling out cleared, by the
   // quad's four lanes in turn), then the scores in the window binned.
-  const auto first_block = [&](float (&s)[64]) {
+  const auto first_block = [&](float (&s)[64], int j) {
     float mx[2] = {-INFINITY, -INFINITY};
     row_max<true>(s, mx);
 #pragma unroll
@@ -263,9 +263,36 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
         }
         top[i] = nt;
       }
-      wfloor[i] = raw_cut(ring_floor(anchor[i], top[i], c), p.scale);
+      wfloor[i] = raw_cut(ring_edge(anchor[i], ring_bottom(top[i], settled[i]), c), p.scale);
     }
     __syncwarp();
+    // Now and then (blocks 1, 2, 4, 8, 16, then every 16th) the bottom rises to where the scores seen
+    // so far settle it: one lane per row scans its ring from the top, the quad takes its verdict.
+    if (ring && j >= 1 && ((j & (j - 1)) == 0 || (j & 15) == 0)) {
+      int k_new[2] = {0, 0};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (t4 != i || !(wfloor[i] < INFINITY)) continue;
+        const RingBins& rb = sm.bins[rl(i)].ring;
+        const int base = top[i] - kSections;
+        k_new[i] = base + ring_settled(
+                              [&](int k, int& n, float& a1, float& a2) {
+                                const int sl = ring_slot(base + k);
+                                n = rb.cnt[sl];
+                                a1 = rb.s1[sl];
+                                a2 = rb.s2[sl];
+                              },
+                              p.power);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int k = __shfl_sync(0xffffffffu, k_new[i], (lane & ~3) + i);
+        if (k > settled[i] && wfloor[i] < INFINITY) {
+          settled[i] = k;
+          wfloor[i] = raw_cut(ring_edge(anchor[i], ring_bottom(top[i], k), c), p.scale);
+        }
+      }
+    }
     std::uint32_t cand[2] = {0u, 0u};
 #pragma unroll
     for (int e = 0; e < 64; ++e)
@@ -276,7 +303,8 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
         const int e = 32 * half + __ffs(m) - 1, i = row_of(e);
         int sl;
         float d;
-        if (!ring_place(pick(s, e) * p.scale, sel(anchor, i), sel(top, i), c, sl, d)) continue;
+        if (!ring_place(pick(s, e) * p.scale, sel(anchor, i), ring_bottom(sel(top, i), sel(settled, i)), c, sl, d))
+          continue;
         RingBins& rb = sm.bins[rl(i)].ring;
         atomicAdd(&rb.cnt[sl], 1);
         atomicAdd(&rb.s1[sl], d);
@@ -344,7 +372,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
     const int block_end = (j + 1) * kBlockKeys;
     if (block_end > p.Lk || (p.causal && block_end - 1 > first_row + (p.Lk - p.Lq)))
       OnlineSoftmax::apply_mask(s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
-    if constexpr (kPass == Pass::kFirst) first_block(s);
+    if constexpr (kPass == Pass::kFirst) first_block(s, j);
     else refine_block(s, j);
   };
 
