@@ -8,9 +8,10 @@
 // accumulation) with the next block's product in flight while they read the current one. No P V. The
 // per-row arithmetic is bracket.hpp's (host and device code, checked on the CPU):
 //   1. first pass: the row max and, for alpha = 2 and 1.5, the ring of bins of bracket.hpp, which
-//      slides up with the running max; at the end each row is closed where the root's bin holds no
-//      score (closed form), or left with the bracket of that bin and its count. NaN/+inf rows and rows
-//      without keys are found here. Other alphas: the row max only.
+//      slides up with the running max, its bottom raised now and then to where the scores seen so
+//      far settle the threshold (ring_settled); at the end each row is closed where the root's bin
+//      holds no score (closed form), or left with the bracket of that bin and its count. NaN/+inf
+//      rows and rows without keys are found here. Other alphas: the row max only.
 //   2. refining passes (kMaxPasses, and one more that marks the rows the last finished by binning):
 //      each pass counts the rows the next one has work for, so a launch past convergence reads one
 //      word and returns, and a CTA whose rows need nothing returns at once. Per row, by its state:
@@ -218,7 +219,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
   };
 
   // The running max of a block's rows, the ring slid up with it (bins falling out cleared, by the
-  // quad's four lanes in turn), then the scores in the window binned.
+  // quad's four lanes in turn), on some blocks the bottom settled, then the scores above it binned.
   const auto first_block = [&](float (&s)[64], int j) {
     float mx[2] = {-INFINITY, -INFINITY};
     row_max<true>(s, mx);
