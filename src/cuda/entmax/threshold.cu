@@ -293,6 +293,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
           wfloor[i] = raw_cut(ring_edge(anchor[i], ring_bottom(top[i], k), c), p.scale);
         }
       }
+      __syncwarp();  // the scans' reads before the block's atomics
     }
     std::uint32_t cand[2] = {0u, 0u};
 #pragma unroll
