@@ -1,12 +1,14 @@
 // The CUDA entmax's bracketing arithmetic (src/cuda/entmax/bracket.hpp, host and device code) run on
-// the host as the passes run it: per row, the scores above the bracket's low end binned (counts and
-// float32 sums of d and d^2 for alpha = 2 and 1.5, float32 f at the edges for other alphas), then
-// close_row, for at most kMaxPasses passes. The resulting weights ((alpha - 1)(z - z_tau))_+^r,
+// the host as the passes run it: the first pass over the row in blocks of 128 scores (the row max and,
+// for alpha = 2 and 1.5, the ring of bins that slides up with the running max, closed by ring_close),
+// then per refining pass the scores above the bracket's low end binned (counts and float32 sums of d
+// and d^2 for alpha = 2 and 1.5, float32 f at the edges for other alphas) or collected, for at most
+// kMaxPasses passes. The resulting weights ((alpha - 1)(z - z_tau))_+^r,
 // normalised as the output pass normalises them, against the float64 solver of the CPU executor
 // (src/entmax/threshold_solver.hpp) on the same float32 scores: random rows of 1 to 40000 scores at
-// several spreads, rows with one dominant score, ties at the top and at the threshold, and alphas
-// 1.01 to 16. Also the number of passes the closed forms take on random rows (two at most: the
-// second collects the scores inside the first's bracket).
+// several spreads, rows whose max keeps rising (the ring slides), rows with one dominant score, ties at
+// the top and at the threshold, and alphas 1.01 to 16. Also the number of passes the closed forms take
+// on random rows (two at most: the second collects the scores inside the first's bracket).
 //
 // Not covered, by design: large alpha on closely spaced scores. At alpha = 16 a second support score
 // of weight 0.09 sits eps = 0.09^15 = 2e-16 (shifted units) above the threshold, far below the float32
@@ -34,15 +36,89 @@ struct Outcome {
   int passes = 0;
 };
 
+constexpr std::size_t kBlock = 128;  // keys per block of the kernel's walk
+
+// The first pass as the kernel runs it: per block the running max, the ring slid up with it, the
+// bottom settled on the kernel's schedule, then the block's scores in the window binned.
+void first_pass(const std::vector<float>& z, double am1, int power, EntmaxRow& st) {
+  const double c = ek::kSections * am1;
+  int cnt[ek::kRing] = {};
+  float s1[ek::kRing] = {}, s2[ek::kRing] = {};
+  float m = -INFINITY, anchor = 0.0f, wfloor = INFINITY;
+  int top = 0, settled = 0;
+  for (std::size_t b0 = 0; b0 < z.size(); b0 += kBlock) {
+    const std::size_t b1 = std::min(z.size(), b0 + kBlock);
+    const int j = static_cast<int>(b0 / kBlock);
+    const float zm = *std::max_element(z.begin() + static_cast<std::ptrdiff_t>(b0), z.begin() + static_cast<std::ptrdiff_t>(b1));
+    if (zm > m) {
+      int nt = ek::kRingBase;
+      if (m == -INFINITY) {
+        anchor = zm;
+        top = nt;
+      } else {
+        const double pos = ek::ring_pos(zm, anchor, c);
+        EXPECT_LE(pos, ek::kRingLimit);
+        nt = ek::ring_index(pos);
+      }
+      m = zm;
+      for (int idx = std::max(top + 1, nt - ek::kSections); idx <= nt; ++idx) {
+        const int sl = ek::ring_slot(idx);
+        cnt[sl] = 0;
+        s1[sl] = s2[sl] = 0.0f;
+      }
+      top = std::max(top, nt);
+      wfloor = ek::ring_edge(anchor, ek::ring_bottom(top, settled), c);
+    }
+    if (j >= 1 && ((j & (j - 1)) == 0 || (j & 15) == 0)) {
+      const int base = top - ek::kSections;
+      const int k = base + ek::ring_settled(
+                               [&](int kk, int& n, float& a1, float& a2) {
+                                 const int sl = ek::ring_slot(base + kk);
+                                 n = cnt[sl];
+                                 a1 = s1[sl];
+                                 a2 = s2[sl];
+                               },
+                               power);
+      if (k > settled) {
+        settled = k;
+        wfloor = ek::ring_edge(anchor, ek::ring_bottom(top, settled), c);
+      }
+    }
+    for (std::size_t i = b0; i < b1; ++i) {
+      int sl;
+      float d;
+      if (!(z[i] >= wfloor) || !ek::ring_place(z[i], anchor, ek::ring_bottom(top, settled), c, sl, d)) continue;
+      ++cnt[sl];
+      s1[sl] += d;
+      s2[sl] += d * d;
+    }
+  }
+  st.z_max = m;
+  int ocnt[ek::kRing];
+  float os1[ek::kRing], os2[ek::kRing];
+  for (int k = 0; k < ek::kRing; ++k) {
+    const int sl = ek::ring_slot(top - ek::kSections + k);
+    ocnt[k] = cnt[sl];
+    os1[k] = s1[sl];
+    os2[k] = s2[sl];
+  }
+  ek::ring_close(st, ocnt, os1, os2, ek::ring_pos(m, anchor, c), power, am1);
+}
+
 Outcome bracket(const std::vector<float>& z, double alpha) {
   const double am1 = alpha - 1.0, r = 1.0 / am1;
   const int power = alpha == 2.0 ? 1 : (alpha == 1.5 ? 2 : 0);
   Outcome o;
   EntmaxRow& st = o.row;
-  st.z_max = *std::max_element(z.begin(), z.end());
   st.lo = 0.0;
   st.hi = 1.0;
-  st.z_lo = ek::z_of_lo(st, am1);
+  if (power != 0) {
+    first_pass(z, am1, power, st);
+  } else {  // the row max only
+    st.z_max = *std::max_element(z.begin(), z.end());
+    st.z_lo = ek::z_of_lo(st, am1);
+  }
+  o.passes = 1;
   for (int pass = 0; pass < ek::kMaxPasses && st.status == EntmaxRow::kSearching; ++pass) {
     int cnt[ek::kSections + 1] = {};
     float s1[ek::kSections + 1] = {}, s2[ek::kSections + 1] = {};
@@ -79,7 +155,7 @@ Outcome bracket(const std::vector<float>& z, double alpha) {
       ek::finish_row(st, 0.5 * (st.lo + st.hi), am1);
     else
       st.inside = -1;
-    o.passes = pass + 1;
+    o.passes = pass + 2;
   }
   return o;
 }
@@ -125,6 +201,25 @@ TEST(EntmaxBracketTest, RandomRowsMatchTheSolver) {
       }
 }
 
+// Rows whose max rises block after block (a trend under the noise, or the max in the last block), so
+// the first pass's ring slides many times, some moves farther than its whole width.
+TEST(EntmaxBracketTest, RisingRowsMatchTheSolver) {
+  std::mt19937_64 rng(9);
+  for (const double alpha : {1.5, 2.0})
+    for (const float slope : {1e-4f, 1e-3f, 3e-2f}) {
+      std::vector<float> z = random_row(rng, 5000, 1.0f);
+      for (std::size_t i = 0; i < z.size(); ++i) z[i] += slope * static_cast<float>(i);
+      Outcome o = bracket(z, alpha);
+      ASSERT_EQ(o.row.status, EntmaxRow::kLive);
+      EXPECT_LE(weight_error(z, alpha, o.row), 2e-5) << "alpha " << alpha << " slope " << slope;
+      z = random_row(rng, 3000, 1.0f);
+      z.back() = 40.0f;  // the last block's max leaves every earlier bin behind
+      z[z.size() - 2] = 39.5f;
+      o = bracket(z, alpha);
+      EXPECT_LE(weight_error(z, alpha, o.row), 2e-5) << "alpha " << alpha << " late max";
+    }
+}
+
 TEST(EntmaxBracketTest, ClosedFormsFinishInFewPasses) {
   std::mt19937_64 rng(5);
   int most = 0;
@@ -155,6 +250,13 @@ TEST(EntmaxBracketTest, DominantScoreAndTies) {
     for (int i : {0, 1, 2, 3}) z[static_cast<std::size_t>(i)] = 3.0f;
     o = bracket(z, alpha);
     EXPECT_LT(o.row.z_tau, 3.0f);
+    EXPECT_LE(weight_error(z, alpha, o.row), 1e-6);
+    // Many ties at a max that lies off the first block's grid: the max's own bin holds f(hi) >= 1,
+    // so the root lies above hi (ring_close's first case).
+    z.assign(3000, -1.0f);
+    z[0] = 0.0f;
+    for (std::size_t i = kBlock; i < kBlock + 2000; ++i) z[i] = 0.01f;
+    o = bracket(z, alpha);
     EXPECT_LE(weight_error(z, alpha, o.row), 1e-6);
     // Four distinct values, each repeated: ties around the threshold.
     for (std::size_t i = 0; i < z.size(); ++i) z[i] = 0.5f * static_cast<float>(i % 4);

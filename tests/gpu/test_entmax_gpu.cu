@@ -5,9 +5,9 @@
 // may fall either side), visible tiles equal, active tiles = the popcount of its bits. Shapes: D = 64
 // and 128, bf16 and f16, causal and not (Lq < Lk, Lq > Lk: rows that see no key give 0), GQA, B = 2,
 // lengths that are not multiples of 128 or 64; alpha 1.5 and 2 (the closed-form paths), 1.25, 1.01 and
-// 16; rows whose support is a single key (large scale), ties (keys drawn from four distinct rows),
-// NaN in q (NaN rows, no bits); the bits reused by bits_sparse against the float64 reference with them
-// as the mask; and repeat runs bit for bit the same.
+// 16; rows whose support is a single key (large scale), ties (keys drawn from four distinct rows, or
+// repeated past the first block), NaN in q (NaN rows, no bits); the bits reused by bits_sparse
+// against the float64 reference with them as the mask; and repeat runs bit for bit the same.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -37,6 +37,7 @@ struct Case {
   float alpha = 1.5f;
   float scale = 0.0f;  // 0: default
   bool ties = false;   // keys drawn from four distinct rows
+  std::int64_t ties_after = 0;  // > 0: the keys from this position on repeat the four keys there
 };
 
 sa::HostTensor to_f32(const sa::HostTensor& t) {
@@ -64,6 +65,14 @@ Inputs make_inputs(const Case& c, std::uint64_t seed) {
     auto* k = static_cast<std::uint8_t*>(in.k.view().data);
     const std::int64_t rows = c.B * c.Lk * c.Hkv;
     for (std::int64_t r = 4; r < rows; ++r) std::memcpy(k + r * row, k + (r % 4) * row, row);
+  }
+  if (c.ties_after > 0) {
+    const std::size_t row = static_cast<std::size_t>(c.D) * sa::dtype_size(c.dtype);
+    auto* k = static_cast<std::uint8_t*>(in.k.view().data);
+    const auto at = [&](std::int64_t b, std::int64_t l, std::int64_t h) { return k + ((b * c.Lk + l) * c.Hkv + h) * row; };
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t l = c.ties_after + 4; l < c.Lk; ++l)
+        for (std::int64_t h = 0; h < c.Hkv; ++h) std::memcpy(at(b, l, h), at(b, c.ties_after + (l - c.ties_after) % 4, h), row);
   }
   return in;
 }
@@ -151,6 +160,8 @@ TEST(EntmaxGpu, Alpha15And2AcrossShapes) {
     check_case({"Lq > Lk causal (rows without keys)" + a, sa::DType::bf16, 1, 333, 100, 2, 2, 64, true, alpha});
     check_case({"long 1000" + a, sa::DType::bf16, 1, 1000, 1000, 1, 1, 128, true, alpha});
     check_case({"gqa 4:1" + a, sa::DType::bf16, 1, 200, 700, 8, 2, 128, false, alpha});
+    // 20 key blocks: the first pass's ring slides over many blocks, both accumulators alternate.
+    check_case({"long 2500 gqa d64" + a, sa::DType::bf16, 1, 2500, 2500, 4, 2, 64, true, alpha});
   }
 }
 
@@ -186,6 +197,9 @@ TEST(EntmaxGpu, SingleKeySupportAndTies) {
     check_case({"single-key support" + a, sa::DType::bf16, 1, 256, 300, 2, 2, 128, false, alpha, 4.0f});
     check_case({"ties" + a, sa::DType::bf16, 1, 200, 300, 2, 2, 64, true, alpha, 0.0f, true});
     check_case({"ties, large scale" + a, sa::DType::bf16, 1, 200, 300, 2, 2, 128, false, alpha, 3.0f, true});
+    // Over a hundred copies of each of four keys past the first block: the row max is usually a tied
+    // key off the first block's grid, and at alpha 2 its own bin holds f(hi) >= 1.
+    check_case({"ties after the first block" + a, sa::DType::bf16, 1, 256, 700, 2, 2, 128, false, alpha, 3.0f, false, 200});
   }
   // A single-key support must give exactly that key's value row.
   const Case c{"single-key rows", sa::DType::bf16, 1, 128, 200, 1, 1, 128, false, 2.0f, 4.0f};

@@ -20,6 +20,7 @@ struct EntmaxRow {
   float z_lo = 0.0f;   // z of the bracket's low end, rounded down: the scores a search pass looks at
   int status = kSearching;
   int inside = -1;  // scores in [lo, hi) as the last pass counted them (-1: not counted)
+  int marked = 0;   // kLive: its support's block bits and count are in (entmax/threshold.cu)
   double lo = 0.0, hi = 1.0;  // bracket of tau in shifted units u = (alpha - 1)(z - z_max) + 1
 };
 

@@ -2,32 +2,37 @@
 // block bits of the support, then the output pass (the Q-centric kernel with the entmax transform,
 // attention/entmax_transform.cuh) over the set bits.
 //
-// Scores are never stored. Every pass recomputes S = Q K^T on the tensor cores (mma.sync m16n8k16,
-// float32 accumulation) for a CTA of 128 query rows (8 warps x 16 rows: one Q tile) of one (b, head), walking the
-// keys it sees in steps of 64 (cp.async, double buffered):
-//   1. row max: z_max of z = scale * q.k over the visible keys, and the rows with a NaN or +inf score;
-//   2. bracketing passes, in shifted units u = (alpha - 1)(z - z_max) + 1 where tau* lies in [0, 1)
-//      (the max alone has weight 1 at tau = 0): the bracket [lo, hi] of each row still searching is cut
-//      into kSections equal intervals and only the scores with u > lo are looked at.
-//      alpha = 2 and 1.5 (r = 1, 2): per interval the count and the sums of d and d^2, d = u - (the
-//      interval's left edge) in [0, width) (the scores above hi in one more bin, d = u - hi), from
-//      which f(e) = sum [u - e]_+^r is exact at every edge (no cancellation: every term is >= 0). The
-//      root's interval becomes the new bracket; where no score lies inside it, f is a polynomial there
-//      and tau is solved in closed form (one pass, two at most, on random scores). Other alphas: f
-//      itself (2^(r log2(u - e))) at each interior edge; the bracket shrinks kSections-fold per pass
-//      to kGeneralTolerance, and tau is its midpoint.
-//      A row finishes with z_tau = z_max + (tau - 1) / (alpha - 1) in float32: its weights are
-//      ((alpha - 1)(z - z_tau))^r for z > z_tau, normalised by their sum in the output pass. The
-//      threshold is thus exact to the float32 resolution of z_tau (a few 1e-7 of |z|); at large alpha
-//      the weight of a support score within that distance of z_tau is not resolved (the CPU holds the
-//      threshold relative to the support's smallest score instead: entmax/threshold_solver.hpp).
-//   3. support: the (query, key) pairs with z > z_tau are counted, and the bit of (128-row tile,
-//      128-key block) is set where some row has z > z_tau - margin, margin = 2^-10 max(1, |z_max|):
-//      the output pass recomputes the scores with wgmma, whose float32 sums are in another order
-//      (at most about D 2^-24 sum |scale q_d k_d|, 1e-4 for unit-scale q and k at D = 128), so no
-//      block holding a score that the output pass weighs is ever skipped.
-// Passes 2 and 3 skip a CTA whose rows need nothing (all finished, or none live), so the passes the
-// host launches past convergence cost a launch each.
+// Scores are never stored. Every pass recomputes S = Q K^T with wgmma for a CTA of one Q tile (128
+// rows) of one (b, head): a producer warp streams the visible K blocks (128 keys) by TMA through a ring
+// of kStages slots, and two consumer warpgroups of 64 rows each run the SS wgmma (m64n128, float32
+// accumulation) with the next block's product in flight while they read the current one. No P V. The
+// per-row arithmetic is bracket.hpp's (host and device code, checked on the CPU):
+//   1. first pass: the row max and, for alpha = 2 and 1.5, the ring of bins of bracket.hpp, which
+//      slides up with the running max, its bottom raised now and then to where the scores seen so
+//      far settle the threshold (ring_settled); at the end each row is closed where the root's bin
+//      holds no score (closed form), or left with the bracket of that bin and its count. NaN/+inf
+//      rows and rows without keys are found here. Other alphas: the row max only.
+//   2. refining passes (kMaxPasses, and one more that marks the rows the last finished by binning):
+//      each pass counts the rows the next one has work for, so a launch past convergence reads one
+//      word and returns, and a CTA whose rows need nothing returns at once. Per row, by its state:
+//      - collect (the bracket holds at most kCollect scores): those scores (as u - lo) and the moments
+//        of the scores above the bracket; tau solved exactly at the end of the pass;
+//      - bin (a bracket holding more, or other alphas): the bracket cut into kSections intervals, as
+//        in the first pass but on a fixed grid; a row still bracketed after the last pass takes the
+//        midpoint;
+//      - mark (threshold known, bits not yet set): the pairs with z > z_tau counted, and the bit of
+//        (tile, 128-key block) set where some row has z > z_tau - margin, margin = 2^-10 max(1, |z_max|):
+//        the output pass recomputes the scores with the same wgmma but may sum them in another order,
+//        so no block holding a score that it weighs is ever skipped.
+//      A collecting row also sets its bits in that pass, with the bracket's low end standing in for
+//      z_tau while the pass runs (z > z_lo - margin): at most a bracket's width (1/32 of the window)
+//      below the threshold, so a block is set that holds only such a score. A row that finishes by
+//      binning is marked in the next pass. On random rows every row is live after the collecting pass,
+//      which also sets every bit: two passes in all.
+// A row finishes with z_tau = z_max + (tau - 1) / (alpha - 1) in float32: its weights are
+// ((alpha - 1)(z - z_tau))^r for z > z_tau, normalised by their sum in the output pass. The threshold is
+// thus exact to the float32 resolution of z_tau (a few 1e-7 of |z|).
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,288 +43,497 @@
 #include <string>
 
 #include "core/check.hpp"
+#include "cuda/attention/entmax_params.hpp"
+#include "cuda/attention/mainloop.cuh"
+#include "cuda/attention/softmax.cuh"
 #include "cuda/backend.hpp"
 #include "cuda/common/device_guard.hpp"
-#include "cuda/common/elem_tag.cuh"
-#include "cuda/common/mma_sync.cuh"
-#include "cuda/common/online_softmax.cuh"
 #include "cuda/common/smem_limit.hpp"
+#include "cuda/common/sync.cuh"
+#include "cuda/common/tma.hpp"
+#include "cuda/common/wgmma.cuh"
 #include "cuda/common/workspace_cache.hpp"
 #include "cuda/convert/backend.hpp"
-#include "cuda/attention/entmax_params.hpp"
 #include "cuda/entmax/backend.hpp"
 #include "cuda/entmax/bracket.hpp"
 
 namespace sparse_attn::cuda_kernels::entmax {
 
-// Query rows per CTA: a whole Q tile. Each K step (16 KB at D = 128) feeds 128 rows, 128 flops per
-// byte, what an SM's mma.sync rate needs from L2; 64 rows starved the tensor cores.
-constexpr int kRows = 128;
-constexpr int kWarps = kRows / 16;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kKeys = 64;        // keys per step (divides the output pass's 128-key block)
-constexpr int kPad = 8;          // halves of padding per shared row: ldmatrix rows on distinct banks
+// K ring depth: with no V ring the slots take its room (D = 128: Q 32 KB + 4 x 32 KB + the rows' bins
+// and search state 55 KB of the 227 KB), three blocks of lead over the consumers' score arithmetic.
+constexpr int kStages = 4;
+constexpr int kThreads = 128 + kConsumerThreads;  // producer warpgroup + two consumer warpgroups
+constexpr std::uint32_t kProducerRegs = 24, kConsumerRegs = 240;  // as the Q-centric kernel
 constexpr float kBitMargin = 1.0f / 1024.0f;
-constexpr int kBlockKeys = 128;  // the output pass's KV block
-constexpr int kTileRows = 128;   // and Q tile
-static_assert(kBlockKeys % kKeys == 0 && kTileRows % kRows == 0, "a step and a CTA lie inside one block and tile");
 
-enum class Pass { kRowMax, kSearch, kSupport };
+enum class Pass { kFirst, kRefine };
+// What a refining pass does for a row (the file's comment).
+enum class Role { kNone, kMark, kBin, kCollect };
 
 struct ScanParams {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  long long q_stride[3] = {};  // b, l, h (elements; d contiguous)
-  long long k_stride[3] = {};
   int Lq = 0, Lk = 0, Hq = 0, group = 1, Tq = 0, words = 0;
   bool causal = false;
   float scale = 1.0f;
   double am1 = 0.5, r = 2.0;
   int power = 2;                    // 1: r = 1, 2: r = 2, 0: other
+  int pass = 0;                     // refining pass: 0, 1, .. kMaxPasses
   bool last_pass = false;           // the last bracketing pass: every row finishes
+  // Rows that refining pass k has work for, counted by the pass before it (zeroed first): a launch
+  // past convergence reads one word and returns.
+  int* pending = nullptr;           // [kMaxPasses + 1]
   EntmaxRow* rows = nullptr;        // [B, Hq, Lq]
-  std::uint32_t* bits = nullptr;    // [B, Hq, Tq, words], zeroed before the support pass
+  std::uint32_t* bits = nullptr;    // [B, Hq, Tq, words], zeroed before the first pass
   unsigned long long* support = nullptr;
 };
 
-template <int D>
-struct Smem {
-  static constexpr int kRow = D + kPad;
-  std::uint16_t q[kRows * kRow];
-  std::uint16_t k[2][kKeys * kRow];
+// A row's bins: the first pass's ring (or a bracketing pass's kSections + 1 bins), or a collecting
+// pass's scores inside the bracket and the moments of those above it.
+struct RingBins {
+  int cnt[kRing];
+  float s1[kRing];  // power 1, 2: sum d; other alphas: f at interior edge j (j >= 1)
+  float s2[kRing];
+};
+struct Collected {
+  int n;  // scores >= hi: count, sum and sum of squares of u - hi
+  float s1, s2;
+  float d[kCollect];  // the scores inside the bracket as u - lo
+};
+union RowBins {
+  RingBins ring;
+  Collected coll;
+};
+constexpr int kRowWords = sizeof(RowBins) / 4;
+// What a refining pass reads of a row on its few candidate scores (in shared memory: held in registers
+// it would push the two accumulators' neighbours into local memory).
+struct RowSearch {
+  double lo, hi;
+  float z_max, z_lo, z_tau;
+  float z_bit;  // scores above this set their block's bit (+inf: none)
+  Role role;
 };
 
-// Per row of a bracketing pass: kSections intervals plus the scores above hi.
-struct Bins {
-  int cnt[kRows][kSections + 1];
-  float s1[kRows][kSections + 1];  // fast paths: sum d; other alphas: f at interior edge j (j >= 1)
-  float s2[kRows][kSections + 1];
-  // A collecting row: its scores inside the bracket as u - lo (those >= hi go to bin kSections).
-  float coll[kRows][kCollect];
-  int ncoll[kRows];
+template <class Elem, int D>
+struct alignas(1024) ScanStorage {
+  static constexpr int kHalves = D / 64;
+  Elem q[kHalves][kTileRows][64];
+  Elem k[kStages][kHalves][kBlockKeys][64];
+  RowBins bins[kTileRows];
+  RowSearch search[kTileRows];
+  int ncoll[kTileRows];  // scores a collecting row found inside its bracket (may pass kCollect)
+  MBarrier q_full, k_full[kStages], k_empty[kStages];
 };
+static_assert(sizeof(ScanStorage<std::uint16_t, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
 
-__device__ __forceinline__ int key_end(const ScanParams& p, int row) {
+__host__ __device__ inline int key_end(const ScanParams& p, int row) {
   return p.causal ? min(max(row + p.Lk - p.Lq + 1, 0), p.Lk) : p.Lk;
 }
 
+__device__ __forceinline__ Role role_of(const EntmaxRow& st, int power) {
+  if (st.status == EntmaxRow::kSearching) return collects(st, power) ? Role::kCollect : Role::kBin;
+  return st.status == EntmaxRow::kLive && !st.marked ? Role::kMark : Role::kNone;
+}
+
+// Element e of a score fragment, e not known at compile time, without moving the fragment to local
+// memory (the candidates of a block are few).
+__device__ __forceinline__ float pick(const float (&s)[64], int e) {
+  float v = 0.0f;
+  switch (e) {
+#define SA_PICK4(i) \
+  case i: v = s[i]; break; case i + 1: v = s[i + 1]; break; case i + 2: v = s[i + 2]; break; case i + 3: v = s[i + 3]; break;
+#define SA_PICK16(i) SA_PICK4(i) SA_PICK4(i + 4) SA_PICK4(i + 8) SA_PICK4(i + 12)
+    SA_PICK16(0) SA_PICK16(16) SA_PICK16(32) SA_PICK16(48)
+#undef SA_PICK16
+#undef SA_PICK4
+    default: break;
+  }
+  return v;
+}
+
+// A cut on raw scores s for a cut z on z = s * scale (scale > 0), a few float steps low: every s with
+// s * scale > z (or >=) lies above it. The hot loops compare raw scores (one instruction per score);
+// the few above the cut are tested exactly.
+__device__ __forceinline__ float raw_cut(float z, float scale) {
+  const float t = z / scale;
+  return t < INFINITY ? t - fabsf(t) * 1e-6f - 1e-30f : t;
+}
+
+// a[i] for i in {0, 1} not known at compile time, as a select (an index would move a to local memory).
+template <class T>
+__device__ __forceinline__ T sel(const T (&a)[2], int i) {
+  return i != 0 ? a[1] : a[0];
+}
+
+// Fragment element e of thread `lane` (wgmma.cuh's layout): row (e / 2) % 2 of the thread's two, key
+// 8 (e / 4) + 2 (lane % 4) + e % 2 of the block.
+__device__ __forceinline__ int row_of(int e) { return (e / 2) % 2; }
+
+// One consumer warpgroup's pass over the tile's blocks: 64 rows, two per thread (g and g + 8 of its
+// warp's 16), each row's bins touched only by the four lanes of its quad.
 template <class Tag, int D, Pass kPass>
-__global__ void __launch_bounds__(kThreads) scan_kernel(const __grid_constant__ ScanParams p) {
-  using S = Smem<D>;
-  constexpr int kRow = S::kRow, kPieces = D / 8, kKSteps = D / 16;
-  extern __shared__ __align__(16) std::uint8_t smem_raw[];
-  S& sm = *reinterpret_cast<S*>(smem_raw);
-  Bins& bins = *reinterpret_cast<Bins*>(smem_raw + sizeof(S));
-  std::uint32_t* words = reinterpret_cast<std::uint32_t*>(smem_raw + sizeof(S));  // support pass
-  __shared__ int any_s;
-  __shared__ unsigned long long support_s;
-
-  const int row0 = blockIdx.x * kRows, h = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const int kvh = h / p.group;
+__device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typename Tag::Elem, D>& sm, int consumer,
+                                        int thread, int b, int h, int tile, int nblk) {
+  const int w = thread / 32, lane = thread % 32, g = lane / 4, t4 = lane % 4;
+  const int row0 = tile * kTileRows, first_row = row0 + consumer * kRowsPerConsumer;
   const long long row_base = (static_cast<long long>(b) * p.Hq + h) * p.Lq;
-  const int last_row = min(row0 + kRows, p.Lq) - 1;
-  const int cta_key_end = key_end(p, last_row);
+  const int warp_row = consumer * kRowsPerConsumer + 16 * w;  // the warp's first row in the tile
+  const auto rl = [&](int i) { return warp_row + g + 8 * i; };  // the thread's rows in the tile
 
-  // This thread's two rows: g and g + 8 of its warp's 16.
-  int row[2], kend[2];
-  float zcut[2];  // scores above this are looked at (+inf: none)
-  float zmax[2] = {-INFINITY, -INFINITY};
-  bool bad[2] = {false, false};
-  float zbit[2];
-  double lo[2], w[2], hi[2];
-  bool collect[2] = {false, false};
+  {  // the warp's 16 rows' bins start empty
+    int* words = reinterpret_cast<int*>(&sm.bins[warp_row]);
+    for (int e = lane; e < 16 * kRowWords; e += 32) words[e] = 0;
+    if (lane < 16) sm.ncoll[warp_row + lane] = 0;
+    __syncwarp();
+  }
+
+  // First pass: running max M, the ring's anchor and top bin, the window's floor as a raw cut (+inf: not
+  // binned).
+  const bool ring = kPass == Pass::kFirst && p.power != 0;
+  const double c = kSections * p.am1;
+  float M[2] = {-INFINITY, -INFINITY}, anchor[2] = {0.0f, 0.0f}, wfloor[2] = {INFINITY, INFINITY};
+  int top[2] = {0, 0}, settled[2] = {0, 0};  // the top bin, and the settled bottom (ring_settled)
+  bool bad[2] = {false, false}, lost[2] = {false, false};
+  // Refining passes: per row the raw cut below which its role has nothing to do (+inf: no role); the
+  // rest in sm.search.
+  float scut[2] = {INFINITY, INFINITY};
+  bool live_row[2];
+#pragma unroll
   for (int i = 0; i < 2; ++i) {
-    row[i] = row0 + 16 * warp + g + 8 * i;
-    kend[i] = row[i] < p.Lq ? key_end(p, row[i]) : 0;
-    zcut[i] = INFINITY;
-    zbit[i] = INFINITY;
-    lo[i] = hi[i] = w[i] = 0.0;
-    if (kPass != Pass::kRowMax && row[i] < p.Lq) {
-      const EntmaxRow st = p.rows[row_base + row[i]];
-      zmax[i] = st.z_max;
-      if (kPass == Pass::kSearch && st.status == EntmaxRow::kSearching) {
-        zcut[i] = st.z_lo;
-        lo[i] = st.lo;
-        hi[i] = st.hi;
-        w[i] = (st.hi - st.lo) / kSections;
-        collect[i] = collects(st, p.power);
-      }
-      if (kPass == Pass::kSupport && st.status == EntmaxRow::kLive) {
-        zcut[i] = st.z_tau;
-        zbit[i] = st.z_tau - kBitMargin * fmaxf(1.0f, fabsf(st.z_max));
-      }
-    }
+    live_row[i] = row0 + rl(i) < p.Lq;
+    if (kPass == Pass::kFirst || !live_row[i]) continue;
+    const EntmaxRow st = p.rows[row_base + row0 + rl(i)];
+    const Role role = role_of(st, p.power);
+    const float margin = kBitMargin * fmaxf(1.0f, fabsf(st.z_max));
+    // Mark: the bits below z_tau by the margin; collect: below the bracket's low end by the margin.
+    const float z_bit = role == Role::kMark ? st.z_tau - margin : (role == Role::kCollect ? st.z_lo - margin : INFINITY);
+    if (t4 == 0) sm.search[rl(i)] = RowSearch{st.lo, st.hi, st.z_max, st.z_lo, st.z_tau, z_bit, role};
+    if (role != Role::kNone) scut[i] = raw_cut(role == Role::kBin ? st.z_lo : z_bit, p.scale);
   }
-  if (threadIdx.x == 0) {
-    any_s = 0;
-    support_s = 0;
-  }
-  __syncthreads();
-  if (kPass != Pass::kRowMax) {
-    if (zbit[0] < INFINITY || zbit[1] < INFINITY || zcut[0] < INFINITY || zcut[1] < INFINITY) any_s = 1;
-    __syncthreads();
-    if (!any_s) return;
-  }
-  if (kPass == Pass::kSearch) {
-    for (int e = threadIdx.x; e < kRows * (kSections + 1); e += kThreads) {
-      (&bins.cnt[0][0])[e] = 0;
-      (&bins.s1[0][0])[e] = 0.0f;
-      (&bins.s2[0][0])[e] = 0.0f;
-    }
-    for (int e = threadIdx.x; e < kRows; e += kThreads) bins.ncoll[e] = 0;
-  }
-  if (kPass == Pass::kSupport)
-    for (int e = threadIdx.x; e < p.words; e += kThreads) words[e] = 0u;
-
-  const auto* qbase = static_cast<const std::uint16_t*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
-  const auto* kbase = static_cast<const std::uint16_t*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[2];
-  for (int e = threadIdx.x; e < kRows * kPieces; e += kThreads) {
-    const int r = e / kPieces, c = e % kPieces;
-    const bool ok = row0 + r < p.Lq;
-    cp_async16(&sm.q[r * kRow + c * 8], qbase + (ok ? static_cast<long long>(row0 + r) * p.q_stride[1] : 0) + c * 8, ok);
-  }
-  cp_async_commit();
-  const int steps = (max(cta_key_end, 0) + kKeys - 1) / kKeys;
-  const auto load_k = [&](int step, int stage) {
-    for (int e = threadIdx.x; e < kKeys * kPieces; e += kThreads) {
-      const int r = e / kPieces, c = e % kPieces, key = step * kKeys + r;
-      const bool ok = key < p.Lk;
-      cp_async16(&sm.k[stage][r * kRow + c * 8], kbase + (ok ? static_cast<long long>(key) * p.k_stride[1] : 0) + c * 8,
-                 ok);
-    }
-    cp_async_commit();
-  };
-  if (steps > 0) {
-    load_k(0, 0);
-    cp_async_wait<1>();  // Q (K's first step may still be in flight)
-  } else {
-    cp_async_wait<0>();
-  }
-  __syncthreads();
-  std::uint32_t qa[kKSteps][4];
-  {
-    const int r = warp * 16 + lane % 16, c = (lane / 16) * 8;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(qa[ks], &sm.q[r * kRow + ks * 16 + c]);
-  }
+  __syncwarp();
   unsigned long long support = 0;
+  std::uint32_t word = 0;  // the bits of the block word `word_idx` this warp has seen hits in
+  int word_idx = 0;
+  std::uint32_t* bits_row = p.bits + ((static_cast<long long>(b) * p.Hq + h) * p.Tq + tile) * p.words;
+  const auto flush_word = [&]() {
+    if (lane == 0 && word != 0u) atomicOr(bits_row + word_idx, word);
+    word = 0u;
+  };
 
-  for (int step = 0; step < steps; ++step) {
-    const int stage = step % 2;
-    if (step + 1 < steps) {
-      load_k(step + 1, stage ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    float s[kKeys / 8][4];
+  // The running max of a block's rows, the ring slid up with it (bins falling out cleared, by the
+  // quad's four lanes in turn), on some blocks the bottom settled, then the scores above it binned.
+  const auto first_block = [&](float (&s)[64], int j) {
+    float mx[2] = {-INFINITY, -INFINITY};
+    row_max<true>(s, mx);
 #pragma unroll
-    for (int nt = 0; nt < kKeys / 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int i = 0; i < 2; ++i) mx[i] = quad_max<true>(mx[i]);
+    __syncwarp();  // every lane's atomics of the previous block are in before slots are cleared
 #pragma unroll
-      for (int kp = 0; kp < kKSteps / 2; ++kp) {
-        std::uint32_t kb[4];
-        ldmatrix_x4(kb, &sm.k[stage][(nt * 8 + lane % 8) * kRow + kp * 32 + (lane / 8) * 8]);
-        mma_m16n8k16<Tag>(s[nt], qa[2 * kp], kb[0], kb[1]);
-        mma_m16n8k16<Tag>(s[nt], qa[2 * kp + 1], kb[2], kb[3]);
-      }
-    }
-    const int key0 = step * kKeys;
-    bool hit = false;  // support pass: a score of this step passes the bit test
-#pragma unroll
-    for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int i = j / 2, key = key0 + nt * 8 + 2 * t4 + (j % 2);
-        if (key >= kend[i]) continue;
-        const float z = s[nt][j] * p.scale;
-        if (kPass == Pass::kRowMax) {
-          zmax[i] = fmaxf(zmax[i], z);
-          bad[i] |= !(z < INFINITY);
-        } else if (kPass == Pass::kSearch) {
-          if (!(z > zcut[i])) continue;
-          const double u = p.am1 * (static_cast<double>(z) - static_cast<double>(zmax[i])) + 1.0;
-          const int r = 16 * warp + g + 8 * i;
-          if (collect[i] && u < hi[i]) {
-            const int slot = atomicAdd(&bins.ncoll[r], 1);
-            if (slot < kCollect) bins.coll[r][slot] = static_cast<float>(fmax(u - lo[i], 0.0));
-          } else if (p.power != 0) {
-            double d;
-            const int k = bin_of(u, lo[i], hi[i], d);  // a collecting row's scores >= hi: bin kSections
-            atomicAdd(&bins.cnt[r][k], 1);
-            atomicAdd(&bins.s1[r][k], static_cast<float>(d));
-            atomicAdd(&bins.s2[r][k], static_cast<float>(d * d));
-          } else {
-            const float rf = static_cast<float>(p.r);
-            for (int e = 1; e < kSections; ++e) {
-              const double x = u - (lo[i] + e * w[i]);
-              if (!(x > 0.0)) break;
-              atomicAdd(&bins.s1[r][e], fast_exp2(rf * __log2f(static_cast<float>(x))));
-            }
-          }
-        } else {
-          if (z > zcut[i]) ++support;
-          hit |= z > zbit[i];
-        }
-      }
-    if constexpr (kPass == Pass::kSupport) {
-      // A step of 64 keys lies inside one 128-key block: one bit per warp and step.
-      const int blk = key0 / kBlockKeys;
-      if (__any_sync(0xffffffffu, hit) && lane == 0) atomicOr(&words[blk / 32], 1u << (blk % 32));
-    }
-    __syncthreads();  // every warp is done with `stage` before the next step refills it
-  }
-
-  if constexpr (kPass == Pass::kRowMax) {
     for (int i = 0; i < 2; ++i) {
-      zmax[i] = quad_max(zmax[i]);
-      int f = bad[i] ? 1 : 0;
-      f |= __shfl_xor_sync(0xffffffffu, f, 1);
-      f |= __shfl_xor_sync(0xffffffffu, f, 2);
-      bad[i] = f != 0;
-    }
-    if (t4 == 0)
-      for (int i = 0; i < 2; ++i) {
-        if (row[i] >= p.Lq) continue;
-        EntmaxRow st;
-        st.z_max = zmax[i];
-        st.lo = 0.0;
-        st.hi = 1.0;
-        st.z_tau = INFINITY;
-        if (bad[i]) st.status = EntmaxRow::kPoisoned;
-        else if (kend[i] == 0 || zmax[i] == -INFINITY) st.status = EntmaxRow::kNoKey;
-        else st.status = EntmaxRow::kSearching;
-        st.z_lo = z_of_lo(st, p.am1);
-        p.rows[row_base + row[i]] = st;
+      const float zm = mx[i] * p.scale;
+      if (!(zm < INFINITY)) {  // NaN or +inf: the row is poisoned
+        bad[i] = true;
+        wfloor[i] = INFINITY;
+        continue;
       }
-  } else if constexpr (kPass == Pass::kSearch) {
-    __syncthreads();
-    if (threadIdx.x < kRows && row0 + static_cast<int>(threadIdx.x) < p.Lq) {
-      const int r = threadIdx.x;
-      EntmaxRow& st = p.rows[row_base + row0 + r];
-      if (st.status == EntmaxRow::kSearching) {
-        if (!collects(st, p.power)) {
-          close_row(st, bins.cnt[r], bins.s1[r], bins.s2[r], p.power, p.am1, p.last_pass);
-        } else if (bins.ncoll[r] <= kCollect) {
-          close_collected(st, bins.cnt[r][kSections], bins.s1[r][kSections], bins.s2[r][kSections], bins.coll[r],
-                          bins.ncoll[r], p.power, p.am1);
-        } else if (p.last_pass) {  // more than the count said (rounding at the bracket's ends): midpoint
-          finish_row(st, 0.5 * (st.lo + st.hi), p.am1);
-        } else {
-          st.inside = -1;  // bin the bracket on the next pass
+      if (!(zm > M[i])) continue;
+      if (!ring || !live_row[i] || bad[i] || lost[i]) {
+        M[i] = zm;
+        continue;
+      }
+      int nt = kRingBase;
+      if (M[i] == -INFINITY) {
+        anchor[i] = zm;
+        top[i] = nt;  // the ring is empty
+      } else {
+        const double pos = ring_pos(zm, anchor[i], c);
+        if (pos > kRingLimit) {
+          lost[i] = true;
+          wfloor[i] = INFINITY;
+          M[i] = zm;
+          continue;
+        }
+        nt = ring_index(pos);
+      }
+      M[i] = zm;
+      if (nt > top[i]) {
+        RingBins& rb = sm.bins[rl(i)].ring;
+        for (int idx = max(top[i] + 1, nt - kSections) + t4; idx <= nt; idx += 4) {
+          const int sl = ring_slot(idx);
+          rb.cnt[sl] = 0;
+          rb.s1[sl] = 0.0f;
+          rb.s2[sl] = 0.0f;
+        }
+        top[i] = nt;
+      }
+      wfloor[i] = raw_cut(ring_edge(anchor[i], ring_bottom(top[i], settled[i]), c), p.scale);
+    }
+    __syncwarp();
+    // Now and then (blocks 1, 2, 4, 8, 16, then every 16th) the bottom rises to where the scores seen
+    // so far settle it: one lane per row scans its ring from the top, the quad takes its verdict.
+    if (ring && j >= 1 && ((j & (j - 1)) == 0 || (j & 15) == 0)) {
+      int k_new[2] = {0, 0};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (t4 != i || !(wfloor[i] < INFINITY)) continue;
+        const RingBins& rb = sm.bins[rl(i)].ring;
+        const int base = top[i] - kSections;
+        k_new[i] = base + ring_settled(
+                              [&](int k, int& n, float& a1, float& a2) {
+                                const int sl = ring_slot(base + k);
+                                n = rb.cnt[sl];
+                                a1 = rb.s1[sl];
+                                a2 = rb.s2[sl];
+                              },
+                              p.power);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int k = __shfl_sync(0xffffffffu, k_new[i], (lane & ~3) + i);
+        if (k > settled[i] && wfloor[i] < INFINITY) {
+          settled[i] = k;
+          wfloor[i] = raw_cut(ring_edge(anchor[i], ring_bottom(top[i], k), c), p.scale);
         }
       }
+      __syncwarp();  // the scans' reads before the block's atomics
     }
-  } else {  // support: the CTA's counts and bits
+    std::uint32_t cand[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 64; ++e)
+      if (s[e] >= wfloor[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      for (std::uint32_t m = cand[half]; m != 0u; m &= m - 1u) {
+        const int e = 32 * half + __ffs(m) - 1, i = row_of(e);
+        int sl;
+        float d;
+        if (!ring_place(pick(s, e) * p.scale, sel(anchor, i), ring_bottom(sel(top, i), sel(settled, i)), c, sl, d))
+          continue;
+        RingBins& rb = sm.bins[rl(i)].ring;
+        atomicAdd(&rb.cnt[sl], 1);
+        atomicAdd(&rb.s1[sl], d);
+        if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
+      }
+  };
+
+  // A refining pass's block: the few scores above a row's cut are marked, counted and searched.
+  const auto refine_block = [&](float (&s)[64], int j) {
+    std::uint32_t cand[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 64; ++e)
+      if (s[e] > scut[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
+    bool hit = false;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      for (std::uint32_t m = cand[half]; m != 0u; m &= m - 1u) {
+        const int e = 32 * half + __ffs(m) - 1, r = rl(row_of(e));
+        const RowSearch rs = sm.search[r];
+        const float z = pick(s, e) * p.scale;
+        hit |= z > rs.z_bit;
+        if (rs.role == Role::kMark) {
+          support += z > rs.z_tau ? 1u : 0u;
+          continue;
+        }
+        if (!(z > rs.z_lo)) continue;
+        const double rlo = rs.lo, rhi = rs.hi;
+        const double u = p.am1 * (static_cast<double>(z) - static_cast<double>(rs.z_max)) + 1.0;
+        RowBins& rb = sm.bins[r];
+        if (rs.role == Role::kCollect) {
+          if (u < rhi) {
+            const int slot = atomicAdd(&sm.ncoll[r], 1);
+            if (slot < kCollect) rb.coll.d[slot] = static_cast<float>(fmax(u - rlo, 0.0));
+          } else {
+            const double d = u - rhi;
+            atomicAdd(&rb.coll.n, 1);
+            atomicAdd(&rb.coll.s1, static_cast<float>(d));
+            if (p.power == 2) atomicAdd(&rb.coll.s2, static_cast<float>(d * d));
+          }
+        } else if (p.power != 0) {
+          double d;
+          const int k = bin_of(u, rlo, rhi, d);
+          atomicAdd(&rb.ring.cnt[k], 1);
+          atomicAdd(&rb.ring.s1[k], static_cast<float>(d));
+          if (p.power == 2) atomicAdd(&rb.ring.s2[k], static_cast<float>(d * d));
+        } else {
+          const float rf = static_cast<float>(p.r);
+          const double wd = (rhi - rlo) / kSections;
+          for (int k = 1; k < kSections; ++k) {
+            const double x = u - (rlo + k * wd);
+            if (!(x > 0.0)) break;
+            atomicAdd(&rb.ring.s1[k], fast_exp2(rf * __log2f(static_cast<float>(x))));
+          }
+        }
+      }
+    if (j / 32 != word_idx) {
+      flush_word();
+      word_idx = j / 32;
+    }
+    if (__any_sync(0xffffffffu, hit)) word |= 1u << (j % 32);
+  };
+
+  const auto process = [&](float (&s)[64], int j) {
+    // The block straddles the diagonal of the warpgroup's rows, or runs past Lk.
+    const int block_end = (j + 1) * kBlockKeys;
+    if (block_end > p.Lk || (p.causal && block_end - 1 > first_row + (p.Lk - p.Lq)))
+      OnlineSoftmax::apply_mask(s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
+    if constexpr (kPass == Pass::kFirst) first_block(s, j);
+    else refine_block(s, j);
+  };
+
+  if (nblk > 0) {
+    const std::uint32_t s_q =
+        static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.q[0][0][0])) + consumer * kRowsPerConsumer * 128;
+    const auto issue = [&](float (&acc)[64], int j) {
+      const int st = j % kStages;
+      sm.k_full[st].wait(static_cast<std::uint32_t>(j / kStages) & 1u);
+      wgmma_fence();
+      issue_qk<Tag, D>(acc, s_q, static_cast<std::uint32_t>(__cvta_generic_to_shared(&sm.k[st][0][0][0])));
+    };
+    const auto retire = [&](float (&acc)[64], int j) {
+      fence_operands(acc);
+      sm.k_empty[j % kStages].arrive();
+      process(acc, j);
+    };
+    // Two accumulators: block j + 1's product is in flight while block j's scores are read.
+    float a0[64], a1[64];
+    sm.q_full.wait(0);
+    issue(a0, 0);
+    int j = 0;
+    for (; j + 2 < nblk; j += 2) {
+      issue(a1, j + 1);
+      wgmma_wait<1>();
+      retire(a0, j);
+      issue(a0, j + 2);
+      wgmma_wait<1>();
+      retire(a1, j + 1);
+    }
+    if (j + 1 < nblk) {
+      issue(a1, j + 1);
+      wgmma_wait<1>();
+      retire(a0, j);
+      wgmma_wait<0>();
+      retire(a1, j + 1);
+    } else {
+      wgmma_wait<0>();
+      retire(a0, j);
+    }
+  }
+  if constexpr (kPass == Pass::kRefine) flush_word();
+
+  // Each row closed by one lane of its quad (row g by lane 0, row g + 8 by lane 1).
+  __syncwarp();
+  bool next = false;  // the row this lane closed has work in the next refining pass
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (t4 != i || !live_row[i]) continue;
+    const int r = rl(i);
+    EntmaxRow& out = p.rows[row_base + row0 + r];
+    if constexpr (kPass == Pass::kFirst) {
+      EntmaxRow st;
+      st.z_max = M[i];
+      st.z_tau = INFINITY;
+      if (bad[i]) {
+        st.status = EntmaxRow::kPoisoned;
+      } else if (M[i] == -INFINITY) {
+        st.status = EntmaxRow::kNoKey;
+      } else if (!ring || lost[i]) {  // the refining passes bin [0, 1]
+        st.z_lo = z_of_lo(st, p.am1);
+      } else {
+        const RingBins& rb = sm.bins[r].ring;
+        int cnt[kRing];
+        float s1[kRing], s2[kRing];
+        for (int k = 0; k < kRing; ++k) {
+          const int sl = ring_slot(top[i] - kSections + k);
+          cnt[k] = rb.cnt[sl];
+          s1[k] = rb.s1[sl];
+          s2[k] = rb.s2[sl];
+        }
+        ring_close(st, cnt, s1, s2, ring_pos(M[i], anchor[i], c), p.power, p.am1);
+      }
+      out = st;
+      next = role_of(st, p.power) != Role::kNone;
+    } else {
+      const Role role = sm.search[r].role;
+      if (role == Role::kNone) continue;
+      EntmaxRow st = out;
+      RowBins& rb = sm.bins[r];
+      if (role == Role::kMark) {
+        st.marked = 1;
+      } else if (role == Role::kBin) {
+        close_row(st, rb.ring.cnt, rb.ring.s1, rb.ring.s2, p.power, p.am1, p.last_pass);
+      } else if (sm.ncoll[r] <= kCollect) {
+        const int nc = sm.ncoll[r];
+        const double tau = close_collected(st, rb.coll.n, rb.coll.s1, rb.coll.s2, rb.coll.d, nc, p.power, p.am1);
+        // Its bits went out in the pass; its support is the scores above hi and the collected above tau.
+        support += static_cast<unsigned long long>(rb.coll.n);
+        for (int k = 0; k < nc; ++k) support += st.lo + rb.coll.d[k] > tau ? 1u : 0u;
+        st.marked = 1;
+      } else if (p.last_pass) {  // more than the count said (rounding at the bracket's ends): midpoint
+        finish_row(st, 0.5 * (st.lo + st.hi), p.am1);
+      } else {
+        st.inside = -1;  // bin the bracket on the next pass
+      }
+      out = st;
+      next = role_of(st, p.power) != Role::kNone;
+    }
+  }
+  const int next_rows = __popc(__ballot_sync(0xffffffffu, next));
+  const int next_pass = kPass == Pass::kFirst ? 0 : p.pass + 1;
+  if (lane == 0 && next_rows != 0 && next_pass <= kMaxPasses) atomicAdd(p.pending + next_pass, next_rows);
+  if constexpr (kPass == Pass::kRefine) {
     for (int o = 16; o > 0; o >>= 1) support += __shfl_xor_sync(0xffffffffu, support, o);
-    if (lane == 0 && support != 0) atomicAdd(&support_s, support);
-    __syncthreads();
-    if (threadIdx.x == 0 && support_s != 0) atomicAdd(p.support, support_s);
-    std::uint32_t* out = p.bits + ((static_cast<long long>(b) * p.Hq + h) * p.Tq + row0 / kTileRows) * p.words;
-    for (int e = threadIdx.x; e < p.words; e += kThreads)
-      if (words[e] != 0u) atomicOr(out + e, words[e]);
+    if (lane == 0 && support != 0) atomicAdd(p.support, support);
+  }
+}
+
+// One CTA per (Q tile, head, b), the tiles in reverse so the longest causal ones start first.
+template <class Tag, int D, Pass kPass>
+__global__ void __launch_bounds__(kThreads, 1)
+    scan_kernel(const __grid_constant__ ScanParams p, const __grid_constant__ CUtensorMap tm_q,
+                const __grid_constant__ CUtensorMap tm_k) {
+  using Storage = ScanStorage<typename Tag::Elem, D>;
+  constexpr int kHalves = D / 64;
+  const int tile = static_cast<int>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y, b = blockIdx.z;
+  const int row0 = tile * kTileRows;
+  if constexpr (kPass == Pass::kRefine) {
+    if (p.pending[p.pass] == 0) return;
+    int need = 0;
+    const int row = row0 + static_cast<int>(threadIdx.x);
+    if (threadIdx.x < kTileRows && row < p.Lq)
+      need = role_of(p.rows[(static_cast<long long>(b) * p.Hq + h) * p.Lq + row], p.power) != Role::kNone;
+    if (!__syncthreads_or(need)) return;
+  }
+  extern __shared__ std::uint8_t smem_raw[];
+  const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
+  Storage& sm = *reinterpret_cast<Storage*>(smem_raw + ((1024u - (raw & 1023u)) & 1023u));
+  const int nblk = (key_end(p, min(row0 + kTileRows, p.Lq) - 1) + kBlockKeys - 1) / kBlockKeys;
+  if (threadIdx.x == 0) {
+    tma_prefetch_descriptor(&tm_q);
+    tma_prefetch_descriptor(&tm_k);
+    sm.q_full.init(1);
+    for (int s = 0; s < kStages; ++s) {
+      sm.k_full[s].init(1);
+      sm.k_empty[s].init(kConsumerThreads);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int warpgroup = static_cast<int>(threadIdx.x) / 128, thread = static_cast<int>(threadIdx.x) % 128;
+  if (warpgroup == 0) {
+    warpgroup_reg_dealloc<kProducerRegs>();
+    if (thread != 0 || nblk == 0) return;
+    sm.q_full.arrive_expect_tx(kTileBytes<D>);
+    for (int half = 0; half < kHalves; ++half)
+      tma_load_bhld(&sm.q[half][0][0], &tm_q, 64 * half, h, row0, b, &sm.q_full.word);
+    const int kvh = h / p.group;
+    for (int j = 0; j < nblk; ++j) {
+      const int s = j % kStages;
+      sm.k_empty[s].wait((static_cast<std::uint32_t>(j / kStages) & 1u) ^ 1u);
+      sm.k_full[s].arrive_expect_tx(kTileBytes<D>);
+      for (int half = 0; half < kHalves; ++half)
+        tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, kvh, j * kBlockKeys, b, &sm.k_full[s].word);
+    }
+  } else {
+    warpgroup_reg_alloc<kConsumerRegs>();
+    consume<Tag, D, kPass>(p, sm, warpgroup - 1, thread, b, h, tile, nblk);
   }
 }
 
@@ -354,21 +568,24 @@ __global__ void copy_bits_kernel(const __grid_constant__ CopyBitsParams p) {
 }
 
 template <class Tag, int D, Pass kPass>
-cudaError_t launch_scan(const ScanParams& p, dim3 grid, cudaStream_t stream) {
-  const std::size_t smem =
-      sizeof(Smem<D>) + (kPass == Pass::kSearch ? sizeof(Bins) : kPass == Pass::kSupport ? 4 * static_cast<std::size_t>(p.words) : 0);
+cudaError_t launch_scan(const ScanParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k, dim3 grid,
+                        cudaStream_t stream) {
+  constexpr std::size_t smem = sizeof(ScanStorage<typename Tag::Elem, D>) + 1024;  // + slack for the alignment
   auto* kernel = &scan_kernel<Tag, D, kPass>;
-  return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kThreads, smem, stream>>>(p); });
+  return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kThreads, smem, stream>>>(p, tm_q, tm_k); });
 }
 
+// The first pass, kMaxPasses refining passes (the last finishes every row), and one more that marks the
+// rows the last ones finished by binning. Past convergence a launch finds nothing to do.
 template <class Tag, int D>
-cudaError_t launch_passes(ScanParams p, dim3 grid, cudaStream_t stream) {
-  cudaError_t e = launch_scan<Tag, D, Pass::kRowMax>(p, grid, stream);
-  for (int i = 0; i < kMaxPasses && e == cudaSuccess; ++i) {
+cudaError_t launch_passes(ScanParams p, const CUtensorMap& tm_q, const CUtensorMap& tm_k, dim3 grid,
+                          cudaStream_t stream) {
+  cudaError_t e = launch_scan<Tag, D, Pass::kFirst>(p, tm_q, tm_k, grid, stream);
+  for (int i = 0; i <= kMaxPasses && e == cudaSuccess; ++i) {
+    p.pass = i;
     p.last_pass = i == kMaxPasses - 1;
-    e = launch_scan<Tag, D, Pass::kSearch>(p, grid, stream);
+    e = launch_scan<Tag, D, Pass::kRefine>(p, tm_q, tm_k, grid, stream);
   }
-  if (e == cudaSuccess) e = launch_scan<Tag, D, Pass::kSupport>(p, grid, stream);
   return e;
 }
 
@@ -379,17 +596,12 @@ namespace {
 
 constexpr const char* kOp = "entmax";
 
-// Per (device, stream): the row states, the bits, the tile lists of the output pass and two counters.
+// Per (device, stream): the row states, the bits, the tile lists of the output pass, two counters
+// (support, active tiles) and the refining passes' pending rows.
 // entmax holds its lock across both phases.
 WorkspaceCache g_entmax_workspaces;
 
 std::size_t round256(std::size_t n) { return (n + 255) / 256 * 256; }
-
-void require_cp_async(const TensorView& t, const char* name) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(t.data);
-  detail::require(addr % 16 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0, kOp, name,
-                  [&] { return "needs a 16-byte aligned base and strides in multiples of 8 elements, got " + t.describe(); });
-}
 
 }  // namespace
 
@@ -400,11 +612,12 @@ EntmaxPlan entmax_thresholds(const detail::AttentionCall& a, const EntmaxOptions
   using cuda_kernels::check_cuda;
   const ProblemShape& s = a.p;
   constexpr std::int64_t kIntMax = std::numeric_limits<int>::max();
-  detail::require(s.Lq <= kIntMax && s.Lk <= kIntMax && ceil_div(s.Lq, kRows) <= kIntMax && s.Hq <= 65535 && s.B <= 65535,
+  detail::require(s.Lq <= kIntMax && s.Lk <= kIntMax && s.Tq() <= kIntMax && s.Hq <= 65535 && s.B <= 65535,
                   kOp, "q", [&] { return "problem too large for the CUDA entmax's grid: " + s.describe(); });
-  require_cp_async(a.q, "q");
-  require_cp_async(a.k, "k");
   cuda_kernels::DeviceGuard guard(a.device, kOp);
+  // TMA loads (throws naming the tensor where TMA cannot address it: alignment of the base or strides).
+  const CUtensorMap tm_q = cuda_kernels::make_bhld_tensor_map(kOp, "q", a.q);
+  const CUtensorMap tm_k = cuda_kernels::make_bhld_tensor_map(kOp, "k", a.k);
   const auto stream = static_cast<cudaStream_t>(a.stream);
   const std::int64_t Tq = s.Tq(), Tk = s.Tk(), words = ceil_div(Tk, 32);
   const std::int64_t nrows = s.B * s.Hq * s.Lq, nbits = s.B * s.Hq * Tq * words;
@@ -420,17 +633,13 @@ EntmaxPlan entmax_thresholds(const detail::AttentionCall& a, const EntmaxOptions
   char* idx = ws + rows_bytes + bits_bytes;
   char* cnt = idx + idx_bytes;
   auto* counters = reinterpret_cast<unsigned long long*>(cnt + cnt_bytes);  // support, active tiles
+  int* pending = reinterpret_cast<int*>(counters + 2);
+  static_assert(2 * sizeof(unsigned long long) + (kMaxPasses + 1) * sizeof(int) <= 256, "counters over their room");
   check_cuda(cudaMemsetAsync(bits, 0, bits_bytes, stream), kOp, "bits");
-  check_cuda(cudaMemsetAsync(counters, 0, 2 * sizeof(unsigned long long), stream), kOp, "counters");
+  check_cuda(cudaMemsetAsync(counters, 0, 256, stream), kOp, "counters");
 
   const double alpha = options.alpha;
   ScanParams p;
-  p.q = a.q.data;
-  p.k = a.k.data;
-  for (int i = 0; i < 3; ++i) {
-    p.q_stride[i] = a.q.stride[i];
-    p.k_stride[i] = a.k.stride[i];
-  }
   p.Lq = static_cast<int>(s.Lq);
   p.Lk = static_cast<int>(s.Lk);
   p.Hq = static_cast<int>(s.Hq);
@@ -445,12 +654,15 @@ EntmaxPlan entmax_thresholds(const detail::AttentionCall& a, const EntmaxOptions
   p.rows = rows;
   p.bits = bits;
   p.support = counters;
-  const dim3 grid(static_cast<unsigned>(ceil_div(s.Lq, kRows)), static_cast<unsigned>(s.Hq), static_cast<unsigned>(s.B));
+  p.pending = pending;
+  const dim3 grid(static_cast<unsigned>(Tq), static_cast<unsigned>(s.Hq), static_cast<unsigned>(s.B));
   const bool bf16 = a.q.dtype == DType::bf16;
   using cuda_kernels::Bf16Tag;
   using cuda_kernels::F16Tag;
-  check_cuda(s.D == 128 ? (bf16 ? launch_passes<Bf16Tag, 128>(p, grid, stream) : launch_passes<F16Tag, 128>(p, grid, stream))
-                        : (bf16 ? launch_passes<Bf16Tag, 64>(p, grid, stream) : launch_passes<F16Tag, 64>(p, grid, stream)),
+  check_cuda(s.D == 128 ? (bf16 ? launch_passes<Bf16Tag, 128>(p, tm_q, tm_k, grid, stream)
+                               : launch_passes<F16Tag, 128>(p, tm_q, tm_k, grid, stream))
+                        : (bf16 ? launch_passes<Bf16Tag, 64>(p, tm_q, tm_k, grid, stream)
+                                : launch_passes<F16Tag, 64>(p, tm_q, tm_k, grid, stream)),
              kOp, "threshold passes");
   const unsigned small_grid = static_cast<unsigned>(std::clamp<std::int64_t>(ceil_div(nbits, 256), 1, 1024));
   popcount_kernel<<<small_grid, 256, 0, stream>>>(
@@ -500,9 +712,8 @@ EntmaxStats entmax(const detail::AttentionCall& a, const EntmaxOptions& options,
   stats.support = static_cast<std::int64_t>(host[0]);
   stats.active_tiles = static_cast<std::int64_t>(host[1]);
   for (std::int64_t t = 0; t < s.Tq(); ++t) {
-    const std::int64_t last = std::min(s.Lq, (t + 1) * cuda_kernels::entmax::kTileRows) - 1;
-    stats.visible_tiles +=
-        s.B * s.Hq * ceil_div(s.key_end(last), static_cast<std::int64_t>(cuda_kernels::entmax::kBlockKeys));
+    const std::int64_t last = std::min(s.Lq, (t + 1) * cuda_kernels::kTileRows) - 1;
+    stats.visible_tiles += s.B * s.Hq * ceil_div(s.key_end(last), static_cast<std::int64_t>(cuda_kernels::kBlockKeys));
   }
   return stats;
 }
