@@ -145,8 +145,12 @@ def markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
+OFF_SCALE = 3.0  # points above this multiple of dense perplexity are named in the title, not drawn
+
+
 def plot(result: dict, path: str) -> bool:
-    """Perplexity against measured block density, one line per method; False without matplotlib."""
+    """Perplexity against measured block density, one line per method; False without matplotlib.
+    Settings whose perplexity is above OFF_SCALE x dense are named in the title instead of drawn."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -156,18 +160,24 @@ def plot(result: dict, path: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     dense = next(r for r in result["results"] if r["variant"] == "dense")
     ax.axhline(dense["perplexity"], color="black", linestyle="--", label="dense")
-    lines = {}
+    lines, off_scale = {}, set()
     for r in result["results"]:
         if r["variant"] in ("dense", "sdpa"):
+            continue
+        if r["perplexity"] > OFF_SCALE * dense["perplexity"]:  # would squash every other line
+            off_scale.add(r["variant"])
             continue
         lines.setdefault(r["variant"], []).append((r["block_density"], r["perplexity"]))
     for name, points in lines.items():
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     ax.set_xlabel("measured block density (causally visible blocks kept)")
-    ax.set_yscale("log")  # the sparsest settings of some methods are far above the rest
+    ax.set_yscale("log")
     ax.set_ylabel(f"perplexity (last half of {result['length']}-token sequences)")
-    ax.set_title(f"{result['model'].split(' (')[0]} on {result['device']}", fontsize=9)
+    title = f"{result['model'].split(' (')[0]} on {result['device']}"
+    if off_scale:
+        title += f"; off the scale (> {OFF_SCALE:g}x dense): {', '.join(sorted(off_scale))}"
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
