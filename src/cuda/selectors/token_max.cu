@@ -1,28 +1,30 @@
 // MSA-style token_max selector on the GPU (docs/design.md §5.7): block scores on the tensor cores with
-// float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Three
-// launches on the caller's stream after a memset of three words:
-//  1. prepare (prepare_kernel, cooperative): the largest |x| of qidx and of kidx, a grid barrier, then every
-//     index row rounded through the precision exactly as the CPU's load_quantized (tc_index.cuh;
+// float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Four
+// launches on the caller's stream after a memset of two words:
+//  1. amax (amax_kernel): the largest |x| of qidx and of kidx (float bits, atomicMax);
+//  2. codes (codes_kernel, a programmatic dependent of 1: its loads are issued before it waits): every index
+//     row rounded through the precision exactly as the CPU's load_quantized (tc_index.cuh;
 //     QuantisationEqualsCpu), stored as codes, value = code x per-tensor scale up to one or two float32
 //     roundings: fp8 as e4m3 bytes (scale amax / 448), fp4 as bf16 (an NVFP4 value, e2m1 x its e4m3 block
 //     scale, has up to 6 significant bits: exact in bf16, not in e4m3; scale amax / 2688), bf16 as itself
 //     times 2^-e, 2^e the power of two above amax (exact unless the result is subnormal; it keeps every dot
 //     of codes far from float32 overflow, whatever the inputs' magnitude). Rows are padded with zero codes
 //     to Dc = Di rounded up to 16;
-//  2. screen (screen_kernel, a programmatic dependent of 1): persistent and warp-specialised; per
-//     (Q tile, KV block) the 128 x 128 code dots on wgmma (fp8: m64n128k32 e4m3 x e4m3; bf16, fp4:
-//     m64n128k16 bf16), keeping per query the max over the block's visible keys (QueryLists) or one
-//     partial max per consumer warp (TileLists);
-//  3. rank (rank_kernel, a programmatic dependent of 2): per list, the forced blocks (reserved local
-//     block, block 0 with force_block0) first, then the screened maxima, ties to the lower id; top_k ids
-//     ascending, -1 padded, and the count.
+//  3. screen (screen_kernel, a programmatic dependent of 2): persistent and warp-specialised; per
+//     (Q tile, KV block) the 128 x 128 code dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction
+//     from a zero accumulator, the instructions added in float32; bf16, fp4: m64n128k16 bf16 chained),
+//     keeping per query the max over the block's visible keys (QueryLists) or one partial max per consumer
+//     warp (TileLists);
+//  4. rank (rank_kernel, a programmatic dependent of 3): per list, the forced blocks (reserved local
+//     blocks, block 0 with force_block0) first, among themselves by id as the CPU's +inf scores, then the
+//     screened maxima, ties to the lower id; top_k ids ascending, -1 padded, and the count.
 // No atomics on scores and a fixed reduction order, so two runs give the same bits.
 //
 // Bytes that reach HBM per call (tile16 TileLists at Lk = 16K, fp8, bf16 inputs: B = 2, Lq = 4096,
-// Lk = 16384, Di = 128): the inputs are read once (10.5 MB; each thread keeps its first items in registers
-// across the barrier and reads the rest again, mostly from L2), the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes
-// once per Q tile, from L2 after the first), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB)
-// written and read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
+// Lk = 16384, Di = 128): the inputs are read by the amax (10.5 MB) and again by the codes (mostly from L2),
+// the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes once per Q
+// tile, from L2 after the first), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB) written and
+// read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
 //
 // ---- the bound eps ---------------------------------------------------------------------------------------
 //
@@ -33,18 +35,23 @@
 // a row: n = 4 ceil(Dc / 128) for fp8, 4 ceil(Dc / 64) for bf16 codes, zero k-steps included), and NQ, NK
 // bounds of the 2-norms of the dequantised query and key rows.
 //  1. Accumulation. Products of codes are exact (e4m3 x e4m3: 8 significant bits; bf16 x bf16: 16).
-//     bf16 wgmma (tc_index.cuh's analysis): terms aligned to the largest and truncated with >= 24 bits
-//     kept, <= 2^-18 (|acc| + the k16 step's |products|) <= 2^-18 S (1 + rho) per step.
+//     bf16 wgmma (tc_index.cuh's analysis), the block's k16 steps chained on one accumulator: terms aligned
+//     to the largest and truncated with >= 24 bits kept, <= 2^-18 (|acc| + the step's |products|) <= 2^-18 S
+//     (1 + rho) per step, rho <= n 2^-18: |T^ - T| <= A S (1 + rho) with A = n 2^-18.
 //     fp8 wgmma: Hopper keeps fewer bits (DeepSeek-V3 reports about 14; others an e8m13 accumulator with
-//     truncation; TokenMaxGpu.Fp8AccumulationWithinModel checks the model). Relied on, conservatively:
-//     an m64n128k32 instruction adds its 32 products to the incoming accumulator in at most 4 steps, each aligning its terms (the running value and <= 32
-//     products) to the largest magnitude and keeping >= 13 bits below that leading bit (truncation), then
-//     normalising the result to >= 13 bits. Each term loses < 2^-13 M, M <= S (1 + rho) the largest
-//     magnitude (every partial sum and product is bounded by S), so a step with m products errs by
-//     <= (m + 2) 2^-13 M and an instruction by <= (32 + 2 x 4) 2^-13 S (1 + rho) = 40 x 2^-13 S (1 + rho).
-//     Over n instructions: |T^ - T| <= n r S (1 + rho), r = 40 x 2^-13 (fp8) or 2^-18 (bf16), and
-//     rho <= n r <= 2^-4 for Di <= 256. Products or sums below 2^-126 may be flushed: only bf16 codes can
-//     be that small (e4m3 products are >= 2^-18, fp4 code products >= 2^-20): <= n 2^-121 sq sk.
+//     truncation; TokenMaxGpu.Fp8AccumulationWithinModel checks the model). Relied on, conservatively, for
+//     one m64n128k32 instruction: it adds its 32 products to its incoming accumulator in at most 4 steps, each
+//     aligning its terms (the running value and <= 32 products) to the largest magnitude and keeping >= 13
+//     bits below that leading bit (truncation), then normalising the result to >= 13 bits. The kernel starts
+//     every k32 instruction k from a zero accumulator, so every magnitude inside it (its products and their
+//     partial sums) is <= S_k, the sum of its own |products|: each term loses < 2^-13 S_k, a step with m
+//     products errs by <= (m + 2) 2^-13 S_k and the instruction by <= (32 + 2 x 4) 2^-13 S_k = 40 x 2^-13
+//     S_k, its result below S_k (1 + 2^-7). The n results are added in float32 in d order: n - 1 roundings,
+//     each <= 2^-24 of a partial sum <= S (1 + 2^-7). With sum_k S_k = S:
+//     |T^ - T| <= A S (1 + 2^-7), A = 40 x 2^-13 + n 2^-24, whatever Di (a chain of n instructions on one
+//     accumulator would give n x 40 x 2^-13: its large running value aligns the later products away).
+//     Products or sums below 2^-126 may be flushed: only bf16 codes can be that small (e4m3 products are
+//     >= 2^-18, fp4 code products >= 2^-20): <= n 2^-121 sq sk.
 //  2. Dequantisation (tc_index.cuh header): fp8, fp4: vq vk = cq ck sq sk (1 + 4 x 2^-24) plus underflow
 //     terms <= 2^-146 sqrt(Di) (NQ + NK), and sq |cq| <= (1 + 2^-22) (|vq| + 2^-143) for Di <= 256. bf16:
 //     vq = cq sq exactly unless the code is subnormal, |vq - cq sq| <= 2^-134 sq per element, so the
@@ -52,12 +59,12 @@
 //  3. The CPU's float64 sum differs from the real s by <= Di 2^-53 NQ NK <= 2^-40 NQ NK.
 //  4. A block score is a max over pairs, and |max a - max b| <= max |a - b|.
 // Hence, for every candidate block j of a list (NQ over the list's query rows, NK over block j's keys):
-//   |s^_j - s_j| <= e_j = (n r (1 + 2^-4) + 2^-20) NQ NK + 2^-140 (NQ + NK) + 2^-128 (sq NK + sk NQ)
+//   |s^_j - s_j| <= e_j = (A (1 + 2^-4) + 2^-20) NQ NK + 2^-140 (NQ + NK) + 2^-128 (sq NK + sk NQ)
 //                         + n 2^-120 sq sk + 2^-280,
 // (token_max_score_error below). A selected a and an unselected b have s^_a >= s^_b, so
 // s_a >= s_b - e_a - e_b: every list satisfies min(exact selected) >= max(exact unselected) - eps with
-// eps = 2 max_j e_j over its candidates. At Di = 128: n r = 2^-14 (bf16, fp4: eps ~ 2^-13 NQ NK) and
-// 160 x 2^-13 ~ 2^-5.7 (fp8: eps ~ 0.04 NQ NK). Non-finite inputs (the CPU rejects them; the device does
+// eps = 2 max_j e_j over its candidates. At Di = 128: A = 2^-14 (bf16, fp4: eps ~ 2^-13 NQ NK) and
+// 40 x 2^-13 + 2^-22 ~ 2^-7.7 (fp8: eps ~ 0.0104 NQ NK). Non-finite inputs (the CPU rejects them; the device does
 // not synchronise to look) give NaN dots, which the maxima skip: a block whose every dot is NaN ranks as
 // -inf.
 #include <cuda_fp8.h>
@@ -113,16 +120,26 @@ constexpr int code_bytes(IndexPrecision p) { return p == IndexPrecision::fp8_e4m
 std::int64_t code_halves(std::int64_t Dc, IndexPrecision p) { return (Dc * code_bytes(p) + 127) / 128; }
 
 // ---- 1.-2. preparation ----------------------------------------------------------------------------------
+//
+// Two launches over items of 8 consecutive elements of a code row (Dc / 8 per row; items past Di hold zero
+// codes): the amax of both tensors, then (its programmatic dependent) the codes. Every thread issues the
+// loads of a round of kRound items before it uses any of them, so 4 x 16 bytes (8 x 16 for f32) are in
+// flight per thread; the codes kernel issues its round before it waits for the amax (the inputs were
+// complete before the amax kernel, a plain launch, started), so its loads overlap the amax's tail.
+
+constexpr int kRound = 4;         // items per thread and round
+// The amax kernel's grid: one wave of 2 CTAs per SM (64 registers a thread: half the register file, so
+// a codes CTA fits beside them), 2 x 256 threads x 4 x 16 B = 32 KB in flight per SM.
+constexpr int kAmaxCtasPerSm = 2;
 
 struct PrepParams {
   IndexSrc src[2];
   In type[2];
   void* codes[2];            // [rows, Dc] e4m3 bytes (fp8) or bf16
-  std::int64_t rows[2];
-  std::int64_t items0, items; // items of tensor 0 (rows[0] * lanes), of both
-  int lanes;                 // Dc / 8 items per row, 8 elements each
+  std::int64_t items0, items; // items of tensor 0 (rows * lanes), of both
+  int lanes;                 // Dc / 8 items per row
   int Dc;
-  unsigned int* words;       // [0], [1]: amax of qidx, kidx (float bits); [2]: barrier count; zeroed per call
+  unsigned int* amax;        // [2]: amax of qidx, kidx (float bits), zeroed per call
 };
 
 // An item: 8 consecutive elements of one row, which tensor it is in and whether it exists.
@@ -148,21 +165,64 @@ __device__ __forceinline__ Item item_of(const PrepParams& p, std::int64_t t) {
   return it;
 }
 
-__device__ __forceinline__ void load_item(const PrepParams& p, const Item& it, float (&x)[8]) {
+// An item's 8 elements as loaded: 16-bit types packed in lo (element 2 w in the low half of word w), f32 in
+// lo (0-3) and hi (4-7); zero past the row's Di and for an item that does not exist.
+struct Raw {
+  uint4 lo, hi;
+};
+
+// Issues the loads of an item and uses none of their values, so the loads of a round are in flight
+// together: one 16-byte load (two for f32) where the 8 elements lie in the row and are 16-byte aligned,
+// one load per element otherwise (strided or unaligned views, Di not a multiple of 8).
+__device__ __forceinline__ Raw load_raw(const PrepParams& p, const Item& it) {
+  Raw r{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
   const IndexSrc s = it.which ? p.src[1] : p.src[0];
-  const In type = it.which ? p.type[1] : p.type[0];
-  const int D = static_cast<int>(s.D);
-  float a[tc::kPrepG], b[tc::kPrepG];
-  const std::int64_t off = it.in ? s.offset(it.row) : -1;
-  tc::load_group(s.x, type, off, it.d0, imax(0, imin(4, D - it.d0)), a);
-  tc::load_group(s.x, type, off, it.d0 + 4, imax(0, imin(4, D - it.d0 - 4)), b);
+  const In t = it.which ? p.type[1] : p.type[0];
+  const int cnt = imax(0, imin(8, static_cast<int>(s.D) - it.d0));
+  if (!it.in || cnt == 0) return r;
+  const std::int64_t e = (tc::contiguous_rows(s) ? it.row * s.D : s.offset(it.row)) + it.d0;
+  if (t == In::f32) {
+    const auto* a = static_cast<const unsigned*>(s.x) + e;
+    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
+      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
+      r.hi = __ldg(reinterpret_cast<const uint4*>(a) + 1);
+    } else {
+      unsigned u[8];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) x[i] = a[i], x[4 + i] = b[i];
+      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? __ldg(a + i) : 0u;
+      r.lo = make_uint4(u[0], u[1], u[2], u[3]);
+      r.hi = make_uint4(u[4], u[5], u[6], u[7]);
+    }
+  } else {
+    const auto* a = static_cast<const unsigned short*>(s.x) + e;
+    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
+      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
+    } else {
+      unsigned u[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? static_cast<unsigned>(__ldg(a + i)) : 0u;
+      r.lo = make_uint4(u[0] | u[1] << 16, u[2] | u[3] << 16, u[4] | u[5] << 16, u[6] | u[7] << 16);
+    }
+  }
+  return r;
+}
+
+// The item's elements as floats (the first use of its loads).
+__device__ __forceinline__ void to_floats(const PrepParams& p, const Item& it, const Raw& r, float (&x)[8]) {
+  const In t = it.which ? p.type[1] : p.type[0];
+  const unsigned w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+  if (t == In::f32) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[2 * k] = tc::bits16_to_float(w[k] & 0xffffu, t), x[2 * k + 1] = tc::bits16_to_float(w[k] >> 16, t);
+  }
 }
 
 // Rounds the item's 8 values through the precision (as the CPU's load_quantized) and stores their codes.
 // fp4: an NVFP4 block of 16 is the even-odd lane pair (lanes is even, every tensor and row starts at an
-// even item, and the grid's item stride is even), so every lane of the warp must call this.
+// even item, and the item stride kPrepThreads is even), so every lane of the warp must call this.
 template <Prec P>
 __device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it, const float (&x)[8], float ts,
                                             float down) {
@@ -192,49 +252,35 @@ __device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it,
   }
 }
 
-constexpr int kKeep = 4;  // items per thread held in registers across the grid barrier
-
-// One cooperative launch (every CTA resident): the amax of both tensors, a grid barrier, then the codes.
-// Each thread takes items in rounds of kKeep (item stride = the grid's threads) and keeps its first round
-// in registers across the barrier; later rounds (inputs larger than kKeep x the resident threads: tile16 at
-// 16K has about 10 items per thread) are loaded again after it, mostly from L2. amax is an atomicMax on float bits (non-negative floats order
-// like their bits): order-free, and fmaxf skips NaN as the CPU's std::fmax does.
-template <Prec P>
-__global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_constant__ PrepParams p) {
+// The largest |x| of qidx and of kidx: a grid-stride loop over rounds of items, a block reduction and one
+// atomicMax on float bits per CTA and tensor (non-negative floats order like their bits: order-free;
+// fmaxf skips NaN as the CPU's std::fmax does). A plain launch after the memset of the words.
+__global__ void __launch_bounds__(kPrepThreads) amax_kernel(const __grid_constant__ PrepParams p) {
+  sel::pdl_launch_dependents();  // the codes kernel may be scheduled beside this one and issue its loads
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kPrepThreads;
-  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-  const int lane = threadIdx.x % 32;
-  float x[kKeep][8];
-  Item its[kKeep];
   float m0 = 0.0f, m1 = 0.0f;  // scalars, not an array indexed at run time (which would live in local memory)
-  auto fold = [&](const Item& it, const float (&v)[8]) {
-    float a = 0.0f;
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x; t < p.items;
+       t += kRound * stride) {
+    Item it[kRound];
+    Raw r[kRound];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
-    if (it.which) m1 = fmaxf(m1, a);
-    else m0 = fmaxf(m0, a);
-  };
-  // Every load of a round is issued before its values are used: a round keeps 2 kKeep loads in flight.
-#pragma unroll
-  for (int k = 0; k < kKeep; ++k) {
-    its[k] = item_of(p, t0 + k * stride);
-    load_item(p, its[k], x[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < kKeep; ++k) fold(its[k], x[k]);
-  const std::int64_t round = kKeep * stride;
-  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {  // warp-uniform
-    Item it[kKeep];
-    float v[kKeep][8];
-#pragma unroll
-    for (int k = 0; k < kKeep; ++k) {
+    for (int k = 0; k < kRound; ++k) {
       it[k] = item_of(p, t + k * stride);
-      load_item(p, it[k], v[k]);
+      r[k] = load_raw(p, it[k]);
     }
 #pragma unroll
-    for (int k = 0; k < kKeep; ++k) fold(it[k], v[k]);
+    for (int k = 0; k < kRound; ++k) {
+      float x[8];
+      to_floats(p, it[k], r[k], x);
+      float a = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i]));
+      if (it[k].which) m1 = fmaxf(m1, a);
+      else m0 = fmaxf(m0, a);
+    }
   }
   __shared__ float red[2][kPrepThreads / 32];
+  const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     float v = w ? m1 : m0;
@@ -245,21 +291,29 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   if (threadIdx.x == 0) {
     float a0 = red[0][0], a1 = red[1][0];
     for (int w = 1; w < kPrepThreads / 32; ++w) a0 = fmaxf(a0, red[0][w]), a1 = fmaxf(a1, red[1][w]);
-    atomicMax(p.words, __float_as_uint(a0));
-    atomicMax(p.words + 1, __float_as_uint(a1));
-    // Grid barrier: every CTA is resident (cooperative launch), the count was zeroed with the words.
-    __threadfence();
-    atomicAdd(p.words + 2, 1u);
-    while (*static_cast<volatile unsigned int*>(p.words + 2) < gridDim.x) {
-    }
-    __threadfence();
+    atomicMax(p.amax, __float_as_uint(a0));
+    atomicMax(p.amax + 1, __float_as_uint(a1));
   }
-  __syncthreads();
+}
+
+// The codes: a programmatic dependent of amax_kernel; one round of kRound items per thread (item stride
+// kPrepThreads: an fp4 block of 16 is an even-odd lane pair, as store_codes needs).
+template <Prec P>
+__global__ void __launch_bounds__(kPrepThreads) codes_kernel(const __grid_constant__ PrepParams p) {
+  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kRound * kPrepThreads + threadIdx.x;
+  Item it[kRound];
+  Raw r[kRound];
+#pragma unroll
+  for (int k = 0; k < kRound; ++k) {
+    it[k] = item_of(p, t0 + k * kPrepThreads);
+    r[k] = load_raw(p, it[k]);
+  }
+  sel::pdl_wait();
   sel::pdl_launch_dependents();
-  // Per tensor: the scale and, for bf16, 2^-e with 2^e above amax (0 for an all-zero tensor), so codes are
-  // below 1 in magnitude.
+  // Per tensor: the scale and, for bf16, 2^-e with 2^e the power of two above amax (0 for an all-zero
+  // tensor), so codes are below 1 in magnitude.
   auto scales = [&](int w, float& ts, float& down) {
-    const unsigned bits = __ldcg(p.words + w);
+    const unsigned bits = __ldcg(p.amax + w);
     ts = tc::tensor_scale(static_cast<int>(P), &bits);
     down = 1.0f;
     if constexpr (P == Prec::bf16) {
@@ -271,21 +325,11 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   float ts0, ts1, down0, down1;
   scales(0, ts0, down0);
   scales(1, ts1, down1);
-  auto store = [&](const Item& it, const float (&v)[8]) {
-    store_codes<P>(p, it, v, it.which ? ts1 : ts0, it.which ? down1 : down0);
-  };
 #pragma unroll
-  for (int k = 0; k < kKeep; ++k) store(its[k], x[k]);
-  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {
-    Item it[kKeep];
-    float v[kKeep][8];
-#pragma unroll
-    for (int k = 0; k < kKeep; ++k) {
-      it[k] = item_of(p, t + k * stride);
-      load_item(p, it[k], v[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kKeep; ++k) store(it[k], v[k]);
+  for (int k = 0; k < kRound; ++k) {
+    float x[8];
+    to_floats(p, it[k], r[k], x);
+    store_codes<P>(p, it[k], x, it[k].which ? ts1 : ts0, it[k].which ? down1 : down0);
   }
 }
 
@@ -445,20 +489,44 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       }
     }
   };
-  // Issues the wgmmas of block j into `d` (K slot `st` loaded).
+  // The wgmmas of a block (K slot `st` loaded). bf16, fp4: issue() chains every k16 step on `d`. fp8: every
+  // k32 instruction starts from a zero accumulator (the bound's item 1): issue() starts step 0 into `d` and
+  // step 1 into `part`; finish() waits for each step, adds it to `d` in float32 in d order and starts the
+  // next, so one instruction is in flight while the previous one is added.
+  float part[kFp8 ? 64 : 1];
+  auto desc_a = [&](int kk) { return ck::make_desc_sw128(a_base + (kk / 4) * kHalfBytes + (kk % 4) * 32, 16, 1024); };
+  auto desc_b = [&](int st, int kk) {
+    return ck::make_desc_sw128(ck::smem_addr(ks + st * Lay::kTile) + (kk / 4) * kHalfBytes + (kk % 4) * 32, 16, 1024);
+  };
   auto issue = [&](float (&d)[64], int st) {
-    const std::uint32_t b_base = ck::smem_addr(ks + st * Lay::kTile);
     ck::wgmma_fence();
+    if constexpr (kFp8) {
+      static_assert(ksteps >= 2);
+      ck::wgmma_ss_e4m3(d, desc_a(0), desc_b(st, 0), 0);
+      ck::wgmma_ss_e4m3(part, desc_a(1), desc_b(st, 1), 0);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < ksteps; ++kk) {
-      const std::uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-      const std::uint64_t da = ck::make_desc_sw128(a_base + off, 16, 1024), db = ck::make_desc_sw128(b_base + off, 16, 1024);
-      if constexpr (kFp8) ck::wgmma_ss_e4m3(d, da, db, kk > 0);
-      else ck::wgmma_ss<ck::Bf16Tag>(d, da, db, kk > 0);
+      for (int kk = 0; kk < ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(d, desc_a(kk), desc_b(st, kk), kk > 0);
     }
     ck::wgmma_commit();
   };
-
+  auto finish = [&](float (&d)[64], int st) {
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int kk = 1; kk < ksteps; ++kk) {
+        ck::wgmma_wait<0>();
+        ck::fence_operands(d);
+        ck::fence_operands(part);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) d[i] += part[i];
+        if (kk + 1 < ksteps) {
+          ck::wgmma_fence();
+          ck::wgmma_ss_e4m3(part, desc_a(kk + 1), desc_b(st, kk + 1), 0);
+          ck::wgmma_commit();
+        }
+      }
+    }
+  };
   int run = 0;
   for (std::int64_t u = u_first; u < u_end;) {
     const Run r = run_of(s, u, u_end);
@@ -474,17 +542,22 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       ring.advance();
       return st;
     };
+    // Before an epilogue its block is complete: bf16 waits for it (the next block's group stays in flight);
+    // fp8's finish() completed it. (Each path is spelled out: ptxas keeps the wgmmas asynchronous only where
+    // it can follow the accumulators along every path.)
     int st0 = next_slot(), st1 = 0;
     issue(acc[0], st0);
+    finish(acc[0], st0);
     for (std::int64_t j = r.j_begin;; j += 2) {
       if (j + 1 < r.j_end) {
         st1 = next_slot();
         issue(acc[1], st1);
-        ck::wgmma_wait<1>();
+        if constexpr (!kFp8) ck::wgmma_wait<1>();
         ck::fence_operands(acc[0]);
         epilogue(acc[0], r, j, st0);
+        finish(acc[1], st1);
       } else {
-        ck::wgmma_wait<0>();
+        if constexpr (!kFp8) ck::wgmma_wait<0>();
         ck::fence_operands(acc[0]);
         epilogue(acc[0], r, j, st0);
         break;
@@ -492,11 +565,12 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       if (j + 2 < r.j_end) {
         st0 = next_slot();
         issue(acc[0], st0);
-        ck::wgmma_wait<1>();
+        if constexpr (!kFp8) ck::wgmma_wait<1>();
         ck::fence_operands(acc[1]);
         epilogue(acc[1], r, j + 1, st1);
+        finish(acc[0], st0);
       } else {
-        ck::wgmma_wait<0>();
+        if constexpr (!kFp8) ck::wgmma_wait<0>();
         ck::fence_operands(acc[1]);
         epilogue(acc[1], r, j + 1, st1);
         break;
@@ -584,12 +658,14 @@ __device__ int write_ascending(const unsigned char* flags, int n, int* part, std
   return cnt;
 }
 
-// Ranking key of a candidate: forced blocks above every score, then the score's order (floats to
-// unsigned integers of the same order; -0 is +0 first, so equal scores give equal keys).
+// Ranking key of a candidate: the score's order (floats to unsigned integers of the same order; -0 is +0
+// first, so equal scores give equal keys), or for a forced block one key above every score, whatever its
+// score: forced blocks tie among themselves and go to the lower id, as the CPU's +inf scores do (with
+// top_k below the forced count, block 0 before the local block).
 __device__ __forceinline__ unsigned long long rank_key(bool forced, float v) {
   const unsigned u = __float_as_uint(v + 0.0f);
   const unsigned ordered = (u >> 31) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(forced) << 32) | ordered;
+  return forced ? 1ull << 32 : ordered;
 }
 
 std::size_t rank_smem(std::int64_t Tk) {
@@ -612,8 +688,14 @@ __global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constan
   const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
   const float* mrow = p.m + row * s.Tk;
   for (int j = tid; j < n; j += kRankThreads) {
-    float v = mrow[j];
-    for (int q = 1; q < p.parts; ++q) v = fmaxf(v, mrow[q * p.part_stride + j]);
+    // Unrolled over the largest part count so the partials' loads are in flight together (a loop of
+    // run-time length waits for each load in turn: 8 memory latencies per candidate).
+    float m[kScreenParts];
+#pragma unroll
+    for (int q = 0; q < kScreenParts; ++q) m[q] = q < p.parts ? mrow[q * p.part_stride + j] : -INFINITY;
+    float v = m[0];
+#pragma unroll
+    for (int q = 1; q < kScreenParts; ++q) v = fmaxf(v, m[q]);
     key[j] = rank_key((j >= L.r_lo && j <= L.r_hi) || (p.force_block0 && j == 0), v);
   }
   __syncthreads();
@@ -640,7 +722,7 @@ __global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constan
 
 /// Offsets of the one scratch allocation of a call.
 struct Scratch {
-  std::size_t words, qc, kc, m, bytes;
+  std::size_t amax, qc, kc, m, bytes;
 };
 
 Scratch scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, std::int64_t Hk,
@@ -654,7 +736,7 @@ Scratch scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::in
     off += sel::align_up(bytes);
     return at;
   };
-  sc.words = take(3 * sizeof(unsigned int));  // amax of qidx, kidx, the preparation's barrier (zeroed per call)
+  sc.amax = take(2 * sizeof(unsigned int));  // amax of qidx, kidx (zeroed per call)
   sc.qc = take(static_cast<std::size_t>(B * Lq * Hkv * Dc * code_bytes(p)));
   sc.kc = take(static_cast<std::size_t>(B * Lk * Hk * Dc * code_bytes(p)));
   sc.m = take(static_cast<std::size_t>(R * Tk * (tiles ? kScreenParts : 1)) * sizeof(float));
@@ -724,50 +806,28 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
 
   const Scratch lay = scratch_layout(s.B, s.Lq, s.Lk, s.Hkv, s.Hk, s.Di, prec, kTiles);
   sel::StreamScratch scratch(lay.bytes, stream, op);
-  auto* words = scratch.as<unsigned int>(lay.words);
-  check_cuda(cudaMemsetAsync(words, 0, 3 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
+  auto* amax = scratch.as<unsigned int>(lay.amax);
+  check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
   PrepParams pp{};
   pp.src[0] = tc::index_src(qidx), pp.src[1] = tc::index_src(kidx);
   pp.type[0] = sel::in_type(qidx.dtype), pp.type[1] = sel::in_type(kidx.dtype);
   pp.codes[0] = scratch.as<void>(lay.qc), pp.codes[1] = scratch.as<void>(lay.kc);
-  pp.rows[0] = s.B * s.Lq * s.Hkv, pp.rows[1] = s.B * s.Lk * s.Hk;
   pp.lanes = static_cast<int>(s.Dc / 8);
   pp.Dc = static_cast<int>(s.Dc);
-  pp.items0 = pp.rows[0] * pp.lanes;
-  pp.items = pp.items0 + pp.rows[1] * pp.lanes;
-  pp.words = words;
-  void (*prepare)(PrepParams) = prec == IndexPrecision::bf16 ? prepare_kernel<Prec::bf16>
-                                : fp8                        ? prepare_kernel<Prec::fp8>
-                                                             : prepare_kernel<Prec::fp4>;
+  pp.items0 = s.B * s.Lq * s.Hkv * pp.lanes;
+  pp.items = pp.items0 + s.B * s.Lk * s.Hk * pp.lanes;
+  pp.amax = amax;
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
-  const int per_sm = [&] {  // resident CTAs per SM, once per (kernel, device)
-    static std::mutex mu;
-    static std::map<std::pair<const void*, int>, int> known;
-    const std::lock_guard<std::mutex> lock(mu);
-    const auto key = std::make_pair(reinterpret_cast<const void*>(prepare), dev);
-    auto it = known.find(key);
-    if (it != known.end()) return it->second;
-    int n = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prepare, kPrepThreads, 0), op,
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return known[key] = n;
-  }();
-  // Resident CTAs only (the grid barrier), no more than the items need.
-  const std::int64_t prep_ctas =
-      imax<std::int64_t>(1, imin<std::int64_t>(static_cast<std::int64_t>(sms) * per_sm, ceil_div(pp.items, kPrepThreads)));
-  {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(prep_ctas));
-    cfg.blockDim = dim3(kPrepThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute coop{};
-    coop.id = cudaLaunchAttributeCooperative;
-    coop.val.cooperative = 1;
-    cfg.attrs = &coop;
-    cfg.numAttrs = 1;
-    check_cuda(cudaLaunchKernelEx(&cfg, prepare, pp), op, "preparation launch");
-  }
+  const std::int64_t round_items = static_cast<std::int64_t>(kRound) * kPrepThreads;
+  const std::int64_t amax_ctas = imin<std::int64_t>(static_cast<std::int64_t>(sms) * kAmaxCtasPerSm, ceil_div(pp.items, round_items));
+  sel::launch_kernel(op, "amax launch", amax_kernel, dim3(static_cast<unsigned>(amax_ctas)), dim3(kPrepThreads), 0, stream,
+                     false, pp);
+  void (*codes)(PrepParams) = prec == IndexPrecision::bf16 ? codes_kernel<Prec::bf16>
+                              : fp8                        ? codes_kernel<Prec::fp8>
+                                                           : codes_kernel<Prec::fp4>;
+  sel::launch_dependent(op, "codes launch", codes, dim3(static_cast<unsigned>(ceil_div(pp.items, round_items))),
+                        dim3(kPrepThreads), 0, stream, pp);
 
   // The code rows as 16-bit columns (e4m3 bytes in pairs): TMA moves bits, and a box of 64 columns is the
   // 128-byte swizzle span either way.
@@ -818,8 +878,8 @@ double token_max_score_error(IndexPrecision precision, std::int64_t Di, double n
   const std::int64_t Dc = tc::padded_dim(Di);
   const bool fp8 = precision == IndexPrecision::fp8_e4m3;
   const double n = 4.0 * static_cast<double>(code_halves(Dc, precision));
-  const double r = fp8 ? 40.0 * 0x1p-13 : 0x1p-18;
-  return (n * r * (1.0 + 0x1p-4) + 0x1p-20) * nq * nk + 0x1p-140 * (nq + nk) + 0x1p-128 * (sq * nk + sk * nq) +
+  const double acc = fp8 ? 40.0 * 0x1p-13 + n * 0x1p-24 : n * 0x1p-18;  // A of the derivation's item 1
+  return (acc * (1.0 + 0x1p-4) + 0x1p-20) * nq * nk + 0x1p-140 * (nq + nk) + 0x1p-128 * (sq * nk + sk * nq) +
          n * 0x1p-120 * sq * sk + 0x1p-280;
 }
 
