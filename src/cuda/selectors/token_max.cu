@@ -207,6 +207,21 @@ __device__ __forceinline__ Raw load_raw(const PrepParams& p, const Item& it) {
   return r;
 }
 
+// A round: the items t, t + step, ..., kRound of them, with their loads issued.
+struct Round {
+  Item it[kRound];
+  Raw r[kRound];
+};
+__device__ __forceinline__ Round load_round(const PrepParams& p, std::int64_t t, std::int64_t step) {
+  Round q;
+#pragma unroll
+  for (int k = 0; k < kRound; ++k) {
+    q.it[k] = item_of(p, t + k * step);
+    q.r[k] = load_raw(p, q.it[k]);
+  }
+  return q;
+}
+
 // The item's elements as floats (the first use of its loads).
 __device__ __forceinline__ void to_floats(const PrepParams& p, const Item& it, const Raw& r, float (&x)[8]) {
   const In t = it.which ? p.type[1] : p.type[0];
@@ -261,21 +276,15 @@ __global__ void __launch_bounds__(kPrepThreads) amax_kernel(const __grid_constan
   float m0 = 0.0f, m1 = 0.0f;  // scalars, not an array indexed at run time (which would live in local memory)
   for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x; t < p.items;
        t += kRound * stride) {
-    Item it[kRound];
-    Raw r[kRound];
-#pragma unroll
-    for (int k = 0; k < kRound; ++k) {
-      it[k] = item_of(p, t + k * stride);
-      r[k] = load_raw(p, it[k]);
-    }
+    const Round q = load_round(p, t, stride);
 #pragma unroll
     for (int k = 0; k < kRound; ++k) {
       float x[8];
-      to_floats(p, it[k], r[k], x);
+      to_floats(p, q.it[k], q.r[k], x);
       float a = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i]));
-      if (it[k].which) m1 = fmaxf(m1, a);
+      if (q.it[k].which) m1 = fmaxf(m1, a);
       else m0 = fmaxf(m0, a);
     }
   }
@@ -300,14 +309,7 @@ __global__ void __launch_bounds__(kPrepThreads) amax_kernel(const __grid_constan
 // kPrepThreads: an fp4 block of 16 is an even-odd lane pair, as store_codes needs).
 template <Prec P>
 __global__ void __launch_bounds__(kPrepThreads) codes_kernel(const __grid_constant__ PrepParams p) {
-  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kRound * kPrepThreads + threadIdx.x;
-  Item it[kRound];
-  Raw r[kRound];
-#pragma unroll
-  for (int k = 0; k < kRound; ++k) {
-    it[k] = item_of(p, t0 + k * kPrepThreads);
-    r[k] = load_raw(p, it[k]);
-  }
+  const Round q = load_round(p, static_cast<std::int64_t>(blockIdx.x) * kRound * kPrepThreads + threadIdx.x, kPrepThreads);
   sel::pdl_wait();
   sel::pdl_launch_dependents();
   // Per tensor: the scale and, for bf16, 2^-e with 2^e the power of two above amax (0 for an all-zero
@@ -328,8 +330,8 @@ __global__ void __launch_bounds__(kPrepThreads) codes_kernel(const __grid_consta
 #pragma unroll
   for (int k = 0; k < kRound; ++k) {
     float x[8];
-    to_floats(p, it[k], r[k], x);
-    store_codes<P>(p, it[k], x, it[k].which ? ts1 : ts0, it[k].which ? down1 : down0);
+    to_floats(p, q.it[k], q.r[k], x);
+    store_codes<P>(p, q.it[k], x, q.it[k].which ? ts1 : ts0, q.it[k].which ? down1 : down0);
   }
 }
 
