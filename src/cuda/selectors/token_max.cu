@@ -10,8 +10,9 @@
 //     times 2^-e, 2^e the power of two above amax (exact unless the result is subnormal; it keeps every dot
 //     of codes far from float32 overflow, whatever the inputs' magnitude). Rows are padded with zero codes
 //     to Dc = Di rounded up to 16;
-//  3. screen (screen_kernel, a programmatic dependent of 2): persistent and warp-specialised; per
-//     (Q tile, KV block) the 128 x 128 code dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction
+//  3. screen (screen_kernel, a programmatic dependent of 2): persistent and warp-specialised, every K tile
+//     loaded once for two Q tiles (one at Dc > 192 bf16 codes); per (Q tile, KV block) the 128 x 128 code
+//     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction
 //     from a zero accumulator, the instructions added in float32; bf16, fp4: m64n128k16 bf16 chained),
 //     keeping per query the max over the block's visible keys (QueryLists) or one partial max per consumer
 //     warp (TileLists);
@@ -23,7 +24,7 @@
 // Bytes that reach HBM per call (tile16 TileLists at Lk = 16K, fp8, bf16 inputs: B = 2, Lq = 4096,
 // Lk = 16384, Di = 128): the inputs are read by the amax (10.5 MB) and again by the codes (mostly from L2),
 // the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes once per Q
-// tile, from L2 after the first), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB) written and
+// group of two tiles, from L2 after the first: 67 MB per call), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB) written and
 // read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
 //
 // ---- the bound eps ---------------------------------------------------------------------------------------
@@ -341,12 +342,15 @@ __global__ void __launch_bounds__(kPrepThreads) codes_kernel(const __grid_consta
 // shared memory as S = Q K^T of the attention kernels: a tile is [kHalves][128 rows][128 B], halves
 // 1024-aligned, bytes past the row's codes zero (TMA fills past Dc and past L with zeros; the visibility
 // limits exclude rows past L). A k-step reads 32 B of each row: k16 of bf16, k32 of e4m3.
-// Warp-specialised: one producer thread streams the Q tile and the KV blocks with TMA (128-row x 128-byte
-// boxes) through a ring of kStages K slots; two consumer warpgroups own 64 query rows each and keep two
-// accumulator sets, so the wgmmas of block j + 1 run while the maxima of block j are formed (every path
-// waits before it reads, so ptxas keeps the wgmmas asynchronous). Persistent: CTA c owns units
-// [c U, (c + 1) U) of the (Q tile, KV block) sequence, tile-major; a new run (Q tile) waits until the
-// consumers are done with the previous Q tile.
+// Warp-specialised: one producer thread streams a group of kQTiles consecutive Q tiles of one (batch, head)
+// and the KV blocks with TMA (128-row x 128-byte boxes) through a ring of kStages K slots; every K tile is
+// multiplied by each tile of the group that sees it before its slot goes back, so a K tile crosses from L2
+// once per group, not once per Q tile (the screen's L2 traffic: 16 KB per (tile, block) at Di = 128 fp8,
+// 134 MB per call at tile16 16K with one tile per load). Two consumer warpgroups own 64 query rows of each
+// tile and take the jobs (block j, tile q) in order, with two accumulator sets, so the wgmmas of one job run
+// while the maxima of the previous one are formed (every path waits before it reads, so ptxas keeps the
+// wgmmas asynchronous). Persistent: CTA c owns units [c U, (c + 1) U) of the (Q group, KV block) sequence,
+// group-major; a new run (Q group) waits until the consumers are done with the previous group's Q tiles.
 constexpr int kHalfBytes = 128 * 128;  // one 128-byte-wide half of a 128-row tile
 constexpr int kScreenParts = 8;        // consumer warps: TileLists partial maxima
 constexpr int kScreenThreads = 384;    // producer warpgroup + two consumer warpgroups
@@ -354,10 +358,12 @@ constexpr int kConsumerThreads = 256;
 
 template <int kHalves>
 struct ScreenLayout {
-  static constexpr int kTile = kHalves * kHalfBytes;             // 128 rows of codes
-  // K slots: up to 8, as many as fit beside the Q tile in 194 KB (4 halves: 2 slots).
-  static constexpr int kStages = kHalves == 1 ? 8 : kHalves == 2 ? 4 : kHalves == 3 ? 3 : 2;
-  static constexpr int kBarOffset = (1 + kStages) * kTile;       // after Q and the ring
+  static constexpr int kTile = kHalves * kHalfBytes;  // 128 rows of codes
+  // Q tiles per K load: 2 (half the K traffic), except at 4 halves where two Q tiles would leave room for
+  // one K slot only. K slots: as many as fit beside them in 194 KB, at most 8.
+  static constexpr int kQTiles = kHalves == 4 ? 1 : 2;
+  static constexpr int kStages = kHalves == 1 ? 8 : kHalves == 2 ? 4 : 2;
+  static constexpr int kBarOffset = (kQTiles + kStages) * kTile;  // after Q and the ring
   static constexpr std::size_t kBytes = kBarOffset + 1024 + 1024;  // barriers, alignment slack
 };
 
@@ -366,38 +372,56 @@ struct ScreenParams {
   float* out;              // QueryLists [B, Hkv, Lq, Tk]; TileLists kScreenParts x [B, Hkv, Tq, Tk]
   std::int64_t part_stride;
   Shape s;
-  std::int64_t per_cta;    // (tile, block) units per CTA
+  std::int64_t per_cta;    // (group, block) units per CTA
 };
 
-// The run of units [u, ...) of one Q tile: its coordinates and the visible blocks [j_begin, j_end).
+// The run of units [u, ...) of one Q group: tiles t0 .. t0 + nt - 1 of (b, g), the blocks [j_begin, j_end)
+// some tile of it sees; tile q sees blocks below jmax[q], which grows with q (a suffix of the group's tiles
+// sees any block, the last tile every block of the run).
+template <int kQTiles>
 struct Run {
-  std::int64_t t, bg, b, g, hk, i0, j_begin, j_end, next;
+  std::int64_t bg, b, g, hk, t0, j_begin, j_end, next;
+  std::int64_t jmax[kQTiles];
+  int nt;
 };
-__device__ __forceinline__ Run run_of(const Shape& s, std::int64_t u, std::int64_t u_end) {
-  Run r;
-  const std::int64_t tile = u / s.Tk, run_end = imin(u_end, (tile + 1) * s.Tk);
-  r.t = tile % s.Tq, r.bg = tile / s.Tq, r.b = r.bg / s.Hkv, r.g = r.bg % s.Hkv;
+template <int kQTiles>
+__device__ __forceinline__ Run<kQTiles> run_of(const Shape& s, std::int64_t u, std::int64_t u_end) {
+  Run<kQTiles> r;
+  const std::int64_t groups = (s.Tq + kQTiles - 1) / kQTiles;
+  const std::int64_t grp = u / s.Tk, run_end = imin(u_end, (grp + 1) * s.Tk);
+  r.bg = grp / groups, r.b = r.bg / s.Hkv, r.g = r.bg % s.Hkv;
   r.hk = s.Hk == 1 ? 0 : r.g;
-  r.i0 = r.t * kTileQ;
-  const std::int64_t i_hi = imin(s.Lq, r.i0 + kTileQ) - 1;
-  const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of the tile sees
-  r.j_begin = u - tile * s.Tk;
-  r.j_end = imin(jmax, run_end - tile * s.Tk);
+  r.t0 = grp % groups * kQTiles;
+  r.nt = static_cast<int>(imin<std::int64_t>(kQTiles, s.Tq - r.t0));
+#pragma unroll
+  for (int q = 0; q < kQTiles; ++q) {
+    const std::int64_t i_hi = imin(s.Lq, (r.t0 + imin(q, r.nt - 1) + 1) * kTileQ) - 1;
+    r.jmax[q] = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of tile q sees
+  }
+  r.j_begin = u - grp * s.Tk;
+  r.j_end = imin(r.jmax[kQTiles - 1], run_end - grp * s.Tk);
   r.next = run_end;
   return r;
 }
+
+// A consumer's job: block j against tile q of the group, K slot st; `release`: the slot's last job.
+struct Job {
+  std::int64_t j;
+  int q, st;
+  bool release;
+};
 
 template <bool kTiles, bool kFp8, int kHalves>
 __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_constant__ ScreenParams p) {
   // Waits for the codes; does not let the ranking start early (its CTAs would sit beside the screen).
   sel::pdl_wait();
   using Lay = ScreenLayout<kHalves>;
-  constexpr int kStages = Lay::kStages;
+  constexpr int kStages = Lay::kStages, kQTiles = Lay::kQTiles;
   namespace ck = cuda_kernels;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
-  unsigned char* qs = smem;
-  unsigned char* ks = smem + Lay::kTile;
+  unsigned char* qs = smem;                      // [kQTiles] Q tiles
+  unsigned char* ks = smem + kQTiles * Lay::kTile;  // [kStages] K slots
   auto* bars = reinterpret_cast<ck::MBarrier*>(smem + Lay::kBarOffset);
   ck::MBarrier* full = bars;             // [kStages]: K slot loaded
   ck::MBarrier* empty = bars + kStages;  // [kStages]: K slot released by every consumer thread
@@ -412,7 +436,7 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     ck::fence_barrier_init();
   }
   __syncthreads();
-  const std::int64_t units = s.B * s.Hkv * s.Tq * s.Tk;
+  const std::int64_t units = s.B * s.Hkv * ((s.Tq + kQTiles - 1) / kQTiles) * s.Tk;
   const std::int64_t u_first = static_cast<std::int64_t>(blockIdx.x) * p.per_cta, u_end = imin(units, u_first + p.per_cta);
 
   if (tid < 128) {  // producer warpgroup: one thread issues every load
@@ -423,14 +447,15 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     ck::PipelineState<kStages> ring;
     int run = 0;
     for (std::int64_t u = u_first; u < u_end;) {
-      const Run r = run_of(s, u, u_end);
+      const Run<kQTiles> r = run_of<kQTiles>(s, u, u_end);
       u = r.next;
       if (r.j_begin >= r.j_end) continue;
       if (run > 0) q_empty.wait(static_cast<std::uint32_t>((run - 1) & 1));
-      q_full.arrive_expect_tx(Lay::kTile);
-      for (int h = 0; h < kHalves; ++h)
-        ck::tma_load_bhld(qs + h * kHalfBytes, &p.qmap, h * 64, static_cast<int>(r.g), static_cast<int>(r.i0),
-                          static_cast<int>(r.b), &q_full.word);
+      q_full.arrive_expect_tx(r.nt * Lay::kTile);
+      for (int q = 0; q < r.nt; ++q)
+        for (int h = 0; h < kHalves; ++h)
+          ck::tma_load_bhld(qs + q * Lay::kTile + h * kHalfBytes, &p.qmap, h * 64, static_cast<int>(r.g),
+                            static_cast<int>((r.t0 + q) * kTileQ), static_cast<int>(r.b), &q_full.word);
       ++run;
       for (std::int64_t j = r.j_begin; j < r.j_end; ++j) {
         const int st = ring.stage();
@@ -448,18 +473,17 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
   ck::warpgroup_reg_alloc<232>();
   const int ctid = tid - 128, wg = ctid / 128, warp = ctid / 32, w = warp % 4, lane = tid % 32;
   constexpr int ksteps = kHalves * 4;
-  const std::uint32_t a_base = ck::smem_addr(qs) + wg * 64 * 128;
   ck::PipelineState<kStages> ring;
   float acc[2][64];
 
-  // Maxima of block j from the accumulators `d` (complete), then the K slot goes back to the producer.
-  // Accumulator d[4c + 2h + e] of this thread: row 16 w + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + e.
-  auto epilogue = [&](const float (&d)[64], const Run& r, std::int64_t j, int st) {
-    const std::int64_t k0 = j * kBlockK;
+  // Maxima of job x from the accumulators `d` (complete); the K slot goes back to the producer after its
+  // last job. Accumulator d[4c + 2h + e] of this thread: row 16 w + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + e.
+  auto epilogue = [&](const float (&d)[64], const Run<kQTiles>& r, const Job& x) {
+    const std::int64_t k0 = x.j * kBlockK, t = r.t0 + x.q;
     float m[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const std::int64_t i = r.i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
+      const std::int64_t i = t * kTileQ + wg * 64 + 16 * w + lane / 4 + 8 * h;
       const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
       float v = -INFINITY;
       if (lim >= kBlockK) {
@@ -474,45 +498,48 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       }
       m[h] = v;
     }
-    empty[st].arrive();  // the accumulators hold everything this thread needs from the slot
+    if (x.release) empty[x.st].arrive();  // the accumulators hold everything this thread needs from the slot
     if constexpr (kTiles) {
       float v = fmaxf(m[0], m[1]);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-      if (lane == 0) p.out[warp * p.part_stride + (r.bg * s.Tq + r.t) * s.Tk + j] = v;
+      if (lane == 0) p.out[warp * p.part_stride + (r.bg * s.Tq + t) * s.Tk + x.j] = v;
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v = m[h];
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        const std::int64_t i = r.i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
-        if (lane % 4 == 0 && i < s.Lq) p.out[(r.bg * s.Lq + i) * s.Tk + j] = v;
+        const std::int64_t i = t * kTileQ + wg * 64 + 16 * w + lane / 4 + 8 * h;
+        if (lane % 4 == 0 && i < s.Lq) p.out[(r.bg * s.Lq + i) * s.Tk + x.j] = v;
       }
     }
   };
-  // The wgmmas of a block (K slot `st` loaded). bf16, fp4: issue() chains every k16 step on `d`. fp8: every
-  // k32 instruction starts from a zero accumulator (the bound's item 1): issue() starts step 0 into `d` and
-  // step 1 into `part`; finish() waits for each step, adds it to `d` in float32 in d order and starts the
-  // next, so one instruction is in flight while the previous one is added.
+  // The wgmmas of a job. bf16, fp4: issue() chains every k16 step on `d`. fp8: every k32 instruction starts
+  // from a zero accumulator (the bound's item 1): issue() starts step 0 into `d` and step 1 into `part`;
+  // finish() waits for each step, adds it to `d` in float32 in d order and starts the next, so one
+  // instruction is in flight while the previous one is added.
   float part[kFp8 ? 64 : 1];
-  auto desc_a = [&](int kk) { return ck::make_desc_sw128(a_base + (kk / 4) * kHalfBytes + (kk % 4) * 32, 16, 1024); };
-  auto desc_b = [&](int st, int kk) {
-    return ck::make_desc_sw128(ck::smem_addr(ks + st * Lay::kTile) + (kk / 4) * kHalfBytes + (kk % 4) * 32, 16, 1024);
+  auto desc_a = [&](const Job& x, int kk) {
+    return ck::make_desc_sw128(ck::smem_addr(qs + x.q * Lay::kTile) + wg * 64 * 128 + (kk / 4) * kHalfBytes + (kk % 4) * 32,
+                               16, 1024);
   };
-  auto issue = [&](float (&d)[64], int st) {
+  auto desc_b = [&](const Job& x, int kk) {
+    return ck::make_desc_sw128(ck::smem_addr(ks + x.st * Lay::kTile) + (kk / 4) * kHalfBytes + (kk % 4) * 32, 16, 1024);
+  };
+  auto issue = [&](float (&d)[64], const Job& x) {
     ck::wgmma_fence();
     if constexpr (kFp8) {
       static_assert(ksteps >= 2);
-      ck::wgmma_ss_e4m3(d, desc_a(0), desc_b(st, 0), 0);
-      ck::wgmma_ss_e4m3(part, desc_a(1), desc_b(st, 1), 0);
+      ck::wgmma_ss_e4m3(d, desc_a(x, 0), desc_b(x, 0), 0);
+      ck::wgmma_ss_e4m3(part, desc_a(x, 1), desc_b(x, 1), 0);
     } else {
 #pragma unroll
-      for (int kk = 0; kk < ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(d, desc_a(kk), desc_b(st, kk), kk > 0);
+      for (int kk = 0; kk < ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(d, desc_a(x, kk), desc_b(x, kk), kk > 0);
     }
     ck::wgmma_commit();
   };
-  auto finish = [&](float (&d)[64], int st) {
+  auto finish = [&](float (&d)[64], const Job& x) {
     if constexpr (kFp8) {
 #pragma unroll
       for (int kk = 1; kk < ksteps; ++kk) {
@@ -523,62 +550,78 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
         for (int i = 0; i < 64; ++i) d[i] += part[i];
         if (kk + 1 < ksteps) {
           ck::wgmma_fence();
-          ck::wgmma_ss_e4m3(part, desc_a(kk + 1), desc_b(st, kk + 1), 0);
+          ck::wgmma_ss_e4m3(part, desc_a(x, kk + 1), desc_b(x, kk + 1), 0);
           ck::wgmma_commit();
         }
       }
     }
   };
+
   int run = 0;
   for (std::int64_t u = u_first; u < u_end;) {
-    const Run r = run_of(s, u, u_end);
+    const Run<kQTiles> r = run_of<kQTiles>(s, u, u_end);
     u = r.next;
     if (r.j_begin >= r.j_end) continue;
     q_full.wait(static_cast<std::uint32_t>(run & 1));
     ++run;
-    // Blocks in pairs: acc[0] takes j, acc[1] takes j + 1; each block's epilogue follows the issue of the
-    // next block, so the tensor cores are busy while it runs.
-    auto next_slot = [&]() {
+    // The jobs in order: per block, the tiles that see it (a suffix of the group), the slot taken at the
+    // block's first job and released at its last (the group's last tile).
+    auto first_tile = [&](std::int64_t j) {
+      int q = 0;
+#pragma unroll
+      for (int t = 0; t + 1 < kQTiles; ++t) q += r.jmax[t] <= j ? 1 : 0;
+      return q;
+    };
+    auto take_block = [&](std::int64_t j) {
       const int st = ring.stage();
       full[st].wait(ring.phase());
       ring.advance();
-      return st;
+      const int q = first_tile(j);
+      return Job{j, q, st, q == r.nt - 1};
     };
-    // Before an epilogue its block is complete: bf16 waits for it (the next block's group stays in flight);
-    // fp8's finish() completed it. (Each path is spelled out: ptxas keeps the wgmmas asynchronous only where
-    // it can follow the accumulators along every path.)
-    int st0 = next_slot(), st1 = 0;
-    issue(acc[0], st0);
-    finish(acc[0], st0);
-    for (std::int64_t j = r.j_begin;; j += 2) {
-      if (j + 1 < r.j_end) {
-        st1 = next_slot();
-        issue(acc[1], st1);
+    auto next_job = [&](const Job& x, Job& y) {
+      if (x.q + 1 < r.nt) {
+        y = Job{x.j, x.q + 1, x.st, x.q + 2 == r.nt};
+        return true;
+      }
+      if (x.j + 1 >= r.j_end) return false;
+      y = take_block(x.j + 1);
+      return true;
+    };
+    // Jobs in pairs: acc[0] takes x, acc[1] takes y; each job's epilogue follows the issue of the next, so
+    // the tensor cores are busy while it runs. Before an epilogue its job is complete: bf16 waits for it
+    // (the next job's group stays in flight); fp8's finish() completed it. (Each path is spelled out: ptxas
+    // keeps the wgmmas asynchronous only where it can follow the accumulators along every path.)
+    Job x = take_block(r.j_begin), y{};
+    issue(acc[0], x);
+    finish(acc[0], x);
+    for (;;) {
+      if (next_job(x, y)) {
+        issue(acc[1], y);
         if constexpr (!kFp8) ck::wgmma_wait<1>();
         ck::fence_operands(acc[0]);
-        epilogue(acc[0], r, j, st0);
-        finish(acc[1], st1);
+        epilogue(acc[0], r, x);
+        finish(acc[1], y);
       } else {
         if constexpr (!kFp8) ck::wgmma_wait<0>();
         ck::fence_operands(acc[0]);
-        epilogue(acc[0], r, j, st0);
+        epilogue(acc[0], r, x);
         break;
       }
-      if (j + 2 < r.j_end) {
-        st0 = next_slot();
-        issue(acc[0], st0);
+      if (next_job(y, x)) {
+        issue(acc[0], x);
         if constexpr (!kFp8) ck::wgmma_wait<1>();
         ck::fence_operands(acc[1]);
-        epilogue(acc[1], r, j + 1, st1);
-        finish(acc[0], st0);
+        epilogue(acc[1], r, y);
+        finish(acc[0], x);
       } else {
         if constexpr (!kFp8) ck::wgmma_wait<0>();
         ck::fence_operands(acc[1]);
-        epilogue(acc[1], r, j + 1, st1);
+        epilogue(acc[1], r, y);
         break;
       }
     }
-    q_empty.arrive();  // every wgmma that read the Q tile is complete
+    q_empty.arrive();  // every wgmma that read the group's Q tiles is complete
   }
 }
 
@@ -798,6 +841,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                                           ScreenLayout<4>::kBytes};
   const int halves = static_cast<int>(code_halves(s.Dc, prec));
   const ScreenFn screen = fp8 ? fp8_screens[halves - 1] : bf16_screens[halves - 1];
+  constexpr int screen_qtiles[] = {ScreenLayout<1>::kQTiles, ScreenLayout<2>::kQTiles, ScreenLayout<3>::kQTiles,
+                                   ScreenLayout<4>::kQTiles};
   const std::size_t sc_smem = screen_bytes[halves - 1];
   if (sc_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " needs " + std::to_string(sc_smem) +
@@ -842,8 +887,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   sp.out = scratch.as<float>(lay.m);
   sp.part_stride = R * s.Tk;
   sp.s = s;
-  // One wave of persistent CTAs (one per SM) over contiguous ranges of (Q tile, KV block) units.
-  const std::int64_t units = s.Tq * s.B * s.Hkv * s.Tk;
+  // One wave of persistent CTAs (one per SM) over contiguous ranges of (Q group, KV block) units.
+  const std::int64_t units = ceil_div(s.Tq, screen_qtiles[halves - 1]) * s.B * s.Hkv * s.Tk;
   const std::int64_t ctas = imin<std::int64_t>(units, static_cast<std::int64_t>(sms));
   sp.per_cta = ceil_div(units, ctas);
   sel::launch_dependent(op, "screen launch", screen, dim3(static_cast<unsigned>(ceil_div(units, sp.per_cta))),
