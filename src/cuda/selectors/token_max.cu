@@ -12,10 +12,9 @@
 //     to Dc = Di rounded up to 16;
 //  3. screen (screen_kernel, a programmatic dependent of 2): persistent and warp-specialised, every K tile
 //     loaded once for two Q tiles (one at Dc > 192 bf16 codes); per (Q tile, KV block) the 128 x 128 code
-//     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction
-//     from a zero accumulator, the instructions added in float32; bf16, fp4: m64n128k16 bf16 chained),
-//     keeping per query the max over the block's visible keys (QueryLists) or one partial max per consumer
-//     warp (TileLists);
+//     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction from a zero accumulator, the
+//     instructions added in float32; bf16, fp4: m64n128k16 bf16 chained), keeping per query the max over
+//     the block's visible keys (QueryLists) or one partial max per consumer warp (TileLists);
 //  4. rank (rank_kernel, a programmatic dependent of 3): per list, the forced blocks (reserved local
 //     blocks, block 0 with force_block0) first, among themselves by id as the CPU's +inf scores, then the
 //     screened maxima, ties to the lower id; top_k ids ascending, -1 padded, and the count.
@@ -24,8 +23,8 @@
 // Bytes that reach HBM per call (tile16 TileLists at Lk = 16K, fp8, bf16 inputs: B = 2, Lq = 4096,
 // Lk = 16384, Di = 128): the inputs are read by the amax (10.5 MB) and again by the codes (mostly from L2),
 // the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes once per Q
-// group of two tiles, from L2 after the first: 67 MB per call), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB) written and
-// read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
+// group of two tiles, from L2 after the first: 67 MB per call), the partial maxima (8 x 64 lists x 128
+// blocks x 4 B = 262 KB) written and read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
 //
 // ---- the bound eps ---------------------------------------------------------------------------------------
 //
@@ -65,9 +64,9 @@
 // (token_max_score_error below). A selected a and an unselected b have s^_a >= s^_b, so
 // s_a >= s_b - e_a - e_b: every list satisfies min(exact selected) >= max(exact unselected) - eps with
 // eps = 2 max_j e_j over its candidates. At Di = 128: A = 2^-14 (bf16, fp4: eps ~ 2^-13 NQ NK) and
-// 40 x 2^-13 + 2^-22 ~ 2^-7.7 (fp8: eps ~ 0.0104 NQ NK). Non-finite inputs (the CPU rejects them; the device does
-// not synchronise to look) give NaN dots, which the maxima skip: a block whose every dot is NaN ranks as
-// -inf.
+// 40 x 2^-13 + 2^-22 ~ 2^-7.7 (fp8: eps ~ 0.0104 NQ NK). Non-finite inputs (the CPU rejects them; the
+// device does not synchronise to look) give NaN dots, which the maxima skip: a block whose every dot is
+// NaN ranks as -inf.
 #include <cuda_fp8.h>
 
 #include <algorithm>
