@@ -293,9 +293,10 @@ __global__ void fp8_mma_kernel(const unsigned char* a, const unsigned char* b, i
 
 // The fp8 MMA's error on adversarial operands (one large product and many small ones of the same sign, a
 // large accumulator followed by small products, random exponents over the whole e4m3 range) against the
-// model token_max.cu relies on: an instruction errs by at most 40 x 2^-13 of the largest magnitude in it, so
-// n chained instructions by n x 40 x 2^-13 S, S the sum of |products|. Prints the worst observed error in
-// units of 2^-13 S, to show how much of the bound the hardware uses.
+// model token_max.cu relies on: an instruction errs by at most 40 x 2^-13 of the largest magnitude in it (the
+// screen starts every instruction from zero: 40 x 2^-13 S for one), n chained instructions by n x 40 x 2^-13
+// S, S the sum of |products|. Prints the worst observed error in units of 2^-13 S, to show how much of the
+// bound the hardware uses.
 TEST(TokenMaxGpu, Fp8AccumulationWithinModel) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(4242);
@@ -496,7 +497,7 @@ TEST(TokenMaxGpu, HugeAndTinyMagnitudesWithinEps) {
 
 // eps is not vacuous: on random inputs at a realistic shape few lists differ from the exact top-k, and for
 // the precisions scored on the bf16 MMA (bf16, fp4) eps is below the typical gap between the k-th and the
-// (k + 1)-th exact score. The fp8 MMA's bound is wider (token_max.cu: 40 x 2^-13 per instruction); its
+// (k + 1)-th exact score. The fp8 MMA's bound is wider (token_max.cu: 40 x 2^-13 S whatever Di); its
 // ratio is printed.
 TEST(TokenMaxGpu, EpsIsSmallOnRandomInputs) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();

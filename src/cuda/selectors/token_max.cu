@@ -1,28 +1,30 @@
 // MSA-style token_max selector on the GPU (docs/design.md §5.7): block scores on the tensor cores with
-// float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Three
-// launches on the caller's stream after a memset of three words:
-//  1. prepare (prepare_kernel, cooperative): the largest |x| of qidx and of kidx, a grid barrier, then every
-//     index row rounded through the precision exactly as the CPU's load_quantized (tc_index.cuh;
+// float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Four
+// launches on the caller's stream after a memset of two words:
+//  1. amax (amax_kernel): the largest |x| of qidx and of kidx (float bits, atomicMax);
+//  2. codes (codes_kernel, a programmatic dependent of 1: its loads are issued before it waits): every index
+//     row rounded through the precision exactly as the CPU's load_quantized (tc_index.cuh;
 //     QuantisationEqualsCpu), stored as codes, value = code x per-tensor scale up to one or two float32
 //     roundings: fp8 as e4m3 bytes (scale amax / 448), fp4 as bf16 (an NVFP4 value, e2m1 x its e4m3 block
 //     scale, has up to 6 significant bits: exact in bf16, not in e4m3; scale amax / 2688), bf16 as itself
 //     times 2^-e, 2^e the power of two above amax (exact unless the result is subnormal; it keeps every dot
 //     of codes far from float32 overflow, whatever the inputs' magnitude). Rows are padded with zero codes
 //     to Dc = Di rounded up to 16;
-//  2. screen (screen_kernel, a programmatic dependent of 1): persistent and warp-specialised; per
-//     (Q tile, KV block) the 128 x 128 code dots on wgmma (fp8: m64n128k32 e4m3 x e4m3; bf16, fp4:
-//     m64n128k16 bf16), keeping per query the max over the block's visible keys (QueryLists) or one
-//     partial max per consumer warp (TileLists);
-//  3. rank (rank_kernel, a programmatic dependent of 2): per list, the forced blocks (reserved local
-//     block, block 0 with force_block0) first, then the screened maxima, ties to the lower id; top_k ids
-//     ascending, -1 padded, and the count.
+//  3. screen (screen_kernel, a programmatic dependent of 2): persistent and warp-specialised, every K tile
+//     loaded once for two Q tiles (one at Dc > 192 bf16 codes); per (Q tile, KV block) the 128 x 128 code
+//     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction from a zero accumulator, the
+//     instructions added in float32; bf16, fp4: m64n128k16 bf16 chained), keeping per query the max over
+//     the block's visible keys (QueryLists) or one partial max per consumer warp (TileLists);
+//  4. rank (rank_kernel, a programmatic dependent of 3): per list, the forced blocks (reserved local
+//     blocks, block 0 with force_block0) first, among themselves by id as the CPU's +inf scores, then the
+//     screened maxima, ties to the lower id; top_k ids ascending, -1 padded, and the count.
 // No atomics on scores and a fixed reduction order, so two runs give the same bits.
 //
 // Bytes that reach HBM per call (tile16 TileLists at Lk = 16K, fp8, bf16 inputs: B = 2, Lq = 4096,
-// Lk = 16384, Di = 128): the inputs are read once (10.5 MB; each thread keeps its first items in registers
-// across the barrier and reads the rest again, mostly from L2), the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes
-// once per Q tile, from L2 after the first), the partial maxima (8 x 64 lists x 128 blocks x 4 B = 262 KB)
-// written and read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
+// Lk = 16384, Di = 128): the inputs are read by the amax (10.5 MB) and again by the codes (mostly from L2),
+// the codes written once (fp8: 5.2 MB; bf16, fp4: 10.5 MB) and read by the screen (the K codes once per Q
+// group of two tiles, from L2 after the first: 67 MB per call), the partial maxima (8 x 64 lists x 128
+// blocks x 4 B = 262 KB) written and read once, the lists written. QueryLists write one maximum per (query, block): 4 MB there.
 //
 // ---- the bound eps ---------------------------------------------------------------------------------------
 //
@@ -33,18 +35,23 @@
 // a row: n = 4 ceil(Dc / 128) for fp8, 4 ceil(Dc / 64) for bf16 codes, zero k-steps included), and NQ, NK
 // bounds of the 2-norms of the dequantised query and key rows.
 //  1. Accumulation. Products of codes are exact (e4m3 x e4m3: 8 significant bits; bf16 x bf16: 16).
-//     bf16 wgmma (tc_index.cuh's analysis): terms aligned to the largest and truncated with >= 24 bits
-//     kept, <= 2^-18 (|acc| + the k16 step's |products|) <= 2^-18 S (1 + rho) per step.
+//     bf16 wgmma (tc_index.cuh's analysis), the block's k16 steps chained on one accumulator: terms aligned
+//     to the largest and truncated with >= 24 bits kept, <= 2^-18 (|acc| + the step's |products|) <= 2^-18 S
+//     (1 + rho) per step, rho <= n 2^-18: |T^ - T| <= A S (1 + rho) with A = n 2^-18.
 //     fp8 wgmma: Hopper keeps fewer bits (DeepSeek-V3 reports about 14; others an e8m13 accumulator with
-//     truncation; TokenMaxGpu.Fp8AccumulationWithinModel checks the model). Relied on, conservatively:
-//     an m64n128k32 instruction adds its 32 products to the incoming accumulator in at most 4 steps, each aligning its terms (the running value and <= 32
-//     products) to the largest magnitude and keeping >= 13 bits below that leading bit (truncation), then
-//     normalising the result to >= 13 bits. Each term loses < 2^-13 M, M <= S (1 + rho) the largest
-//     magnitude (every partial sum and product is bounded by S), so a step with m products errs by
-//     <= (m + 2) 2^-13 M and an instruction by <= (32 + 2 x 4) 2^-13 S (1 + rho) = 40 x 2^-13 S (1 + rho).
-//     Over n instructions: |T^ - T| <= n r S (1 + rho), r = 40 x 2^-13 (fp8) or 2^-18 (bf16), and
-//     rho <= n r <= 2^-4 for Di <= 256. Products or sums below 2^-126 may be flushed: only bf16 codes can
-//     be that small (e4m3 products are >= 2^-18, fp4 code products >= 2^-20): <= n 2^-121 sq sk.
+//     truncation; TokenMaxGpu.Fp8AccumulationWithinModel checks the model). Relied on, conservatively, for
+//     one m64n128k32 instruction: it adds its 32 products to its incoming accumulator in at most 4 steps, each
+//     aligning its terms (the running value and <= 32 products) to the largest magnitude and keeping >= 13
+//     bits below that leading bit (truncation), then normalising the result to >= 13 bits. The kernel starts
+//     every k32 instruction k from a zero accumulator, so every magnitude inside it (its products and their
+//     partial sums) is <= S_k, the sum of its own |products|: each term loses < 2^-13 S_k, a step with m
+//     products errs by <= (m + 2) 2^-13 S_k and the instruction by <= (32 + 2 x 4) 2^-13 S_k = 40 x 2^-13
+//     S_k, its result below S_k (1 + 2^-7). The n results are added in float32 in d order: n - 1 roundings,
+//     each <= 2^-24 of a partial sum <= S (1 + 2^-7). With sum_k S_k = S:
+//     |T^ - T| <= A S (1 + 2^-7), A = 40 x 2^-13 + n 2^-24, whatever Di (a chain of n instructions on one
+//     accumulator would give n x 40 x 2^-13: its large running value aligns the later products away).
+//     Products or sums below 2^-126 may be flushed: only bf16 codes can be that small (e4m3 products are
+//     >= 2^-18, fp4 code products >= 2^-20): <= n 2^-121 sq sk.
 //  2. Dequantisation (tc_index.cuh header): fp8, fp4: vq vk = cq ck sq sk (1 + 4 x 2^-24) plus underflow
 //     terms <= 2^-146 sqrt(Di) (NQ + NK), and sq |cq| <= (1 + 2^-22) (|vq| + 2^-143) for Di <= 256. bf16:
 //     vq = cq sq exactly unless the code is subnormal, |vq - cq sq| <= 2^-134 sq per element, so the
@@ -52,14 +59,14 @@
 //  3. The CPU's float64 sum differs from the real s by <= Di 2^-53 NQ NK <= 2^-40 NQ NK.
 //  4. A block score is a max over pairs, and |max a - max b| <= max |a - b|.
 // Hence, for every candidate block j of a list (NQ over the list's query rows, NK over block j's keys):
-//   |s^_j - s_j| <= e_j = (n r (1 + 2^-4) + 2^-20) NQ NK + 2^-140 (NQ + NK) + 2^-128 (sq NK + sk NQ)
+//   |s^_j - s_j| <= e_j = (A (1 + 2^-4) + 2^-20) NQ NK + 2^-140 (NQ + NK) + 2^-128 (sq NK + sk NQ)
 //                         + n 2^-120 sq sk + 2^-280,
 // (token_max_score_error below). A selected a and an unselected b have s^_a >= s^_b, so
 // s_a >= s_b - e_a - e_b: every list satisfies min(exact selected) >= max(exact unselected) - eps with
-// eps = 2 max_j e_j over its candidates. At Di = 128: n r = 2^-14 (bf16, fp4: eps ~ 2^-13 NQ NK) and
-// 160 x 2^-13 ~ 2^-5.7 (fp8: eps ~ 0.04 NQ NK). Non-finite inputs (the CPU rejects them; the device does
-// not synchronise to look) give NaN dots, which the maxima skip: a block whose every dot is NaN ranks as
-// -inf.
+// eps = 2 max_j e_j over its candidates. At Di = 128: A = 2^-14 (bf16, fp4: eps ~ 2^-13 NQ NK) and
+// 40 x 2^-13 + 2^-22 ~ 2^-7.7 (fp8: eps ~ 0.0104 NQ NK). Non-finite inputs (the CPU rejects them; the
+// device does not synchronise to look) give NaN dots, which the maxima skip: a block whose every dot is
+// NaN ranks as -inf.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -113,16 +120,26 @@ constexpr int code_bytes(IndexPrecision p) { return p == IndexPrecision::fp8_e4m
 std::int64_t code_halves(std::int64_t Dc, IndexPrecision p) { return (Dc * code_bytes(p) + 127) / 128; }
 
 // ---- 1.-2. preparation ----------------------------------------------------------------------------------
+//
+// Two launches over items of 8 consecutive elements of a code row (Dc / 8 per row; items past Di hold zero
+// codes): the amax of both tensors, then (its programmatic dependent) the codes. Every thread issues the
+// loads of a round of kRound items before it uses any of them, so 4 x 16 bytes (8 x 16 for f32) are in
+// flight per thread; the codes kernel issues its round before it waits for the amax (the inputs were
+// complete before the amax kernel, a plain launch, started), so its loads overlap the amax's tail.
+
+constexpr int kRound = 4;         // items per thread and round
+// The amax kernel's grid: one wave of 2 CTAs per SM (64 registers a thread: half the register file, so
+// a codes CTA fits beside them), 2 x 256 threads x 4 x 16 B = 32 KB in flight per SM.
+constexpr int kAmaxCtasPerSm = 2;
 
 struct PrepParams {
   IndexSrc src[2];
   In type[2];
   void* codes[2];            // [rows, Dc] e4m3 bytes (fp8) or bf16
-  std::int64_t rows[2];
-  std::int64_t items0, items; // items of tensor 0 (rows[0] * lanes), of both
-  int lanes;                 // Dc / 8 items per row, 8 elements each
+  std::int64_t items0, items; // items of tensor 0 (rows * lanes), of both
+  int lanes;                 // Dc / 8 items per row
   int Dc;
-  unsigned int* words;       // [0], [1]: amax of qidx, kidx (float bits); [2]: barrier count; zeroed per call
+  unsigned int* amax;        // [2]: amax of qidx, kidx (float bits), zeroed per call
 };
 
 // An item: 8 consecutive elements of one row, which tensor it is in and whether it exists.
@@ -148,21 +165,79 @@ __device__ __forceinline__ Item item_of(const PrepParams& p, std::int64_t t) {
   return it;
 }
 
-__device__ __forceinline__ void load_item(const PrepParams& p, const Item& it, float (&x)[8]) {
+// An item's 8 elements as loaded: 16-bit types packed in lo (element 2 w in the low half of word w), f32 in
+// lo (0-3) and hi (4-7); zero past the row's Di and for an item that does not exist.
+struct Raw {
+  uint4 lo, hi;
+};
+
+// Issues the loads of an item and uses none of their values, so the loads of a round are in flight
+// together: one 16-byte load (two for f32) where the 8 elements lie in the row and are 16-byte aligned,
+// one load per element otherwise (strided or unaligned views, Di not a multiple of 8).
+__device__ __forceinline__ Raw load_raw(const PrepParams& p, const Item& it) {
+  Raw r{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
   const IndexSrc s = it.which ? p.src[1] : p.src[0];
-  const In type = it.which ? p.type[1] : p.type[0];
-  const int D = static_cast<int>(s.D);
-  float a[tc::kPrepG], b[tc::kPrepG];
-  const std::int64_t off = it.in ? s.offset(it.row) : -1;
-  tc::load_group(s.x, type, off, it.d0, imax(0, imin(4, D - it.d0)), a);
-  tc::load_group(s.x, type, off, it.d0 + 4, imax(0, imin(4, D - it.d0 - 4)), b);
+  const In t = it.which ? p.type[1] : p.type[0];
+  const int cnt = imax(0, imin(8, static_cast<int>(s.D) - it.d0));
+  if (!it.in || cnt == 0) return r;
+  const std::int64_t e = (tc::contiguous_rows(s) ? it.row * s.D : s.offset(it.row)) + it.d0;
+  if (t == In::f32) {
+    const auto* a = static_cast<const unsigned*>(s.x) + e;
+    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
+      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
+      r.hi = __ldg(reinterpret_cast<const uint4*>(a) + 1);
+    } else {
+      unsigned u[8];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) x[i] = a[i], x[4 + i] = b[i];
+      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? __ldg(a + i) : 0u;
+      r.lo = make_uint4(u[0], u[1], u[2], u[3]);
+      r.hi = make_uint4(u[4], u[5], u[6], u[7]);
+    }
+  } else {
+    const auto* a = static_cast<const unsigned short*>(s.x) + e;
+    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
+      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
+    } else {
+      unsigned u[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? static_cast<unsigned>(__ldg(a + i)) : 0u;
+      r.lo = make_uint4(u[0] | u[1] << 16, u[2] | u[3] << 16, u[4] | u[5] << 16, u[6] | u[7] << 16);
+    }
+  }
+  return r;
+}
+
+// A round: the items t, t + step, ..., kRound of them, with their loads issued.
+struct Round {
+  Item it[kRound];
+  Raw r[kRound];
+};
+__device__ __forceinline__ Round load_round(const PrepParams& p, std::int64_t t, std::int64_t step) {
+  Round q;
+#pragma unroll
+  for (int k = 0; k < kRound; ++k) {
+    q.it[k] = item_of(p, t + k * step);
+    q.r[k] = load_raw(p, q.it[k]);
+  }
+  return q;
+}
+
+// The item's elements as floats (the first use of its loads).
+__device__ __forceinline__ void to_floats(const PrepParams& p, const Item& it, const Raw& r, float (&x)[8]) {
+  const In t = it.which ? p.type[1] : p.type[0];
+  const unsigned w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+  if (t == In::f32) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[2 * k] = tc::bits16_to_float(w[k] & 0xffffu, t), x[2 * k + 1] = tc::bits16_to_float(w[k] >> 16, t);
+  }
 }
 
 // Rounds the item's 8 values through the precision (as the CPU's load_quantized) and stores their codes.
 // fp4: an NVFP4 block of 16 is the even-odd lane pair (lanes is even, every tensor and row starts at an
-// even item, and the grid's item stride is even), so every lane of the warp must call this.
+// even item, and the item stride kPrepThreads is even), so every lane of the warp must call this.
 template <Prec P>
 __device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it, const float (&x)[8], float ts,
                                             float down) {
@@ -192,49 +267,29 @@ __device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it,
   }
 }
 
-constexpr int kKeep = 4;  // items per thread held in registers across the grid barrier
-
-// One cooperative launch (every CTA resident): the amax of both tensors, a grid barrier, then the codes.
-// Each thread takes items in rounds of kKeep (item stride = the grid's threads) and keeps its first round
-// in registers across the barrier; later rounds (inputs larger than kKeep x the resident threads: tile16 at
-// 16K has about 10 items per thread) are loaded again after it, mostly from L2. amax is an atomicMax on float bits (non-negative floats order
-// like their bits): order-free, and fmaxf skips NaN as the CPU's std::fmax does.
-template <Prec P>
-__global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_constant__ PrepParams p) {
+// The largest |x| of qidx and of kidx: a grid-stride loop over rounds of items, a block reduction and one
+// atomicMax on float bits per CTA and tensor (non-negative floats order like their bits: order-free;
+// fmaxf skips NaN as the CPU's std::fmax does). A plain launch after the memset of the words.
+__global__ void __launch_bounds__(kPrepThreads) amax_kernel(const __grid_constant__ PrepParams p) {
+  sel::pdl_launch_dependents();  // the codes kernel may be scheduled beside this one and issue its loads
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kPrepThreads;
-  const std::int64_t t0 = static_cast<std::int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x;
-  const int lane = threadIdx.x % 32;
-  float x[kKeep][8];
-  Item its[kKeep];
   float m0 = 0.0f, m1 = 0.0f;  // scalars, not an array indexed at run time (which would live in local memory)
-  auto fold = [&](const Item& it, const float (&v)[8]) {
-    float a = 0.0f;
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x; t < p.items;
+       t += kRound * stride) {
+    const Round q = load_round(p, t, stride);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
-    if (it.which) m1 = fmaxf(m1, a);
-    else m0 = fmaxf(m0, a);
-  };
-  // Every load of a round is issued before its values are used: a round keeps 2 kKeep loads in flight.
+    for (int k = 0; k < kRound; ++k) {
+      float x[8];
+      to_floats(p, q.it[k], q.r[k], x);
+      float a = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kKeep; ++k) {
-    its[k] = item_of(p, t0 + k * stride);
-    load_item(p, its[k], x[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < kKeep; ++k) fold(its[k], x[k]);
-  const std::int64_t round = kKeep * stride;
-  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {  // warp-uniform
-    Item it[kKeep];
-    float v[kKeep][8];
-#pragma unroll
-    for (int k = 0; k < kKeep; ++k) {
-      it[k] = item_of(p, t + k * stride);
-      load_item(p, it[k], v[k]);
+      for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i]));
+      if (q.it[k].which) m1 = fmaxf(m1, a);
+      else m0 = fmaxf(m0, a);
     }
-#pragma unroll
-    for (int k = 0; k < kKeep; ++k) fold(it[k], v[k]);
   }
   __shared__ float red[2][kPrepThreads / 32];
+  const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
     float v = w ? m1 : m0;
@@ -245,21 +300,22 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   if (threadIdx.x == 0) {
     float a0 = red[0][0], a1 = red[1][0];
     for (int w = 1; w < kPrepThreads / 32; ++w) a0 = fmaxf(a0, red[0][w]), a1 = fmaxf(a1, red[1][w]);
-    atomicMax(p.words, __float_as_uint(a0));
-    atomicMax(p.words + 1, __float_as_uint(a1));
-    // Grid barrier: every CTA is resident (cooperative launch), the count was zeroed with the words.
-    __threadfence();
-    atomicAdd(p.words + 2, 1u);
-    while (*static_cast<volatile unsigned int*>(p.words + 2) < gridDim.x) {
-    }
-    __threadfence();
+    atomicMax(p.amax, __float_as_uint(a0));
+    atomicMax(p.amax + 1, __float_as_uint(a1));
   }
-  __syncthreads();
+}
+
+// The codes: a programmatic dependent of amax_kernel; one round of kRound items per thread (item stride
+// kPrepThreads: an fp4 block of 16 is an even-odd lane pair, as store_codes needs).
+template <Prec P>
+__global__ void __launch_bounds__(kPrepThreads) codes_kernel(const __grid_constant__ PrepParams p) {
+  const Round q = load_round(p, static_cast<std::int64_t>(blockIdx.x) * kRound * kPrepThreads + threadIdx.x, kPrepThreads);
+  sel::pdl_wait();
   sel::pdl_launch_dependents();
-  // Per tensor: the scale and, for bf16, 2^-e with 2^e above amax (0 for an all-zero tensor), so codes are
-  // below 1 in magnitude.
+  // Per tensor: the scale and, for bf16, 2^-e with 2^e the power of two above amax (0 for an all-zero
+  // tensor), so codes are below 1 in magnitude.
   auto scales = [&](int w, float& ts, float& down) {
-    const unsigned bits = __ldcg(p.words + w);
+    const unsigned bits = __ldcg(p.amax + w);
     ts = tc::tensor_scale(static_cast<int>(P), &bits);
     down = 1.0f;
     if constexpr (P == Prec::bf16) {
@@ -271,21 +327,11 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   float ts0, ts1, down0, down1;
   scales(0, ts0, down0);
   scales(1, ts1, down1);
-  auto store = [&](const Item& it, const float (&v)[8]) {
-    store_codes<P>(p, it, v, it.which ? ts1 : ts0, it.which ? down1 : down0);
-  };
 #pragma unroll
-  for (int k = 0; k < kKeep; ++k) store(its[k], x[k]);
-  for (std::int64_t t = t0 + round; t - lane < p.items; t += round) {
-    Item it[kKeep];
-    float v[kKeep][8];
-#pragma unroll
-    for (int k = 0; k < kKeep; ++k) {
-      it[k] = item_of(p, t + k * stride);
-      load_item(p, it[k], v[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kKeep; ++k) store(it[k], v[k]);
+  for (int k = 0; k < kRound; ++k) {
+    float x[8];
+    to_floats(p, q.it[k], q.r[k], x);
+    store_codes<P>(p, q.it[k], x, q.it[k].which ? ts1 : ts0, q.it[k].which ? down1 : down0);
   }
 }
 
@@ -295,12 +341,15 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
 // shared memory as S = Q K^T of the attention kernels: a tile is [kHalves][128 rows][128 B], halves
 // 1024-aligned, bytes past the row's codes zero (TMA fills past Dc and past L with zeros; the visibility
 // limits exclude rows past L). A k-step reads 32 B of each row: k16 of bf16, k32 of e4m3.
-// Warp-specialised: one producer thread streams the Q tile and the KV blocks with TMA (128-row x 128-byte
-// boxes) through a ring of kStages K slots; two consumer warpgroups own 64 query rows each and keep two
-// accumulator sets, so the wgmmas of block j + 1 run while the maxima of block j are formed (every path
-// waits before it reads, so ptxas keeps the wgmmas asynchronous). Persistent: CTA c owns units
-// [c U, (c + 1) U) of the (Q tile, KV block) sequence, tile-major; a new run (Q tile) waits until the
-// consumers are done with the previous Q tile.
+// Warp-specialised: one producer thread streams a group of kQTiles consecutive Q tiles of one (batch, head)
+// and the KV blocks with TMA (128-row x 128-byte boxes) through a ring of kStages K slots; every K tile is
+// multiplied by each tile of the group that sees it before its slot goes back, so a K tile crosses from L2
+// once per group, not once per Q tile (the screen's L2 traffic: 16 KB per (tile, block) at Di = 128 fp8,
+// 134 MB per call at tile16 16K with one tile per load). Two consumer warpgroups own 64 query rows of each
+// tile and take the jobs (block j, tile q) in order, with two accumulator sets, so the wgmmas of one job run
+// while the maxima of the previous one are formed (every path waits before it reads, so ptxas keeps the
+// wgmmas asynchronous). Persistent: CTA c owns units [c U, (c + 1) U) of the (Q group, KV block) sequence,
+// group-major; a new run (Q group) waits until the consumers are done with the previous group's Q tiles.
 constexpr int kHalfBytes = 128 * 128;  // one 128-byte-wide half of a 128-row tile
 constexpr int kScreenParts = 8;        // consumer warps: TileLists partial maxima
 constexpr int kScreenThreads = 384;    // producer warpgroup + two consumer warpgroups
@@ -308,10 +357,12 @@ constexpr int kConsumerThreads = 256;
 
 template <int kHalves>
 struct ScreenLayout {
-  static constexpr int kTile = kHalves * kHalfBytes;             // 128 rows of codes
-  // K slots: up to 8, as many as fit beside the Q tile in 194 KB (4 halves: 2 slots).
-  static constexpr int kStages = kHalves == 1 ? 8 : kHalves == 2 ? 4 : kHalves == 3 ? 3 : 2;
-  static constexpr int kBarOffset = (1 + kStages) * kTile;       // after Q and the ring
+  static constexpr int kTile = kHalves * kHalfBytes;  // 128 rows of codes
+  // Q tiles per K load: 2 (half the K traffic), except at 4 halves where two Q tiles would leave room for
+  // one K slot only. K slots: as many as fit beside them in 194 KB, at most 8.
+  static constexpr int kQTiles = kHalves == 4 ? 1 : 2;
+  static constexpr int kStages = kHalves == 1 ? 8 : kHalves == 2 ? 4 : 2;
+  static constexpr int kBarOffset = (kQTiles + kStages) * kTile;  // after Q and the ring
   static constexpr std::size_t kBytes = kBarOffset + 1024 + 1024;  // barriers, alignment slack
 };
 
@@ -320,38 +371,56 @@ struct ScreenParams {
   float* out;              // QueryLists [B, Hkv, Lq, Tk]; TileLists kScreenParts x [B, Hkv, Tq, Tk]
   std::int64_t part_stride;
   Shape s;
-  std::int64_t per_cta;    // (tile, block) units per CTA
+  std::int64_t per_cta;    // (group, block) units per CTA
 };
 
-// The run of units [u, ...) of one Q tile: its coordinates and the visible blocks [j_begin, j_end).
+// The run of units [u, ...) of one Q group: tiles t0 .. t0 + nt - 1 of (b, g), the blocks [j_begin, j_end)
+// some tile of it sees; tile q sees blocks below jmax[q], which grows with q (a suffix of the group's tiles
+// sees any block, the last tile every block of the run).
+template <int kQTiles>
 struct Run {
-  std::int64_t t, bg, b, g, hk, i0, j_begin, j_end, next;
+  std::int64_t bg, b, g, hk, t0, j_begin, j_end, next;
+  std::int64_t jmax[kQTiles];
+  int nt;
 };
-__device__ __forceinline__ Run run_of(const Shape& s, std::int64_t u, std::int64_t u_end) {
-  Run r;
-  const std::int64_t tile = u / s.Tk, run_end = imin(u_end, (tile + 1) * s.Tk);
-  r.t = tile % s.Tq, r.bg = tile / s.Tq, r.b = r.bg / s.Hkv, r.g = r.bg % s.Hkv;
+template <int kQTiles>
+__device__ __forceinline__ Run<kQTiles> run_of(const Shape& s, std::int64_t u, std::int64_t u_end) {
+  Run<kQTiles> r;
+  const std::int64_t groups = (s.Tq + kQTiles - 1) / kQTiles;
+  const std::int64_t grp = u / s.Tk, run_end = imin(u_end, (grp + 1) * s.Tk);
+  r.bg = grp / groups, r.b = r.bg / s.Hkv, r.g = r.bg % s.Hkv;
   r.hk = s.Hk == 1 ? 0 : r.g;
-  r.i0 = r.t * kTileQ;
-  const std::int64_t i_hi = imin(s.Lq, r.i0 + kTileQ) - 1;
-  const std::int64_t jmax = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of the tile sees
-  r.j_begin = u - tile * s.Tk;
-  r.j_end = imin(jmax, run_end - tile * s.Tk);
+  r.t0 = grp % groups * kQTiles;
+  r.nt = static_cast<int>(imin<std::int64_t>(kQTiles, s.Tq - r.t0));
+#pragma unroll
+  for (int q = 0; q < kQTiles; ++q) {
+    const std::int64_t i_hi = imin(s.Lq, (r.t0 + imin(q, r.nt - 1) + 1) * kTileQ) - 1;
+    r.jmax[q] = (s.key_end(i_hi) + kBlockK - 1) / kBlockK;  // blocks some query of tile q sees
+  }
+  r.j_begin = u - grp * s.Tk;
+  r.j_end = imin(r.jmax[kQTiles - 1], run_end - grp * s.Tk);
   r.next = run_end;
   return r;
 }
+
+// A consumer's job: block j against tile q of the group, K slot st; `release`: the slot's last job.
+struct Job {
+  std::int64_t j;
+  int q, st;
+  bool release;
+};
 
 template <bool kTiles, bool kFp8, int kHalves>
 __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_constant__ ScreenParams p) {
   // Waits for the codes; does not let the ranking start early (its CTAs would sit beside the screen).
   sel::pdl_wait();
   using Lay = ScreenLayout<kHalves>;
-  constexpr int kStages = Lay::kStages;
+  constexpr int kStages = Lay::kStages, kQTiles = Lay::kQTiles;
   namespace ck = cuda_kernels;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
-  unsigned char* qs = smem;
-  unsigned char* ks = smem + Lay::kTile;
+  unsigned char* qs = smem;                      // [kQTiles] Q tiles
+  unsigned char* ks = smem + kQTiles * Lay::kTile;  // [kStages] K slots
   auto* bars = reinterpret_cast<ck::MBarrier*>(smem + Lay::kBarOffset);
   ck::MBarrier* full = bars;             // [kStages]: K slot loaded
   ck::MBarrier* empty = bars + kStages;  // [kStages]: K slot released by every consumer thread
@@ -366,7 +435,7 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     ck::fence_barrier_init();
   }
   __syncthreads();
-  const std::int64_t units = s.B * s.Hkv * s.Tq * s.Tk;
+  const std::int64_t units = s.B * s.Hkv * ((s.Tq + kQTiles - 1) / kQTiles) * s.Tk;
   const std::int64_t u_first = static_cast<std::int64_t>(blockIdx.x) * p.per_cta, u_end = imin(units, u_first + p.per_cta);
 
   if (tid < 128) {  // producer warpgroup: one thread issues every load
@@ -377,14 +446,15 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     ck::PipelineState<kStages> ring;
     int run = 0;
     for (std::int64_t u = u_first; u < u_end;) {
-      const Run r = run_of(s, u, u_end);
+      const Run<kQTiles> r = run_of<kQTiles>(s, u, u_end);
       u = r.next;
       if (r.j_begin >= r.j_end) continue;
       if (run > 0) q_empty.wait(static_cast<std::uint32_t>((run - 1) & 1));
-      q_full.arrive_expect_tx(Lay::kTile);
-      for (int h = 0; h < kHalves; ++h)
-        ck::tma_load_bhld(qs + h * kHalfBytes, &p.qmap, h * 64, static_cast<int>(r.g), static_cast<int>(r.i0),
-                          static_cast<int>(r.b), &q_full.word);
+      q_full.arrive_expect_tx(r.nt * Lay::kTile);
+      for (int q = 0; q < r.nt; ++q)
+        for (int h = 0; h < kHalves; ++h)
+          ck::tma_load_bhld(qs + q * Lay::kTile + h * kHalfBytes, &p.qmap, h * 64, static_cast<int>(r.g),
+                            static_cast<int>((r.t0 + q) * kTileQ), static_cast<int>(r.b), &q_full.word);
       ++run;
       for (std::int64_t j = r.j_begin; j < r.j_end; ++j) {
         const int st = ring.stage();
@@ -402,18 +472,17 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
   ck::warpgroup_reg_alloc<232>();
   const int ctid = tid - 128, wg = ctid / 128, warp = ctid / 32, w = warp % 4, lane = tid % 32;
   constexpr int ksteps = kHalves * 4;
-  const std::uint32_t a_base = ck::smem_addr(qs) + wg * 64 * 128;
   ck::PipelineState<kStages> ring;
   float acc[2][64];
 
-  // Maxima of block j from the accumulators `d` (complete), then the K slot goes back to the producer.
-  // Accumulator d[4c + 2h + e] of this thread: row 16 w + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + e.
-  auto epilogue = [&](const float (&d)[64], const Run& r, std::int64_t j, int st) {
-    const std::int64_t k0 = j * kBlockK;
+  // Maxima of job x from the accumulators `d` (complete); the K slot goes back to the producer after its
+  // last job. Accumulator d[4c + 2h + e] of this thread: row 16 w + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + e.
+  auto epilogue = [&](const float (&d)[64], const Run<kQTiles>& r, const Job& x) {
+    const std::int64_t k0 = x.j * kBlockK, t = r.t0 + x.q;
     float m[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const std::int64_t i = r.i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
+      const std::int64_t i = t * kTileQ + wg * 64 + 16 * w + lane / 4 + 8 * h;
       const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
       float v = -INFINITY;
       if (lim >= kBlockK) {
@@ -428,81 +497,130 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       }
       m[h] = v;
     }
-    empty[st].arrive();  // the accumulators hold everything this thread needs from the slot
+    if (x.release) empty[x.st].arrive();  // the accumulators hold everything this thread needs from the slot
     if constexpr (kTiles) {
       float v = fmaxf(m[0], m[1]);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-      if (lane == 0) p.out[warp * p.part_stride + (r.bg * s.Tq + r.t) * s.Tk + j] = v;
+      if (lane == 0) p.out[warp * p.part_stride + (r.bg * s.Tq + t) * s.Tk + x.j] = v;
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v = m[h];
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        const std::int64_t i = r.i0 + wg * 64 + 16 * w + lane / 4 + 8 * h;
-        if (lane % 4 == 0 && i < s.Lq) p.out[(r.bg * s.Lq + i) * s.Tk + j] = v;
+        const std::int64_t i = t * kTileQ + wg * 64 + 16 * w + lane / 4 + 8 * h;
+        if (lane % 4 == 0 && i < s.Lq) p.out[(r.bg * s.Lq + i) * s.Tk + x.j] = v;
       }
     }
   };
-  // Issues the wgmmas of block j into `d` (K slot `st` loaded).
-  auto issue = [&](float (&d)[64], int st) {
-    const std::uint32_t b_base = ck::smem_addr(ks + st * Lay::kTile);
+  // The wgmmas of a job. bf16, fp4: issue() chains every k16 step on `d`. fp8: every k32 instruction starts
+  // from a zero accumulator (the bound's item 1): issue() starts step 0 into `d` and step 1 into `part`;
+  // finish() waits for each step, adds it to `d` in float32 in d order and starts the next, so one
+  // instruction is in flight while the previous one is added.
+  float part[kFp8 ? 64 : 1];
+  auto desc_a = [&](const Job& x, int kk) {
+    return ck::make_desc_sw128(ck::smem_addr(qs + x.q * Lay::kTile) + wg * 64 * 128 + (kk / 4) * kHalfBytes + (kk % 4) * 32,
+                               16, 1024);
+  };
+  auto desc_b = [&](const Job& x, int kk) {
+    return ck::make_desc_sw128(ck::smem_addr(ks + x.st * Lay::kTile) + (kk / 4) * kHalfBytes + (kk % 4) * 32, 16, 1024);
+  };
+  auto issue = [&](float (&d)[64], const Job& x) {
     ck::wgmma_fence();
+    if constexpr (kFp8) {
+      static_assert(ksteps >= 2);
+      ck::wgmma_ss_e4m3(d, desc_a(x, 0), desc_b(x, 0), 0);
+      ck::wgmma_ss_e4m3(part, desc_a(x, 1), desc_b(x, 1), 0);
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < ksteps; ++kk) {
-      const std::uint32_t off = (kk / 4) * kHalfBytes + (kk % 4) * 32;
-      const std::uint64_t da = ck::make_desc_sw128(a_base + off, 16, 1024), db = ck::make_desc_sw128(b_base + off, 16, 1024);
-      if constexpr (kFp8) ck::wgmma_ss_e4m3(d, da, db, kk > 0);
-      else ck::wgmma_ss<ck::Bf16Tag>(d, da, db, kk > 0);
+      for (int kk = 0; kk < ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(d, desc_a(x, kk), desc_b(x, kk), kk > 0);
     }
     ck::wgmma_commit();
+  };
+  auto finish = [&](float (&d)[64], const Job& x) {
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int kk = 1; kk < ksteps; ++kk) {
+        ck::wgmma_wait<0>();
+        ck::fence_operands(d);
+        ck::fence_operands(part);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) d[i] += part[i];
+        if (kk + 1 < ksteps) {
+          ck::wgmma_fence();
+          ck::wgmma_ss_e4m3(part, desc_a(x, kk + 1), desc_b(x, kk + 1), 0);
+          ck::wgmma_commit();
+        }
+      }
+    }
   };
 
   int run = 0;
   for (std::int64_t u = u_first; u < u_end;) {
-    const Run r = run_of(s, u, u_end);
+    const Run<kQTiles> r = run_of<kQTiles>(s, u, u_end);
     u = r.next;
     if (r.j_begin >= r.j_end) continue;
     q_full.wait(static_cast<std::uint32_t>(run & 1));
     ++run;
-    // Blocks in pairs: acc[0] takes j, acc[1] takes j + 1; each block's epilogue follows the issue of the
-    // next block, so the tensor cores are busy while it runs.
-    auto next_slot = [&]() {
+    // The jobs in order: per block, the tiles that see it (a suffix of the group), the slot taken at the
+    // block's first job and released at its last (the group's last tile).
+    auto first_tile = [&](std::int64_t j) {
+      int q = 0;
+#pragma unroll
+      for (int t = 0; t + 1 < kQTiles; ++t) q += r.jmax[t] <= j ? 1 : 0;
+      return q;
+    };
+    auto take_block = [&](std::int64_t j) {
       const int st = ring.stage();
       full[st].wait(ring.phase());
       ring.advance();
-      return st;
+      const int q = first_tile(j);
+      return Job{j, q, st, q == r.nt - 1};
     };
-    int st0 = next_slot(), st1 = 0;
-    issue(acc[0], st0);
-    for (std::int64_t j = r.j_begin;; j += 2) {
-      if (j + 1 < r.j_end) {
-        st1 = next_slot();
-        issue(acc[1], st1);
-        ck::wgmma_wait<1>();
+    auto next_job = [&](const Job& x, Job& y) {
+      if (x.q + 1 < r.nt) {
+        y = Job{x.j, x.q + 1, x.st, x.q + 2 == r.nt};
+        return true;
+      }
+      if (x.j + 1 >= r.j_end) return false;
+      y = take_block(x.j + 1);
+      return true;
+    };
+    // Jobs in pairs: acc[0] takes x, acc[1] takes y; each job's epilogue follows the issue of the next, so
+    // the tensor cores are busy while it runs. Before an epilogue its job is complete: bf16 waits for it
+    // (the next job's group stays in flight); fp8's finish() completed it. (Each path is spelled out: ptxas
+    // keeps the wgmmas asynchronous only where it can follow the accumulators along every path.)
+    Job x = take_block(r.j_begin), y{};
+    issue(acc[0], x);
+    finish(acc[0], x);
+    for (;;) {
+      if (next_job(x, y)) {
+        issue(acc[1], y);
+        if constexpr (!kFp8) ck::wgmma_wait<1>();
         ck::fence_operands(acc[0]);
-        epilogue(acc[0], r, j, st0);
+        epilogue(acc[0], r, x);
+        finish(acc[1], y);
       } else {
-        ck::wgmma_wait<0>();
+        if constexpr (!kFp8) ck::wgmma_wait<0>();
         ck::fence_operands(acc[0]);
-        epilogue(acc[0], r, j, st0);
+        epilogue(acc[0], r, x);
         break;
       }
-      if (j + 2 < r.j_end) {
-        st0 = next_slot();
-        issue(acc[0], st0);
-        ck::wgmma_wait<1>();
+      if (next_job(y, x)) {
+        issue(acc[0], x);
+        if constexpr (!kFp8) ck::wgmma_wait<1>();
         ck::fence_operands(acc[1]);
-        epilogue(acc[1], r, j + 1, st1);
+        epilogue(acc[1], r, y);
+        finish(acc[0], x);
       } else {
-        ck::wgmma_wait<0>();
+        if constexpr (!kFp8) ck::wgmma_wait<0>();
         ck::fence_operands(acc[1]);
-        epilogue(acc[1], r, j + 1, st1);
+        epilogue(acc[1], r, y);
         break;
       }
     }
-    q_empty.arrive();  // every wgmma that read the Q tile is complete
+    q_empty.arrive();  // every wgmma that read the group's Q tiles is complete
   }
 }
 
@@ -584,12 +702,14 @@ __device__ int write_ascending(const unsigned char* flags, int n, int* part, std
   return cnt;
 }
 
-// Ranking key of a candidate: forced blocks above every score, then the score's order (floats to
-// unsigned integers of the same order; -0 is +0 first, so equal scores give equal keys).
+// Ranking key of a candidate: the score's order (floats to unsigned integers of the same order; -0 is +0
+// first, so equal scores give equal keys), or for a forced block one key above every score, whatever its
+// score: forced blocks tie among themselves and go to the lower id, as the CPU's +inf scores do (with
+// top_k below the forced count, block 0 before the local block).
 __device__ __forceinline__ unsigned long long rank_key(bool forced, float v) {
   const unsigned u = __float_as_uint(v + 0.0f);
   const unsigned ordered = (u >> 31) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(forced) << 32) | ordered;
+  return forced ? 1ull << 32 : ordered;
 }
 
 std::size_t rank_smem(std::int64_t Tk) {
@@ -612,8 +732,14 @@ __global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constan
   const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
   const float* mrow = p.m + row * s.Tk;
   for (int j = tid; j < n; j += kRankThreads) {
-    float v = mrow[j];
-    for (int q = 1; q < p.parts; ++q) v = fmaxf(v, mrow[q * p.part_stride + j]);
+    // Unrolled over the largest part count so the partials' loads are in flight together (a loop of
+    // run-time length waits for each load in turn: 8 memory latencies per candidate).
+    float m[kScreenParts];
+#pragma unroll
+    for (int q = 0; q < kScreenParts; ++q) m[q] = q < p.parts ? mrow[q * p.part_stride + j] : -INFINITY;
+    float v = m[0];
+#pragma unroll
+    for (int q = 1; q < kScreenParts; ++q) v = fmaxf(v, m[q]);
     key[j] = rank_key((j >= L.r_lo && j <= L.r_hi) || (p.force_block0 && j == 0), v);
   }
   __syncthreads();
@@ -640,7 +766,7 @@ __global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constan
 
 /// Offsets of the one scratch allocation of a call.
 struct Scratch {
-  std::size_t words, qc, kc, m, bytes;
+  std::size_t amax, qc, kc, m, bytes;
 };
 
 Scratch scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, std::int64_t Hk,
@@ -654,7 +780,7 @@ Scratch scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::in
     off += sel::align_up(bytes);
     return at;
   };
-  sc.words = take(3 * sizeof(unsigned int));  // amax of qidx, kidx, the preparation's barrier (zeroed per call)
+  sc.amax = take(2 * sizeof(unsigned int));  // amax of qidx, kidx (zeroed per call)
   sc.qc = take(static_cast<std::size_t>(B * Lq * Hkv * Dc * code_bytes(p)));
   sc.kc = take(static_cast<std::size_t>(B * Lk * Hk * Dc * code_bytes(p)));
   sc.m = take(static_cast<std::size_t>(R * Tk * (tiles ? kScreenParts : 1)) * sizeof(float));
@@ -714,6 +840,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
                                           ScreenLayout<4>::kBytes};
   const int halves = static_cast<int>(code_halves(s.Dc, prec));
   const ScreenFn screen = fp8 ? fp8_screens[halves - 1] : bf16_screens[halves - 1];
+  constexpr int screen_qtiles[] = {ScreenLayout<1>::kQTiles, ScreenLayout<2>::kQTiles, ScreenLayout<3>::kQTiles,
+                                   ScreenLayout<4>::kQTiles};
   const std::size_t sc_smem = screen_bytes[halves - 1];
   if (sc_smem > static_cast<std::size_t>(max_smem))
     throw Error(op, "qidx", "index dim Di = " + std::to_string(s.Di) + " needs " + std::to_string(sc_smem) +
@@ -724,50 +852,28 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
 
   const Scratch lay = scratch_layout(s.B, s.Lq, s.Lk, s.Hkv, s.Hk, s.Di, prec, kTiles);
   sel::StreamScratch scratch(lay.bytes, stream, op);
-  auto* words = scratch.as<unsigned int>(lay.words);
-  check_cuda(cudaMemsetAsync(words, 0, 3 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
+  auto* amax = scratch.as<unsigned int>(lay.amax);
+  check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
   PrepParams pp{};
   pp.src[0] = tc::index_src(qidx), pp.src[1] = tc::index_src(kidx);
   pp.type[0] = sel::in_type(qidx.dtype), pp.type[1] = sel::in_type(kidx.dtype);
   pp.codes[0] = scratch.as<void>(lay.qc), pp.codes[1] = scratch.as<void>(lay.kc);
-  pp.rows[0] = s.B * s.Lq * s.Hkv, pp.rows[1] = s.B * s.Lk * s.Hk;
   pp.lanes = static_cast<int>(s.Dc / 8);
   pp.Dc = static_cast<int>(s.Dc);
-  pp.items0 = pp.rows[0] * pp.lanes;
-  pp.items = pp.items0 + pp.rows[1] * pp.lanes;
-  pp.words = words;
-  void (*prepare)(PrepParams) = prec == IndexPrecision::bf16 ? prepare_kernel<Prec::bf16>
-                                : fp8                        ? prepare_kernel<Prec::fp8>
-                                                             : prepare_kernel<Prec::fp4>;
+  pp.items0 = s.B * s.Lq * s.Hkv * pp.lanes;
+  pp.items = pp.items0 + s.B * s.Lk * s.Hk * pp.lanes;
+  pp.amax = amax;
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
-  const int per_sm = [&] {  // resident CTAs per SM, once per (kernel, device)
-    static std::mutex mu;
-    static std::map<std::pair<const void*, int>, int> known;
-    const std::lock_guard<std::mutex> lock(mu);
-    const auto key = std::make_pair(reinterpret_cast<const void*>(prepare), dev);
-    auto it = known.find(key);
-    if (it != known.end()) return it->second;
-    int n = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prepare, kPrepThreads, 0), op,
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return known[key] = n;
-  }();
-  // Resident CTAs only (the grid barrier), no more than the items need.
-  const std::int64_t prep_ctas =
-      imax<std::int64_t>(1, imin<std::int64_t>(static_cast<std::int64_t>(sms) * per_sm, ceil_div(pp.items, kPrepThreads)));
-  {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(prep_ctas));
-    cfg.blockDim = dim3(kPrepThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute coop{};
-    coop.id = cudaLaunchAttributeCooperative;
-    coop.val.cooperative = 1;
-    cfg.attrs = &coop;
-    cfg.numAttrs = 1;
-    check_cuda(cudaLaunchKernelEx(&cfg, prepare, pp), op, "preparation launch");
-  }
+  const std::int64_t round_items = static_cast<std::int64_t>(kRound) * kPrepThreads;
+  const std::int64_t amax_ctas = imin<std::int64_t>(static_cast<std::int64_t>(sms) * kAmaxCtasPerSm, ceil_div(pp.items, round_items));
+  sel::launch_kernel(op, "amax launch", amax_kernel, dim3(static_cast<unsigned>(amax_ctas)), dim3(kPrepThreads), 0, stream,
+                     false, pp);
+  void (*codes)(PrepParams) = prec == IndexPrecision::bf16 ? codes_kernel<Prec::bf16>
+                              : fp8                        ? codes_kernel<Prec::fp8>
+                                                           : codes_kernel<Prec::fp4>;
+  sel::launch_dependent(op, "codes launch", codes, dim3(static_cast<unsigned>(ceil_div(pp.items, round_items))),
+                        dim3(kPrepThreads), 0, stream, pp);
 
   // The code rows as 16-bit columns (e4m3 bytes in pairs): TMA moves bits, and a box of 64 columns is the
   // 128-byte swizzle span either way.
@@ -780,8 +886,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   sp.out = scratch.as<float>(lay.m);
   sp.part_stride = R * s.Tk;
   sp.s = s;
-  // One wave of persistent CTAs (one per SM) over contiguous ranges of (Q tile, KV block) units.
-  const std::int64_t units = s.Tq * s.B * s.Hkv * s.Tk;
+  // One wave of persistent CTAs (one per SM) over contiguous ranges of (Q group, KV block) units.
+  const std::int64_t units = ceil_div(s.Tq, screen_qtiles[halves - 1]) * s.B * s.Hkv * s.Tk;
   const std::int64_t ctas = imin<std::int64_t>(units, static_cast<std::int64_t>(sms));
   sp.per_cta = ceil_div(units, ctas);
   sel::launch_dependent(op, "screen launch", screen, dim3(static_cast<unsigned>(ceil_div(units, sp.per_cta))),
@@ -818,8 +924,8 @@ double token_max_score_error(IndexPrecision precision, std::int64_t Di, double n
   const std::int64_t Dc = tc::padded_dim(Di);
   const bool fp8 = precision == IndexPrecision::fp8_e4m3;
   const double n = 4.0 * static_cast<double>(code_halves(Dc, precision));
-  const double r = fp8 ? 40.0 * 0x1p-13 : 0x1p-18;
-  return (n * r * (1.0 + 0x1p-4) + 0x1p-20) * nq * nk + 0x1p-140 * (nq + nk) + 0x1p-128 * (sq * nk + sk * nq) +
+  const double acc = fp8 ? 40.0 * 0x1p-13 + n * 0x1p-24 : n * 0x1p-18;  // A of the derivation's item 1
+  return (acc * (1.0 + 0x1p-4) + 0x1p-20) * nq * nk + 0x1p-140 * (nq + nk) + 0x1p-128 * (sq * nk + sk * nq) +
          n * 0x1p-120 * sq * sk + 0x1p-280;
 }
 
