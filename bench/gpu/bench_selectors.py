@@ -25,7 +25,7 @@ SHAPE = {"B": 2, "Lq": 4096, "Lk": 16384, "Hq": 16, "Hkv": 1, "D": 128, "top_k":
 SELECTORS = [("pooled R1", {"representatives": 1}, 20.0), ("pooled R4", {"representatives": 4}, 25.0),
              ("token_max bf16", {"precision": "bf16"}, None), ("token_max fp8", {"precision": "fp8_e4m3"}, 45.0),
              ("token_max fp4", {"precision": "fp4_e2m1"}, None)]
-MIN_OVERLAP = 0.98  # a near-tie swaps one id of a list of 16; a broken kernel shares far fewer
+MIN_OVERLAP = 0.9  # near-ties swap a few ids (fp8 accumulation the most); unrelated lists of 16 of 128 blocks share ~0.13
 
 
 def parse_args(argv=None):
