@@ -216,7 +216,7 @@ def test_harness_timer_and_a_quick_selector_run_on_the_gpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["selector"] for r in rows][:2] == ["pooled R1", "pooled R4"]
-    assert rows[0]["equal_cpu_fraction"] == 1.0 and all(r["us"] > 0 for r in rows)
+    assert all(r["cpu_id_overlap"] >= 0.9 and r["us"] > 0 for r in rows)
 
 
 # ---- the attention plot ----------------------------------------------------------------------------
