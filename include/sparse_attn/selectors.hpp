@@ -1,8 +1,11 @@
 // Selectors: decide which KV blocks (or keys) each query sees (docs/design.md §5.7).
 //
-// Top-k is exact with ties broken by the lower index (token_max on CUDA devices: within a stated eps,
-// below). Lists come out ascending, so TileLists are valid for tile_sparse as produced. All selectors
-// are deterministic.
+// On the CPU, top-k is exact (float64 scores) with ties broken by the lower index. On a CUDA device
+// every selector scores on the tensor cores in float32 and returns a top-k of the exact scores up to a
+// bound eps that its kernel derives and states (docs/design.md §5.7): for every list, the lowest exact
+// score selected is at least the highest exact score left out minus eps. Lists come out ascending, so
+// TileLists are valid for tile_sparse as produced. All selectors are deterministic: two runs give
+// bitwise equal lists.
 //
 // Shared rules of the CPU implementations:
 // - Candidates are the blocks (keys) holding at least one causally visible key; a list holds
