@@ -18,6 +18,7 @@
 // - Index inputs holding NaN or infinity are rejected with an Error naming the coordinate.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 
@@ -34,6 +35,11 @@ struct PooledOptions {
   bool force_block0 = false; // always keep block 0 (attention sink)
   bool causal = false;       // only blocks visible to some query of the tile are candidates
   void* stream = nullptr;
+  /// Device scratch of a CUDA call: u8 [>= pooled_workspace_bytes(...)] on the inputs' device.
+  /// Empty: the library's own workspace per (device, stream), grown when a call needs more (growth
+  /// waits for the stream).
+  /// Ignored on the CPU.
+  TensorView workspace{};
 };
 
 /// R1 / R4 pooled selector. q [B, Lq, Hq, D], k [B, Lk, Hkv, D]. Representatives are means of
@@ -52,6 +58,9 @@ struct PooledOptions {
 /// bound (docs/design.md §5.7), ties to the lower id, the same bits on every run.
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out,
                    const PooledOptions& options = {});
+/// Bytes of device scratch a CUDA pooled_select of these inputs and options takes (options.workspace);
+/// 0 for CPU tensors and in a build without CUDA.
+std::size_t pooled_workspace_bytes(const TensorView& q, const TensorView& k, const PooledOptions& options = {});
 
 enum class IndexPrecision : std::uint8_t {
   bf16,      // inputs rounded to bf16, products accumulated in float32
@@ -69,6 +78,11 @@ struct TokenMaxOptions {
                                // always selected and counts towards top_k
   bool force_block0 = false;   // always keep block 0 (attention sink) in lists that see any key
   void* stream = nullptr;
+  /// Device scratch of a CUDA call: u8 [>= token_max_workspace_bytes(...)] on the inputs' device.
+  /// Empty: the library's own workspace per (device, stream), grown when a call needs more (growth
+  /// waits for the stream).
+  /// Ignored on the CPU.
+  TensorView workspace{};
 };
 
 /// MSA-style block scores from index vectors: qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
@@ -91,6 +105,10 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Quer
 /// out.cnt [B, Hkv, Tq].
 void token_max_select(const TensorView& qidx, const TensorView& kidx, const TileLists& out,
                       const TokenMaxOptions& options = {});
+/// Bytes of device scratch a CUDA token_max_select of these inputs takes (options.workspace), for
+/// TileLists (`tile_lists`) or QueryLists; 0 for CPU tensors and in a build without CUDA.
+std::size_t token_max_workspace_bytes(const TensorView& qidx, const TensorView& kidx, bool tile_lists,
+                                      const TokenMaxOptions& options = {});
 
 struct LightningOptions {
   int top_k = 2048;
@@ -99,6 +117,11 @@ struct LightningOptions {
   int sink_keys = 0;         // keys 0 .. sink_keys - 1 (those the query sees) are always selected and count
                              // towards top_k (lower ids first); the block form forces the blocks holding them
   void* stream = nullptr;
+  /// Device scratch of a CUDA call: u8 [>= lightning_workspace_bytes(...)] on the inputs' device.
+  /// Empty: the library's own workspace per (device, stream), grown when a call needs more (growth
+  /// waits for the stream).
+  /// Ignored on the CPU.
+  TensorView workspace{};
 };
 
 /// DSA lightning indexer: I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
@@ -113,6 +136,10 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
 /// Same scores max-pooled to KV blocks (over each block's visible keys); top-k blocks per query.
 void lightning_select(const TensorView& qI, const TensorView& w, const TensorView& kI,
                       const QueryLists& out, const LightningOptions& options = {});
+/// Bytes of device scratch a CUDA lightning_select of these inputs takes (options.workspace), for
+/// TokenLists (`token_lists`) or the block form; 0 for CPU tensors and in a build without CUDA.
+std::size_t lightning_workspace_bytes(const TensorView& qI, const TensorView& kI, bool token_lists,
+                                      const LightningOptions& options = {});
 
 // ---- low-precision formats (exactly as the hardware defines them) --------------------------------
 

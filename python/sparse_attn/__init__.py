@@ -68,10 +68,10 @@ __all__ = [
     "BLOCK_K", "GATE_ROWS", "TILE_Q", "Calibrator", "Error", "ProblemShape", "ThresholdTable",
     "bits_sparse", "block_bits_to_tile_lists", "build_info", "calibrate_thresholds", "check_device_faults", "cuda_available", "cuda_devices",
     "dense", "e2m1_to_float", "e4m3_to_float", "entmax", "evaluate", "expand_mask", "float_to_e2m1",
-    "float_to_e4m3", "gated", "lightning_select", "load_thresholds", "Plan", "plan", "plan_schedule",
-    "pooled_select", "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
+    "float_to_e4m3", "gated", "lightning_select", "lightning_workspace_bytes", "load_thresholds", "Plan", "plan",
+    "plan_schedule", "pooled_select", "pooled_workspace_bytes", "precision_name", "problem_shape", "quantize_dequantize", "query_lists_to_tile_lists",
     "query_sparse", "run", "sparse_attention", "tile_lists_to_block_bits", "tile_sparse",
-    "token_max_select", "token_sparse", "validate", "workspace_bytes",
+    "token_max_select", "token_max_workspace_bytes", "token_sparse", "validate", "workspace_bytes",
 ]
 
 
@@ -586,27 +586,36 @@ def _tile_lists_out(ref, op, B, Hkv, Lq, top_k, kmax, out):
 
 
 def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_block0=False,
-                  causal=False, kmax=None, out=None):
+                  causal=False, kmax=None, out=None, workspace=None):
     """R1 / R4 pooled selector. Returns TileLists (idx int32 [B, Hkv, Tq, kmax], cnt int32
     [B, Hkv, Tq]); kmax defaults to top_k. Slots past cnt hold -1. out=(idx, cnt) writes into
-    those tensors instead (kmax is then idx's last extent)."""
+    those tensors instead (kmax is then idx's last extent). workspace: uint8 device scratch of at
+    least pooled_workspace_bytes(...) (default: the library's own per device and stream)."""
     B, Lq, _, _ = _shape(q, "pooled_select", "q", 4)
     Hkv = _shape(k, "pooled_select", "k", 4)[2]
     idx, cnt = _tile_lists_out(q, "pooled_select", B, Hkv, Lq, top_k, kmax, out)
     _native.pooled_select(_dl(q), _dl(k), _dl(idx), _dl(cnt), representatives=representatives,
                           top_k=top_k, force_local=bool(force_local), force_block0=bool(force_block0),
-                          causal=bool(causal), stream=_stream(q))
+                          causal=bool(causal), workspace=_dl(workspace), stream=_stream(q))
     return idx, cnt
 
 
+def pooled_workspace_bytes(q, k, *, representatives=1, top_k=16, causal=False) -> int:
+    """Bytes of device scratch a CUDA pooled_select of q, k takes (0 on the CPU): the size of a
+    caller's workspace=."""
+    return _native.pooled_workspace_bytes(_dl(q), _dl(k), representatives=representatives, top_k=top_k,
+                                          causal=bool(causal))
+
+
 def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True,
-                     force_block0=False, format="query", kmax=None, out=None):
+                     force_block0=False, format="query", kmax=None, out=None, workspace=None):
     """MSA token-max selector on index vectors qidx [B, Lq, Hkv, Di], kidx [B, Lk, 1 or Hkv, Di].
     format="query": QueryLists idx [B, Hkv, Lq, kmax] (ascending, -1 padded);
     format="tile": TileLists (idx [B, Hkv, Tq, kmax], cnt [B, Hkv, Tq]).
     precision: "bf16", "fp8_e4m3" or "fp4_e2m1". force_block0 keeps block 0 (attention sink) in every
     list that sees a key, like the reserved local block. out= writes into caller tensors instead: idx for
-    format="query", the pair (idx, cnt) for format="tile"."""
+    format="query", the pair (idx, cnt) for format="tile". workspace: uint8 device scratch of at least
+    token_max_workspace_bytes(...) (default: the library's own per device and stream)."""
     B, Lq, Hkv, _ = _shape(qidx, "token_max_select", "qidx", 4)
     if format == "query":
         idx = out if out is not None else _full(qidx, (B, Hkv, Lq, _kmax("token_max_select", top_k, kmax)), -1,
@@ -614,27 +623,36 @@ def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, re
         _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), None, top_k=top_k,
                                  precision=precision, causal=bool(causal),
                                  reserve_local=bool(reserve_local), force_block0=bool(force_block0),
-                                 stream=_stream(qidx))
+                                 workspace=_dl(workspace), stream=_stream(qidx))
         return idx
     if format == "tile":
         idx, cnt = _tile_lists_out(qidx, "token_max_select", B, Hkv, Lq, top_k, kmax, out)
         _native.token_max_select(_dl(qidx), _dl(kidx), _dl(idx), _dl(cnt), top_k=top_k,
                                  precision=precision, causal=bool(causal),
                                  reserve_local=bool(reserve_local), force_block0=bool(force_block0),
-                                 stream=_stream(qidx))
+                                 workspace=_dl(workspace), stream=_stream(qidx))
         return idx, cnt
     raise Error(f"token_max_select: argument 'format': expected 'query' or 'tile', got {format!r}")
 
 
+def token_max_workspace_bytes(qidx, kidx, *, format="query", precision="bf16") -> int:
+    """Bytes of device scratch a CUDA token_max_select of qidx, kidx takes (0 on the CPU)."""
+    if format not in ("query", "tile"):
+        raise Error(f"token_max_workspace_bytes: argument 'format': expected 'query' or 'tile', got {format!r}")
+    return _native.token_max_workspace_bytes(_dl(qidx), _dl(kidx), tiles=(format == "tile"), precision=precision)
+
+
 def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3", groups=1,
-                     format="token", kmax=None, out=None, sink_keys=0):
+                     format="token", kmax=None, out=None, sink_keys=0, workspace=None):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] * relu(qI[t, j] . kI[s]) with qI [B, Lq, HI, Di],
     w float32 [B, Lq, HI], kI [B, Lk, Di]. format="token": TokenLists idx [B, groups, Lq, kmax] of
     key positions; format="query": QueryLists of blocks (scores max-pooled over each block). The
     same lists are written for each of the `groups` KV groups. out= writes into a caller's idx
     [B, groups, Lq, kmax] instead. sink_keys: keys 0 .. sink_keys - 1 (those a query sees) are always
     selected and count towards top_k (the block form forces their blocks). On the CPU the lists are the
-    exact top-k of float64 scores; on the GPU a top-k up to the bound of docs/design.md §5.7."""
+    exact top-k of float64 scores; on the GPU a top-k up to the bound of docs/design.md §5.7.
+    workspace: uint8 device scratch of at least lightning_workspace_bytes(...) (default: the library's
+    own per device and stream)."""
     B, Lq, _, _ = _shape(qI, "lightning_select", "qI", 4)
     if format not in ("token", "query"):
         raise Error(f"lightning_select: argument 'format': expected 'token' or 'query', got {format!r}")
@@ -645,8 +663,17 @@ def lightning_select(qI, w, kI, *, top_k=2048, causal=False, precision="fp8_e4m3
         idx = out
     _native.lightning_select(_dl(qI), _dl(w), _dl(kI), _dl(idx), blocks=(format == "query"),
                              top_k=top_k, causal=bool(causal), precision=precision,
-                             sink_keys=_int("lightning_select", "sink_keys", sink_keys, 0), stream=_stream(qI))
+                             sink_keys=_int("lightning_select", "sink_keys", sink_keys, 0),
+                             workspace=_dl(workspace), stream=_stream(qI))
     return idx
+
+
+def lightning_workspace_bytes(qI, kI, *, top_k=2048, precision="fp8_e4m3", format="token") -> int:
+    """Bytes of device scratch a CUDA lightning_select of qI, kI takes (0 on the CPU)."""
+    if format not in ("token", "query"):
+        raise Error(f"lightning_workspace_bytes: argument 'format': expected 'token' or 'query', got {format!r}")
+    return _native.lightning_workspace_bytes(_dl(qI), _dl(kI), blocks=(format == "query"), top_k=top_k,
+                                             precision=precision)
 
 
 # ---- formats ----------------------------------------------------------------------------------

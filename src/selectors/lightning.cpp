@@ -187,4 +187,19 @@ void lightning_select(const TensorView& qI, const TensorView& w, const TensorVie
   });
 }
 
+std::size_t lightning_workspace_bytes(const TensorView& qI, const TensorView& kI, bool token_lists,
+                                      const LightningOptions& options) {
+  const std::string op = "lightning_workspace_bytes";
+  detail::require(qI.ndim == 4, op, "qI", [&] { return "expected [B, Lq, HI, Di], got " + qI.describe(); });
+  detail::require(kI.ndim == 3, op, "kI", [&] { return "expected [B, Lk, Di], got " + kI.describe(); });
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (qI.device == Device::cuda)
+    return cuda_backend::lightning_scratch_bytes(qI.shape[0], qI.shape[1], kI.shape[1], qI.shape[2], qI.shape[3],
+                                                 options.top_k, options.precision, !token_lists);
+#else
+  (void)token_lists, (void)options;
+#endif
+  return 0;
+}
+
 }  // namespace sparse_attn

@@ -184,4 +184,19 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   pooled_select_cpu(q, k, out, options, s);
 }
 
+std::size_t pooled_workspace_bytes(const TensorView& q, const TensorView& k, const PooledOptions& options) {
+  const std::string op = "pooled_workspace_bytes";
+  detail::require(q.ndim == 4, op, "q", [&] { return "expected [B, Lq, Hq, D], got " + q.describe(); });
+  detail::require(k.ndim == 4, op, "k", [&] { return "expected [B, Lk, Hkv, D], got " + k.describe(); });
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (q.device == Device::cuda) {
+    const ProblemShape s{q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], options.causal};
+    return cuda_backend::pooled_scratch_bytes(s, options);
+  }
+#else
+  (void)options;
+#endif
+  return 0;
+}
+
 }  // namespace sparse_attn

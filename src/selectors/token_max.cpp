@@ -175,4 +175,19 @@ void token_max_select(const TensorView& qidx, const TensorView& kidx, const Tile
   });
 }
 
+std::size_t token_max_workspace_bytes(const TensorView& qidx, const TensorView& kidx, bool tile_lists,
+                                      const TokenMaxOptions& options) {
+  const std::string op = "token_max_workspace_bytes";
+  detail::require(qidx.ndim == 4, op, "qidx", [&] { return "expected [B, Lq, Hkv, Di], got " + qidx.describe(); });
+  detail::require(kidx.ndim == 4, op, "kidx", [&] { return "expected [B, Lk, 1 or Hkv, Di], got " + kidx.describe(); });
+#if defined(SPARSE_ATTN_WITH_CUDA)
+  if (qidx.device == Device::cuda)
+    return cuda_backend::token_max_scratch_bytes(qidx.shape[0], qidx.shape[1], kidx.shape[1], qidx.shape[2],
+                                                 kidx.shape[2], qidx.shape[3], options.precision, tile_lists);
+#else
+  (void)tile_lists, (void)options;
+#endif
+  return 0;
+}
+
 }  // namespace sparse_attn

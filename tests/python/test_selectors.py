@@ -209,3 +209,22 @@ def test_lightning_fp8_default_precision(rng):
     for i in range(Lq):
         # e4m3 keeps 3 mantissa bits: scores move by a few percent of their scale.
         check_top_k(idx[0, 0, i], exact[0, i], 8, 0.1 * np.abs(exact[0, i]).max(), f"query {i}")
+
+
+def test_workspace_bytes_and_the_workspace_keyword():
+    q = np.random.default_rng(3).standard_normal((1, 256, 2, 64)).astype(np.float32)
+    k = np.random.default_rng(4).standard_normal((1, 512, 1, 64)).astype(np.float32)
+    kI = k[:, :, 0, :].copy()
+    w = np.full((1, 256, 2), 0.5, dtype=np.float32)
+    # Nothing on the CPU: the keyword is accepted and the lists are those of a call without it.
+    assert sa.pooled_workspace_bytes(q, k) == 0
+    assert sa.token_max_workspace_bytes(q, k, format="tile") == 0
+    assert sa.lightning_workspace_bytes(q, kI) == 0
+    ws = np.zeros(16, dtype=np.uint8)
+    for a, b in zip(sa.pooled_select(q, k, top_k=2, workspace=ws), sa.pooled_select(q, k, top_k=2)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(sa.token_max_select(q, k, top_k=2, workspace=ws), sa.token_max_select(q, k, top_k=2))
+    np.testing.assert_array_equal(sa.lightning_select(q, w, kI, top_k=8, workspace=ws),
+                                  sa.lightning_select(q, w, kI, top_k=8))
+    with pytest.raises(sa.Error, match="token_max_workspace_bytes: argument 'format'"):
+        sa.token_max_workspace_bytes(q, k, format="blocks")

@@ -2,9 +2,9 @@
 // passed the front end's checks (shapes, dtypes, capacities, options); these check only what the CUDA
 // backend itself requires and launch on `options.stream`.
 //
-// Scratch: the selectors need a little device memory between their kernels (representatives,
-// per-tensor scales). It comes from the stream-ordered allocator (cudaMallocAsync / cudaFreeAsync on
-// the caller's stream): no host synchronisation, and the calls are capturable in a CUDA graph.
+// Scratch: each call takes one piece of device memory between its kernels (representatives, per-tensor
+// scales, codes), of the size its *_scratch_bytes below gives: the caller's options.workspace, or a
+// workspace the library keeps per (device, stream) (scratch.hpp).
 //
 // Non-finite index inputs: the CPU selectors reject them with an Error; the device path does not
 // synchronise to look, so NaN / inf inputs give lists computed from NaN-sanitised scores (NaN ranks

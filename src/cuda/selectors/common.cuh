@@ -259,26 +259,6 @@ inline void check_device_memory(const std::string& op, const std::string& name, 
 
 inline In in_type(DType d) { return d == DType::f32 ? In::f32 : d == DType::f16 ? In::f16 : In::bf16; }
 
-// Stream-ordered scratch: allocated and freed on the caller's stream (no host synchronisation).
-class StreamScratch {
- public:
-  StreamScratch(std::size_t bytes, cudaStream_t stream, const std::string& op) : stream_(stream) {
-    check_cuda(cudaMallocAsync(&ptr_, bytes, stream), op, "cudaMallocAsync of " + std::to_string(bytes) + " bytes");
-  }
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-  ~StreamScratch() {
-    if (ptr_) cudaFreeAsync(ptr_, stream_);
-  }
-  template <class T>
-  T* as(std::size_t byte_offset = 0) const {
-    return reinterpret_cast<T*>(static_cast<char*>(ptr_) + byte_offset);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 inline std::size_t align_up(std::size_t x, std::size_t a = 256) { return (x + a - 1) / a * a; }
 

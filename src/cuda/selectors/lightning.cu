@@ -53,6 +53,7 @@
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
+#include "cuda/selectors/scratch.hpp"
 
 namespace sparse_attn::cuda_backend {
 
@@ -622,7 +623,7 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   if (Gq > 0x7fffffffLL) throw Error(op, "qI", "Lq = " + std::to_string(Lq) + " exceeds the CUDA lightning selector's grid");
 
   const ScratchLayout sl = scratch_layout(B, Lq, Lk, pl);
-  sel::StreamScratch scratch(sl.total, stream, op);
+  sel::Scratch scratch(op, o.workspace, sl.total, qI.device_index, stream);
   auto* amax = scratch.as<unsigned>(sl.amax);
   const bool fp8 = o.precision == IndexPrecision::fp8_e4m3;
   const RowsSrc qs = rows_src(qI), ks = rows_src(kI);

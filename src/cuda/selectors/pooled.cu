@@ -63,8 +63,8 @@
 // and NaN pairs are ignored by the maxima, so such a pair ranks as -inf (a block left without pairs
 // still counts as a candidate, scored -inf). Scores beyond float32's range become +-inf or NaN.
 //
-// Scratch: both planes of both tensors, pooled_scratch_bytes, one allocation per call from scratch_for
-// (cached per device and stream; stream-ordered inside a graph capture).
+// Scratch: both planes of both tensors, pooled_scratch_bytes, one allocation per call (scratch.hpp: the
+// caller's options.workspace, or the library's per (device, stream)).
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -79,6 +79,7 @@
 
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
+#include "cuda/selectors/scratch.hpp"
 
 namespace sparse_attn::cuda_backend {
 
@@ -682,41 +683,6 @@ DeviceFacts device_facts(const std::string& op, const TensorView& t) {
   return f;
 }
 
-// Scratch of the selector, kept per (device, stream) between calls: calls on one stream run in stream
-// order, so the next call may reuse the memory; calls on different streams get different memory.
-struct CachedScratch {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-};
-
-// Device memory of at least `bytes` for a call on `stream`: the cached scratch, grown (after the
-// stream's earlier calls have finished with it) when too small. A call being captured into a graph
-// gets stream-ordered memory instead (`owned`, freed on the stream after the call): the graph then
-// owns its memory, so a later growth of the cache cannot free memory a graph still uses, and capture
-// never synchronises.
-void* scratch_for(const std::string& op, int device, cudaStream_t stream, std::size_t bytes,
-                  std::unique_ptr<StreamScratch>& owned) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &capture), op, "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) {
-    owned = std::make_unique<StreamScratch>(bytes, stream, op);
-    return owned->as<void>();
-  }
-  static std::mutex mu;
-  static auto* cache =
-      new std::map<std::pair<int, cudaStream_t>, CachedScratch>();  // never freed: no
-                                                                    // cudaFree after the runtime's teardown
-  const std::lock_guard<std::mutex> lock(mu);
-  CachedScratch& c = (*cache)[{device, stream}];
-  if (c.bytes >= bytes) return c.ptr;
-  check_cuda(cudaStreamSynchronize(stream), op, "scratch growth");  // earlier calls may still use it
-  if (c.ptr != nullptr) check_cuda(cudaFree(c.ptr), op, "scratch growth");
-  c = CachedScratch{};
-  const std::size_t grown = align_up(bytes, std::size_t{1} << 20);
-  check_cuda(cudaMalloc(&c.ptr, grown), op, "cudaMalloc of " + std::to_string(grown) + " bytes of selector scratch");
-  c.bytes = grown;
-  return c.ptr;
-}
 
 }  // namespace
 
@@ -763,8 +729,8 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
     throw Error(op, "q", "tensor " + q.describe() + " has more representative rows than the CUDA selector indexes");
 
   const Planes planes = plane_layout(rows[0], rows[1], Dp);
-  std::unique_ptr<StreamScratch> owned;
-  auto* base = static_cast<char*>(scratch_for(op, q.device_index, stream, pooled_scratch_bytes(s, o), owned));
+  const sel::Scratch scratch(op, o.workspace, pooled_scratch_bytes(s, o), q.device_index, stream);
+  auto* base = scratch.as<char>();
   auto plane = [&](int i) { return reinterpret_cast<std::uint16_t*>(base + planes.at[i]); };
 
   RepParams rp{};

@@ -82,6 +82,7 @@
 #include "cuda/common/wgmma_fp8.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
+#include "cuda/selectors/scratch.hpp"
 #include "cuda/selectors/tc_index.cuh"
 
 namespace sparse_attn::cuda_backend {
@@ -851,7 +852,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   attr(reinterpret_cast<const void*>(rank_kernel<kTiles>), rk_smem);
 
   const Scratch lay = scratch_layout(s.B, s.Lq, s.Lk, s.Hkv, s.Hk, s.Di, prec, kTiles);
-  sel::StreamScratch scratch(lay.bytes, stream, op);
+  sel::Scratch scratch(op, o.workspace, lay.bytes, qidx.device_index, stream);
   auto* amax = scratch.as<unsigned int>(lay.amax);
   check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
   PrepParams pp{};
