@@ -265,6 +265,9 @@ __global__ void __launch_bounds__(kRepThreads, 2) representatives_kernel(const _
   static_assert(kPerLane % kB == 0 && kPerLane / kB <= 2 && (kB & (kB - 1)) == 0, "a balanced tree over the lane");
   __shared__ float part[kTokenLanes][kRepColumns][kSliceCols];
   __shared__ RepColumn cols[kRepColumns];
+  // The scoring grid may be scheduled once every CTA of this grid has started (then no CTA of this grid
+  // still needs an SM's room); it waits in pdl_wait for this grid's completion and memory before reading.
+  pdl_launch_dependents();
   const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
   const int which = static_cast<int>(blockIdx.x) < p.t[0].ctas ? 0 : 1;  // CTA-uniform
   const RepTensor& x = p.t[which];
@@ -314,8 +317,6 @@ __global__ void __launch_bounds__(kRepThreads, 2) representatives_kernel(const _
     x.hi[cj.out + e] = __bfloat16_as_ushort(hi);
     x.lo[cj.out + e] = __bfloat16_as_ushort(lo);
   }
-  // The scoring grid may now be scheduled; it waits (pdl_wait) for this grid's completion before reading.
-  pdl_launch_dependents();
 }
 
 // ---- 2. scores and top-k ------------------------------------------------------------------------------------
