@@ -768,6 +768,29 @@ DeviceFacts device_facts(const std::string& op, const TensorView& t) {
   return f;
 }
 
+// Launch configuration of the scoring kernel: `grid` CTAs in clusters of C, `smem` bytes of dynamic shared
+// memory each; with `programmatic`, a programmatic dependent of the previous launch on `stream`. The
+// attributes live in `attrs`.
+cudaLaunchConfig_t score_config(unsigned grid, int C, std::size_t smem, cudaStream_t stream, bool programmatic,
+                                cudaLaunchAttribute (&attrs)[2]) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kScoreThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attrs[0] = cudaLaunchAttribute{};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = static_cast<unsigned>(C);
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1] = cudaLaunchAttribute{};
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = programmatic ? 2 : 1;
+  return cfg;
+}
+
 // How many clusters of `C` scoring CTAs with `smem` bytes of dynamic shared memory the device holds at
 // once (the runtime's count, which knows the cluster placement), queried once per (device, C, smem).
 int resident_clusters(const std::string& op, int device, int C, std::size_t smem) {
@@ -779,17 +802,8 @@ int resident_clusters(const std::string& op, int device, int C, std::size_t smem
     const auto it = known.find(key);
     if (it != known.end()) return it->second;
   }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(C));
-  cfg.blockDim = dim3(kScoreThreads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(C);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cfg.attrs = &cluster;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = score_config(static_cast<unsigned>(C), C, smem, nullptr, false, attrs);
   int n = 0;
   check_cuda(cudaOccupancyMaxActiveClusters(&n, score_kernel, &cfg), op, "cudaOccupancyMaxActiveClusters");
   const std::lock_guard<std::mutex> lock(mu);
@@ -934,21 +948,10 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   p.rows_per_cta = static_cast<int>(rows_per_cta);
   p.cluster = static_cast<int>(C);
 
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(jobs * C));
-  cfg.blockDim = dim3(kScoreThreads);
-  cfg.dynamicSmemBytes = L.total;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[2]{};
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = static_cast<unsigned>(C);
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
   // A programmatic dependent of the representatives: launch and cluster start overlap their tail.
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attrs;
-  cfg.numAttrs = 2;
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg =
+      score_config(static_cast<unsigned>(jobs * C), p.cluster, L.total, stream, true, attrs);
   check_cuda(cudaLaunchKernelEx(&cfg, score_kernel, p), op, "scoring launch");
 }
 
