@@ -470,7 +470,8 @@ __device__ __forceinline__ void score_slab(const ScoreParams& p, unsigned char* 
                        (n + 15) / 16 * 16);
           q_staged = true;
         }
-        if (stage_k) stage_planes(ks, kKRows, khi + k0 * p.Dp, klo + k0 * p.Dp, p.Dp, d0, width, krows, kKRows);
+        if (stage_k)  // the rows of the warps with key rows (wk < krows)
+          stage_planes(ks, kKRows, khi + k0 * p.Dp, klo + k0 * p.Dp, p.Dp, d0, width, krows, (krows + 15) / 16 * 16);
         cp_async_wait_all();
         __syncthreads();
       }
