@@ -2,11 +2,12 @@
 // against the CPU's float64 scores (src/selectors/pooled.cpp), no float64 and no second pass. Two
 // kernels on the caller's stream, the second a programmatic dependent of the first:
 //
-//  1. representatives (q and k in one grid): a CTA takes 32 (representative row, slice of 8 columns)
-//     columns, one per lane; warp w sums the tokens w, w + 8, w + 16, ... of its lane's column (16 for R1,
-//     4 for R4, every 16-byte load in flight at once) by a balanced tree in float32, and the eight warps'
-//     partial sums are added by a balanced tree in shared memory: each token passes through log2(128 / r)
-//     additions. Scalar loads where the views allow no 16-byte vectors. The mean m = sum / n (n tokens
+//  1. representatives (q and k in one grid): L warps share each (representative row, slice of 8 columns)
+//     column (L = 8 for R1, 2 for R4), a warp 32 columns, one per lane, a CTA 256 / L columns; warp u of
+//     the L sums the tokens u, u + L, u + 2 L, ... of its lane's column (16 per thread, every 16-byte load
+//     in flight at once) by a balanced tree in float32, and the L partial sums are added by a balanced
+//     tree in shared memory: each token passes through log2(128 / r) additions. Scalar loads where the
+//     views allow no 16-byte vectors. The mean m = sum / n (n tokens
 //     present) is stored as two bf16 planes, hi = bf16(m) and lo = bf16(m - hi), rows of Dp = D rounded up
 //     to 16 columns (zero past D). The rows of one (b, group, Q tile), group * r of them, are contiguous.
 //     The kernel only reads its input once: it is bound by HBM bandwidth (42 MB at the tile16 shape,
@@ -97,8 +98,11 @@ namespace cg = cooperative_groups;
 constexpr std::int64_t kKStep = 16;  // columns of one mma k-step; rows of the planes hold Dp = D rounded up
 constexpr int kSliceCols = 8;        // columns of a representative row per thread of kernel 1 (16 output bytes)
 constexpr int kRepThreads = 256;
-constexpr int kRepColumns = 32;      // (row, slice) columns per CTA of kernel 1: one per lane
-constexpr int kTokenLanes = kRepThreads / kRepColumns;  // warps sharing a column; tokens interleaved over them
+constexpr int kRepPerLane = 16;      // tokens per thread of kernel 1: 256 bytes of 16-byte loads in flight
+// Warps of kernel 1 sharing a column (tokens interleaved over them): 8 for R1, 2 for R4. A CTA takes
+// kRepThreads / rep_lanes(r) columns: 32 (R1), 128 (R4).
+constexpr int rep_lanes(int r) { return static_cast<int>(kTileQ) / r / kRepPerLane; }
+constexpr int rep_columns(int r) { return kRepThreads / rep_lanes(r); }
 
 // Float32 additions each token passes through on its way into a representative's sum (kernel 1): a
 // balanced binary tree over the 128 / r tokens of the span.
@@ -107,7 +111,8 @@ constexpr int rep_sum_depth(int r) {
   while ((1 << depth) < kTileQ / r) ++depth;
   return depth;
 }
-static_assert((1 << rep_sum_depth(1)) == kTileQ && (1 << rep_sum_depth(4)) == kTileQ / 4);
+static_assert((1 << rep_sum_depth(1)) == kTileQ && (1 << rep_sum_depth(4)) == kTileQ / 4 &&
+              rep_lanes(1) * kRepPerLane == kTileQ && rep_lanes(4) * kRepPerLane == kTileQ / 4);
 
 constexpr int kScoreThreads = 256;   // 8 warps
 constexpr int kQRows = 32;           // query rows per pass of the mma loop
@@ -253,40 +258,43 @@ __device__ __forceinline__ RepColumn rep_column(const RepParams& p, const RepTen
   return c;
 }
 
-// A CTA takes 32 consecutive columns of one tensor, one per lane; warp w sums the tokens w, w + 8, ... of
-// its lane's column (kPerLane = 128 / (8 r) of them, every load in flight at once where the batch allows)
-// by a balanced tree, and the eight warps' partial sums meet in shared memory, added by a balanced tree
-// too: each token passes through log2(128 / r) float32 additions (rep_sum_depth). The loads of a warp cover
-// whole 16-byte column slices of 32 columns (two representative rows of D = 128: 512 bytes per token).
-template <In T, bool kVec, int kPerLane>
+// A CTA takes kRepThreads / kLanes consecutive columns of one tensor, 32 per group of kLanes warps (one
+// per lane); warp u of a group sums the tokens u, u + kLanes, ... of its lane's column (kRepPerLane of
+// them, every load in flight at once where the batch allows) by a balanced tree, and the kLanes warps'
+// partial sums meet in shared memory, added by a balanced tree too: each token passes through
+// log2(128 / r) float32 additions (rep_sum_depth). The loads of a warp cover whole 16-byte column slices
+// of 32 columns (two representative rows of D = 128: 512 bytes per token).
+template <In T, bool kVec, int kLanes>
 __global__ void __launch_bounds__(kRepThreads, 2) representatives_kernel(const __grid_constant__ RepParams p) {
   using IO = SliceIO<T, kVec>;
+  constexpr int kPerLane = kRepPerLane, kColumns = kRepThreads / kLanes;
   constexpr int kB = IO::kBatch < kPerLane ? IO::kBatch : kPerLane;
-  static_assert(kPerLane % kB == 0 && kPerLane / kB <= 2 && (kB & (kB - 1)) == 0, "a balanced tree over the lane");
-  __shared__ float part[kTokenLanes][kRepColumns][kSliceCols];
-  __shared__ RepColumn cols[kRepColumns];
+  static_assert(kPerLane % kB == 0 && kPerLane / kB <= 2 && (kB & (kB - 1)) == 0 && (kLanes & (kLanes - 1)) == 0,
+                "balanced trees over a lane's tokens and over the lanes");
+  __shared__ float part[kLanes][kColumns][kSliceCols];
+  __shared__ RepColumn cols[kColumns];
   // The scoring grid may be scheduled once every CTA of this grid has started (then no CTA of this grid
   // still needs an SM's room); it waits in pdl_wait for this grid's completion and memory before reading.
   pdl_launch_dependents();
-  const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32, u = warp % kLanes, col = warp / kLanes * 32 + threadIdx.x % 32;
   const int which = static_cast<int>(blockIdx.x) < p.t[0].ctas ? 0 : 1;  // CTA-uniform
   const RepTensor& x = p.t[which];
-  const int cid0 = (static_cast<int>(blockIdx.x) - (which == 0 ? 0 : p.t[0].ctas)) * kRepColumns;
-  const RepColumn c = rep_column(p, x, cid0 + lane);
-  if (w == 0) cols[lane] = c;
+  const int cid0 = (static_cast<int>(blockIdx.x) - (which == 0 ? 0 : p.t[0].ctas)) * kColumns;
+  const RepColumn c = rep_column(p, x, cid0 + col);
+  if (u == 0) cols[col] = c;
 
   float s[kSliceCols];
 #pragma unroll
   for (int e = 0; e < kSliceCols; ++e) s[e] = 0.0f;
   if (c.n > 0 && c.valid > 0) {
-    const char* base = static_cast<const char*>(x.x) + (c.in + w * x.sl) * IO::kBytes;
-    const std::int64_t step = x.sl * IO::kBytes * kTokenLanes;  // to the lane's next token
+    const char* base = static_cast<const char*>(x.x) + (c.in + u * x.sl) * IO::kBytes;
+    const std::int64_t step = x.sl * IO::kBytes * kLanes;  // to the lane's next token
 #pragma unroll
     for (int i0 = 0; i0 < kPerLane; i0 += kB) {
       typename IO::Raw raw[kB];
 #pragma unroll
       for (int i = 0; i < kB; ++i) {
-        const int tok = w + (i0 + i) * kTokenLanes;
+        const int tok = u + (i0 + i) * kLanes;
         IO::load(base + (i0 + i) * step, c.valid, tok < c.n, raw[i]);
       }
       float b[kSliceCols];
@@ -296,26 +304,28 @@ __global__ void __launch_bounds__(kRepThreads, 2) representatives_kernel(const _
     }
   }
 #pragma unroll
-  for (int e = 0; e < kSliceCols; ++e) part[w][lane][e] = s[e];
+  for (int e = 0; e < kSliceCols; ++e) part[u][col][e] = s[e];
   __syncthreads();
 
-  // Thread (column j, element e) adds the eight warps' partials pairwise and stores the two planes.
-  const int j = threadIdx.x / kSliceCols, e = threadIdx.x % kSliceCols;
-  float v[kTokenLanes];
+  // Per (column j, element e): the kLanes partials added pairwise, the mean, the two planes.
+  for (int it = threadIdx.x; it < kColumns * kSliceCols; it += kRepThreads) {
+    const int j = it / kSliceCols, e = it % kSliceCols;
+    float v[kLanes];
 #pragma unroll
-  for (int i = 0; i < kTokenLanes; ++i) v[i] = part[i][j][e];
+    for (int i = 0; i < kLanes; ++i) v[i] = part[i][j][e];
 #pragma unroll
-  for (int o = 1; o < kTokenLanes; o *= 2)
+    for (int o = 1; o < kLanes; o *= 2)
 #pragma unroll
-    for (int i = 0; i < kTokenLanes; i += 2 * o) v[i] = __fadd_rn(v[i], v[i + o]);
-  const RepColumn cj = cols[j];
-  if (cid0 + j < x.rows * p.slices) {
-    // Zero for an absent representative (its pairs are never counted) and past D (adds nothing).
-    const float m = cj.n > 0 && e < cj.valid ? __fdiv_rn(v[0], static_cast<float>(cj.n)) : 0.0f;
-    const __nv_bfloat16 hi = __float2bfloat16_rn(m);
-    const __nv_bfloat16 lo = __float2bfloat16_rn(__fsub_rn(m, __bfloat162float(hi)));
-    x.hi[cj.out + e] = __bfloat16_as_ushort(hi);
-    x.lo[cj.out + e] = __bfloat16_as_ushort(lo);
+      for (int i = 0; i < kLanes; i += 2 * o) v[i] = __fadd_rn(v[i], v[i + o]);
+    const RepColumn cj = cols[j];
+    if (cid0 + j < x.rows * p.slices) {
+      // Zero for an absent representative (its pairs are never counted) and past D (adds nothing).
+      const float m = cj.n > 0 && e < cj.valid ? __fdiv_rn(v[0], static_cast<float>(cj.n)) : 0.0f;
+      const __nv_bfloat16 hi = __float2bfloat16_rn(m);
+      const __nv_bfloat16 lo = __float2bfloat16_rn(__fsub_rn(m, __bfloat162float(hi)));
+      x.hi[cj.out + e] = __bfloat16_as_ushort(hi);
+      x.lo[cj.out + e] = __bfloat16_as_ushort(lo);
+    }
   }
 }
 
@@ -728,8 +738,8 @@ bool vectorizable(const TensorView& x) {
 
 template <In T, bool kVec>
 void launch_reps(const RepParams& p, unsigned blocks, cudaStream_t stream) {
-  if (p.r == 1) representatives_kernel<T, kVec, kTileQ / kTokenLanes><<<blocks, kRepThreads, 0, stream>>>(p);
-  else representatives_kernel<T, kVec, kTileQ / 4 / kTokenLanes><<<blocks, kRepThreads, 0, stream>>>(p);
+  if (p.r == 1) representatives_kernel<T, kVec, rep_lanes(1)><<<blocks, kRepThreads, 0, stream>>>(p);
+  else representatives_kernel<T, kVec, rep_lanes(4)><<<blocks, kRepThreads, 0, stream>>>(p);
 }
 
 template <In T>
@@ -889,7 +899,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   const std::int64_t rows[2] = {s.B * s.Hq * Tq * r, s.B * s.Hkv * Tk * r};
   const std::int64_t slices = Dp / kSliceCols;
   // Kernel 1 indexes columns (rows x slices) and tokens in int.
-  const std::int64_t int_room = INT_MAX - kTileQ - kRepColumns;
+  const std::int64_t int_room = INT_MAX - kTileQ - kRepThreads;
   if (slices > int_room || rows[0] * slices > int_room || rows[1] * slices > int_room ||
       std::max(s.Lq, s.Lk) > int_room || jobs * kMaxCluster > INT_MAX)
     throw Error(op, "q", "tensor " + q.describe() + " has more representative rows than the CUDA selector indexes");
@@ -911,7 +921,7 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
     d.L = static_cast<int>(x.shape[1]), d.H = static_cast<int>(x.shape[2]);
     d.G = static_cast<int>(i == 0 ? group : 1), d.T = static_cast<int>(ceil_div(x.shape[1], kTileQ));
     d.rows = static_cast<int>(rows[i]);
-    d.ctas = static_cast<int>(ceil_div(rows[i] * slices, static_cast<std::int64_t>(kRepColumns)));
+    d.ctas = static_cast<int>(ceil_div(rows[i] * slices, static_cast<std::int64_t>(rep_columns(rp.r))));
     d.hi = plane(2 * i), d.lo = plane(2 * i + 1);
   }
   const bool vec = vectorizable(q) && vectorizable(k);
