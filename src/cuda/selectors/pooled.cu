@@ -250,7 +250,7 @@ __device__ __forceinline__ RepColumn rep_column(const RepParams& p, const RepTen
   const int t = rest - q * x.T;
   const int hgroups = x.H / x.G;
   const int b = q / hgroups, h = (q - b * hgroups) * x.G + hl;
-  const int l0 = t * kTileQ + a * p.span;
+  const int l0 = static_cast<int>(t * kTileQ) + a * p.span;
   c.in = b * x.sb + h * x.sh + l0 * x.sl + col;
   c.out = static_cast<std::int64_t>(row) * p.Dp + col;
   c.n = imin(x.L, l0 + p.span) - l0;
