@@ -478,22 +478,26 @@ TEST(PooledGpu, NearTiesMeetContract) {
 TEST(PooledGpu, AllEqualInputsTieToLowerIds) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (int r : {1, 4}) {
-    Input q = make_input(sa::DType::bf16, 1, 1024, 16, 128, 31), k = make_input(sa::DType::bf16, 1, 4096, 1, 128, 32);
-    for (std::int64_t i = 0; i < q.buf.numel(); ++i) q.set(i, 0.5f);
-    for (std::int64_t i = 0; i < k.buf.numel(); ++i) k.set(i, -0.25f);
-    for (const Options& opt : {Options{r, 5, 6, false, true, false}, Options{r, 5, 6, true, false, true}}) {
-      const std::string name = "R" + std::to_string(r) + " all equal" + (opt.causal ? " causal" : "");
-      expect_contract(name, q, k, opt);
-      DevCopy dq(q.buf), dk(k.buf);
-      GpuCall call(q, k, opt.kmax);
-      call.launch(q, k, dq, dk, pooled_options(opt));
-      cuda_ok(cudaDeviceSynchronize(), "pooled_select");
-      call.fetch();
-      sa::HostTensor idx(sa::DType::i32, call.idx.shape()), cnt(sa::DType::i32, call.cnt.shape());
-      sa::pooled_select(q.view_at(q.buf.view().data, sa::Device::cpu), k.view_at(k.buf.view().data, sa::Device::cpu),
-                        sa::TileLists{idx.view(), cnt.view()}, pooled_options(opt));
-      st::expect_equal_i32(call.idx, idx, name + " idx");
-      st::expect_equal_i32(call.cnt, cnt, name + " cnt");
+    for (std::int64_t Lk : {4096, 300 * 128}) {  // 32 blocks (ranked by counting), 300 (by the radix select)
+      Input q = make_input(sa::DType::bf16, 1, 1024, 16, 128, 31), k = make_input(sa::DType::bf16, 1, Lk, 1, 128, 32);
+      for (std::int64_t i = 0; i < q.buf.numel(); ++i) q.set(i, 0.5f);
+      for (std::int64_t i = 0; i < k.buf.numel(); ++i) k.set(i, -0.25f);
+      for (const Options& opt : {Options{r, 5, 6, false, true, false}, Options{r, 5, 6, true, false, true}}) {
+        const std::string name =
+            "R" + std::to_string(r) + " Lk " + std::to_string(Lk) + " all equal" + (opt.causal ? " causal" : "");
+        expect_contract(name, q, k, opt);
+        DevCopy dq(q.buf), dk(k.buf);
+        GpuCall call(q, k, opt.kmax);
+        call.launch(q, k, dq, dk, pooled_options(opt));
+        cuda_ok(cudaDeviceSynchronize(), "pooled_select");
+        call.fetch();
+        sa::HostTensor idx(sa::DType::i32, call.idx.shape()), cnt(sa::DType::i32, call.cnt.shape());
+        sa::pooled_select(q.view_at(q.buf.view().data, sa::Device::cpu),
+                          k.view_at(k.buf.view().data, sa::Device::cpu), sa::TileLists{idx.view(), cnt.view()},
+                          pooled_options(opt));
+        st::expect_equal_i32(call.idx, idx, name + " idx");
+        st::expect_equal_i32(call.cnt, cnt, name + " cnt");
+      }
     }
   }
 }
