@@ -72,8 +72,8 @@ constexpr int kKStepBytes = 32;               // bytes of a row per wgmma k-step
 constexpr int kConsumerWGs = 2;               // each takes whole stages, alternately
 constexpr int kThreads = 128 * (kConsumerWGs + 1);  // + a producer warpgroup (one thread issues the copies; the
                                                     // kernel fits 168 registers a thread without spills)
-constexpr int kConsumerWarps = 4 * kConsumerWGs;
 constexpr int kHist = 256;                    // radix digit of the exact selection
+constexpr int kGroupScratch = 32;             // words after a selecting group's histogram (see Group)
 constexpr int kSmemLimit = 227 * 1024;        // Hopper's opt-in dynamic shared memory per block
 constexpr int kMaxStages = 4;
 
@@ -117,7 +117,7 @@ Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec,
         int off = 0;
         p.off_q = off, off += chunks * kChunkBytes;
         p.off_stage = off, off += stages * chunks * kChunkBytes;
-        p.off_hist = off, off += kConsumerWarps * kHist * 4;
+        p.off_hist = off, off += kConsumerWGs * (kHist + kGroupScratch) * 4;
         p.off_thr = off, off += nq * kConsumerWGs * 8;
         p.off_cnt = off, off += nq * kConsumerWGs * 4;
         p.off_red = off, off += kConsumerWGs * 2 * 4 * nq * 4;
@@ -154,35 +154,77 @@ ScratchLayout scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, c
 
 struct RowsSrc {  // an index tensor [B, L, H, D] (H = 1 for [B, L, D]), d contiguous
   const void* x;
-  In type;
   std::int64_t sb, sl, sh, B, L, H, D;
+  bool flat;  // the B L H D elements are x[0, B L H D) and x is 16-byte aligned (amax reads 16-byte units)
+  bool vec;   // x, every row start and D are 16-byte multiples (codes read 16-byte units)
 };
 
 RowsSrc rows_src(const TensorView& t) {
-  if (t.ndim == 3)
-    return {t.data, sel::in_type(t.dtype), t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]};
-  return {t.data, sel::in_type(t.dtype), t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2],
-          t.shape[3]};
+  RowsSrc s = t.ndim == 3 ? RowsSrc{t.data, t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]}
+                          : RowsSrc{t.data, t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2],
+                                    t.shape[3]};
+  const std::int64_t per = 16 / dtype_size(t.dtype);  // elements per 16 bytes
+  const bool aligned = reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
+  s.flat = aligned && t.is_contiguous();
+  s.vec = aligned && s.D % per == 0 && (s.B == 1 || s.sb % per == 0) && (s.L == 1 || s.sl % per == 0) &&
+          (s.H == 1 || s.sh % per == 0);
+  return s;
 }
 
-__device__ __forceinline__ float load_rt(const void* base, std::int64_t i, In t) {
-  switch (t) {
-    case In::f32: return sel::load_elem<In::f32>(base, i);
-    case In::f16: return sel::load_elem<In::f16>(base, i);
-    default: return sel::load_elem<In::bf16>(base, i);
+// The 16 / sizeof(T) values of one aligned 16-byte unit.
+template <In T>
+__device__ __forceinline__ void unpack16(const uint4& v, float* x) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (T == In::f32) {
+      x[i] = __uint_as_float(w[i]);
+    } else if constexpr (T == In::bf16) {
+      x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
+      x[2 * i] = __low2float(h), x[2 * i + 1] = __high2float(h);
+    }
   }
 }
 
+template <In T>
+constexpr int kPer16 = T == In::f32 ? 4 : 8;  // values per 16-byte unit
+
+constexpr int kUnitsInFlight = 4;  // 16-byte loads a thread keeps in flight (the preparation is load-bound)
+
 // Largest |x| as float bits (non-negative floats order like their bits); fmaxf skips NaN like std::fmax.
+// A flat tensor is read as 16-byte units, kUnitsInFlight per thread at a time, then its tail element by element;
+// otherwise one warp per row.
+template <In T>
 __global__ void amax_kernel(const RowsSrc s, unsigned* amax) {
-  const std::int64_t rows = s.B * s.L * s.H;
   const int lane = threadIdx.x % 32;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   float m = 0.0f;
-  for (std::int64_t r = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows;
-       r += static_cast<std::int64_t>(gridDim.x) * blockDim.x / 32) {
-    const std::int64_t h = r % s.H, l = (r / s.H) % s.L, b = r / (s.H * s.L);
-    const std::int64_t off = b * s.sb + l * s.sl + h * s.sh;
-    for (std::int64_t d = lane; d < s.D; d += 32) m = fmaxf(m, fabsf(load_rt(s.x, off + d, s.type)));
+  if (s.flat) {
+    const std::int64_t n = s.B * s.L * s.H * s.D, units = n / kPer16<T>;
+    const uint4* x = static_cast<const uint4*>(s.x);
+    for (std::int64_t e = first; e < units; e += kUnitsInFlight * threads) {
+      uint4 v[kUnitsInFlight];
+#pragma unroll
+      for (int i = 0; i < kUnitsInFlight; ++i) v[i] = e + i * threads < units ? x[e + i * threads] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < kUnitsInFlight; ++i) {
+        float f[kPer16<T>];
+        unpack16<T>(v[i], f);
+#pragma unroll
+        for (int j = 0; j < kPer16<T>; ++j) m = fmaxf(m, fabsf(f[j]));
+      }
+    }
+    for (std::int64_t i = units * kPer16<T> + first; i < n; i += threads) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, i)));
+  } else {
+    const std::int64_t rows = s.B * s.L * s.H;
+    for (std::int64_t r = first / 32; r < rows; r += threads / 32) {
+      const std::int64_t h = r % s.H, l = (r / s.H) % s.L, b = r / (s.H * s.L);
+      const std::int64_t off = b * s.sb + l * s.sl + h * s.sh;
+      for (std::int64_t d = lane; d < s.D; d += 32) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, off + d)));
+    }
   }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (lane == 0) atomicMax(amax, __float_as_uint(m));
@@ -201,10 +243,13 @@ struct CodeParams {
 };
 
 // One thread per 16-byte unit u of row r of chunk c of a tile; the unit lands at r * 128 + ((u ^ r % 8) * 16)
-// of the chunk (what TMA's SWIZZLE_128B writes, which the wgmma descriptors expect).
-template <Prec P>
+// of the chunk (what TMA's SWIZZLE_128B writes, which the wgmma descriptors expect). A unit's values are read
+// as whole 16-byte units when the source allows (src.vec: a 16-byte unit of the source lies entirely below D or
+// entirely past it), all of them issued before the first is used.
+template <Prec P, In T>
 __global__ void codes_kernel(const CodeParams p) {
-  constexpr int kPerUnit = P == Prec::fp8 ? 16 : 8;
+  constexpr int kPerUnit = P == Prec::fp8 ? 16 : 8;  // codes per 16-byte output unit
+  constexpr int kLoads = kPerUnit / kPer16<T>;       // 16-byte source units per output unit
   const RowsSrc& s = p.src;
   const std::int64_t units = s.B * p.tiles * p.chunks * kRows * 8;
   const float ts = P == Prec::fp8 ? sel::tensor_scale_of<Prec::fp8>(__uint_as_float(*p.amax)) : 1.0f;
@@ -218,20 +263,31 @@ __global__ void codes_kernel(const CodeParams p) {
     const bool valid = item < s.L && h < s.H;
     const std::int64_t off = b * s.sb + item * s.sl + h * s.sh;
     const int d0 = (c * 128 + u * 16) / (16 / kPerUnit);
+    float x[kPerUnit];
+    if (s.vec) {
+      uint4 v[kLoads];
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i)
+        v[i] = valid && d0 + i * kPer16<T> < s.D ? *reinterpret_cast<const uint4*>(
+                                                        static_cast<const unsigned char*>(s.x) +
+                                                        (off + d0 + i * kPer16<T>) * static_cast<std::int64_t>(16 / kPer16<T>))
+                                                  : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) unpack16<T>(v[i], x + i * kPer16<T>);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerUnit; ++i) x[i] = valid && d0 + i < s.D ? sel::load_elem<T>(s.x, off + d0 + i) : 0.0f;
+    }
     std::uint32_t word[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int i = 0; i < kPerUnit; ++i) {
-      const int d = d0 + i;
-      std::uint32_t code = 0u;
-      if (valid && d < s.D) {
-        const float x = load_rt(s.x, off + d, s.type);
-        if constexpr (P == Prec::fp8) {
-          // A zero scale (all-zero tensor, or an amax that underflows): the CPU keeps the raw values; codes 0
-          // (lightning_epsilon covers that case).
-          code = ts == 0.0f ? 0u : sel::float_to_e4m3(__fdiv_rn(x, ts));
-        } else {
-          code = __float_as_uint(sel::round_bf16(x)) >> 16;
-        }
+      std::uint32_t code;
+      if constexpr (P == Prec::fp8) {
+        // A zero scale (all-zero tensor, or an amax that underflows): the CPU keeps the raw values; codes 0
+        // (lightning_epsilon covers that case). Padding (x = +0) codes to 0 either way.
+        code = ts == 0.0f ? 0u : sel::float_to_e4m3(__fdiv_rn(x[i], ts));
+      } else {
+        code = __float_as_uint(sel::round_bf16(x[i])) >> 16;
       }
       constexpr int bits = P == Prec::fp8 ? 8 : 16;
       word[i * bits / 32] |= code << ((i * bits) % 32);
@@ -280,94 +336,155 @@ __device__ __forceinline__ u64 rank_key(float s, std::int64_t id) {
 }
 __device__ __forceinline__ int key_id(u64 k) { return static_cast<int>(0xffffffffu - static_cast<unsigned>(k)); }
 
-// The k-th largest of the (distinct) keys a[0, na) and b[0, nb) (1 <= k <= na + nb), by one warp: radix
-// select, 8 bits a pass from the top, ending as soon as the prefix holds one key. `hist` is 256 words.
-__device__ u64 warp_kth_key(const u64* a, int na, const u64* b, int nb, int k, unsigned* hist, int lane) {
+// The threads that select together: a consumer warpgroup (its own buffers, after a tile) or both (the final
+// merge), with the named barrier they share and their scratch: a 256-word radix histogram, then kGroupScratch
+// words (the chosen digit, a found key, per-warp counts).
+struct Group {
+  int tid;      // 0 .. threads - 1
+  int threads;  // 128 or 256
+  ck::NamedBarrier bar;
+  unsigned* hist;
+  __device__ void sync() const { ck::named_barrier_sync(bar, static_cast<std::uint32_t>(threads)); }
+  __device__ unsigned* digit() const { return hist + kHist; }                         // [3]
+  __device__ u64* found() const { return reinterpret_cast<u64*>(hist + kHist + 4); }  // 8-byte aligned
+  __device__ int* warp_counts() const { return reinterpret_cast<int*>(hist + kHist + 8); }  // [2][8]
+};
+
+// The k-th largest of the (distinct) keys a[0, na) and b[0, nb) (1 <= k <= na + nb), by the whole group: radix
+// select, 8 bits a pass from the top, ending as soon as the prefix holds one key. Each warp adds to the shared
+// histogram once per distinct digit among its lanes (__match_any_sync), so that keys crowding one digit (scores
+// of one binade) do not serialise on one shared-memory word.
+__device__ u64 group_kth_key(const Group& gr, const u64* a, int na, const u64* b, int nb, int k) {
+  const int lane = gr.tid % 32, wbase = gr.tid - lane;
   u64 prefix = 0, mask = 0;
-  int kk = k, inbin = 0;
+  int kk = k;
   for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int i = lane; i < kHist; i += 32) hist[i] = 0u;
-    __syncwarp();
-    for (int i = lane; i < na; i += 32)
-      if ((a[i] & mask) == prefix) atomicAdd(&hist[(a[i] >> shift) & 255], 1u);
-    for (int i = lane; i < nb; i += 32)
-      if ((b[i] & mask) == prefix) atomicAdd(&hist[(b[i] >> shift) & 255], 1u);
-    __syncwarp();
-    // Lane l owns digits [8 l, 8 l + 8); suffix sums over lanes find the digit holding the kk-th largest.
-    unsigned c[8], local = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) local += (c[i] = hist[8 * lane + i]);
-    unsigned suffix = local;
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned y = __shfl_down_sync(0xffffffffu, suffix, o);
-      if (lane + o < 32) suffix += y;
-    }
-    const unsigned above = suffix - local;
-    const bool mine = above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix;
-    int dig = 0, rest = 0, cnt = 0;
-    if (mine) {
-      unsigned acc = above;
-      for (int i = 7; i >= 0; --i) {
-        if (acc + c[i] >= static_cast<unsigned>(kk)) {
-          dig = 8 * lane + i, rest = kk - static_cast<int>(acc), cnt = static_cast<int>(c[i]);
-          break;
+    for (int i = gr.tid; i < kHist; i += gr.threads) gr.hist[i] = 0u;
+    gr.sync();
+    const auto count = [&](const u64* x, int n) {
+      for (int base = wbase; base < n; base += gr.threads) {  // whole warps, so the match covers its lanes
+        const int i = base + lane;
+        const u64 v = i < n ? x[i] : 0ull;
+        const bool in = i < n && (v & mask) == prefix;
+        const unsigned active = __ballot_sync(0xffffffffu, in);
+        if (in) {
+          const unsigned dig = static_cast<unsigned>(v >> shift) & 255u;
+          const unsigned peers = __match_any_sync(active, dig);
+          if (lane == __ffs(peers) - 1) atomicAdd(&gr.hist[dig], static_cast<unsigned>(__popc(peers)));
         }
-        acc += c[i];
+      }
+    };
+    count(a, na);
+    count(b, nb);
+    gr.sync();
+    if (gr.tid < 32) {
+      // Lane l owns digits [8 l, 8 l + 8); suffix sums over lanes find the digit holding the kk-th largest.
+      unsigned c[8], local = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local += (c[i] = gr.hist[8 * lane + i]);
+      unsigned suffix = local;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned y = __shfl_down_sync(0xffffffffu, suffix, o);
+        if (lane + o < 32) suffix += y;
+      }
+      const unsigned above = suffix - local;
+      if (above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix) {
+        unsigned acc = above;
+        for (int i = 7; i >= 0; --i) {
+          if (acc + c[i] >= static_cast<unsigned>(kk)) {
+            gr.digit()[0] = 8 * lane + i, gr.digit()[1] = kk - acc, gr.digit()[2] = c[i];
+            break;
+          }
+          acc += c[i];
+        }
       }
     }
-    const int src = __ffs(__ballot_sync(0xffffffffu, mine)) - 1;
-    dig = __shfl_sync(0xffffffffu, dig, src);
-    kk = __shfl_sync(0xffffffffu, rest, src);
-    inbin = __shfl_sync(0xffffffffu, cnt, src);
-    prefix |= static_cast<u64>(dig) << shift;
+    gr.sync();
+    prefix |= static_cast<u64>(gr.digit()[0]) << shift;
     mask |= 0xffull << shift;
-    __syncwarp();
-    if (inbin == 1) break;
+    kk = static_cast<int>(gr.digit()[1]);
+    if (gr.digit()[2] == 1u) break;  // uniform: every thread read the same words
   }
   if (mask == ~0ull) return prefix;
-  u64 found = 0;
-  for (int i = lane; i < na; i += 32)
-    if ((a[i] & mask) == prefix) found = a[i];
-  for (int i = lane; i < nb; i += 32)
-    if ((b[i] & mask) == prefix) found = b[i];
-  for (int o = 16; o > 0; o >>= 1) {
-    const u64 y = __shfl_xor_sync(0xffffffffu, found, o);
-    found = y > found ? y : found;
-  }
-  return found;
+  // One key carries the prefix; its holder publishes it.
+  for (int i = gr.tid; i < na; i += gr.threads)
+    if ((a[i] & mask) == prefix) *gr.found() = a[i];
+  for (int i = gr.tid; i < nb; i += gr.threads)
+    if ((b[i] & mask) == prefix) *gr.found() = b[i];
+  gr.sync();
+  return *gr.found();
 }
 
-// Streams src[0, n) by one warp, 32 keys at a time, and hands each key >= v to put(position, key), the
-// positions counting up from `at` in src order; returns the end. A chunk's reads all happen before its
-// writes, so put may write over src at or below the chunk (in place, or 4-byte ids over 8-byte keys).
-template <class Put>
-__device__ int warp_keep(const u64* src, int n, u64 v, int at, int lane, Put&& put) {
-  for (int base = 0; base < n; base += 32) {
-    const int i = base + lane;
-    const u64 x = i < n ? src[i] : 0ull;
+// Keeps the keys >= v of a[0, n) in place, in order, by the whole group, and returns how many: a chunk of
+// `threads` keys is read, the warps' counts meet in shared memory (double-buffered by chunk parity), then each
+// kept key moves down. A chunk's writes land at or below its own positions, whose reads precede the barrier,
+// and below the next chunk's.
+__device__ int group_keep(const Group& gr, u64* a, int n, u64 v) {
+  const int lane = gr.tid % 32, w = gr.tid / 32, warps = gr.threads / 32;
+  int at = 0;
+  for (int base = 0, chunk = 0; base < n; base += gr.threads, ++chunk) {
+    const int i = base + gr.tid;
+    const u64 x = i < n ? a[i] : 0ull;
     const bool keep = i < n && x >= v;
     const unsigned m = __ballot_sync(0xffffffffu, keep);
-    __syncwarp();
-    if (keep) put(at + __popc(m & ((1u << lane) - 1u)), x);
-    at += __popc(m);
-    __syncwarp();
+    int* wc = gr.warp_counts() + (chunk & 1) * 8;
+    if (lane == 0) wc[w] = __popc(m);
+    gr.sync();
+    int before = 0, total = 0;
+    for (int u = 0; u < warps; ++u) before += u < w ? wc[u] : 0, total += wc[u];
+    if (keep) a[at + before + __popc(m & ((1u << lane) - 1u))] = x;
+    at += total;
   }
   return at;
 }
 
-__device__ void warp_sort_ints(int* v, int n, int lane) {  // bitonic, n a power of two, ascending
-  for (int size = 2; size <= n; size <<= 1)
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int i = lane; i < n / 2; i += 32) {
-        const int lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
-        const bool up = (lo & size) == 0;
-        if ((v[lo] > v[hi]) == up) {
-          const int t = v[lo];
-          v[lo] = v[hi], v[hi] = t;
-        }
+// The ids of the keys >= v in a[0, na) and b[0, nb) (distinct ids in [0, nid)), ascending, to out[0, m) of
+// every group's row, -1 after up to `width`: window by window of 32 `words` ids, a bitmap of the window's
+// selected ids in shared memory, then each thread writes the ids of its run of words at its exclusive prefix
+// sum of their popcounts. No sort: the bitmap is the order.
+__device__ void group_write_ascending(const Group& gr, const u64* a, int na, const u64* b, int nb, u64 v,
+                                      std::int64_t nid, unsigned* bitmap, int words, const OutRows& out,
+                                      std::int64_t batch, std::int64_t t) {
+  const int lane = gr.tid % 32, w = gr.tid / 32, warps = gr.threads / 32;
+  int written = 0;
+  for (std::int64_t w0 = 0; w0 < nid; w0 += 32LL * words) {
+    const int nw = static_cast<int>(imin<std::int64_t>(words, (nid - w0 + 31) / 32));
+    for (int i = gr.tid; i < nw; i += gr.threads) bitmap[i] = 0u;
+    gr.sync();
+    const auto mark = [&](const u64* x, int n) {
+      for (int i = gr.tid; i < n; i += gr.threads) {
+        if (x[i] < v) continue;
+        const std::int64_t id = key_id(x[i]) - w0;
+        if (id >= 0 && id < 32LL * nw) atomicOr(&bitmap[id / 32], 1u << (id % 32));
       }
-      __syncwarp();
+    };
+    mark(a, na);
+    mark(b, nb);
+    gr.sync();
+    const int per = (nw + gr.threads - 1) / gr.threads;
+    const int lo = imin(gr.tid * per, nw), hi = imin(lo + per, nw);
+    int mine = 0;
+    for (int i = lo; i < hi; ++i) mine += __popc(bitmap[i]);
+    int incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
     }
+    int* wsum = gr.warp_counts();
+    if (lane == 31) wsum[w] = incl;
+    gr.sync();
+    int pos = written + incl - mine, total = 0;
+    for (int u = 0; u < warps; ++u) pos += u < w ? wsum[u] : 0, total += wsum[u];
+    for (int i = lo; i < hi; ++i)
+      for (unsigned bits = bitmap[i]; bits != 0u; bits &= bits - 1u, ++pos) {
+        const auto id = static_cast<std::int32_t>(w0 + 32 * i + __ffs(bits) - 1);
+        for (std::int64_t g = 0; g < out.G; ++g) out.row(batch, g, t)[pos * out.s3] = id;
+      }
+    written += total;
+    gr.sync();  // the bitmap and the warp sums are reused by the next window
+  }
+  for (std::int64_t s = written + gr.tid; s < out.width; s += gr.threads)
+    for (std::int64_t g = 0; g < out.G; ++g) out.row(batch, g, t)[s * out.s3] = -1;
 }
 
 #define LT_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
@@ -399,9 +516,11 @@ __device__ __forceinline__ ck::NamedBarrier wg_barrier(int wg) {
 // order) and two quad shuffles. Token form: each visible key's score enters the (query, warpgroup) candidate
 // buffer if it ranks before the buffer's threshold (the k-th best key at the last compaction); block form:
 // the tile's maximum over visible keys is one candidate. After each tile, a buffer that could overflow on the
-// next one is compacted by one warp: an exact radix selection of the k-th best, keep the k best, raise the
+// next one is compacted by the warpgroup: an exact radix selection of the k-th best, keep the k best, raise the
 // threshold to it. Every candidate dropped is outranked by k kept ones, so the final top-k of the two
-// warpgroups' buffers is the top-k of all scores. Sink keys (and the blocks holding them) score +inf.
+// warpgroups' buffers is the top-k of all scores: both warpgroups select its k-th key per query, mark the ids
+// ranking at or above it in a bitmap and write them in bitmap order (ascending, no sort). Sink keys (and the
+// blocks holding them) score +inf.
 template <bool kFp8, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_constant__ SelectParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -456,7 +575,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   }
 
   const int wl = warp % 4, g = lane / 4, q4 = lane % 4, wtid = tid % 128;
-  unsigned* hist = reinterpret_cast<unsigned*>(smem + pl.off_hist) + warp * kHist;
+  unsigned* hist = reinterpret_cast<unsigned*>(smem + pl.off_hist);  // [wg][kHist + kGroupScratch]
+  const Group mine{wtid, 128, wg_barrier(wg), hist + wg * (kHist + kGroupScratch)};
   const std::uint32_t q_base = ck::smem_addr(smem + pl.off_q);
   const std::uint32_t s_base = ck::smem_addr(smem + pl.off_stage);
   const int per_stage = kBlocks ? 1 : kStageKeys;
@@ -555,41 +675,33 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
       }
       ck::named_barrier_sync(wg_barrier(wg), 128);
     }
-    // Compaction of the buffers that the next tile could overflow.
-    for (int qi = wl; qi < nq; qi += 4) {
+    // Compaction of the buffers that the next tile could overflow, each by the whole warpgroup.
+    for (int qi = 0; qi < nq; ++qi) {
       const int c = cnt[qi * 2 + wg];
-      if (c <= cap - per_stage) continue;
+      if (c <= cap - per_stage) continue;  // uniform: read after the barrier, written only below
       u64* a = buf + (static_cast<std::int64_t>(qi) * 2 + wg) * cap;
-      const u64 v = warp_kth_key(a, c, nullptr, 0, k, hist, lane);
-      warp_keep(a, c, v, 0, lane, [&](int pos, u64 x) { a[pos] = x; });
-      if (lane == 0) cnt[qi * 2 + wg] = k, thr[qi * 2 + wg] = v;
-      __syncwarp();
+      const u64 v = group_kth_key(mine, a, c, nullptr, 0, k);
+      group_keep(mine, a, c, v);
+      mine.sync();
+      if (wtid == 0) cnt[qi * 2 + wg] = k, thr[qi * 2 + wg] = v;
     }
     ck::named_barrier_sync(wg_barrier(wg), 128);
   }
 
-  // The two warpgroups' buffers of each query: the best min(k, n) ids, ascending, to every group.
+  // The two warpgroups' buffers of each query, by both: the best min(k, n) ids, ascending, to every group. The
+  // stage ring is free now (every copy landed and was read) and holds the bitmap of the selected ids.
   ck::named_barrier_sync(ck::NamedBarrier::kLightningMerge, 128 * kConsumerWGs);
-  const int cw = warp;  // consumer warp 0..7
-  for (int qi = cw; qi < nq; qi += kConsumerWarps) {
+  const Group both{tid, 128 * kConsumerWGs, ck::NamedBarrier::kLightningMerge, hist};
+  for (int qi = 0; qi < nq; ++qi) {
     const std::int64_t t = t0 + qi;
     if (t >= p.Lq) break;
-    u64* a = buf + static_cast<std::int64_t>(qi) * 2 * cap;
+    const u64* a = buf + static_cast<std::int64_t>(qi) * 2 * cap;
     const u64* bb = a + cap;
-    const int na = cnt[qi * 2], nb = cnt[qi * 2 + 1], n = na + nb;
-    const u64 v = n > k ? warp_kth_key(a, na, bb, nb, k, hist, lane) : 0ull;
-    int* ids = reinterpret_cast<int*>(a);
-    const auto put_id = [&](int pos, u64 x) { ids[pos] = key_id(x); };
-    const int m = warp_keep(bb, nb, v, warp_keep(a, na, v, 0, lane, put_id), lane, put_id);  // min(n, k)
-    int P = 1;
-    while (P < m) P <<= 1;
-    for (int i = m + lane; i < P; i += 32) ids[i] = 0x7fffffff;
-    __syncwarp();
-    warp_sort_ints(ids, P, lane);
-    for (std::int64_t gr = 0; gr < p.out.G; ++gr) {
-      std::int32_t* r = p.out.row(b, gr, t);
-      for (std::int64_t s = lane; s < p.out.width; s += 32) r[s * p.out.s3] = s < m ? ids[s] : -1;
-    }
+    const int na = cnt[qi * 2], nb = cnt[qi * 2 + 1];
+    const u64 v = na + nb > k ? group_kth_key(both, a, na, bb, nb, k) : 0ull;
+    const std::int64_t end = p.key_end(t);
+    group_write_ascending(both, a, na, bb, nb, v, kBlocks ? (end + kStageKeys - 1) / kStageKeys : end,
+                          reinterpret_cast<unsigned*>(smem + pl.off_stage), pl.stages * tile_bytes / 4, p.out, b, t);
   }
 }
 
@@ -626,22 +738,35 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   auto* amax = scratch.as<unsigned>(sl.amax);
   const bool fp8 = o.precision == IndexPrecision::fp8_e4m3;
   const RowsSrc qs = rows_src(qI), ks = rows_src(kI);
+  // Kernels per input type (a runtime dtype becomes a template argument here only).
+  const auto by_type = [](In t, auto f32, auto f16, auto bf16) { return t == In::f32 ? f32 : t == In::f16 ? f16 : bf16; };
   if (fp8) {
     check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned), stream), op, "cudaMemsetAsync");
     for (int i = 0; i < 2; ++i) {
+      const TensorView& t = i == 0 ? qI : kI;
       const RowsSrc& s = i == 0 ? qs : ks;
-      const std::int64_t rows = s.B * s.L * s.H;
-      amax_kernel<<<static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, 8), 1024)), 256, 0, stream>>>(s, amax + i);
+      // Flat: 16-byte units, kUnitsInFlight a thread per round, a grid of a few waves; else a warp per row.
+      const std::int64_t work = s.flat ? ceil_div(s.B * s.L * s.H * s.D * static_cast<std::int64_t>(dtype_size(t.dtype)),
+                                                  16 * kUnitsInFlight)
+                                       : s.B * s.L * s.H * 32;
+      const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>(ceil_div(work, 256), 1, 4096));
+      by_type(sel::in_type(t.dtype), amax_kernel<In::f32>, amax_kernel<In::f16>, amax_kernel<In::bf16>)
+          <<<blocks, 256, 0, stream>>>(s, amax + i);
       check_cuda(cudaGetLastError(), op, "amax kernel launch");
     }
   }
   CodeParams cq{qs, scratch.as<unsigned char>(sl.qcodes), amax, Gq, pl.nq, pl.hp, pl.chunks};
   CodeParams ckp{ks, scratch.as<unsigned char>(sl.kcodes), amax + 1, Tk, kRows, 1, pl.chunks};
-  for (const CodeParams& c : {cq, ckp}) {
+  for (int i = 0; i < 2; ++i) {
+    const CodeParams& c = i == 0 ? cq : ckp;
+    const In type = sel::in_type((i == 0 ? qI : kI).dtype);
     const std::int64_t units = c.src.B * c.tiles * c.chunks * kRows * 8;
     const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(units, 256), 65535));
-    if (fp8) codes_kernel<Prec::fp8><<<blocks, 256, 0, stream>>>(c);
-    else codes_kernel<Prec::bf16><<<blocks, 256, 0, stream>>>(c);
+    const auto kernel = fp8 ? by_type(type, codes_kernel<Prec::fp8, In::f32>, codes_kernel<Prec::fp8, In::f16>,
+                                      codes_kernel<Prec::fp8, In::bf16>)
+                            : by_type(type, codes_kernel<Prec::bf16, In::f32>, codes_kernel<Prec::bf16, In::f16>,
+                                      codes_kernel<Prec::bf16, In::bf16>);
+    kernel<<<blocks, 256, 0, stream>>>(c);
     check_cuda(cudaGetLastError(), op, "codes kernel launch");
   }
 
