@@ -69,7 +69,7 @@ constexpr int kStageKeys = 128;               // keys per pipeline stage = one K
 constexpr int kRows = 128;                    // rows of a tile: keys, or (query, head) columns of wgmma N
 constexpr int kChunkBytes = kRows * 128;      // one 128-byte column chunk of a tile (128B swizzle rows)
 constexpr int kKStepBytes = 32;               // bytes of a row per wgmma k-step (fp8 k32, bf16 k16)
-constexpr int kConsumerWGs = 2;               // each takes whole stages, alternately
+constexpr int kConsumerWGs = 2;               // each takes whole stages, alternately, from its own ring
 constexpr int kThreads = 128 * (kConsumerWGs + 1);  // + a producer warpgroup (one thread issues the copies; the
                                                     // kernel fits 168 registers a thread without spills)
 constexpr int kHist = 256;                    // radix digit of the exact selection
@@ -86,7 +86,7 @@ struct Plan {
   int hp = 0;        // head slots per query: 128 / nq >= HI
   int chunks = 0;    // 128-byte chunks per row (Di bytes rounded up)
   int ksteps = 0;    // wgmma k-steps per row
-  int stages = 0;    // key tiles in flight
+  int stages = 0;    // key tiles in flight: stages / 2 slots in each consumer warpgroup's ring
   int cap = 0;       // candidate buffer entries per (query, consumer warpgroup)
   // byte offsets in the 1024-aligned dynamic shared memory
   int off_q = 0, off_stage = 0, off_buf = 0, off_hist = 0, off_thr = 0, off_cnt = 0, off_red = 0, off_w = 0, off_bar = 0;
@@ -97,8 +97,8 @@ struct Plan {
 int elem_bytes(IndexPrecision p) { return p == IndexPrecision::bf16 ? 2 : 1; }
 
 // The most queries per CTA (fewest padded head slots), then buffers of 2 top_k (fewer compactions) over
-// buffers of top_k, then the most stages, such that a candidate buffer holds top_k plus one tile's insertions
-// (128 keys, or 1 block).
+// buffers of top_k, then the most stages (even: two rings of stages / 2), such that a candidate buffer holds
+// top_k plus one tile's insertions (128 keys, or 1 block).
 Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec, bool blocks) {
   Plan best;
   if (HI < 1 || HI > kRows || Di < 1 || Di > 256 || top_k < 1) return best;
@@ -111,7 +111,7 @@ Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec,
   const long long need_min = static_cast<long long>(top_k) + per_stage;
   for (int nq = kRows / hp_min; nq >= 1; nq /= 2)
     for (const long long need : {2LL * top_k + per_stage, need_min})
-      for (int stages = kMaxStages; stages >= 2; --stages) {
+      for (int stages = kMaxStages; stages >= 2; stages -= 2) {
         Plan p;
         p.nq = nq, p.hp = kRows / nq, p.chunks = chunks, p.ksteps = ksteps, p.stages = stages;
         int off = 0;
@@ -508,9 +508,10 @@ __device__ __forceinline__ ck::NamedBarrier wg_barrier(int wg) {
 }
 
 // grid: (Gq, B), kThreads. Query tile gq (its nq queries, longest rows first) against key tiles
-// 0 .. ceil(key_end(last query) / 128) - 1. The producer thread (warpgroup 2) bulk-copies the query tile once
-// and the key tiles through a ring of `stages` slots (full / empty mbarriers). Consumer warpgroup w takes the
-// key tiles j = w, w + 2, ...: per 64-key half, wgmma with keys on M and the 128 (query, head) columns on N;
+// 0 .. ceil(key_end(last query) / 128) - 1. Consumer warpgroup w takes the key tiles j = w, w + 2, ..., which
+// producer thread w (lane 0 of warp 8 + w) bulk-copies through w's own ring of stages / 2 slots (full / empty
+// mbarriers), so that a warpgroup busy compacting its buffers never holds back the other one's tiles; producer
+// thread 0 also copies the query tile, once. Per 64-key half, wgmma with keys on M and the 128 (query, head) columns on N;
 // thread (warp v, lane 4 g + q) then holds keys 16 v + g (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a
 // query's weighted ReLU sum over its heads is an fma chain over the thread's columns (i, then the pair, in
 // order) and two quad shuffles. Token form: each visible key's score enters the (query, warpgroup) candidate
@@ -542,6 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   const std::int64_t end_max = p.key_end(t_last);
   const int ntiles = static_cast<int>((end_max + kStageKeys - 1) / kStageKeys);
   const int tile_bytes = pl.chunks * kChunkBytes;
+  const int ring = pl.stages / kConsumerWGs;  // slots per consumer warpgroup
 
   if (tid == 0) {
     for (int s = 0; s < pl.stages; ++s) full[s].init(1), empty[s].init(4);
@@ -557,14 +559,18 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   __syncthreads();
 
   if (wg == kConsumerWGs) {  // producer warpgroup
-    if (warp == 4 * kConsumerWGs && lane == 0 && ntiles > 0) {
-      qbar->arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
-      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem + pl.off_q,
-                                 p.qcodes + (b * p.Gq + gq) * tile_bytes, static_cast<std::uint32_t>(tile_bytes),
-                                 &qbar->word);
-      for (int j = 0; j < ntiles; ++j) {
-        const int slot = j % pl.stages;
-        empty[slot].wait(((j / pl.stages) & 1) ^ 1);
+    const int w = warp - 4 * kConsumerWGs;  // the consumer warpgroup this warp feeds
+    if (w < kConsumerWGs && lane == 0 && ntiles > 0) {
+      if (w == 0) {
+        qbar->arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
+        ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem + pl.off_q,
+                                   p.qcodes + (b * p.Gq + gq) * tile_bytes, static_cast<std::uint32_t>(tile_bytes),
+                                   &qbar->word);
+      }
+      for (int j = w; j < ntiles; j += kConsumerWGs) {
+        const int i = j / kConsumerWGs;  // the tile's turn in w's ring
+        const int slot = w * ring + i % ring;
+        empty[slot].wait(((i / ring) & 1) ^ 1);
         full[slot].arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
         ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global,
                                    smem + pl.off_stage + slot * tile_bytes, p.kcodes + (b * p.Tk + j) * tile_bytes,
@@ -587,8 +593,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
 
   if (ntiles > 0) qbar->wait(0);
   for (int j = wg; j < ntiles; j += kConsumerWGs) {
-    const int slot = j % pl.stages;
-    full[slot].wait((j / pl.stages) & 1);
+    const int i = j / kConsumerWGs;
+    const int slot = wg * ring + i % ring;
+    full[slot].wait((i / ring) & 1);
     for (int half = 0; half < 2; ++half) {
       // Scores of keys 128 j + 64 half + [0, 64) against the 128 columns.
       const std::uint32_t a0 = s_base + slot * tile_bytes + half * (kChunkBytes / 2);
