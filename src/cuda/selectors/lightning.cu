@@ -69,7 +69,7 @@ constexpr int kStageKeys = 128;               // keys per pipeline stage = one K
 constexpr int kRows = 128;                    // rows of a tile: keys, or (query, head) columns of wgmma N
 constexpr int kChunkBytes = kRows * 128;      // one 128-byte column chunk of a tile (128B swizzle rows)
 constexpr int kKStepBytes = 32;               // bytes of a row per wgmma k-step (fp8 k32, bf16 k16)
-constexpr int kConsumerWGs = 2;               // each takes whole stages, alternately, from its own ring
+constexpr int kConsumerWGs = 2;               // each takes one query tile, against every key tile
 constexpr int kThreads = 128 * (kConsumerWGs + 1);  // + a producer warpgroup (one thread issues the copies; the
                                                     // kernel fits 168 registers a thread without spills)
 constexpr int kHist = 256;                    // radix digit of the exact selection
@@ -82,12 +82,12 @@ static_assert(kStageKeys == kBlockK, "a stage is one KV block (the block form po
 // ---- plan: tile geometry and shared-memory layout (host) ------------------------------------------------
 
 struct Plan {
-  int nq = 0;        // queries per CTA (query tile)
+  int nq = 0;        // queries per query tile (a consumer warpgroup's; a CTA takes kConsumerWGs tiles)
   int hp = 0;        // head slots per query: 128 / nq >= HI
   int chunks = 0;    // 128-byte chunks per row (Di bytes rounded up)
   int ksteps = 0;    // wgmma k-steps per row
-  int stages = 0;    // key tiles in flight: stages / 2 slots in each consumer warpgroup's ring
-  int cap = 0;       // candidate buffer entries per (query, consumer warpgroup)
+  int stages = 0;    // key tiles in flight
+  int cap = 0;       // candidate buffer entries per query
   // byte offsets in the 1024-aligned dynamic shared memory
   int off_q = 0, off_stage = 0, off_buf = 0, off_hist = 0, off_thr = 0, off_cnt = 0, off_red = 0, off_w = 0, off_bar = 0;
   int smem = 0;      // dynamic bytes to request (+1024 alignment slack)
@@ -96,9 +96,10 @@ struct Plan {
 
 int elem_bytes(IndexPrecision p) { return p == IndexPrecision::bf16 ? 2 : 1; }
 
-// The most queries per CTA (fewest padded head slots), then buffers of 2 top_k (fewer compactions) over
-// buffers of top_k, then the most stages (even: two rings of stages / 2), such that a candidate buffer holds
-// top_k plus one tile's insertions (128 keys, or 1 block).
+// The most queries per query tile (fewest padded head slots), then buffers of 2 top_k (fewer compactions) over
+// buffers of top_k, then the most stages, such that a candidate buffer holds top_k plus one tile's insertions
+// (128 keys, or 1 block). A single stage (no copy overlapping the MMAs) only where two do not fit (bf16 rows of
+// more than 192 elements: the two query tiles and two key tiles alone take 256 KB at Di = 256).
 Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec, bool blocks) {
   Plan best;
   if (HI < 1 || HI > kRows || Di < 1 || Di > 256 || top_k < 1) return best;
@@ -109,26 +110,30 @@ Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec,
   while (hp_min < HI) hp_min *= 2;
   const int per_stage = blocks ? 1 : kStageKeys;
   const long long need_min = static_cast<long long>(top_k) + per_stage;
+  struct Try {
+    long long need;
+    int min_stages;
+  };
   for (int nq = kRows / hp_min; nq >= 1; nq /= 2)
-    for (const long long need : {2LL * top_k + per_stage, need_min})
-      for (int stages = kMaxStages; stages >= 2; stages -= 2) {
+    for (const Try& tr : {Try{2LL * top_k + per_stage, 2}, Try{need_min, 2}, Try{need_min, 1}})
+      for (int stages = kMaxStages; stages >= tr.min_stages; --stages) {
         Plan p;
         p.nq = nq, p.hp = kRows / nq, p.chunks = chunks, p.ksteps = ksteps, p.stages = stages;
         int off = 0;
-        p.off_q = off, off += chunks * kChunkBytes;
+        p.off_q = off, off += kConsumerWGs * chunks * kChunkBytes;
         p.off_stage = off, off += stages * chunks * kChunkBytes;
         p.off_hist = off, off += kConsumerWGs * (kHist + kGroupScratch) * 4;
         p.off_thr = off, off += nq * kConsumerWGs * 8;
         p.off_cnt = off, off += nq * kConsumerWGs * 4;
         p.off_red = off, off += kConsumerWGs * 2 * 4 * nq * 4;
-        p.off_w = off, off += kRows * 4;
+        p.off_w = off, off += kConsumerWGs * kRows * 4;
         off = (off + 7) / 8 * 8;
         p.off_bar = off, off += (2 * stages + 1) * 8;
         p.off_buf = (off + 15) / 16 * 16;
         const long long room = static_cast<long long>(kSmemLimit) - 1024 - p.off_buf;
         if (room <= 0) continue;
         const long long cap = room / (8LL * nq * kConsumerWGs) / 32 * 32;
-        if (cap < need) continue;
+        if (cap < tr.need) continue;
         p.cap = static_cast<int>(std::min<long long>(cap, 1 << 24));
         p.smem = p.off_buf + 8 * nq * kConsumerWGs * p.cap + 1024;
         return p;
@@ -140,12 +145,15 @@ struct ScratchLayout {
   std::size_t amax = 0, qcodes = 0, kcodes = 0, total = 0;
 };
 
+// Query tiles per batch, padded to whole CTAs (kConsumerWGs tiles each; the padding's codes are zero).
+std::int64_t query_tiles(std::int64_t Lq, const Plan& p) { return ceil_div(ceil_div(Lq, p.nq), kConsumerWGs) * kConsumerWGs; }
+
 ScratchLayout scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, const Plan& p) {
   ScratchLayout s;
   const std::size_t tile = static_cast<std::size_t>(p.chunks) * kChunkBytes;
   s.amax = 0;
   s.qcodes = sel::align_up(2 * sizeof(unsigned));
-  s.kcodes = s.qcodes + sel::align_up(static_cast<std::size_t>(B * ceil_div(Lq, p.nq)) * tile);
+  s.kcodes = s.qcodes + sel::align_up(static_cast<std::size_t>(B * query_tiles(Lq, p)) * tile);
   s.total = s.kcodes + sel::align_up(static_cast<std::size_t>(B * ceil_div(Lk, kStageKeys)) * tile);
   return s;
 }
@@ -308,7 +316,7 @@ struct OutRows {
 };
 
 struct SelectParams {
-  const unsigned char* qcodes;  // [B, Gq] tiles
+  const unsigned char* qcodes;  // [B, Gq] tiles (Gq even)
   const unsigned char* kcodes;  // [B, Tk] tiles
   const float* w;
   std::int64_t ws0, ws1, ws2;
@@ -336,46 +344,42 @@ __device__ __forceinline__ u64 rank_key(float s, std::int64_t id) {
 }
 __device__ __forceinline__ int key_id(u64 k) { return static_cast<int>(0xffffffffu - static_cast<unsigned>(k)); }
 
-// The threads that select together: a consumer warpgroup (its own buffers, after a tile) or both (the final
-// merge), with the named barrier they share and their scratch: a 256-word radix histogram, then kGroupScratch
-// words (the chosen digit, a found key, per-warp counts).
+// A consumer warpgroup selecting among its candidates, with its named barrier and its scratch: a 256-word radix
+// histogram, then kGroupScratch words (the chosen digit, a found key, per-warp counts).
 struct Group {
-  int tid;      // 0 .. threads - 1
-  int threads;  // 128 or 256
+  static constexpr int kThreads = 128;
+  static constexpr int kWarps = kThreads / 32;
+  int tid;  // 0 .. 127
   ck::NamedBarrier bar;
   unsigned* hist;
-  __device__ void sync() const { ck::named_barrier_sync(bar, static_cast<std::uint32_t>(threads)); }
+  __device__ void sync() const { ck::named_barrier_sync(bar, kThreads); }
   __device__ unsigned* digit() const { return hist + kHist; }                         // [3]
   __device__ u64* found() const { return reinterpret_cast<u64*>(hist + kHist + 4); }  // 8-byte aligned
-  __device__ int* warp_counts() const { return reinterpret_cast<int*>(hist + kHist + 8); }  // [2][8]
+  __device__ int* warp_counts() const { return reinterpret_cast<int*>(hist + kHist + 8); }  // [2][kWarps]
 };
 
-// The k-th largest of the (distinct) keys a[0, na) and b[0, nb) (1 <= k <= na + nb), by the whole group: radix
-// select, 8 bits a pass from the top, ending as soon as the prefix holds one key. Each warp adds to the shared
-// histogram once per distinct digit among its lanes (__match_any_sync), so that keys crowding one digit (scores
-// of one binade) do not serialise on one shared-memory word.
-__device__ u64 group_kth_key(const Group& gr, const u64* a, int na, const u64* b, int nb, int k) {
+// The k-th largest of the (distinct) keys a[0, n) (1 <= k <= n), by the whole group: radix select, 8 bits a
+// pass from the top, ending as soon as the prefix holds one key. Each warp adds to the shared histogram once per
+// distinct digit among its lanes (__match_any_sync), so that keys crowding one digit (scores of one binade) do
+// not serialise on one shared-memory word.
+__device__ u64 group_kth_key(const Group& gr, const u64* a, int n, int k) {
   const int lane = gr.tid % 32, wbase = gr.tid - lane;
   u64 prefix = 0, mask = 0;
   int kk = k;
   for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int i = gr.tid; i < kHist; i += gr.threads) gr.hist[i] = 0u;
+    for (int i = gr.tid; i < kHist; i += Group::kThreads) gr.hist[i] = 0u;
     gr.sync();
-    const auto count = [&](const u64* x, int n) {
-      for (int base = wbase; base < n; base += gr.threads) {  // whole warps, so the match covers its lanes
-        const int i = base + lane;
-        const u64 v = i < n ? x[i] : 0ull;
-        const bool in = i < n && (v & mask) == prefix;
-        const unsigned active = __ballot_sync(0xffffffffu, in);
-        if (in) {
-          const unsigned dig = static_cast<unsigned>(v >> shift) & 255u;
-          const unsigned peers = __match_any_sync(active, dig);
-          if (lane == __ffs(peers) - 1) atomicAdd(&gr.hist[dig], static_cast<unsigned>(__popc(peers)));
-        }
+    for (int base = wbase; base < n; base += Group::kThreads) {  // whole warps, so the match covers its lanes
+      const int i = base + lane;
+      const u64 v = i < n ? a[i] : 0ull;
+      const bool in = i < n && (v & mask) == prefix;
+      const unsigned active = __ballot_sync(0xffffffffu, in);
+      if (in) {
+        const unsigned dig = static_cast<unsigned>(v >> shift) & 255u;
+        const unsigned peers = __match_any_sync(active, dig);
+        if (lane == __ffs(peers) - 1) atomicAdd(&gr.hist[dig], static_cast<unsigned>(__popc(peers)));
       }
-    };
-    count(a, na);
-    count(b, nb);
+    }
     gr.sync();
     if (gr.tid < 32) {
       // Lane l owns digits [8 l, 8 l + 8); suffix sums over lanes find the digit holding the kk-th largest.
@@ -407,61 +411,54 @@ __device__ u64 group_kth_key(const Group& gr, const u64* a, int na, const u64* b
   }
   if (mask == ~0ull) return prefix;
   // One key carries the prefix; its holder publishes it.
-  for (int i = gr.tid; i < na; i += gr.threads)
+  for (int i = gr.tid; i < n; i += Group::kThreads)
     if ((a[i] & mask) == prefix) *gr.found() = a[i];
-  for (int i = gr.tid; i < nb; i += gr.threads)
-    if ((b[i] & mask) == prefix) *gr.found() = b[i];
   gr.sync();
   return *gr.found();
 }
 
-// Keeps the keys >= v of a[0, n) in place, in order, by the whole group, and returns how many: a chunk of
-// `threads` keys is read, the warps' counts meet in shared memory (double-buffered by chunk parity), then each
-// kept key moves down. A chunk's writes land at or below its own positions, whose reads precede the barrier,
-// and below the next chunk's.
+// Keeps the keys >= v of a[0, n) in place, in order, by the whole group, and returns how many: a chunk of 128
+// keys is read, the warps' counts meet in shared memory (double-buffered by chunk parity), then each kept key
+// moves down. A chunk's writes land at or below its own positions, whose reads precede the barrier, and below
+// the next chunk's.
 __device__ int group_keep(const Group& gr, u64* a, int n, u64 v) {
-  const int lane = gr.tid % 32, w = gr.tid / 32, warps = gr.threads / 32;
+  const int lane = gr.tid % 32, w = gr.tid / 32;
   int at = 0;
-  for (int base = 0, chunk = 0; base < n; base += gr.threads, ++chunk) {
+  for (int base = 0, chunk = 0; base < n; base += Group::kThreads, ++chunk) {
     const int i = base + gr.tid;
     const u64 x = i < n ? a[i] : 0ull;
     const bool keep = i < n && x >= v;
     const unsigned m = __ballot_sync(0xffffffffu, keep);
-    int* wc = gr.warp_counts() + (chunk & 1) * 8;
+    int* wc = gr.warp_counts() + (chunk & 1) * Group::kWarps;
     if (lane == 0) wc[w] = __popc(m);
     gr.sync();
     int before = 0, total = 0;
-    for (int u = 0; u < warps; ++u) before += u < w ? wc[u] : 0, total += wc[u];
+    for (int u = 0; u < Group::kWarps; ++u) before += u < w ? wc[u] : 0, total += wc[u];
     if (keep) a[at + before + __popc(m & ((1u << lane) - 1u))] = x;
     at += total;
   }
   return at;
 }
 
-// The ids of the keys >= v in a[0, na) and b[0, nb) (distinct ids in [0, nid)), ascending, to out[0, m) of
-// every group's row, -1 after up to `width`: window by window of 32 `words` ids, a bitmap of the window's
-// selected ids in shared memory, then each thread writes the ids of its run of words at its exclusive prefix
-// sum of their popcounts. No sort: the bitmap is the order.
-__device__ void group_write_ascending(const Group& gr, const u64* a, int na, const u64* b, int nb, u64 v,
-                                      std::int64_t nid, unsigned* bitmap, int words, const OutRows& out,
-                                      std::int64_t batch, std::int64_t t) {
-  const int lane = gr.tid % 32, w = gr.tid / 32, warps = gr.threads / 32;
+// The ids of the keys >= v in a[0, n) (distinct ids in [0, nid)), ascending, to out[0, m) of every group's row,
+// -1 after up to `width`: window by window of 32 `words` ids, a bitmap of the window's selected ids in shared
+// memory, then each thread writes the ids of its run of words at its exclusive prefix sum of their popcounts.
+// No sort: the bitmap is the order.
+__device__ void group_write_ascending(const Group& gr, const u64* a, int n, u64 v, std::int64_t nid, unsigned* bitmap,
+                                      int words, const OutRows& out, std::int64_t batch, std::int64_t t) {
+  const int lane = gr.tid % 32, w = gr.tid / 32;
   int written = 0;
   for (std::int64_t w0 = 0; w0 < nid; w0 += 32LL * words) {
     const int nw = static_cast<int>(imin<std::int64_t>(words, (nid - w0 + 31) / 32));
-    for (int i = gr.tid; i < nw; i += gr.threads) bitmap[i] = 0u;
+    for (int i = gr.tid; i < nw; i += Group::kThreads) bitmap[i] = 0u;
     gr.sync();
-    const auto mark = [&](const u64* x, int n) {
-      for (int i = gr.tid; i < n; i += gr.threads) {
-        if (x[i] < v) continue;
-        const std::int64_t id = key_id(x[i]) - w0;
-        if (id >= 0 && id < 32LL * nw) atomicOr(&bitmap[id / 32], 1u << (id % 32));
-      }
-    };
-    mark(a, na);
-    mark(b, nb);
+    for (int i = gr.tid; i < n; i += Group::kThreads) {
+      if (a[i] < v) continue;
+      const std::int64_t id = key_id(a[i]) - w0;
+      if (id >= 0 && id < 32LL * nw) atomicOr(&bitmap[id / 32], 1u << (id % 32));
+    }
     gr.sync();
-    const int per = (nw + gr.threads - 1) / gr.threads;
+    const int per = (nw + Group::kThreads - 1) / Group::kThreads;
     const int lo = imin(gr.tid * per, nw), hi = imin(lo + per, nw);
     int mine = 0;
     for (int i = lo; i < hi; ++i) mine += __popc(bitmap[i]);
@@ -474,7 +471,7 @@ __device__ void group_write_ascending(const Group& gr, const u64* a, int na, con
     if (lane == 31) wsum[w] = incl;
     gr.sync();
     int pos = written + incl - mine, total = 0;
-    for (int u = 0; u < warps; ++u) pos += u < w ? wsum[u] : 0, total += wsum[u];
+    for (int u = 0; u < Group::kWarps; ++u) pos += u < w ? wsum[u] : 0, total += wsum[u];
     for (int i = lo; i < hi; ++i)
       for (unsigned bits = bitmap[i]; bits != 0u; bits &= bits - 1u, ++pos) {
         const auto id = static_cast<std::int32_t>(w0 + 32 * i + __ffs(bits) - 1);
@@ -483,7 +480,7 @@ __device__ void group_write_ascending(const Group& gr, const u64* a, int na, con
     written += total;
     gr.sync();  // the bitmap and the warp sums are reused by the next window
   }
-  for (std::int64_t s = written + gr.tid; s < out.width; s += gr.threads)
+  for (std::int64_t s = written + gr.tid; s < out.width; s += Group::kThreads)
     for (std::int64_t g = 0; g < out.G; ++g) out.row(batch, g, t)[s * out.s3] = -1;
 }
 
@@ -507,70 +504,67 @@ __device__ __forceinline__ ck::NamedBarrier wg_barrier(int wg) {
   return wg == 0 ? ck::NamedBarrier::kLightningWG0 : ck::NamedBarrier::kLightningWG1;
 }
 
-// grid: (Gq, B), kThreads. Query tile gq (its nq queries, longest rows first) against key tiles
-// 0 .. ceil(key_end(last query) / 128) - 1. Consumer warpgroup w takes the key tiles j = w, w + 2, ..., which
-// producer thread w (lane 0 of warp 8 + w) bulk-copies through w's own ring of stages / 2 slots (full / empty
-// mbarriers), so that a warpgroup busy compacting its buffers never holds back the other one's tiles; producer
-// thread 0 also copies the query tile, once. Per 64-key half, wgmma with keys on M and the 128 (query, head) columns on N;
-// thread (warp v, lane 4 g + q) then holds keys 16 v + g (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a
-// query's weighted ReLU sum over its heads is an fma chain over the thread's columns (i, then the pair, in
-// order) and two quad shuffles. Token form: each visible key's score enters the (query, warpgroup) candidate
-// buffer if it ranks before the buffer's threshold (the k-th best key at the last compaction); block form:
-// the tile's maximum over visible keys is one candidate. After each tile, a buffer that could overflow on the
-// next one is compacted by the warpgroup: an exact radix selection of the k-th best, keep the k best, raise the
-// threshold to it. Every candidate dropped is outranked by k kept ones, so the final top-k of the two
-// warpgroups' buffers is the top-k of all scores: both warpgroups select its k-th key per query, mark the ids
-// ranking at or above it in a bitmap and write them in bitmap order (ascending, no sort). Sink keys (and the
-// blocks holding them) score +inf.
+// grid: (Gq / 2, B), kThreads. A CTA holds the query tiles 2 c and 2 c + 1 (c = the last first: the
+// longest rows first), consumer warpgroup w the queries of tile 2 c + w; both run over the key tiles
+// 0 .. ceil(key_end(last query) / 128) - 1, so that each key tile brought on chip serves 2 nq queries. The
+// producer thread (warpgroup 2) bulk-copies both query tiles once and the key tiles through a ring of `stages`
+// slots (full / empty mbarriers; a slot is free once the 8 consumer warps have read it). Per 64-key half,
+// wgmma with keys on M and the warpgroup's 128 (query, head) columns on N; thread (warp v, lane 4 g + q) then
+// holds keys 16 v + g (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a query's weighted ReLU sum over its heads
+// is an fma chain over the thread's columns (i, then the pair, in order) and two quad shuffles. Token form:
+// each visible key's score enters the query's candidate buffer if it ranks before the buffer's threshold (the
+// k-th best key at the last compaction); block form: the tile's maximum over visible keys is one candidate.
+// After each tile, a buffer that could overflow on the next one is compacted by its warpgroup: an exact radix
+// selection of the k-th best, keep the k best, raise the threshold to it. Every candidate dropped is outranked
+// by k kept ones, so the buffer's final top-k is the top-k of all scores: at the end each warpgroup selects
+// the k-th key of each of its queries, marks the ids ranking at or above it in a bitmap and writes them in
+// bitmap order (ascending, no sort). Sink keys (and the blocks holding them) score +inf.
 template <bool kFp8, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_constant__ SelectParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
   const Plan& pl = p.plan;
   const int nq = pl.nq, hp = pl.hp, cap = pl.cap, k = p.top_k;
-  u64* buf = reinterpret_cast<u64*>(smem + pl.off_buf);        // [nq][2][cap]
-  u64* thr = reinterpret_cast<u64*>(smem + pl.off_thr);        // [nq][2]
-  int* cnt = reinterpret_cast<int*>(smem + pl.off_cnt);        // [nq][2]
-  float* red = reinterpret_cast<float*>(smem + pl.off_red);    // [2 wg][2 halves][4 warps][nq]
-  float* wsm = reinterpret_cast<float*>(smem + pl.off_w);      // [128] weight per column
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  const int tile_bytes = pl.chunks * kChunkBytes;
+  const std::int64_t b = blockIdx.y, gq0 = (gridDim.x - 1 - blockIdx.x) * static_cast<std::int64_t>(kConsumerWGs);
+  const std::int64_t t_last = imin(p.Lq, (gq0 + kConsumerWGs) * nq) - 1;
+  const int ntiles = static_cast<int>((p.key_end(t_last) + kStageKeys - 1) / kStageKeys);
+
+  u64* buf = reinterpret_cast<u64*>(smem + pl.off_buf);        // [wg][nq][cap]
+  u64* thr = reinterpret_cast<u64*>(smem + pl.off_thr);        // [wg][nq]
+  int* cnt = reinterpret_cast<int*>(smem + pl.off_cnt);        // [wg][nq]
+  float* red = reinterpret_cast<float*>(smem + pl.off_red);    // [wg][2 halves][4 warps][nq]
+  float* wsm = reinterpret_cast<float*>(smem + pl.off_w);      // [wg][128] weight per column
+  unsigned* hist = reinterpret_cast<unsigned*>(smem + pl.off_hist);  // [wg][kHist + kGroupScratch]
   ck::MBarrier* full = reinterpret_cast<ck::MBarrier*>(smem + pl.off_bar);
   ck::MBarrier* empty = full + pl.stages;
   ck::MBarrier* qbar = empty + pl.stages;
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
-  const std::int64_t b = blockIdx.y, gq = p.Gq - 1 - blockIdx.x, t0 = gq * nq;
-  const std::int64_t t_last = imin(p.Lq, t0 + nq) - 1;
-  const std::int64_t end_max = p.key_end(t_last);
-  const int ntiles = static_cast<int>((end_max + kStageKeys - 1) / kStageKeys);
-  const int tile_bytes = pl.chunks * kChunkBytes;
-  const int ring = pl.stages / kConsumerWGs;  // slots per consumer warpgroup
-
   if (tid == 0) {
-    for (int s = 0; s < pl.stages; ++s) full[s].init(1), empty[s].init(4);
+    for (int s = 0; s < pl.stages; ++s) full[s].init(1), empty[s].init(4 * kConsumerWGs);
     qbar->init(1);
     ck::fence_barrier_init();
   }
   for (int i = tid; i < nq * kConsumerWGs; i += kThreads) thr[i] = 0ull, cnt[i] = 0;
-  // The weight of column c: query c / hp, head c % hp (0 past HI or Lq).
-  for (int c = tid; c < kRows; c += kThreads) {
-    const std::int64_t t = t0 + c / hp, h = c % hp;
-    wsm[c] = t < p.Lq && h < p.HI ? p.w[b * p.ws0 + t * p.ws1 + h * p.ws2] : 0.0f;
+  // The weight of column c of warpgroup w: query (gq0 + w) nq + c / hp, head c % hp (0 past HI or Lq).
+  for (int i = tid; i < kRows * kConsumerWGs; i += kThreads) {
+    const int c = i % kRows;
+    const std::int64_t t = (gq0 + i / kRows) * nq + c / hp, h = c % hp;
+    wsm[i] = t < p.Lq && h < p.HI ? p.w[b * p.ws0 + t * p.ws1 + h * p.ws2] : 0.0f;
   }
   __syncthreads();
 
   if (wg == kConsumerWGs) {  // producer warpgroup
-    const int w = warp - 4 * kConsumerWGs;  // the consumer warpgroup this warp feeds
-    if (w < kConsumerWGs && lane == 0 && ntiles > 0) {
-      if (w == 0) {
-        qbar->arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
-        ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem + pl.off_q,
-                                   p.qcodes + (b * p.Gq + gq) * tile_bytes, static_cast<std::uint32_t>(tile_bytes),
-                                   &qbar->word);
-      }
-      for (int j = w; j < ntiles; j += kConsumerWGs) {
-        const int i = j / kConsumerWGs;  // the tile's turn in w's ring
-        const int slot = w * ring + i % ring;
-        empty[slot].wait(((i / ring) & 1) ^ 1);
+    if (warp == 4 * kConsumerWGs && lane == 0 && ntiles > 0) {
+      // Both query tiles, adjacent in the scratch (its query tiles are padded to an even count).
+      const auto q_bytes = static_cast<std::uint32_t>(kConsumerWGs * tile_bytes);
+      qbar->arrive_expect_tx(q_bytes);
+      ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem + pl.off_q,
+                                 p.qcodes + (b * p.Gq + gq0) * tile_bytes, q_bytes, &qbar->word);
+      for (int j = 0; j < ntiles; ++j) {
+        const int slot = j % pl.stages;
+        empty[slot].wait(((j / pl.stages) & 1) ^ 1);
         full[slot].arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
         ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global,
                                    smem + pl.off_stage + slot * tile_bytes, p.kcodes + (b * p.Tk + j) * tile_bytes,
@@ -581,9 +575,14 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   }
 
   const int wl = warp % 4, g = lane / 4, q4 = lane % 4, wtid = tid % 128;
-  unsigned* hist = reinterpret_cast<unsigned*>(smem + pl.off_hist);  // [wg][kHist + kGroupScratch]
-  const Group mine{wtid, 128, wg_barrier(wg), hist + wg * (kHist + kGroupScratch)};
-  const std::uint32_t q_base = ck::smem_addr(smem + pl.off_q);
+  const std::int64_t t0 = (gq0 + wg) * nq;  // this warpgroup's first query
+  const Group mine{wtid, wg_barrier(wg), hist + wg * (kHist + kGroupScratch)};
+  u64* wbuf = buf + static_cast<std::int64_t>(wg) * nq * cap;
+  u64* wthr = thr + wg * nq;
+  int* wcnt = cnt + wg * nq;
+  float* wred = red + wg * 8 * nq;
+  const float* ww = wsm + wg * kRows;
+  const std::uint32_t q_base = ck::smem_addr(smem + pl.off_q) + wg * tile_bytes;
   const std::uint32_t s_base = ck::smem_addr(smem + pl.off_stage);
   const int per_stage = kBlocks ? 1 : kStageKeys;
 
@@ -592,10 +591,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f, part[i] = 0.0f;
 
   if (ntiles > 0) qbar->wait(0);
-  for (int j = wg; j < ntiles; j += kConsumerWGs) {
-    const int i = j / kConsumerWGs;
-    const int slot = wg * ring + i % ring;
-    full[slot].wait((i / ring) & 1);
+  for (int j = 0; j < ntiles; ++j) {
+    const int slot = j % pl.stages;
+    full[slot].wait((j / pl.stages) & 1);
     for (int half = 0; half < 2; ++half) {
       // Scores of keys 128 j + 64 half + [0, 64) against the 128 columns.
       const std::uint32_t a0 = s_base + slot * tile_bytes + half * (kChunkBytes / 2);
@@ -632,7 +630,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
       float slo = 0.0f, shi = 0.0f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        const float2 wi = *reinterpret_cast<const float2*>(wsm + 8 * i + 2 * q4);
+        const float2 wi = *reinterpret_cast<const float2*>(ww + 8 * i + 2 * q4);
         slo = fmaf(wi.x, fmaxf(acc[4 * i], 0.0f), slo);
         slo = fmaf(wi.y, fmaxf(acc[4 * i + 1], 0.0f), slo);
         shi = fmaf(wi.x, fmaxf(acc[4 * i + 2], 0.0f), shi);
@@ -648,21 +646,21 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
         if constexpr (kBlocks) {
           float m = fmaxf(key0 < end ? sanitize(slo) : -INFINITY, key0 + 8 < end ? sanitize(shi) : -INFINITY);
           for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-          if (lane == 0) red[((wg * 2 + half) * 4 + wl) * nq + qi] = m;
+          if (lane == 0) wred[(half * 4 + wl) * nq + qi] = m;
         } else {
           const std::int64_t sink_end = imin(p.sink, end);
           // Lane q4 = 0 offers key0, q4 = 1 key0 + 8 (the quad holds both sums).
           const std::int64_t key = q4 == 0 ? key0 : key0 + 8;
           const float sc = key < sink_end ? INFINITY : sanitize(q4 == 0 ? slo : shi);
           const u64 rk = rank_key(sc, key);
-          const bool offer = q4 < 2 && key < end && rk > thr[qi * 2 + wg];
+          const bool offer = q4 < 2 && key < end && rk > wthr[qi];
           const unsigned m = __ballot_sync(0xffffffffu, offer);
           if (m != 0u) {
             const int leader = __ffs(m) - 1;
             int base = 0;
-            if (lane == leader) base = atomicAdd(&cnt[qi * 2 + wg], __popc(m));
+            if (lane == leader) base = atomicAdd(&wcnt[qi], __popc(m));
             base = __shfl_sync(0xffffffffu, base, leader);
-            if (offer) buf[(static_cast<std::int64_t>(qi) * 2 + wg) * cap + base + __popc(m & ((1u << lane) - 1u))] = rk;
+            if (offer) wbuf[static_cast<std::int64_t>(qi) * cap + base + __popc(m & ((1u << lane) - 1u))] = rk;
           }
         }
         slo = 0.0f, shi = 0.0f;
@@ -675,40 +673,41 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
         const std::int64_t end = t < p.Lq ? p.key_end(t) : 0;
         if (static_cast<std::int64_t>(j) * kStageKeys >= end) continue;  // the block holds no visible key
         float m = -INFINITY;
-        for (int r = 0; r < 8; ++r) m = fmaxf(m, red[(wg * 8 + r) * nq + qi]);
+        for (int r = 0; r < 8; ++r) m = fmaxf(m, wred[r * nq + qi]);
         if (static_cast<std::int64_t>(j) * kStageKeys < imin(p.sink, end)) m = INFINITY;
         const u64 rk = rank_key(m, j);
-        if (rk > thr[qi * 2 + wg]) buf[(static_cast<std::int64_t>(qi) * 2 + wg) * cap + cnt[qi * 2 + wg]++] = rk;
+        if (rk > wthr[qi]) wbuf[static_cast<std::int64_t>(qi) * cap + wcnt[qi]++] = rk;
       }
       ck::named_barrier_sync(wg_barrier(wg), 128);
     }
     // Compaction of the buffers that the next tile could overflow, each by the whole warpgroup.
     for (int qi = 0; qi < nq; ++qi) {
-      const int c = cnt[qi * 2 + wg];
+      const int c = wcnt[qi];
       if (c <= cap - per_stage) continue;  // uniform: read after the barrier, written only below
-      u64* a = buf + (static_cast<std::int64_t>(qi) * 2 + wg) * cap;
-      const u64 v = group_kth_key(mine, a, c, nullptr, 0, k);
+      u64* a = wbuf + static_cast<std::int64_t>(qi) * cap;
+      const u64 v = group_kth_key(mine, a, c, k);
       group_keep(mine, a, c, v);
       mine.sync();
-      if (wtid == 0) cnt[qi * 2 + wg] = k, thr[qi * 2 + wg] = v;
+      if (wtid == 0) wcnt[qi] = k, wthr[qi] = v;
     }
     ck::named_barrier_sync(wg_barrier(wg), 128);
   }
 
-  // The two warpgroups' buffers of each query, by both: the best min(k, n) ids, ascending, to every group. The
-  // stage ring is free now (every copy landed and was read) and holds the bitmap of the selected ids.
+  // Each query's best min(k, n) ids, ascending, to every group, by its warpgroup. Once both warpgroups are
+  // done with the key tiles the stage ring is free (every copy landed and was read): each takes half of it for
+  // the bitmap of the selected ids.
   ck::named_barrier_sync(ck::NamedBarrier::kLightningMerge, 128 * kConsumerWGs);
-  const Group both{tid, 128 * kConsumerWGs, ck::NamedBarrier::kLightningMerge, hist};
+  const int words = pl.stages * tile_bytes / 4 / kConsumerWGs;
+  unsigned* bitmap = reinterpret_cast<unsigned*>(smem + pl.off_stage) + wg * words;
   for (int qi = 0; qi < nq; ++qi) {
     const std::int64_t t = t0 + qi;
     if (t >= p.Lq) break;
-    const u64* a = buf + static_cast<std::int64_t>(qi) * 2 * cap;
-    const u64* bb = a + cap;
-    const int na = cnt[qi * 2], nb = cnt[qi * 2 + 1];
-    const u64 v = na + nb > k ? group_kth_key(both, a, na, bb, nb, k) : 0ull;
+    const u64* a = wbuf + static_cast<std::int64_t>(qi) * cap;
+    const int n = wcnt[qi];
+    const u64 v = n > k ? group_kth_key(mine, a, n, k) : 0ull;
     const std::int64_t end = p.key_end(t);
-    group_write_ascending(both, a, na, bb, nb, v, kBlocks ? (end + kStageKeys - 1) / kStageKeys : end,
-                          reinterpret_cast<unsigned*>(smem + pl.off_stage), pl.stages * tile_bytes / 4, p.out, b, t);
+    group_write_ascending(mine, a, n, v, kBlocks ? (end + kStageKeys - 1) / kStageKeys : end, bitmap,
+                          words, p.out, b, t);
   }
 }
 
@@ -737,8 +736,8 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   if (pl.smem > max_smem)
     throw Error(op, "qI", "the CUDA lightning selector needs " + std::to_string(pl.smem) +
                               " bytes of shared memory per block; the device allows " + std::to_string(max_smem));
-  const std::int64_t Gq = ceil_div(Lq, pl.nq), Tk = ceil_div(Lk, kStageKeys);
-  if (Gq > 0x7fffffffLL) throw Error(op, "qI", "Lq = " + std::to_string(Lq) + " exceeds the CUDA lightning selector's grid");
+  const std::int64_t Gq = query_tiles(Lq, pl), Tk = ceil_div(Lk, kStageKeys);
+  if (Gq / kConsumerWGs > 0x7fffffffLL) throw Error(op, "qI", "Lq = " + std::to_string(Lq) + " exceeds the CUDA lightning selector's grid");
 
   const ScratchLayout sl = scratch_layout(B, Lq, Lk, pl);
   sel::StreamScratch scratch(sl.total, stream, op);
@@ -784,7 +783,7 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   sp.sink = o.sink_keys, sp.causal = o.causal, sp.top_k = o.top_k, sp.plan = pl;
   sp.out = OutRows{idx.ptr<std::int32_t>(), idx.stride[0], idx.stride[1], idx.stride[2], idx.stride[3], idx.shape[1],
                    idx.shape[3]};
-  const dim3 grid(static_cast<unsigned>(Gq), static_cast<unsigned>(B));
+  const dim3 grid(static_cast<unsigned>(Gq / kConsumerWGs), static_cast<unsigned>(B));
   auto go = [&](auto kernel) {
     check_cuda(ck::launch_with_smem(kernel, static_cast<std::size_t>(pl.smem),
                                     [&] { kernel<<<grid, kThreads, pl.smem, stream>>>(sp); }),
