@@ -345,7 +345,7 @@ __device__ __forceinline__ u64 rank_key(float s, std::int64_t id) {
 __device__ __forceinline__ int key_id(u64 k) { return static_cast<int>(0xffffffffu - static_cast<unsigned>(k)); }
 
 // A consumer warpgroup selecting among its candidates, with its named barrier and its scratch: a 256-word radix
-// histogram, then kGroupScratch words (the chosen digit, a found key, per-warp counts).
+// histogram, then kGroupScratch words (the chosen digit, a found key, per-warp counts, per-warp extremes).
 struct Group {
   static constexpr int kThreads = 128;
   static constexpr int kWarps = kThreads / 32;
@@ -356,17 +356,36 @@ struct Group {
   __device__ unsigned* digit() const { return hist + kHist; }                         // [3]
   __device__ u64* found() const { return reinterpret_cast<u64*>(hist + kHist + 4); }  // 8-byte aligned
   __device__ int* warp_counts() const { return reinterpret_cast<int*>(hist + kHist + 8); }  // [2][kWarps]
+  __device__ u64* warp_extremes() const { return reinterpret_cast<u64*>(hist + kHist + 16); }  // [2][kWarps]
 };
+static_assert(kGroupScratch >= 16 + 4 * Group::kWarps, "the group scratch holds the per-warp extremes");
 
 // The k-th largest of the (distinct) keys a[0, n) (1 <= k <= n), by the whole group: radix select, 8 bits a
-// pass from the top, ending as soon as the prefix holds one key. Each warp adds to the shared histogram once per
-// distinct digit among its lanes (__match_any_sync), so that keys crowding one digit (scores of one binade) do
-// not serialise on one shared-memory word.
+// pass from the highest bit in which the largest and the smallest key differ (the bits above are every key's:
+// the sign and exponent of scores of a few binades), ending as soon as the prefix holds one key. Each warp
+// adds to the shared histogram once per distinct digit among its lanes (__match_any_sync), so that keys
+// crowding one digit do not serialise on one shared-memory word.
 __device__ u64 group_kth_key(const Group& gr, const u64* a, int n, int k) {
-  const int lane = gr.tid % 32, wbase = gr.tid - lane;
-  u64 prefix = 0, mask = 0;
+  const int lane = gr.tid % 32, w = gr.tid / 32, wbase = gr.tid - lane;
+  u64 hi = 0ull, lo = ~0ull;
+  for (int i = gr.tid; i < n; i += Group::kThreads) hi = a[i] > hi ? a[i] : hi, lo = a[i] < lo ? a[i] : lo;
+  for (int o = 16; o > 0; o >>= 1) {
+    const u64 h = __shfl_xor_sync(0xffffffffu, hi, o), l = __shfl_xor_sync(0xffffffffu, lo, o);
+    hi = h > hi ? h : hi, lo = l < lo ? l : lo;
+  }
+  if (lane == 0) gr.warp_extremes()[w] = hi, gr.warp_extremes()[Group::kWarps + w] = lo;
+  gr.sync();
+  for (int u = 0; u < Group::kWarps; ++u) {
+    const u64 h = gr.warp_extremes()[u], l = gr.warp_extremes()[Group::kWarps + u];
+    hi = h > hi ? h : hi, lo = l < lo ? l : lo;
+  }
+  if (hi == lo) return hi;  // n = 1
+  const int top = 64 - __clzll(static_cast<long long>(hi ^ lo));  // bits [top, 64) are every key's
+  u64 mask = top == 64 ? 0ull : ~0ull << top, prefix = hi & mask;
   int kk = k;
-  for (int shift = 56; shift >= 0; shift -= 8) {
+  for (int bits_left = top; bits_left > 0;) {
+    const int width = bits_left < 8 ? bits_left : 8, shift = bits_left - width;
+    bits_left = shift;
     for (int i = gr.tid; i < kHist; i += Group::kThreads) gr.hist[i] = 0u;
     gr.sync();
     for (int base = wbase; base < n; base += Group::kThreads) {  // whole warps, so the match covers its lanes
@@ -375,7 +394,7 @@ __device__ u64 group_kth_key(const Group& gr, const u64* a, int n, int k) {
       const bool in = i < n && (v & mask) == prefix;
       const unsigned active = __ballot_sync(0xffffffffu, in);
       if (in) {
-        const unsigned dig = static_cast<unsigned>(v >> shift) & 255u;
+        const unsigned dig = static_cast<unsigned>(v >> shift) & ((1u << width) - 1u);
         const unsigned peers = __match_any_sync(active, dig);
         if (lane == __ffs(peers) - 1) atomicAdd(&gr.hist[dig], static_cast<unsigned>(__popc(peers)));
       }
@@ -405,7 +424,7 @@ __device__ u64 group_kth_key(const Group& gr, const u64* a, int n, int k) {
     }
     gr.sync();
     prefix |= static_cast<u64>(gr.digit()[0]) << shift;
-    mask |= 0xffull << shift;
+    mask |= ((1ull << width) - 1ull) << shift;
     kk = static_cast<int>(gr.digit()[1]);
     if (gr.digit()[2] == 1u) break;  // uniform: every thread read the same words
   }
