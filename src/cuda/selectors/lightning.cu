@@ -6,9 +6,9 @@
 //     of x / scale; bf16: the bf16 bits), written to scratch already in the wgmma shared-memory layout (rows
 //     of 128-byte chunks, 128B swizzle), so that a tile is one contiguous bulk copy: key tiles of 128 keys,
 //     query tiles of 128 (query, head) rows = nq queries x hp head slots (hp = 128 / nq >= HI, zero padded);
-//  3. select: one CTA per query tile, one pass over the tile's visible keys (described at select_kernel).
-// What reaches device memory: the codes (fp8: Lq * hp + Lk rows of Di bytes rounded up to 128; bf16: twice
-// that) and the output lists; no score (token or block) is ever stored.
+//  3. select: one CTA per two query tiles, one pass over their visible keys (described at select_kernel).
+// What reaches device memory: the codes (fp8: Lq * hp + Lk rows of Di bytes rounded up to 128, the query tiles
+// padded to an even count; bf16: twice that) and the output lists; no score (token or block) is ever stored.
 //
 // The bound ε (lightning_epsilon below). Notation: a row (query t) has heads j with weights w_j; cq_j, ck the
 // codes (fp8: e4m3 values without the per-tensor scales sq, sk; bf16: the values, sq = sk = 1). The GPU score
