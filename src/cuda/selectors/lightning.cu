@@ -505,18 +505,61 @@ __device__ void group_write_ascending(const Group& gr, const u64* a, int n, u64 
 
 #define LT_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
-// d = A(64 x 32, smem, K-major) * B(32 x 128, smem, K-major), e4m3 inputs, float32 accumulator (scale-d = 0).
-__device__ __forceinline__ void wgmma_fp8_first(float (&d)[64], u64 desc_a, u64 desc_b) {
+// d = A(64 x 32, smem, K-major) * B(32 x 64, smem, K-major), e4m3 inputs, float32 accumulator (scale-d = 0).
+__device__ __forceinline__ void wgmma_fp8_first(float (&d)[32], u64 desc_a, u64 desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
-      : LT_D8(0), LT_D8(8), LT_D8(16), LT_D8(24), LT_D8(32), LT_D8(40), LT_D8(48), LT_D8(56)
+      "%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+      : LT_D8(0), LT_D8(8), LT_D8(16), LT_D8(24)
       : "l"(desc_a), "l"(desc_b));
 }
 #undef LT_D8
+
+// The fp8 scores of a 64-key half against the two n64 column pieces, kSteps k32 steps (desc_a(kk), desc_lo(kk),
+// desc_hi(kk) the operands of step kk). Every step from a zero accumulator, the steps added in float32 in d order
+// (the bound's item a). One commit group per (step, piece), issued in that order; after issuing one, waiting
+// until one group is pending retires the previous, which is then added while the new one runs.
+template <int kSteps, class DA, class DLo, class DHi>
+__device__ __forceinline__ void fp8_scores(float (&acc_lo)[32], float (&acc_hi)[32], float (&part_lo)[32],
+                                           float (&part_hi)[32], const DA& desc_a, const DLo& desc_lo,
+                                           const DHi& desc_hi) {
+  ck::wgmma_fence();
+  wgmma_fp8_first(acc_lo, desc_a(0), desc_lo(0));
+  ck::wgmma_commit();
+  wgmma_fp8_first(acc_hi, desc_a(0), desc_hi(0));
+  ck::wgmma_commit();
+#pragma unroll
+  for (int kk = 1; kk < kSteps; ++kk) {
+    ck::wgmma_fence();
+    wgmma_fp8_first(part_lo, desc_a(kk), desc_lo(kk));
+    ck::wgmma_commit();
+    ck::wgmma_wait<1>();  // step kk - 1 of the high piece (and every group before) done
+    ck::fence_operands(acc_lo);
+    ck::fence_operands(acc_hi);
+    ck::fence_operands(part_hi);
+    if (kk > 1) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc_hi[i] += part_hi[i];
+    }
+    ck::wgmma_fence();
+    wgmma_fp8_first(part_hi, desc_a(kk), desc_hi(kk));
+    ck::wgmma_commit();
+    ck::wgmma_wait<1>();  // step kk of the low piece done
+    ck::fence_operands(part_lo);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc_lo[i] += part_lo[i];
+  }
+  ck::wgmma_wait<0>();
+  ck::fence_operands(acc_lo);
+  ck::fence_operands(acc_hi);
+  if constexpr (kSteps > 1) {
+    ck::fence_operands(part_hi);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc_hi[i] += part_hi[i];
+  }
+}
 
 // Barrier ids: each consumer warpgroup's stage barrier, and the two warpgroups' final merge.
 __device__ __forceinline__ ck::NamedBarrier wg_barrier(int wg) {
@@ -528,9 +571,10 @@ __device__ __forceinline__ ck::NamedBarrier wg_barrier(int wg) {
 // 0 .. ceil(key_end(last query) / 128) - 1, so that each key tile brought on chip serves 2 nq queries. The
 // producer thread (warpgroup 2) bulk-copies both query tiles once and the key tiles through a ring of `stages`
 // slots (full / empty mbarriers; a slot is free once the 8 consumer warps have read it). Per 64-key half,
-// wgmma with keys on M and the warpgroup's 128 (query, head) columns on N; thread (warp v, lane 4 g + q) then
-// holds keys 16 v + g (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a query's weighted ReLU sum over its heads
-// is an fma chain over the thread's columns (i, then the pair, in order) and two quad shuffles. Token form:
+// wgmma with keys on M and the warpgroup's 128 (query, head) columns on N, as two n64 pieces (fp8: one piece's
+// next k32 step overlaps the other's add, fp8_scores); thread (warp v, lane 4 g + q) then holds keys 16 v + g
+// (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a query's weighted ReLU sum over its heads is an fma chain over
+// the thread's columns (i, then the pair, in order) and two quad shuffles. Token form:
 // each visible key's score enters the query's candidate buffer if it ranks before the buffer's threshold (the
 // k-th best key at the last compaction); block form: the tile's maximum over visible keys is one candidate.
 // After each tile, a buffer that could overflow on the next one is compacted by its warpgroup: an exact radix
@@ -605,9 +649,12 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   const std::uint32_t s_base = ck::smem_addr(smem + pl.off_stage);
   const int per_stage = kBlocks ? 1 : kStageKeys;
 
-  float acc[64], part[64];
+  // The scores of a 64-key half against the 128 columns, as two n64 pieces (columns [0, 64) and [64, 128)), so
+  // that in fp8 one piece's next k32 step runs on the tensor cores while the other's is added; part: the step
+  // buffers of the pieces.
+  float acc_lo[32], acc_hi[32], part_lo[32], part_hi[32];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, part[i] = 0.0f;
+  for (int i = 0; i < 32; ++i) acc_lo[i] = 0.0f, acc_hi[i] = 0.0f, part_lo[i] = 0.0f, part_hi[i] = 0.0f;
 
   if (ntiles > 0) qbar->wait(0);
   for (int j = 0; j < ntiles; ++j) {
@@ -619,29 +666,31 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
       auto desc = [&](std::uint32_t base, int kk) {
         return ck::make_desc_sw128(base + (kk / 4) * kChunkBytes + (kk % 4) * kKStepBytes, 16, 1024);
       };
+      const std::uint32_t b_hi = q_base + kChunkBytes / 2;  // columns [64, 128)
       if constexpr (kFp8) {
-        // Every k32 step from a zero accumulator, the steps added in float32 in d order (the bound's item a).
-        ck::wgmma_fence();
-        wgmma_fp8_first(acc, desc(a0, 0), desc(q_base, 0));
-        ck::wgmma_commit();
-        ck::wgmma_wait<0>();
-        ck::fence_operands(acc);
-        for (int kk = 1; kk < pl.ksteps; ++kk) {
-          ck::wgmma_fence();
-          wgmma_fp8_first(part, desc(a0, kk), desc(q_base, kk));
-          ck::wgmma_commit();
-          ck::wgmma_wait<0>();
-          ck::fence_operands(part);
-#pragma unroll
-          for (int i = 0; i < 64; ++i) acc[i] += part[i];
+        const auto da = [&](int kk) { return desc(a0, kk); };
+        const auto dlo = [&](int kk) { return desc(q_base, kk); };
+        const auto dhi = [&](int kk) { return desc(b_hi, kk); };
+        switch (pl.ksteps) {  // a constant step count per case keeps ptxas's wgmma pipeline analysis exact
+          case 1: fp8_scores<1>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 2: fp8_scores<2>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 3: fp8_scores<3>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 4: fp8_scores<4>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 5: fp8_scores<5>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 6: fp8_scores<6>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 7: fp8_scores<7>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          default: fp8_scores<8>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
         }
       } else {
         ck::wgmma_fence();
-        ck::wgmma_ss<ck::Bf16Tag>(acc, desc(a0, 0), desc(q_base, 0), 0);
-        for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc, desc(a0, kk), desc(q_base, kk), 1);
+        ck::wgmma_ss<ck::Bf16Tag>(acc_lo, desc(a0, 0), desc(q_base, 0), 0);
+        for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc_lo, desc(a0, kk), desc(q_base, kk), 1);
+        ck::wgmma_ss<ck::Bf16Tag>(acc_hi, desc(a0, 0), desc(b_hi, 0), 0);
+        for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc_hi, desc(a0, kk), desc(b_hi, kk), 1);
         ck::wgmma_commit();
         ck::wgmma_wait<0>();
-        ck::fence_operands(acc);
+        ck::fence_operands(acc_lo);
+        ck::fence_operands(acc_hi);
       }
       if (half == 1 && lane == 0) empty[slot].arrive();  // this warp's reads of the tile are done
 
@@ -650,10 +699,11 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const float2 wi = *reinterpret_cast<const float2*>(ww + 8 * i + 2 * q4);
-        slo = fmaf(wi.x, fmaxf(acc[4 * i], 0.0f), slo);
-        slo = fmaf(wi.y, fmaxf(acc[4 * i + 1], 0.0f), slo);
-        shi = fmaf(wi.x, fmaxf(acc[4 * i + 2], 0.0f), shi);
-        shi = fmaf(wi.y, fmaxf(acc[4 * i + 3], 0.0f), shi);
+        const float* sc = i < 8 ? acc_lo + 4 * i : acc_hi + 4 * (i - 8);  // i is a constant after unrolling
+        slo = fmaf(wi.x, fmaxf(sc[0], 0.0f), slo);
+        slo = fmaf(wi.y, fmaxf(sc[1], 0.0f), slo);
+        shi = fmaf(wi.x, fmaxf(sc[2], 0.0f), shi);
+        shi = fmaf(wi.y, fmaxf(sc[3], 0.0f), shi);
         if (((8 * (i + 1)) & (hp - 1)) != 0) continue;  // the query's columns continue (uniform)
         const int qi = 8 * i / hp;
         slo += __shfl_xor_sync(0xffffffffu, slo, 1);
