@@ -3,9 +3,10 @@
 // inputs up to the kernel's bound ε (lightning_epsilon), holds min(top_k, candidates) ascending visible ids,
 // the forced sink keys (blocks) first, -1 after; two runs are bitwise equal. In bf16 and fp8, on random
 // inputs, awkward shapes (Lq = 1, 17, 1013, Lk not a multiple of 128, Lq != Lk both ways, queries seeing fewer
-// than top_k keys or none, B > 1, G > 1, HI from 1 to 128, Di from 20 to 256) and adversarial ones (planted
-// near-ties below and above ε, huge and tiny magnitudes, rows whose scores increase so that the candidate
-// buffer overflows and its threshold rises many times, sinks). Device outputs are poisoned first.
+// than top_k keys or none, B > 1, G > 1, HI from 1 to 128, Di from 20 to 256, input views with padded rows)
+// and adversarial ones (planted near-ties below and above ε, huge and tiny magnitudes, rows whose scores
+// increase so that the candidate buffer overflows and its threshold rises many times, sinks). Device outputs
+// are poisoned first.
 #include <cuda_runtime.h>
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
@@ -272,6 +273,43 @@ TEST(LightningGpu, StridedOutput) {
           bad += x != want;
         }
   EXPECT_EQ(bad, 0);
+}
+
+// Input views that are slices of larger buffers (rows padded by `pad` elements; the keys starting `pad` elements
+// in): pad 3 leaves rows unaligned (element loads), pad 8 keeps them 16-byte aligned but not contiguous (16-byte
+// loads row by row). The codes are those of the contiguous inputs, so the lists equal the contiguous call's.
+TEST(LightningGpu, StridedInputs) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  const Case c{"strided inputs", 2, 70, 600, 4, 32, 1, 24, true};
+  const Inputs in = random_inputs(c, 5150);
+  const std::size_t es = sa::dtype_size(c.dtype);
+  for (const std::int64_t pad : {3, 8}) {
+    sa::HostTensor qp(c.dtype, {c.B, c.Lq, c.HI, c.Di + pad}), kp(c.dtype, {c.B, c.Lk + 1, c.Di + pad});
+    const auto* q = static_cast<const unsigned char*>(in.q.view().data);
+    const auto* k = static_cast<const unsigned char*>(in.k.view().data);
+    for (std::int64_t r = 0; r < c.B * c.Lq * c.HI; ++r)
+      std::memcpy(static_cast<unsigned char*>(qp.view().data) + r * (c.Di + pad) * es, q + r * c.Di * es, c.Di * es);
+    for (std::int64_t b = 0; b < c.B; ++b)
+      for (std::int64_t s = 0; s < c.Lk; ++s)
+        std::memcpy(static_cast<unsigned char*>(kp.view().data) + ((b * (c.Lk + 1) + s) * (c.Di + pad) + pad) * es,
+                    k + (b * c.Lk + s) * c.Di * es, c.Di * es);
+    for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})
+      for (const bool blocks : {false, true}) {
+        SCOPED_TRACE("pad " + std::to_string(pad) + " " + sa::precision_name(prec) + (blocks ? " blocks" : " tokens"));
+        const sa::HostTensor ref = run_gpu(c, prec, in, blocks);
+        Dev dq(qp), dw(in.w), dk(kp), didx(poisoned_i32(ref.shape()));
+        sa::TensorView qv = dq.view, kv = dk.view;
+        qv.shape = {c.B, c.Lq, c.HI, c.Di};
+        kv.data = static_cast<unsigned char*>(dk.ptr) + pad * es;
+        kv.shape = {c.B, c.Lk, c.Di};
+        const sa::LightningOptions o = options_of(c, prec);
+        if (blocks) sa::lightning_select(qv, dw.view, kv, sa::QueryLists{didx.view}, o);
+        else sa::lightning_select(qv, dw.view, kv, sa::TokenLists{didx.view}, o);
+        cuda_ok(cudaDeviceSynchronize(), "lightning_select");
+        const sa::HostTensor got = didx.download(ref);
+        EXPECT_EQ(std::memcmp(got.data<std::int32_t>(), ref.data<std::int32_t>(), static_cast<std::size_t>(ref.numel()) * 4), 0);
+      }
+  }
 }
 
 // Non-finite inputs are not rejected on the device (no synchronisation): the lists stay well formed (distinct

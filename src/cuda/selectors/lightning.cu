@@ -6,9 +6,9 @@
 //     of x / scale; bf16: the bf16 bits), written to scratch already in the wgmma shared-memory layout (rows
 //     of 128-byte chunks, 128B swizzle), so that a tile is one contiguous bulk copy: key tiles of 128 keys,
 //     query tiles of 128 (query, head) rows = nq queries x hp head slots (hp = 128 / nq >= HI, zero padded);
-//  3. select: one CTA per query tile, one pass over the tile's visible keys (described at select_kernel).
-// What reaches device memory: the codes (fp8: Lq * hp + Lk rows of Di bytes rounded up to 128; bf16: twice
-// that) and the output lists; no score (token or block) is ever stored.
+//  3. select: one CTA per two query tiles, one pass over their visible keys (described at select_kernel).
+// What reaches device memory: the codes (fp8: Lq * hp + Lk rows of Di bytes rounded up to 128, the query tiles
+// padded to an even count; bf16: twice that) and the output lists; no score (token or block) is ever stored.
 //
 // The bound ε (lightning_epsilon below). Notation: a row (query t) has heads j with weights w_j; cq_j, ck the
 // codes (fp8: e4m3 values without the per-tensor scales sq, sk; bf16: the values, sq = sk = 1). The GPU score
@@ -70,11 +70,11 @@ constexpr int kStageKeys = 128;               // keys per pipeline stage = one K
 constexpr int kRows = 128;                    // rows of a tile: keys, or (query, head) columns of wgmma N
 constexpr int kChunkBytes = kRows * 128;      // one 128-byte column chunk of a tile (128B swizzle rows)
 constexpr int kKStepBytes = 32;               // bytes of a row per wgmma k-step (fp8 k32, bf16 k16)
-constexpr int kConsumerWGs = 2;               // each takes whole stages, alternately
+constexpr int kConsumerWGs = 2;               // each takes one query tile, against every key tile
 constexpr int kThreads = 128 * (kConsumerWGs + 1);  // + a producer warpgroup (one thread issues the copies; the
                                                     // kernel fits 168 registers a thread without spills)
-constexpr int kConsumerWarps = 4 * kConsumerWGs;
 constexpr int kHist = 256;                    // radix digit of the exact selection
+constexpr int kGroupScratch = 32;             // words after a selecting group's histogram (see Group)
 constexpr int kSmemLimit = 227 * 1024;        // Hopper's opt-in dynamic shared memory per block
 constexpr int kMaxStages = 4;
 
@@ -83,12 +83,12 @@ static_assert(kStageKeys == kBlockK, "a stage is one KV block (the block form po
 // ---- plan: tile geometry and shared-memory layout (host) ------------------------------------------------
 
 struct Plan {
-  int nq = 0;        // queries per CTA (query tile)
+  int nq = 0;        // queries per query tile (a consumer warpgroup's; a CTA takes kConsumerWGs tiles)
   int hp = 0;        // head slots per query: 128 / nq >= HI
   int chunks = 0;    // 128-byte chunks per row (Di bytes rounded up)
   int ksteps = 0;    // wgmma k-steps per row
   int stages = 0;    // key tiles in flight
-  int cap = 0;       // candidate buffer entries per (query, consumer warpgroup)
+  int cap = 0;       // candidate buffer entries per query
   // byte offsets in the 1024-aligned dynamic shared memory
   int off_q = 0, off_stage = 0, off_buf = 0, off_hist = 0, off_thr = 0, off_cnt = 0, off_red = 0, off_w = 0, off_bar = 0;
   int smem = 0;      // dynamic bytes to request (+1024 alignment slack)
@@ -97,9 +97,10 @@ struct Plan {
 
 int elem_bytes(IndexPrecision p) { return p == IndexPrecision::bf16 ? 2 : 1; }
 
-// The most queries per CTA (fewest padded head slots), then buffers of 2 top_k (fewer compactions) over
+// The most queries per query tile (fewest padded head slots), then buffers of 2 top_k (fewer compactions) over
 // buffers of top_k, then the most stages, such that a candidate buffer holds top_k plus one tile's insertions
-// (128 keys, or 1 block).
+// (128 keys, or 1 block). A single stage (no copy overlapping the MMAs) only where two do not fit (bf16 rows of
+// more than 192 elements: the two query tiles and two key tiles alone take 256 KB at Di = 256).
 Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec, bool blocks) {
   Plan best;
   if (HI < 1 || HI > kRows || Di < 1 || Di > 256 || top_k < 1) return best;
@@ -110,26 +111,30 @@ Plan make_plan(std::int64_t HI, std::int64_t Di, int top_k, IndexPrecision prec,
   while (hp_min < HI) hp_min *= 2;
   const int per_stage = blocks ? 1 : kStageKeys;
   const long long need_min = static_cast<long long>(top_k) + per_stage;
+  struct Try {
+    long long need;
+    int min_stages;
+  };
   for (int nq = kRows / hp_min; nq >= 1; nq /= 2)
-    for (const long long need : {2LL * top_k + per_stage, need_min})
-      for (int stages = kMaxStages; stages >= 2; --stages) {
+    for (const Try& tr : {Try{2LL * top_k + per_stage, 2}, Try{need_min, 2}, Try{need_min, 1}})
+      for (int stages = kMaxStages; stages >= tr.min_stages; --stages) {
         Plan p;
         p.nq = nq, p.hp = kRows / nq, p.chunks = chunks, p.ksteps = ksteps, p.stages = stages;
         int off = 0;
-        p.off_q = off, off += chunks * kChunkBytes;
+        p.off_q = off, off += kConsumerWGs * chunks * kChunkBytes;
         p.off_stage = off, off += stages * chunks * kChunkBytes;
-        p.off_hist = off, off += kConsumerWarps * kHist * 4;
+        p.off_hist = off, off += kConsumerWGs * (kHist + kGroupScratch) * 4;
         p.off_thr = off, off += nq * kConsumerWGs * 8;
         p.off_cnt = off, off += nq * kConsumerWGs * 4;
         p.off_red = off, off += kConsumerWGs * 2 * 4 * nq * 4;
-        p.off_w = off, off += kRows * 4;
+        p.off_w = off, off += kConsumerWGs * kRows * 4;
         off = (off + 7) / 8 * 8;
         p.off_bar = off, off += (2 * stages + 1) * 8;
         p.off_buf = (off + 15) / 16 * 16;
         const long long room = static_cast<long long>(kSmemLimit) - 1024 - p.off_buf;
         if (room <= 0) continue;
         const long long cap = room / (8LL * nq * kConsumerWGs) / 32 * 32;
-        if (cap < need) continue;
+        if (cap < tr.need) continue;
         p.cap = static_cast<int>(std::min<long long>(cap, 1 << 24));
         p.smem = p.off_buf + 8 * nq * kConsumerWGs * p.cap + 1024;
         return p;
@@ -141,12 +146,15 @@ struct ScratchLayout {
   std::size_t amax = 0, qcodes = 0, kcodes = 0, total = 0;
 };
 
+// Query tiles per batch, padded to whole CTAs (kConsumerWGs tiles each; the padding's codes are zero).
+std::int64_t query_tiles(std::int64_t Lq, const Plan& p) { return ceil_div(ceil_div(Lq, p.nq), kConsumerWGs) * kConsumerWGs; }
+
 ScratchLayout scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, const Plan& p) {
   ScratchLayout s;
   const std::size_t tile = static_cast<std::size_t>(p.chunks) * kChunkBytes;
   s.amax = 0;
   s.qcodes = sel::align_up(2 * sizeof(unsigned));
-  s.kcodes = s.qcodes + sel::align_up(static_cast<std::size_t>(B * ceil_div(Lq, p.nq)) * tile);
+  s.kcodes = s.qcodes + sel::align_up(static_cast<std::size_t>(B * query_tiles(Lq, p)) * tile);
   s.total = s.kcodes + sel::align_up(static_cast<std::size_t>(B * ceil_div(Lk, kStageKeys)) * tile);
   return s;
 }
@@ -155,35 +163,77 @@ ScratchLayout scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, c
 
 struct RowsSrc {  // an index tensor [B, L, H, D] (H = 1 for [B, L, D]), d contiguous
   const void* x;
-  In type;
   std::int64_t sb, sl, sh, B, L, H, D;
+  bool flat;  // the B L H D elements are x[0, B L H D) and x is 16-byte aligned (amax reads 16-byte units)
+  bool vec;   // x, every row start and D are 16-byte multiples (codes read 16-byte units)
 };
 
 RowsSrc rows_src(const TensorView& t) {
-  if (t.ndim == 3)
-    return {t.data, sel::in_type(t.dtype), t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]};
-  return {t.data, sel::in_type(t.dtype), t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2],
-          t.shape[3]};
+  RowsSrc s = t.ndim == 3 ? RowsSrc{t.data, t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]}
+                          : RowsSrc{t.data, t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2],
+                                    t.shape[3]};
+  const std::int64_t per = 16 / dtype_size(t.dtype);  // elements per 16 bytes
+  const bool aligned = reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
+  s.flat = aligned && t.is_contiguous();
+  s.vec = aligned && s.D % per == 0 && (s.B == 1 || s.sb % per == 0) && (s.L == 1 || s.sl % per == 0) &&
+          (s.H == 1 || s.sh % per == 0);
+  return s;
 }
 
-__device__ __forceinline__ float load_rt(const void* base, std::int64_t i, In t) {
-  switch (t) {
-    case In::f32: return sel::load_elem<In::f32>(base, i);
-    case In::f16: return sel::load_elem<In::f16>(base, i);
-    default: return sel::load_elem<In::bf16>(base, i);
+// The 16 / sizeof(T) values of one aligned 16-byte unit.
+template <In T>
+__device__ __forceinline__ void unpack16(const uint4& v, float* x) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (T == In::f32) {
+      x[i] = __uint_as_float(w[i]);
+    } else if constexpr (T == In::bf16) {
+      x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
+      x[2 * i] = __low2float(h), x[2 * i + 1] = __high2float(h);
+    }
   }
 }
 
+template <In T>
+constexpr int kPer16 = T == In::f32 ? 4 : 8;  // values per 16-byte unit
+
+constexpr int kUnitsInFlight = 4;  // 16-byte loads a thread keeps in flight (the preparation is load-bound)
+
 // Largest |x| as float bits (non-negative floats order like their bits); fmaxf skips NaN like std::fmax.
+// A flat tensor is read as 16-byte units, kUnitsInFlight per thread at a time, then its tail element by element;
+// otherwise one warp per row.
+template <In T>
 __global__ void amax_kernel(const RowsSrc s, unsigned* amax) {
-  const std::int64_t rows = s.B * s.L * s.H;
   const int lane = threadIdx.x % 32;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   float m = 0.0f;
-  for (std::int64_t r = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < rows;
-       r += static_cast<std::int64_t>(gridDim.x) * blockDim.x / 32) {
-    const std::int64_t h = r % s.H, l = (r / s.H) % s.L, b = r / (s.H * s.L);
-    const std::int64_t off = b * s.sb + l * s.sl + h * s.sh;
-    for (std::int64_t d = lane; d < s.D; d += 32) m = fmaxf(m, fabsf(load_rt(s.x, off + d, s.type)));
+  if (s.flat) {
+    const std::int64_t n = s.B * s.L * s.H * s.D, units = n / kPer16<T>;
+    const uint4* x = static_cast<const uint4*>(s.x);
+    for (std::int64_t e = first; e < units; e += kUnitsInFlight * threads) {
+      uint4 v[kUnitsInFlight];
+#pragma unroll
+      for (int i = 0; i < kUnitsInFlight; ++i) v[i] = e + i * threads < units ? x[e + i * threads] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < kUnitsInFlight; ++i) {
+        float f[kPer16<T>];
+        unpack16<T>(v[i], f);
+#pragma unroll
+        for (int j = 0; j < kPer16<T>; ++j) m = fmaxf(m, fabsf(f[j]));
+      }
+    }
+    for (std::int64_t i = units * kPer16<T> + first; i < n; i += threads) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, i)));
+  } else {
+    const std::int64_t rows = s.B * s.L * s.H;
+    for (std::int64_t r = first / 32; r < rows; r += threads / 32) {
+      const std::int64_t h = r % s.H, l = (r / s.H) % s.L, b = r / (s.H * s.L);
+      const std::int64_t off = b * s.sb + l * s.sl + h * s.sh;
+      for (std::int64_t d = lane; d < s.D; d += 32) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, off + d)));
+    }
   }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (lane == 0) atomicMax(amax, __float_as_uint(m));
@@ -202,10 +252,13 @@ struct CodeParams {
 };
 
 // One thread per 16-byte unit u of row r of chunk c of a tile; the unit lands at r * 128 + ((u ^ r % 8) * 16)
-// of the chunk (what TMA's SWIZZLE_128B writes, which the wgmma descriptors expect).
-template <Prec P>
+// of the chunk (what TMA's SWIZZLE_128B writes, which the wgmma descriptors expect). A unit's values are read
+// as whole 16-byte units when the source allows (src.vec: a 16-byte unit of the source lies entirely below D or
+// entirely past it), all of them issued before the first is used.
+template <Prec P, In T>
 __global__ void codes_kernel(const CodeParams p) {
-  constexpr int kPerUnit = P == Prec::fp8 ? 16 : 8;
+  constexpr int kPerUnit = P == Prec::fp8 ? 16 : 8;  // codes per 16-byte output unit
+  constexpr int kLoads = kPerUnit / kPer16<T>;       // 16-byte source units per output unit
   const RowsSrc& s = p.src;
   const std::int64_t units = s.B * p.tiles * p.chunks * kRows * 8;
   const float ts = P == Prec::fp8 ? sel::tensor_scale_of<Prec::fp8>(__uint_as_float(*p.amax)) : 1.0f;
@@ -219,20 +272,31 @@ __global__ void codes_kernel(const CodeParams p) {
     const bool valid = item < s.L && h < s.H;
     const std::int64_t off = b * s.sb + item * s.sl + h * s.sh;
     const int d0 = (c * 128 + u * 16) / (16 / kPerUnit);
+    float x[kPerUnit];
+    if (s.vec) {
+      uint4 v[kLoads];
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i)
+        v[i] = valid && d0 + i * kPer16<T> < s.D ? *reinterpret_cast<const uint4*>(
+                                                        static_cast<const unsigned char*>(s.x) +
+                                                        (off + d0 + i * kPer16<T>) * static_cast<std::int64_t>(16 / kPer16<T>))
+                                                  : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) unpack16<T>(v[i], x + i * kPer16<T>);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerUnit; ++i) x[i] = valid && d0 + i < s.D ? sel::load_elem<T>(s.x, off + d0 + i) : 0.0f;
+    }
     std::uint32_t word[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int i = 0; i < kPerUnit; ++i) {
-      const int d = d0 + i;
-      std::uint32_t code = 0u;
-      if (valid && d < s.D) {
-        const float x = load_rt(s.x, off + d, s.type);
-        if constexpr (P == Prec::fp8) {
-          // A zero scale (all-zero tensor, or an amax that underflows): the CPU keeps the raw values; codes 0
-          // (lightning_epsilon covers that case).
-          code = ts == 0.0f ? 0u : sel::float_to_e4m3(__fdiv_rn(x, ts));
-        } else {
-          code = __float_as_uint(sel::round_bf16(x)) >> 16;
-        }
+      std::uint32_t code;
+      if constexpr (P == Prec::fp8) {
+        // A zero scale (all-zero tensor, or an amax that underflows): the CPU keeps the raw values; codes 0
+        // (lightning_epsilon covers that case). Padding (x = +0) codes to 0 either way.
+        code = ts == 0.0f ? 0u : sel::float_to_e4m3(__fdiv_rn(x[i], ts));
+      } else {
+        code = __float_as_uint(sel::round_bf16(x[i])) >> 16;
       }
       constexpr int bits = P == Prec::fp8 ? 8 : 16;
       word[i * bits / 32] |= code << ((i * bits) % 32);
@@ -253,7 +317,7 @@ struct OutRows {
 };
 
 struct SelectParams {
-  const unsigned char* qcodes;  // [B, Gq] tiles
+  const unsigned char* qcodes;  // [B, Gq] tiles (Gq even)
   const unsigned char* kcodes;  // [B, Tk] tiles
   const float* w;
   std::int64_t ws0, ws1, ws2;
@@ -281,169 +345,287 @@ __device__ __forceinline__ u64 rank_key(float s, std::int64_t id) {
 }
 __device__ __forceinline__ int key_id(u64 k) { return static_cast<int>(0xffffffffu - static_cast<unsigned>(k)); }
 
-// The k-th largest of the (distinct) keys a[0, na) and b[0, nb) (1 <= k <= na + nb), by one warp: radix
-// select, 8 bits a pass from the top, ending as soon as the prefix holds one key. `hist` is 256 words.
-__device__ u64 warp_kth_key(const u64* a, int na, const u64* b, int nb, int k, unsigned* hist, int lane) {
-  u64 prefix = 0, mask = 0;
-  int kk = k, inbin = 0;
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int i = lane; i < kHist; i += 32) hist[i] = 0u;
-    __syncwarp();
-    for (int i = lane; i < na; i += 32)
-      if ((a[i] & mask) == prefix) atomicAdd(&hist[(a[i] >> shift) & 255], 1u);
-    for (int i = lane; i < nb; i += 32)
-      if ((b[i] & mask) == prefix) atomicAdd(&hist[(b[i] >> shift) & 255], 1u);
-    __syncwarp();
-    // Lane l owns digits [8 l, 8 l + 8); suffix sums over lanes find the digit holding the kk-th largest.
-    unsigned c[8], local = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) local += (c[i] = hist[8 * lane + i]);
-    unsigned suffix = local;
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned y = __shfl_down_sync(0xffffffffu, suffix, o);
-      if (lane + o < 32) suffix += y;
-    }
-    const unsigned above = suffix - local;
-    const bool mine = above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix;
-    int dig = 0, rest = 0, cnt = 0;
-    if (mine) {
-      unsigned acc = above;
-      for (int i = 7; i >= 0; --i) {
-        if (acc + c[i] >= static_cast<unsigned>(kk)) {
-          dig = 8 * lane + i, rest = kk - static_cast<int>(acc), cnt = static_cast<int>(c[i]);
-          break;
-        }
-        acc += c[i];
+// A consumer warpgroup selecting among its candidates, with its named barrier and its scratch: a 256-word radix
+// histogram, then kGroupScratch words (the chosen digit, a found key, per-warp counts, per-warp extremes).
+struct Group {
+  static constexpr int kThreads = 128;
+  static constexpr int kWarps = kThreads / 32;
+  int tid;  // 0 .. 127
+  ck::NamedBarrier bar;
+  unsigned* hist;
+  __device__ void sync() const { ck::named_barrier_sync(bar, kThreads); }
+  __device__ unsigned* digit() const { return hist + kHist; }                         // [3]
+  __device__ u64* found() const { return reinterpret_cast<u64*>(hist + kHist + 4); }  // 8-byte aligned
+  __device__ int* warp_counts() const { return reinterpret_cast<int*>(hist + kHist + 8); }  // [2][kWarps]
+  __device__ u64* warp_extremes() const { return reinterpret_cast<u64*>(hist + kHist + 16); }  // [2][kWarps]
+};
+static_assert(kGroupScratch >= 16 + 4 * Group::kWarps, "the group scratch holds the per-warp extremes");
+
+// The k-th largest of the (distinct) keys a[0, n) (1 <= k <= n), by the whole group: radix select, 8 bits a
+// pass from the highest bit in which the largest and the smallest key differ (the bits above are every key's:
+// the sign and exponent of scores of a few binades), ending as soon as the prefix holds one key. Each warp
+// adds to the shared histogram once per distinct digit among its lanes (__match_any_sync), so that keys
+// crowding one digit do not serialise on one shared-memory word.
+__device__ u64 group_kth_key(const Group& gr, const u64* a, int n, int k) {
+  const int lane = gr.tid % 32, w = gr.tid / 32, wbase = gr.tid - lane;
+  u64 hi = 0ull, lo = ~0ull;
+  for (int i = gr.tid; i < n; i += Group::kThreads) hi = a[i] > hi ? a[i] : hi, lo = a[i] < lo ? a[i] : lo;
+  for (int o = 16; o > 0; o >>= 1) {
+    const u64 h = __shfl_xor_sync(0xffffffffu, hi, o), l = __shfl_xor_sync(0xffffffffu, lo, o);
+    hi = h > hi ? h : hi, lo = l < lo ? l : lo;
+  }
+  if (lane == 0) gr.warp_extremes()[w] = hi, gr.warp_extremes()[Group::kWarps + w] = lo;
+  gr.sync();
+  for (int u = 0; u < Group::kWarps; ++u) {
+    const u64 h = gr.warp_extremes()[u], l = gr.warp_extremes()[Group::kWarps + u];
+    hi = h > hi ? h : hi, lo = l < lo ? l : lo;
+  }
+  if (hi == lo) return hi;  // n = 1
+  const int top = 64 - __clzll(static_cast<long long>(hi ^ lo));  // bits [top, 64) are every key's
+  u64 mask = top == 64 ? 0ull : ~0ull << top, prefix = hi & mask;
+  int kk = k;
+  for (int bits_left = top; bits_left > 0;) {
+    const int width = bits_left < 8 ? bits_left : 8, shift = bits_left - width;
+    bits_left = shift;
+    for (int i = gr.tid; i < kHist; i += Group::kThreads) gr.hist[i] = 0u;
+    gr.sync();
+    for (int base = wbase; base < n; base += Group::kThreads) {  // whole warps, so the match covers its lanes
+      const int i = base + lane;
+      const u64 v = i < n ? a[i] : 0ull;
+      const bool in = i < n && (v & mask) == prefix;
+      const unsigned active = __ballot_sync(0xffffffffu, in);
+      if (in) {
+        const unsigned dig = static_cast<unsigned>(v >> shift) & ((1u << width) - 1u);
+        const unsigned peers = __match_any_sync(active, dig);
+        if (lane == __ffs(peers) - 1) atomicAdd(&gr.hist[dig], static_cast<unsigned>(__popc(peers)));
       }
     }
-    const int src = __ffs(__ballot_sync(0xffffffffu, mine)) - 1;
-    dig = __shfl_sync(0xffffffffu, dig, src);
-    kk = __shfl_sync(0xffffffffu, rest, src);
-    inbin = __shfl_sync(0xffffffffu, cnt, src);
-    prefix |= static_cast<u64>(dig) << shift;
-    mask |= 0xffull << shift;
-    __syncwarp();
-    if (inbin == 1) break;
+    gr.sync();
+    if (gr.tid < 32) {
+      // Lane l owns digits [8 l, 8 l + 8); suffix sums over lanes find the digit holding the kk-th largest.
+      unsigned c[8], local = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local += (c[i] = gr.hist[8 * lane + i]);
+      unsigned suffix = local;
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned y = __shfl_down_sync(0xffffffffu, suffix, o);
+        if (lane + o < 32) suffix += y;
+      }
+      const unsigned above = suffix - local;
+      if (above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix) {
+        unsigned acc = above;
+        for (int i = 7; i >= 0; --i) {
+          if (acc + c[i] >= static_cast<unsigned>(kk)) {
+            gr.digit()[0] = 8 * lane + i, gr.digit()[1] = kk - acc, gr.digit()[2] = c[i];
+            break;
+          }
+          acc += c[i];
+        }
+      }
+    }
+    gr.sync();
+    prefix |= static_cast<u64>(gr.digit()[0]) << shift;
+    mask |= ((1ull << width) - 1ull) << shift;
+    kk = static_cast<int>(gr.digit()[1]);
+    if (gr.digit()[2] == 1u) break;  // uniform: every thread read the same words
   }
   if (mask == ~0ull) return prefix;
-  u64 found = 0;
-  for (int i = lane; i < na; i += 32)
-    if ((a[i] & mask) == prefix) found = a[i];
-  for (int i = lane; i < nb; i += 32)
-    if ((b[i] & mask) == prefix) found = b[i];
-  for (int o = 16; o > 0; o >>= 1) {
-    const u64 y = __shfl_xor_sync(0xffffffffu, found, o);
-    found = y > found ? y : found;
-  }
-  return found;
+  // One key carries the prefix; its holder publishes it.
+  for (int i = gr.tid; i < n; i += Group::kThreads)
+    if ((a[i] & mask) == prefix) *gr.found() = a[i];
+  gr.sync();
+  return *gr.found();
 }
 
-// Streams src[0, n) by one warp, 32 keys at a time, and hands each key >= v to put(position, key), the
-// positions counting up from `at` in src order; returns the end. A chunk's reads all happen before its
-// writes, so put may write over src at or below the chunk (in place, or 4-byte ids over 8-byte keys).
-template <class Put>
-__device__ int warp_keep(const u64* src, int n, u64 v, int at, int lane, Put&& put) {
-  for (int base = 0; base < n; base += 32) {
-    const int i = base + lane;
-    const u64 x = i < n ? src[i] : 0ull;
+// Keeps the keys >= v of a[0, n) in place, in order, by the whole group, and returns how many: a chunk of 128
+// keys is read, the warps' counts meet in shared memory (double-buffered by chunk parity), then each kept key
+// moves down. A chunk's writes land at or below its own positions, whose reads precede the barrier, and below
+// the next chunk's.
+__device__ int group_keep(const Group& gr, u64* a, int n, u64 v) {
+  const int lane = gr.tid % 32, w = gr.tid / 32;
+  int at = 0;
+  for (int base = 0, chunk = 0; base < n; base += Group::kThreads, ++chunk) {
+    const int i = base + gr.tid;
+    const u64 x = i < n ? a[i] : 0ull;
     const bool keep = i < n && x >= v;
     const unsigned m = __ballot_sync(0xffffffffu, keep);
-    __syncwarp();
-    if (keep) put(at + __popc(m & ((1u << lane) - 1u)), x);
-    at += __popc(m);
-    __syncwarp();
+    int* wc = gr.warp_counts() + (chunk & 1) * Group::kWarps;
+    if (lane == 0) wc[w] = __popc(m);
+    gr.sync();
+    int before = 0, total = 0;
+    for (int u = 0; u < Group::kWarps; ++u) before += u < w ? wc[u] : 0, total += wc[u];
+    if (keep) a[at + before + __popc(m & ((1u << lane) - 1u))] = x;
+    at += total;
   }
   return at;
 }
 
-__device__ void warp_sort_ints(int* v, int n, int lane) {  // bitonic, n a power of two, ascending
-  for (int size = 2; size <= n; size <<= 1)
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int i = lane; i < n / 2; i += 32) {
-        const int lo = 2 * stride * (i / stride) + (i % stride), hi = lo + stride;
-        const bool up = (lo & size) == 0;
-        if ((v[lo] > v[hi]) == up) {
-          const int t = v[lo];
-          v[lo] = v[hi], v[hi] = t;
-        }
-      }
-      __syncwarp();
+// The ids of the keys >= v in a[0, n) (distinct ids in [0, nid)), ascending, to out[0, m) of every group's row,
+// -1 after up to `width`: window by window of 32 `words` ids, a bitmap of the window's selected ids in shared
+// memory, then each thread writes the ids of its run of words at its exclusive prefix sum of their popcounts.
+// No sort: the bitmap is the order.
+__device__ void group_write_ascending(const Group& gr, const u64* a, int n, u64 v, std::int64_t nid, unsigned* bitmap,
+                                      int words, const OutRows& out, std::int64_t batch, std::int64_t t) {
+  const int lane = gr.tid % 32, w = gr.tid / 32;
+  int written = 0;
+  for (std::int64_t w0 = 0; w0 < nid; w0 += 32LL * words) {
+    const int nw = static_cast<int>(imin<std::int64_t>(words, (nid - w0 + 31) / 32));
+    for (int i = gr.tid; i < nw; i += Group::kThreads) bitmap[i] = 0u;
+    gr.sync();
+    for (int i = gr.tid; i < n; i += Group::kThreads) {
+      if (a[i] < v) continue;
+      const std::int64_t id = key_id(a[i]) - w0;
+      if (id >= 0 && id < 32LL * nw) atomicOr(&bitmap[id / 32], 1u << (id % 32));
     }
+    gr.sync();
+    const int per = (nw + Group::kThreads - 1) / Group::kThreads;
+    const int lo = imin(gr.tid * per, nw), hi = imin(lo + per, nw);
+    int mine = 0;
+    for (int i = lo; i < hi; ++i) mine += __popc(bitmap[i]);
+    int incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    int* wsum = gr.warp_counts();
+    if (lane == 31) wsum[w] = incl;
+    gr.sync();
+    int pos = written + incl - mine, total = 0;
+    for (int u = 0; u < Group::kWarps; ++u) pos += u < w ? wsum[u] : 0, total += wsum[u];
+    for (int i = lo; i < hi; ++i)
+      for (unsigned bits = bitmap[i]; bits != 0u; bits &= bits - 1u, ++pos) {
+        const auto id = static_cast<std::int32_t>(w0 + 32 * i + __ffs(bits) - 1);
+        for (std::int64_t g = 0; g < out.G; ++g) out.row(batch, g, t)[pos * out.s3] = id;
+      }
+    written += total;
+    gr.sync();  // the bitmap and the warp sums are reused by the next window
+  }
+  for (std::int64_t s = written + gr.tid; s < out.width; s += Group::kThreads)
+    for (std::int64_t g = 0; g < out.G; ++g) out.row(batch, g, t)[s * out.s3] = -1;
 }
 
 #define LT_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                  "+f"(d[i + 6]), "+f"(d[i + 7])
-// d = A(64 x 32, smem, K-major) * B(32 x 128, smem, K-major), e4m3 inputs, float32 accumulator (scale-d = 0).
-__device__ __forceinline__ void wgmma_fp8_first(float (&d)[64], u64 desc_a, u64 desc_b) {
+// d = A(64 x 32, smem, K-major) * B(32 x 64, smem, K-major), e4m3 inputs, float32 accumulator (scale-d = 0).
+__device__ __forceinline__ void wgmma_fp8_first(float (&d)[32], u64 desc_a, u64 desc_b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
-      : LT_D8(0), LT_D8(8), LT_D8(16), LT_D8(24), LT_D8(32), LT_D8(40), LT_D8(48), LT_D8(56)
+      "%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+      : LT_D8(0), LT_D8(8), LT_D8(16), LT_D8(24)
       : "l"(desc_a), "l"(desc_b));
 }
 #undef LT_D8
+
+// The fp8 scores of a 64-key half against the two n64 column pieces, kSteps k32 steps (desc_a(kk), desc_lo(kk),
+// desc_hi(kk) the operands of step kk). Every step from a zero accumulator, the steps added in float32 in d order
+// (the bound's item a). One commit group per (step, piece), issued in that order; after issuing one, waiting
+// until one group is pending retires the previous, which is then added while the new one runs.
+template <int kSteps, class DA, class DLo, class DHi>
+__device__ __forceinline__ void fp8_scores(float (&acc_lo)[32], float (&acc_hi)[32], float (&part_lo)[32],
+                                           float (&part_hi)[32], const DA& desc_a, const DLo& desc_lo,
+                                           const DHi& desc_hi) {
+  ck::wgmma_fence();
+  wgmma_fp8_first(acc_lo, desc_a(0), desc_lo(0));
+  ck::wgmma_commit();
+  wgmma_fp8_first(acc_hi, desc_a(0), desc_hi(0));
+  ck::wgmma_commit();
+#pragma unroll
+  for (int kk = 1; kk < kSteps; ++kk) {
+    ck::wgmma_fence();
+    wgmma_fp8_first(part_lo, desc_a(kk), desc_lo(kk));
+    ck::wgmma_commit();
+    ck::wgmma_wait<1>();  // step kk - 1 of the high piece (and every group before) done
+    ck::fence_operands(acc_lo);
+    ck::fence_operands(acc_hi);
+    ck::fence_operands(part_hi);
+    if (kk > 1) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc_hi[i] += part_hi[i];
+    }
+    ck::wgmma_fence();
+    wgmma_fp8_first(part_hi, desc_a(kk), desc_hi(kk));
+    ck::wgmma_commit();
+    ck::wgmma_wait<1>();  // step kk of the low piece done
+    ck::fence_operands(part_lo);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc_lo[i] += part_lo[i];
+  }
+  ck::wgmma_wait<0>();
+  ck::fence_operands(acc_lo);
+  ck::fence_operands(acc_hi);
+  if constexpr (kSteps > 1) {
+    ck::fence_operands(part_hi);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc_hi[i] += part_hi[i];
+  }
+}
 
 // Barrier ids: each consumer warpgroup's stage barrier, and the two warpgroups' final merge.
 __device__ __forceinline__ ck::NamedBarrier wg_barrier(int wg) {
   return wg == 0 ? ck::NamedBarrier::kLightningWG0 : ck::NamedBarrier::kLightningWG1;
 }
 
-// grid: (Gq, B), kThreads. Query tile gq (its nq queries, longest rows first) against key tiles
-// 0 .. ceil(key_end(last query) / 128) - 1. The producer thread (warpgroup 2) bulk-copies the query tile once
-// and the key tiles through a ring of `stages` slots (full / empty mbarriers). Consumer warpgroup w takes the
-// key tiles j = w, w + 2, ...: per 64-key half, wgmma with keys on M and the 128 (query, head) columns on N;
-// thread (warp v, lane 4 g + q) then holds keys 16 v + g (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a
-// query's weighted ReLU sum over its heads is an fma chain over the thread's columns (i, then the pair, in
-// order) and two quad shuffles. Token form: each visible key's score enters the (query, warpgroup) candidate
-// buffer if it ranks before the buffer's threshold (the k-th best key at the last compaction); block form:
-// the tile's maximum over visible keys is one candidate. After each tile, a buffer that could overflow on the
-// next one is compacted by one warp: an exact radix selection of the k-th best, keep the k best, raise the
-// threshold to it. Every candidate dropped is outranked by k kept ones, so the final top-k of the two
-// warpgroups' buffers is the top-k of all scores. Sink keys (and the blocks holding them) score +inf.
+// grid: (Gq / 2, B), kThreads. A CTA holds the query tiles 2 c and 2 c + 1 (c = the last first: the
+// longest rows first), consumer warpgroup w the queries of tile 2 c + w; both run over the key tiles
+// 0 .. ceil(key_end(last query) / 128) - 1, so that each key tile brought on chip serves 2 nq queries. The
+// producer thread (warpgroup 2) bulk-copies both query tiles once and the key tiles through a ring of `stages`
+// slots (full / empty mbarriers; a slot is free once the 8 consumer warps have read it). Per 64-key half,
+// wgmma with keys on M and the warpgroup's 128 (query, head) columns on N, as two n64 pieces (fp8: one piece's
+// next k32 step overlaps the other's add, fp8_scores); thread (warp v, lane 4 g + q) then holds keys 16 v + g
+// (+ 8) and columns 8 i + 2 q (+ 1), i < 16, so a query's weighted ReLU sum over its heads is an fma chain over
+// the thread's columns (i, then the pair, in order) and two quad shuffles. Token form:
+// each visible key's score enters the query's candidate buffer if it ranks before the buffer's threshold (the
+// k-th best key at the last compaction); block form: the tile's maximum over visible keys is one candidate.
+// After each tile, a buffer that could overflow on the next one is compacted by its warpgroup: an exact radix
+// selection of the k-th best, keep the k best, raise the threshold to it. Every candidate dropped is outranked
+// by k kept ones, so the buffer's final top-k is the top-k of all scores: at the end each warpgroup selects
+// the k-th key of each of its queries, marks the ids ranking at or above it in a bitmap and writes them in
+// bitmap order (ascending, no sort). Sink keys (and the blocks holding them) score +inf.
 template <bool kFp8, bool kBlocks>
 __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_constant__ SelectParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
   const Plan& pl = p.plan;
   const int nq = pl.nq, hp = pl.hp, cap = pl.cap, k = p.top_k;
-  u64* buf = reinterpret_cast<u64*>(smem + pl.off_buf);        // [nq][2][cap]
-  u64* thr = reinterpret_cast<u64*>(smem + pl.off_thr);        // [nq][2]
-  int* cnt = reinterpret_cast<int*>(smem + pl.off_cnt);        // [nq][2]
-  float* red = reinterpret_cast<float*>(smem + pl.off_red);    // [2 wg][2 halves][4 warps][nq]
-  float* wsm = reinterpret_cast<float*>(smem + pl.off_w);      // [128] weight per column
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  const int tile_bytes = pl.chunks * kChunkBytes;
+  const std::int64_t b = blockIdx.y, gq0 = (gridDim.x - 1 - blockIdx.x) * static_cast<std::int64_t>(kConsumerWGs);
+  const std::int64_t t_last = imin(p.Lq, (gq0 + kConsumerWGs) * nq) - 1;
+  const int ntiles = static_cast<int>((p.key_end(t_last) + kStageKeys - 1) / kStageKeys);
+
+  u64* buf = reinterpret_cast<u64*>(smem + pl.off_buf);        // [wg][nq][cap]
+  u64* thr = reinterpret_cast<u64*>(smem + pl.off_thr);        // [wg][nq]
+  int* cnt = reinterpret_cast<int*>(smem + pl.off_cnt);        // [wg][nq]
+  float* red = reinterpret_cast<float*>(smem + pl.off_red);    // [wg][2 halves][4 warps][nq]
+  float* wsm = reinterpret_cast<float*>(smem + pl.off_w);      // [wg][128] weight per column
+  unsigned* hist = reinterpret_cast<unsigned*>(smem + pl.off_hist);  // [wg][kHist + kGroupScratch]
   ck::MBarrier* full = reinterpret_cast<ck::MBarrier*>(smem + pl.off_bar);
   ck::MBarrier* empty = full + pl.stages;
   ck::MBarrier* qbar = empty + pl.stages;
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
-  const std::int64_t b = blockIdx.y, gq = p.Gq - 1 - blockIdx.x, t0 = gq * nq;
-  const std::int64_t t_last = imin(p.Lq, t0 + nq) - 1;
-  const std::int64_t end_max = p.key_end(t_last);
-  const int ntiles = static_cast<int>((end_max + kStageKeys - 1) / kStageKeys);
-  const int tile_bytes = pl.chunks * kChunkBytes;
-
   if (tid == 0) {
-    for (int s = 0; s < pl.stages; ++s) full[s].init(1), empty[s].init(4);
+    for (int s = 0; s < pl.stages; ++s) full[s].init(1), empty[s].init(4 * kConsumerWGs);
     qbar->init(1);
     ck::fence_barrier_init();
   }
   for (int i = tid; i < nq * kConsumerWGs; i += kThreads) thr[i] = 0ull, cnt[i] = 0;
-  // The weight of column c: query c / hp, head c % hp (0 past HI or Lq).
-  for (int c = tid; c < kRows; c += kThreads) {
-    const std::int64_t t = t0 + c / hp, h = c % hp;
-    wsm[c] = t < p.Lq && h < p.HI ? p.w[b * p.ws0 + t * p.ws1 + h * p.ws2] : 0.0f;
+  // The weight of column c of warpgroup w: query (gq0 + w) nq + c / hp, head c % hp (0 past HI or Lq).
+  for (int i = tid; i < kRows * kConsumerWGs; i += kThreads) {
+    const int c = i % kRows;
+    const std::int64_t t = (gq0 + i / kRows) * nq + c / hp, h = c % hp;
+    wsm[i] = t < p.Lq && h < p.HI ? p.w[b * p.ws0 + t * p.ws1 + h * p.ws2] : 0.0f;
   }
   __syncthreads();
 
   if (wg == kConsumerWGs) {  // producer warpgroup
     if (warp == 4 * kConsumerWGs && lane == 0 && ntiles > 0) {
-      qbar->arrive_expect_tx(static_cast<std::uint32_t>(tile_bytes));
+      // Both query tiles, adjacent in the scratch (its query tiles are padded to an even count).
+      const auto q_bytes = static_cast<std::uint32_t>(kConsumerWGs * tile_bytes);
+      qbar->arrive_expect_tx(q_bytes);
       ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, smem + pl.off_q,
-                                 p.qcodes + (b * p.Gq + gq) * tile_bytes, static_cast<std::uint32_t>(tile_bytes),
-                                 &qbar->word);
+                                 p.qcodes + (b * p.Gq + gq0) * tile_bytes, q_bytes, &qbar->word);
       for (int j = 0; j < ntiles; ++j) {
         const int slot = j % pl.stages;
         empty[slot].wait(((j / pl.stages) & 1) ^ 1);
@@ -457,17 +639,26 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   }
 
   const int wl = warp % 4, g = lane / 4, q4 = lane % 4, wtid = tid % 128;
-  unsigned* hist = reinterpret_cast<unsigned*>(smem + pl.off_hist) + warp * kHist;
-  const std::uint32_t q_base = ck::smem_addr(smem + pl.off_q);
+  const std::int64_t t0 = (gq0 + wg) * nq;  // this warpgroup's first query
+  const Group mine{wtid, wg_barrier(wg), hist + wg * (kHist + kGroupScratch)};
+  u64* wbuf = buf + static_cast<std::int64_t>(wg) * nq * cap;
+  u64* wthr = thr + wg * nq;
+  int* wcnt = cnt + wg * nq;
+  float* wred = red + wg * 8 * nq;
+  const float* ww = wsm + wg * kRows;
+  const std::uint32_t q_base = ck::smem_addr(smem + pl.off_q) + wg * tile_bytes;
   const std::uint32_t s_base = ck::smem_addr(smem + pl.off_stage);
   const int per_stage = kBlocks ? 1 : kStageKeys;
 
-  float acc[64], part[64];
+  // The scores of a 64-key half against the 128 columns, as two n64 pieces (columns [0, 64) and [64, 128)), so
+  // that in fp8 one piece's next k32 step runs on the tensor cores while the other's is added; part: the step
+  // buffers of the pieces.
+  float acc_lo[32], acc_hi[32], part_lo[32], part_hi[32];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f, part[i] = 0.0f;
+  for (int i = 0; i < 32; ++i) acc_lo[i] = 0.0f, acc_hi[i] = 0.0f, part_lo[i] = 0.0f, part_hi[i] = 0.0f;
 
   if (ntiles > 0) qbar->wait(0);
-  for (int j = wg; j < ntiles; j += kConsumerWGs) {
+  for (int j = 0; j < ntiles; ++j) {
     const int slot = j % pl.stages;
     full[slot].wait((j / pl.stages) & 1);
     for (int half = 0; half < 2; ++half) {
@@ -476,29 +667,31 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
       auto desc = [&](std::uint32_t base, int kk) {
         return ck::make_desc_sw128(base + (kk / 4) * kChunkBytes + (kk % 4) * kKStepBytes, 16, 1024);
       };
+      const std::uint32_t b_hi = q_base + kChunkBytes / 2;  // columns [64, 128)
       if constexpr (kFp8) {
-        // Every k32 step from a zero accumulator, the steps added in float32 in d order (the bound's item a).
-        ck::wgmma_fence();
-        wgmma_fp8_first(acc, desc(a0, 0), desc(q_base, 0));
-        ck::wgmma_commit();
-        ck::wgmma_wait<0>();
-        ck::fence_operands(acc);
-        for (int kk = 1; kk < pl.ksteps; ++kk) {
-          ck::wgmma_fence();
-          wgmma_fp8_first(part, desc(a0, kk), desc(q_base, kk));
-          ck::wgmma_commit();
-          ck::wgmma_wait<0>();
-          ck::fence_operands(part);
-#pragma unroll
-          for (int i = 0; i < 64; ++i) acc[i] += part[i];
+        const auto da = [&](int kk) { return desc(a0, kk); };
+        const auto dlo = [&](int kk) { return desc(q_base, kk); };
+        const auto dhi = [&](int kk) { return desc(b_hi, kk); };
+        switch (pl.ksteps) {  // a constant step count per case keeps ptxas's wgmma pipeline analysis exact
+          case 1: fp8_scores<1>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 2: fp8_scores<2>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 3: fp8_scores<3>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 4: fp8_scores<4>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 5: fp8_scores<5>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 6: fp8_scores<6>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          case 7: fp8_scores<7>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
+          default: fp8_scores<8>(acc_lo, acc_hi, part_lo, part_hi, da, dlo, dhi); break;
         }
       } else {
         ck::wgmma_fence();
-        ck::wgmma_ss<ck::Bf16Tag>(acc, desc(a0, 0), desc(q_base, 0), 0);
-        for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc, desc(a0, kk), desc(q_base, kk), 1);
+        ck::wgmma_ss<ck::Bf16Tag>(acc_lo, desc(a0, 0), desc(q_base, 0), 0);
+        for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc_lo, desc(a0, kk), desc(q_base, kk), 1);
+        ck::wgmma_ss<ck::Bf16Tag>(acc_hi, desc(a0, 0), desc(b_hi, 0), 0);
+        for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc_hi, desc(a0, kk), desc(b_hi, kk), 1);
         ck::wgmma_commit();
         ck::wgmma_wait<0>();
-        ck::fence_operands(acc);
+        ck::fence_operands(acc_lo);
+        ck::fence_operands(acc_hi);
       }
       if (half == 1 && lane == 0) empty[slot].arrive();  // this warp's reads of the tile are done
 
@@ -506,11 +699,12 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
       float slo = 0.0f, shi = 0.0f;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        const float2 wi = *reinterpret_cast<const float2*>(wsm + 8 * i + 2 * q4);
-        slo = fmaf(wi.x, fmaxf(acc[4 * i], 0.0f), slo);
-        slo = fmaf(wi.y, fmaxf(acc[4 * i + 1], 0.0f), slo);
-        shi = fmaf(wi.x, fmaxf(acc[4 * i + 2], 0.0f), shi);
-        shi = fmaf(wi.y, fmaxf(acc[4 * i + 3], 0.0f), shi);
+        const float2 wi = *reinterpret_cast<const float2*>(ww + 8 * i + 2 * q4);
+        const float* sc = i < 8 ? acc_lo + 4 * i : acc_hi + 4 * (i - 8);  // i is a constant after unrolling
+        slo = fmaf(wi.x, fmaxf(sc[0], 0.0f), slo);
+        slo = fmaf(wi.y, fmaxf(sc[1], 0.0f), slo);
+        shi = fmaf(wi.x, fmaxf(sc[2], 0.0f), shi);
+        shi = fmaf(wi.y, fmaxf(sc[3], 0.0f), shi);
         if (((8 * (i + 1)) & (hp - 1)) != 0) continue;  // the query's columns continue (uniform)
         const int qi = 8 * i / hp;
         slo += __shfl_xor_sync(0xffffffffu, slo, 1);
@@ -522,21 +716,21 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
         if constexpr (kBlocks) {
           float m = fmaxf(key0 < end ? sanitize(slo) : -INFINITY, key0 + 8 < end ? sanitize(shi) : -INFINITY);
           for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-          if (lane == 0) red[((wg * 2 + half) * 4 + wl) * nq + qi] = m;
+          if (lane == 0) wred[(half * 4 + wl) * nq + qi] = m;
         } else {
           const std::int64_t sink_end = imin(p.sink, end);
           // Lane q4 = 0 offers key0, q4 = 1 key0 + 8 (the quad holds both sums).
           const std::int64_t key = q4 == 0 ? key0 : key0 + 8;
           const float sc = key < sink_end ? INFINITY : sanitize(q4 == 0 ? slo : shi);
           const u64 rk = rank_key(sc, key);
-          const bool offer = q4 < 2 && key < end && rk > thr[qi * 2 + wg];
+          const bool offer = q4 < 2 && key < end && rk > wthr[qi];
           const unsigned m = __ballot_sync(0xffffffffu, offer);
           if (m != 0u) {
             const int leader = __ffs(m) - 1;
             int base = 0;
-            if (lane == leader) base = atomicAdd(&cnt[qi * 2 + wg], __popc(m));
+            if (lane == leader) base = atomicAdd(&wcnt[qi], __popc(m));
             base = __shfl_sync(0xffffffffu, base, leader);
-            if (offer) buf[(static_cast<std::int64_t>(qi) * 2 + wg) * cap + base + __popc(m & ((1u << lane) - 1u))] = rk;
+            if (offer) wbuf[static_cast<std::int64_t>(qi) * cap + base + __popc(m & ((1u << lane) - 1u))] = rk;
           }
         }
         slo = 0.0f, shi = 0.0f;
@@ -549,48 +743,41 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
         const std::int64_t end = t < p.Lq ? p.key_end(t) : 0;
         if (static_cast<std::int64_t>(j) * kStageKeys >= end) continue;  // the block holds no visible key
         float m = -INFINITY;
-        for (int r = 0; r < 8; ++r) m = fmaxf(m, red[(wg * 8 + r) * nq + qi]);
+        for (int r = 0; r < 8; ++r) m = fmaxf(m, wred[r * nq + qi]);
         if (static_cast<std::int64_t>(j) * kStageKeys < imin(p.sink, end)) m = INFINITY;
         const u64 rk = rank_key(m, j);
-        if (rk > thr[qi * 2 + wg]) buf[(static_cast<std::int64_t>(qi) * 2 + wg) * cap + cnt[qi * 2 + wg]++] = rk;
+        if (rk > wthr[qi]) wbuf[static_cast<std::int64_t>(qi) * cap + wcnt[qi]++] = rk;
       }
       ck::named_barrier_sync(wg_barrier(wg), 128);
     }
-    // Compaction of the buffers that the next tile could overflow.
-    for (int qi = wl; qi < nq; qi += 4) {
-      const int c = cnt[qi * 2 + wg];
-      if (c <= cap - per_stage) continue;
-      u64* a = buf + (static_cast<std::int64_t>(qi) * 2 + wg) * cap;
-      const u64 v = warp_kth_key(a, c, nullptr, 0, k, hist, lane);
-      warp_keep(a, c, v, 0, lane, [&](int pos, u64 x) { a[pos] = x; });
-      if (lane == 0) cnt[qi * 2 + wg] = k, thr[qi * 2 + wg] = v;
-      __syncwarp();
+    // Compaction of the buffers that the next tile could overflow, each by the whole warpgroup.
+    for (int qi = 0; qi < nq; ++qi) {
+      const int c = wcnt[qi];
+      if (c <= cap - per_stage) continue;  // uniform: read after the barrier, written only below
+      u64* a = wbuf + static_cast<std::int64_t>(qi) * cap;
+      const u64 v = group_kth_key(mine, a, c, k);
+      group_keep(mine, a, c, v);
+      mine.sync();
+      if (wtid == 0) wcnt[qi] = k, wthr[qi] = v;
     }
     ck::named_barrier_sync(wg_barrier(wg), 128);
   }
 
-  // The two warpgroups' buffers of each query: the best min(k, n) ids, ascending, to every group.
+  // Each query's best min(k, n) ids, ascending, to every group, by its warpgroup. Once both warpgroups are
+  // done with the key tiles the stage ring is free (every copy landed and was read): each takes half of it for
+  // the bitmap of the selected ids.
   ck::named_barrier_sync(ck::NamedBarrier::kLightningMerge, 128 * kConsumerWGs);
-  const int cw = warp;  // consumer warp 0..7
-  for (int qi = cw; qi < nq; qi += kConsumerWarps) {
+  const int words = pl.stages * tile_bytes / 4 / kConsumerWGs;
+  unsigned* bitmap = reinterpret_cast<unsigned*>(smem + pl.off_stage) + wg * words;
+  for (int qi = 0; qi < nq; ++qi) {
     const std::int64_t t = t0 + qi;
     if (t >= p.Lq) break;
-    u64* a = buf + static_cast<std::int64_t>(qi) * 2 * cap;
-    const u64* bb = a + cap;
-    const int na = cnt[qi * 2], nb = cnt[qi * 2 + 1], n = na + nb;
-    const u64 v = n > k ? warp_kth_key(a, na, bb, nb, k, hist, lane) : 0ull;
-    int* ids = reinterpret_cast<int*>(a);
-    const auto put_id = [&](int pos, u64 x) { ids[pos] = key_id(x); };
-    const int m = warp_keep(bb, nb, v, warp_keep(a, na, v, 0, lane, put_id), lane, put_id);  // min(n, k)
-    int P = 1;
-    while (P < m) P <<= 1;
-    for (int i = m + lane; i < P; i += 32) ids[i] = 0x7fffffff;
-    __syncwarp();
-    warp_sort_ints(ids, P, lane);
-    for (std::int64_t gr = 0; gr < p.out.G; ++gr) {
-      std::int32_t* r = p.out.row(b, gr, t);
-      for (std::int64_t s = lane; s < p.out.width; s += 32) r[s * p.out.s3] = s < m ? ids[s] : -1;
-    }
+    const u64* a = wbuf + static_cast<std::int64_t>(qi) * cap;
+    const int n = wcnt[qi];
+    const u64 v = n > k ? group_kth_key(mine, a, n, k) : 0ull;
+    const std::int64_t end = p.key_end(t);
+    group_write_ascending(mine, a, n, v, kBlocks ? (end + kStageKeys - 1) / kStageKeys : end, bitmap,
+                          words, p.out, b, t);
   }
 }
 
@@ -619,30 +806,43 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   if (pl.smem > max_smem)
     throw Error(op, "qI", "the CUDA lightning selector needs " + std::to_string(pl.smem) +
                               " bytes of shared memory per block; the device allows " + std::to_string(max_smem));
-  const std::int64_t Gq = ceil_div(Lq, pl.nq), Tk = ceil_div(Lk, kStageKeys);
-  if (Gq > 0x7fffffffLL) throw Error(op, "qI", "Lq = " + std::to_string(Lq) + " exceeds the CUDA lightning selector's grid");
+  const std::int64_t Gq = query_tiles(Lq, pl), Tk = ceil_div(Lk, kStageKeys);
+  if (Gq / kConsumerWGs > 0x7fffffffLL) throw Error(op, "qI", "Lq = " + std::to_string(Lq) + " exceeds the CUDA lightning selector's grid");
 
   const ScratchLayout sl = scratch_layout(B, Lq, Lk, pl);
   sel::Scratch scratch(op, o.workspace, sl.total, qI.device_index, stream);
   auto* amax = scratch.as<unsigned>(sl.amax);
   const bool fp8 = o.precision == IndexPrecision::fp8_e4m3;
   const RowsSrc qs = rows_src(qI), ks = rows_src(kI);
+  // Kernels per input type (a runtime dtype becomes a template argument here only).
+  const auto by_type = [](In t, auto f32, auto f16, auto bf16) { return t == In::f32 ? f32 : t == In::f16 ? f16 : bf16; };
   if (fp8) {
     check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned), stream), op, "cudaMemsetAsync");
     for (int i = 0; i < 2; ++i) {
+      const TensorView& t = i == 0 ? qI : kI;
       const RowsSrc& s = i == 0 ? qs : ks;
-      const std::int64_t rows = s.B * s.L * s.H;
-      amax_kernel<<<static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, 8), 1024)), 256, 0, stream>>>(s, amax + i);
+      // Flat: 16-byte units, kUnitsInFlight a thread per round, a grid of a few waves; else a warp per row.
+      const std::int64_t work = s.flat ? ceil_div(s.B * s.L * s.H * s.D * static_cast<std::int64_t>(dtype_size(t.dtype)),
+                                                  16 * kUnitsInFlight)
+                                       : s.B * s.L * s.H * 32;
+      const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>(ceil_div(work, 256), 1, 4096));
+      by_type(sel::in_type(t.dtype), amax_kernel<In::f32>, amax_kernel<In::f16>, amax_kernel<In::bf16>)
+          <<<blocks, 256, 0, stream>>>(s, amax + i);
       check_cuda(cudaGetLastError(), op, "amax kernel launch");
     }
   }
   CodeParams cq{qs, scratch.as<unsigned char>(sl.qcodes), amax, Gq, pl.nq, pl.hp, pl.chunks};
   CodeParams ckp{ks, scratch.as<unsigned char>(sl.kcodes), amax + 1, Tk, kRows, 1, pl.chunks};
-  for (const CodeParams& c : {cq, ckp}) {
+  for (int i = 0; i < 2; ++i) {
+    const CodeParams& c = i == 0 ? cq : ckp;
+    const In type = sel::in_type((i == 0 ? qI : kI).dtype);
     const std::int64_t units = c.src.B * c.tiles * c.chunks * kRows * 8;
     const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(units, 256), 65535));
-    if (fp8) codes_kernel<Prec::fp8><<<blocks, 256, 0, stream>>>(c);
-    else codes_kernel<Prec::bf16><<<blocks, 256, 0, stream>>>(c);
+    const auto kernel = fp8 ? by_type(type, codes_kernel<Prec::fp8, In::f32>, codes_kernel<Prec::fp8, In::f16>,
+                                      codes_kernel<Prec::fp8, In::bf16>)
+                            : by_type(type, codes_kernel<Prec::bf16, In::f32>, codes_kernel<Prec::bf16, In::f16>,
+                                      codes_kernel<Prec::bf16, In::bf16>);
+    kernel<<<blocks, 256, 0, stream>>>(c);
     check_cuda(cudaGetLastError(), op, "codes kernel launch");
   }
 
@@ -653,7 +853,7 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   sp.sink = o.sink_keys, sp.causal = o.causal, sp.top_k = o.top_k, sp.plan = pl;
   sp.out = OutRows{idx.ptr<std::int32_t>(), idx.stride[0], idx.stride[1], idx.stride[2], idx.stride[3], idx.shape[1],
                    idx.shape[3]};
-  const dim3 grid(static_cast<unsigned>(Gq), static_cast<unsigned>(B));
+  const dim3 grid(static_cast<unsigned>(Gq / kConsumerWGs), static_cast<unsigned>(B));
   auto go = [&](auto kernel) {
     check_cuda(ck::launch_with_smem(kernel, static_cast<std::size_t>(pl.smem),
                                     [&] { kernel<<<grid, kThreads, pl.smem, stream>>>(sp); }),
