@@ -66,7 +66,9 @@ def run(args):
     B, Lq, Lk, Hq, Hkv, D, top_k = (SHAPE[x] for x in ("B", "Lq", "Lk", "Hq", "Hkv", "D", "top_k"))
     q, k, _ = harness.random_qkv(B, Lq, Lk, Hq, Hkv, D, gen)
     qidx, kidx, _ = harness.random_qkv(B, Lq, Lk, Hkv, 1, D, gen)
-    host = [x[:1].cpu() for x in (q, k, qidx, kidx)]  # batch 0 for the CPU selectors
+    # The CPU selectors see the whole tensors (token_max's fp8 / fp4 scale is the amax of the whole tensor),
+    # and their lists of batch 0 are compared.
+    host = [x.cpu() for x in (q, k, qidx, kidx)]
     Tq = harness.ceil_div(Lq, BLOCK)
     out = (torch.empty(B, Hkv, Tq, top_k, dtype=torch.int32, device="cuda"),
            torch.empty(B, Hkv, Tq, dtype=torch.int32, device="cuda"))
@@ -79,7 +81,7 @@ def run(args):
             problems = harness.selector_list_problems(out[0].tolist(), out[1].tolist(), Lq, Lk, top_k, name)
             if problems:
                 raise VerificationError(f"{name}: lists break the selector contract: " + "; ".join(problems))
-            cpu_idx, cpu_cnt = select(sa, name, options, *host, out=None)
+            cpu_idx, cpu_cnt = (x[:1] for x in select(sa, name, options, *host, out=None))
             gpu_idx = out[0][:1].cpu()
             equal = ((gpu_idx == cpu_idx).all(dim=3) & (out[1][:1].cpu() == cpu_cnt)).float().mean().item()
             overlap = id_overlap(gpu_idx, cpu_idx)
