@@ -1,15 +1,7 @@
 // Device pieces shared by the CUDA selectors: element loads, the index quantisation round trips
-// (bit-identical to src/selectors/quantize.cpp), the exact top-k with the library's tie rule, and the
-// host-side launch helpers.
-//
-// Why the GPU ids equal the CPU ids bit for bit: the CPU scores are float64 sums, over d in order, of
-// products of float32 values. A product of two float32 values is exact in float64, so an FMA
-// (d = fma(x, y, d)) rounds exactly like the CPU's separate multiply and add; every device dot below
-// is therefore one thread summing d = 0, 1, ... in float64, the CPU's order, and returns the same
-// double. The float32 inputs of those dots (means, dequantised values) are produced by the same
-// IEEE-rounded operations in the same order as on the CPU (float division and multiplication are
-// correctly rounded on the device without fast-math; __fmul_rn / __fdiv_rn forbid contraction).
-// The ranking then compares the same doubles with the same strict order (score desc, id asc).
+// (bit-identical to src/selectors/quantize.cpp, so the GPU scores the values the CPU oracle scores),
+// and the host-side launch helpers. The selectors' contract (docs/design.md §5.7) bounds the error of
+// their float32 scores against the CPU's float64 ones; the quantised values themselves are exact.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda/common/pdl.cuh"
 #include "sparse_attn/error.hpp"
 #include "sparse_attn/selectors.hpp"
 #include "sparse_attn/tensor.hpp"
@@ -100,93 +93,11 @@ __device__ __forceinline__ float e2m1_to_float(std::uint8_t b) {
   return neg ? -v : v;
 }
 
-constexpr int kFp4Block = 16;
-
-// Rounds row[0, n) (shared memory, one thread per call) through the precision, exactly as
-// quantize_dequantize on the CPU. `tensor_scale` as there (0 only for an all-zero tensor, which
-// is then left as it is).
-template <Prec P>
-__device__ void quantize_row(float* row, int n, float tensor_scale) {
-  if constexpr (P == Prec::bf16) {
-    for (int i = 0; i < n; ++i) row[i] = round_bf16(row[i]);
-  } else {
-    if (tensor_scale == 0.0f) return;
-    if constexpr (P == Prec::fp8) {
-      for (int i = 0; i < n; ++i)
-        row[i] = __fmul_rn(e4m3_to_float(float_to_e4m3(__fdiv_rn(row[i], tensor_scale))), tensor_scale);
-    } else {
-      for (int b0 = 0; b0 < n; b0 += kFp4Block) {
-        const int b1 = imin(n, b0 + kFp4Block);
-        float amax = 0.0f;
-        for (int i = b0; i < b1; ++i) amax = fmaxf(amax, fabsf(row[i]));
-        const float bs =
-            __fmul_rn(e4m3_to_float(float_to_e4m3(__fdiv_rn(__fdiv_rn(amax, 6.0f), tensor_scale))), tensor_scale);
-        for (int i = b0; i < b1; ++i)
-          row[i] = bs == 0.0f ? 0.0f : __fmul_rn(e2m1_to_float(float_to_e2m1(__fdiv_rn(row[i], bs))), bs);
-      }
-    }
-  }
-}
-
-// Per-tensor scale from amax, as detail::precision_tensor_scale.
 template <Prec P>
 __device__ __forceinline__ float tensor_scale_of(float amax) {
   if constexpr (P == Prec::fp8) return __fdiv_rn(amax, 448.0f);
   else if constexpr (P == Prec::fp4) return __fdiv_rn(amax, 448.0f * 6.0f);
   else return 1.0f;
-}
-
-// ---- exact top-k -----------------------------------------------------------------------------------
-
-// Strict "ranks before" of the CPU: higher score first, ties to the lower id.
-__device__ __forceinline__ bool ranks_before(double sa, int ia, double sb, int ib) {
-  return sa > sb || (sa == sb && ia < ib);
-}
-
-// Block-wide: scores[0, n) in shared memory (sanitised), candidate id = index. Writes the best
-// min(k, n) ids ascending to row[s * stride] for s < width, pads with -1, and returns the count (to
-// every thread). `flags` is n bytes of shared scratch and `part` blockDim.x ints of shared scratch.
-// A candidate is kept iff fewer than k candidates rank before it; the set is the CPU's because the
-// order is total (ids are distinct).
-__device__ inline int top_k_ascending(const double* scores, int n, int k, unsigned char* flags, int* part, std::int32_t* row,
-                               std::int64_t stride, std::int64_t width) {
-  const int tid = threadIdx.x, nt = blockDim.x;
-  if (k >= n) {
-    for (int j = tid; j < n; j += nt) flags[j] = 1;
-  } else {
-    for (int j = tid; j < n; j += nt) {
-      const double s = scores[j];
-      int before = 0;
-      for (int o = 0; o < n && before < k; ++o) before += ranks_before(scores[o], o, s, j) ? 1 : 0;
-      flags[j] = before < k ? 1 : 0;
-    }
-  }
-  __syncthreads();
-  // Each thread owns a contiguous chunk of candidates; an exclusive scan of the chunk counts gives the
-  // output position of its first kept id, so the output is ascending.
-  const int chunk = (n + nt - 1) / nt;
-  const int lo = imin(n, tid * chunk), hi = imin(n, lo + chunk);
-  int mine = 0;
-  for (int j = lo; j < hi; ++j) mine += flags[j];
-  part[tid] = mine;
-  __syncthreads();
-  if (tid == 0) {
-    int run = 0;
-    for (int t = 0; t < nt; ++t) {
-      const int c = part[t];
-      part[t] = run;
-      run += c;
-    }
-    part[nt] = run;
-  }
-  __syncthreads();
-  int pos = part[tid];
-  for (int j = lo; j < hi; ++j)
-    if (flags[j]) row[static_cast<std::int64_t>(pos++) * stride] = j;
-  const int cnt = part[nt];
-  for (std::int64_t s = cnt + tid; s < width; s += nt) row[s * stride] = -1;
-  __syncthreads();
-  return cnt;
 }
 
 // ---- host helpers ----------------------------------------------------------------------------------
@@ -202,19 +113,9 @@ inline void check_cuda(cudaError_t e, const std::string& op, const std::string& 
 template <class... Params, class... Args>
 void launch_kernel(const std::string& op, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
                    std::size_t smem, cudaStream_t stream, bool programmatic, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = programmatic ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), op, what);
+  check_cuda(cuda_kernels::launch_programmatic(kernel, grid, block, smem, stream, programmatic, std::forward<Args>(args)...),
+             op, what);
 }
-
 /// launch_kernel as a programmatic dependent.
 template <class... Params, class... Args>
 void launch_dependent(const std::string& op, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
@@ -222,11 +123,9 @@ void launch_dependent(const std::string& op, const char* what, void (*kernel)(Pa
   launch_kernel(op, what, kernel, grid, block, smem, stream, true, std::forward<Args>(args)...);
 }
 
-/// Device side of launch_dependent: wait for the previous grid (complete, its memory visible); a no-op in
-/// a grid launched without the attribute.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-/// Lets the next programmatic dependent grid start launching (it still waits in pdl_wait for this grid).
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
+// Device side of launch_dependent: the shared programmatic-dependent-launch helpers (cuda/common/pdl.cuh).
+using cuda_kernels::pdl_launch_dependents;
+using cuda_kernels::pdl_wait;
 
 // The tensor's device must be usable by this process; otherwise the Error names the argument (as the
 // CPU-only build's unsupported-device Error does) and the runtime's reason. Returns the largest
@@ -258,7 +157,6 @@ inline void check_device_memory(const std::string& op, const std::string& name, 
 }
 
 inline In in_type(DType d) { return d == DType::f32 ? In::f32 : d == DType::f16 ? In::f16 : In::bf16; }
-
 
 inline std::size_t align_up(std::size_t x, std::size_t a = 256) { return (x + a - 1) / a * a; }
 

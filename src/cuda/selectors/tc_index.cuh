@@ -154,7 +154,7 @@ __device__ __forceinline__ void fp4_values(const float* x, int cnt, float ts, fl
   }
 }
 
-// Rounds x[0, cnt) through the precision exactly as sel::quantize_row (values v) and returns the codes.
+// Rounds x[0, cnt) through the precision exactly as the CPU's quantize_dequantize (values v) and returns the codes.
 template <Prec P>
 __device__ __forceinline__ void quantize_codes(const float* x, int cnt, float ts, float* v, float* code) {
   if constexpr (P == Prec::bf16) {
