@@ -600,11 +600,10 @@ def pooled_select(q, k, *, top_k=16, representatives=1, force_local=True, force_
     return idx, cnt
 
 
-def pooled_workspace_bytes(q, k, *, representatives=1, top_k=16, causal=False) -> int:
-    """Bytes of device scratch a CUDA pooled_select of q, k takes (0 on the CPU): the size of a
-    caller's workspace=."""
-    return _native.pooled_workspace_bytes(_dl(q), _dl(k), representatives=representatives, top_k=top_k,
-                                          causal=bool(causal))
+def pooled_workspace_bytes(q, k, *, representatives=1) -> int:
+    """Bytes of device scratch a CUDA pooled_select of q, k with `representatives` takes (0 on the
+    CPU): the size of a caller's workspace=."""
+    return _native.pooled_workspace_bytes(_dl(q), _dl(k), representatives=representatives)
 
 
 def token_max_select(qidx, kidx, *, top_k=16, precision="bf16", causal=False, reserve_local=True,

@@ -88,13 +88,13 @@ void bind_selectors(nb::module_& m) {
 
   m.def(
       "pooled_workspace_bytes",
-      [](nb::handle q, nb::handle k, int representatives, int top_k, bool causal) {
+      [](nb::handle q, nb::handle k, int representatives) {
         Imports im("pooled_workspace_bytes");
         PooledOptions o;
-        o.representatives = representatives, o.top_k = top_k, o.causal = causal;
+        o.representatives = representatives;
         return sparse_attn::pooled_workspace_bytes(im.in(q, "q"), im.in(k, "k"), o);
       },
-      "q"_a, "k"_a, "representatives"_a = 1, "top_k"_a = 16, "causal"_a = false,
+      "q"_a, "k"_a, "representatives"_a = 1,
       "Bytes of device scratch a CUDA pooled_select of these inputs takes (0 on the CPU).");
   m.def(
       "token_max_workspace_bytes",
