@@ -253,8 +253,11 @@ int run_demo(const DemoConfig& c) {
     o.exec_ms = ex.ms;
     const Selection host_sel = m.selection(false);
     // Queries [start, Lq) with all keys keep their causal alignment: Lk - Lq' = start.
-    o.quality = evaluate_selection(drop_front(q.view(false), 1, start), k.view(false), v.view(false),
-                                   drop_queries(host_sel, start), qopt);
+    const auto quality = [&](const Selection& s) {
+      return evaluate_selection(drop_front(q.view(false), 1, start), k.view(false), v.view(false),
+                                drop_queries(s, start), qopt);
+    };
+    o.quality = quality(host_sel);
     o.finite = all_finite(out.host().view());
     o.out_err = relative_error(drop_front(out.host().view(), 1, start), drop_front(dense_out.host().view(), 1, start));
     o.needles = needle_recall(host_sel, p, w.needles);
@@ -262,9 +265,7 @@ int run_demo(const DemoConfig& c) {
     if (sel.on_device) {
       progress("{}: the same selector on the CPU (float64 oracle)", title);
       m.select(false);  // overwrites the host copies of the device's lists, which are no longer needed
-      o.oracle_mass = evaluate_selection(drop_front(q.view(false), 1, start), k.view(false), v.view(false),
-                                         drop_queries(m.selection(false), start), qopt)
-                          .kept_mass_mean;
+      o.oracle_mass = quality(m.selection(false)).kept_mass_mean;
       o.mass_matches_oracle = std::abs(o.quality.kept_mass_mean - o.oracle_mass) <= kMassGap;
     }
     results.push_back(std::move(o));

@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda/common/device_guard.hpp"
 #include "cuda/common/pdl.cuh"
 #include "sparse_attn/error.hpp"
 #include "sparse_attn/selectors.hpp"
@@ -102,9 +103,7 @@ __device__ __forceinline__ float tensor_scale_of(float amax) {
 
 // ---- host helpers ----------------------------------------------------------------------------------
 
-inline void check_cuda(cudaError_t e, const std::string& op, const std::string& what) {
-  if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
-}
+using cuda_kernels::check_cuda;  // Error(op) naming `what` and the runtime's message
 
 /// Launches `kernel` on `stream`; with `programmatic`, as a programmatic dependent of the previous kernel
 /// there: its launch and the part before its griddepcontrol.wait (pdl_wait) overlap the previous grid's

@@ -1,5 +1,6 @@
 #include "cuda/selectors/scratch.hpp"
 
+#include "cuda/common/device_guard.hpp"
 #include "cuda/common/workspace_cache.hpp"
 #include "sparse_attn/error.hpp"
 
@@ -7,14 +8,9 @@ namespace sparse_attn::cuda_backend::sel {
 
 namespace {
 
-WorkspaceCache& cache() {
-  static auto* c = new WorkspaceCache();  // never destroyed: no cudaFree after the runtime's teardown
-  return *c;
-}
+using cuda_kernels::check_cuda;
 
-void check(cudaError_t e, const std::string& op, const std::string& what) {
-  if (e != cudaSuccess) throw Error(op, "", what + ": " + cudaGetErrorString(e));
-}
+WorkspaceCache g_selector_workspaces;
 
 }  // namespace
 
@@ -35,15 +31,15 @@ Scratch::Scratch(const std::string& op, const TensorView& workspace, std::size_t
   }
   if (bytes == 0) return;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(stream, &capture), op, "cudaStreamIsCapturing");
+  check_cuda(cudaStreamIsCapturing(stream, &capture), op, "cudaStreamIsCapturing");
   if (capture != cudaStreamCaptureStatusNone) {
-    check(cudaMallocAsync(&ptr_, bytes, stream), op, "cudaMallocAsync of " + std::to_string(bytes) + " bytes");
+    check_cuda(cudaMallocAsync(&ptr_, bytes, stream), op, "cudaMallocAsync of " + std::to_string(bytes) + " bytes");
     stream_ordered_ = true;
     return;
   }
-  lock_ = std::unique_lock<std::mutex>(cache().mutex());
+  lock_ = std::unique_lock<std::mutex>(g_selector_workspaces.mutex());
   // Rounded up, so that a run of calls whose needs grow a little does not grow the cache at each one.
-  ptr_ = cache().get(op, device, stream, (bytes + (std::size_t{1} << 20) - 1) >> 20 << 20);
+  ptr_ = g_selector_workspaces.get(op, device, stream, (bytes + (std::size_t{1} << 20) - 1) >> 20 << 20);
 }
 
 Scratch::~Scratch() {
