@@ -1,9 +1,10 @@
 // DSA lightning indexer on the GPU (docs/design.md §5.7): I[t, s] = sum_j w[t, j] * ReLU(qI[t, j] . kI[s]),
 // per query the top-k keys (TokenLists) or the top-k KV blocks by the maximum over their visible keys
 // (QueryLists), ascending, -1 padded, written to every group. Kernels on the caller's stream:
-//  1. (fp8) amax of qI and kI (float bits, atomicMax);
-//  2. codes: qI and kI rounded through the precision exactly as the CPU's load_quantized (fp8: the e4m3 byte
-//     of x / scale; bf16: the bf16 bits), written to scratch already in the wgmma shared-memory layout (rows
+//  1. (fp8) amax of qI and kI (float bits, atomicMax; prep.cuh, shared with token_max);
+//  2. codes (prep.cuh's codes_kernel with TileLayout, one launch for both tensors): qI and kI rounded through
+//     the precision exactly as the CPU's load_quantized (fp8: the e4m3 byte of x / scale, tc_index.cuh's
+//     fp8_quotient; bf16: the bf16 bits), written to scratch already in the wgmma shared-memory layout (rows
 //     of 128-byte chunks, 128B swizzle), so that a tile is one contiguous bulk copy: key tiles of 128 keys,
 //     query tiles of 128 (query, head) rows = nq queries x hp head slots (hp = 128 / nq >= HI, zero padded);
 //  3. select: one CTA per two query tiles, one pass over their visible keys (described at select_kernel).
@@ -53,7 +54,9 @@
 #include "cuda/common/wgmma.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
+#include "cuda/selectors/prep.cuh"
 #include "cuda/selectors/scratch.hpp"
+#include "cuda/selectors/tc_index.cuh"
 
 namespace sparse_attn::cuda_backend {
 
@@ -157,153 +160,6 @@ ScratchLayout scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, c
   s.kcodes = s.qcodes + sel::align_up(static_cast<std::size_t>(B * query_tiles(Lq, p)) * tile);
   s.total = s.kcodes + sel::align_up(static_cast<std::size_t>(B * ceil_div(Lk, kStageKeys)) * tile);
   return s;
-}
-
-// ---- 1. amax --------------------------------------------------------------------------------------------
-
-struct RowsSrc {  // an index tensor [B, L, H, D] (H = 1 for [B, L, D]), d contiguous
-  const void* x;
-  std::int64_t sb, sl, sh, B, L, H, D;
-  bool flat;  // the B L H D elements are x[0, B L H D) and x is 16-byte aligned (amax reads 16-byte units)
-  bool vec;   // x, every row start and D are 16-byte multiples (codes read 16-byte units)
-};
-
-RowsSrc rows_src(const TensorView& t) {
-  RowsSrc s = t.ndim == 3 ? RowsSrc{t.data, t.stride[0], t.stride[1], 0, t.shape[0], t.shape[1], 1, t.shape[2]}
-                          : RowsSrc{t.data, t.stride[0], t.stride[1], t.stride[2], t.shape[0], t.shape[1], t.shape[2],
-                                    t.shape[3]};
-  const std::int64_t per = 16 / dtype_size(t.dtype);  // elements per 16 bytes
-  const bool aligned = reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
-  s.flat = aligned && t.is_contiguous();
-  s.vec = aligned && s.D % per == 0 && (s.B == 1 || s.sb % per == 0) && (s.L == 1 || s.sl % per == 0) &&
-          (s.H == 1 || s.sh % per == 0);
-  return s;
-}
-
-// The 16 / sizeof(T) values of one aligned 16-byte unit.
-template <In T>
-__device__ __forceinline__ void unpack16(const uint4& v, float* x) {
-  const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (T == In::f32) {
-      x[i] = __uint_as_float(w[i]);
-    } else if constexpr (T == In::bf16) {
-      x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-      const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
-      x[2 * i] = __low2float(h), x[2 * i + 1] = __high2float(h);
-    }
-  }
-}
-
-template <In T>
-constexpr int kPer16 = T == In::f32 ? 4 : 8;  // values per 16-byte unit
-
-constexpr int kUnitsInFlight = 4;  // 16-byte loads a thread keeps in flight (the preparation is load-bound)
-
-// Largest |x| as float bits (non-negative floats order like their bits); fmaxf skips NaN like std::fmax.
-// A flat tensor is read as 16-byte units, kUnitsInFlight per thread at a time, then its tail element by element;
-// otherwise one warp per row.
-template <In T>
-__global__ void amax_kernel(const RowsSrc s, unsigned* amax) {
-  const int lane = threadIdx.x % 32;
-  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::int64_t threads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  float m = 0.0f;
-  if (s.flat) {
-    const std::int64_t n = s.B * s.L * s.H * s.D, units = n / kPer16<T>;
-    const uint4* x = static_cast<const uint4*>(s.x);
-    for (std::int64_t e = first; e < units; e += kUnitsInFlight * threads) {
-      uint4 v[kUnitsInFlight];
-#pragma unroll
-      for (int i = 0; i < kUnitsInFlight; ++i) v[i] = e + i * threads < units ? x[e + i * threads] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int i = 0; i < kUnitsInFlight; ++i) {
-        float f[kPer16<T>];
-        unpack16<T>(v[i], f);
-#pragma unroll
-        for (int j = 0; j < kPer16<T>; ++j) m = fmaxf(m, fabsf(f[j]));
-      }
-    }
-    for (std::int64_t i = units * kPer16<T> + first; i < n; i += threads) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, i)));
-  } else {
-    const std::int64_t rows = s.B * s.L * s.H;
-    for (std::int64_t r = first / 32; r < rows; r += threads / 32) {
-      const std::int64_t h = r % s.H, l = (r / s.H) % s.L, b = r / (s.H * s.L);
-      const std::int64_t off = b * s.sb + l * s.sl + h * s.sh;
-      for (std::int64_t d = lane; d < s.D; d += 32) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, off + d)));
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) atomicMax(amax, __float_as_uint(m));
-}
-
-// ---- 2. codes in the tile layout ------------------------------------------------------------------------
-
-struct CodeParams {
-  RowsSrc src;
-  unsigned char* dst;
-  const unsigned* amax;  // this tensor's word (fp8)
-  std::int64_t tiles;    // per batch
-  int items_per_tile;    // keys: 128; queries: nq
-  int hp;                // rows per item: keys 1; queries hp (heads past H are zero)
-  int chunks;
-};
-
-// One thread per 16-byte unit u of row r of chunk c of a tile; the unit lands at r * 128 + ((u ^ r % 8) * 16)
-// of the chunk (what TMA's SWIZZLE_128B writes, which the wgmma descriptors expect). A unit's values are read
-// as whole 16-byte units when the source allows (src.vec: a 16-byte unit of the source lies entirely below D or
-// entirely past it), all of them issued before the first is used.
-template <Prec P, In T>
-__global__ void codes_kernel(const CodeParams p) {
-  constexpr int kPerUnit = P == Prec::fp8 ? 16 : 8;  // codes per 16-byte output unit
-  constexpr int kLoads = kPerUnit / kPer16<T>;       // 16-byte source units per output unit
-  const RowsSrc& s = p.src;
-  const std::int64_t units = s.B * p.tiles * p.chunks * kRows * 8;
-  const float ts = P == Prec::fp8 ? sel::tensor_scale_of<Prec::fp8>(__uint_as_float(*p.amax)) : 1.0f;
-  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < units;
-       e += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const int u = static_cast<int>(e % 8), r = static_cast<int>((e / 8) % kRows);
-    const std::int64_t tc = e / (8 * kRows);  // (b * tiles + tile) * chunks + c
-    const int c = static_cast<int>(tc % p.chunks);
-    const std::int64_t bt = tc / p.chunks, tile = bt % p.tiles, b = bt / p.tiles;
-    const std::int64_t item = tile * p.items_per_tile + r / p.hp, h = r % p.hp;
-    const bool valid = item < s.L && h < s.H;
-    const std::int64_t off = b * s.sb + item * s.sl + h * s.sh;
-    const int d0 = (c * 128 + u * 16) / (16 / kPerUnit);
-    float x[kPerUnit];
-    if (s.vec) {
-      uint4 v[kLoads];
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i)
-        v[i] = valid && d0 + i * kPer16<T> < s.D ? *reinterpret_cast<const uint4*>(
-                                                        static_cast<const unsigned char*>(s.x) +
-                                                        (off + d0 + i * kPer16<T>) * static_cast<std::int64_t>(16 / kPer16<T>))
-                                                  : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) unpack16<T>(v[i], x + i * kPer16<T>);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kPerUnit; ++i) x[i] = valid && d0 + i < s.D ? sel::load_elem<T>(s.x, off + d0 + i) : 0.0f;
-    }
-    std::uint32_t word[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int i = 0; i < kPerUnit; ++i) {
-      std::uint32_t code;
-      if constexpr (P == Prec::fp8) {
-        // A zero scale (all-zero tensor, or an amax that underflows): the CPU keeps the raw values; codes 0
-        // (lightning_epsilon covers that case). Padding (x = +0) codes to 0 either way.
-        code = ts == 0.0f ? 0u : sel::float_to_e4m3(__fdiv_rn(x[i], ts));
-      } else {
-        code = __float_as_uint(sel::round_bf16(x[i])) >> 16;
-      }
-      constexpr int bits = P == Prec::fp8 ? 8 : 16;
-      word[i * bits / 32] |= code << ((i * bits) % 32);
-    }
-    unsigned char* at = p.dst + tc * kChunkBytes + r * 128 + ((u ^ (r % 8)) * 16);
-    *reinterpret_cast<uint4*>(at) = make_uint4(word[0], word[1], word[2], word[3]);
-  }
 }
 
 // ---- 3. selection ---------------------------------------------------------------------------------------
@@ -813,38 +669,26 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   sel::Scratch scratch(op, o.workspace, sl.total, qI.device_index, stream);
   auto* amax = scratch.as<unsigned>(sl.amax);
   const bool fp8 = o.precision == IndexPrecision::fp8_e4m3;
-  const RowsSrc qs = rows_src(qI), ks = rows_src(kI);
-  // Kernels per input type (a runtime dtype becomes a template argument here only).
-  const auto by_type = [](In t, auto f32, auto f16, auto bf16) { return t == In::f32 ? f32 : t == In::f16 ? f16 : bf16; };
+  // 1.-2. (prep.cuh): the amax words (fp8), then the codes of both tensors in the tile layout, a programmatic
+  // dependent of the amax.
   if (fp8) {
     check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned), stream), op, "cudaMemsetAsync");
-    for (int i = 0; i < 2; ++i) {
-      const TensorView& t = i == 0 ? qI : kI;
-      const RowsSrc& s = i == 0 ? qs : ks;
-      // Flat: 16-byte units, kUnitsInFlight a thread per round, a grid of a few waves; else a warp per row.
-      const std::int64_t work = s.flat ? ceil_div(s.B * s.L * s.H * s.D * static_cast<std::int64_t>(dtype_size(t.dtype)),
-                                                  16 * kUnitsInFlight)
-                                       : s.B * s.L * s.H * 32;
-      const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>(ceil_div(work, 256), 1, 4096));
-      by_type(sel::in_type(t.dtype), amax_kernel<In::f32>, amax_kernel<In::f16>, amax_kernel<In::bf16>)
-          <<<blocks, 256, 0, stream>>>(s, amax + i);
-      check_cuda(cudaGetLastError(), op, "amax kernel launch");
-    }
+    prep::launch_amax(op, qI, &kI, amax, stream);
   }
-  CodeParams cq{qs, scratch.as<unsigned char>(sl.qcodes), amax, Gq, pl.nq, pl.hp, pl.chunks};
-  CodeParams ckp{ks, scratch.as<unsigned char>(sl.kcodes), amax + 1, Tk, kRows, 1, pl.chunks};
-  for (int i = 0; i < 2; ++i) {
-    const CodeParams& c = i == 0 ? cq : ckp;
-    const In type = sel::in_type((i == 0 ? qI : kI).dtype);
-    const std::int64_t units = c.src.B * c.tiles * c.chunks * kRows * 8;
-    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(units, 256), 65535));
-    const auto kernel = fp8 ? by_type(type, codes_kernel<Prec::fp8, In::f32>, codes_kernel<Prec::fp8, In::f16>,
-                                      codes_kernel<Prec::fp8, In::bf16>)
-                            : by_type(type, codes_kernel<Prec::bf16, In::f32>, codes_kernel<Prec::bf16, In::f16>,
-                                      codes_kernel<Prec::bf16, In::bf16>);
-    kernel<<<blocks, 256, 0, stream>>>(c);
-    check_cuda(cudaGetLastError(), op, "codes kernel launch");
-  }
+  prep::CodesParams<prep::TileLayout> cp{};
+  cp.src[0] = tc::index_src(qI), cp.src[1] = tc::index_src(kI);
+  cp.type[0] = sel::in_type(qI.dtype), cp.type[1] = sel::in_type(kI.dtype);
+  cp.dst[0] = scratch.as<unsigned char>(sl.qcodes), cp.dst[1] = scratch.as<unsigned char>(sl.kcodes);
+  int hp_log2 = 0;
+  while ((1 << hp_log2) < pl.hp) ++hp_log2;
+  cp.lay[0] = {Gq, pl.nq, hp_log2, pl.chunks};
+  cp.lay[1] = {Tk, kRows, 0, pl.chunks};
+  cp.lanes = pl.chunks * 128 / (8 * elem_bytes(o.precision));
+  cp.items0 = B * Gq * kRows * cp.lanes;
+  cp.items = cp.items0 + B * Tk * kRows * cp.lanes;
+  cp.amax = fp8 ? amax : nullptr;
+  if (fp8) prep::launch_codes<Prec::fp8>(op, cp, true, stream);
+  else prep::launch_codes<Prec::bf16>(op, cp, false, stream);
 
   SelectParams sp{};
   sp.qcodes = scratch.as<unsigned char>(sl.qcodes), sp.kcodes = scratch.as<unsigned char>(sl.kcodes);

@@ -1,10 +1,10 @@
 // MSA-style token_max selector on the GPU (docs/design.md §5.7): block scores on the tensor cores with
 // float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Four
 // launches on the caller's stream after a memset of two words:
-//  1. amax (amax_kernel): the largest |x| of qidx and of kidx (float bits, atomicMax);
-//  2. codes (codes_kernel, a programmatic dependent of 1: its loads are issued before it waits): every index
-//     row rounded through the precision exactly as the CPU's load_quantized (tc_index.cuh;
-//     QuantisationEqualsCpu), stored as codes, value = code x per-tensor scale up to one or two float32
+//  1. amax (prep.cuh, shared with lightning): the largest |x| of qidx and of kidx (float bits, atomicMax);
+//  2. codes (prep.cuh's codes_kernel with RowLayout, a programmatic dependent of 1: its first loads are issued
+//     before it waits): every index row rounded through the precision exactly as the CPU's load_quantized
+//     (tc_index.cuh; QuantisationEqualsCpu, Fp8CodesEqualCpu), stored as codes, value = code x per-tensor scale up to one or two float32
 //     roundings: fp8 as e4m3 bytes (scale amax / 448), fp4 as bf16 (an NVFP4 value, e2m1 x its e4m3 block
 //     scale, has up to 6 significant bits: exact in bf16, not in e4m3; scale amax / 2688), bf16 as itself
 //     times 2^-e, 2^e the power of two above amax (exact unless the result is subnormal; it keeps every dot
@@ -82,6 +82,7 @@
 #include "cuda/common/wgmma_fp8.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
+#include "cuda/selectors/prep.cuh"
 #include "cuda/selectors/scratch.hpp"
 #include "cuda/selectors/tc_index.cuh"
 
@@ -94,11 +95,9 @@ using sel::imax;
 using sel::imin;
 using sel::In;
 using sel::Prec;
-using tc::IndexSrc;
 
 constexpr int kMaxDi = 256;
 constexpr int kRankThreads = 128;
-constexpr int kPrepThreads = 256;
 
 struct Shape {
   std::int64_t B, Lq, Lk, Hkv, Hk, Di, Dc, Tq, Tk;
@@ -119,222 +118,6 @@ constexpr int code_bytes(IndexPrecision p) { return p == IndexPrecision::fp8_e4m
 
 /// 128-byte halves of a code row (the TMA box width and the swizzle span).
 std::int64_t code_halves(std::int64_t Dc, IndexPrecision p) { return (Dc * code_bytes(p) + 127) / 128; }
-
-// ---- 1.-2. preparation ----------------------------------------------------------------------------------
-//
-// Two launches over items of 8 consecutive elements of a code row (Dc / 8 per row; items past Di hold zero
-// codes): the amax of both tensors, then (its programmatic dependent) the codes. Every thread issues the
-// loads of a round of kRound items before it uses any of them, so 4 x 16 bytes (8 x 16 for f32) are in
-// flight per thread; the codes kernel issues its round before it waits for the amax (the inputs were
-// complete before the amax kernel, a plain launch, started), so its loads overlap the amax's tail.
-
-constexpr int kRound = 4;         // items per thread and round
-// The amax kernel's grid: one wave of 2 CTAs per SM (64 registers a thread: half the register file, so
-// a codes CTA fits beside them), 2 x 256 threads x 4 x 16 B = 32 KB in flight per SM.
-constexpr int kAmaxCtasPerSm = 2;
-
-struct PrepParams {
-  IndexSrc src[2];
-  In type[2];
-  void* codes[2];            // [rows, Dc] e4m3 bytes (fp8) or bf16
-  std::int64_t items0, items; // items of tensor 0 (rows * lanes), of both
-  int lanes;                 // Dc / 8 items per row
-  int Dc;
-  unsigned int* amax;        // [2]: amax of qidx, kidx (float bits), zeroed per call
-};
-
-// An item: 8 consecutive elements of one row, which tensor it is in and whether it exists.
-struct Item {
-  int which, d0;
-  std::int64_t row;
-  bool in;
-};
-__device__ __forceinline__ Item item_of(const PrepParams& p, std::int64_t t) {
-  Item it;
-  it.which = t < p.items0 ? 0 : 1;
-  const std::int64_t u = it.which ? t - p.items0 : t;
-  if (p.items <= 0x7fffffff) {  // 64-bit division costs ~100 instructions: 32 bits where they suffice
-    const auto u32 = static_cast<std::uint32_t>(u), l32 = static_cast<std::uint32_t>(p.lanes);
-    const std::uint32_t r = u32 / l32;
-    it.row = r;
-    it.d0 = static_cast<int>(u32 - r * l32) * 8;
-  } else {
-    it.row = u / p.lanes;
-    it.d0 = static_cast<int>(u - it.row * p.lanes) * 8;
-  }
-  it.in = t < p.items;
-  return it;
-}
-
-// An item's 8 elements as loaded: 16-bit types packed in lo (element 2 w in the low half of word w), f32 in
-// lo (0-3) and hi (4-7); zero past the row's Di and for an item that does not exist.
-struct Raw {
-  uint4 lo, hi;
-};
-
-// Issues the loads of an item and uses none of their values, so the loads of a round are in flight
-// together: one 16-byte load (two for f32) where the 8 elements lie in the row and are 16-byte aligned,
-// one load per element otherwise (strided or unaligned views, Di not a multiple of 8).
-__device__ __forceinline__ Raw load_raw(const PrepParams& p, const Item& it) {
-  Raw r{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
-  const IndexSrc s = it.which ? p.src[1] : p.src[0];
-  const In t = it.which ? p.type[1] : p.type[0];
-  const int cnt = imax(0, imin(8, static_cast<int>(s.D) - it.d0));
-  if (!it.in || cnt == 0) return r;
-  const std::int64_t e = (tc::contiguous_rows(s) ? it.row * s.D : s.offset(it.row)) + it.d0;
-  if (t == In::f32) {
-    const auto* a = static_cast<const unsigned*>(s.x) + e;
-    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
-      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
-      r.hi = __ldg(reinterpret_cast<const uint4*>(a) + 1);
-    } else {
-      unsigned u[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? __ldg(a + i) : 0u;
-      r.lo = make_uint4(u[0], u[1], u[2], u[3]);
-      r.hi = make_uint4(u[4], u[5], u[6], u[7]);
-    }
-  } else {
-    const auto* a = static_cast<const unsigned short*>(s.x) + e;
-    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
-      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
-    } else {
-      unsigned u[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? static_cast<unsigned>(__ldg(a + i)) : 0u;
-      r.lo = make_uint4(u[0] | u[1] << 16, u[2] | u[3] << 16, u[4] | u[5] << 16, u[6] | u[7] << 16);
-    }
-  }
-  return r;
-}
-
-// A round: the items t, t + step, ..., kRound of them, with their loads issued.
-struct Round {
-  Item it[kRound];
-  Raw r[kRound];
-};
-__device__ __forceinline__ Round load_round(const PrepParams& p, std::int64_t t, std::int64_t step) {
-  Round q;
-#pragma unroll
-  for (int k = 0; k < kRound; ++k) {
-    q.it[k] = item_of(p, t + k * step);
-    q.r[k] = load_raw(p, q.it[k]);
-  }
-  return q;
-}
-
-// The item's elements as floats (the first use of its loads).
-__device__ __forceinline__ void to_floats(const PrepParams& p, const Item& it, const Raw& r, float (&x)[8]) {
-  const In t = it.which ? p.type[1] : p.type[0];
-  const unsigned w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
-  if (t == In::f32) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) x[2 * k] = tc::bits16_to_float(w[k] & 0xffffu, t), x[2 * k + 1] = tc::bits16_to_float(w[k] >> 16, t);
-  }
-}
-
-// Rounds the item's 8 values through the precision (as the CPU's load_quantized) and stores their codes.
-// fp4: an NVFP4 block of 16 is the even-odd lane pair (lanes is even, every tensor and row starts at an
-// even item, and the item stride kPrepThreads is even), so every lane of the warp must call this.
-template <Prec P>
-__device__ __forceinline__ void store_codes(const PrepParams& p, const Item& it, const float (&x)[8], float ts,
-                                            float down) {
-  float v[8], c[8];
-  tc::quantize_lane8<P>(x, ts, v, c);
-  if (!it.in) return;
-  if constexpr (P == Prec::fp8) {
-    unsigned w[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const auto lo = __nv_cvt_float2_to_fp8x2(make_float2(c[4 * h], c[4 * h + 1]), __NV_SATFINITE, __NV_E4M3);
-      const auto hi = __nv_cvt_float2_to_fp8x2(make_float2(c[4 * h + 2], c[4 * h + 3]), __NV_SATFINITE, __NV_E4M3);
-      w[h] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
-    }
-    *reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.codes[it.which]) + it.row * p.Dc + it.d0) =
-        make_uint2(w[0], w[1]);
-  } else {
-    unsigned w[4];
-#pragma unroll
-    for (int h = 0; h < 4; ++h) {
-      // bf16: times 2^-e, exact unless subnormal; fp4: down = 1.
-      const __nv_bfloat162 b2 = __floats2bfloat162_rn(__fmul_rn(c[2 * h], down), __fmul_rn(c[2 * h + 1], down));
-      w[h] = *reinterpret_cast<const unsigned*>(&b2);
-    }
-    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.codes[it.which]) + it.row * p.Dc + it.d0) =
-        make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-// The largest |x| of qidx and of kidx: a grid-stride loop over rounds of items, a block reduction and one
-// atomicMax on float bits per CTA and tensor (non-negative floats order like their bits: order-free;
-// fmaxf skips NaN as the CPU's std::fmax does). A plain launch after the memset of the words.
-__global__ void __launch_bounds__(kPrepThreads) amax_kernel(const __grid_constant__ PrepParams p) {
-  sel::pdl_launch_dependents();  // the codes kernel may be scheduled beside this one and issue its loads
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kPrepThreads;
-  float m0 = 0.0f, m1 = 0.0f;  // scalars, not an array indexed at run time (which would live in local memory)
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kPrepThreads + threadIdx.x; t < p.items;
-       t += kRound * stride) {
-    const Round q = load_round(p, t, stride);
-#pragma unroll
-    for (int k = 0; k < kRound; ++k) {
-      float x[8];
-      to_floats(p, q.it[k], q.r[k], x);
-      float a = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i]));
-      if (q.it[k].which) m1 = fmaxf(m1, a);
-      else m0 = fmaxf(m0, a);
-    }
-  }
-  __shared__ float red[2][kPrepThreads / 32];
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    float v = w ? m1 : m0;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0) red[w][threadIdx.x / 32] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float a0 = red[0][0], a1 = red[1][0];
-    for (int w = 1; w < kPrepThreads / 32; ++w) a0 = fmaxf(a0, red[0][w]), a1 = fmaxf(a1, red[1][w]);
-    atomicMax(p.amax, __float_as_uint(a0));
-    atomicMax(p.amax + 1, __float_as_uint(a1));
-  }
-}
-
-// The codes: a programmatic dependent of amax_kernel; one round of kRound items per thread (item stride
-// kPrepThreads: an fp4 block of 16 is an even-odd lane pair, as store_codes needs).
-template <Prec P>
-__global__ void __launch_bounds__(kPrepThreads) codes_kernel(const __grid_constant__ PrepParams p) {
-  const Round q = load_round(p, static_cast<std::int64_t>(blockIdx.x) * kRound * kPrepThreads + threadIdx.x, kPrepThreads);
-  sel::pdl_wait();
-  sel::pdl_launch_dependents();
-  // Per tensor: the scale and, for bf16, 2^-e with 2^e the power of two above amax (0 for an all-zero
-  // tensor), so codes are below 1 in magnitude.
-  auto scales = [&](int w, float& ts, float& down) {
-    const unsigned bits = __ldcg(p.amax + w);
-    ts = tc::tensor_scale(static_cast<int>(P), &bits);
-    down = 1.0f;
-    if constexpr (P == Prec::bf16) {
-      int e = 0;
-      frexpf(__uint_as_float(bits), &e);
-      down = ldexpf(1.0f, -imax(-100, imin(128, e)));
-    }
-  };
-  float ts0, ts1, down0, down1;
-  scales(0, ts0, down0);
-  scales(1, ts1, down1);
-#pragma unroll
-  for (int k = 0; k < kRound; ++k) {
-    float x[8];
-    to_floats(p, q.it[k], q.r[k], x);
-    store_codes<P>(p, q.it[k], x, q.it[k].which ? ts1 : ts0, q.it[k].which ? down1 : down0);
-  }
-}
 
 // ---- 3. screen ------------------------------------------------------------------------------------------
 
@@ -855,26 +638,22 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   sel::Scratch scratch(op, o.workspace, lay.bytes, qidx.device_index, stream);
   auto* amax = scratch.as<unsigned int>(lay.amax);
   check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
-  PrepParams pp{};
+  prep::launch_amax(op, qidx, &kidx, amax, stream);
+  prep::CodesParams<prep::RowLayout> pp{};
   pp.src[0] = tc::index_src(qidx), pp.src[1] = tc::index_src(kidx);
   pp.type[0] = sel::in_type(qidx.dtype), pp.type[1] = sel::in_type(kidx.dtype);
-  pp.codes[0] = scratch.as<void>(lay.qc), pp.codes[1] = scratch.as<void>(lay.kc);
+  pp.dst[0] = scratch.as<unsigned char>(lay.qc), pp.dst[1] = scratch.as<unsigned char>(lay.kc);
+  for (int i = 0; i < 2; ++i) pp.lay[i] = {s.Dc * code_bytes(prec), prep::contiguous_rows(pp.src[i])};
   pp.lanes = static_cast<int>(s.Dc / 8);
-  pp.Dc = static_cast<int>(s.Dc);
   pp.items0 = s.B * s.Lq * s.Hkv * pp.lanes;
   pp.items = pp.items0 + s.B * s.Lk * s.Hk * pp.lanes;
   pp.amax = amax;
+  pp.bf16_down = true;
+  if (prec == IndexPrecision::bf16) prep::launch_codes<Prec::bf16>(op, pp, true, stream);
+  else if (fp8) prep::launch_codes<Prec::fp8>(op, pp, true, stream);
+  else prep::launch_codes<Prec::fp4>(op, pp, true, stream);
   int sms = 0;
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
-  const std::int64_t round_items = static_cast<std::int64_t>(kRound) * kPrepThreads;
-  const std::int64_t amax_ctas = imin<std::int64_t>(static_cast<std::int64_t>(sms) * kAmaxCtasPerSm, ceil_div(pp.items, round_items));
-  sel::launch_kernel(op, "amax launch", amax_kernel, dim3(static_cast<unsigned>(amax_ctas)), dim3(kPrepThreads), 0, stream,
-                     false, pp);
-  void (*codes)(PrepParams) = prec == IndexPrecision::bf16 ? codes_kernel<Prec::bf16>
-                              : fp8                        ? codes_kernel<Prec::fp8>
-                                                           : codes_kernel<Prec::fp4>;
-  sel::launch_dependent(op, "codes launch", codes, dim3(static_cast<unsigned>(ceil_div(pp.items, round_items))),
-                        dim3(kPrepThreads), 0, stream, pp);
 
   // The code rows as 16-bit columns (e4m3 bytes in pairs): TMA moves bits, and a box of 64 columns is the
   // 128-byte swizzle span either way.

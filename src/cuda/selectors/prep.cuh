@@ -1,0 +1,319 @@
+// Preparation of the index tensors, shared by the token_max and lightning selectors (docs/design.md §5.7):
+//  - amax (launch_amax, prep.cu): the largest |x| of one or two tensors as float bits, one launch;
+//  - codes (codes_kernel below, a programmatic dependent of the amax): every element rounded through the
+//    precision exactly as the CPU's load_quantized (tc_index.cuh), stored in the selector's layout:
+//    token_max's padded rows (RowLayout) or lightning's 128B-swizzled wgmma tiles (TileLayout).
+// Both are bound by memory traffic, so both keep several 16-byte loads in flight per thread before using
+// any, and spend few instructions per element (docs/notes/selectors_token_max.md, "prep v2").
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <string>
+
+#include "cuda/selectors/common.cuh"
+#include "cuda/selectors/tc_index.cuh"
+
+namespace sparse_attn::cuda_backend::prep {
+
+using sel::imax;
+using sel::imin;
+using sel::In;
+using sel::Prec;
+using tc::IndexSrc;
+
+constexpr int kThreads = 256;  // both kernels
+
+/// Whether the tensor is one flat array from a 16-byte aligned base (rows of pitch D, dense batch and head
+/// strides): then its elements are read as 16-byte units without row arithmetic.
+__host__ __device__ __forceinline__ bool contiguous_rows(const IndexSrc& s) {
+  return (s.H == 1 || s.sh == s.D) && s.sl == s.H * s.D && (s.B == 1 || s.sb == s.L * s.H * s.D) &&
+         reinterpret_cast<std::uintptr_t>(s.x) % 16 == 0;
+}
+
+/// Launches the amax of `a` and, when `b` is not null, of `b` on `stream`: amax[0] (and amax[1]) become the
+/// float bits of the largest |x| (NaN skipped, as std::fmax on the CPU), words the caller zeroed. One plain
+/// launch, which lets a programmatic dependent (the codes) be scheduled beside it. `op` names the caller.
+void launch_amax(const std::string& op, const TensorView& a, const TensorView* b, unsigned int* amax, cudaStream_t stream);
+
+// ---- codes ----------------------------------------------------------------------------------------------
+//
+// Work items of 8 consecutive elements of a code row (rows padded with zero codes past Di); a CTA takes
+// rounds of kRound x kThreads consecutive items (thread t the items t, t + kThreads, ...), and issues the
+// loads of its next round before it quantises the current one, so 2 kRound 16-byte loads (twice that for
+// f32) are in flight per thread. Persistent: two CTAs per SM (launch bounds), rounds by a grid stride.
+// fp4: an NVFP4 block of 16 is the items of an even-odd lane pair (rows and tensors start at even items, the
+// item stride kThreads is even), which share the block's amax by a shuffle: every lane of a warp quantises.
+
+constexpr int kRound = 4;
+constexpr int kCodesCtasPerSm = 2;
+constexpr int kTileRows = 128;                   // lightning: rows of a tile
+constexpr int kChunkBytes = kTileRows * 128;     // lightning: one 128-byte column chunk of a tile
+
+/// token_max: codes [rows, pitch bytes], code row r the source row r.
+struct RowLayout {
+  std::int64_t pitch;
+  bool contiguous;  // contiguous_rows(src): the row's offset is r D
+  __device__ std::int64_t src_offset(const IndexSrc& s, std::int64_t r) const {
+    return contiguous ? r * s.D : s.offset(r);
+  }
+  __device__ std::int64_t dst_offset(std::int64_t r, int byte) const { return r * pitch + byte; }
+};
+
+/// lightning: per batch `tiles` tiles of 128 rows, row r of tile t the source position t per_tile + r / hp,
+/// head r % hp (hp a power of two; rows of positions past L and of heads past H are zero). A tile is
+/// [chunks][128 rows][128 B], 16-byte unit u of row r at r 128 + (u ^ r % 8) 16 of its chunk: what TMA's
+/// SWIZZLE_128B writes and the wgmma descriptors expect.
+struct TileLayout {
+  std::int64_t tiles;
+  int per_tile, hp_log2, chunks;
+  __device__ std::int64_t src_offset(const IndexSrc& s, std::int64_t row) const {
+    const std::int64_t bt = row / kTileRows;
+    const int r = static_cast<int>(row % kTileRows);
+    std::int64_t b, t;
+    if (bt <= 0x7fffffff && tiles <= 0x7fffffff) {  // 64-bit division costs ~100 instructions
+      const auto bt32 = static_cast<std::uint32_t>(bt), t32 = static_cast<std::uint32_t>(tiles);
+      b = bt32 / t32, t = bt32 - static_cast<std::uint32_t>(b) * t32;
+    } else {
+      b = bt / tiles, t = bt - b * tiles;
+    }
+    const std::int64_t l = t * per_tile + (r >> hp_log2);
+    const int h = r & ((1 << hp_log2) - 1);
+    return l < s.L && h < s.H ? b * s.sb + l * s.sl + h * s.sh : -1;
+  }
+  __device__ std::int64_t dst_offset(std::int64_t row, int byte) const {
+    const std::int64_t bt = row / kTileRows;
+    const int r = static_cast<int>(row % kTileRows), c = byte / 128, u = byte % 128;
+    return (bt * chunks + c) * kChunkBytes + r * 128 + (((u / 16) ^ (r % 8)) * 16) + u % 16;
+  }
+};
+
+template <class Layout>
+struct CodesParams {
+  IndexSrc src[2];
+  In type[2];
+  unsigned char* dst[2];
+  Layout lay[2];
+  std::int64_t items0, items;  // items of tensor 0, of both
+  int lanes;                   // items per code row
+  const unsigned int* amax;    // [2] float bits (from launch_amax); null: no amax (bf16 codes, scale 1)
+  bool bf16_down;              // bf16 codes times 2^-e, 2^e the power of two above amax (token_max)
+};
+
+/// Code bytes per element of precision P: e4m3 for fp8, bf16 for bf16 and fp4 (an NVFP4 value, e2m1 x its
+/// e4m3 block scale, has up to 6 significant bits: exact in bf16, not in e4m3).
+template <Prec P>
+constexpr int kCodeBytes = P == Prec::fp8 ? 1 : 2;
+
+struct Item {
+  int which, d0;
+  std::int64_t row;
+  bool in;
+};
+
+// An item's 8 elements as loaded: 16-bit types packed in lo (element 2 w in the low half of word w), f32 in
+// lo (0-3) and hi (4-7); zero past Di and for an item or a row that does not exist.
+struct Raw {
+  uint4 lo, hi;
+};
+
+struct Round {
+  Item it[kRound];
+  Raw r[kRound];
+};
+
+template <class Layout>
+__device__ __forceinline__ Item item_of(const CodesParams<Layout>& p, std::int64_t t) {
+  Item it;
+  it.which = t < p.items0 ? 0 : 1;
+  const std::int64_t u = it.which ? t - p.items0 : t;
+  if (p.items <= 0x7fffffff) {
+    const auto u32 = static_cast<std::uint32_t>(u), l32 = static_cast<std::uint32_t>(p.lanes);
+    const std::uint32_t r = u32 / l32;
+    it.row = r;
+    it.d0 = static_cast<int>(u32 - r * l32) * 8;
+  } else {
+    it.row = u / p.lanes;
+    it.d0 = static_cast<int>(u - it.row * p.lanes) * 8;
+  }
+  it.in = t < p.items;
+  return it;
+}
+
+// Issues the loads of an item and uses none of their values: one 16-byte load (two for f32) where the 8
+// elements lie in the row and are 16-byte aligned, one load per element otherwise (strided or unaligned
+// views, Di not a multiple of 8).
+template <class Layout>
+__device__ __forceinline__ Raw load_raw(const CodesParams<Layout>& p, const Item& it) {
+  Raw r{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+  if (!it.in) return r;
+  const IndexSrc& s = it.which ? p.src[1] : p.src[0];
+  const In t = it.which ? p.type[1] : p.type[0];
+  const int cnt = imax(0, imin(8, static_cast<int>(s.D) - it.d0));
+  const std::int64_t off = (it.which ? p.lay[1] : p.lay[0]).src_offset(s, it.row);
+  if (off < 0 || cnt == 0) return r;
+  const std::int64_t e = off + it.d0;
+  if (t == In::f32) {
+    const auto* a = static_cast<const unsigned*>(s.x) + e;
+    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
+      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
+      r.hi = __ldg(reinterpret_cast<const uint4*>(a) + 1);
+    } else {
+      unsigned u[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? __ldg(a + i) : 0u;
+      r.lo = make_uint4(u[0], u[1], u[2], u[3]);
+      r.hi = make_uint4(u[4], u[5], u[6], u[7]);
+    }
+  } else {
+    const auto* a = static_cast<const unsigned short*>(s.x) + e;
+    if (cnt == 8 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0) {
+      r.lo = __ldg(reinterpret_cast<const uint4*>(a));
+    } else {
+      unsigned u[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) u[i] = i < cnt ? static_cast<unsigned>(__ldg(a + i)) : 0u;
+      r.lo = make_uint4(u[0] | u[1] << 16, u[2] | u[3] << 16, u[4] | u[5] << 16, u[6] | u[7] << 16);
+    }
+  }
+  return r;
+}
+
+template <class Layout>
+__device__ __forceinline__ Round load_round(const CodesParams<Layout>& p, std::int64_t t) {
+  Round q;
+#pragma unroll
+  for (int k = 0; k < kRound; ++k) {
+    q.it[k] = item_of(p, t + k * kThreads);
+    q.r[k] = load_raw(p, q.it[k]);
+  }
+  return q;
+}
+
+// The item's elements as floats: one branch per item on the (tensor-uniform) type, none per element.
+__device__ __forceinline__ void to_floats(In t, const Raw& r, float (&x)[8]) {
+  const unsigned w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+  if (t == In::f32) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i]);
+  } else if (t == In::bf16) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[2 * k] = __uint_as_float(w[k] << 16), x[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __half2 h = *reinterpret_cast<const __half2*>(&w[k]);
+      x[2 * k] = __low2float(h), x[2 * k + 1] = __high2float(h);
+    }
+  }
+}
+
+// Per-tensor constants of the quantisation, from its amax word.
+struct TensorScale {
+  float ts;          // the CPU's precision_tensor_scale (1 for bf16)
+  float down;        // bf16 codes: 2^-e (token_max) or 1
+  tc::Fp8Scale f8;   // fp8
+};
+
+// a or b field by field (selecting the struct itself would put both in local memory).
+__device__ __forceinline__ TensorScale pick(bool second, const TensorScale& a, const TensorScale& b) {
+  TensorScale s;
+  s.ts = second ? b.ts : a.ts;
+  s.down = second ? b.down : a.down;
+  s.f8.by.d = second ? b.f8.by.d : a.f8.by.d;
+  s.f8.by.y = second ? b.f8.by.y : a.f8.by.y;
+  s.f8.by.fast = second ? b.f8.by.fast : a.f8.by.fast;
+  s.f8.lo = second ? b.f8.lo : a.f8.lo;
+  s.f8.hi = second ? b.f8.hi : a.f8.hi;
+  s.f8.clamped = second ? b.f8.clamped : a.f8.clamped;
+  return s;
+}
+
+template <Prec P, class Layout>
+__device__ __forceinline__ TensorScale tensor_scale_of(const CodesParams<Layout>& p, int w) {
+  TensorScale s{1.0f, 1.0f, {}};
+  if (p.amax == nullptr) return s;
+  const unsigned bits = __ldcg(p.amax + w);
+  s.ts = tc::tensor_scale(static_cast<int>(P), &bits);
+  if constexpr (P == Prec::fp8) s.f8 = tc::make_fp8_scale(s.ts);
+  if (P == Prec::bf16 && p.bf16_down) {  // codes below 1 in magnitude (0 amax: 2^0)
+    int e = 0;
+    frexpf(__uint_as_float(bits), &e);
+    s.down = ldexpf(1.0f, -imax(-100, imin(128, e)));
+  }
+  return s;
+}
+
+// Quantises the item's 8 values (as the CPU's load_quantized) and stores their codes; every lane of the warp
+// calls it (fp4's shuffle), items that do not exist store nothing.
+template <Prec P, class Layout>
+__device__ __forceinline__ void store_codes(const CodesParams<Layout>& p, const Item& it, const float (&x)[8],
+                                            const TensorScale& s) {
+  unsigned char* dst = (it.which ? p.dst[1] : p.dst[0]) +
+                       (it.which ? p.lay[1] : p.lay[0]).dst_offset(it.row, it.d0 * kCodeBytes<P>);
+  if constexpr (P == Prec::fp8) {
+    // The e4m3 byte of the quotient: cvt.rn.satfinite rounds to nearest even with e4m3's subnormals and
+    // saturates at 448, as float_to_e4m3 (Fp8CodesEqualCpu checks every float).
+    unsigned w[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) q[i] = tc::fp8_quotient(x[4 * h + i], s.f8);
+      const auto lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);
+      const auto hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, __NV_E4M3);
+      w[h] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+    }
+    if (it.in) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+    float v[8], c[8];
+    tc::quantize_lane8<P>(x, s.ts, v, c);
+    if (!it.in) return;
+    unsigned w[4];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      // bf16: times 2^-e, exact unless subnormal; fp4: down = 1.
+      const __nv_bfloat162 b2 = __floats2bfloat162_rn(__fmul_rn(c[2 * h], s.down), __fmul_rn(c[2 * h + 1], s.down));
+      w[h] = *reinterpret_cast<const unsigned*>(&b2);
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+/// The codes of both tensors (p.items items). As a programmatic dependent of the amax it issues its first
+/// round of loads before it waits (the inputs were complete before the amax, a plain launch, started).
+template <Prec P, class Layout>
+__global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const __grid_constant__ CodesParams<Layout> p) {
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kRound * kThreads;
+  std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRound * kThreads;
+  Round cur = load_round(p, base + threadIdx.x);
+  sel::pdl_wait();
+  sel::pdl_launch_dependents();
+  const TensorScale s0 = tensor_scale_of<P>(p, 0), s1 = tensor_scale_of<P>(p, 1);
+  for (; base < p.items; base += step) {  // uniform over the CTA
+    const Round next = load_round(p, base + step + threadIdx.x);
+#pragma unroll
+    for (int k = 0; k < kRound; ++k) {
+      const Item& it = cur.it[k];
+      float x[8];
+      to_floats(it.which ? p.type[1] : p.type[0], cur.r[k], x);
+      store_codes<P>(p, it, x, pick(it.which != 0, s0, s1));
+    }
+    cur = next;
+  }
+}
+
+/// Launches codes_kernel<P> for `p` on `stream`, as a programmatic dependent of the previous kernel when
+/// `dependent` (the amax), else plainly.
+template <Prec P, class Layout>
+void launch_codes(const std::string& op, const CodesParams<Layout>& p, bool dependent, cudaStream_t stream) {
+  if (p.items <= 0) return;
+  int dev = 0, sms = 0;
+  sel::check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
+  sel::check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
+  const std::int64_t rounds = (p.items + kRound * kThreads - 1) / (kRound * kThreads);
+  const auto grid = static_cast<unsigned>(imin<std::int64_t>(rounds, static_cast<std::int64_t>(sms) * kCodesCtasPerSm));
+  sel::launch_kernel(op, "codes launch", codes_kernel<P, Layout>, dim3(grid), dim3(kThreads), 0, stream, dependent, p);
+}
+
+}  // namespace sparse_attn::cuda_backend::prep
