@@ -240,8 +240,8 @@ TEST(SelectorPrepGpu, CodesLayoutsEqualCpu) {
           p.dst[0] = codes, p.dst[1] = codes + bytes;  // both tensors the same view: two equal copies
           p.lay[0] = p.lay[1] = layout;
           p.lanes = lanes;
-          p.items0 = rows * lanes;
-          p.items = 2 * p.items0;
+          p.rows0 = rows;
+          p.rows = 2 * rows;
           p.amax = amax;
           prep::launch_codes<sa::cuda_backend::sel::Prec::fp8>("test", p, true, nullptr);
         };

@@ -684,8 +684,8 @@ void run(const TensorView& qI, const TensorView& w, const TensorView& kI, const 
   cp.lay[0] = {Gq, pl.nq, hp_log2, pl.chunks};
   cp.lay[1] = {Tk, kRows, 0, pl.chunks};
   cp.lanes = pl.chunks * 128 / (8 * elem_bytes(o.precision));
-  cp.items0 = B * Gq * kRows * cp.lanes;
-  cp.items = cp.items0 + B * Tk * kRows * cp.lanes;
+  cp.rows0 = B * Gq * kRows;
+  cp.rows = cp.rows0 + B * Tk * kRows;
   cp.amax = fp8 ? amax : nullptr;
   if (fp8) prep::launch_codes<Prec::fp8>(op, cp, true, stream);
   else prep::launch_codes<Prec::bf16>(op, cp, false, stream);

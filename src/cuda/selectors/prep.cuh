@@ -39,8 +39,8 @@ void launch_amax(const std::string& op, const TensorView& a, const TensorView* b
 // ---- codes ----------------------------------------------------------------------------------------------
 //
 // Work items of 8 consecutive elements of a code row (rows padded with zero codes past Di); a CTA takes
-// rounds of kRound x kThreads consecutive items (thread t the items t, t + kThreads, ...), and issues the
-// loads of its next round before it quantises the current one, so 2 kRound 16-byte loads (twice that for
+// rounds of kRound x kThreads consecutive items (thread t the items t, t + kThreads, ...; positions kept by
+// a Cursor, no division per item), and issues the loads of its next round before it quantises the current one, so 2 kRound 16-byte loads (twice that for
 // f32) are in flight per thread. Persistent: two CTAs per SM (launch bounds), rounds by a grid stride.
 // fp4: an NVFP4 block of 16 is the items of an even-odd lane pair (rows and tensors start at even items, the
 // item stride kThreads is even), which share the block's amax by a shuffle: every lane of a warp quantises.
@@ -70,11 +70,11 @@ struct TileLayout {
   __device__ std::int64_t src_offset(const IndexSrc& s, std::int64_t row) const {
     const std::int64_t bt = row / kTileRows;
     const int r = static_cast<int>(row % kTileRows);
-    std::int64_t b, t;
-    if (bt <= 0x7fffffff && tiles <= 0x7fffffff) {  // 64-bit division costs ~100 instructions
+    std::int64_t b = 0, t = bt;  // one batch (lightning's usual case): no division
+    if (s.B > 1 && bt <= 0x7fffffff && tiles <= 0x7fffffff) {  // 64-bit division costs ~100 instructions
       const auto bt32 = static_cast<std::uint32_t>(bt), t32 = static_cast<std::uint32_t>(tiles);
       b = bt32 / t32, t = bt32 - static_cast<std::uint32_t>(b) * t32;
-    } else {
+    } else if (s.B > 1) {
       b = bt / tiles, t = bt - b * tiles;
     }
     const std::int64_t l = t * per_tile + (r >> hp_log2);
@@ -94,8 +94,9 @@ struct CodesParams {
   In type[2];
   unsigned char* dst[2];
   Layout lay[2];
-  std::int64_t items0, items;  // items of tensor 0, of both
-  int lanes;                   // items per code row
+  std::int64_t rows0, rows;    // code rows of tensor 0, of both
+  int lanes;                   // items per code row (even: an fp4 block never straddles rows)
+  __host__ __device__ std::int64_t items() const { return rows * lanes; }
   const unsigned int* amax;    // [2] float bits (from launch_amax); null: no amax (bf16 codes, scale 1)
   bool bf16_down;              // bf16 codes times 2^-e, 2^e the power of two above amax (token_max)
 };
@@ -117,27 +118,45 @@ struct Raw {
   uint4 lo, hi;
 };
 
+
+// Where a thread is in the items: code row R of both tensors' rows (tensor 1's after tensor 0's) and lane.
+// Its items advance by kThreads within a round and by the grid stride between rounds: an addition with a
+// carry instead of a division per item.
+struct Cursor {
+  std::int64_t R;
+  int lane;
+};
+struct Stride {
+  std::int64_t dR;
+  int dl;
+};
+
+// A round's items (as cursors: fewer registers than Items across the quantisation of the previous round)
+// and their loads.
 struct Round {
-  Item it[kRound];
+  Cursor c[kRound];
   Raw r[kRound];
 };
 
 template <class Layout>
-__device__ __forceinline__ Item item_of(const CodesParams<Layout>& p, std::int64_t t) {
+__device__ __forceinline__ Stride stride_of(const CodesParams<Layout>& p, std::int64_t items) {
+  return {items / p.lanes, static_cast<int>(items % p.lanes)};
+}
+
+template <class Layout>
+__device__ __forceinline__ Item item_at(const CodesParams<Layout>& p, const Cursor& c) {
   Item it;
-  it.which = t < p.items0 ? 0 : 1;
-  const std::int64_t u = it.which ? t - p.items0 : t;
-  if (p.items <= 0x7fffffff) {
-    const auto u32 = static_cast<std::uint32_t>(u), l32 = static_cast<std::uint32_t>(p.lanes);
-    const std::uint32_t r = u32 / l32;
-    it.row = r;
-    it.d0 = static_cast<int>(u32 - r * l32) * 8;
-  } else {
-    it.row = u / p.lanes;
-    it.d0 = static_cast<int>(u - it.row * p.lanes) * 8;
-  }
-  it.in = t < p.items;
+  it.which = c.R < p.rows0 ? 0 : 1;
+  it.row = it.which ? c.R - p.rows0 : c.R;
+  it.d0 = c.lane * 8;
+  it.in = c.R < p.rows;
   return it;
+}
+
+template <class Layout>
+__device__ __forceinline__ void advance(const CodesParams<Layout>& p, Cursor& c, const Stride& s) {
+  c.R += s.dR, c.lane += s.dl;
+  if (c.lane >= p.lanes) c.lane -= p.lanes, ++c.R;
 }
 
 // Issues the loads of an item and uses none of their values: one 16-byte load (two for f32) where the 8
@@ -179,13 +198,15 @@ __device__ __forceinline__ Raw load_raw(const CodesParams<Layout>& p, const Item
   return r;
 }
 
+// The loads of a round from the cursor's item on; the cursor ends at the next round's first item.
 template <class Layout>
-__device__ __forceinline__ Round load_round(const CodesParams<Layout>& p, std::int64_t t) {
+__device__ __forceinline__ Round load_round(const CodesParams<Layout>& p, Cursor& c, const Stride& one, const Stride& jump) {
   Round q;
 #pragma unroll
   for (int k = 0; k < kRound; ++k) {
-    q.it[k] = item_of(p, t + k * kThreads);
-    q.r[k] = load_raw(p, q.it[k]);
+    q.c[k] = c;
+    q.r[k] = load_raw(p, item_at(p, c));
+    advance(p, c, k + 1 < kRound ? one : jump);
   }
   return q;
 }
@@ -280,21 +301,24 @@ __device__ __forceinline__ void store_codes(const CodesParams<Layout>& p, const 
   }
 }
 
-/// The codes of both tensors (p.items items). As a programmatic dependent of the amax it issues its first
+/// The codes of both tensors (p.items() items). As a programmatic dependent of the amax it issues its first
 /// round of loads before it waits (the inputs were complete before the amax, a plain launch, started).
 template <Prec P, class Layout>
 __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const __grid_constant__ CodesParams<Layout> p) {
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kRound * kThreads;
   std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * kRound * kThreads;
-  Round cur = load_round(p, base + threadIdx.x);
+  const Stride one = stride_of(p, kThreads), jump = stride_of(p, step - (kRound - 1) * kThreads);
+  const Stride first = stride_of(p, base + threadIdx.x);
+  Cursor c{first.dR, first.dl};
+  Round cur = load_round(p, c, one, jump);
   sel::pdl_wait();
   sel::pdl_launch_dependents();
   const TensorScale s0 = tensor_scale_of<P>(p, 0), s1 = tensor_scale_of<P>(p, 1);
-  for (; base < p.items; base += step) {  // uniform over the CTA
-    const Round next = load_round(p, base + step + threadIdx.x);
+  for (const std::int64_t items = p.items(); base < items; base += step) {  // uniform over the CTA
+    const Round next = load_round(p, c, one, jump);
 #pragma unroll
     for (int k = 0; k < kRound; ++k) {
-      const Item& it = cur.it[k];
+      const Item it = item_at(p, cur.c[k]);
       float x[8];
       to_floats(it.which ? p.type[1] : p.type[0], cur.r[k], x);
       store_codes<P>(p, it, x, pick(it.which != 0, s0, s1));
@@ -307,11 +331,11 @@ __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const 
 /// `dependent` (the amax), else plainly.
 template <Prec P, class Layout>
 void launch_codes(const std::string& op, const CodesParams<Layout>& p, bool dependent, cudaStream_t stream) {
-  if (p.items <= 0) return;
+  if (p.items() <= 0) return;
   int dev = 0, sms = 0;
   sel::check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
   sel::check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
-  const std::int64_t rounds = (p.items + kRound * kThreads - 1) / (kRound * kThreads);
+  const std::int64_t rounds = (p.items() + kRound * kThreads - 1) / (kRound * kThreads);
   const auto grid = static_cast<unsigned>(imin<std::int64_t>(rounds, static_cast<std::int64_t>(sms) * kCodesCtasPerSm));
   sel::launch_kernel(op, "codes launch", codes_kernel<P, Layout>, dim3(grid), dim3(kThreads), 0, stream, dependent, p);
 }

@@ -645,8 +645,8 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   pp.dst[0] = scratch.as<unsigned char>(lay.qc), pp.dst[1] = scratch.as<unsigned char>(lay.kc);
   for (int i = 0; i < 2; ++i) pp.lay[i] = {s.Dc * code_bytes(prec), prep::contiguous_rows(pp.src[i])};
   pp.lanes = static_cast<int>(s.Dc / 8);
-  pp.items0 = s.B * s.Lq * s.Hkv * pp.lanes;
-  pp.items = pp.items0 + s.B * s.Lk * s.Hk * pp.lanes;
+  pp.rows0 = s.B * s.Lq * s.Hkv;
+  pp.rows = pp.rows0 + s.B * s.Lk * s.Hk;
   pp.amax = amax;
   pp.bf16_down = true;
   if (prec == IndexPrecision::bf16) prep::launch_codes<Prec::bf16>(op, pp, true, stream);
