@@ -243,7 +243,7 @@ TEST(SelectorPrepGpu, CodesLayoutsEqualCpu) {
           p.rows0 = rows;
           p.rows = 2 * rows;
           p.amax = amax;
-          prep::launch_codes<sa::cuda_backend::sel::Prec::fp8>("test", p, true, nullptr);
+          prep::launch_codes<sa::cuda_backend::sel::Prec::fp8>("test", p, false, nullptr);
         };
         int hp_log2 = 0;
         while ((1 << hp_log2) < hp) ++hp_log2;

@@ -11,12 +11,13 @@ namespace sparse_attn::cuda_backend::prep {
 
 namespace {
 
-// A tensor that is one flat array is read as 16-byte units, kAmaxLoads of them in flight per thread before
-// any is used (8 x 16 B x 256 threads x 4 CTAs = 128 KB per SM, several times what covers the HBM latency),
-// by a grid stride; its |x| max is taken on the packed data: per 32-bit word of 16-bit elements one
-// abs.bf16x2 / abs.f16x2 and one max.bf16x2 / max.f16x2 (which return the other operand for a NaN, as
-// std::fmax), per f32 element one max with |x|. Other views (strided rows, an unaligned base): a warp per
-// row, one element per lane, only for them.
+// A tensor that is one flat array is read as 16-byte units, kAmaxLoads of them issued per thread and round
+// (ptxas starts the first maxima before the last loads of a round issue: 5 or more in flight, 80 KB or more
+// per SM at 4 CTAs of 256 threads, several times what covers the HBM latency), by a grid stride; its |x| max
+// is taken on the packed data: per 32-bit word of 16-bit elements a sign clear and a max.bf16x2 / max.f16x2
+// (which return the other operand for a NaN, as std::fmax; ptxas pairs them into 3-input maxima, 6
+// instructions per 16 bytes), per f32 element one max with |x|. Other views (strided rows, an unaligned
+// base): a warp per row, one element per lane, only for them.
 constexpr int kAmaxLoads = 8;
 constexpr int kAmaxCtasPerSm = 4;
 
@@ -37,7 +38,12 @@ struct Packed;  // the running max of |x| over a thread's 32-bit words
 template <>
 struct Packed<In::bf16> {
   __nv_bfloat162 m = __floats2bfloat162_rn(0.0f, 0.0f);
-  __device__ void fold(unsigned w) { m = __hmax2(m, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w))); }
+  // |x| by clearing the sign bits (ptxas would form __habs2 with an fma, whose subnormal handling the max
+  // then depends on).
+  __device__ void fold(unsigned w) {
+    const unsigned a = w & 0x7fff7fffu;
+    m = __hmax2(m, *reinterpret_cast<const __nv_bfloat162*>(&a));
+  }
   __device__ float value() const { return fmaxf(__low2float(m), __high2float(m)); }
 };
 template <>

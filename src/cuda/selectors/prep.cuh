@@ -251,7 +251,7 @@ __device__ __forceinline__ TensorScale pick(bool second, const TensorScale& a, c
 }
 
 template <Prec P, class Layout>
-__device__ __forceinline__ TensorScale tensor_scale_of(const CodesParams<Layout>& p, int w) {
+__device__ __forceinline__ TensorScale tensor_constants(const CodesParams<Layout>& p, int w) {
   TensorScale s{1.0f, 1.0f, {}};
   if (p.amax == nullptr) return s;
   const unsigned bits = __ldcg(p.amax + w);
@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const 
   Round cur = load_round(p, c, one, jump);
   sel::pdl_wait();
   sel::pdl_launch_dependents();
-  const TensorScale s0 = tensor_scale_of<P>(p, 0), s1 = tensor_scale_of<P>(p, 1);
+  const TensorScale s0 = tensor_constants<P>(p, 0), s1 = tensor_constants<P>(p, 1);
   for (const std::int64_t items = p.items(); base < items; base += step) {  // uniform over the CTA
     const Round next = load_round(p, c, one, jump);
 #pragma unroll
