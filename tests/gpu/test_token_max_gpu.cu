@@ -119,8 +119,8 @@ double median(std::vector<double> v) {
 
 // ---- tests ---------------------------------------------------------------------------------------------
 
-// The device quantisation of the tensor-core path, row by row in 16-element groups as prepare_pair_kernel
-// runs it: values v and codes c of rows x [rows, n].
+// The device quantisation (tc_index.cuh's quantize_codes: the codes kernel's arithmetic, fp8 through
+// fp8_quotient) row by row in 16-element groups: values v and codes c of rows x [rows, n].
 template <sa::cuda_backend::sel::Prec P>
 __global__ void quantize_rows_kernel(const float* x, int rows, int n, float ts, float* v, float* c) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;

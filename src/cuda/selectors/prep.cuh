@@ -40,8 +40,9 @@ void launch_amax(const std::string& op, const TensorView& a, const TensorView* b
 //
 // Work items of 8 consecutive elements of a code row (rows padded with zero codes past Di); a CTA takes
 // rounds of kRound x kThreads consecutive items (thread t the items t, t + kThreads, ...; positions kept by
-// a Cursor, no division per item), and issues the loads of its next round before it quantises the current one, so 2 kRound 16-byte loads (twice that for
-// f32) are in flight per thread. Persistent: two CTAs per SM (launch bounds), rounds by a grid stride.
+// a Cursor, no division per item), and issues the loads of its next round before it quantises the current
+// one, so kRound 16-byte loads (twice that for f32) are in flight during the quantisation. Persistent: two
+// CTAs per SM (launch bounds), rounds by a grid stride.
 // fp4: an NVFP4 block of 16 is the items of an even-odd lane pair (rows and tensors start at even items, the
 // item stride kThreads is even), which share the block's amax by a shuffle: every lane of a warp quantises.
 

@@ -2,14 +2,14 @@
 // float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Four
 // launches on the caller's stream after a memset of two words:
 //  1. amax (prep.cuh, shared with lightning): the largest |x| of qidx and of kidx (float bits, atomicMax);
-//  2. codes (prep.cuh's codes_kernel with RowLayout, a programmatic dependent of 1: its first loads are issued
-//     before it waits): every index row rounded through the precision exactly as the CPU's load_quantized
-//     (tc_index.cuh; QuantisationEqualsCpu, Fp8CodesEqualCpu), stored as codes, value = code x per-tensor scale up to one or two float32
-//     roundings: fp8 as e4m3 bytes (scale amax / 448), fp4 as bf16 (an NVFP4 value, e2m1 x its e4m3 block
-//     scale, has up to 6 significant bits: exact in bf16, not in e4m3; scale amax / 2688), bf16 as itself
-//     times 2^-e, 2^e the power of two above amax (exact unless the result is subnormal; it keeps every dot
-//     of codes far from float32 overflow, whatever the inputs' magnitude). Rows are padded with zero codes
-//     to Dc = Di rounded up to 16;
+//  2. codes (prep.cuh's codes_kernel with RowLayout, a programmatic dependent of 1: its first loads are
+//     issued before it waits): every index row rounded through the precision exactly as the CPU's
+//     load_quantized (tc_index.cuh; QuantisationEqualsCpu, Fp8CodesEqualCpu), stored as codes, value = code x
+//     per-tensor scale up to one or two float32 roundings: fp8 as e4m3 bytes (scale amax / 448), fp4 as bf16
+//     (an NVFP4 value, e2m1 x its e4m3 block scale, has up to 6 significant bits: exact in bf16, not in
+//     e4m3; scale amax / 2688), bf16 as itself times 2^-e, 2^e the power of two above amax (exact unless the
+//     result is subnormal; it keeps every dot of codes far from float32 overflow, whatever the inputs'
+//     magnitude). Rows are padded with zero codes to Dc = Di rounded up to 16;
 //  3. screen (screen_kernel, a programmatic dependent of 2): persistent and warp-specialised, every K tile
 //     loaded once for two Q tiles (one at Dc > 192 bf16 codes); per (Q tile, KV block) the 128 x 128 code
 //     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction from a zero accumulator, the
