@@ -6,7 +6,8 @@
 // float64 dots). Cases:
 // - random inputs over awkward shapes: Lq = 1, 17, 1013, Lk not a multiple of 128, GQA 1 to 32, B > 1,
 //   r = 1 and 4, every forcing, causal and not, f32 / f16 / bf16, D from 30 to 264, strided and
-//   misaligned views (the scalar load path), clusters of several CTAs per tile and several slabs per CTA;
+//   misaligned views (the scalar load path), one and several chunks (CTAs) per tile, several slabs per
+//   chunk and several query rounds;
 // - planted near-ties: copies of a strong block scaled or nudged so that exact scores differ by less
 //   than the bound and by more, and exact copies (ties to the lower id);
 // - all-equal inputs (every score ties: the CPU's lists exactly), huge and tiny magnitudes, non-finite
@@ -371,21 +372,21 @@ TEST(PooledGpu, RandomShapesMeetContract) {
       run("Lq=17 GQA16" + c, bf16, 1, 17, 16, 1000, 1, 128, {r, 4, 6, causal, true, false});
       run("Lq=1013 B=2 GQA2 block0" + c, bf16, 2, 1013, 4, 1013, 2, 128, {r, 5, 5, causal, true, true});
       run("Lq>Lk" + c, f16, 2, 900, 2, 300, 1, 64, {r, 2, 2, causal, true, true});
-      run("one tile, long Lk (a cluster of several CTAs)" + c, bf16, 1, 128, 2, 1100 * 128 - 3, 1, 64,
+      run("one tile, long Lk (several chunks per tile)" + c, bf16, 1, 128, 2, 1100 * 128 - 3, 1, 64,
           {r, 8, 8, causal, true, true});
     }
     run("Hq=Hkv=4 B=3 no forcing", bf16, 3, 333, 4, 1290, 4, 128, {r, 3, 3, false, false, false});
     run("Lq<Lk causal", bf16, 2, 300, 16, 2000, 1, 128, {r, 4, 7, true, true, false});
     run("top_k above the candidates, f16 D=64", f16, 1, 260, 2, 390, 1, 64, {r, 16, 16, true, true, true});
     run("f32 D=80 GQA2", f32, 2, 260, 6, 650, 3, 80, {r, 9, 9, true, true, true});
-    run("f32 D=200 (two column chunks)", f32, 1, 140, 2, 1100, 1, 200, {r, 4, 5, false, true, false});
+    run("f32 D=200 (32 query and key rows staged)", f32, 1, 140, 2, 1100, 1, 200, {r, 4, 5, false, true, false});
     run("D=30", bf16, 1, 300, 4, 777, 2, 30, {r, 3, 3, true, true, false});
     run("misaligned padded views", bf16, 2, 257, 4, 900, 1, 128, {r, 4, 4, false, true, true}, 3, 1);
     run("strided views (packed qkv)", f16, 1, 200, 2, 640, 2, 64, {r, 2, 3, true, false, true}, 64, 0);
     run("bf16 D=256", bf16, 1, 260, 8, 1400, 2, 256, {r, 4, 4, true, true, false});
     run("f16 D=96", f16, 2, 140, 4, 1000, 4, 96, {r, 3, 4, true, false, false});
-    run("bf16 D=264 (three column chunks)", bf16, 1, 129, 2, 700, 1, 264, {r, 2, 3, false, true, false});
-    run("GQA32 (several query chunks)", bf16, 1, 300, 32, 1500, 1, 64, {r, 4, 4, true, true, false});
+    run("bf16 D=264 (16 rows staged)", bf16, 1, 129, 2, 700, 1, 264, {r, 2, 3, false, true, false});
+    run("GQA32 (several query rounds)", bf16, 1, 300, 32, 1500, 1, 64, {r, 4, 4, true, true, false});
     run("GQA24", bf16, 2, 129, 24, 2000, 1, 64, {r, 6, 6, false, true, true});
     run("top_k 200 of 300 blocks", bf16, 1, 256, 2, 300 * 128, 1, 64, {r, 200, 210, false, true, true});
   }
@@ -655,7 +656,7 @@ TEST(PooledGpu, GraphCapture) {
 }
 
 // Small enough for compute-sanitizer (scripts/gpu_run.sh runs '*SanitizerSmall*'): both r, both load
-// paths, several query chunks, clusters of several CTAs, near-ties, all-equal scores and empty causal slabs.
+// paths, several query rounds, several chunks per tile, near-ties, all-equal scores and empty causal slabs.
 TEST(PooledGpu, SanitizerSmall) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   for (int r : {1, 4}) {
@@ -675,7 +676,7 @@ TEST(PooledGpu, SanitizerSmall) {
     expect_contract(R + "sanitizer causal, empty slabs", q4, k4, {r, 4, 4, true, true, false});
     const Input q5 = make_input(sa::DType::bf16, 1, 128, 2, 64, 90),
                 k5 = make_input(sa::DType::bf16, 1, 300 * 128 - 5, 1, 64, 91);
-    expect_contract(R + "sanitizer cluster", q5, k5, {r, 5, 6, false, true, true});
+    expect_contract(R + "sanitizer chunks", q5, k5, {r, 5, 6, false, true, true});
   }
 }
 

@@ -7,22 +7,23 @@
 //     the L sums the tokens u, u + L, u + 2 L, ... of its lane's column (16 per thread, every 16-byte load
 //     in flight at once) by a balanced tree in float32, and the L partial sums are added by a balanced
 //     tree in shared memory: each token passes through log2(128 / r) additions. Scalar loads where the
-//     views allow no 16-byte vectors. The mean m = sum / n (n tokens
-//     present) is stored as two bf16 planes, hi = bf16(m) and lo = bf16(m - hi), rows of Dp = D rounded up
-//     to 16 columns (zero past D). The rows of one (b, group, Q tile), group * r of them, are contiguous.
-//     The kernel only reads its input once: it is bound by HBM bandwidth (42 MB at the tile16 shape,
-//     Lk = 16K).
-//  2. scores + top-k: a cluster of C CTAs per (b, group, Q tile); CTA c scores a range of key rows (a
-//     multiple of 32, whole KV blocks; C the largest with which the whole grid is resident at once)
-//     against all group * r query rows: both planes staged in shared memory by cp.async (up to 64 query
-//     rows and 128 key rows in one copy), mma.sync m16n8k16 bf16 with float32 accumulation, hi.hi in one
-//     accumulator and hi.lo + lo.hi in another, score = acc1 + acc2. Uncounted pairs (causal, absent
-//     representatives) are masked; the maxima over query rows, then over the r key rows of a block, go to
-//     the block's slot in CTA 0's shared memory (distributed shared memory; one writer per block, no
-//     atomics). After a cluster barrier CTA 0 sets the forced blocks to +inf and takes the top-k, ties to
-//     the lower id, ids written ascending: by counting, per candidate, the candidates ranked above it
-//     (up to 256 candidates), else by a radix select (four 8-bit passes over order-preserving keys).
-//     Every reduction has a fixed order, so two runs give the same bits.
+//     views allow no 16-byte vectors. The mean m = sum / n (n tokens present) is stored as two bf16 planes,
+//     hi = bf16(m) and lo = bf16(m - hi), rows of Dp = D rounded up to 16 columns (zero past D). The rows
+//     of one job (b, group, Q tile), group * r of them, are contiguous. The kernel reads its input once:
+//     it is bound by HBM bandwidth (42 MB at the tile16 shape, Lk = 16K). CTA 0 zeroes kernel 2's counters.
+//  2. scores + top-k: C CTAs per job (chunks of its key rows in multiples of 16; C = 1 where the job's key
+//     rows fit one staged slab, else up to 8 with the grid one wave of two CTAs per SM). A CTA stages the
+//     query rows and a slab of key rows (both planes) in shared memory by cp.async and splits the slab into
+//     tasks of 16 key rows x 32 query rows over its 8 warps: mma.sync m16n8k16 bf16 with float32
+//     accumulation, hi.hi in one accumulator and hi.lo + lo.hi in another, score = acc1 + acc2.
+//     Uncounted pairs (causal, absent representatives) are masked; the maxima over a task's query rows meet
+//     per key row in shared memory (atomicMax on order-preserving keys), then over the r key rows of a
+//     block: the block scores. With C = 1 they stay in shared memory and the CTA ranks; otherwise they go
+//     to the scratch and the chunk that finishes last (a fence and a counter per job) ranks: forced blocks
+//     set to +inf, then the top-k, ties to the lower id, ids written ascending: by counting, per candidate,
+//     the candidates ranked above it (up to 256 candidates), else by a radix select (four 8-bit passes over
+//     order-preserving keys). Every reduction has a fixed order or is a maximum, so two runs give the same
+//     bits.
 //
 // Why the tensor cores: R4 at the tile16 shape is 268 M multiply-adds per call, 8 us at the H200's
 // float32 FMA peak on the CUDA cores, against a 25 us target that the reads alone take 13-15 us of. The
@@ -68,10 +69,9 @@
 // and NaN pairs are ignored by the maxima, so such a pair ranks as -inf (a block left without pairs
 // still counts as a candidate, scored -inf). Scores beyond float32's range become +-inf or NaN.
 //
-// Scratch: both planes of both tensors, pooled_scratch_bytes, one allocation per call (scratch.hpp: the
-// caller's options.workspace, or the library's per (device, stream)).
-#include <cooperative_groups.h>
-
+// Scratch: both planes of both tensors, the block scores ([jobs][Tk] float32) and the chunk counters
+// (one word per job), pooled_scratch_bytes, one allocation per call (scratch.hpp: the caller's
+// options.workspace, or the library's per (device, stream)).
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -92,7 +92,6 @@ namespace sparse_attn::cuda_backend {
 namespace {
 
 using namespace sel;
-namespace cg = cooperative_groups;
 
 // ---- shapes shared by the host and the kernels ----------------------------------------------------------
 
@@ -116,35 +115,8 @@ static_assert((1 << rep_sum_depth(1)) == kTileQ && (1 << rep_sum_depth(4)) == kT
               rep_lanes(1) * kRepPerLane == kTileQ && rep_lanes(4) * kRepPerLane == kTileQ / 4);
 
 constexpr int kScoreThreads = 256;   // 8 warps
-constexpr int kQRows = 32;           // query rows per pass of the mma loop
-constexpr int kMTiles = kQRows / 16;  // m-tiles per warp (the accumulators of 64 rows spill)
-constexpr int kQStage = 64;          // query rows staged at once: R4's group * r at Hq / Hkv = 16, one copy
-constexpr int kKRows = 128;          // key rows per slab: 16 per warp (2 n-tiles)
-constexpr int kCtaRowsUnit = 32;     // a CTA's key rows come in multiples of this (whole blocks for r <= 32)
-constexpr int kDChunk = 128;         // columns staged at once
-// bf16 per staged row: 272 bytes, an odd number of 16-byte units, so the 8 rows of an ldmatrix fall on
-// distinct banks.
-constexpr int kSmemRow = kDChunk + 8;
-constexpr int kMaxCluster = 8;       // portable cluster size
 
 std::int64_t padded_d(std::int64_t D) { return ceil_div(D, kKStep) * kKStep; }
-
-// Byte offsets of the four planes in the scratch: q hi, q lo, k hi, k lo ([rows][Dp] bf16 each).
-struct Planes {
-  std::size_t at[4];
-  std::size_t total;
-};
-
-Planes plane_layout(std::int64_t rows_q, std::int64_t rows_k, std::int64_t Dp) {
-  Planes p{};
-  std::size_t o = 0;
-  for (int i = 0; i < 4; ++i) {
-    p.at[i] = o;
-    o += align_up(static_cast<std::size_t>((i < 2 ? rows_q : rows_k) * Dp) * 2);
-  }
-  p.total = o;
-  return p;
-}
 
 // ---- 1. representatives -----------------------------------------------------------------------------------
 
@@ -259,28 +231,25 @@ __device__ __forceinline__ RepColumn rep_column(const RepParams& p, const RepTen
   return c;
 }
 
-// A CTA takes kRepThreads / kLanes consecutive columns of one tensor, 32 per group of kLanes warps (one
-// per lane); warp u of a group sums the tokens u, u + kLanes, ... of its lane's column (kRepPerLane of
-// them, every load in flight at once where the batch allows) by a balanced tree, and the kLanes warps'
-// partial sums meet in shared memory, added by a balanced tree too: each token passes through
-// log2(128 / r) float32 additions (rep_sum_depth). The loads of a warp cover whole 16-byte column slices
-// of 32 columns (two representative rows of D = 128: 512 bytes per token).
+// Kernel 1's work for one CTA: columns [cta * kColumns, ...) of tensor `which` (0: q, 1: k). A CTA takes
+// kRepThreads / kLanes consecutive columns of one tensor, 32 per group of kLanes warps (one per lane);
+// warp u of a group sums the tokens u, u + kLanes, ... of its lane's column (kRepPerLane of them, every
+// load in flight at once where the batch allows) by a balanced tree, and the kLanes warps' partial sums
+// meet in shared memory, added by a balanced tree too: each token passes through log2(128 / r) float32
+// additions (rep_sum_depth). The loads of a warp cover whole 16-byte column slices of 32 columns (two
+// representative rows of D = 128: 512 bytes per token).
 template <In T, bool kVec, int kLanes>
-__global__ void __launch_bounds__(kRepThreads, 2) representatives_kernel(const __grid_constant__ RepParams p) {
+__device__ __forceinline__ void representatives(const RepParams& p, int which, int cta,
+                                                float (&part)[kLanes][kRepThreads / kLanes][kSliceCols],
+                                                RepColumn (&cols)[kRepThreads / kLanes]) {
   using IO = SliceIO<T, kVec>;
   constexpr int kPerLane = kRepPerLane, kColumns = kRepThreads / kLanes;
   constexpr int kB = IO::kBatch < kPerLane ? IO::kBatch : kPerLane;
   static_assert(kPerLane % kB == 0 && kPerLane / kB <= 2 && (kB & (kB - 1)) == 0 && (kLanes & (kLanes - 1)) == 0,
                 "balanced trees over a lane's tokens and over the lanes");
-  __shared__ float part[kLanes][kColumns][kSliceCols];
-  __shared__ RepColumn cols[kColumns];
-  // The scoring grid may be scheduled once every CTA of this grid has started (then no CTA of this grid
-  // still needs an SM's room); it waits in pdl_wait for this grid's completion and memory before reading.
-  pdl_launch_dependents();
   const int warp = threadIdx.x / 32, u = warp % kLanes, col = warp / kLanes * 32 + threadIdx.x % 32;
-  const int which = static_cast<int>(blockIdx.x) < p.t[0].ctas ? 0 : 1;  // CTA-uniform
   const RepTensor& x = p.t[which];
-  const int cid0 = (static_cast<int>(blockIdx.x) - (which == 0 ? 0 : p.t[0].ctas)) * kColumns;
+  const int cid0 = cta * kColumns;
   const RepColumn c = rep_column(p, x, cid0 + col);
   if (u == 0) cols[col] = c;
 
@@ -337,59 +306,66 @@ struct ScoreParams {
   const std::uint16_t* qlo;
   const std::uint16_t* khi;  // [B * Hkv * Tk * r][Dp]
   const std::uint16_t* klo;
+  float* bmax;               // [jobs][Tk]: block scores, written by the job's chunks
+  unsigned* done;            // [jobs]: chunks scored (zeroed by kernel 1)
   std::int32_t* idx;
   std::int64_t is0, is1, is2, is3, kmax;
   std::int32_t* cnt;
   std::int64_t cs0, cs1, cs2;
-  std::int64_t Lq, Lk, Hkv, Dp;
+  int Lq, Lk, Hkv, Dp;
   int Tq, Tk;
-  int rows_per_cta;  // key rows per CTA of a cluster: a multiple of kCtaRowsUnit
-  int P, r, span, top_k, cluster;
+  int P, r, span, top_k;
+  int chunks;          // CTAs scoring one job's key rows
+  int rows_per_chunk;  // key rows per chunk: a multiple of kKUnit
+  int qcap, kcap;      // query and key rows staged at once: multiples of 16
   bool force_local, force_block0, causal;
 };
 
-// Dynamic shared memory: the block scores of the tile (CTA 0's are the ones ranked), the top-k's scratch,
-// then the staged planes (q: [2][qcap][kSmemRow], k: [2][kKRows][kSmemRow] bf16), qcap = group * r rounded
-// up to an m-tile, at most kQStage.
+// Dynamic shared memory of the scoring part: the job's block scores (ranked by the job's last chunk),
+// the top-k's scratch, per staged key row its running maximum (an order key) and per staged query row
+// its last visible key position, then the staged planes: q [2][qcap][Dp + 8], k [2][kcap][Dp + 8] bf16
+// (rows of an odd number of 16-byte units: conflict-free ldmatrix).
 struct ScoreSmem {
-  std::size_t scores, hist, warp_sums, pick, q, k, total;
-  int qcap;
+  std::size_t scores, hist, warp_sums, pick, kmax, qlim, q, k, total;
 };
 
-__host__ __device__ inline ScoreSmem score_smem(std::int64_t Tk, int P) {
+__host__ __device__ inline ScoreSmem score_smem(int Tk, int Dp, int qcap, int kcap) {
   auto up = [](std::size_t x) { return (x + 15) / 16 * 16; };
+  const std::size_t row = static_cast<std::size_t>(Dp + 8) * 2;
   ScoreSmem s{};
   std::size_t o = 0;
   s.scores = o, o = up(o + static_cast<std::size_t>(Tk) * sizeof(float));
   s.hist = o, o = up(o + 256 * sizeof(int));
   s.warp_sums = o, o = up(o + 32 * sizeof(int));
-  s.pick = o, o = up(o + 2 * sizeof(int));
-  s.qcap = P < kQStage ? (P + 15) / 16 * 16 : kQStage;
-  s.q = o, o = up(o + static_cast<std::size_t>(2 * s.qcap * kSmemRow * 2));
-  s.k = o, o = up(o + 2 * kKRows * kSmemRow * 2);
+  s.pick = o, o = up(o + 4 * sizeof(int));
+  s.kmax = o, o = up(o + static_cast<std::size_t>(kcap) * sizeof(unsigned));
+  s.qlim = o, o = up(o + static_cast<std::size_t>(qcap) * sizeof(int));
+  s.q = o, o = up(o + 2 * static_cast<std::size_t>(qcap) * row);
+  s.k = o, o = up(o + 2 * static_cast<std::size_t>(kcap) * row);
   s.total = o;
   return s;
 }
 
-constexpr long long kNever = LLONG_MAX;  // key position no query sees
+constexpr int kNever = INT_MAX;  // key position no query sees (positions fit an int: checked on the host)
+constexpr int kKUnit = 16;       // key rows of one warp task (two n-tiles of 8); chunks and slabs are multiples
 
 // The last key position that query row `row` of the tile starting at query i_first sees: -1 for an absent
 // representative, kNever - 1 without causality.
-__device__ __forceinline__ long long query_limit(const ScoreParams& p, std::int64_t i_first, int row) {
+__device__ __forceinline__ int query_limit(const ScoreParams& p, int i_first, int row) {
   if (row >= p.P) return -1;
-  const std::int64_t first = i_first + static_cast<std::int64_t>(row % p.r) * p.span;
-  const std::int64_t qn = imin(p.Lq, first + p.span) - first;
+  const int first = i_first + (row % p.r) * p.span;
+  const int qn = imin(p.Lq, first + p.span) - first;
   if (qn <= 0) return -1;
   return p.causal ? first + qn - 1 + (p.Lk - p.Lq) : kNever - 1;
 }
 
-// The first key position of key row `row` (block row / r, group row % r), kNever past `row_end` or for an
-// absent representative. A pair counts iff key_first <= query_limit: for causal tiles, iff the query
-// group's last query sees the key group's first key (the CPU's rule).
-__device__ __forceinline__ long long key_first(const ScoreParams& p, int row, int row_end) {
+// The first key position of key row `row` of a job (block row / r, group row % r), kNever at or past
+// `row_end` or for an absent representative. A pair counts iff key_first <= query_limit: for causal
+// tiles, iff the query group's last query sees the key group's first key (the CPU's rule).
+__device__ __forceinline__ int key_first(const ScoreParams& p, int row, int row_end) {
   if (row >= row_end) return kNever;
   const int j = row / p.r;
-  const std::int64_t first = static_cast<std::int64_t>(j) * kBlockK + (row - j * p.r) * p.span;
+  const int first = j * static_cast<int>(kBlockK) + (row - j * p.r) * p.span;
   return first < p.Lk ? first : kNever;
 }
 
@@ -413,93 +389,106 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Copies rows [0, rows) of both planes (row stride Dp, columns [d0, d0 + width)) into `dst`
-// ([2][cap][kSmemRow]); rows [rows, fill) are zero. Thread t copies the 16-byte unit t % 16 of every
-// sixteenth row (a warp two whole rows), no division in the loop.
+// Order-preserving key of a float (larger float, larger key; -0 < +0) and its inverse.
+__device__ __forceinline__ unsigned order_key(float f) {
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Copies rows [0, rows) of both planes (row stride Dp elements) into `dst` ([2][cap][Dp + 8]); rows
+// [rows, fill) are zero. Thread t copies the 16-byte unit t % U (U = Dp / 8 per row) of every
+// (256 / U)-th line, no division in the loop.
 __device__ __forceinline__ void stage_planes(std::uint16_t* dst, int cap, const std::uint16_t* hi,
-                                             const std::uint16_t* lo, std::int64_t Dp, std::int64_t d0, int width,
-                                             int rows, int fill) {
-  constexpr int kUnits = kDChunk / 8;  // 16-byte units of a staged row
-  const int v = threadIdx.x % kUnits;
-  if (v >= width / 8) return;
-  for (int line = threadIdx.x / kUnits; line < 2 * fill; line += kScoreThreads / kUnits) {
+                                             const std::uint16_t* lo, int Dp, int rows, int fill) {
+  const int U = Dp / 8, per = kScoreThreads / U;
+  const int v = threadIdx.x % U, first = threadIdx.x / U;
+  if (first >= per) return;
+  for (int line = first; line < 2 * fill; line += per) {
     const int plane = line < fill ? 0 : 1, row = line - plane * fill;
     const bool in = row < rows;
-    const std::uint16_t* src = (plane == 0 ? hi : lo) + (in ? row * Dp + d0 + 8 * v : 0);
-    cp_async16(dst + (plane * cap + row) * kSmemRow + 8 * v, src, in);
+    const std::uint16_t* src = (plane == 0 ? hi : lo) + (in ? row * Dp + 8 * v : 0);
+    cp_async16(dst + (plane * cap + row) * (Dp + 8) + 8 * v, src, in);
   }
 }
 
-// Scores key rows [k0, k0 + krows) of the CTA against every query row and writes each whole block's
-// maximum over its counted pairs to `lead` (CTA 0's score array; -inf where no pair counts). Warp w
-// takes key rows k0 + 16 w .. + 16 (two n-tiles of 8) and every query row, kQRows at a time. The query
-// rows are staged L.qcap at a time (one copy for all of R4's rows), the key slab once for all of them
-// (one chunk of D each; with several chunks both are staged per chunk).
-__device__ __forceinline__ void score_slab(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L,
-                                           const std::uint16_t* qhi, const std::uint16_t* qlo,
-                                           const std::uint16_t* khi, const std::uint16_t* klo, std::int64_t i_first,
-                                           int k0, int krows, int row_end, bool stage_q_once, bool& q_staged,
-                                           float* lead) {
+// The query tile and candidate blocks of a job (b, group, Q tile).
+struct JobTile {
+  int bg, t, i_first, i_last, n_cand;
+};
+__device__ __forceinline__ JobTile job_tile(const ScoreParams& p, int job) {
+  JobTile j{};
+  j.bg = job / p.Tq, j.t = job - j.bg * p.Tq;
+  j.i_first = j.t * static_cast<int>(kTileQ), j.i_last = imin(p.Lq, j.i_first + static_cast<int>(kTileQ)) - 1;
+  // Causal: block j is a candidate iff the tile's last query sees its first key (the division only of a
+  // non-negative position: C's division truncates toward zero).
+  const int last_key = j.i_last + p.Lk - p.Lq;
+  j.n_cand = !p.causal ? p.Tk : last_key < 0 ? 0 : imin(p.Tk, last_key / static_cast<int>(kBlockK) + 1);
+  return j;
+}
+
+// Scores chunk `chunk` of job `job`: its key rows [chunk * rows_per_chunk, ...) below the job's candidate
+// rows, kcap at a time (a slab), against every query row, qcap at a time, and writes each whole block's
+// maximum over its counted pairs to p.bmax, or with one chunk per job to the shared scores (-inf where no
+// pair counts). Work of a staged (slab, query
+// rows) pair: tasks of 16 key rows x 32 query rows, task t to warp t % 8; the maxima over a task's query
+// rows meet per key row in shared memory (atomicMax on order keys), then over the r key rows of a block.
+__device__ void score_chunk(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int job, int chunk) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gid = lane / 4, tq = lane % 4;
+  const JobTile jt = job_tile(p, job);
+  const int bg = jt.bg, i_first = jt.i_first;
+  const int row_end = jt.n_cand * p.r, k_begin = chunk * p.rows_per_chunk;
+  const int k_end = imin(row_end, k_begin + p.rows_per_chunk);
   auto* qs = reinterpret_cast<std::uint16_t*>(smem + L.q);
   auto* ks = reinterpret_cast<std::uint16_t*>(smem + L.k);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gid = lane / 4, tq = lane % 4;
-  const int wk = warp * 16;
-  const bool active = wk < krows;  // warp-uniform
-  const int dchunks = static_cast<int>(ceil_div(p.Dp, kDChunk));
-
-  long long kf[2][2];  // first key position of the thread's key rows: n-tile, column parity
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) kf[nt][c] = key_first(p, k0 + wk + nt * 8 + 2 * tq + c, row_end);
-  float best[2][2];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) best[nt][0] = best[nt][1] = -INFINITY;
-
-  for (int q0 = 0; q0 < p.P; q0 += kQRows) {
-    const int qrows = imin(kQRows, p.P - q0), mtiles = (qrows + 15) / 16;
-    const int qoff = q0 % L.qcap;  // staged row of query row q0
-    float acc1[kMTiles][2][4], acc2[kMTiles][2][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc1[mt][nt][i] = acc2[mt][nt][i] = 0.0f;
-    for (int dc = 0; dc < dchunks; ++dc) {
-      const std::int64_t d0 = static_cast<std::int64_t>(dc) * kDChunk;
-      const int width = static_cast<int>(imin<std::int64_t>(kDChunk, p.Dp - d0));
-      // The staged planes stay in place while nothing else needs the space: the key slab across query
-      // passes, the query rows across passes and, where all fit, across slabs (one chunk of D of each).
-      const bool stage_k = dchunks > 1 || q0 == 0;
-      const bool stage_q = dchunks > 1 || (qoff == 0 && !(stage_q_once && q_staged));
-      if (stage_k || stage_q) {
-        __syncthreads();  // every warp is done with the planes it replaces
-        if (stage_q) {
-          const int n = dchunks > 1 ? qrows : imin(L.qcap, p.P - q0);
-          stage_planes(qs + qoff * kSmemRow, L.qcap, qhi + q0 * p.Dp, qlo + q0 * p.Dp, p.Dp, d0, width, n,
-                       (n + 15) / 16 * 16);
-          q_staged = true;
-        }
-        if (stage_k)  // the rows of the warps with key rows (wk < krows)
-          stage_planes(ks, kKRows, khi + k0 * p.Dp, klo + k0 * p.Dp, p.Dp, d0, width, krows, (krows + 15) / 16 * 16);
-        cp_async_wait_all();
-        __syncthreads();
+  auto* kmax = reinterpret_cast<unsigned*>(smem + L.kmax);
+  auto* qlim = reinterpret_cast<int*>(smem + L.qlim);
+  auto* scores = reinterpret_cast<float*>(smem + L.scores);
+  const int RS = p.Dp + 8, ksteps = p.Dp / 16;
+  const std::int64_t qrow0 = static_cast<std::int64_t>(job) * p.P, krow0 = static_cast<std::int64_t>(bg) * p.Tk * p.r;
+  const bool q_once = p.P <= p.qcap;  // the query rows stay staged across slabs
+  for (int k0 = k_begin; k0 < k_end; k0 += p.kcap) {
+    const int krows = imin(p.kcap, k_end - k0), groups = (krows + kKUnit - 1) / kKUnit;
+    for (int q0 = 0; q0 < p.P; q0 += p.qcap) {
+      const int qrows = imin(p.qcap, p.P - q0), passes = (qrows + 31) / 32;
+      __syncthreads();  // every warp is done with the planes and maxima this staging replaces
+      if (!q_once || k0 == k_begin) {
+        stage_planes(qs, p.qcap, p.qhi + (qrow0 + q0) * p.Dp, p.qlo + (qrow0 + q0) * p.Dp, p.Dp, qrows,
+                     (qrows + 15) / 16 * 16);
+        for (int i = threadIdx.x; i < p.qcap; i += kScoreThreads) qlim[i] = query_limit(p, i_first, q0 + i);
       }
-      if (active) {
-        for (int kk = 0; kk < width / 16; ++kk) {
-          // B fragments of both n-tiles: matrices (n-tile 0, k 0-7), (0, 8-15), (1, 0-7), (1, 8-15).
-          const int brow = wk + lane % 8 + 8 * (lane / 16), bcol = kk * 16 + 8 * ((lane / 8) % 2);
-          unsigned bh[4], bl[4];
-          ldsm_x4(bh, ks + brow * kSmemRow + bcol);
-          ldsm_x4(bl, ks + (kKRows + brow) * kSmemRow + bcol);
+      if (q0 == 0) {
+        stage_planes(ks, p.kcap, p.khi + (krow0 + k0) * p.Dp, p.klo + (krow0 + k0) * p.Dp, p.Dp, krows,
+                     groups * kKUnit);
+        for (int i = threadIdx.x; i < p.kcap; i += kScoreThreads) kmax[i] = order_key(-INFINITY);
+      }
+      cp_async_wait_all();
+      __syncthreads();
+      for (int task = warp; task < groups * passes; task += kScoreThreads / 32) {
+        const int g = task % groups, qr0 = (task / groups) * 32, kr0 = g * kKUnit;
+        const int mtiles = imin(2, (qrows - qr0 + 15) / 16);  // warp-uniform
+        float acc1[2][2][4], acc2[2][2][4];
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc1[mt][nt][i] = acc2[mt][nt][i] = 0.0f;
+        const std::uint16_t* brow = ks + (kr0 + lane % 8 + 8 * (lane / 16)) * RS + 8 * ((lane / 8) % 2);
+        const std::uint16_t* arow = qs + (qr0 + lane % 16) * RS + 8 * (lane / 16);
+        for (int kk = 0; kk < ksteps; ++kk) {
+          // B fragments of both n-tiles: matrices (n-tile 0, k 0-7), (0, 8-15), (1, 0-7), (1, 8-15).
+          unsigned bh[4], bl[4];
+          ldsm_x4(bh, brow + kk * 16);
+          ldsm_x4(bl, brow + p.kcap * RS + kk * 16);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
             if (mt >= mtiles) break;  // warp-uniform
-            const int arow = qoff + mt * 16 + lane % 16, acol = kk * 16 + 8 * (lane / 16);
             unsigned ah[4], al[4];
-            ldsm_x4(ah, qs + arow * kSmemRow + acol);
-            ldsm_x4(al, qs + (L.qcap + arow) * kSmemRow + acol);
+            ldsm_x4(ah, arow + mt * 16 * RS + kk * 16);
+            ldsm_x4(al, arow + (p.qcap + mt * 16) * RS + kk * 16);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
               mma_bf16(acc1[mt][nt], ah, bh[2 * nt], bh[2 * nt + 1]);
@@ -508,50 +497,47 @@ __device__ __forceinline__ void score_slab(const ScoreParams& p, unsigned char* 
             }
           }
         }
-      }
-    }
-    // Accumulator element i of (mt, nt): query row q0 + 16 mt + gid + 8 (i / 2), key column 2 tq + i % 2.
-    // fmaxf ignores a NaN operand, so NaN pairs rank as -inf.
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      if (mt >= mtiles) break;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const long long ql = query_limit(p, i_first, q0 + mt * 16 + gid + 8 * half);
+        // Accumulator element i of (mt, nt): query row qr0 + 16 mt + gid + 8 (i / 2), key row kr0 + 8 nt +
+        // 2 tq + i % 2. fmaxf ignores a NaN operand, so NaN pairs rank as -inf.
+        int kf[2][2];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int c = 0; c < 2; ++c)
-            if (kf[nt][c] <= ql)
-              best[nt][c] = fmaxf(best[nt][c], __fadd_rn(acc1[mt][nt][2 * half + c], acc2[mt][nt][2 * half + c]));
+          for (int c = 0; c < 2; ++c) kf[nt][c] = key_first(p, k0 + kr0 + nt * 8 + 2 * tq + c, k_end);
+        float best[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          if (mt >= mtiles) break;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int ql = qlim[qr0 + mt * 16 + gid + 8 * half];  // -1 past the staged rows' P
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+              for (int c = 0; c < 2; ++c)
+                if (kf[nt][c] <= ql)
+                  best[nt][c] = fmaxf(best[nt][c], __fadd_rn(acc1[mt][nt][2 * half + c], acc2[mt][nt][2 * half + c]));
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int o = 4; o < 32; o *= 2) best[nt][c] = fmaxf(best[nt][c], __shfl_xor_sync(0xffffffffu, best[nt][c], o));
+            if (gid == 0) atomicMax(kmax + kr0 + nt * 8 + 2 * tq + c, order_key(best[nt][c]));
+          }
       }
     }
-  }
-  // Maxima over the query rows (the 8 lanes of a column), then over the r key rows of a block.
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int c = 0; c < 2; ++c)
-#pragma unroll
-      for (int o = 4; o < 32; o *= 2) best[nt][c] = fmaxf(best[nt][c], __shfl_xor_sync(0xffffffffu, best[nt][c], o));
-    const int row = k0 + wk + nt * 8 + 2 * tq;  // the thread's first key row of this n-tile
-    if (p.r == 1) {
-      if (gid == 0) {
-        if (row < row_end) lead[row] = best[nt][0];
-        if (row + 1 < row_end) lead[row + 1] = best[nt][1];
-      }
-    } else {  // r = 4: key rows 4 j' .. 4 j' + 3 of one block sit in lanes tq and tq ^ 1
-      float v = fmaxf(best[nt][0], best[nt][1]);
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-      if (gid == 0 && tq % 2 == 0 && row < row_end) lead[row / 4] = v;
+    __syncthreads();  // every task's maxima are in kmax
+    // Block maxima over the r key rows of each block of the slab (slabs hold whole blocks).
+    for (int b = threadIdx.x; b * p.r < krows; b += kScoreThreads) {
+      unsigned m = kmax[b * p.r];
+      for (int i = 1; i < p.r; ++i) m = max(m, kmax[b * p.r + i]);
+      if (p.chunks == 1) scores[k0 / p.r + b] = key_value(m);  // ranked by this CTA
+      else p.bmax[static_cast<std::int64_t>(job) * p.Tk + (k0 / p.r) + b] = key_value(m);
     }
   }
-}
-
-// Order-preserving key of a float (larger float, larger key; -0 < +0).
-__device__ __forceinline__ unsigned order_key(float f) {
-  const unsigned u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
 // Exclusive scan of v over the CTA in thread order; `total` gets the sum (every thread). Every thread calls it.
@@ -575,7 +561,6 @@ __device__ __forceinline__ int cta_exclusive_scan(int v, int* warp_sums, int& to
   __syncthreads();  // warp_sums is free again
   return before + incl - v;
 }
-
 // Top-k of scores[0, n) (candidate id = index), higher score first, ties to the lower id: writes the
 // min(k, n) ids ascending to row[s * stride], pads to `width` with -1 and returns the count. Up to one
 // candidate per thread (n <= kScoreThreads: R1 and R4 up to Lk = 32K), thread j counts the candidates
@@ -671,61 +656,78 @@ __device__ int top_k_blocks(const float* scores, int n, int k, int* hist, int* w
   return total;
 }
 
-// A cluster of p.cluster CTAs per (b, group, Q tile); CTA c scores key rows [c rows_per_cta, ...) of the
-// tile's candidates and CTA 0 ranks.
-__global__ void __launch_bounds__(kScoreThreads, 2) score_kernel(const __grid_constant__ ScoreParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const ScoreSmem L = score_smem(p.Tk, p.P);
+// The job's list from its block scores (every chunk's are stored and visible): forced blocks rank above
+// every scored one, as on the CPU (only among the candidates), then the top-k.
+__device__ void rank_job(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int job) {
+  const JobTile jt = job_tile(p, job);
   auto* scores = reinterpret_cast<float*>(smem + L.scores);
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int job = static_cast<int>(blockIdx.x) / p.cluster;  // the host checks jobs * cluster <= INT_MAX
-  const int bg = job / p.Tq, t = job - bg * p.Tq;
-  const std::int64_t offset = p.Lk - p.Lq, i_first = t * kTileQ, i_last = imin(p.Lq, i_first + kTileQ) - 1;
-  // Causal: block j is a candidate iff the tile's last query sees its first key.
-  const std::int64_t n_cand =
-      p.causal ? imax<std::int64_t>(0, imin<std::int64_t>(p.Tk, ceil_div(i_last + offset + 1, kBlockK))) : p.Tk;
-  // Key rows of this CTA (Tk * r <= INT_MAX / 2, checked on the host).
-  const int row_begin = rank * p.rows_per_cta;
-  const int row_end = imin(row_begin + p.rows_per_cta, static_cast<int>(n_cand) * p.r);
-  // Every CTA of the cluster runs before any of them writes into CTA 0's shared memory.
-  cluster.sync();
-  pdl_wait();  // the representatives are complete
-
-  float* lead = cluster.map_shared_rank(scores, 0);
-  const std::uint16_t* qhi = p.qhi + static_cast<std::int64_t>(job) * p.P * p.Dp;
-  const std::uint16_t* qlo = p.qlo + static_cast<std::int64_t>(job) * p.P * p.Dp;
-  const std::uint16_t* khi = p.khi + static_cast<std::int64_t>(bg) * p.Tk * p.r * p.Dp;
-  const std::uint16_t* klo = p.klo + static_cast<std::int64_t>(bg) * p.Tk * p.r * p.Dp;
-  const bool stage_q_once = p.P <= L.qcap && p.Dp <= kDChunk;
-  bool q_staged = false;
-  for (int k0 = row_begin; k0 < row_end; k0 += kKRows)
-    score_slab(p, smem, L, qhi, qlo, khi, klo, i_first, k0, imin(kKRows, row_end - k0), row_end, stage_q_once,
-               q_staged, lead);
-  cluster.sync();  // every block score is in CTA 0
-  if (rank != 0) return;
-
-  // Forced blocks rank above every scored one, as on the CPU (only among the candidates).
-  if (n_cand > 0) {
+  const float* bm = p.bmax + static_cast<std::int64_t>(job) * p.Tk;
+  if (p.chunks > 1)  // else the scores are this CTA's, in shared memory
+    for (int j = threadIdx.x; j < jt.n_cand; j += kScoreThreads) scores[j] = __ldcg(bm + j);
+  __syncthreads();
+  if (jt.n_cand > 0) {
     if (p.force_block0 && threadIdx.x == 0) scores[0] = INFINITY;
     if (p.force_local) {
-      std::int64_t lo, hi;
+      int lo, hi;
       if (p.causal) {
-        lo = imax<std::int64_t>(i_first + offset, 0) / kBlockK;
-        hi = (i_last + offset) / kBlockK;
+        lo = imax(jt.i_first + p.Lk - p.Lq, 0) / static_cast<int>(kBlockK);
+        hi = (jt.i_last + p.Lk - p.Lq) / static_cast<int>(kBlockK);
       } else {
-        lo = hi = imin<std::int64_t>(i_first * p.Lk / p.Lq / kBlockK, p.Tk - 1);
+        lo = hi = static_cast<int>(
+            imin<std::int64_t>(static_cast<std::int64_t>(jt.i_first) * p.Lk / p.Lq / kBlockK, p.Tk - 1));
       }
-      for (std::int64_t j = lo + threadIdx.x; j <= hi && j < n_cand; j += kScoreThreads) scores[j] = INFINITY;
+      for (int j = lo + static_cast<int>(threadIdx.x); j <= hi && j < jt.n_cand; j += kScoreThreads)
+        scores[j] = INFINITY;
     }
   }
   __syncthreads();
-  const int hkv = static_cast<int>(p.Hkv), b = bg / hkv, g = bg - b * hkv;
-  std::int32_t* out = p.idx + b * p.is0 + g * p.is1 + t * p.is2;
-  const int c = top_k_blocks(scores, static_cast<int>(n_cand), p.top_k, reinterpret_cast<int*>(smem + L.hist),
+  const int b = jt.bg / p.Hkv, g = jt.bg - b * p.Hkv;
+  std::int32_t* out = p.idx + b * p.is0 + g * p.is1 + jt.t * p.is2;
+  const int c = top_k_blocks(scores, jt.n_cand, p.top_k, reinterpret_cast<int*>(smem + L.hist),
                              reinterpret_cast<int*>(smem + L.warp_sums), reinterpret_cast<int*>(smem + L.pick), out,
                              p.is3, p.kmax);
-  if (threadIdx.x == 0) p.cnt[b * p.cs0 + g * p.cs1 + t * p.cs2] = c;
+  if (threadIdx.x == 0) p.cnt[b * p.cs0 + g * p.cs1 + jt.t * p.cs2] = c;
+}
+
+// Kernel 1: the representatives of q (CTAs [0, t[0].ctas)) and k (the rest). CTA 0 also zeroes the
+// scoring kernel's counters (read only after this grid completes). Each CTA triggers the dependent launch
+// at its start, so the scoring grid launches once the last CTA of this grid is running (its pdl_wait still
+// waits for completion).
+template <In T, bool kVec, int kLanes>
+__global__ void __launch_bounds__(kRepThreads, 2)
+    representatives_kernel(const __grid_constant__ RepParams p, unsigned* done, int jobs) {
+  constexpr int kColumns = kRepThreads / kLanes;
+  __shared__ float part[kLanes][kColumns][kSliceCols];
+  __shared__ RepColumn cols[kColumns];
+  pdl_launch_dependents();
+  const int which = static_cast<int>(blockIdx.x) < p.t[0].ctas ? 0 : 1;  // CTA-uniform
+  const int cta = static_cast<int>(blockIdx.x) - (which == 0 ? 0 : p.t[0].ctas);
+  if (blockIdx.x == 0)
+    for (int j = threadIdx.x; j < jobs; j += kRepThreads) done[j] = 0u;
+  representatives<T, kVec, kLanes>(p, which, cta, part, cols);
+}
+
+// Kernel 2: CTA (job, chunk) scores the chunk's key rows of the job; the chunk that finishes last ranks the
+// job (release by a fence and a counter, acquire by a fence after it).
+__global__ void __launch_bounds__(kScoreThreads, 2) score_kernel(const __grid_constant__ ScoreParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ unsigned last;
+  const ScoreSmem L = score_smem(p.Tk, p.Dp, p.qcap, p.kcap);
+  const int job = static_cast<int>(blockIdx.x) / p.chunks, chunk = static_cast<int>(blockIdx.x) - job * p.chunks;
+  pdl_wait();  // the representatives are complete
+  score_chunk(p, smem, L, job, chunk);
+  __syncthreads();  // every block score of the chunk is stored
+  if (p.chunks == 1) {
+    rank_job(p, smem, L, job);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(p.done + job, 1u) == static_cast<unsigned>(p.chunks - 1) ? 1u : 0u;
+    __threadfence();
+  }
+  __syncthreads();
+  if (last != 0u) rank_job(p, smem, L, job);
 }
 
 // ---- host ----------------------------------------------------------------------------------------------------
@@ -738,25 +740,24 @@ bool vectorizable(const TensorView& x) {
 }
 
 template <In T, bool kVec>
-void launch_reps(const RepParams& p, unsigned blocks, cudaStream_t stream) {
-  if (p.r == 1) representatives_kernel<T, kVec, rep_lanes(1)><<<blocks, kRepThreads, 0, stream>>>(p);
-  else representatives_kernel<T, kVec, rep_lanes(4)><<<blocks, kRepThreads, 0, stream>>>(p);
+void launch_reps(const RepParams& p, unsigned* done, int jobs, unsigned blocks, cudaStream_t stream) {
+  if (p.r == 1) representatives_kernel<T, kVec, rep_lanes(1)><<<blocks, kRepThreads, 0, stream>>>(p, done, jobs);
+  else representatives_kernel<T, kVec, rep_lanes(4)><<<blocks, kRepThreads, 0, stream>>>(p, done, jobs);
 }
 
 template <In T>
-void launch_reps(bool vec, const RepParams& p, unsigned blocks, cudaStream_t stream) {
-  if (vec) launch_reps<T, true>(p, blocks, stream);
-  else launch_reps<T, false>(p, blocks, stream);
+void launch_reps(bool vec, const RepParams& p, unsigned* done, int jobs, unsigned blocks, cudaStream_t stream) {
+  if (vec) launch_reps<T, true>(p, done, jobs, blocks, stream);
+  else launch_reps<T, false>(p, done, jobs, blocks, stream);
 }
 
-// Facts of a device that do not change while the process runs, queried once per device.
+// Per device, queried once: the dynamic shared memory a scoring CTA may use (the device's opt-in maximum
+// per block less the kernel's static shared memory; the kernel's limit is raised to it) and the SM count.
 struct DeviceFacts {
-  int max_smem = 0;  // opt-in dynamic shared memory per block (the scoring kernel's limit is raised to it)
+  int max_smem = 0;
   int sms = 0;
 };
 
-// The tensor's device must be the current device and usable (as usable_device_smem in common.cuh, whose
-// runtime queries per call are answered from a per-device cache after the first success).
 DeviceFacts device_facts(const std::string& op, const TensorView& t) {
   int dev = -1;
   cudaError_t e = cudaGetDevice(&dev);
@@ -770,9 +771,12 @@ DeviceFacts device_facts(const std::string& op, const TensorView& t) {
     if (it != known.end()) return it->second;
   }
   DeviceFacts f;
-  f.max_smem = usable_device_smem(op, "q", t);
+  const int opt_in = usable_device_smem(op, "q", t);
   check_cuda(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, t.device_index), op,
              "cudaDeviceGetAttribute");
+  cudaFuncAttributes attr{};
+  check_cuda(cudaFuncGetAttributes(&attr, score_kernel), op, "cudaFuncGetAttributes");
+  f.max_smem = opt_in - static_cast<int>(attr.sharedSizeBytes);
   check_cuda(cudaFuncSetAttribute(score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, f.max_smem), op,
              "cudaFuncSetAttribute");
   const std::lock_guard<std::mutex> lock(mu);
@@ -780,55 +784,38 @@ DeviceFacts device_facts(const std::string& op, const TensorView& t) {
   return f;
 }
 
-// Launch configuration of the scoring kernel: `grid` CTAs in clusters of C, `smem` bytes of dynamic shared
-// memory each; with `programmatic`, a programmatic dependent of the previous launch on `stream`. The
-// attributes live in `attrs`.
-cudaLaunchConfig_t score_config(unsigned grid, int C, std::size_t smem, cudaStream_t stream, bool programmatic,
-                                cudaLaunchAttribute (&attrs)[2]) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kScoreThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  attrs[0] = cudaLaunchAttribute{};
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = static_cast<unsigned>(C);
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  attrs[1] = cudaLaunchAttribute{};
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attrs;
-  cfg.numAttrs = programmatic ? 2 : 1;
-  return cfg;
-}
+// Byte offsets in the scratch: the four planes q hi, q lo, k hi, k lo ([rows][Dp] bf16 each), the block
+// scores ([jobs][Tk] float32), the chunk counters ([jobs]).
+struct Layout {
+  std::size_t plane[4];
+  std::size_t bmax, counters, total;
+};
 
-// How many clusters of `C` scoring CTAs with `smem` bytes of dynamic shared memory the device holds at
-// once (the runtime's count, which knows the cluster placement), queried once per (device, C, smem).
-int resident_clusters(const std::string& op, int device, int C, std::size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, std::size_t>, int> known;
-  const auto key = std::make_tuple(device, C, smem);
-  {
-    const std::lock_guard<std::mutex> lock(mu);
-    const auto it = known.find(key);
-    if (it != known.end()) return it->second;
+Layout scratch_layout(const ProblemShape& s, std::int64_t r) {
+  const std::int64_t Dp = padded_d(s.D), jobs = s.B * s.Hkv * s.Tq();
+  const std::int64_t rows[2] = {s.B * s.Hq * s.Tq() * r, s.B * s.Hkv * s.Tk() * r};
+  Layout l{};
+  std::size_t o = 0;
+  for (int i = 0; i < 4; ++i) {
+    l.plane[i] = o;
+    o += align_up(static_cast<std::size_t>(rows[i / 2] * Dp) * 2);
   }
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg = score_config(static_cast<unsigned>(C), C, smem, nullptr, false, attrs);
-  int n = 0;
-  check_cuda(cudaOccupancyMaxActiveClusters(&n, score_kernel, &cfg), op, "cudaOccupancyMaxActiveClusters");
-  const std::lock_guard<std::mutex> lock(mu);
-  known[key] = n;
-  return n;
+  l.bmax = o, o += align_up(static_cast<std::size_t>(jobs * s.Tk()) * sizeof(float));
+  l.counters = o, o += align_up(static_cast<std::size_t>(jobs) * sizeof(unsigned));
+  l.total = o;
+  return l;
 }
 
+// Rows staged at once for a row length of Dp: up to 64 query and 128 key rows at D = 128, fewer for
+// longer rows (at most about 105 KB of shared memory: two CTAs per SM), at least one 16-row tile each.
+std::int64_t staged_rows(std::int64_t most, std::int64_t Dp) {
+  return std::max<std::int64_t>(16, std::min<std::int64_t>(most, most * 128 / Dp / 16 * 16));
+}
 
 }  // namespace
 
 std::size_t pooled_scratch_bytes(const ProblemShape& s, const PooledOptions& o) {
-  const std::int64_t r = o.representatives;
-  return plane_layout(s.B * s.Hq * s.Tq() * r, s.B * s.Hkv * s.Tk() * r, padded_d(s.D)).total;
+  return scratch_layout(s, o.representatives).total;
 }
 
 PooledErrorBound pooled_error_bound(std::int64_t D, int representatives) {
@@ -855,25 +842,38 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   check_device_memory(op, "k", k);
   check_device_memory(op, "out.idx", out.idx);
   check_device_memory(op, "out.cnt", out.cnt);
-  if (P > INT_MAX / 2 || Tk * r > INT_MAX / 2)
-    throw Error(op, "q", "group * r = " + std::to_string(P) + " or Tk * r = " + std::to_string(Tk * r) +
-                             " exceed the CUDA selector's row indices");
-  const ScoreSmem L = score_smem(Tk, static_cast<int>(P));
-  if (L.total > static_cast<std::size_t>(dev.max_smem))
-    throw Error(op, "k", "Lk = " + std::to_string(s.Lk) + " gives " + std::to_string(Tk) +
-                             " blocks, more than the CUDA selector's per-tile shared-memory ranking holds");
   const std::int64_t rows[2] = {s.B * s.Hq * Tq * r, s.B * s.Hkv * Tk * r};
   const std::int64_t slices = Dp / kSliceCols;
-  // Kernel 1 indexes columns (rows x slices) and tokens in int.
+  // Columns (rows x slices), token and key positions, job rows and the scoring grid are indexed in int.
   const std::int64_t int_room = INT_MAX - kTileQ - kRepThreads;
   if (slices > int_room || rows[0] * slices > int_room || rows[1] * slices > int_room ||
-      std::max(s.Lq, s.Lk) > int_room || jobs * kMaxCluster > INT_MAX)
+      std::max(s.Lq, s.Lk) > int_room || Tk * r > int_room || jobs * P > int_room || jobs * 8 > int_room)
     throw Error(op, "q", "tensor " + q.describe() + " has more representative rows than the CUDA selector indexes");
 
-  const Planes planes = plane_layout(rows[0], rows[1], Dp);
-  const sel::Scratch scratch(op, o.workspace, pooled_scratch_bytes(s, o), q.device_index, stream);
+  // Chunks: one CTA per job where its key rows fit one staged slab (no block scores through global memory,
+  // no counter: measured 11.2 us for four chunks of R1 at tile16, Lk = 16K, where one slab is the whole
+  // job); else the key rows split over C CTAs in multiples of 16 rows (whole blocks for r = 1 and 4), C up
+  // to 8 and so that the grid is one wave of two CTAs per SM.
+  const std::int64_t key_rows = Tk * r;
+  const std::int64_t kcap_most = staged_rows(128, Dp), qcap = std::min(staged_rows(64, Dp), ceil_div(P, 16) * 16);
+  const std::int64_t chunks =
+      key_rows <= kcap_most
+          ? 1
+          : std::max<std::int64_t>(1, std::min<std::int64_t>({8, 2 * dev.sms / jobs,
+                                                                ceil_div(key_rows, static_cast<std::int64_t>(kKUnit))}));
+  const std::int64_t rows_per_chunk = ceil_div(ceil_div(key_rows, chunks), kKUnit) * kKUnit;
+  const std::int64_t kcap = std::min(kcap_most, rows_per_chunk);
+  const ScoreSmem L = score_smem(static_cast<int>(Tk), static_cast<int>(Dp), static_cast<int>(qcap), static_cast<int>(kcap));
+  if (L.total > static_cast<std::size_t>(dev.max_smem))
+    throw Error(op, "k", "Lk = " + std::to_string(s.Lk) + " (" + std::to_string(Tk) + " blocks) with D = " +
+                             std::to_string(s.D) + " needs " + std::to_string(L.total) +
+                             " bytes of shared memory per CTA, more than the device's " + std::to_string(dev.max_smem));
+
+  const Layout lay = scratch_layout(s, r);
+  const sel::Scratch scratch(op, o.workspace, lay.total, q.device_index, stream);
   auto* base = scratch.as<char>();
-  auto plane = [&](int i) { return reinterpret_cast<std::uint16_t*>(base + planes.at[i]); };
+  auto plane = [&](int i) { return reinterpret_cast<std::uint16_t*>(base + lay.plane[i]); };
+  auto* done = reinterpret_cast<unsigned*>(base + lay.counters);
 
   RepParams rp{};
   rp.Dp = Dp, rp.D = static_cast<int>(s.D), rp.r = static_cast<int>(r), rp.span = static_cast<int>(kTileQ / r);
@@ -892,44 +892,32 @@ void pooled_select(const TensorView& q, const TensorView& k, const TileLists& ou
   }
   const bool vec = vectorizable(q) && vectorizable(k);
   const auto blocks = static_cast<unsigned>(rp.t[0].ctas + rp.t[1].ctas);
+  const int njobs = static_cast<int>(jobs);
   switch (in_type(q.dtype)) {
-    case In::f32: launch_reps<In::f32>(vec, rp, blocks, stream); break;
-    case In::f16: launch_reps<In::f16>(vec, rp, blocks, stream); break;
-    case In::bf16: launch_reps<In::bf16>(vec, rp, blocks, stream); break;
+    case In::f32: launch_reps<In::f32>(vec, rp, done, njobs, blocks, stream); break;
+    case In::f16: launch_reps<In::f16>(vec, rp, done, njobs, blocks, stream); break;
+    case In::bf16: launch_reps<In::bf16>(vec, rp, done, njobs, blocks, stream); break;
   }
   check_cuda(cudaGetLastError(), op, "representatives launch");
 
   ScoreParams p{};
   p.qhi = plane(0), p.qlo = plane(1), p.khi = plane(2), p.klo = plane(3);
+  p.bmax = reinterpret_cast<float*>(base + lay.bmax);
+  p.done = done;
   p.idx = out.idx.ptr<std::int32_t>();
   p.is0 = out.idx.stride[0], p.is1 = out.idx.stride[1], p.is2 = out.idx.stride[2], p.is3 = out.idx.stride[3];
   p.kmax = out.idx.shape[3];
   p.cnt = out.cnt.ptr<std::int32_t>();
   p.cs0 = out.cnt.stride[0], p.cs1 = out.cnt.stride[1], p.cs2 = out.cnt.stride[2];
-  p.Lq = s.Lq, p.Lk = s.Lk, p.Hkv = s.Hkv, p.Tq = static_cast<int>(Tq), p.Tk = static_cast<int>(Tk), p.Dp = Dp;
+  p.Lq = static_cast<int>(s.Lq), p.Lk = static_cast<int>(s.Lk), p.Hkv = static_cast<int>(s.Hkv);
+  p.Dp = static_cast<int>(Dp), p.Tq = static_cast<int>(Tq), p.Tk = static_cast<int>(Tk);
   p.P = static_cast<int>(P), p.r = static_cast<int>(r), p.span = static_cast<int>(kTileQ / r), p.top_k = o.top_k;
+  p.chunks = static_cast<int>(chunks), p.rows_per_chunk = static_cast<int>(rows_per_chunk);
+  p.qcap = static_cast<int>(qcap), p.kcap = static_cast<int>(kcap);
   p.force_local = o.force_local, p.force_block0 = o.force_block0, p.causal = o.causal;
-  // Cluster size: a tile's Tk * r key rows split over C CTAs in multiples of kCtaRowsUnit rows, C the
-  // largest (up to about two CTAs per SM over the grid) with which every cluster of the grid is resident
-  // at once: a cluster that waits for a second wave doubles the kernel's time.
-  const std::int64_t key_rows = Tk * r, units = ceil_div(key_rows, static_cast<std::int64_t>(kCtaRowsUnit));
-  std::int64_t C = 1, rows_per_cta = units * kCtaRowsUnit;
-  for (std::int64_t c = std::min<std::int64_t>({kMaxCluster, units, ceil_div(2 * dev.sms, jobs)}); c > 1; --c) {
-    const std::int64_t per = ceil_div(units, c) * kCtaRowsUnit;
-    if (ceil_div(key_rows, per) == c && jobs <= resident_clusters(op, q.device_index, static_cast<int>(c), L.total)) {
-      C = c;
-      rows_per_cta = per;
-      break;
-    }
-  }
-  p.rows_per_cta = static_cast<int>(rows_per_cta);
-  p.cluster = static_cast<int>(C);
-
-  // A programmatic dependent of the representatives: launch and cluster start overlap their tail.
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t cfg =
-      score_config(static_cast<unsigned>(jobs * C), p.cluster, L.total, stream, true, attrs);
-  check_cuda(cudaLaunchKernelEx(&cfg, score_kernel, p), op, "scoring launch");
+  // A programmatic dependent of the representatives: its launch overlaps their tail.
+  launch_dependent(op, "scoring launch", score_kernel, dim3(static_cast<unsigned>(jobs * chunks)),
+                   dim3(kScoreThreads), L.total, stream, p);
 }
 
 }  // namespace sparse_attn::cuda_backend
