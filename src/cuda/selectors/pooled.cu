@@ -326,7 +326,7 @@ struct ScoreParams {
 // its last visible key position, then the staged planes: q [2][qcap][Dp + 8], k [2][kcap][Dp + 8] bf16
 // (rows of an odd number of 16-byte units: conflict-free ldmatrix).
 struct ScoreSmem {
-  std::size_t scores, hist, warp_sums, pick, kmax, qlim, q, k, total;
+  std::size_t scores, hist, ranks, warp_sums, pick, kmax, qlim, q, k, total;
 };
 
 __host__ __device__ inline ScoreSmem score_smem(int Tk, int Dp, int qcap, int kcap) {
@@ -336,6 +336,7 @@ __host__ __device__ inline ScoreSmem score_smem(int Tk, int Dp, int qcap, int kc
   std::size_t o = 0;
   s.scores = o, o = up(o + static_cast<std::size_t>(Tk) * sizeof(float));
   s.hist = o, o = up(o + 256 * sizeof(int));
+  s.ranks = o, o = up(o + 256 * sizeof(int));
   s.warp_sums = o, o = up(o + 32 * sizeof(int));
   s.pick = o, o = up(o + 4 * sizeof(int));
   s.kmax = o, o = up(o + static_cast<std::size_t>(kcap) * sizeof(unsigned));
@@ -563,27 +564,36 @@ __device__ __forceinline__ int cta_exclusive_scan(int v, int* warp_sums, int& to
 }
 // Top-k of scores[0, n) (candidate id = index), higher score first, ties to the lower id: writes the
 // min(k, n) ids ascending to row[s * stride], pads to `width` with -1 and returns the count. Up to one
-// candidate per thread (n <= kScoreThreads: R1 and R4 up to Lk = 32K), thread j counts the candidates
-// ranked above j and keeps j if fewer than k are: one pass over the scores, one scan. Otherwise a radix
+// candidate per thread (n <= kScoreThreads: R1 and R4 up to Lk = 32K), candidate j's count of the
+// candidates ranked above it is split over kScoreThreads / n threads (integer sums: the same bits in any
+// order) and j is kept if fewer than k are: one pass over the order keys, one scan. Otherwise a radix
 // select finds the key T of the k-th largest score (four passes of 8 bits); the ids with a larger key
 // and the lowest `take` ids with key T are kept. Each thread owns a contiguous range of ids, so two
 // scans in thread order place the ties and the output in id order.
-__device__ int top_k_blocks(const float* scores, int n, int k, int* hist, int* warp_sums, int* pick,
+__device__ int top_k_blocks(const float* scores, int n, int k, int* hist, int* ranks, int* warp_sums, int* pick,
                             std::int32_t* row, std::int64_t stride, std::int64_t width) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const bool all = k >= n;  // CTA-uniform
   if (!all && n <= kScoreThreads) {
-    bool keep = false;
-    if (tid < n) {
-      const unsigned mine = order_key(scores[tid]);
+    // Order keys once (hist), then every thread counts, for candidate c = tid % n, the candidates ranked
+    // above c in its share of the ids (kScoreThreads / n shares; counts added in ranks[]).
+    unsigned* keys = reinterpret_cast<unsigned*>(hist);
+    for (int j = tid; j < n; j += kScoreThreads) keys[j] = order_key(scores[j]), ranks[j] = 0;
+    __syncthreads();
+    const int shares = kScoreThreads / n, c = tid % n, share = tid / n;
+    if (share < shares) {
+      const unsigned mine = keys[c];
+      const int lo = share * n / shares, hi = (share + 1) * n / shares;
       int above = 0;
-#pragma unroll 4
-      for (int i = 0; i < n; ++i) {
-        const unsigned other = order_key(scores[i]);
-        above += other > mine || (other == mine && i < tid) ? 1 : 0;
+#pragma unroll 8
+      for (int i = lo; i < hi; ++i) {
+        const unsigned other = keys[i];
+        above += other > mine || (other == mine && i < c) ? 1 : 0;
       }
-      keep = above < k;
+      atomicAdd(ranks + c, above);
     }
+    __syncthreads();
+    const bool keep = tid < n && ranks[tid] < k;
     int total = 0;
     const int pos = cta_exclusive_scan(keep ? 1 : 0, warp_sums, total);
     if (keep) row[static_cast<std::int64_t>(pos) * stride] = tid;
@@ -684,7 +694,7 @@ __device__ void rank_job(const ScoreParams& p, unsigned char* smem, const ScoreS
   const int b = jt.bg / p.Hkv, g = jt.bg - b * p.Hkv;
   std::int32_t* out = p.idx + b * p.is0 + g * p.is1 + jt.t * p.is2;
   const int c = top_k_blocks(scores, jt.n_cand, p.top_k, reinterpret_cast<int*>(smem + L.hist),
-                             reinterpret_cast<int*>(smem + L.warp_sums), reinterpret_cast<int*>(smem + L.pick), out,
+                             reinterpret_cast<int*>(smem + L.ranks), reinterpret_cast<int*>(smem + L.warp_sums), reinterpret_cast<int*>(smem + L.pick), out,
                              p.is3, p.kmax);
   if (threadIdx.x == 0) p.cnt[b * p.cs0 + g * p.cs1 + jt.t * p.cs2] = c;
 }
