@@ -5,7 +5,9 @@
 // shared-memory ring by bulk copies. Every variant that computes means is checked bit for bit against the
 // library-like one. Each time is the median of 30 single launches between events, with q and k evicted
 // from L2 before each (by reading 256 MB: no dirty lines), and once more after a kernel that leaves L2 full
-// of dirty lines (as the attention does before a selector in a pipeline).
+// of dirty lines (as the attention does before a selector in a pipeline). The slice loop also runs with
+// unused dynamic shared memory per CTA and with the maximum shared-memory carveout: whether the L1 that
+// a large carveout leaves limits the loads in flight (docs/notes/selectors_pooled.md, version 9).
 //
 // Build and run on the GPU machine (a standalone program: it does not link the library):
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o read_floor dev/bench/read_floor.cu
@@ -241,6 +243,20 @@ int main(int argc, char** argv) {
   }
   const int items = QSEG * (QW / 16) + KSEG * (KW / 16);
   timeit("thread per 16 B column slice, 2 x 16 tokens", "means", false, [&] { v2<16><<<(items + 255) / 256, 256>>>(q, k, mq, mk); });
+  // Shared memory against loads in flight: the same kernel with S bytes of unused dynamic shared memory
+  // per CTA (the SM's unified L1 / shared array gives that much less to L1), at the CTAs per SM the
+  // runtime reports; and with the preferred carveout at its maximum and no dynamic shared memory.
+  for (int S : {0, 32 << 10, 64 << 10, 80 << 10, 100 << 10}) {
+    auto kern = v2<16>;
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, S));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, 256, S));
+    const std::string name = "slice loop, " + std::to_string(S >> 10) + " KB dyn smem (" + std::to_string(per_sm) + " CTA/SM)";
+    timeit(name.c_str(), "means", false, [&] { kern<<<(items + 255) / 256, 256, S>>>(q, k, mq, mk); });
+  }
+  CK(cudaFuncSetAttribute(v2<16>, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  timeit("slice loop, carveout 100 %", "means", false, [&] { v2<16><<<(items + 255) / 256, 256>>>(q, k, mq, mk); });
+  CK(cudaFuncSetAttribute(v2<16>, cudaFuncAttributePreferredSharedMemoryCarveout, -1));
   auto bulk = [&](const char* name, auto kern, int W, int T, int S, int hsplit) {
     const int smem = T * W * S;
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
