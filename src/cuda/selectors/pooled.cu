@@ -83,6 +83,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda/common/mma_sync.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/scratch.hpp"
@@ -92,6 +93,10 @@ namespace sparse_attn::cuda_backend {
 namespace {
 
 using namespace sel;
+using cuda_kernels::Bf16Tag;
+using cuda_kernels::cp_async16;
+using cuda_kernels::ldmatrix_x4;
+using cuda_kernels::mma_m16n8k16;
 
 // ---- shapes shared by the host and the kernels ----------------------------------------------------------
 
@@ -370,26 +375,6 @@ __device__ __forceinline__ int key_first(const ScoreParams& p, int row, int row_
   return first < p.Lk ? first : kNever;
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const std::uint16_t* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Order-preserving key of a float (larger float, larger key; -0 < +0) and its inverse.
 __device__ __forceinline__ unsigned order_key(float f) {
   const unsigned u = __float_as_uint(f);
@@ -465,7 +450,8 @@ __device__ void score_chunk(const ScoreParams& p, unsigned char* smem, const Sco
                      groups * kKUnit);
         for (int i = threadIdx.x; i < p.kcap; i += kScoreThreads) kmax[i] = order_key(-INFINITY);
       }
-      cp_async_wait_all();
+      cuda_kernels::cp_async_commit();
+      cuda_kernels::cp_async_wait<0>();
       __syncthreads();
       for (int task = warp; task < groups * passes; task += kScoreThreads / 32) {
         const int g = task % groups, qr0 = (task / groups) * 32, kr0 = g * kKUnit;
@@ -481,20 +467,20 @@ __device__ void score_chunk(const ScoreParams& p, unsigned char* smem, const Sco
         const std::uint16_t* arow = qs + (qr0 + lane % 16) * RS + 8 * (lane / 16);
         for (int kk = 0; kk < ksteps; ++kk) {
           // B fragments of both n-tiles: matrices (n-tile 0, k 0-7), (0, 8-15), (1, 0-7), (1, 8-15).
-          unsigned bh[4], bl[4];
-          ldsm_x4(bh, brow + kk * 16);
-          ldsm_x4(bl, brow + p.kcap * RS + kk * 16);
+          std::uint32_t bh[4], bl[4];
+          ldmatrix_x4(bh, brow + kk * 16);
+          ldmatrix_x4(bl, brow + p.kcap * RS + kk * 16);
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             if (mt >= mtiles) break;  // warp-uniform
-            unsigned ah[4], al[4];
-            ldsm_x4(ah, arow + mt * 16 * RS + kk * 16);
-            ldsm_x4(al, arow + (p.qcap + mt * 16) * RS + kk * 16);
+            std::uint32_t ah[4], al[4];
+            ldmatrix_x4(ah, arow + mt * 16 * RS + kk * 16);
+            ldmatrix_x4(al, arow + (p.qcap + mt * 16) * RS + kk * 16);
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-              mma_bf16(acc1[mt][nt], ah, bh[2 * nt], bh[2 * nt + 1]);
-              mma_bf16(acc2[mt][nt], ah, bl[2 * nt], bl[2 * nt + 1]);
-              mma_bf16(acc2[mt][nt], al, bh[2 * nt], bh[2 * nt + 1]);
+              mma_m16n8k16<Bf16Tag>(acc1[mt][nt], ah, bh[2 * nt], bh[2 * nt + 1]);
+              mma_m16n8k16<Bf16Tag>(acc2[mt][nt], ah, bl[2 * nt], bl[2 * nt + 1]);
+              mma_m16n8k16<Bf16Tag>(acc2[mt][nt], al, bh[2 * nt], bh[2 * nt + 1]);
             }
           }
         }
