@@ -55,7 +55,10 @@ struct PooledOptions {
 /// or two blocks); non-causal, the block holding key min(first query * Lk / Lq, Lk - 1).
 /// force_block0 applies to tiles that see any key.
 /// On a CUDA device the scores are float32: each list is a top-k of the scores above up to a derived
-/// bound (docs/design.md §5.7), ties to the lower id, the same bits on every run.
+/// bound (docs/design.md §5.7), ties to the lower id, the same bits on every run. A device call keeps a
+/// tile's block scores and at least 16 query and 16 key representative rows in one CTA's shared memory:
+/// on an H200, D up to 1,776 and Lk up to about 4 M keys at D = 128; beyond the device's limit it
+/// raises an Error naming Lk and D.
 void pooled_select(const TensorView& q, const TensorView& k, const TileLists& out,
                    const PooledOptions& options = {});
 /// Bytes of device scratch a CUDA pooled_select of these inputs and options takes (options.workspace);
