@@ -76,10 +76,8 @@
 #include <climits>
 #include <cmath>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 
