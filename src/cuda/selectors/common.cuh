@@ -38,6 +38,15 @@ __host__ __device__ __forceinline__ T imax(T a, T b) { return a < b ? b : a; }
 // NaN ranks as -inf, as detail::sanitize on the CPU.
 __device__ __forceinline__ double sanitize(double s) { return isnan(s) ? -INFINITY : s; }
 
+// Order-preserving key of a float: a larger float gives a larger key (-0 below +0); order_value inverts it.
+__device__ __forceinline__ std::uint32_t order_key(float f) {
+  const std::uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float order_value(std::uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 // ---- quantisation: device ports of src/selectors/quantize.cpp ------------------------------------
 
 enum class Prec : int { bf16, fp8, fp4 };

@@ -65,6 +65,7 @@ namespace {
 using sel::check_cuda;
 using sel::imax;
 using sel::imin;
+using sel::order_key;
 using sel::In;
 using sel::Prec;
 namespace ck = cuda_kernels;
@@ -195,9 +196,7 @@ using u64 = unsigned long long;
 // sanitised first: NaN -> -inf, -0 -> +0 (the CPU compares them equal, so they must tie on the id).
 __device__ __forceinline__ float sanitize(float s) { return isnan(s) ? -INFINITY : (s == 0.0f ? 0.0f : s); }
 __device__ __forceinline__ u64 rank_key(float s, std::int64_t id) {
-  const unsigned u = __float_as_uint(s);
-  const unsigned ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<u64>(ord) << 32) | (0xffffffffu - static_cast<unsigned>(id));
+  return (static_cast<u64>(order_key(s)) << 32) | (0xffffffffu - static_cast<unsigned>(id));
 }
 __device__ __forceinline__ int key_id(u64 k) { return static_cast<int>(0xffffffffu - static_cast<unsigned>(k)); }
 

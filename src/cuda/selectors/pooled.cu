@@ -373,15 +373,6 @@ __device__ __forceinline__ int key_first(const ScoreParams& p, int row, int row_
   return first < p.Lk ? first : kNever;
 }
 
-// Order-preserving key of a float (larger float, larger key; -0 < +0) and its inverse.
-__device__ __forceinline__ unsigned order_key(float f) {
-  const unsigned u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ float key_value(unsigned k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 // Copies rows [0, rows) of both planes (row stride Dp elements) into `dst` ([2][cap][Dp + 8]); rows
 // [rows, fill) are zero. Thread t copies the 16-byte unit t % U (U = Dp / 8 per row) of every
 // (256 / U)-th line, no division in the loop.
@@ -519,8 +510,8 @@ __device__ void score_chunk(const ScoreParams& p, unsigned char* smem, const Sco
     for (int b = threadIdx.x; b * p.r < krows; b += kScoreThreads) {
       unsigned m = kmax[b * p.r];
       for (int i = 1; i < p.r; ++i) m = max(m, kmax[b * p.r + i]);
-      if (p.chunks == 1) scores[k0 / p.r + b] = key_value(m);  // ranked by this CTA
-      else p.bmax[static_cast<std::int64_t>(job) * p.Tk + (k0 / p.r) + b] = key_value(m);
+      if (p.chunks == 1) scores[k0 / p.r + b] = order_value(m);  // ranked by this CTA
+      else p.bmax[static_cast<std::int64_t>(job) * p.Tk + (k0 / p.r) + b] = order_value(m);
     }
   }
 }

@@ -93,6 +93,7 @@ namespace {
 using sel::check_cuda;
 using sel::imax;
 using sel::imin;
+using sel::order_key;
 using sel::In;
 using sel::Prec;
 
@@ -491,8 +492,7 @@ __device__ int write_ascending(const unsigned char* flags, int n, int* part, std
 // score: forced blocks tie among themselves and go to the lower id, as the CPU's +inf scores do (with
 // top_k below the forced count, block 0 before the local block).
 __device__ __forceinline__ unsigned long long rank_key(bool forced, float v) {
-  const unsigned u = __float_as_uint(v + 0.0f);
-  const unsigned ordered = (u >> 31) ? ~u : (u | 0x80000000u);
+  const unsigned ordered = order_key(v + 0.0f);
   return forced ? 1ull << 32 : ordered;
 }
 
