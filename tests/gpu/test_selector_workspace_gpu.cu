@@ -35,6 +35,14 @@ struct Bytes {
   ~Bytes() { cudaFree(ptr); }
 };
 
+// A copy of a selector's options that takes `workspace` and runs on `stream`.
+template <class Options>
+Options with_workspace(const Options& o, const sa::TensorView& workspace, cudaStream_t stream) {
+  Options p = o;
+  p.workspace = workspace, p.stream = stream;
+  return p;
+}
+
 // Runs select(workspace) into `out` (poisoned first) and returns the lists it wrote.
 sa::HostTensor lists_of(const std::function<void(const sa::TensorView&, cudaStream_t)>& select, Dev& out, const sa::HostTensor& like,
                         const sa::TensorView& workspace) {
@@ -104,9 +112,7 @@ TEST(SelectorWorkspaceGpu, CallerWorkspaceGivesTheSameListsAndIsChecked) {
     o.representatives = 4, o.top_k = 5, o.causal = true;
     const std::size_t bytes = sa::pooled_workspace_bytes(dq.view, dk.view, o);
     check_workspace("pooled R4", bytes, [&](const sa::TensorView& ws, cudaStream_t s) {
-      sa::PooledOptions p = o;
-      p.workspace = ws, p.stream = s;
-      sa::pooled_select(dq.view, dk.view, sa::TileLists{idx.view, cnt.view}, p);
+      sa::pooled_select(dq.view, dk.view, sa::TileLists{idx.view, cnt.view}, with_workspace(o, ws, s));
     }, idx, like);
   }
   {  // token_max fp8, TileLists and QueryLists (index vectors: q's first head of each group, k)
@@ -118,17 +124,14 @@ TEST(SelectorWorkspaceGpu, CallerWorkspaceGivesTheSameListsAndIsChecked) {
     Dev idx(tiles_like), cnt(sa::HostTensor(sa::DType::i32, {2, 2, 3}));
     check_workspace("token_max tiles", sa::token_max_workspace_bytes(dqi.view, dk.view, true, o),
                     [&](const sa::TensorView& ws, cudaStream_t s) {
-                      sa::TokenMaxOptions p = o;
-                      p.workspace = ws, p.stream = s;
-                      sa::token_max_select(dqi.view, dk.view, sa::TileLists{idx.view, cnt.view}, p);
+                      sa::token_max_select(dqi.view, dk.view, sa::TileLists{idx.view, cnt.view},
+                                           with_workspace(o, ws, s));
                     }, idx, tiles_like);
     const sa::HostTensor query_like(sa::DType::i32, {2, 2, 300, 4});
     Dev qidx(query_like);
     check_workspace("token_max queries", sa::token_max_workspace_bytes(dqi.view, dk.view, false, o),
                     [&](const sa::TensorView& ws, cudaStream_t s) {
-                      sa::TokenMaxOptions p = o;
-                      p.workspace = ws, p.stream = s;
-                      sa::token_max_select(dqi.view, dk.view, sa::QueryLists{qidx.view}, p);
+                      sa::token_max_select(dqi.view, dk.view, sa::QueryLists{qidx.view}, with_workspace(o, ws, s));
                     }, qidx, query_like);
   }
   {  // lightning fp8, TokenLists
@@ -143,9 +146,8 @@ TEST(SelectorWorkspaceGpu, CallerWorkspaceGivesTheSameListsAndIsChecked) {
     Dev idx(like);
     check_workspace("lightning tokens", sa::lightning_workspace_bytes(dqI.view, dkI.view, true, o),
                     [&](const sa::TensorView& ws, cudaStream_t s) {
-                      sa::LightningOptions p = o;
-                      p.workspace = ws, p.stream = s;
-                      sa::lightning_select(dqI.view, dw.view, dkI.view, sa::TokenLists{idx.view}, p);
+                      sa::lightning_select(dqI.view, dw.view, dkI.view, sa::TokenLists{idx.view},
+                                           with_workspace(o, ws, s));
                     }, idx, like);
   }
 }
