@@ -256,6 +256,29 @@ TEST_P(GatedGpu, SinksAndDiagonalSurviveInfiniteThresholds) {
   }
 }
 
+TEST_P(GatedGpu, OpenAndClosedGatesInOneCall) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  const Case c = GetParam();
+  const sa::ProblemShape p = shape_of(c);
+  const Inputs in = make_inputs(c, 1300);
+  // One threshold per (head, gate tile), -inf and +inf alternating: the two warpgroups of a Q tile and
+  // neighbouring heads take the open gate's loop and the gated one in the same launch.
+  const std::int64_t Tg = gate_tiles(p);
+  sa::HostTensor thr(sa::DType::f32, {c.Hq, Tg});
+  for (std::int64_t h = 0; h < c.Hq; ++h)
+    for (std::int64_t t = 0; t < Tg; ++t)
+      thr.data<float>()[h * Tg + t] = (h + t) % 2 == 0 ? -std::numeric_limits<float>::infinity()
+                                                       : std::numeric_limits<float>::infinity();
+  for (const std::int64_t sinks : {0, 1}) {
+    const GatedRun cpu = run_gated(in, p, thr, false, sinks);
+    const GatedRun gpu = run_gated(in, p, thr, true, sinks);
+    st::expect_gated_stats_eq(gpu.stats, cpu.stats);
+    st::expect_equal_i32(gpu.kept, cpu.kept, "kept_per_tile, sinks " + std::to_string(sinks));
+    EXPECT_LE(st::rel_err(gpu.out, values(cpu.out)), c.dtype == sa::DType::bf16 ? 1e-2 : 2e-3);
+    EXPECT_LE(st::lse_max_err(gpu.lse, values(cpu.lse)), 2e-3);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GatedGpu,
     ::testing::Values(Case{"bf16_D128_gqa4_L1013", sa::DType::bf16, 1, 1013, 1013, 8, 2, 128},

@@ -18,6 +18,9 @@
 //
 // Counters (GatedStats units: (b, h, gate tile, block) visits) are kept in registers, uniform across
 // the warpgroup, and added to device memory by one thread per item: no host synchronisation.
+//
+// An open gate (threshold -inf) costs nothing per block: the mainloop walks such an item with dense's
+// loop (open(), count_open()), so a table of -inf runs at dense causal's speed.
 #pragma once
 
 #include <cstdint>
@@ -82,6 +85,24 @@ struct BlockMaxGate {
     row_in[0] = lane_row < p.Lq;
     row_in[1] = lane_row + 8 < p.Lq;
     visible = candidates = passed = 0;
+  }
+
+  /// Whether the gate keeps every block of the item: a threshold of -inf (or no row below Lq). The
+  /// mainloop then walks the item as dense does, with no reduction or branch per block, and the counts
+  /// come from count_open.
+  __device__ __forceinline__ bool open() const { return !exists || threshold == -INFINITY; }
+
+  /// The counts keep() would reach over the item's walk with an open gate, from the gate tile's
+  /// geometry: the walk of a causal tile is blocks [0, n) with n covering its last row's keys, so the
+  /// visible blocks are [0, ceil(key_end_last / 128)); the first diagonal block is key_end_first / 128
+  /// (none where the first row sees every key); the candidates are the visible blocks that are neither
+  /// sinks nor diagonal; every one passes.
+  __device__ __forceinline__ void count_open(const Params& g, const TileAttentionParams& p) {
+    if (!exists) return;
+    visible = (key_end_last + kBlockKeys - 1) / kBlockKeys;
+    const int diagonal = key_end_first < p.Lk ? key_end_first / kBlockKeys : visible;
+    candidates = max(0, min(visible, diagonal) - g.sink_blocks);
+    passed = candidates;
   }
 
   /// Whether block j, whose raw row maxima (row_maxima<true>) are mx, is kept. Uniform across the

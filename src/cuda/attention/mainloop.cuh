@@ -217,7 +217,8 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 // arrivals and combine.
 //
 // Gate (gate_policy.cuh) decides after each QK whether the block leaves a trace; NoGate keeps all and
-// its branches fold away. A skipped block still takes its MMA and exponential turns (empty), so the
+// its branches fold away. An item whose gate is open (BlockMaxGate::open: a threshold of -inf) walks
+// the NoGate loop, its counts written before the walk. A skipped block still takes its MMA and exponential turns (empty), so the
 // two warpgroups, which gate independently, keep alternating, and its V slot is waited for and
 // released without a P V.
 //
@@ -368,108 +369,124 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       continue;
     }
 
-    float factor[2];
-    sm.k_full[ks.stage()].wait(ks.phase());
-    const SlotBlock first = sm.k_block[ks.stage()];
-    bool last = first.last != 0;
-    // Block j's softmax, once its QK has retired: its K slot goes back, then the mask, the gate and
-    // the online update (for the item's first block o starts at 0: no rescale follows). Returns
-    // whether the block is kept; a skipped one takes an empty exponential turn.
-    const auto softmax_block = [&](int j) {
-      fence_operands(acc_s);
-      release(sm.k_empty[ks.stage()]);
-      ks.advance();
-      if (BlockPolicy::needs_mask<kCausal>(p, j, first_row))
-        OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
-      float mx[2];
-      OnlineSoftmax::row_maxima<Gate::kEnabled>(acc_s, mx);
-      if (!gate.keep(gp, p, mx, j, consumer, &sm.gate_max[consumer][0][0])) {
-        exp_turns.begin();
-        exp_turns.end();
-        return false;
-      }
-      softmax.update(acc_s, mx, p.scale_log2, factor, [&] { exp_turns.begin(); }, [&] { exp_turns.end(); });
-      return true;
-    };
-    // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
-    const auto pack_p = [&]() {
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
-    };
-    // Straight-line paths: a wgmma group issued under a condition makes ptxas serialise them all.
-    // The QK of block j alone, in a turn of its own: the item's first block with nothing pending, or
-    // where the block before it was skipped by the gate (its V slot is waited for and released all
-    // the same).
-    const auto qk_alone = [&](int j) {
-      turns.begin();
-      wgmma_fence();
-      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-      turns.end();
-      release_staged_q();
-      settle_arrival();
-      wgmma_wait<0>();
-      return softmax_block(j);
-    };
-    bool kept;  // whether the block whose P is in pa (once packed) is kept
-    if (pending && (!Gate::kEnabled || pending_kept)) {
-      sm.v_full[vs.stage()].wait(vs.phase());
-      turns.begin();
-      wgmma_fence();
-      issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-      issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));  // the previous item's last P V
-      turns.end();
-      release_staged_q();
-      settle_arrival();
-      wgmma_wait<1>();
-      kept = softmax_block(first.j);
-      wgmma_wait<0>();
-      retire_pending();
-    } else if (pending) {
-      sm.v_full[vs.stage()].wait(vs.phase());
-      kept = qk_alone(first.j);
-      retire_pending();
-    } else {
-      kept = qk_alone(first.j);
-    }
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
-    if (!Gate::kEnabled || kept) pack_p();
-
-    // Steady state: one turn per further block, QK of the next block and P V of the current one
-    // (QK alone where the gate skipped the current one).
-    while (!last) {
+    // The item's walk. kGated: the gate decides per block; otherwise every block is kept and the loop is
+    // dense's (NoGate, or an open gate: a threshold of -inf, whose counts follow from the geometry).
+    bool kept;  // whether the item's last block is kept
+    const auto walk_item = [&](auto gated) {
+      constexpr bool kGated = decltype(gated)::value;
+      float factor[2];
       sm.k_full[ks.stage()].wait(ks.phase());
-      const SlotBlock nb = sm.k_block[ks.stage()];
-      last = nb.last != 0;
-      sm.v_full[vs.stage()].wait(vs.phase());
-      bool next_kept;
-      if (!Gate::kEnabled || kept) {
+      const SlotBlock first = sm.k_block[ks.stage()];
+      bool last = first.last != 0;
+      // Block j's softmax, once its QK has retired: its K slot goes back, then the mask, the gate and
+      // the online update (for the item's first block o starts at 0: no rescale follows). Returns
+      // whether the block is kept; a skipped one takes an empty exponential turn.
+      const auto softmax_block = [&](int j) {
+        fence_operands(acc_s);
+        release(sm.k_empty[ks.stage()]);
+        ks.advance();
+        if (BlockPolicy::needs_mask<kCausal>(p, j, first_row))
+          OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
+        float mx[2];
+        OnlineSoftmax::row_maxima<kGated>(acc_s, mx);
+        if (kGated && !gate.keep(gp, p, mx, j, consumer, &sm.gate_max[consumer][0][0])) {
+          exp_turns.begin();
+          exp_turns.end();
+          return false;
+        }
+        softmax.update(acc_s, mx, p.scale_log2, factor, [&] { exp_turns.begin(); }, [&] { exp_turns.end(); });
+        return true;
+      };
+      // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
+      const auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) pa[kk][r] = Tag::pack(acc_s[8 * kk + 2 * r], acc_s[8 * kk + 2 * r + 1]);
+      };
+      // Straight-line paths: a wgmma group issued under a condition makes ptxas serialise them all.
+      // The QK of block j alone, in a turn of its own: the item's first block with nothing pending, or
+      // where the block before it was skipped by the gate (its V slot is waited for and released all
+      // the same).
+      const auto qk_alone = [&](int j) {
         turns.begin();
         wgmma_fence();
         issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-        issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
         turns.end();
         release_staged_q();
         settle_arrival();
-        wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
-        next_kept = softmax_block(nb.j);
         wgmma_wait<0>();
-        fence_operands(acc_o);
-        keep_live(pa);
+        return softmax_block(j);
+      };
+      if (pending && (!Gate::kEnabled || pending_kept)) {
+        sm.v_full[vs.stage()].wait(vs.phase());
+        turns.begin();
+        wgmma_fence();
+        issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
+        issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));  // the previous item's last P V
+        turns.end();
+        release_staged_q();
+        settle_arrival();
+        wgmma_wait<1>();
+        kept = softmax_block(first.j);
+        wgmma_wait<0>();
+        retire_pending();
+      } else if (pending) {
+        sm.v_full[vs.stage()].wait(vs.phase());
+        kept = qk_alone(first.j);
+        retire_pending();
       } else {
-        next_kept = qk_alone(nb.j);
+        kept = qk_alone(first.j);
       }
-      release(sm.v_empty[vs.stage()]);
-      vs.advance();
-      kept = next_kept;
-      if (!Gate::kEnabled || kept) {
-        Transform::rescale(acc_o, factor);
-        pack_p();
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
+      if (!kGated || kept) pack_p();
+
+      // Steady state: one turn per further block, QK of the next block and P V of the current one
+      // (QK alone where the gate skipped the current one).
+      while (!last) {
+        sm.k_full[ks.stage()].wait(ks.phase());
+        const SlotBlock nb = sm.k_block[ks.stage()];
+        last = nb.last != 0;
+        sm.v_full[vs.stage()].wait(vs.phase());
+        bool next_kept;
+        if (!kGated || kept) {
+          turns.begin();
+          wgmma_fence();
+          issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
+          issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
+          turns.end();
+          release_staged_q();
+          settle_arrival();
+          wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run
+          next_kept = softmax_block(nb.j);
+          wgmma_wait<0>();
+          fence_operands(acc_o);
+          keep_live(pa);
+        } else {
+          next_kept = qk_alone(nb.j);
+        }
+        release(sm.v_empty[vs.stage()]);
+        vs.advance();
+        kept = next_kept;
+        if (!kGated || kept) {
+          Transform::rescale(acc_o, factor);
+          pack_p();
+        }
       }
+    };
+    if constexpr (Gate::kEnabled) {
+      if (gate.open()) {  // the counts are known before the walk: out of the loop's registers at once
+        gate.count_open(gp, p);
+        gate.finish(gp, p, w, consumer, thread);
+        walk_item(std::false_type{});
+      } else {
+        walk_item(std::true_type{});
+        gate.finish(gp, p, w, consumer, thread);
+      }
+    } else {
+      walk_item(std::false_type{});
     }
-    gate.finish(gp, p, w, consumer, thread);
     // Every QK of the item has retired: unless the output is staged there, the Q buffer may take the
     // item after next.
     if (!p.tma_store) sm.q_empty[qst].arrive();
