@@ -52,7 +52,11 @@ struct GateParams {
 struct NoGate {
   static constexpr bool kEnabled = false;
   struct Params {};
-  __device__ __forceinline__ void begin(const Params&, const TileAttentionParams&, const WorkItem&, int) {}
+  struct Staged {
+    __device__ __forceinline__ void store(float (&)[2]) const {}
+  };
+  __device__ __forceinline__ static Staged stage(const Params&, const TileAttentionParams&, const WorkItem&) { return {}; }
+  __device__ __forceinline__ void begin(const Params&, const TileAttentionParams&, const WorkItem&, int, const float (&)[2]) {}
   __device__ __forceinline__ constexpr bool keep(const Params&, const TileAttentionParams&, const float (&)[2], int,
                                                  int, float*) {
     return true;
@@ -71,16 +75,32 @@ struct BlockMaxGate {
   int parity = 0;       // which half of the exchange buffer the next reduction uses (kept across items)
   int visible, candidates, passed;
 
-  /// Per work item and consumer warpgroup: the geometry of its gate tile and its threshold.
-  __device__ __forceinline__ void begin(const Params& g, const TileAttentionParams& p, const WorkItem& w, int consumer) {
+  /// The item's two thresholds (gate tiles 2 q_tile and 2 q_tile + 1, the last column of the table for
+  /// tiles past it), loaded by the producer before it waits for the item's Q buffer and stored in shared
+  /// memory beside the item's walk flag.
+  struct Staged {
+    float t[2];
+    __device__ __forceinline__ void store(float (&dst)[2]) const { dst[0] = t[0], dst[1] = t[1]; }
+  };
+  __device__ __forceinline__ static Staged stage(const Params& g, const TileAttentionParams&, const WorkItem& w) {
+    Staged s;
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+      s.t[c] = __ldg(g.thresholds + w.head * g.thr_stride[0] + min(w.q_tile * 2 + c, g.T - 1) * g.thr_stride[1]);
+    return s;
+  }
+
+  /// Per work item and consumer warpgroup: the geometry of its gate tile and its threshold (`staged`:
+  /// the item's thresholds as the producer left them).
+  __device__ __forceinline__ void begin(const Params& g, const TileAttentionParams& p, const WorkItem& w, int consumer,
+                                        const float (&staged)[2]) {
     const int first_row = w.q_tile * kTileRows + consumer * kGateRows;
     const int last_row = min(first_row + kGateRows, p.Lq) - 1;
     exists = first_row < p.Lq;
     // Bottom-right causal: row i sees keys [0, clamp(i + Lk - Lq + 1, 0, Lk)).
     key_end_first = max(0, min(first_row + p.Lk - p.Lq + 1, p.Lk));
     key_end_last = max(0, min(last_row + p.Lk - p.Lq + 1, p.Lk));
-    const int t = min(w.q_tile * 2 + consumer, g.T - 1);
-    threshold = exists ? __ldg(g.thresholds + w.head * g.thr_stride[0] + t * g.thr_stride[1]) : -INFINITY;
+    threshold = exists ? staged[consumer] : -INFINITY;
     const int lane_row = first_row + 16 * ((static_cast<int>(threadIdx.x) % 128) / 32) + (static_cast<int>(threadIdx.x) % 32) / 4;
     row_in[0] = lane_row < p.Lq;
     row_in[1] = lane_row + 8 < p.Lq;

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     if (thread == 0)
-      producer_loop<typename Tag::Elem, kHeadDim, kCausal>(p, sched, sm, &tm_q, &tm_k, &tm_v);
+      producer_loop<typename Tag::Elem, kHeadDim, kCausal, Gate>(p, gate, sched, sm, &tm_q, &tm_k, &tm_v);
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
     consumer_loop<Tag, kHeadDim, kCausal, kSplit, Gate, Transform>(p, gate, transform, sched, sm,

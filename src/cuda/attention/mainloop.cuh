@@ -1,7 +1,7 @@
 // Producer and consumer mainloops of the Q-centric kernel.
 //
 // Producer (one thread of warpgroup 0): per work item, the Q tile (after the consumers released the
-// previous one), then for each block of the walk K and V into the next ring slot, each on its own
+// previous one, with the gate's thresholds of the item where there is a gate), then for each block of the walk K and V into the next ring slot, each on its own
 // mbarrier so QK can start while V is still in flight. The block id from the list is the TMA row
 // coordinate; rows past Lk arrive as zeros. The producer alone reads the lists: it leaves each K slot's
 // block id (and whether it ends the item) in shared memory, so the consumers' path has no global loads.
@@ -73,14 +73,18 @@ struct alignas(1024) SharedStorage {
   MBarrier k_full[kKStages], k_empty[kKStages];
   MBarrier v_full[kVStages], v_empty[kVStages];
   float gate_max[kConsumerWarpgroups][2][4];  // the gate's exchange of warp maxima (gate_policy.cuh)
+  // Per Q buffer, the gate's thresholds of the item's two gate tiles (gate_policy.cuh; unused without a
+  // gate), staged by the producer beside q_walk so that the consumers' path has no global load.
+  float gate_threshold[kQStages][kConsumerWarpgroups];
 };
 
 inline constexpr std::uint32_t kHalfTileBytes = 64 * 128 * 2;  // one 64-column half of 128 rows, 16-bit
 template <int kHeadDim>
 inline constexpr std::uint32_t kTileBytes = kHeadDim / 64 * kHalfTileBytes;
 
-template <class Elem, int kHeadDim, bool kCausal>
-__device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const StaticPersistentScheduler& sched,
+template <class Elem, int kHeadDim, bool kCausal, class Gate>
+__device__ __forceinline__ void producer_loop(const TileAttentionParams& p, const typename Gate::Params& gp,
+                                              const StaticPersistentScheduler& sched,
                                               SharedStorage<Elem, kHeadDim>& sm, const CUtensorMap* tm_q,
                                               const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
   constexpr int kHalves = kHeadDim / 64;
@@ -110,8 +114,10 @@ __device__ __forceinline__ void producer_loop(const TileAttentionParams& p, cons
     // buffer (which the item after this one waits for) only then.
     if (j < 0 && pend_j >= 0) load_pending_v();
     const int qst = qs.stage();
+    const typename Gate::Staged staged = Gate::stage(gp, p, w);  // loads in flight during the wait
     sm.q_empty[qst].wait(qs.phase() ^ 1u);
     sm.q_walk[qst] = j >= 0 ? kHasBlocks : kNoBlocks;
+    staged.store(sm.gate_threshold[qst]);
     sm.q_full[qst].arrive_expect_tx(kTileBytes<kHeadDim>);
     for (int half = 0; half < kHalves; ++half)
       tma_load_bhld(&sm.q[qst][half][0][0], tm_q, 64 * half, w.head, w.q_tile * kTileRows, w.b, &sm.q_full[qst].word);
@@ -217,10 +223,10 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 // arrivals and combine.
 //
 // Gate (gate_policy.cuh) decides after each QK whether the block leaves a trace; NoGate keeps all and
-// its branches fold away. An item whose gate is open (BlockMaxGate::open: a threshold of -inf) walks
-// the NoGate loop, its counts written before the walk. A skipped block still takes its MMA and exponential turns (empty), so the
+// its branches fold away. A skipped block still takes its MMA and exponential turns (empty), so the
 // two warpgroups, which gate independently, keep alternating, and its V slot is waited for and
-// released without a P V.
+// released without a P V. An item whose gate is open (BlockMaxGate::open: a threshold of -inf) walks
+// the NoGate loop, its counts written before the walk.
 //
 // Transform turns a kept block's scores into P (OnlineSoftmax: softmax; entmax_transform.cuh: entmax
 // with thresholds already known); its (m, l) are what the epilogue and the combine normalise by.
@@ -357,7 +363,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     softmax.start(tp, p, w.b, w.head, first_row, thread);
 
     const int walk = sm.q_walk[qst];
-    gate.begin(gp, p, w, consumer);
+    gate.begin(gp, p, w, consumer, sm.gate_threshold[qst]);
     if (walk != kHasBlocks) {  // nothing to visit: out = 0, lse = -inf
       gate.finish(gp, p, w, consumer, thread);
       finish_pending();
