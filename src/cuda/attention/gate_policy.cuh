@@ -73,7 +73,8 @@ struct BlockMaxGate {
   bool exists;          // the gate tile has a row below Lq (else: nothing is counted or skipped)
   bool row_in[2];       // the thread's two rows are below Lq
   int parity = 0;       // which half of the exchange buffer the next reduction uses (kept across items)
-  int visible, candidates, passed;
+  int passed;           // candidates the gated walk let through
+  bool all_pass;        // the open walk: every candidate passes
 
   /// The item's two thresholds (gate tiles 2 q_tile and 2 q_tile + 1, the last column of the table for
   /// tiles past it), loaded by the producer before it waits for the item's Q buffer and stored in shared
@@ -104,7 +105,8 @@ struct BlockMaxGate {
     const int lane_row = first_row + 16 * ((static_cast<int>(threadIdx.x) % 128) / 32) + (static_cast<int>(threadIdx.x) % 32) / 4;
     row_in[0] = lane_row < p.Lq;
     row_in[1] = lane_row + 8 < p.Lq;
-    visible = candidates = passed = 0;
+    passed = 0;
+    all_pass = false;
   }
 
   /// Whether the gate keeps every block of the item: a threshold of -inf (or no row below Lq). The
@@ -112,44 +114,41 @@ struct BlockMaxGate {
   /// come from count_open.
   __device__ __forceinline__ bool open() const { return !exists || threshold == -INFINITY; }
 
-  /// The counts keep() would reach over the item's walk with an open gate, from the gate tile's
-  /// geometry: the walk of a causal tile is blocks [0, n) with n covering its last row's keys, so the
-  /// visible blocks are [0, ceil(key_end_last / 128)); the first diagonal block is key_end_first / 128
-  /// (none where the first row sees every key); the candidates are the visible blocks that are neither
-  /// sinks nor diagonal; every one passes.
-  __device__ __forceinline__ void count_open(const Params& g, const TileAttentionParams& p) {
-    if (!exists) return;
+  /// Before an open walk: every candidate passes (the counts are then the geometry's alone).
+  __device__ __forceinline__ void count_open() { all_pass = true; }
+
+  /// The visible blocks and the candidates among them, from the gate tile's geometry (what keep() would
+  /// meet over the item's walk): the walk of a causal tile is blocks [0, n) with n covering its last
+  /// row's keys, so the visible blocks are [0, ceil(key_end_last / 128)); the first diagonal block is
+  /// key_end_first / 128 (none where the first row sees every key); the candidates are the visible
+  /// blocks that are neither sinks nor diagonal.
+  __device__ __forceinline__ void geometry(const Params& g, const TileAttentionParams& p, int& visible,
+                                           int& candidates) const {
     visible = (key_end_last + kBlockKeys - 1) / kBlockKeys;
     const int diagonal = key_end_first < p.Lk ? key_end_first / kBlockKeys : visible;
     candidates = max(0, min(visible, diagonal) - g.sink_blocks);
-    passed = candidates;
   }
 
   /// Whether block j, whose raw row maxima (row_maxima<true>) are mx, is kept. Uniform across the
-  /// warpgroup; `exchange` is the warpgroup's [2][4] floats of shared memory.
+  /// warpgroup; `exchange` is the warpgroup's [2][4] floats of shared memory. Only in the gated walk
+  /// (open() false: the gate tile has a row below Lq and a threshold above -inf).
   __device__ __forceinline__ bool keep(const Params& g, const TileAttentionParams& p, const float (&mx)[2], int j,
                                        int consumer, float* exchange) {
-    if (!exists) return true;  // rows at or past Lq only: computed, never stored
     if (j * kBlockKeys >= key_end_last) return false;  // no row of the gate tile sees the block
-    ++visible;
     if (j < g.sink_blocks || min((j + 1) * kBlockKeys, p.Lk) > key_end_first) return true;  // sink or diagonal
-    ++candidates;
-    bool pass = true;
-    if (threshold != -INFINITY) {
-      float v = max2<true>(row_in[0] ? mx[0] : -INFINITY, row_in[1] ? mx[1] : -INFINITY);
+    float v = max2<true>(row_in[0] ? mx[0] : -INFINITY, row_in[1] ? mx[1] : -INFINITY);
 #pragma unroll
-      for (int lanes = 4; lanes < 32; lanes *= 2) v = max2<true>(v, __shfl_xor_sync(0xffffffffu, v, lanes));
-      const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
-      float* slot = exchange + 4 * parity;
-      if (threadIdx.x % 32 == 0) slot[warp] = v;
-      named_barrier_sync(consumer == 0 ? NamedBarrier::kGateWG0 : NamedBarrier::kGateWG1, 128);
-      // Double-buffered: a warp writes this half again two reductions later, after every thread
-      // has passed the next reduction's barrier and so has read this one.
-      v = max2<true>(max2<true>(slot[0], slot[1]), max2<true>(slot[2], slot[3]));
-      parity ^= 1;
-      // Scaled as the CPU scales each score; a NaN maximum (a NaN score) keeps the block.
-      pass = !(v * g.scale < threshold);
-    }
+    for (int lanes = 4; lanes < 32; lanes *= 2) v = max2<true>(v, __shfl_xor_sync(0xffffffffu, v, lanes));
+    const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
+    float* slot = exchange + 4 * parity;
+    if (threadIdx.x % 32 == 0) slot[warp] = v;
+    named_barrier_sync(consumer == 0 ? NamedBarrier::kGateWG0 : NamedBarrier::kGateWG1, 128);
+    // Double-buffered: a warp writes this half again two reductions later, after every thread
+    // has passed the next reduction's barrier and so has read this one.
+    v = max2<true>(max2<true>(slot[0], slot[1]), max2<true>(slot[2], slot[3]));
+    parity ^= 1;
+    // Scaled as the CPU scales each score; a NaN maximum (a NaN score) keeps the block.
+    const bool pass = !(v * g.scale < threshold);
     passed += pass;
     return pass;
   }
@@ -158,6 +157,9 @@ struct BlockMaxGate {
   __device__ __forceinline__ void finish(const Params& g, const TileAttentionParams& p, const WorkItem& w, int consumer,
                                          int thread) {
     if (thread != 0 || !exists) return;
+    int visible, candidates;
+    geometry(g, p, visible, candidates);
+    if (all_pass) passed = candidates;
     const int kept = visible - candidates + passed;
     if (g.kept_per_tile != nullptr)
       g.kept_per_tile[w.b * g.kept_stride[0] + w.head * g.kept_stride[1] + (w.q_tile * 2 + consumer) * g.kept_stride[2]] = kept;

@@ -483,7 +483,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     };
     if constexpr (Gate::kEnabled) {
       if (gate.open()) {  // the counts are known before the walk: out of the loop's registers at once
-        gate.count_open(gp, p);
+        gate.count_open();
         gate.finish(gp, p, w, consumer, thread);
         walk_item(std::false_type{});
       } else {
