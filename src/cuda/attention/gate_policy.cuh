@@ -16,8 +16,9 @@
 // The alternative, the producer waiting for both warpgroups' verdicts before loading V, would put the
 // gate's latency on the producer's path.
 //
-// Counters (GatedStats units: (b, h, gate tile, block) visits) are kept in registers, uniform across
-// the warpgroup, and added to device memory by one thread per item: no host synchronisation.
+// Counters (GatedStats units: (b, h, gate tile, block) visits): the visible blocks and the candidates
+// follow from the gate tile's geometry, the passed candidates are counted in a register (uniform across
+// the warpgroup); one thread per item adds them to device memory: no host synchronisation.
 //
 // An open gate (threshold -inf) costs nothing per block: the mainloop walks such an item with dense's
 // loop (open(), count_open()), so a table of -inf runs at dense causal's speed.
