@@ -21,12 +21,13 @@
 // the warpgroup); one thread per item adds them to device memory: no host synchronisation.
 //
 // An open gate (threshold -inf) costs nothing per block: the mainloop walks such an item with dense's
-// loop (open(), count_open()), so a table of -inf runs at dense causal's speed.
+// loop (open(), count_open()), without the gate's reduction, barrier or branch per block.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/attention/block_policy.cuh"
+#include "cuda/attention/gate_geometry.hpp"
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/scheduler.cuh"
 #include "cuda/common/sync.cuh"
@@ -112,23 +113,11 @@ struct BlockMaxGate {
 
   /// Whether the gate keeps every block of the item: a threshold of -inf (or no row below Lq). The
   /// mainloop then walks the item as dense does, with no reduction or branch per block, and the counts
-  /// come from count_open.
+  /// come from the geometry (gate_counts) with count_open.
   __device__ __forceinline__ bool open() const { return !exists || threshold == -INFINITY; }
 
   /// Before an open walk: every candidate passes (the counts are then the geometry's alone).
   __device__ __forceinline__ void count_open() { all_pass = true; }
-
-  /// The visible blocks and the candidates among them, from the gate tile's geometry (what keep() would
-  /// meet over the item's walk): the walk of a causal tile is blocks [0, n) with n covering its last
-  /// row's keys, so the visible blocks are [0, ceil(key_end_last / 128)); the first diagonal block is
-  /// key_end_first / 128 (none where the first row sees every key); the candidates are the visible
-  /// blocks that are neither sinks nor diagonal.
-  __device__ __forceinline__ void geometry(const Params& g, const TileAttentionParams& p, int& visible,
-                                           int& candidates) const {
-    visible = (key_end_last + kBlockKeys - 1) / kBlockKeys;
-    const int diagonal = key_end_first < p.Lk ? key_end_first / kBlockKeys : visible;
-    candidates = max(0, min(visible, diagonal) - g.sink_blocks);
-  }
 
   /// Whether block j, whose raw row maxima (row_maxima<true>) are mx, is kept. Uniform across the
   /// warpgroup; `exchange` is the warpgroup's [2][4] floats of shared memory. Only in the gated walk
@@ -159,7 +148,7 @@ struct BlockMaxGate {
                                          int thread) {
     if (thread != 0 || !exists) return;
     int visible, candidates;
-    geometry(g, p, visible, candidates);
+    gate_counts(key_end_first, key_end_last, p.Lk, g.sink_blocks, kBlockKeys, visible, candidates);
     if (all_pass) passed = candidates;
     const int kept = visible - candidates + passed;
     if (g.kept_per_tile != nullptr)
