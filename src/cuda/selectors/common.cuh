@@ -164,6 +164,14 @@ inline void check_device_memory(const std::string& op, const std::string& name, 
     throw Error(op, name, "tensor " + t.describe() + " is labelled cuda but its memory is not CUDA device memory");
 }
 
+// The number of SMs of the current device (grids of one wave).
+inline int current_sm_count(const std::string& op) {
+  int dev = 0, sms = 0;
+  check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
+  return sms;
+}
+
 inline In in_type(DType d) { return d == DType::f32 ? In::f32 : d == DType::f16 ? In::f16 : In::bf16; }
 
 inline std::size_t align_up(std::size_t x, std::size_t a = 256) { return (x + a - 1) / a * a; }

@@ -123,9 +123,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const __grid_constant__ 
 }  // namespace
 
 void launch_amax(const std::string& op, const TensorView& a, const TensorView* b, unsigned int* amax, cudaStream_t stream) {
-  int dev = 0, sms = 0;
-  sel::check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
-  sel::check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
+  const int sms = sel::current_sm_count(op);
   AmaxParams p{};
   const TensorView* views[2] = {&a, b};
   std::int64_t want[2] = {0, 0};  // CTAs that have work: a round of loads per thread, or a warp per row

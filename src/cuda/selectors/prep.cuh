@@ -333,9 +333,7 @@ __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const 
 template <Prec P, class Layout>
 void launch_codes(const std::string& op, const CodesParams<Layout>& p, bool dependent, cudaStream_t stream) {
   if (p.items() <= 0) return;
-  int dev = 0, sms = 0;
-  sel::check_cuda(cudaGetDevice(&dev), op, "cudaGetDevice");
-  sel::check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
+  const int sms = sel::current_sm_count(op);
   const std::int64_t rounds = (p.items() + kRound * kThreads - 1) / (kRound * kThreads);
   const auto grid = static_cast<unsigned>(imin<std::int64_t>(rounds, static_cast<std::int64_t>(sms) * kCodesCtasPerSm));
   sel::launch_kernel(op, "codes launch", codes_kernel<P, Layout>, dim3(grid), dim3(kThreads), 0, stream, dependent, p);

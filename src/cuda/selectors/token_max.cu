@@ -652,8 +652,7 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   if (prec == IndexPrecision::bf16) prep::launch_codes<Prec::bf16>(op, pp, true, stream);
   else if (fp8) prep::launch_codes<Prec::fp8>(op, pp, true, stream);
   else prep::launch_codes<Prec::fp4>(op, pp, true, stream);
-  int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op, "cudaDeviceGetAttribute");
+  const int sms = sel::current_sm_count(op);
 
   // The code rows as 16-bit columns (e4m3 bytes in pairs): TMA moves bits, and a box of 64 columns is the
   // 128-byte swizzle span either way.
