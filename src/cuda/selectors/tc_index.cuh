@@ -1,7 +1,8 @@
 // Quantisation arithmetic of the index selectors' codes (token_max, lightning; their preparation kernels
 // are in prep.cuh): the CPU's load_quantized (src/selectors/quantize.cpp) rounding, bit for bit, in few
 // instructions, and the tensor-core accumulation analysis the selectors' bounds cite (end of the file).
-// A code is a value without the per-tensor scale: value = code * scale up to the dequantisation rounding.//
+// A code is a value without the per-tensor scale: value = code * scale up to the dequantisation rounding.
+//
 // Why the codes are exact in bf16 (8 significant bits, float32's exponent range):
 //   bf16: the value itself (already rounded to bf16), scale 1;
 //   fp8:  code = e4m3 value (4 significant bits, magnitude in [2^-9, 448]), value = fl(code * ts);
