@@ -21,7 +21,7 @@
 // the warpgroup); one thread per item adds them to device memory: no host synchronisation.
 //
 // An open gate (threshold -inf) costs nothing per block: the mainloop walks such an item with dense's
-// loop (open(), count_open()), without the gate's reduction, barrier or branch per block.
+// loop (open()), without the gate's reduction, barrier or branch per block.
 #pragma once
 
 #include <cstdint>
@@ -63,7 +63,7 @@ struct NoGate {
                                                  int, float*) {
     return true;
   }
-  __device__ __forceinline__ void finish(const Params&, const TileAttentionParams&, const WorkItem&, int, int) {}
+  __device__ __forceinline__ void finish(const Params&, const TileAttentionParams&, const WorkItem&, int, int, bool) {}
 };
 
 struct BlockMaxGate {
@@ -76,7 +76,6 @@ struct BlockMaxGate {
   bool row_in[2];       // the thread's two rows are below Lq
   int parity = 0;       // which half of the exchange buffer the next reduction uses (kept across items)
   int passed;           // candidates the gated walk let through
-  bool all_pass;        // the open walk: every candidate passes
 
   /// The item's two thresholds (gate tiles 2 q_tile and 2 q_tile + 1, the last column of the table for
   /// tiles past it), loaded by the producer before it waits for the item's Q buffer and stored in shared
@@ -108,16 +107,12 @@ struct BlockMaxGate {
     row_in[0] = lane_row < p.Lq;
     row_in[1] = lane_row + 8 < p.Lq;
     passed = 0;
-    all_pass = false;
   }
 
   /// Whether the gate keeps every block of the item: a threshold of -inf (or no row below Lq). The
-  /// mainloop then walks the item as dense does, with no reduction or branch per block, and the counts
-  /// come from the geometry (gate_counts) with count_open.
+  /// mainloop then walks the item as dense does, with no reduction or branch per block, and finish()
+  /// takes the counts from the geometry alone (gate_counts).
   __device__ __forceinline__ bool open() const { return !exists || threshold == -INFINITY; }
-
-  /// Before an open walk: every candidate passes (the counts are then the geometry's alone).
-  __device__ __forceinline__ void count_open() { all_pass = true; }
 
   /// Whether block j, whose raw row maxima (row_maxima<true>) are mx, is kept. Uniform across the
   /// warpgroup; `exchange` is the warpgroup's [2][4] floats of shared memory. Only in the gated walk
@@ -143,13 +138,14 @@ struct BlockMaxGate {
     return pass;
   }
 
-  /// After the item's last block: its counters to device memory (one thread of the warpgroup).
+  /// After the item's last block (or before an open walk, `open_walk`: every candidate passes): its
+  /// counters to device memory (one thread of the warpgroup).
   __device__ __forceinline__ void finish(const Params& g, const TileAttentionParams& p, const WorkItem& w, int consumer,
-                                         int thread) {
+                                         int thread, bool open_walk) {
     if (thread != 0 || !exists) return;
     int visible, candidates;
     gate_counts(key_end_first, key_end_last, p.Lk, g.sink_blocks, kBlockKeys, visible, candidates);
-    if (all_pass) passed = candidates;
+    if (open_walk) passed = candidates;
     const int kept = visible - candidates + passed;
     if (g.kept_per_tile != nullptr)
       g.kept_per_tile[w.b * g.kept_stride[0] + w.head * g.kept_stride[1] + (w.q_tile * 2 + consumer) * g.kept_stride[2]] = kept;

@@ -365,7 +365,7 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     const int walk = sm.q_walk[qst];
     gate.begin(gp, p, w, consumer, sm.gate_threshold[qst]);
     if (walk != kHasBlocks) {  // nothing to visit: out = 0, lse = -inf
-      gate.finish(gp, p, w, consumer, thread);
+      gate.finish(gp, p, w, consumer, thread, false);  // no blocks: no candidates
       finish_pending();
       if (!p.tma_store) sm.q_empty[qst].arrive();
 #pragma unroll
@@ -483,12 +483,11 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     };
     if constexpr (Gate::kEnabled) {
       if (gate.open()) {  // the counts are known before the walk: out of the loop's registers at once
-        gate.count_open();
-        gate.finish(gp, p, w, consumer, thread);
+        gate.finish(gp, p, w, consumer, thread, true);
         walk_item(std::false_type{});
       } else {
         walk_item(std::true_type{});
-        gate.finish(gp, p, w, consumer, thread);
+        gate.finish(gp, p, w, consumer, thread, false);
       }
     } else {
       walk_item(std::false_type{});
