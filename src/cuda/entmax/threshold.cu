@@ -11,7 +11,9 @@
 //      slides up with the running max, its bottom raised now and then to where the scores seen so
 //      far settle the threshold (ring_settled); at the end each row is closed where the root's bin
 //      holds no score (closed form), or left with the bracket of that bin and its count. NaN/+inf
-//      rows and rows without keys are found here. Other alphas: the row max only.
+//      rows and rows without keys are found here. Other alphas: the row max only. At alpha = 1.5 a
+//      block's candidates are placed by the whole warp through a queue (Place::kByWarp), elsewhere by
+//      the lane that holds them.
 //   2. refining passes (kMaxPasses, and one more that marks the rows the last finished by binning):
 //      each pass counts the rows the next one has work for, so a launch past convergence reads one
 //      word and returns, and a CTA whose rows need nothing returns at once. Per row, by its state:
@@ -112,6 +114,24 @@ struct RowSearch {
   Role role;
 };
 
+// Who places a block's candidates in the first pass. kByLane: the lane that holds them, one at a time
+// (a warp runs its candidate loop as often as its busiest lane needs, each step with a dynamic register
+// pick). kByWarp: each lane writes its candidates to the warp's queue (lanes in order, then fragment
+// elements in order: a fixed order) and the lanes take the queue's entries in turn; the writes cost a
+// few instructions per score, the visits are shared evenly. kByWarp pays where candidates are many
+// (alpha = 1.5: about four times alpha = 2's; docs/notes/entmax.md, version 3).
+enum class Place { kByLane, kByWarp };
+
+// What a kByWarp placement reads of a row: the ring's anchor and its lowest bin index still binned
+// (kNoBin: the row bins nothing).
+struct FirstRow {
+  float anchor;
+  int bottom;
+};
+constexpr int kNoBin = std::numeric_limits<int>::max();
+// Candidates a warp's queue holds; a block with more (the first blocks of a row) drains in rounds.
+constexpr int kQueue = 224;
+
 template <class Elem, int D>
 struct alignas(1024) ScanStorage {
   static constexpr int kHalves = D / 64;
@@ -120,6 +140,11 @@ struct alignas(1024) ScanStorage {
   RowBins bins[kTileRows];
   RowSearch search[kTileRows];
   int ncoll[kTileRows];  // scores a collecting row found inside its bracket (may pass kCollect)
+  // First pass, candidates placed by the warp (Place::kByWarp): per row what the placement reads, per
+  // consumer warp the queue of a block's candidates (raw score, row in the tile).
+  FirstRow first[kTileRows];
+  float queue_s[kConsumerThreads / 32][kQueue];
+  std::uint8_t queue_row[kConsumerThreads / 32][kQueue];
   MBarrier q_full, k_full[kStages], k_empty[kStages];
 };
 static_assert(sizeof(ScanStorage<std::uint16_t, 128>) + 1024 <= 227 * 1024, "shared memory over budget");
@@ -169,7 +194,7 @@ __device__ __forceinline__ int row_of(int e) { return (e / 2) % 2; }
 
 // One consumer warpgroup's pass over the tile's blocks: 64 rows, two per thread (g and g + 8 of its
 // warp's 16), each row's bins touched only by the four lanes of its quad.
-template <class Tag, int D, Pass kPass>
+template <class Tag, int D, Pass kPass, Place kPlace>
 __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typename Tag::Elem, D>& sm, int consumer,
                                         int thread, int b, int h, int tile, int nblk) {
   const int w = thread / 32, lane = thread % 32, g = lane / 4, t4 = lane % 4;
@@ -299,6 +324,49 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
 #pragma unroll
     for (int e = 0; e < 64; ++e)
       if (s[e] >= wfloor[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
+    if constexpr (kPlace == Place::kByWarp) {
+      if (!ring) return;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        if (t4 == i) sm.first[rl(i)] = FirstRow{anchor[i], wfloor[i] < INFINITY ? ring_bottom(top[i], settled[i]) : kNoBin};
+      const int mine = __popc(cand[0]) + __popc(cand[1]);
+      int before = mine;  // inclusive scan over the lanes
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, before, o);
+        if (lane >= o) before += x;
+      }
+      const int total = __shfl_sync(0xffffffffu, before, 31);
+      before -= mine;
+      const int qw = w + 4 * consumer;  // the warp's queue
+      for (int base = 0; base < total; base += kQueue) {
+        int pos = before - base;
+#pragma unroll
+        for (int e = 0; e < 64; ++e) {
+          const bool c = (cand[e / 32] >> (e % 32)) & 1u;
+          if (c && static_cast<unsigned>(pos) < static_cast<unsigned>(kQueue)) {
+            sm.queue_s[qw][pos] = s[e];
+            sm.queue_row[qw][pos] = static_cast<std::uint8_t>(rl(row_of(e)));
+          }
+          pos += c ? 1 : 0;
+        }
+        __syncwarp();  // the queue and the rows' FirstRow
+        const int n = min(total - base, kQueue);
+        for (int k = lane; k < n; k += 32) {
+          const int r = sm.queue_row[qw][k];
+          const FirstRow fr = sm.first[r];
+          int sl;
+          float d;
+          if (fr.bottom == kNoBin || !ring_place(sm.queue_s[qw][k] * p.scale, fr.anchor, fr.bottom, c, sl, d)) continue;
+          RingBins& rb = sm.bins[r].ring;
+          atomicAdd(&rb.cnt[sl], 1);
+          atomicAdd(&rb.s1[sl], d);
+          if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
+        }
+        __syncwarp();  // the queue's reads before it is written again
+      }
+      return;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half)
       for (std::uint32_t m = cand[half]; m != 0u; m &= m - 1u) {
@@ -485,7 +553,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
 }
 
 // One CTA per (Q tile, head, b), the tiles in reverse so the longest causal ones start first.
-template <class Tag, int D, Pass kPass>
+template <class Tag, int D, Pass kPass, Place kPlace>
 __global__ void __launch_bounds__(kThreads, 1)
     scan_kernel(const __grid_constant__ ScanParams p, const __grid_constant__ CUtensorMap tm_q,
                 const __grid_constant__ CUtensorMap tm_k) {
@@ -533,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consume<Tag, D, kPass>(p, sm, warpgroup - 1, thread, b, h, tile, nblk);
+    consume<Tag, D, kPass, kPlace>(p, sm, warpgroup - 1, thread, b, h, tile, nblk);
   }
 }
 
@@ -567,11 +635,12 @@ __global__ void copy_bits_kernel(const __grid_constant__ CopyBitsParams p) {
   }
 }
 
-template <class Tag, int D, Pass kPass>
+template <class Tag, int D, Pass kPass, Place kPlace = Place::kByLane>
 cudaError_t launch_scan(const ScanParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k, dim3 grid,
                         cudaStream_t stream) {
   constexpr std::size_t smem = sizeof(ScanStorage<typename Tag::Elem, D>) + 1024;  // + slack for the alignment
-  auto* kernel = &scan_kernel<Tag, D, kPass>;
+  static_assert(kPass == Pass::kFirst || kPlace == Place::kByLane, "the refining passes' candidates are few");
+  auto* kernel = &scan_kernel<Tag, D, kPass, kPlace>;
   return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kThreads, smem, stream>>>(p, tm_q, tm_k); });
 }
 
@@ -580,7 +649,8 @@ cudaError_t launch_scan(const ScanParams& p, const CUtensorMap& tm_q, const CUte
 template <class Tag, int D>
 cudaError_t launch_passes(ScanParams p, const CUtensorMap& tm_q, const CUtensorMap& tm_k, dim3 grid,
                           cudaStream_t stream) {
-  cudaError_t e = launch_scan<Tag, D, Pass::kFirst>(p, tm_q, tm_k, grid, stream);
+  cudaError_t e = p.power == 2 ? launch_scan<Tag, D, Pass::kFirst, Place::kByWarp>(p, tm_q, tm_k, grid, stream)
+                               : launch_scan<Tag, D, Pass::kFirst, Place::kByLane>(p, tm_q, tm_k, grid, stream);
   for (int i = 0; i <= kMaxPasses && e == cudaSuccess; ++i) {
     p.pass = i;
     p.last_pass = i == kMaxPasses - 1;
