@@ -11,9 +11,8 @@
 //      slides up with the running max, its bottom raised now and then to where the scores seen so
 //      far settle the threshold (ring_settled); at the end each row is closed where the root's bin
 //      holds no score (closed form), or left with the bracket of that bin and its count. NaN/+inf
-//      rows and rows without keys are found here. Other alphas: the row max only. At alpha = 1.5 a
-//      block's candidates are placed by the whole warp through a queue (Place::kByWarp), elsewhere by
-//      the lane that holds them.
+//      rows and rows without keys are found here. Other alphas: the row max only. A block's
+//      candidates are placed by the whole warp through a queue of score pairs (Place::kByWarp).
 //   2. refining passes (kMaxPasses, and one more that marks the rows the last finished by binning):
 //      each pass counts the rows the next one has work for, so a launch past convergence reads one
 //      word and returns, and a CTA whose rows need nothing returns at once. Per row, by its state:
@@ -116,21 +115,23 @@ struct RowSearch {
 
 // Who places a block's candidates in the first pass. kByLane: the lane that holds them, one at a time
 // (a warp runs its candidate loop as often as its busiest lane needs, each step with a dynamic register
-// pick). kByWarp: each lane writes its candidates to the warp's queue (lanes in order, then fragment
-// elements in order: a fixed order) and the lanes take the queue's entries in turn; the writes cost a
-// few instructions per score, the visits are shared evenly. kByWarp pays where candidates are many
-// (alpha = 1.5: about four times alpha = 2's; docs/notes/entmax.md, version 3).
+// pick). kByWarp: each lane writes the score pairs holding its candidates to the warp's queue (lanes in
+// order, then fragment pairs in order: a fixed order) and the lanes take the queue's entries in turn,
+// so the visits are shared evenly and no register is picked dynamically. kByWarp serves the ring
+// (alpha = 2 and 1.5); the first pass of other alphas finds the row max only and has no candidates
+// (docs/notes/entmax.md, version 3).
 enum class Place { kByLane, kByWarp };
 
-// What a kByWarp placement reads of a row: the ring's anchor and its lowest bin index still binned
-// (kNoBin: the row bins nothing).
+// What a kByWarp placement reads of a row: the ring's anchor, the candidates' raw cut and the lowest
+// bin index still binned (kNoBin: the row bins nothing).
 struct FirstRow {
   float anchor;
+  float cut;  // the row's raw cut: scores at or above it are candidates
   int bottom;
 };
 constexpr int kNoBin = std::numeric_limits<int>::max();
-// Candidates a warp's queue holds; a block with more (the first blocks of a row) drains in rounds.
-constexpr int kQueue = 224;
+// Score pairs a warp's queue holds; a block with more (the first blocks of a row) drains in rounds.
+constexpr int kQueue = 120;
 
 template <class Elem, int D>
 struct alignas(1024) ScanStorage {
@@ -141,9 +142,10 @@ struct alignas(1024) ScanStorage {
   RowSearch search[kTileRows];
   int ncoll[kTileRows];  // scores a collecting row found inside its bracket (may pass kCollect)
   // First pass, candidates placed by the warp (Place::kByWarp): per row what the placement reads, per
-  // consumer warp the queue of a block's candidates (raw score, row in the tile).
+  // consumer warp the queue of a block's candidate pairs (two raw scores of one row's neighbouring keys,
+  // the row in the tile).
   FirstRow first[kTileRows];
-  float queue_s[kConsumerThreads / 32][kQueue];
+  float2 queue_s[kConsumerThreads / 32][kQueue];
   std::uint8_t queue_row[kConsumerThreads / 32][kQueue];
   MBarrier q_full, k_full[kStages], k_empty[kStages];
 };
@@ -320,16 +322,20 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
       }
       __syncwarp();  // the scans' reads before the block's atomics
     }
-    std::uint32_t cand[2] = {0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 64; ++e)
-      if (s[e] >= wfloor[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
     if constexpr (kPlace == Place::kByWarp) {
       if (!ring) return;
 #pragma unroll
       for (int i = 0; i < 2; ++i)
-        if (t4 == i) sm.first[rl(i)] = FirstRow{anchor[i], wfloor[i] < INFINITY ? ring_bottom(top[i], settled[i]) : kNoBin};
-      const int mine = __popc(cand[0]) + __popc(cand[1]);
+        if (t4 == i)
+          sm.first[rl(i)] =
+              FirstRow{anchor[i], wfloor[i], wfloor[i] < INFINITY ? ring_bottom(top[i], settled[i]) : kNoBin};
+      // Fragment elements 2k and 2k + 1 are neighbouring keys of one row: a pair goes to the queue where
+      // either is a candidate.
+      std::uint32_t pairs = 0u;
+#pragma unroll
+      for (int k = 0; k < 32; ++k)
+        if (fmaxf(s[2 * k], s[2 * k + 1]) >= wfloor[row_of(2 * k)]) pairs |= 1u << k;
+      const int mine = __popc(pairs);
       int before = mine;  // inclusive scan over the lanes
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -342,11 +348,11 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
       for (int base = 0; base < total; base += kQueue) {
         int pos = before - base;
 #pragma unroll
-        for (int e = 0; e < 64; ++e) {
-          const bool c = (cand[e / 32] >> (e % 32)) & 1u;
+        for (int k = 0; k < 32; ++k) {
+          const bool c = (pairs >> k) & 1u;
           if (c && static_cast<unsigned>(pos) < static_cast<unsigned>(kQueue)) {
-            sm.queue_s[qw][pos] = s[e];
-            sm.queue_row[qw][pos] = static_cast<std::uint8_t>(rl(row_of(e)));
+            sm.queue_s[qw][pos] = make_float2(s[2 * k], s[2 * k + 1]);
+            sm.queue_row[qw][pos] = static_cast<std::uint8_t>(rl(row_of(2 * k)));
           }
           pos += c ? 1 : 0;
         }
@@ -355,18 +361,28 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
         for (int k = lane; k < n; k += 32) {
           const int r = sm.queue_row[qw][k];
           const FirstRow fr = sm.first[r];
-          int sl;
-          float d;
-          if (fr.bottom == kNoBin || !ring_place(sm.queue_s[qw][k] * p.scale, fr.anchor, fr.bottom, c, sl, d)) continue;
-          RingBins& rb = sm.bins[r].ring;
-          atomicAdd(&rb.cnt[sl], 1);
-          atomicAdd(&rb.s1[sl], d);
-          if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
+          const float2 v = sm.queue_s[qw][k];
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const float raw = x == 0 ? v.x : v.y;
+            int sl;
+            float d;
+            if (!(raw >= fr.cut) || fr.bottom == kNoBin || !ring_place(raw * p.scale, fr.anchor, fr.bottom, c, sl, d))
+              continue;
+            RingBins& rb = sm.bins[r].ring;
+            atomicAdd(&rb.cnt[sl], 1);
+            atomicAdd(&rb.s1[sl], d);
+            if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
+          }
         }
         __syncwarp();  // the queue's reads before it is written again
       }
       return;
     }
+    std::uint32_t cand[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 64; ++e)
+      if (s[e] >= wfloor[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
 #pragma unroll
     for (int half = 0; half < 2; ++half)
       for (std::uint32_t m = cand[half]; m != 0u; m &= m - 1u) {
@@ -649,7 +665,7 @@ cudaError_t launch_scan(const ScanParams& p, const CUtensorMap& tm_q, const CUte
 template <class Tag, int D>
 cudaError_t launch_passes(ScanParams p, const CUtensorMap& tm_q, const CUtensorMap& tm_k, dim3 grid,
                           cudaStream_t stream) {
-  cudaError_t e = p.power == 2 ? launch_scan<Tag, D, Pass::kFirst, Place::kByWarp>(p, tm_q, tm_k, grid, stream)
+  cudaError_t e = p.power != 0 ? launch_scan<Tag, D, Pass::kFirst, Place::kByWarp>(p, tm_q, tm_k, grid, stream)
                                : launch_scan<Tag, D, Pass::kFirst, Place::kByLane>(p, tm_q, tm_k, grid, stream);
   for (int i = 0; i <= kMaxPasses && e == cudaSuccess; ++i) {
     p.pass = i;
