@@ -16,7 +16,16 @@ pass alone is timed by `sparse-attn bench entmax` (it needs the library's intern
 AdaSplash's first call autotunes for 99-198 s (per shape); that call is made before timing and its
 time is reported as `first_call_s`.
 
+Real activations (--real TEXT...): instead of random inputs, the post-RoPE q and k and the v of
+--model's layers (default: the first, the middle and the last) on a window of L tokens from the middle
+of the first of the texts that holds L tokens (sparse_attn.model_eval.token_sequences), captured from a
+forward pass through the library's dense attention; the scale is the model's. Per case the same
+figures, and beside them `bits_sparse_ms`: softmax attention over the block bits this entmax call
+returned (the same tiles as its output pass, with the softmax transform), the time the whole call
+would approach if the threshold passes cost nothing.
+
 Usage: python3 bench_entmax.py [--L 4096 8192 ...] [--alphas 1.5 2] [--shapes 16/16 32/8] [--v1]
+       [--real TEXT... [--model smollm2] [--layers 0 15 29]]
        [--json PATH] [--quick] [--no-peers] [timing options, see --help]
 """
 import argparse
@@ -52,7 +61,17 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", nargs="+", default=["16/16", "32/8"], help="head shapes Hq/Hkv")
     ap.add_argument("--v1", action="store_true", help="also time adasplash_v1 where v2 does not run (slow)")
     ap.add_argument("--verify-rows", type=int, default=32, help="sampled query rows per (case, head) checked")
+    ap.add_argument("--real", nargs="+", metavar="TEXT",
+                    help="real activations: q, k, v of --model on L tokens of these texts (.txt files or "
+                         "directories) instead of random inputs (--shapes then does not apply)")
+    ap.add_argument("--model", default="smollm2", help="with --real: a GGUF file, a transformers model or 'smollm2'")
+    ap.add_argument("--layers", type=int, nargs="+",
+                    help="with --real: the layers whose activations are used (default: first, middle, last)")
     args = harness.parse(ap, argv)
+    if args.layers is not None and not args.real:
+        ap.error("--layers needs --real")
+    if args.layers is not None and any(layer < 0 for layer in args.layers):
+        ap.error(f"--layers must be >= 0, got {args.layers}")
     if args.L is None:
         args.L = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768]
     if any(L < 1 for L in args.L):
@@ -65,13 +84,13 @@ def parse_args(argv=None):
     return args
 
 
-def entmax_rows(q, k, v, b, h, rows, alpha, causal):
+def entmax_rows(q, k, v, b, h, rows, alpha, causal, scale=None):
     """float64 entmax attention of query rows `rows` (long tensor) of (b, h): [len(rows), D], and the
-    number of (row, key) pairs with nonzero weight."""
+    number of (row, key) pairs with nonzero weight. scale: of q.k (default D^-0.5)."""
     import torch
     group = q.shape[2] // k.shape[2]
     Lq, Lk = q.shape[1], k.shape[1]
-    scale = q.shape[3] ** -0.5
+    scale = q.shape[3] ** -0.5 if scale is None else scale
     qr = q[b, rows.to(q.device), h].double()
     kk, vv = k[b, :, h // group].double(), v[b, :, h // group].double()
     a = (alpha - 1.0) * scale * (qr @ kk.T)  # [rows, Lk]
@@ -90,13 +109,13 @@ def entmax_rows(q, k, v, b, h, rows, alpha, causal):
     return p @ vv, int((p > 0).sum().item())
 
 
-def check(out, q, k, v, alpha, causal, gen, n, what):
+def check(out, q, k, v, alpha, causal, gen, n, what, scale=None):
     """Relative error of out [B, L, Hq, D] on sampled rows of every head; raises VerificationError past the bound."""
     import torch
     rows = harness.sample_rows(q.shape[1], gen, n)
     num = den = 0.0
     for h in range(q.shape[2]):
-        ref, _ = entmax_rows(q, k, v, 0, h, rows, alpha, causal)
+        ref, _ = entmax_rows(q, k, v, 0, h, rows, alpha, causal, scale)
         got = out[0, rows.to(out.device), h].double()
         if not bool(torch.isfinite(got).all()):
             raise VerificationError(f"{what}: NaN or inf in head {h}")
@@ -132,6 +151,78 @@ class AdaSplash:
         return out
 
 
+def real_inputs(args, torch, L):
+    """[(label, q, k, v, scale)]: the chosen layers' activations of --model on L tokens of --real (B = 1,
+    [1, L, H, D] bf16 on the GPU), captured through the library's dense attention."""
+    from sparse_attn import hf, model_eval
+    model, tokenizer, identity = model_eval.load_model(args.model, device="cuda")
+    layers_n = model.config.num_hidden_layers
+    layers = args.layers if args.layers is not None else sorted({0, layers_n // 2, layers_n - 1})
+    if any(layer >= layers_n for layer in layers):
+        raise ValueError(f"--layers: {identity} has {layers_n} layers, got {layers}")
+    [(path, ids)] = model_eval.token_sequences(tokenizer, model_eval.text_files(args.real), L, 1)
+    captured = {}
+
+    def observe(module, q, k, v, scale):
+        if module.layer_idx in layers:
+            captured[module.layer_idx] = tuple(t.detach().to(torch.bfloat16).contiguous() for t in (q, k, v)) + (scale,)
+
+    hf.register_hf_attention("sparse_attn_bench_capture", "dense", observer=observe)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("sparse_attn_bench_capture")
+    else:
+        model.config._attn_implementation = "sparse_attn_bench_capture"
+    with torch.no_grad():
+        model(ids.to(model.device), logits_to_keep=1)
+    del model
+    torch.cuda.empty_cache()
+    return [(f"{path.stem} layer {layer}", *captured[layer]) for layer in layers]
+
+
+def measure(args, torch, sa, res, timer, peers, ada, check_gen, name, q, k, v, alpha, scale=None, extra=None):
+    """One case: verify, then time the whole call, softmax over its bits, dense and the peers."""
+    causal = True
+    B, L, hq, _ = q.shape
+    hkv = k.shape[2]
+    out, bits, stats = sa.entmax(q, k, v, alpha=alpha, softmax_scale=scale, causal=causal, return_block_bits=True,
+                                 return_stats=True)
+    torch.cuda.synchronize()
+    err = check(out, q, k, v, alpha, causal, check_gen, args.verify_rows, name, scale)
+    visible = B * hq * L * (L + 1) // 2
+    row = {"case": name, "L": L, "Hq": hq, "Hkv": hkv, "D": q.shape[3], "alpha": alpha, "rel_err": err,
+           "support_density": stats["support"] / visible,
+           "tile_density": stats["active_tiles"] / max(1, stats["visible_tiles"]), **(extra or {}),
+           "sparse_attn_ms": timer(lambda: sa.entmax(q, k, v, alpha=alpha, softmax_scale=scale, causal=causal,
+                                                    out=out))}
+    row["bits_sparse_ms"] = timer(lambda: sa.bits_sparse(q, k, v, bits, softmax_scale=scale, causal=causal))
+    row["sparse_attn_dense_ms"] = timer(lambda: sa.dense(q, k, v, softmax_scale=scale, causal=causal))
+    for peer, make in peers.dense(q, k, v, causal):
+        if peer == "cudnn":  # timed only (its scale is D^-0.5 whatever `scale` is)
+            row["cudnn_dense_ms"] = timer(make())
+    # AdaSplash takes no scale: it runs (and is checked) where the scale is D^-0.5.
+    calls = ada.calls(alpha, L, args.v1) if scale is None or abs(scale - q.shape[3] ** -0.5) < 1e-9 else []
+    if calls:
+        group = hq // hkv
+        qt = q.transpose(1, 2).contiguous()
+        kt = k.repeat_interleave(group, 2).transpose(1, 2).contiguous()
+        vt = v.repeat_interleave(group, 2).transpose(1, 2).contiguous()
+        for peer, fn in calls:
+            try:
+                t0 = time.time()
+                o = fn(qt, kt, vt)
+                torch.cuda.synchronize()
+                row[f"{peer}_first_call_s"] = time.time() - t0
+                row[f"{peer}_rel_err"] = check(o.transpose(1, 2), q, k, v, alpha, causal, check_gen,
+                                               args.verify_rows, f"{name} {peer}")
+                row[f"{peer}_ms"] = timer(lambda: fn(qt, kt, vt))
+                row[f"speedup_vs_{peer}"] = row[f"{peer}_ms"] / row["sparse_attn_ms"]
+            except Exception as e:  # a peer's failure (verification included) is recorded
+                row[f"{peer}_error"] = harness.short_error(e)
+        del qt, kt, vt
+    res.add(row)
+    del out, bits
+
+
 def run(args):
     torch, sa = harness.gpu_modules()
     gen = harness.generator(args.seed)
@@ -141,47 +232,26 @@ def run(args):
     ada = AdaSplash(not args.no_peers)
     res = harness.Results(args.json, harness.run_meta(
         args, timer=timer.method, peers=dict(peers.status, adasplash=ada.status),
-        rel_err_bound=REL_ERR_BOUND))
-    B, D, causal = 1, 128, True
+        rel_err_bound=REL_ERR_BOUND, inputs="real" if args.real else "random"))
     with res.recording_failure():
+        if args.real:
+            for L in args.L:
+                for label, q, k, v, scale in real_inputs(args, torch, L):
+                    for alpha in args.alphas:
+                        name = f"entmax real {label} L={L} H={q.shape[2]}/{k.shape[2]} alpha={alpha:g}"
+                        measure(args, torch, sa, res, timer, peers, ada, check_gen, name, q, k, v, alpha, scale,
+                                {"model": args.model, "scale": scale})
+                    del q, k, v
+                    torch.cuda.empty_cache()
+            return
+        B, D = 1, 128
         for hq, hkv in args.shapes:
             for alpha in args.alphas:
                 for L in args.L:
                     q, k, v = harness.random_qkv(B, L, L, hq, hkv, D, gen)
                     name = f"entmax L={L} H={hq}/{hkv} alpha={alpha:g}"
-                    out, stats = sa.entmax(q, k, v, alpha=alpha, causal=causal, return_stats=True)
-                    torch.cuda.synchronize()
-                    err = check(out, q, k, v, alpha, causal, check_gen, args.verify_rows, name)
-                    visible = B * hq * L * (L + 1) // 2
-                    row = {"case": name, "L": L, "Hq": hq, "Hkv": hkv, "alpha": alpha, "rel_err": err,
-                           "support_density": stats["support"] / visible,
-                           "tile_density": stats["active_tiles"] / max(1, stats["visible_tiles"]),
-                           "sparse_attn_ms": timer(lambda: sa.entmax(q, k, v, alpha=alpha, causal=causal, out=out))}
-                    row["sparse_attn_dense_ms"] = timer(lambda: sa.dense(q, k, v, causal=causal))
-                    for peer, make in peers.dense(q, k, v, causal):
-                        if peer == "cudnn":
-                            row["cudnn_dense_ms"] = timer(make())
-                    calls = ada.calls(alpha, L, args.v1)
-                    if calls:
-                        group = hq // hkv
-                        qt = q.transpose(1, 2).contiguous()
-                        kt = k.repeat_interleave(group, 2).transpose(1, 2).contiguous()
-                        vt = v.repeat_interleave(group, 2).transpose(1, 2).contiguous()
-                        for peer, fn in calls:
-                            try:
-                                t0 = time.time()
-                                o = fn(qt, kt, vt)
-                                torch.cuda.synchronize()
-                                row[f"{peer}_first_call_s"] = time.time() - t0
-                                row[f"{peer}_rel_err"] = check(o.transpose(1, 2), q, k, v, alpha, causal, check_gen,
-                                                               args.verify_rows, f"{name} {peer}")
-                                row[f"{peer}_ms"] = timer(lambda: fn(qt, kt, vt))
-                                row[f"speedup_vs_{peer}"] = row[f"{peer}_ms"] / row["sparse_attn_ms"]
-                            except Exception as e:  # a peer's failure (verification included) is recorded
-                                row[f"{peer}_error"] = harness.short_error(e)
-                        del qt, kt, vt
-                    res.add(row)
-                    del q, k, v, out
+                    measure(args, torch, sa, res, timer, peers, ada, check_gen, name, q, k, v, alpha)
+                    del q, k, v
                     torch.cuda.empty_cache()
 
 

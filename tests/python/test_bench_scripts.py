@@ -65,6 +65,8 @@ def test_script_help_runs_without_a_gpu(name):
     ("bench_lightning.py", ["--L", "1000"], "--L must be at least the top-k"),
     ("bench_entmax.py", ["--alphas", "1.5", "1"], "--alphas must be > 1"),
     ("bench_entmax.py", ["--shapes", "32/5"], "Hq must be a positive multiple of Hkv"),
+    ("bench_entmax.py", ["--layers", "0"], "--layers needs --real"),
+    ("bench_entmax.py", ["--real", "x.txt", "--layers", "-1"], "--layers must be >= 0"),
 ])
 def test_script_refuses_bad_arguments(name, args, message):
     r = script(name, *args)
