@@ -12,7 +12,7 @@
 //      far settle the threshold (ring_settled); at the end each row is closed where the root's bin
 //      holds no score (closed form), or left with the bracket of that bin and its count. NaN/+inf
 //      rows and rows without keys are found here. Other alphas: the row max only. A block's
-//      candidates are placed by the whole warp through a queue of score pairs (Place::kByWarp).
+//      candidates are placed by the whole warp through a queue of score pairs.
 //   2. refining passes (kMaxPasses, and one more that marks the rows the last finished by binning):
 //      each pass counts the rows the next one has work for, so a launch past convergence reads one
 //      word and returns, and a CTA whose rows need nothing returns at once. Per row, by its state:
@@ -113,16 +113,14 @@ struct RowSearch {
   Role role;
 };
 
-// Who places a block's candidates in the first pass. kByLane: the lane that holds them, one at a time
-// (a warp runs its candidate loop as often as its busiest lane needs, each step with a dynamic register
-// pick). kByWarp: each lane writes the score pairs holding its candidates to the warp's queue (lanes in
-// order, then fragment pairs in order: a fixed order) and the lanes take the queue's entries in turn,
-// so the visits are shared evenly and no register is picked dynamically. kByWarp serves the ring
-// (alpha = 2 and 1.5); the first pass of other alphas finds the row max only and has no candidates
-// (docs/notes/entmax.md, version 3).
-enum class Place { kByLane, kByWarp };
+// The first pass's candidates of a block are placed by the whole warp: each lane writes the score pairs
+// holding its candidates to the warp's queue (lanes in order, then fragment pairs in order: a fixed
+// order) and the lanes take the queue's entries in turn, so the visits are shared evenly and no register
+// is picked dynamically (placed by the lane that holds them, a warp would run its candidate loop as often
+// as its busiest lane needs; docs/notes/entmax.md, version 3). Other alphas have no ring and no
+// candidates.
 
-// What a kByWarp placement reads of a row: the ring's anchor, the candidates' raw cut and the lowest
+// What the first pass's placement reads of a row: the ring's anchor, the candidates' raw cut and the lowest
 // bin index still binned (kNoBin: the row bins nothing).
 struct FirstRow {
   float anchor;
@@ -141,7 +139,7 @@ struct alignas(1024) ScanStorage {
   RowBins bins[kTileRows];
   RowSearch search[kTileRows];
   int ncoll[kTileRows];  // scores a collecting row found inside its bracket (may pass kCollect)
-  // First pass, candidates placed by the warp (Place::kByWarp): per row what the placement reads, per
+  // First pass, candidates placed by the warp: per row what the placement reads, per
   // consumer warp the queue of a block's candidate pairs (two raw scores of one row's neighbouring keys,
   // the row in the tile).
   FirstRow first[kTileRows];
@@ -184,19 +182,13 @@ __device__ __forceinline__ float raw_cut(float z, float scale) {
   return t < INFINITY ? t - fabsf(t) * 1e-6f - 1e-30f : t;
 }
 
-// a[i] for i in {0, 1} not known at compile time, as a select (an index would move a to local memory).
-template <class T>
-__device__ __forceinline__ T sel(const T (&a)[2], int i) {
-  return i != 0 ? a[1] : a[0];
-}
-
 // Fragment element e of thread `lane` (wgmma.cuh's layout): row (e / 2) % 2 of the thread's two, key
 // 8 (e / 4) + 2 (lane % 4) + e % 2 of the block.
 __device__ __forceinline__ int row_of(int e) { return (e / 2) % 2; }
 
 // One consumer warpgroup's pass over the tile's blocks: 64 rows, two per thread (g and g + 8 of its
 // warp's 16), each row's bins touched only by the four lanes of its quad.
-template <class Tag, int D, Pass kPass, Place kPlace>
+template <class Tag, int D, Pass kPass>
 __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typename Tag::Elem, D>& sm, int consumer,
                                         int thread, int b, int h, int tile, int nblk) {
   const int w = thread / 32, lane = thread % 32, g = lane / 4, t4 = lane % 4;
@@ -243,6 +235,64 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
   const auto flush_word = [&]() {
     if (lane == 0 && word != 0u) atomicOr(bits_row + word_idx, word);
     word = 0u;
+  };
+
+  // The first pass's placement of a block's candidates (the comment above FirstRow): the rows' anchors,
+  // cuts and bottom bins, the candidate pairs through the warp's queue, their ring bins.
+  const auto place_candidates = [&](const float (&s)[64]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (t4 == i)
+        sm.first[rl(i)] =
+            FirstRow{anchor[i], wfloor[i], wfloor[i] < INFINITY ? ring_bottom(top[i], settled[i]) : kNoBin};
+    // Fragment elements 2k and 2k + 1 are neighbouring keys of one row: a pair goes to the queue where
+    // either is a candidate.
+    std::uint32_t pairs = 0u;
+#pragma unroll
+    for (int k = 0; k < 32; ++k)
+      if (fmaxf(s[2 * k], s[2 * k + 1]) >= wfloor[row_of(2 * k)]) pairs |= 1u << k;
+    const int mine = __popc(pairs);
+    int before = mine;  // inclusive scan over the lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(0xffffffffu, before, o);
+      if (lane >= o) before += x;
+    }
+    const int total = __shfl_sync(0xffffffffu, before, 31);
+    before -= mine;
+    const int qw = w + 4 * consumer;  // the warp's queue
+    for (int base = 0; base < total; base += kQueue) {
+      int pos = before - base;
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const bool c = (pairs >> k) & 1u;
+        if (c && static_cast<unsigned>(pos) < static_cast<unsigned>(kQueue)) {
+          sm.queue_s[qw][pos] = make_float2(s[2 * k], s[2 * k + 1]);
+          sm.queue_row[qw][pos] = static_cast<std::uint8_t>(rl(row_of(2 * k)));
+        }
+        pos += c ? 1 : 0;
+      }
+      __syncwarp();  // the queue and the rows' FirstRow
+      const int n = min(total - base, kQueue);
+      for (int k = lane; k < n; k += 32) {
+        const int r = sm.queue_row[qw][k];
+        const FirstRow fr = sm.first[r];
+        const float2 v = sm.queue_s[qw][k];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const float raw = x == 0 ? v.x : v.y;
+          int sl;
+          float d;
+          if (!(raw >= fr.cut) || fr.bottom == kNoBin || !ring_place(raw * p.scale, fr.anchor, fr.bottom, c, sl, d))
+            continue;
+          RingBins& rb = sm.bins[r].ring;
+          atomicAdd(&rb.cnt[sl], 1);
+          atomicAdd(&rb.s1[sl], d);
+          if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
+        }
+      }
+      __syncwarp();  // the queue's reads before it is written again
+    }
   };
 
   // The running max of a block's rows, the ring slid up with it (bins falling out cleared, by the
@@ -322,80 +372,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
       }
       __syncwarp();  // the scans' reads before the block's atomics
     }
-    if constexpr (kPlace == Place::kByWarp) {
-      if (!ring) return;
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-        if (t4 == i)
-          sm.first[rl(i)] =
-              FirstRow{anchor[i], wfloor[i], wfloor[i] < INFINITY ? ring_bottom(top[i], settled[i]) : kNoBin};
-      // Fragment elements 2k and 2k + 1 are neighbouring keys of one row: a pair goes to the queue where
-      // either is a candidate.
-      std::uint32_t pairs = 0u;
-#pragma unroll
-      for (int k = 0; k < 32; ++k)
-        if (fmaxf(s[2 * k], s[2 * k + 1]) >= wfloor[row_of(2 * k)]) pairs |= 1u << k;
-      const int mine = __popc(pairs);
-      int before = mine;  // inclusive scan over the lanes
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, before, o);
-        if (lane >= o) before += x;
-      }
-      const int total = __shfl_sync(0xffffffffu, before, 31);
-      before -= mine;
-      const int qw = w + 4 * consumer;  // the warp's queue
-      for (int base = 0; base < total; base += kQueue) {
-        int pos = before - base;
-#pragma unroll
-        for (int k = 0; k < 32; ++k) {
-          const bool c = (pairs >> k) & 1u;
-          if (c && static_cast<unsigned>(pos) < static_cast<unsigned>(kQueue)) {
-            sm.queue_s[qw][pos] = make_float2(s[2 * k], s[2 * k + 1]);
-            sm.queue_row[qw][pos] = static_cast<std::uint8_t>(rl(row_of(2 * k)));
-          }
-          pos += c ? 1 : 0;
-        }
-        __syncwarp();  // the queue and the rows' FirstRow
-        const int n = min(total - base, kQueue);
-        for (int k = lane; k < n; k += 32) {
-          const int r = sm.queue_row[qw][k];
-          const FirstRow fr = sm.first[r];
-          const float2 v = sm.queue_s[qw][k];
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            const float raw = x == 0 ? v.x : v.y;
-            int sl;
-            float d;
-            if (!(raw >= fr.cut) || fr.bottom == kNoBin || !ring_place(raw * p.scale, fr.anchor, fr.bottom, c, sl, d))
-              continue;
-            RingBins& rb = sm.bins[r].ring;
-            atomicAdd(&rb.cnt[sl], 1);
-            atomicAdd(&rb.s1[sl], d);
-            if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
-          }
-        }
-        __syncwarp();  // the queue's reads before it is written again
-      }
-      return;
-    }
-    std::uint32_t cand[2] = {0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 64; ++e)
-      if (s[e] >= wfloor[row_of(e)]) cand[e / 32] |= 1u << (e % 32);
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      for (std::uint32_t m = cand[half]; m != 0u; m &= m - 1u) {
-        const int e = 32 * half + __ffs(m) - 1, i = row_of(e);
-        int sl;
-        float d;
-        if (!ring_place(pick(s, e) * p.scale, sel(anchor, i), ring_bottom(sel(top, i), sel(settled, i)), c, sl, d))
-          continue;
-        RingBins& rb = sm.bins[rl(i)].ring;
-        atomicAdd(&rb.cnt[sl], 1);
-        atomicAdd(&rb.s1[sl], d);
-        if (p.power == 2) atomicAdd(&rb.s2[sl], d * d);  // alpha = 2 (r = 1) reads no squares
-      }
+    if (ring) place_candidates(s);
   };
 
   // A refining pass's block: the few scores above a row's cut are marked, counted and searched.
@@ -569,7 +546,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
 }
 
 // One CTA per (Q tile, head, b), the tiles in reverse so the longest causal ones start first.
-template <class Tag, int D, Pass kPass, Place kPlace>
+template <class Tag, int D, Pass kPass>
 __global__ void __launch_bounds__(kThreads, 1)
     scan_kernel(const __grid_constant__ ScanParams p, const __grid_constant__ CUtensorMap tm_q,
                 const __grid_constant__ CUtensorMap tm_k) {
@@ -617,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
-    consume<Tag, D, kPass, kPlace>(p, sm, warpgroup - 1, thread, b, h, tile, nblk);
+    consume<Tag, D, kPass>(p, sm, warpgroup - 1, thread, b, h, tile, nblk);
   }
 }
 
@@ -651,12 +628,11 @@ __global__ void copy_bits_kernel(const __grid_constant__ CopyBitsParams p) {
   }
 }
 
-template <class Tag, int D, Pass kPass, Place kPlace = Place::kByLane>
+template <class Tag, int D, Pass kPass>
 cudaError_t launch_scan(const ScanParams& p, const CUtensorMap& tm_q, const CUtensorMap& tm_k, dim3 grid,
                         cudaStream_t stream) {
   constexpr std::size_t smem = sizeof(ScanStorage<typename Tag::Elem, D>) + 1024;  // + slack for the alignment
-  static_assert(kPass == Pass::kFirst || kPlace == Place::kByLane, "the refining passes' candidates are few");
-  auto* kernel = &scan_kernel<Tag, D, kPass, kPlace>;
+  auto* kernel = &scan_kernel<Tag, D, kPass>;
   return launch_with_smem(kernel, smem, [&] { kernel<<<grid, kThreads, smem, stream>>>(p, tm_q, tm_k); });
 }
 
@@ -665,8 +641,7 @@ cudaError_t launch_scan(const ScanParams& p, const CUtensorMap& tm_q, const CUte
 template <class Tag, int D>
 cudaError_t launch_passes(ScanParams p, const CUtensorMap& tm_q, const CUtensorMap& tm_k, dim3 grid,
                           cudaStream_t stream) {
-  cudaError_t e = p.power != 0 ? launch_scan<Tag, D, Pass::kFirst, Place::kByWarp>(p, tm_q, tm_k, grid, stream)
-                               : launch_scan<Tag, D, Pass::kFirst, Place::kByLane>(p, tm_q, tm_k, grid, stream);
+  cudaError_t e = launch_scan<Tag, D, Pass::kFirst>(p, tm_q, tm_k, grid, stream);
   for (int i = 0; i <= kMaxPasses && e == cudaSuccess; ++i) {
     p.pass = i;
     p.last_pass = i == kMaxPasses - 1;
