@@ -289,7 +289,7 @@ def run(args):
     ada = AdaSplash(not args.no_peers)
     res = harness.Results(args.json, harness.run_meta(
         args, timer=timer.method, peers=dict(peers.status, adasplash=ada.status),
-        rel_err_bound=REL_ERR_BOUND, inputs="real" if args.real else "random"))
+        rel_err_bound=REL_ERR_BOUND, inputs="real" if args.real or args.activations else "random"))
     with res.recording_failure():
         if args.real or args.activations:
             cases = ([c for L in args.L for c in real_inputs(args, torch, L)] if args.real else
