@@ -38,17 +38,19 @@ struct Outcome {
 
 constexpr std::size_t kBlock = 128;  // keys per block of the kernel's walk
 
-// The first pass as the kernel runs it: per block the running max, the ring slid up with it, the
-// bottom settled on the kernel's schedule, then the block's scores in the window binned.
+// The first pass as the kernel runs it: blocks in first_pass_block's order, per block the running max,
+// the ring slid up with it, the bottom settled on the kernel's schedule, then the block's scores in the
+// window binned.
 void first_pass(const std::vector<float>& z, double am1, int power, EntmaxRow& st) {
   const double c = ek::kSections * am1;
   int cnt[ek::kRing] = {};
   float s1[ek::kRing] = {}, s2[ek::kRing] = {};
   float m = -INFINITY, anchor = 0.0f, wfloor = INFINITY;
   int top = 0, settled = 0;
-  for (std::size_t b0 = 0; b0 < z.size(); b0 += kBlock) {
+  const int nblk = static_cast<int>((z.size() + kBlock - 1) / kBlock);
+  for (int i = 0; i < nblk; ++i) {
+    const std::size_t b0 = static_cast<std::size_t>(ek::first_pass_block(i, nblk)) * kBlock;
     const std::size_t b1 = std::min(z.size(), b0 + kBlock);
-    const int j = static_cast<int>(b0 / kBlock);
     const float zm = *std::max_element(z.begin() + static_cast<std::ptrdiff_t>(b0), z.begin() + static_cast<std::ptrdiff_t>(b1));
     if (zm > m) {
       int nt = ek::kRingBase;
@@ -69,7 +71,7 @@ void first_pass(const std::vector<float>& z, double am1, int power, EntmaxRow& s
       top = std::max(top, nt);
       wfloor = ek::ring_edge(anchor, ek::ring_bottom(top, settled), c);
     }
-    if (j >= 1 && ((j & (j - 1)) == 0 || (j & 15) == 0)) {
+    if (ek::settles_after(i)) {
       const int base = top - ek::kSections;
       const int k = base + ek::ring_settled(
                                [&](int kk, int& n, float& a1, float& a2) {
@@ -201,20 +203,32 @@ TEST(EntmaxBracketTest, RandomRowsMatchTheSolver) {
       }
 }
 
-// Rows whose max rises block after block (a trend under the noise, or the max in the last block), so
-// the first pass's ring slides many times, some moves farther than its whole width.
+// The step at which the first pass visits key `i` of a row of n keys (its block's place in
+// first_pass_block's order, then the key's place in the block).
+std::size_t visit_position(std::size_t i, std::size_t n) {
+  const int nblk = static_cast<int>((n + kBlock - 1) / kBlock);
+  int step = 0;
+  while (ek::first_pass_block(step, nblk) != static_cast<int>(i / kBlock)) ++step;
+  return static_cast<std::size_t>(step) * kBlock + i % kBlock;
+}
+
+// Rows whose max rises block after block as the first pass visits them (a trend under the noise, or the
+// max in the block visited last), so the ring slides many times, some moves farther than its whole width.
 TEST(EntmaxBracketTest, RisingRowsMatchTheSolver) {
   std::mt19937_64 rng(9);
   for (const double alpha : {1.5, 2.0})
     for (const float slope : {1e-4f, 1e-3f, 3e-2f}) {
       std::vector<float> z = random_row(rng, 5000, 1.0f);
-      for (std::size_t i = 0; i < z.size(); ++i) z[i] += slope * static_cast<float>(i);
+      for (std::size_t i = 0; i < z.size(); ++i) z[i] += slope * static_cast<float>(visit_position(i, z.size()));
       Outcome o = bracket(z, alpha);
       ASSERT_EQ(o.row.status, EntmaxRow::kLive);
       EXPECT_LE(weight_error(z, alpha, o.row), 2e-5) << "alpha " << alpha << " slope " << slope;
       z = random_row(rng, 3000, 1.0f);
-      z.back() = 40.0f;  // the last block's max leaves every earlier bin behind
-      z[z.size() - 2] = 39.5f;
+      // The max of the block visited last (the second to last: 24 blocks) leaves every earlier bin behind.
+      const std::size_t last_visited = (z.size() / kBlock - 1) * kBlock;
+      ASSERT_EQ(visit_position(last_visited, z.size()), (z.size() / kBlock) * kBlock);
+      z[last_visited + kBlock - 1] = 40.0f;
+      z[last_visited + kBlock - 2] = 39.5f;
       o = bracket(z, alpha);
       EXPECT_LE(weight_error(z, alpha, o.row), 2e-5) << "alpha " << alpha << " late max";
     }

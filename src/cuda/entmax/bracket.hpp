@@ -49,6 +49,19 @@ inline constexpr int kRing = kSections + 1;     // bins of the first pass's ring
 inline constexpr int kRingBase = 2 * kRing;     // bin index of the anchor: a window's bins are >= kRing
 inline constexpr double kRingLimit = 1 << 30;   // grid positions past this: the row leaves the ring
 
+/// The K block the first pass visits at step i of its nblk (> i) visible blocks: block 0, then the last
+/// visible one (the diagonal's, where causal), then 1, 2, ... A row's ring is anchored at its first
+/// visible maximum and bins scores from there as the maximum rises, so the sooner the row's largest
+/// scores come, the fewer scores are binned on the way; on language-model inputs they tend to sit at the
+/// first keys (the attention sink) and next to the query (docs/notes/entmax.md, version 4).
+SPARSE_ATTN_HD int first_pass_block(int i, int nblk) {
+  if (i == 0) return 0;
+  return i == 1 ? nblk - 1 : i - 1;
+}
+
+/// Whether the first pass settles its rows' bottoms after step i (1, 2, 4, 8, 16, then every 16th).
+SPARSE_ATTN_HD bool settles_after(int i) { return i >= 1 && ((i & (i - 1)) == 0 || (i & 15) == 0); }
+
 /// Whether a row's next pass collects the scores inside its bracket (power 1 or 2 only).
 SPARSE_ATTN_HD bool collects(const EntmaxRow& st, int power) {
   return power != 0 && st.inside >= 0 && st.inside <= kCollect;

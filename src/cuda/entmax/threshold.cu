@@ -182,6 +182,13 @@ __device__ __forceinline__ float raw_cut(float z, float scale) {
   return t < INFINITY ? t - fabsf(t) * 1e-6f - 1e-30f : t;
 }
 
+// The K block a pass visits at step i of its nblk visible blocks: refining passes in order, the first pass
+// in bracket.hpp's first_pass_block order.
+template <Pass kPass>
+__device__ __forceinline__ int visit_block(int i, int nblk) {
+  return kPass == Pass::kFirst ? first_pass_block(i, nblk) : i;
+}
+
 // Fragment element e of thread `lane` (wgmma.cuh's layout): row (e / 2) % 2 of the thread's two, key
 // 8 (e / 4) + 2 (lane % 4) + e % 2 of the block.
 __device__ __forceinline__ int row_of(int e) { return (e / 2) % 2; }
@@ -297,7 +304,7 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
 
   // The running max of a block's rows, the ring slid up with it (bins falling out cleared, by the
   // quad's four lanes in turn), on some blocks the bottom settled, then the scores above it binned.
-  const auto first_block = [&](float (&s)[64], int j) {
+  const auto first_block = [&](float (&s)[64], int i_step) {
     float mx[2] = {-INFINITY, -INFINITY};
     row_max<true>(s, mx);
 #pragma unroll
@@ -344,9 +351,10 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
       wfloor[i] = raw_cut(ring_edge(anchor[i], ring_bottom(top[i], settled[i]), c), p.scale);
     }
     __syncwarp();
-    // Now and then (blocks 1, 2, 4, 8, 16, then every 16th) the bottom rises to where the scores seen
-    // so far settle it: one lane per row scans its ring from the top, the quad takes its verdict.
-    if (ring && j >= 1 && ((j & (j - 1)) == 0 || (j & 15) == 0)) {
+    // Now and then (settles_after: steps 1, 2, 4, 8, 16, then every 16th) the bottom rises to where the
+    // scores seen so far settle it: one lane per row scans its ring from the top, the quad takes its
+    // verdict.
+    if (ring && settles_after(i_step)) {
       int k_new[2] = {0, 0};
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -430,12 +438,13 @@ __device__ __forceinline__ void consume(const ScanParams& p, ScanStorage<typenam
     if (__any_sync(0xffffffffu, hit)) word |= 1u << (j % 32);
   };
 
-  const auto process = [&](float (&s)[64], int j) {
+  const auto process = [&](float (&s)[64], int i) {
+    const int j = visit_block<kPass>(i, nblk);
     // The block straddles the diagonal of the warpgroup's rows, or runs past Lk.
     const int block_end = (j + 1) * kBlockKeys;
     if (block_end > p.Lk || (p.causal && block_end - 1 > first_row + (p.Lk - p.Lq)))
       OnlineSoftmax::apply_mask(s, thread, first_row, j * kBlockKeys, p.Lk, p.causal, p.Lk - p.Lq);
-    if constexpr (kPass == Pass::kFirst) first_block(s, j);
+    if constexpr (kPass == Pass::kFirst) first_block(s, i);  // the settling cadence counts steps
     else refine_block(s, j);
   };
 
@@ -590,7 +599,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm.k_empty[s].wait((static_cast<std::uint32_t>(j / kStages) & 1u) ^ 1u);
       sm.k_full[s].arrive_expect_tx(kTileBytes<D>);
       for (int half = 0; half < kHalves; ++half)
-        tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, kvh, j * kBlockKeys, b, &sm.k_full[s].word);
+        tma_load_bhld(&sm.k[s][half][0][0], &tm_k, 64 * half, kvh, visit_block<kPass>(j, nblk) * kBlockKeys, b,
+                      &sm.k_full[s].word);
     }
   } else {
     warpgroup_reg_alloc<kConsumerRegs>();
