@@ -184,10 +184,7 @@ def real_inputs(args, torch, L, device="cuda"):
             captured[module.layer_idx] = tuple(t.detach().to(torch.bfloat16).contiguous() for t in (q, k, v)) + (scale,)
 
     hf.register_hf_attention("sparse_attn_bench_capture", "dense", observer=observe)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation("sparse_attn_bench_capture")
-    else:
-        model.config._attn_implementation = "sparse_attn_bench_capture"
+    model_eval.use_attention(model, "sparse_attn_bench_capture")
     with torch.no_grad():
         model(ids.to(model.device), logits_to_keep=1)
     del model

@@ -96,7 +96,8 @@ def token_sequences(tokenizer, files: Sequence[Path], length: int, count: int, s
     raise ValueError(f"text: {len(out)} documents after the first {skip} hold {length} tokens; {count} needed")
 
 
-def _use(model, name: str):
+def use_attention(model, name: str):
+    """Make `model` run the attention registered (with transformers) under `name`."""
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
     else:
@@ -148,7 +149,7 @@ def run_method(model, sequences, name: str, method: str, *, mass: bool = True, p
         recorder = Recorder(mass=mass)
         register_hf_attention(name, method, recorder=recorder, **options)
         impl = name
-    _use(model, impl)
+    use_attention(model, impl)
     if model.device.type == "cuda":  # the first call of a method pays for kernel loading and autotuning
         nll(model, sequences[0][1])
         if recorder is not None:
@@ -178,7 +179,7 @@ def run_method(model, sequences, name: str, method: str, *, mass: bool = True, p
             raise ValueError("run_method: prefill_repeats needs a model on a CUDA device, got " + str(model.device))
         if method != "sdpa":
             register_hf_attention(name + "_timed", method, **options)
-            _use(model, name + "_timed")
+            use_attention(model, name + "_timed")
         result["prefill_ms"] = prefill_ms(model, sequences[0][1], prefill_repeats)
     return result
 
@@ -208,7 +209,7 @@ def calibrate(model, sequences, budgets: Sequence[int], identity: str, sink_bloc
             calibrator[0].add(module.layer_idx, q[b:b + 1], k[b:b + 1], scale)
 
     register_hf_attention("sparse_attn_calibrate", "dense", observer=observe)
-    _use(model, "sparse_attn_calibrate")
+    use_attention(model, "sparse_attn_calibrate")
     for _, ids in sequences:
         model(ids.to(model.device), logits_to_keep=1)
     return calibrator.pop().finish()

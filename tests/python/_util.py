@@ -1,6 +1,8 @@
 """Shared helpers of the Python suite: fresh random inputs, poisoned outputs, error bounds."""
 
 import inspect
+import os
+import pathlib
 
 import numpy as np
 
@@ -16,6 +18,11 @@ except ImportError:  # bfloat16 numpy arrays need ml_dtypes
 # on the CPU: about 2e-4 for f16 and 1.7e-3 for bf16 relative error); GPU kernels also round the
 # probabilities before PV, so the bounds allow about twice a plain same-precision implementation.
 TOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 6e-3}
+
+# Public-domain English for the real-model tests: ../shared/data/texts beside the checkout (as CI lays it
+# out), or SPARSE_ATTN_TEXTS. The tests that need it skip where it is absent.
+TEXTS = pathlib.Path(os.environ.get("SPARSE_ATTN_TEXTS",
+                                    pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "texts"))
 
 
 def dtype_of(name):

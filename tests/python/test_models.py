@@ -8,8 +8,6 @@ evaluate_model's table and plot are written."""
 
 import json
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +20,8 @@ import sparse_attn as sa  # noqa: E402
 from sparse_attn import evaluate_model as em  # noqa: E402
 from sparse_attn import model_eval as me  # noqa: E402
 
-# ../shared beside the checkout (as CI lays it out), or SPARSE_ATTN_TEXTS.
-TEXTS = Path(os.environ.get("SPARSE_ATTN_TEXTS",
-                            Path(__file__).resolve().parents[2].parent / "shared" / "data" / "texts"))
+from _util import TEXTS  # noqa: E402
+
 LENGTH = 1536  # 12 key blocks: budgets of 3 and 6 blocks at 25 % and 50 %
 NOISE = 0.005  # relative perplexity, for the sanity bound of sparse against dense
 
