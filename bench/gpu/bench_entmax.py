@@ -167,16 +167,16 @@ class AdaSplash:
         return out
 
 
-def real_inputs(args, torch, L, device="cuda"):
-    """[(label, q, k, v, scale)]: the chosen layers' activations of --model on L tokens of --real (B = 1,
-    [1, L, H, D] bf16 on `device`), captured through the library's dense attention."""
+def real_inputs(args, torch, device="cuda"):
+    """[(label, q, k, v, scale)]: the chosen layers' activations of --model on L tokens of --real for each L
+    of --L (B = 1, [1, L, H, D] bf16 on `device`), captured through the library's dense attention; the model
+    is loaded once."""
     from sparse_attn import hf, model_eval
     model, tokenizer, identity = model_eval.load_model(args.model, device=device)
     layers_n = model.config.num_hidden_layers
     layers = args.layers if args.layers is not None else sorted({0, layers_n // 2, layers_n - 1})
     if any(layer >= layers_n for layer in layers):
         raise ValueError(f"--layers: {identity} has {layers_n} layers, got {layers}")
-    [(path, ids)] = model_eval.token_sequences(tokenizer, model_eval.text_files(args.real), L, 1)
     captured = {}
 
     def observe(module, q, k, v, scale):
@@ -185,12 +185,17 @@ def real_inputs(args, torch, L, device="cuda"):
 
     hf.register_hf_attention("sparse_attn_bench_capture", "dense", observer=observe)
     model_eval.use_attention(model, "sparse_attn_bench_capture")
-    with torch.no_grad():
-        model(ids.to(model.device), logits_to_keep=1)
+    cases = []
+    for L in args.L:
+        [(path, ids)] = model_eval.token_sequences(tokenizer, model_eval.text_files(args.real), L, 1)
+        captured.clear()
+        with torch.no_grad():
+            model(ids.to(model.device), logits_to_keep=1)
+        cases += [(f"{path.stem} layer {layer}", *captured[layer]) for layer in layers]
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return [(f"{path.stem} layer {layer}", *captured[layer]) for layer in layers]
+    return cases
 
 
 def save_activations(args):
@@ -203,11 +208,10 @@ def save_activations(args):
         raise SystemExit(f"--save-activations needs torch and safetensors: {e}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tensors, cases = {}, []
-    for L in args.L:
-        for label, q, k, v, scale in real_inputs(args, torch, L, device):
-            i = len(cases)
-            tensors.update({f"{i}.q": q.cpu(), f"{i}.k": k.cpu(), f"{i}.v": v.cpu()})
-            cases.append({"label": label, "scale": float(scale), "L": L})
+    for label, q, k, v, scale in real_inputs(args, torch, device):
+        i = len(cases)
+        tensors.update({f"{i}.q": q.cpu(), f"{i}.k": k.cpu(), f"{i}.v": v.cpu()})
+        cases.append({"label": label, "scale": float(scale), "L": q.shape[1]})
     save_file(tensors, args.save_activations, metadata={"model": args.model, "cases": json.dumps(cases)})
     print(f"wrote {len(cases)} cases to {args.save_activations}")
     return 0
@@ -289,7 +293,7 @@ def run(args):
         rel_err_bound=REL_ERR_BOUND, inputs="real" if args.real or args.activations else "random"))
     with res.recording_failure():
         if args.real or args.activations:
-            cases = ([c for L in args.L for c in real_inputs(args, torch, L)] if args.real else
+            cases = (real_inputs(args, torch) if args.real else
                      [c for path in args.activations for c in saved_inputs(path, torch)])
             for label, q, k, v, scale in cases:
                 for alpha in args.alphas:
