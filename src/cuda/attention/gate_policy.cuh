@@ -3,13 +3,14 @@
 // nothing; BlockMaxGate is `gated` (BSFA).
 //
 // The gate tile is a consumer warpgroup's 64 rows (kGateRows): after QK, the maximum of the block's
-// raw scores over the warpgroup's rows below Lq is reduced across its four warps (shuffles, then one
-// named barrier of the warpgroup) and, times the softmax scale, compared with the threshold of (head,
-// gate tile). Below it the block leaves no trace: no exponentials, no P V, no update of m or l. Blocks
-// straddling the gate tile's causal diagonal and the first sink_blocks blocks are always kept; blocks
-// no row of the gate tile sees are skipped without being counted (they would add nothing). Deciding per
-// warpgroup costs one barrier of 128 threads per block; a 128-row gate would have to exchange maxima
-// between the two warpgroups, which run half a block apart (pingpong).
+// raw scores over the warpgroup's rows below Lq, times the softmax scale, is compared with the
+// threshold of (head, gate tile). Below it the block leaves no trace: no exponentials, no P V, no update
+// of m or l. Each thread tests its two rows' maxima (scaled; the scaling is monotone, so all rows below
+// is the tile maximum below) and one named barrier of the warpgroup ANDs the 128 votes (barrier.red):
+// no shuffles or shared memory. Blocks straddling the gate tile's causal diagonal and the first
+// sink_blocks blocks are always kept; blocks no row of the gate tile sees are skipped without being
+// counted (they would add nothing). Deciding per warpgroup costs one barrier of 128 threads per block; a
+// 128-row gate would have to exchange maxima between the two warpgroups.
 //
 // V of a skipped block is loaded anyway (the producer does not wait for the gate): the consumer waits
 // for it and releases the slot, which keeps the rings in step without any signal back to the producer.
@@ -20,8 +21,10 @@
 // follow from the gate tile's geometry, the passed candidates are counted in a register (uniform across
 // the warpgroup); one thread per item adds them to device memory: no host synchronisation.
 //
-// An open gate (threshold -inf) costs nothing per block: the mainloop walks such an item with dense's
-// loop (open()), without the gate's reduction, barrier or branch per block.
+// An open gate (threshold -inf) costs nothing per block where both gate tiles of the Q tile are open:
+// the mainloop walks such an item with dense's loop (open()), without the gate's vote, barrier or branch
+// per block. Otherwise both warpgroups take the gated walk, and a warpgroup whose own gate is open keeps
+// every candidate without a vote.
 #pragma once
 
 #include <cstdint>
@@ -60,7 +63,7 @@ struct NoGate {
   __device__ __forceinline__ static Staged stage(const Params&, const TileAttentionParams&, const WorkItem&) { return {}; }
   __device__ __forceinline__ void begin(const Params&, const TileAttentionParams&, const WorkItem&, int, const float (&)[2]) {}
   __device__ __forceinline__ constexpr bool keep(const Params&, const TileAttentionParams&, const float (&)[2], int,
-                                                 int, float*) {
+                                                 int) {
     return true;
   }
   __device__ __forceinline__ void finish(const Params&, const TileAttentionParams&, const WorkItem&, int, int, bool) {}
@@ -73,8 +76,8 @@ struct BlockMaxGate {
   float threshold;  // this item's threshold; -inf: nothing to compare (every block kept)
   int key_end_first, key_end_last;  // visible key ends of the gate tile's first and last row below Lq
   bool exists;          // the gate tile has a row below Lq (else: nothing is counted or skipped)
+  bool item_open;       // both gate tiles of the item are open (see open())
   bool row_in[2];       // the thread's two rows are below Lq
-  int parity = 0;       // which half of the exchange buffer the next reduction uses (kept across items)
   int passed;           // candidates the gated walk let through
 
   /// The item's two thresholds (gate tiles 2 q_tile and 2 q_tile + 1, the last column of the table for
@@ -103,37 +106,36 @@ struct BlockMaxGate {
     key_end_first = max(0, min(first_row + p.Lk - p.Lq + 1, p.Lk));
     key_end_last = max(0, min(last_row + p.Lk - p.Lq + 1, p.Lk));
     threshold = exists ? staged[consumer] : -INFINITY;
+    // The Q tile's other gate tile (rows first_row -/+ 64): both warpgroups find the same item_open.
+    const int other_first = w.q_tile * kTileRows + (1 - consumer) * kGateRows;
+    item_open = (!exists || threshold == -INFINITY) && (other_first >= p.Lq || staged[1 - consumer] == -INFINITY);
     const int lane_row = first_row + 16 * ((static_cast<int>(threadIdx.x) % 128) / 32) + (static_cast<int>(threadIdx.x) % 32) / 4;
     row_in[0] = lane_row < p.Lq;
     row_in[1] = lane_row + 8 < p.Lq;
     passed = 0;
   }
 
-  /// Whether the gate keeps every block of the item: a threshold of -inf (or no row below Lq). The
-  /// mainloop then walks the item as dense does, with no reduction or branch per block, and finish()
-  /// takes the counts from the geometry alone (gate_counts).
-  __device__ __forceinline__ bool open() const { return !exists || threshold == -INFINITY; }
+  /// Whether the gate keeps every block of the item: both gate tiles of the Q tile have a threshold of
+  /// -inf (or no row below Lq). The mainloop then walks the item as dense does, with no vote or branch
+  /// per block, and finish() takes the counts from the geometry alone (gate_counts). Both warpgroups
+  /// find the same answer, so they take the same walk.
+  __device__ __forceinline__ bool open() const { return item_open; }
 
   /// Whether block j, whose raw row maxima (row_maxima<true>) are mx, is kept. Uniform across the
-  /// warpgroup; `exchange` is the warpgroup's [2][4] floats of shared memory. Only in the gated walk
-  /// (open() false: the gate tile has a row below Lq and a threshold above -inf).
+  /// warpgroup (every thread of it calls this for every block of the gated walk: the vote is a barrier).
   __device__ __forceinline__ bool keep(const Params& g, const TileAttentionParams& p, const float (&mx)[2], int j,
-                                       int consumer, float* exchange) {
+                                       int consumer) {
+    if (!exists) return true;  // no row below Lq: nothing to skip or count
     if (j * kBlockKeys >= key_end_last) return false;  // no row of the gate tile sees the block
     if (j < g.sink_blocks || min((j + 1) * kBlockKeys, p.Lk) > key_end_first) return true;  // sink or diagonal
-    float v = max2<true>(row_in[0] ? mx[0] : -INFINITY, row_in[1] ? mx[1] : -INFINITY);
-#pragma unroll
-    for (int lanes = 4; lanes < 32; lanes *= 2) v = max2<true>(v, __shfl_xor_sync(0xffffffffu, v, lanes));
-    const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
-    float* slot = exchange + 4 * parity;
-    if (threadIdx.x % 32 == 0) slot[warp] = v;
-    named_barrier_sync(consumer == 0 ? NamedBarrier::kGateWG0 : NamedBarrier::kGateWG1, 128);
-    // Double-buffered: a warp writes this half again two reductions later, after every thread
-    // has passed the next reduction's barrier and so has read this one.
-    v = max2<true>(max2<true>(slot[0], slot[1]), max2<true>(slot[2], slot[3]));
-    parity ^= 1;
-    // Scaled as the CPU scales each score; a NaN maximum (a NaN score) keeps the block.
-    const bool pass = !(v * g.scale < threshold);
+    if (threshold == -INFINITY) {  // this tile's gate is open, the other's is not: every candidate passes
+      ++passed;
+      return true;
+    }
+    // Skipped iff every row's maximum, scaled as the CPU scales each score, is below the threshold (the
+    // scaling is monotone, so this is the tile maximum's test); a NaN maximum (a NaN score) keeps it.
+    const bool below = (!row_in[0] || mx[0] * g.scale < threshold) && (!row_in[1] || mx[1] * g.scale < threshold);
+    const bool pass = !named_barrier_and(consumer == 0 ? NamedBarrier::kGateWG0 : NamedBarrier::kGateWG1, 128, below);
     passed += pass;
     return pass;
   }

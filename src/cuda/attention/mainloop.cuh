@@ -72,7 +72,6 @@ struct alignas(1024) SharedStorage {
   MBarrier q_full[kQStages], q_empty[kQStages];
   MBarrier k_full[kKStages], k_empty[kKStages];
   MBarrier v_full[kVStages], v_empty[kVStages];
-  float gate_max[kConsumerWarpgroups][2][4];  // the gate's exchange of warp maxima (gate_policy.cuh)
   // Per Q buffer, the gate's thresholds of the item's two gate tiles (gate_policy.cuh; unused without a
   // gate), staged by the producer beside q_walk so that the consumers' path has no global load.
   float gate_threshold[kQStages][kConsumerWarpgroups];
@@ -223,10 +222,11 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 // arrivals and combine.
 //
 // Gate (gate_policy.cuh) decides after each QK whether the block leaves a trace; NoGate keeps all and
-// its branches fold away. A skipped block still takes its MMA and exponential turns (empty), so the
-// two warpgroups, which gate independently, keep alternating, and its V slot is waited for and
-// released without a P V. An item whose gate is open (BlockMaxGate::open: a threshold of -inf) walks
-// the NoGate loop, its counts written before the walk.
+// its branches fold away. The gated walk takes no turns: the warpgroups gate independently, and a
+// block one of them skips would otherwise wait for the other's turns. A skipped block's V slot is
+// waited for and released without a P V. An item whose gates are both open (BlockMaxGate::open: a
+// threshold of -inf) walks the NoGate loop with its turns, its counts written before the walk; both
+// warpgroups take the same walk, so the turns stay paired.
 //
 // Transform turns a kept block's scores into P (OnlineSoftmax: softmax; entmax_transform.cuh: entmax
 // with thresholds already known); its (m, l) are what the epilogue and the combine normalise by.
@@ -380,13 +380,19 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     bool kept;  // whether the item's last block is kept
     const auto walk_item = [&](auto gated) {
       constexpr bool kGated = decltype(gated)::value;
+      // The gated walk takes no turns: the warpgroups gate independently, and with turns a block would
+      // cost the slower of the two (a kept block's) whenever only one of them skips it.
+      const auto turn_begin = [&] { if constexpr (!kGated) turns.begin(); };
+      const auto turn_end = [&] { if constexpr (!kGated) turns.end(); };
+      const auto exp_begin = [&] { if constexpr (!kGated) exp_turns.begin(); };
+      const auto exp_end = [&] { if constexpr (!kGated) exp_turns.end(); };
       float factor[2];
       sm.k_full[ks.stage()].wait(ks.phase());
       const SlotBlock first = sm.k_block[ks.stage()];
       bool last = first.last != 0;
       // Block j's softmax, once its QK has retired: its K slot goes back, then the mask, the gate and
       // the online update (for the item's first block o starts at 0: no rescale follows). Returns
-      // whether the block is kept; a skipped one takes an empty exponential turn.
+      // whether the block is kept.
       const auto softmax_block = [&](int j) {
         fence_operands(acc_s);
         release(sm.k_empty[ks.stage()]);
@@ -395,12 +401,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
           OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
         float mx[2];
         OnlineSoftmax::row_maxima<kGated>(acc_s, mx);
-        if (kGated && !gate.keep(gp, p, mx, j, consumer, &sm.gate_max[consumer][0][0])) {
-          exp_turns.begin();
-          exp_turns.end();
-          return false;
-        }
-        softmax.update(acc_s, mx, p.scale_log2, factor, [&] { exp_turns.begin(); }, [&] { exp_turns.end(); });
+        if (kGated && !gate.keep(gp, p, mx, j, consumer)) return false;
+        softmax.update(acc_s, mx, p.scale_log2, factor, exp_begin, exp_end);
         return true;
       };
       // Accumulator chunks (2kk, 2kk + 1) are exactly k-step kk's A fragment: no shuffles.
@@ -415,10 +417,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       // where the block before it was skipped by the gate (its V slot is waited for and released all
       // the same).
       const auto qk_alone = [&](int j) {
-        turns.begin();
+        turn_begin();
         wgmma_fence();
         issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
-        turns.end();
+        turn_end();
         release_staged_q();
         settle_arrival();
         wgmma_wait<0>();
@@ -426,11 +428,11 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       };
       if (pending && (!Gate::kEnabled || pending_kept)) {
         sm.v_full[vs.stage()].wait(vs.phase());
-        turns.begin();
+        turn_begin();
         wgmma_fence();
         issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
         issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));  // the previous item's last P V
-        turns.end();
+        turn_end();
         release_staged_q();
         settle_arrival();
         wgmma_wait<1>();
@@ -448,8 +450,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
       if (!kGated || kept) pack_p();
 
-      // Steady state: one turn per further block, QK of the next block and P V of the current one
-      // (QK alone where the gate skipped the current one).
+      // Steady state: one turn per further block (none in the gated walk), QK of the next block and P V
+      // of the current one (QK alone where the gate skipped the current one).
       while (!last) {
         sm.k_full[ks.stage()].wait(ks.phase());
         const SlotBlock nb = sm.k_block[ks.stage()];
@@ -457,11 +459,11 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         sm.v_full[vs.stage()].wait(vs.phase());
         bool next_kept;
         if (!kGated || kept) {
-          turns.begin();
+          turn_begin();
           wgmma_fence();
           issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
           issue_pv<Tag>(acc_o, pa, v_addr(vs.stage()));
-          turns.end();
+          turn_end();
           release_staged_q();
           settle_arrival();
           wgmma_wait<1>();  // S_{i+1} has landed; P_i V_i may still run

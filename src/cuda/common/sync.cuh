@@ -21,7 +21,7 @@ enum class NamedBarrier : std::uint32_t {
   kExpTurnWG0 = 5,   // consumer warpgroup 0 may compute its exponentials (pingpong)
   kExpTurnWG1 = 6,   // consumer warpgroup 1 may compute its exponentials
   kItemWalk = 7,     // KV-centric attention: the threads of one item walk read the next item ids
-  kGateWG0 = 8,      // consumer warpgroup 0 has left its warps' block maxima for the gate (gate_policy.cuh)
+  kGateWG0 = 8,      // consumer warpgroup 0 votes on the gate of a block (gate_policy.cuh)
   kGateWG1 = 9,      // consumer warpgroup 1 likewise
   kLightningWG0 = 10,   // lightning selector: consumer warpgroup 0's candidate buffers are settled
   kLightningWG1 = 11,   // consumer warpgroup 1 likewise
@@ -34,6 +34,19 @@ __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_
 
 __device__ __forceinline__ void named_barrier_arrive(NamedBarrier id, std::uint32_t threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(static_cast<std::uint32_t>(id)), "r"(threads) : "memory");
+}
+
+/// A named barrier that also ANDs a predicate over the participating threads: true for every thread
+/// iff it was true for all of them.
+__device__ __forceinline__ bool named_barrier_and(NamedBarrier id, std::uint32_t threads, bool pred) {
+  std::uint32_t all;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.and.pred q, %2, %3, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(all)
+      : "r"(static_cast<std::uint32_t>(pred)), "r"(static_cast<std::uint32_t>(id)), "r"(threads)
+      : "memory");
+  return all != 0;
 }
 
 /// setmaxnreg needs an immediate; every warp of the warpgroup must execute the same instruction.
