@@ -211,8 +211,13 @@ GatedStats gated(const detail::AttentionCall& a, const TensorView& thresholds, c
   if (options.counts) {
     g.counts32 = static_cast<int*>(options.counts->data);
     g.counts32_stride = options.counts->stride[0];
-    for (int i = 0; i < 4; ++i)
-      cuda_kernels::check_cuda(cudaMemsetAsync(g.counts32 + i * g.counts32_stride, 0, sizeof(int), stream), kOp, "options.counts");
+    if (g.counts32_stride == 1) {  // one launch for the four counters where they are contiguous
+      cuda_kernels::check_cuda(cudaMemsetAsync(g.counts32, 0, 4 * sizeof(int), stream), kOp, "options.counts");
+    } else {
+      for (int i = 0; i < 4; ++i)
+        cuda_kernels::check_cuda(cudaMemsetAsync(g.counts32 + i * g.counts32_stride, 0, sizeof(int), stream), kOp,
+                                 "options.counts");
+    }
   } else {
     lock = std::unique_lock<std::mutex>(g_gate_counters.mutex());
     g.counts64 = static_cast<unsigned long long*>(g_gate_counters.get(kOp, a.device, a.stream, 4 * sizeof(unsigned long long)));
