@@ -223,7 +223,7 @@ using ExpTurns = Turns<NamedBarrier::kExpTurnWG0, NamedBarrier::kExpTurnWG1>;
 //
 // Gate (gate_policy.cuh) decides after each QK whether the block leaves a trace; NoGate keeps all and
 // its branches fold away. The gated walk takes no turns: the warpgroups gate independently, and a
-// block one of them skips would otherwise wait for the other's turns. A skipped block's V slot is
+// skipped block would take empty turns only to keep them paired. A skipped block's V slot is
 // waited for and released without a P V. An item whose gates are both open (BlockMaxGate::open: a
 // threshold of -inf) walks the NoGate loop with its turns, its counts written before the walk; both
 // warpgroups take the same walk, so the turns stay paired.
@@ -380,8 +380,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
     bool kept;  // whether the item's last block is kept
     const auto walk_item = [&](auto gated) {
       constexpr bool kGated = decltype(gated)::value;
-      // The gated walk takes no turns: the warpgroups gate independently, and with turns a block would
-      // cost the slower of the two (a kept block's) whenever only one of them skips it.
+      // The gated walk takes no turns: the warpgroups gate independently, so a skipped block would take
+      // empty turns only to stay paired (no slower without them, measured: docs/notes/gated.md).
       const auto turn_begin = [&] { if constexpr (!kGated) turns.begin(); };
       const auto turn_end = [&] { if constexpr (!kGated) turns.end(); };
       const auto exp_begin = [&] { if constexpr (!kGated) exp_turns.begin(); };
