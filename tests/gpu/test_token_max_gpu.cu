@@ -497,8 +497,8 @@ TEST(TokenMaxGpu, HugeAndTinyMagnitudesWithinEps) {
 
 // eps is not vacuous: on random inputs at a realistic shape few lists differ from the exact top-k, and for
 // the precisions scored on the bf16 MMA (bf16, fp4) eps is below the typical gap between the k-th and the
-// (k + 1)-th exact score. The fp8 MMA's bound is wider (token_max.cu: 40 x 2^-13 S whatever Di); its
-// ratio is printed.
+// (k + 1)-th exact score. The fp8 MMA's bound is wider (token_max.cu: n x 40 x 2^-13 S, n = 4 k32
+// instructions per 128 code bytes); its ratio is printed.
 TEST(TokenMaxGpu, EpsIsSmallOnRandomInputs) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const TokenMaxCase c{"random, Di = 128, top_k = 16", 2, 512, 4096, 1, 1, 128, 16, 16, false, false};

@@ -12,8 +12,8 @@
 //     magnitude). Rows are padded with zero codes to Dc = Di rounded up to 16;
 //  3. screen (screen_kernel, a programmatic dependent of 2): persistent and warp-specialised, every K tile
 //     loaded once for two Q tiles (one at Dc > 192 bf16 codes); per (Q tile, KV block) the 128 x 128 code
-//     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3, every instruction from a zero accumulator, the
-//     instructions added in float32; bf16, fp4: m64n128k16 bf16 chained), keeping per query the max over
+//     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3; bf16, fp4: m64n128k16 bf16; the k-steps chained on one
+//     float32 accumulator), keeping per query the max over
 //     the block's visible keys (QueryLists) or one partial max per consumer warp (TileLists);
 //  4. rank (rank_kernel, a programmatic dependent of 3): per list, the forced blocks (reserved local
 //     blocks, block 0 with force_block0) first, among themselves by id as the CPU's +inf scores, then the
@@ -42,14 +42,16 @@
 //     truncation; TokenMaxGpu.Fp8AccumulationWithinModel checks the model). Relied on, conservatively, for
 //     one m64n128k32 instruction: it adds its 32 products to its incoming accumulator in at most 4 steps, each
 //     aligning its terms (the running value and <= 32 products) to the largest magnitude and keeping >= 13
-//     bits below that leading bit (truncation), then normalising the result to >= 13 bits. The kernel starts
-//     every k32 instruction k from a zero accumulator, so every magnitude inside it (its products and their
-//     partial sums) is <= S_k, the sum of its own |products|: each term loses < 2^-13 S_k, a step with m
-//     products errs by <= (m + 2) 2^-13 S_k and the instruction by <= (32 + 2 x 4) 2^-13 S_k = 40 x 2^-13
-//     S_k, its result below S_k (1 + 2^-7). The n results are added in float32 in d order: n - 1 roundings,
-//     each <= 2^-24 of a partial sum <= S (1 + 2^-7). With sum_k S_k = S:
-//     |T^ - T| <= A S (1 + 2^-7), A = 40 x 2^-13 + n 2^-24, whatever Di (a chain of n instructions on one
-//     accumulator would give n x 40 x 2^-13: its large running value aligns the later products away).
+//     bits below that leading bit (truncation), then normalising the result to >= 13 bits. The kernel chains
+//     the n instructions of a dot on one accumulator (as DeepGEMM does over k128), so every magnitude inside
+//     instruction k is <= M_k = (S_1 + ... + S_k) (1 + 2^-7)^k, S_i the sum of instruction i's |products|
+//     (the incoming value is the previous instructions' result, each within 40 x 2^-13 < 2^-7 of its own
+//     magnitudes): each term loses < 2^-13 M_k, a step with m products errs by <= (m + 2) 2^-13 M_k and the
+//     instruction by <= (32 + 2 x 4) 2^-13 M_k = 40 x 2^-13 M_k. Summed, with sum_k (S_1 + ... + S_k) <= n S
+//     and (1 + 2^-7)^n <= 1 + 2^-6 for n <= 8 (Dc <= 256): |T^ - T| <= A S, A = n x 40 x 2^-13 (1 + 2^-6),
+//     and the result below S (1 + 2^-6). (Starting every instruction from zero and adding the n results in
+//     float32 would give 40 x 2^-13 + n 2^-24, n times tighter, at the price of a wait and 64 additions per
+//     instruction on the CUDA cores; docs/notes/selectors_token_max.md, v6 and v7, has both measured.)
 //     Products or sums below 2^-126 may be flushed: only bf16 codes can be that small (e4m3 products are
 //     >= 2^-18, fp4 code products >= 2^-20): <= n 2^-121 sq sk.
 //  2. Dequantisation (tc_index.cuh header): fp8, fp4: vq vk = cq ck sq sk (1 + 4 x 2^-24) plus underflow
@@ -64,7 +66,7 @@
 // (token_max_score_error below). A selected a and an unselected b have s^_a >= s^_b, so
 // s_a >= s_b - e_a - e_b: every list satisfies min(exact selected) >= max(exact unselected) - eps with
 // eps = 2 max_j e_j over its candidates. At Di = 128: A = 2^-14 (bf16, fp4: eps ~ 2^-13 NQ NK) and
-// 40 x 2^-13 + 2^-22 ~ 2^-7.7 (fp8: eps ~ 0.0104 NQ NK). Non-finite inputs (the CPU rejects them; the
+// 4 x 40 x 2^-13 (1 + 2^-6) ~ 2^-5.7 (fp8: eps ~ 0.042 NQ NK). Non-finite inputs (the CPU rejects them; the
 // device does not synchronise to look) give NaN dots, which the maxima skip: a block whose every dot is
 // NaN ranks as -inf.
 #include <cuda_fp8.h>
@@ -299,11 +301,8 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       }
     }
   };
-  // The wgmmas of a job. bf16, fp4: issue() chains every k16 step on `d`. fp8: every k32 instruction starts
-  // from a zero accumulator (the bound's item 1): issue() starts step 0 into `d` and step 1 into `part`;
-  // finish() waits for each step, adds it to `d` in float32 in d order and starts the next, so one
-  // instruction is in flight while the previous one is added.
-  float part[kFp8 ? 64 : 1];
+  // The wgmmas of a job: every k-step chained on `d` (bf16, fp4: m64n128k16 bf16; fp8: m64n128k32 e4m3), one
+  // commit group per job.
   auto desc_a = [&](const Job& x, int kk) {
     return ck::make_desc_sw128(ck::smem_addr(qs + x.q * Lay::kTile) + wg * 64 * 128 + (kk / 4) * kHalfBytes + (kk % 4) * 32,
                                16, 1024);
@@ -313,32 +312,14 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
   };
   auto issue = [&](float (&d)[64], const Job& x) {
     ck::wgmma_fence();
-    if constexpr (kFp8) {
-      static_assert(ksteps >= 2);
-      ck::wgmma_ss_e4m3(d, desc_a(x, 0), desc_b(x, 0), 0);
-      ck::wgmma_ss_e4m3(part, desc_a(x, 1), desc_b(x, 1), 0);
-    } else {
 #pragma unroll
-      for (int kk = 0; kk < ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(d, desc_a(x, kk), desc_b(x, kk), kk > 0);
+    for (int kk = 0; kk < ksteps; ++kk) {
+      if constexpr (kFp8)
+        ck::wgmma_ss_e4m3(d, desc_a(x, kk), desc_b(x, kk), kk > 0);
+      else
+        ck::wgmma_ss<ck::Bf16Tag>(d, desc_a(x, kk), desc_b(x, kk), kk > 0);
     }
     ck::wgmma_commit();
-  };
-  auto finish = [&](float (&d)[64], const Job& x) {
-    if constexpr (kFp8) {
-#pragma unroll
-      for (int kk = 1; kk < ksteps; ++kk) {
-        ck::wgmma_wait<0>();
-        ck::fence_operands(d);
-        ck::fence_operands(part);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) d[i] += part[i];
-        if (kk + 1 < ksteps) {
-          ck::wgmma_fence();
-          ck::wgmma_ss_e4m3(part, desc_a(x, kk + 1), desc_b(x, kk + 1), 0);
-          ck::wgmma_commit();
-        }
-      }
-    }
   };
 
   int run = 0;
@@ -373,33 +354,30 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       return true;
     };
     // Jobs in pairs: acc[0] takes x, acc[1] takes y; each job's epilogue follows the issue of the next, so
-    // the tensor cores are busy while it runs. Before an epilogue its job is complete: bf16 waits for it
-    // (the next job's group stays in flight); fp8's finish() completed it. (Each path is spelled out: ptxas
-    // keeps the wgmmas asynchronous only where it can follow the accumulators along every path.)
+    // the tensor cores are busy while it runs, and waits for its own group only (the next job's stays in
+    // flight). (Each path is spelled out: ptxas keeps the wgmmas asynchronous only where it can follow the
+    // accumulators along every path.)
     Job x = take_block(r.j_begin), y{};
     issue(acc[0], x);
-    finish(acc[0], x);
     for (;;) {
       if (next_job(x, y)) {
         issue(acc[1], y);
-        if constexpr (!kFp8) ck::wgmma_wait<1>();
+        ck::wgmma_wait<1>();
         ck::fence_operands(acc[0]);
         epilogue(acc[0], r, x);
-        finish(acc[1], y);
       } else {
-        if constexpr (!kFp8) ck::wgmma_wait<0>();
+        ck::wgmma_wait<0>();
         ck::fence_operands(acc[0]);
         epilogue(acc[0], r, x);
         break;
       }
       if (next_job(y, x)) {
         issue(acc[0], x);
-        if constexpr (!kFp8) ck::wgmma_wait<1>();
+        ck::wgmma_wait<1>();
         ck::fence_operands(acc[1]);
         epilogue(acc[1], r, y);
-        finish(acc[0], x);
       } else {
-        if constexpr (!kFp8) ck::wgmma_wait<0>();
+        ck::wgmma_wait<0>();
         ck::fence_operands(acc[1]);
         epilogue(acc[1], r, y);
         break;
@@ -703,7 +681,7 @@ double token_max_score_error(IndexPrecision precision, std::int64_t Di, double n
   const std::int64_t Dc = tc::padded_dim(Di);
   const bool fp8 = precision == IndexPrecision::fp8_e4m3;
   const double n = 4.0 * static_cast<double>(code_halves(Dc, precision));
-  const double acc = fp8 ? 40.0 * 0x1p-13 + n * 0x1p-24 : n * 0x1p-18;  // A of the derivation's item 1
+  const double acc = fp8 ? n * 40.0 * 0x1p-13 * (1.0 + 0x1p-6) : n * 0x1p-18;  // A of the derivation's item 1
   return (acc * (1.0 + 0x1p-4) + 0x1p-20) * nq * nk + 0x1p-140 * (nq + nk) + 0x1p-128 * (sq * nk + sk * nq) +
          n * 0x1p-120 * sq * sk + 0x1p-280;
 }
