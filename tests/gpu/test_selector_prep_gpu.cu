@@ -1,7 +1,8 @@
 // The index selectors' shared preparation (src/cuda/selectors/prep.cuh): the amax against a host max on
 // contiguous, odd-sized, strided and unaligned views of f32, f16 and bf16; the fp8 quotient and the e4m3
 // conversion against the CPU's quantisation for every float; the codes kernel's bytes in both layouts
-// (token_max's rows, lightning's swizzled tiles) against the CPU's quantisation.
+// (token_max's rows, lightning's swizzled tiles; the rows of contiguous 16-bit views with D a multiple of 16 by
+// the flat kernel) against the CPU's quantisation.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -81,6 +82,8 @@ struct ViewCase {
 std::vector<ViewCase> view_cases() {
   return {
       {"contiguous", 0, {2, 700, 3, 40}, {700 * 120, 120, 40, 1}, 2 * 700 * 120},
+      {"contiguous, D a multiple of 16 (token_max's flat codes for 16-bit types)", 0, {2, 301, 2, 64}, {301 * 128, 128, 64, 1},
+       2 * 301 * 128},
       {"odd size (tail)", 0, {1, 333, 37}, {333 * 37, 37, 1}, 333 * 37},
       {"strided rows", 0, {2, 300, 2, 24}, {300 * 58, 58, 29, 1}, 2 * 300 * 58},
       {"unaligned base", 1, {3, 257, 1, 16}, {257 * 16, 16, 16, 1}, 3 * 257 * 16 + 1},

@@ -10,6 +10,7 @@
 #include <cuda_fp8.h>
 
 #include <string>
+#include <type_traits>
 
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/tc_index.cuh"
@@ -251,14 +252,14 @@ __device__ __forceinline__ TensorScale pick(bool second, const TensorScale& a, c
   return s;
 }
 
-template <Prec P, class Layout>
-__device__ __forceinline__ TensorScale tensor_constants(const CodesParams<Layout>& p, int w) {
+template <Prec P>
+__device__ __forceinline__ TensorScale tensor_constants(const unsigned* amax, bool bf16_down, int w) {
   TensorScale s{1.0f, 1.0f, {}};
-  if (p.amax == nullptr) return s;
-  const unsigned bits = __ldcg(p.amax + w);
+  if (amax == nullptr) return s;
+  const unsigned bits = __ldcg(amax + w);
   s.ts = tc::tensor_scale(static_cast<int>(P), &bits);
   if constexpr (P == Prec::fp8) s.f8 = tc::make_fp8_scale(s.ts);
-  if (P == Prec::bf16 && p.bf16_down) {  // codes below 1 in magnitude (0 amax: 2^0)
+  if (P == Prec::bf16 && bf16_down) {  // codes below 1 in magnitude (0 amax: 2^0)
     int e = 0;
     frexpf(__uint_as_float(bits), &e);
     s.down = ldexpf(1.0f, -imax(-100, imin(128, e)));
@@ -266,17 +267,13 @@ __device__ __forceinline__ TensorScale tensor_constants(const CodesParams<Layout
   return s;
 }
 
-// Quantises the item's 8 values (as the CPU's load_quantized) and stores their codes; every lane of the warp
-// calls it (fp4's shuffle), items that do not exist store nothing.
-template <Prec P, class Layout>
-__device__ __forceinline__ void store_codes(const CodesParams<Layout>& p, const Item& it, const float (&x)[8],
-                                            const TensorScale& s) {
-  unsigned char* dst = (it.which ? p.dst[1] : p.dst[0]) +
-                       (it.which ? p.lay[1] : p.lay[0]).dst_offset(it.row, it.d0 * kCodeBytes<P>);
+// The codes of 8 values (as the CPU's load_quantized): fp8 e4m3 bytes in w[0..1], bf16 codes (bf16 and fp4) in
+// w[0..3]. fp4 shuffles with the even-odd lane partner: every lane of the warp calls it.
+template <Prec P>
+__device__ __forceinline__ void quantize8(const float (&x)[8], const TensorScale& s, unsigned (&w)[4]) {
   if constexpr (P == Prec::fp8) {
     // The e4m3 byte of the quotient: cvt.rn.satfinite rounds to nearest even with e4m3's subnormals and
     // saturates at 448, as float_to_e4m3 (Fp8CodesEqualCpu checks every float).
-    unsigned w[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float q[4];
@@ -286,20 +283,33 @@ __device__ __forceinline__ void store_codes(const CodesParams<Layout>& p, const 
       const auto hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, __NV_E4M3);
       w[h] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
     }
-    if (it.in) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    w[2] = w[3] = 0u;
   } else {
     float v[8], c[8];
     tc::quantize_lane8<P>(x, s.ts, v, c);
-    if (!it.in) return;
-    unsigned w[4];
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
       // bf16: times 2^-e, exact unless subnormal; fp4: down = 1.
       const __nv_bfloat162 b2 = __floats2bfloat162_rn(__fmul_rn(c[2 * h], s.down), __fmul_rn(c[2 * h + 1], s.down));
       w[h] = *reinterpret_cast<const unsigned*>(&b2);
     }
-    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
   }
+}
+
+// Quantises the item's 8 values (as the CPU's load_quantized) and stores their codes; every lane of the warp
+// calls it (fp4's shuffle), items that do not exist store nothing.
+template <Prec P, class Layout>
+__device__ __forceinline__ void store_codes(const CodesParams<Layout>& p, const Item& it, const float (&x)[8],
+                                            const TensorScale& s) {
+  unsigned char* dst = (it.which ? p.dst[1] : p.dst[0]) +
+                       (it.which ? p.lay[1] : p.lay[0]).dst_offset(it.row, it.d0 * kCodeBytes<P>);
+  unsigned w[4];
+  quantize8<P>(x, s, w);
+  if (!it.in) return;
+  if constexpr (P == Prec::fp8)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  else
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 /// The codes of both tensors (p.items() items). As a programmatic dependent of the amax it issues its first
@@ -314,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const 
   Round cur = load_round(p, c, one, jump);
   sel::pdl_wait();
   sel::pdl_launch_dependents();
-  const TensorScale s0 = tensor_constants<P>(p, 0), s1 = tensor_constants<P>(p, 1);
+  const TensorScale s0 = tensor_constants<P>(p.amax, p.bf16_down, 0), s1 = tensor_constants<P>(p.amax, p.bf16_down, 1);
   for (const std::int64_t items = p.items(); base < items; base += step) {  // uniform over the CTA
     const Round next = load_round(p, c, one, jump);
 #pragma unroll
@@ -328,11 +338,92 @@ __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const 
   }
 }
 
-/// Launches codes_kernel<P> for `p` on `stream`, as a programmatic dependent of the previous kernel when
-/// `dependent` (the amax), else plainly.
+// ---- flat codes ---------------------------------------------------------------------------------------
+//
+// token_max's usual case: both tensors contiguous rows of 16-bit elements (bf16 or f16) and code rows without
+// padding (Di a multiple of 16), fp8 or bf16 codes. Then item i (8 elements) of a tensor reads elements
+// [8 i, 8 i + 8) and writes its codes at byte 8 i kCodeBytes: an elementwise map, no row arithmetic, one
+// 16-byte load per item. Each thread takes kFlatItems items kThreads apart, all loads issued before any use
+// (and before the wait for the amax), in under 64 registers: 4 CTAs per SM, 16 KB of loads in flight per CTA.
+// (The general kernel's cursors and per-item layout cost 128 registers and 2 CTAs per SM.)
+
+constexpr int kFlatItems = 4;
+
+struct FlatParams {
+  const uint4* src[2];    // 8 elements per uint4
+  unsigned char* dst[2];
+  In type[2];
+  std::int64_t items0, items;  // items of tensor 0, of both
+  const unsigned* amax;
+  bool bf16_down;
+};
+
+template <Prec P>
+__global__ void __launch_bounds__(kThreads) flat_codes_kernel(const __grid_constant__ FlatParams p) {
+  static_assert(P != Prec::fp4, "fp4 blocks span lanes: the general kernel");
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kFlatItems * kThreads + threadIdx.x;
+  uint4 raw[kFlatItems];
+#pragma unroll
+  for (int k = 0; k < kFlatItems; ++k) {
+    const std::int64_t i = first + k * kThreads;
+    raw[k] = make_uint4(0u, 0u, 0u, 0u);
+    if (i < p.items) raw[k] = __ldg(i < p.items0 ? p.src[0] + i : p.src[1] + (i - p.items0));
+  }
+  sel::pdl_wait();
+  sel::pdl_launch_dependents();
+  const TensorScale s0 = tensor_constants<P>(p.amax, p.bf16_down, 0), s1 = tensor_constants<P>(p.amax, p.bf16_down, 1);
+#pragma unroll
+  for (int k = 0; k < kFlatItems; ++k) {
+    const std::int64_t i = first + k * kThreads;
+    if (i >= p.items) break;
+    const bool second = i >= p.items0;
+    const std::int64_t at = second ? i - p.items0 : i;
+    float x[8];
+    to_floats(second ? p.type[1] : p.type[0], Raw{raw[k], make_uint4(0u, 0u, 0u, 0u)}, x);
+    unsigned w[4];
+    quantize8<P>(x, pick(second, s0, s1), w);
+    unsigned char* dst = (second ? p.dst[1] : p.dst[0]) + at * 8 * kCodeBytes<P>;
+    if constexpr (P == Prec::fp8)
+      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    else
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+/// Whether `p` (token_max's rows) is the flat kernel's case (see above).
+template <Prec P>
+bool flat_case(const CodesParams<RowLayout>& p) {
+  if (P == Prec::fp4) return false;
+  for (int w = 0; w < 2; ++w)
+    if (!p.lay[w].contiguous || p.lay[w].pitch != p.src[w].D * kCodeBytes<P> || p.src[w].D % 8 != 0 ||
+        p.type[w] == In::f32 || reinterpret_cast<std::uintptr_t>(p.dst[w]) % 16 != 0)
+      return false;
+  return true;
+}
+
+/// Launches codes_kernel<P> for `p` on `stream` (flat_codes_kernel<P> where flat_case holds), as a programmatic
+/// dependent of the previous kernel when `dependent` (the amax), else plainly.
 template <Prec P, class Layout>
 void launch_codes(const std::string& op, const CodesParams<Layout>& p, bool dependent, cudaStream_t stream) {
   if (p.items() <= 0) return;
+  if constexpr (std::is_same_v<Layout, RowLayout> && P != Prec::fp4) {
+    if (flat_case<P>(p)) {
+      FlatParams f{};
+      for (int w = 0; w < 2; ++w) {
+        f.src[w] = static_cast<const uint4*>(p.src[w].x);
+        f.dst[w] = p.dst[w];
+        f.type[w] = p.type[w];
+      }
+      f.items0 = p.rows0 * p.lanes;
+      f.items = p.items();
+      f.amax = p.amax;
+      f.bf16_down = p.bf16_down;
+      const std::int64_t ctas = (f.items + kFlatItems * kThreads - 1) / (kFlatItems * kThreads);
+      sel::launch_kernel(op, "codes launch", flat_codes_kernel<P>, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), 0,
+                         stream, dependent, f);
+      return;
+    }
+  }
   const int sms = sel::current_sm_count(op);
   const std::int64_t rounds = (p.items() + kRound * kThreads - 1) / (kRound * kThreads);
   const auto grid = static_cast<unsigned>(imin<std::int64_t>(rounds, static_cast<std::int64_t>(sms) * kCodesCtasPerSm));
