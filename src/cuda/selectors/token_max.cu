@@ -266,49 +266,70 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
   // last job. Accumulator d[4c + 2h + e] of this thread: row 16 w + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + e.
   auto epilogue = [&](const float (&d)[64], const Run<kQTiles>& r, const Job& x) {
     const std::int64_t k0 = x.j * kBlockK, t = r.t0 + x.q;
+    // The warp's 16 rows see the whole block (key_end grows with the row): no mask, no per-row test.
+    const std::int64_t i0 = t * kTileQ + wg * 64 + 16 * w;
+    const bool full = i0 + 15 < s.Lq && s.key_end(i0) - k0 >= kBlockK;
     float m[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const std::int64_t i = t * kTileQ + wg * 64 + 16 * w + lane / 4 + 8 * h;
-      const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
-      float v = -INFINITY;
-      if (lim >= kBlockK) {
+      // The row's 32 values by a balanced tree (depth 5): a chain of 32 maxima would wait on each one.
+      float a[16];
+      if (full) {
 #pragma unroll
-        for (int c = 0; c < 16; ++c) v = fmaxf(v, fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]));
+        for (int c = 0; c < 16; ++c) a[c] = fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]);
       } else {
+        const std::int64_t i = i0 + lane / 4 + 8 * h;
+        const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
 #pragma unroll
-        for (int c = 0; c < 16; ++c)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (8 * c + 2 * (lane % 4) + e < lim) v = fmaxf(v, d[4 * c + 2 * h + e]);
+        for (int c = 0; c < 16; ++c) {
+          const int key = 8 * c + 2 * (lane % 4);
+          a[c] = fmaxf(key < lim ? d[4 * c + 2 * h] : -INFINITY, key + 1 < lim ? d[4 * c + 2 * h + 1] : -INFINITY);
+        }
       }
-      m[h] = v;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) a[c] = fmaxf(a[c], a[c + 8]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) a[c] = fmaxf(a[c], a[c + 4]);
+      m[h] = fmaxf(fmaxf(a[0], a[2]), fmaxf(a[1], a[3]));
     }
     if (x.release) empty[x.st].arrive();  // the accumulators hold everything this thread needs from the slot
     if constexpr (kTiles) {
-      float v = fmaxf(m[0], m[1]);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-      if (lane == 0) p.out[warp * p.part_stride + (r.bg * s.Tq + t) * s.Tk + x.j] = v;
+      return fmaxf(m[0], m[1]);  // the warp's reduction and the store: store_tiles, two jobs at a time
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v = m[h];
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
         v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        const std::int64_t i = t * kTileQ + wg * 64 + 16 * w + lane / 4 + 8 * h;
+        const std::int64_t i = i0 + lane / 4 + 8 * h;
         if (lane % 4 == 0 && i < s.Lq) p.out[(r.bg * s.Lq + i) * s.Tk + x.j] = v;
+      }
+      return 0.0f;
+    }
+  };
+  // TileLists: the warp's maxima of jobs a and b (b only when `two`), reduced side by side, stored by lane 0.
+  auto store_tiles = [&](float va, const Job& a, float vb, const Job& b, bool two, const Run<kQTiles>& r) {
+    if constexpr (kTiles) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        va = fmaxf(va, __shfl_xor_sync(0xffffffffu, va, o));
+        vb = fmaxf(vb, __shfl_xor_sync(0xffffffffu, vb, o));
+      }
+      if (lane == 0) {
+        p.out[warp * p.part_stride + (r.bg * s.Tq + r.t0 + a.q) * s.Tk + a.j] = va;
+        if (two) p.out[warp * p.part_stride + (r.bg * s.Tq + r.t0 + b.q) * s.Tk + b.j] = vb;
       }
     }
   };
   // The wgmmas of a job: every k-step chained on `d` (bf16, fp4: m64n128k16 bf16; fp8: m64n128k32 e4m3), one
   // commit group per job.
+  const std::uint64_t base_a = ck::make_desc_sw128(ck::smem_addr(qs) + wg * 64 * 128, 16, 1024);
+  const std::uint64_t base_b = ck::make_desc_sw128(ck::smem_addr(ks), 16, 1024);
   auto desc_a = [&](const Job& x, int kk) {
-    return ck::make_desc_sw128(ck::smem_addr(qs + x.q * Lay::kTile) + wg * 64 * 128 + (kk / 4) * kHalfBytes + (kk % 4) * 32,
-                               16, 1024);
+    return ck::desc_advance(base_a, static_cast<std::uint32_t>(x.q * Lay::kTile + (kk / 4) * kHalfBytes + (kk % 4) * 32));
   };
   auto desc_b = [&](const Job& x, int kk) {
-    return ck::make_desc_sw128(ck::smem_addr(ks + x.st * Lay::kTile) + (kk / 4) * kHalfBytes + (kk % 4) * 32, 16, 1024);
+    return ck::desc_advance(base_b, static_cast<std::uint32_t>(x.st * Lay::kTile + (kk / 4) * kHalfBytes + (kk % 4) * 32));
   };
   auto issue = [&](float (&d)[64], const Job& x) {
     ck::wgmma_fence();
@@ -360,26 +381,29 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     Job x = take_block(r.j_begin), y{};
     issue(acc[0], x);
     for (;;) {
+      const Job a = x;
+      float va;
       if (next_job(x, y)) {
         issue(acc[1], y);
         ck::wgmma_wait<1>();
         ck::fence_operands(acc[0]);
-        epilogue(acc[0], r, x);
+        va = epilogue(acc[0], r, x);
       } else {
         ck::wgmma_wait<0>();
         ck::fence_operands(acc[0]);
-        epilogue(acc[0], r, x);
+        va = epilogue(acc[0], r, x);
+        store_tiles(va, a, va, a, false, r);
         break;
       }
       if (next_job(y, x)) {
         issue(acc[0], x);
         ck::wgmma_wait<1>();
         ck::fence_operands(acc[1]);
-        epilogue(acc[1], r, y);
+        store_tiles(va, a, epilogue(acc[1], r, y), y, true, r);
       } else {
         ck::wgmma_wait<0>();
         ck::fence_operands(acc[1]);
-        epilogue(acc[1], r, y);
+        store_tiles(va, a, epilogue(acc[1], r, y), y, true, r);
         break;
       }
     }
