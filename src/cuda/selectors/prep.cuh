@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const 
 // token_max's usual case: both tensors contiguous rows of 16-bit elements (bf16 or f16) and code rows without
 // padding (Di a multiple of 16), fp8 or bf16 codes. Then item i (8 elements) of a tensor reads elements
 // [8 i, 8 i + 8) and writes its codes at byte 8 i kCodeBytes: an elementwise map, no row arithmetic, one
-// 16-byte load per item. Each thread takes kFlatItems items kThreads apart, all loads issued before any use
+// 16-byte load per item; a CTA takes items of one tensor only (its scale and type uniform). Each thread takes kFlatItems items kThreads apart, all loads issued before any use
 // (and before the wait for the amax), in under 64 registers: 4 CTAs per SM, 16 KB of loads in flight per CTA.
 // (The general kernel's cursors and per-item layout cost 128 registers and 2 CTAs per SM.)
 
@@ -353,40 +353,57 @@ struct FlatParams {
   const uint4* src[2];    // 8 elements per uint4
   unsigned char* dst[2];
   In type[2];
-  std::int64_t items0, items;  // items of tensor 0, of both
+  std::int64_t items[2];  // items of each tensor
+  unsigned ctas0;         // CTAs of tensor 0; the rest take tensor 1
   const unsigned* amax;
   bool bf16_down;
 };
 
+// The item's 8 codes into dst (8 i code bytes); `fast`: fp8's clamped division (s.f8.clamped, uniform).
+template <Prec P, bool kFast>
+__device__ __forceinline__ void flat_item(In type, const uint4& raw, const TensorScale& s, unsigned char* dst) {
+  float x[8];
+  to_floats(type, Raw{raw, make_uint4(0u, 0u, 0u, 0u)}, x);
+  unsigned w[4];
+  if constexpr (P == Prec::fp8) {
+    TensorScale t = s;
+    t.f8.clamped = kFast;  // a constant: one path of fp8_quotient per item, no per-element test
+    quantize8<P>(x, t, w);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+    quantize8<P>(x, s, w);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 template <Prec P>
 __global__ void __launch_bounds__(kThreads) flat_codes_kernel(const __grid_constant__ FlatParams p) {
   static_assert(P != Prec::fp4, "fp4 blocks span lanes: the general kernel");
-  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kFlatItems * kThreads + threadIdx.x;
+  // Each CTA takes items of one tensor, so its scale and input type are uniform over the CTA.
+  const int which = blockIdx.x >= p.ctas0 ? 1 : 0;
+  const unsigned cta = which ? blockIdx.x - p.ctas0 : blockIdx.x;
+  const std::int64_t first = static_cast<std::int64_t>(cta) * kFlatItems * kThreads + threadIdx.x, n = p.items[which];
+  const uint4* src = p.src[which];
   uint4 raw[kFlatItems];
 #pragma unroll
   for (int k = 0; k < kFlatItems; ++k) {
     const std::int64_t i = first + k * kThreads;
-    raw[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (i < p.items) raw[k] = __ldg(i < p.items0 ? p.src[0] + i : p.src[1] + (i - p.items0));
+    raw[k] = i < n ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u);
   }
   sel::pdl_wait();
   sel::pdl_launch_dependents();
-  const TensorScale s0 = tensor_constants<P>(p.amax, p.bf16_down, 0), s1 = tensor_constants<P>(p.amax, p.bf16_down, 1);
+  const TensorScale sc = tensor_constants<P>(p.amax, p.bf16_down, which);
+  const In type = p.type[which];
+  unsigned char* const dst = p.dst[which];
+  const bool fast = P == Prec::fp8 && sc.f8.clamped;
 #pragma unroll
   for (int k = 0; k < kFlatItems; ++k) {
     const std::int64_t i = first + k * kThreads;
-    if (i >= p.items) break;
-    const bool second = i >= p.items0;
-    const std::int64_t at = second ? i - p.items0 : i;
-    float x[8];
-    to_floats(second ? p.type[1] : p.type[0], Raw{raw[k], make_uint4(0u, 0u, 0u, 0u)}, x);
-    unsigned w[4];
-    quantize8<P>(x, pick(second, s0, s1), w);
-    unsigned char* dst = (second ? p.dst[1] : p.dst[0]) + at * 8 * kCodeBytes<P>;
-    if constexpr (P == Prec::fp8)
-      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    if (i >= n) break;
+    if (fast)
+      flat_item<P, true>(type, raw[k], sc, dst + i * 8 * kCodeBytes<P>);
     else
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      flat_item<P, false>(type, raw[k], sc, dst + i * 8 * kCodeBytes<P>);
   }
 }
 
@@ -414,13 +431,15 @@ void launch_codes(const std::string& op, const CodesParams<Layout>& p, bool depe
         f.dst[w] = p.dst[w];
         f.type[w] = p.type[w];
       }
-      f.items0 = p.rows0 * p.lanes;
-      f.items = p.items();
+      f.items[0] = p.rows0 * p.lanes;
+      f.items[1] = p.items() - f.items[0];
+      constexpr std::int64_t kPerCta = kFlatItems * kThreads;
+      const std::int64_t ctas0 = (f.items[0] + kPerCta - 1) / kPerCta, ctas1 = (f.items[1] + kPerCta - 1) / kPerCta;
+      f.ctas0 = static_cast<unsigned>(ctas0);
       f.amax = p.amax;
       f.bf16_down = p.bf16_down;
-      const std::int64_t ctas = (f.items + kFlatItems * kThreads - 1) / (kFlatItems * kThreads);
-      sel::launch_kernel(op, "codes launch", flat_codes_kernel<P>, dim3(static_cast<unsigned>(ctas)), dim3(kThreads), 0,
-                         stream, dependent, f);
+      sel::launch_kernel(op, "codes launch", flat_codes_kernel<P>, dim3(static_cast<unsigned>(ctas0 + ctas1)), dim3(kThreads),
+                         0, stream, dependent, f);
       return;
     }
   }
