@@ -132,15 +132,18 @@ std::int64_t code_halves(std::int64_t Dc, IndexPrecision p) { return (Dc * code_
 // and the KV blocks with TMA (128-row x 128-byte boxes) through a ring of kStages K slots; every K tile is
 // multiplied by each tile of the group that sees it before its slot goes back, so a K tile crosses from L2
 // once per group, not once per Q tile (the screen's L2 traffic: 16 KB per (tile, block) at Di = 128 fp8,
-// 134 MB per call at tile16 16K with one tile per load). Two consumer warpgroups own 64 query rows of each
-// tile and take the jobs (block j, tile q) in order, with two accumulator sets, so the wgmmas of one job run
-// while the maxima of the previous one are formed (every path waits before it reads, so ptxas keeps the
-// wgmmas asynchronous). Persistent: CTA c owns units [c U, (c + 1) U) of the (Q group, KV block) sequence,
+// 134 MB per call at tile16 16K with one tile per load). Four consumer warpgroups, one per 64-row half of
+// each of the group's (up to) two Q tiles, walk every K slot of the run and multiply the blocks their tile
+// sees, one job at a time (issue, wait, maxima, store): a job's maxima are a dependent chain several times
+// longer than its wgmmas, so the tensor cores are kept busy by the other warpgroups' jobs, not by double
+// buffering inside one (measured: docs/notes/selectors_token_max.md, v7). 640 threads leave 96 registers a
+// thread, enough for one 64-float accumulator. Persistent: CTA c owns units [c U, (c + 1) U) of the (Q group, KV block) sequence,
 // group-major; a new run (Q group) waits until the consumers are done with the previous group's Q tiles.
 constexpr int kHalfBytes = 128 * 128;  // one 128-byte-wide half of a 128-row tile
-constexpr int kScreenParts = 8;        // consumer warps: TileLists partial maxima
-constexpr int kScreenThreads = 384;    // producer warpgroup + two consumer warpgroups
-constexpr int kConsumerThreads = 256;
+constexpr int kScreenParts = 8;        // consumer warps per Q tile: TileLists partial maxima
+constexpr int kConsumerWGs = 4;        // warpgroup w: 64 rows (half w % 2) of the group's Q tile w / 2
+constexpr int kScreenThreads = 128 * (kConsumerWGs + 1);  // + the producer warpgroup
+constexpr int kConsumerThreads = 128 * kConsumerWGs;
 
 template <int kHalves>
 struct ScreenLayout {
@@ -189,13 +192,6 @@ __device__ __forceinline__ Run<kQTiles> run_of(const Shape& s, std::int64_t u, s
   r.next = run_end;
   return r;
 }
-
-// A consumer's job: block j against tile q of the group, K slot st; `release`: the slot's last job.
-struct Job {
-  std::int64_t j;
-  int q, st;
-  bool release;
-};
 
 template <bool kTiles, bool kFp8, int kHalves>
 __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_constant__ ScreenParams p) {
@@ -256,89 +252,28 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     return;
   }
 
-  ck::warpgroup_reg_alloc<232>();
-  const int ctid = tid - 128, wg = ctid / 128, warp = ctid / 32, w = warp % 4, lane = tid % 32;
+  const int ctid = tid - 128, wg = ctid / 128, w = (ctid / 32) % 4, lane = tid % 32;
+  const int mq = wg / 2, half = wg % 2;       // this warpgroup's Q tile in the group and its 64 rows
+  const int part = half * 4 + w;              // TileLists: the warp's partial maximum
   constexpr int ksteps = kHalves * 4;
   ck::PipelineState<kStages> ring;
-  float acc[2][64];
-
-  // Maxima of job x from the accumulators `d` (complete); the K slot goes back to the producer after its
-  // last job. Accumulator d[4c + 2h + e] of this thread: row 16 w + lane / 4 + 8 h, column 8 c + 2 (lane % 4) + e.
-  auto epilogue = [&](const float (&d)[64], const Run<kQTiles>& r, const Job& x) {
-    const std::int64_t k0 = x.j * kBlockK, t = r.t0 + x.q;
-    // The warp's 16 rows see the whole block (key_end grows with the row): no mask, no per-row test.
-    const std::int64_t i0 = t * kTileQ + wg * 64 + 16 * w;
-    const bool full = i0 + 15 < s.Lq && s.key_end(i0) - k0 >= kBlockK;
-    float m[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // The row's 32 values by a balanced tree (depth 5): a chain of 32 maxima would wait on each one.
-      float a[16];
-      if (full) {
-#pragma unroll
-        for (int c = 0; c < 16; ++c) a[c] = fmaxf(d[4 * c + 2 * h], d[4 * c + 2 * h + 1]);
-      } else {
-        const std::int64_t i = i0 + lane / 4 + 8 * h;
-        const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
-#pragma unroll
-        for (int c = 0; c < 16; ++c) {
-          const int key = 8 * c + 2 * (lane % 4);
-          a[c] = fmaxf(key < lim ? d[4 * c + 2 * h] : -INFINITY, key + 1 < lim ? d[4 * c + 2 * h + 1] : -INFINITY);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < 8; ++c) a[c] = fmaxf(a[c], a[c + 8]);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) a[c] = fmaxf(a[c], a[c + 4]);
-      m[h] = fmaxf(fmaxf(a[0], a[2]), fmaxf(a[1], a[3]));
-    }
-    if (x.release) empty[x.st].arrive();  // the accumulators hold everything this thread needs from the slot
-    if constexpr (kTiles) {
-      return fmaxf(m[0], m[1]);  // the warp's reduction and the store: store_tiles, two jobs at a time
-    } else {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v = m[h];
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-        const std::int64_t i = i0 + lane / 4 + 8 * h;
-        if (lane % 4 == 0 && i < s.Lq) p.out[(r.bg * s.Lq + i) * s.Tk + x.j] = v;
-      }
-      return 0.0f;
-    }
-  };
-  // TileLists: the warp's maxima of jobs a and b (b only when `two`), reduced side by side, stored by lane 0.
-  auto store_tiles = [&](float va, const Job& a, float vb, const Job& b, bool two, const Run<kQTiles>& r) {
-    if constexpr (kTiles) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        va = fmaxf(va, __shfl_xor_sync(0xffffffffu, va, o));
-        vb = fmaxf(vb, __shfl_xor_sync(0xffffffffu, vb, o));
-      }
-      if (lane == 0) {
-        p.out[warp * p.part_stride + (r.bg * s.Tq + r.t0 + a.q) * s.Tk + a.j] = va;
-        if (two) p.out[warp * p.part_stride + (r.bg * s.Tq + r.t0 + b.q) * s.Tk + b.j] = vb;
-      }
-    }
-  };
-  // The wgmmas of a job: every k-step chained on `d` (bf16, fp4: m64n128k16 bf16; fp8: m64n128k32 e4m3), one
-  // commit group per job.
-  const std::uint64_t base_a = ck::make_desc_sw128(ck::smem_addr(qs) + wg * 64 * 128, 16, 1024);
+  float acc[64];
+  // The wgmma descriptors: A (the warpgroup's 64 rows of its Q tile) fixed, B one per K slot, each k-step
+  // an add (ck::desc_advance).
+  const std::uint64_t base_a =
+      ck::make_desc_sw128(ck::smem_addr(qs) + (mq < kQTiles ? mq : 0) * Lay::kTile + half * 64 * 128, 16, 1024);
   const std::uint64_t base_b = ck::make_desc_sw128(ck::smem_addr(ks), 16, 1024);
-  auto desc_a = [&](const Job& x, int kk) {
-    return ck::desc_advance(base_a, static_cast<std::uint32_t>(x.q * Lay::kTile + (kk / 4) * kHalfBytes + (kk % 4) * 32));
-  };
-  auto desc_b = [&](const Job& x, int kk) {
-    return ck::desc_advance(base_b, static_cast<std::uint32_t>(x.st * Lay::kTile + (kk / 4) * kHalfBytes + (kk % 4) * 32));
-  };
-  auto issue = [&](float (&d)[64], const Job& x) {
+  auto issue = [&](int st) {
     ck::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < ksteps; ++kk) {
+      const auto off = static_cast<std::uint32_t>((kk / 4) * kHalfBytes + (kk % 4) * 32);
+      const std::uint64_t da = ck::desc_advance(base_a, off);
+      const std::uint64_t db = ck::desc_advance(base_b, static_cast<std::uint32_t>(st * Lay::kTile) + off);
       if constexpr (kFp8)
-        ck::wgmma_ss_e4m3(d, desc_a(x, kk), desc_b(x, kk), kk > 0);
+        ck::wgmma_ss_e4m3(acc, da, db, kk > 0);
       else
-        ck::wgmma_ss<ck::Bf16Tag>(d, desc_a(x, kk), desc_b(x, kk), kk > 0);
+        ck::wgmma_ss<ck::Bf16Tag>(acc, da, db, kk > 0);
     }
     ck::wgmma_commit();
   };
@@ -350,61 +285,66 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     if (r.j_begin >= r.j_end) continue;
     q_full.wait(static_cast<std::uint32_t>(run & 1));
     ++run;
-    // The jobs in order: per block, the tiles that see it (a suffix of the group), the slot taken at the
-    // block's first job and released at its last (the group's last tile).
-    auto first_tile = [&](std::int64_t j) {
-      int q = 0;
-#pragma unroll
-      for (int t = 0; t + 1 < kQTiles; ++t) q += r.jmax[t] <= j ? 1 : 0;
-      return q;
-    };
-    auto take_block = [&](std::int64_t j) {
+    // Only what the walk needs stays live (the kernel has 96 registers a thread): block ids fit 32 bits.
+    const std::int64_t t = r.t0 + mq, i0 = t * kTileQ + half * 64 + 16 * w;  // the warp's first row
+    const int jmax = mq < r.nt ? static_cast<int>(r.jmax[mq < kQTiles ? mq : 0]) : 0;
+    const int j_end = static_cast<int>(r.j_end);
+    float* const out = kTiles ? p.out + part * p.part_stride + (r.bg * s.Tq + t) * s.Tk : p.out + r.bg * s.Lq * s.Tk;
+    // Every warpgroup walks every block of the run (each releases every slot); it multiplies the blocks its
+    // tile sees. One job at a time: issue, wait, maxima; the tensor cores take the other warpgroups' jobs
+    // meanwhile.
+    for (int j = static_cast<int>(r.j_begin); j < j_end; ++j) {
       const int st = ring.stage();
       full[st].wait(ring.phase());
       ring.advance();
-      const int q = first_tile(j);
-      return Job{j, q, st, q == r.nt - 1};
-    };
-    auto next_job = [&](const Job& x, Job& y) {
-      if (x.q + 1 < r.nt) {
-        y = Job{x.j, x.q + 1, x.st, x.q + 2 == r.nt};
-        return true;
+      if (j >= jmax) {
+        empty[st].arrive();
+        continue;
       }
-      if (x.j + 1 >= r.j_end) return false;
-      y = take_block(x.j + 1);
-      return true;
-    };
-    // Jobs in pairs: acc[0] takes x, acc[1] takes y; each job's epilogue follows the issue of the next, so
-    // the tensor cores are busy while it runs, and waits for its own group only (the next job's stays in
-    // flight). (Each path is spelled out: ptxas keeps the wgmmas asynchronous only where it can follow the
-    // accumulators along every path.)
-    Job x = take_block(r.j_begin), y{};
-    issue(acc[0], x);
-    for (;;) {
-      const Job a = x;
-      float va;
-      if (next_job(x, y)) {
-        issue(acc[1], y);
-        ck::wgmma_wait<1>();
-        ck::fence_operands(acc[0]);
-        va = epilogue(acc[0], r, x);
-      } else {
-        ck::wgmma_wait<0>();
-        ck::fence_operands(acc[0]);
-        va = epilogue(acc[0], r, x);
-        store_tiles(va, a, va, a, false, r);
-        break;
+      issue(st);
+      ck::wgmma_wait<0>();
+      ck::fence_operands(acc);
+      empty[st].arrive();  // the accumulators hold everything this thread needs from the slot
+      const std::int64_t k0 = static_cast<std::int64_t>(j) * kBlockK;
+      // The warp's 16 rows see the whole block (key_end grows with the row): no mask, no per-row test.
+      const bool full_rows = i0 + 15 < s.Lq && s.key_end(i0) - k0 >= kBlockK;
+      float m[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // The row's 32 values by a balanced tree (depth 5): a chain of 32 maxima would wait on each one.
+        float a[16];
+        if (full_rows) {
+#pragma unroll
+          for (int c = 0; c < 16; ++c) a[c] = fmaxf(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
+        } else {
+          const std::int64_t i = i0 + lane / 4 + 8 * h;
+          const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
+#pragma unroll
+          for (int c = 0; c < 16; ++c) {
+            const int key = 8 * c + 2 * (lane % 4);
+            a[c] = fmaxf(key < lim ? acc[4 * c + 2 * h] : -INFINITY, key + 1 < lim ? acc[4 * c + 2 * h + 1] : -INFINITY);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < 8; ++c) a[c] = fmaxf(a[c], a[c + 8]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) a[c] = fmaxf(a[c], a[c + 4]);
+        m[h] = fmaxf(fmaxf(a[0], a[2]), fmaxf(a[1], a[3]));
       }
-      if (next_job(y, x)) {
-        issue(acc[0], x);
-        ck::wgmma_wait<1>();
-        ck::fence_operands(acc[1]);
-        store_tiles(va, a, epilogue(acc[1], r, y), y, true, r);
+      if constexpr (kTiles) {
+        float v = fmaxf(m[0], m[1]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0) out[j] = v;
       } else {
-        ck::wgmma_wait<0>();
-        ck::fence_operands(acc[1]);
-        store_tiles(va, a, epilogue(acc[1], r, y), y, true, r);
-        break;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = m[h];
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+          const std::int64_t i = i0 + lane / 4 + 8 * h;
+          if (lane % 4 == 0 && i < s.Lq) out[i * s.Tk + j] = v;
+        }
       }
     }
     q_empty.arrive();  // every wgmma that read the group's Q tiles is complete
