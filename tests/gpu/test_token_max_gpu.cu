@@ -293,9 +293,9 @@ __global__ void fp8_mma_kernel(const unsigned char* a, const unsigned char* b, i
 
 // The fp8 MMA's error on adversarial operands (one large product and many small ones of the same sign, a
 // large accumulator followed by small products, random exponents over the whole e4m3 range) against the
-// model token_max.cu relies on: an instruction errs by at most 40 x 2^-13 of the largest magnitude in it (the
-// screen starts every instruction from zero: 40 x 2^-13 S for one), n chained instructions by n x 40 x 2^-13
-// S, S the sum of |products|. Prints the worst observed error in units of 2^-13 S, to show how much of the
+// model token_max.cu relies on: an instruction errs by at most 40 x 2^-13 of the largest magnitude in it (40 x
+// 2^-13 S for one from zero), n chained instructions (the screen chains a dot's k-steps) by n x 40 x 2^-13 S,
+// S the sum of |products|. Prints the worst observed error in units of 2^-13 S, to show how much of the
 // bound the hardware uses.
 TEST(TokenMaxGpu, Fp8AccumulationWithinModel) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
