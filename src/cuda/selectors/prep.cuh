@@ -296,6 +296,15 @@ __device__ __forceinline__ void quantize8(const float (&x)[8], const TensorScale
   }
 }
 
+// Stores the 8 codes quantize8 left in w: 8 bytes (fp8) or 16 (bf16 codes).
+template <Prec P>
+__device__ __forceinline__ void store8(unsigned char* dst, const unsigned (&w)[4]) {
+  if constexpr (P == Prec::fp8)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  else
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Quantises the item's 8 values (as the CPU's load_quantized) and stores their codes; every lane of the warp
 // calls it (fp4's shuffle), items that do not exist store nothing.
 template <Prec P, class Layout>
@@ -305,11 +314,7 @@ __device__ __forceinline__ void store_codes(const CodesParams<Layout>& p, const 
                        (it.which ? p.lay[1] : p.lay[0]).dst_offset(it.row, it.d0 * kCodeBytes<P>);
   unsigned w[4];
   quantize8<P>(x, s, w);
-  if (!it.in) return;
-  if constexpr (P == Prec::fp8)
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  else
-    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  if (it.in) store8<P>(dst, w);
 }
 
 /// The codes of both tensors (p.items() items). As a programmatic dependent of the amax it issues its first
@@ -343,9 +348,10 @@ __global__ void __launch_bounds__(kThreads, kCodesCtasPerSm) codes_kernel(const 
 // token_max's usual case: both tensors contiguous rows of 16-bit elements (bf16 or f16) and code rows without
 // padding (Di a multiple of 16), fp8 or bf16 codes. Then item i (8 elements) of a tensor reads elements
 // [8 i, 8 i + 8) and writes its codes at byte 8 i kCodeBytes: an elementwise map, no row arithmetic, one
-// 16-byte load per item; a CTA takes items of one tensor only (its scale and type uniform). Each thread takes kFlatItems items kThreads apart, all loads issued before any use
-// (and before the wait for the amax), in under 64 registers: 4 CTAs per SM, 16 KB of loads in flight per CTA.
-// (The general kernel's cursors and per-item layout cost 128 registers and 2 CTAs per SM.)
+// 16-byte load per item; a CTA takes items of one tensor only (its scale and type uniform). Each thread
+// takes kFlatItems items kThreads apart, all loads issued before any use (and before the wait for the
+// amax), in under 64 registers: 4 CTAs per SM, 16 KB of loads in flight per CTA. (The general kernel's
+// cursors and per-item layout cost 128 registers and 2 CTAs per SM.)
 
 constexpr int kFlatItems = 4;
 
@@ -364,16 +370,11 @@ template <Prec P, bool kFast>
 __device__ __forceinline__ void flat_item(In type, const uint4& raw, const TensorScale& s, unsigned char* dst) {
   float x[8];
   to_floats(type, Raw{raw, make_uint4(0u, 0u, 0u, 0u)}, x);
+  TensorScale t = s;
+  if constexpr (P == Prec::fp8) t.f8.clamped = kFast;  // a constant: one path of fp8_quotient, no per-element test
   unsigned w[4];
-  if constexpr (P == Prec::fp8) {
-    TensorScale t = s;
-    t.f8.clamped = kFast;  // a constant: one path of fp8_quotient per item, no per-element test
-    quantize8<P>(x, t, w);
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-  } else {
-    quantize8<P>(x, s, w);
-    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
+  quantize8<P>(x, t, w);
+  store8<P>(dst, w);
 }
 
 template <Prec P>

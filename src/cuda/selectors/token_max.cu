@@ -78,6 +78,7 @@
 #include <utility>
 
 #include "cuda/common/mma_sync.cuh"
+#include "cuda/common/online_softmax.cuh"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/tma.hpp"
 #include "cuda/common/wgmma.cuh"
@@ -137,8 +138,9 @@ std::int64_t code_halves(std::int64_t Dc, IndexPrecision p) { return (Dc * code_
 // sees, one job at a time (issue, wait, maxima, store): a job's maxima are a dependent chain several times
 // longer than its wgmmas, so the tensor cores are kept busy by the other warpgroups' jobs, not by double
 // buffering inside one (measured: docs/notes/selectors_token_max.md, v7). 640 threads leave 96 registers a
-// thread, enough for one 64-float accumulator. Persistent: CTA c owns units [c U, (c + 1) U) of the (Q group, KV block) sequence,
-// group-major; a new run (Q group) waits until the consumers are done with the previous group's Q tiles.
+// thread, enough for one 64-float accumulator. Persistent: CTA c owns units [c U, (c + 1) U) of the (Q group,
+// KV block) sequence, group-major; a new run (Q group) waits until the consumers are done with the previous
+// group's Q tiles.
 constexpr int kHalfBytes = 128 * 128;  // one 128-byte-wide half of a 128-row tile
 constexpr int kScreenParts = 8;        // consumer warps per Q tile: TileLists partial maxima
 constexpr int kConsumerWGs = 4;        // warpgroup w: 64 rows (half w % 2) of the group's Q tile w / 2
@@ -339,9 +341,7 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       } else {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float v = m[h];
-          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-          v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+          const float v = ck::quad_max(m[h]);
           const std::int64_t i = i0 + lane / 4 + 8 * h;
           if (lane % 4 == 0 && i < s.Lq) out[i * s.Tk + j] = v;
         }
