@@ -6,10 +6,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -277,6 +279,106 @@ TEST(SelectorPrepGpu, CodesLayoutsEqualCpu) {
       }
     }
   cudaFree(amax);
+}
+
+
+// The fused amax and codes (one cooperative launch, prep::launch_fused) on two contiguous tensors of different
+// sizes, magnitudes and 16-bit types (NaN and -0 planted): the amax words equal the host's, the fp8 codes equal
+// float_to_e4m3(x / ts) and the bf16 codes x 2^-e (2^e the power of two above the amax) bit for bit. A problem
+// whose items do not fit one resident wave is refused (false, nothing launched). Nothing needs zeroing first.
+TEST(SelectorPrepGpu, FusedAmaxCodesEqualCpu) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  using sa::cuda_backend::sel::Prec;
+  unsigned* words = nullptr;
+  float* slots = nullptr;
+  cuda_ok(cudaMalloc(&words, 2 * sizeof(unsigned)), "cudaMalloc");
+  cuda_ok(cudaMalloc(&slots, prep::fused_slot_bytes()), "cudaMalloc");
+  const std::vector<std::int64_t> shape[2] = {{2, 301, 2, 64}, {1, 4000, 1, 64}};  // one row length, as token_max's
+  std::uint64_t seed = 900;
+  for (sa::DType dt : {sa::DType::bf16, sa::DType::f16})
+    for (bool fp8 : {true, false}) {
+      SCOPED_TRACE(std::string(sa::dtype_name(dt)) + (fp8 ? " fp8 codes" : " bf16 codes"));
+      std::vector<std::unique_ptr<Buffer>> buf;
+      sa::TensorView v[2];
+      for (int w = 0; w < 2; ++w) {
+        const std::vector<std::int64_t>& sh = shape[w];
+        const std::int64_t n = sh[0] * sh[1] * sh[2] * sh[3];
+        const ViewCase c{"", 0, sh, {sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3], 1}, n};
+        std::vector<float> x = amax_values(c, view_of(nullptr, dt, 0, c.shape, c.stride), seed += 10);
+        for (float& e : x) e *= w == 0 ? 0.25f : 3.0f;  // different scales
+        buf.push_back(std::make_unique<Buffer>(dt, x));
+        v[w] = view_of(buf.back()->ptr, dt, 0, c.shape, c.stride);
+      }
+      const int cb = fp8 ? 1 : 2;
+      std::int64_t bytes[2], rows[2];
+      for (int w = 0; w < 2; ++w) rows[w] = v[w].shape[0] * v[w].shape[1] * v[w].shape[2], bytes[w] = rows[w] * v[w].shape[3] * cb;
+      unsigned char* codes = nullptr;
+      cuda_ok(cudaMalloc(&codes, static_cast<std::size_t>(bytes[0] + bytes[1])), "cudaMalloc");
+      prep::CodesParams<prep::RowLayout> p{};
+      for (int w = 0; w < 2; ++w) {
+        p.src[w] = tc::index_src(v[w]);
+        p.type[w] = sa::cuda_backend::sel::in_type(dt);
+        p.lay[w] = {v[w].shape[3] * cb, true};
+      }
+      p.dst[0] = codes, p.dst[1] = codes + bytes[0];
+      p.lanes = static_cast<int>(v[0].shape[3] / 8);
+      p.rows0 = rows[0];
+      p.rows = rows[0] + rows[1];
+      p.bf16_down = true;
+      // Neither the amax words nor the slots need zeroing: both start as 0xff bytes (a NaN's bits).
+      cuda_ok(cudaMemset(words, 0xff, 2 * sizeof(unsigned)), "cudaMemset");
+      cuda_ok(cudaMemset(slots, 0xff, prep::fused_slot_bytes()), "cudaMemset");
+      const bool launched = fp8 ? prep::launch_fused<Prec::fp8>("test", p, words, slots, nullptr)
+                                : prep::launch_fused<Prec::bf16>("test", p, words, slots, nullptr);
+      ASSERT_TRUE(launched);
+      cuda_ok(cudaDeviceSynchronize(), "fused");
+      unsigned got_amax[2] = {};
+      cuda_ok(cudaMemcpy(got_amax, words, sizeof(got_amax), cudaMemcpyDeviceToHost), "download");
+      std::vector<unsigned char> got(static_cast<std::size_t>(bytes[0] + bytes[1]));
+      cuda_ok(cudaMemcpy(got.data(), codes, got.size(), cudaMemcpyDeviceToHost), "download");
+      cudaFree(codes);
+      int bad = 0;
+      for (int w = 0; w < 2; ++w) {
+        const float amax = host_amax(*buf[w], v[w], 0);
+        float g = 0.0f;
+        std::memcpy(&g, &got_amax[w], 4);
+        EXPECT_EQ(g, amax) << "tensor " << w;
+        const float ts = sa::detail::precision_tensor_scale(sa::IndexPrecision::fp8_e4m3, amax);
+        int e = 0;
+        std::frexp(amax, &e);
+        e = std::max(-100, std::min(128, e));
+        const std::size_t n = static_cast<std::size_t>(bytes[w] / cb), at = static_cast<std::size_t>(w == 0 ? 0 : bytes[0]);
+        for (std::size_t i = 0; i < n; ++i) {
+          const float x = buf[w]->host[i];
+          unsigned gw = 0, ww = 0;
+          if (fp8) {
+            gw = got[at + i], ww = sa::float_to_e4m3(x / ts);
+            if ((ww & 0x7fu) == 0x7fu) gw |= 0x80u, ww |= 0x80u;  // any NaN code
+          } else {
+            gw = got[at + 2 * i] | static_cast<unsigned>(got[at + 2 * i + 1]) << 8;
+            ww = sa::float_to_bf16(std::ldexp(x, -e));
+            if (std::isnan(x) && (gw & 0x7f80u) == 0x7f80u && (gw & 0x7fu) != 0u) gw = ww;  // any NaN
+          }
+          if (gw != ww && bad++ < 5)
+            ADD_FAILURE() << "tensor " << w << " element " << i << " (" << x << "): code 0x" << std::hex << gw << ", cpu 0x" << ww
+                          << std::dec;
+        }
+      }
+      EXPECT_EQ(bad, 0);
+    }
+  // Larger than one resident wave (a view is only described, not read): refused.
+  prep::CodesParams<prep::RowLayout> big{};
+  for (int w = 0; w < 2; ++w) {
+    big.src[w] = tc::index_src(view_of(nullptr, sa::DType::bf16, 0, {8, 1 << 20, 1, 128}, {(1 << 20) * 128, 128, 128, 1}));
+    big.type[w] = sa::cuda_backend::sel::In::bf16;
+    big.lay[w] = {128, true};
+  }
+  big.lanes = 16;
+  big.rows0 = 8 << 20;
+  big.rows = 16 << 20;
+  EXPECT_FALSE(prep::launch_fused<Prec::fp8>("test", big, words, slots, nullptr));
+  cuda_ok(cudaGetLastError(), "nothing launched");
+  cudaFree(words), cudaFree(slots);
 }
 
 }  // namespace

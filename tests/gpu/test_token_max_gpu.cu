@@ -623,12 +623,13 @@ TEST(TokenMaxGpu, IndexDimLimitIsAnError) {
 // 256-byte aligned (tile16 at Lk = 16K, fp8 codes, TileLists: 8 partial maxima per (tile, block)).
 TEST(TokenMaxGpu, ScratchBytes) {
   const std::size_t tiles = sa::cuda_backend::token_max_scratch_bytes(2, 4096, 16384, 1, 1, 128, sa::IndexPrecision::fp8_e4m3, true);
-  EXPECT_EQ(tiles, 256u + 2u * 4096 * 128 + 2u * 16384 * 128 + 8u * 2 * 32 * 128 * 4);
+  // The amax words (256 aligned), the fused prep's per-CTA maxima (8 KB), the codes, the maxima.
+  EXPECT_EQ(tiles, 256u + 8192u + 2u * 4096 * 128 + 2u * 16384 * 128 + 8u * 2 * 32 * 128 * 4);
   const std::size_t queries = sa::cuda_backend::token_max_scratch_bytes(2, 4096, 16384, 1, 1, 128, sa::IndexPrecision::bf16, false);
-  EXPECT_EQ(queries, 256u + 2u * (2u * 4096 * 128 + 2u * 16384 * 128) + 2u * 4096 * 128 * 4);
+  EXPECT_EQ(queries, 256u + 8192u + 2u * (2u * 4096 * 128 + 2u * 16384 * 128) + 2u * 4096 * 128 * 4);
   // Di = 20: rows padded to 32 codes.
   EXPECT_EQ(sa::cuda_backend::token_max_scratch_bytes(1, 100, 300, 1, 1, 20, sa::IndexPrecision::fp8_e4m3, false),
-            256u + 3328u + 9728u + 1280u);
+            256u + 8192u + 3328u + 9728u + 1280u);
 }
 
 }  // namespace

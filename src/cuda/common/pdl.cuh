@@ -29,6 +29,25 @@ cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+/// Launches `kernel` on `stream` as a cooperative grid: every CTA is resident at once (the launch fails
+/// with cudaErrorCooperativeLaunchTooLarge otherwise), so the CTAs may wait for each other. Not a
+/// programmatic dependent; the kernel may let its own dependents start. Returns the launch's error.
+template <class... Params, class... Args>
+cudaError_t launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                               Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 #if defined(__CUDACC__)
 /// Waits until the previous grid on the stream has completed and its memory is visible; a no-op in a
 /// grid launched without the attribute.

@@ -34,32 +34,6 @@ struct AmaxParams {
 };
 
 template <In T>
-struct Packed;  // the running max of |x| over a thread's 32-bit words
-template <>
-struct Packed<In::bf16> {
-  __nv_bfloat162 m = __floats2bfloat162_rn(0.0f, 0.0f);
-  // |x| by clearing the sign bits (ptxas would form __habs2 with an fma, whose subnormal handling the max
-  // then depends on).
-  __device__ void fold(unsigned w) {
-    const unsigned a = w & 0x7fff7fffu;
-    m = __hmax2(m, *reinterpret_cast<const __nv_bfloat162*>(&a));
-  }
-  __device__ float value() const { return fmaxf(__low2float(m), __high2float(m)); }
-};
-template <>
-struct Packed<In::f16> {
-  __half2 m = __floats2half2_rn(0.0f, 0.0f);
-  __device__ void fold(unsigned w) { m = __hmax2(m, __habs2(*reinterpret_cast<const __half2*>(&w))); }
-  __device__ float value() const { return fmaxf(__low2float(m), __high2float(m)); }
-};
-template <>
-struct Packed<In::f32> {
-  float m = 0.0f;
-  __device__ void fold(unsigned w) { m = fmaxf(m, fabsf(__uint_as_float(w))); }
-  __device__ float value() const { return m; }
-};
-
-template <In T>
 __device__ float flat_max(const IndexSrc& s, unsigned block, unsigned blocks) {
   constexpr int es = T == In::f32 ? 4 : 2;
   const std::int64_t n = s.B * s.L * s.H * s.D, units = n * es / 16;

@@ -9,6 +9,8 @@
 
 #include <cuda_fp8.h>
 
+#include <cooperative_groups.h>
+
 #include <string>
 #include <type_traits>
 
@@ -36,6 +38,35 @@ __host__ __device__ __forceinline__ bool contiguous_rows(const IndexSrc& s) {
 /// float bits of the largest |x| (NaN skipped, as std::fmax on the CPU), words the caller zeroed. One plain
 /// launch, which lets a programmatic dependent (the codes) be scheduled beside it. `op` names the caller.
 void launch_amax(const std::string& op, const TensorView& a, const TensorView* b, unsigned int* amax, cudaStream_t stream);
+
+// The running max of |x| over a thread's 32-bit words of one input type: per word of 16-bit elements a sign
+// clear and a max.bf16x2 / max.f16x2 (which return the other operand for a NaN, as std::fmax); per f32
+// element one max with |x|. Used by the amax and by the fused amax and codes.
+template <In T>
+struct Packed;
+template <>
+struct Packed<In::bf16> {
+  __nv_bfloat162 m = __floats2bfloat162_rn(0.0f, 0.0f);
+  // |x| by clearing the sign bits (ptxas would form __habs2 with an fma, whose subnormal handling the max
+  // then depends on).
+  __device__ void fold(unsigned w) {
+    const unsigned a = w & 0x7fff7fffu;
+    m = __hmax2(m, *reinterpret_cast<const __nv_bfloat162*>(&a));
+  }
+  __device__ float value() const { return fmaxf(__low2float(m), __high2float(m)); }
+};
+template <>
+struct Packed<In::f16> {
+  __half2 m = __floats2half2_rn(0.0f, 0.0f);
+  __device__ void fold(unsigned w) { m = __hmax2(m, __habs2(*reinterpret_cast<const __half2*>(&w))); }
+  __device__ float value() const { return fmaxf(__low2float(m), __high2float(m)); }
+};
+template <>
+struct Packed<In::f32> {
+  float m = 0.0f;
+  __device__ void fold(unsigned w) { m = fmaxf(m, fabsf(__uint_as_float(w))); }
+  __device__ float value() const { return m; }
+};
 
 // ---- codes ----------------------------------------------------------------------------------------------
 //
@@ -252,11 +283,10 @@ __device__ __forceinline__ TensorScale pick(bool second, const TensorScale& a, c
   return s;
 }
 
+// From the amax's float bits.
 template <Prec P>
-__device__ __forceinline__ TensorScale tensor_constants(const unsigned* amax, bool bf16_down, int w) {
+__device__ __forceinline__ TensorScale tensor_constants_of(unsigned bits, bool bf16_down) {
   TensorScale s{1.0f, 1.0f, {}};
-  if (amax == nullptr) return s;
-  const unsigned bits = __ldcg(amax + w);
   s.ts = tc::tensor_scale(static_cast<int>(P), &bits);
   if constexpr (P == Prec::fp8) s.f8 = tc::make_fp8_scale(s.ts);
   if (P == Prec::bf16 && bf16_down) {  // codes below 1 in magnitude (0 amax: 2^0)
@@ -265,6 +295,13 @@ __device__ __forceinline__ TensorScale tensor_constants(const unsigned* amax, bo
     s.down = ldexpf(1.0f, -imax(-100, imin(128, e)));
   }
   return s;
+}
+
+// From amax word w (null: no amax, bf16 codes at scale 1).
+template <Prec P>
+__device__ __forceinline__ TensorScale tensor_constants(const unsigned* amax, bool bf16_down, int w) {
+  if (amax == nullptr) return TensorScale{1.0f, 1.0f, {}};
+  return tensor_constants_of<P>(__ldcg(amax + w), bf16_down);
 }
 
 // The codes of 8 values (as the CPU's load_quantized): fp8 e4m3 bytes in w[0..1], bf16 codes (bf16 and fp4) in
@@ -377,6 +414,23 @@ __device__ __forceinline__ void flat_item(In type, const uint4& raw, const Tenso
   store8<P>(dst, w);
 }
 
+// The codes of a thread's items first + k stride (k < count, below n) from their loads in raw; fp8's
+// division path picked once (s.f8.clamped is uniform over the tensor).
+template <Prec P, int kN>
+__device__ __forceinline__ void flat_items(In type, const uint4 (&raw)[kN], const TensorScale& sc, unsigned char* dst,
+                                           std::int64_t first, std::int64_t stride, int count, std::int64_t n) {
+  const bool fast = P == Prec::fp8 && sc.f8.clamped;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const std::int64_t i = first + k * stride;
+    if (k >= count || i >= n) break;
+    if (fast)
+      flat_item<P, true>(type, raw[k], sc, dst + i * 8 * kCodeBytes<P>);
+    else
+      flat_item<P, false>(type, raw[k], sc, dst + i * 8 * kCodeBytes<P>);
+  }
+}
+
 template <Prec P>
 __global__ void __launch_bounds__(kThreads) flat_codes_kernel(const __grid_constant__ FlatParams p) {
   static_assert(P != Prec::fp4, "fp4 blocks span lanes: the general kernel");
@@ -394,21 +448,86 @@ __global__ void __launch_bounds__(kThreads) flat_codes_kernel(const __grid_const
   sel::pdl_wait();
   sel::pdl_launch_dependents();
   const TensorScale sc = tensor_constants<P>(p.amax, p.bf16_down, which);
-  const In type = p.type[which];
-  unsigned char* const dst = p.dst[which];
-  const bool fast = P == Prec::fp8 && sc.f8.clamped;
-#pragma unroll
-  for (int k = 0; k < kFlatItems; ++k) {
-    const std::int64_t i = first + k * kThreads;
-    if (i >= n) break;
-    if (fast)
-      flat_item<P, true>(type, raw[k], sc, dst + i * 8 * kCodeBytes<P>);
-    else
-      flat_item<P, false>(type, raw[k], sc, dst + i * 8 * kCodeBytes<P>);
-  }
+  flat_items<P>(p.type[which], raw, sc, p.dst[which], first, kThreads, kFlatItems, n);
 }
 
-/// Whether `p` (token_max's rows) is the flat kernel's case (see above).
+// ---- amax and codes in one launch ---------------------------------------------------------------------
+//
+// The flat case whose items fit in one resident wave, at most kFusedItems a thread: each thread issues the
+// loads of all its items at once and folds their |x| into its CTA's maximum, which the CTA stores in its own
+// slot; the grid meets at the runtime's grid barrier (a cooperative launch: every CTA is resident; no
+// counter or amax word of the caller's to zero); each CTA then maxes its tensor's slots and quantises the
+// items its threads still hold in registers. The inputs are read once, from HBM, instead of by the amax and
+// again by the codes, and neither a memset nor the codes' launch is needed. CTAs split between the tensors in
+// proportion to their items, as the amax's do; a thread's items are a grid stride apart (coalesced).
+
+constexpr int kFusedItems = 6;
+constexpr int kFusedCtasPerSm = 4;
+constexpr int kFusedMaxCtas = 2048;  // slots of the caller's scratch (fused_slot_bytes)
+
+/// Scratch bytes launch_fused needs for its per-CTA maxima.
+constexpr std::size_t fused_slot_bytes() { return kFusedMaxCtas * sizeof(float); }
+
+struct FusedParams {
+  FlatParams f;        // f.amax unused
+  float* slots;        // [gridDim.x] the CTAs' maxima of |x|
+  unsigned* amax;      // [2] float bits of each tensor's amax, written by its first CTA (for the caller)
+  int per_thread[2];   // items a thread of each tensor holds (<= kFusedItems)
+};
+
+template <Prec P>
+__global__ void __launch_bounds__(kThreads, kFusedCtasPerSm) fused_codes_kernel(const __grid_constant__ FusedParams p) {
+  static_assert(P != Prec::fp4, "fp4 blocks span lanes: the general kernel");
+  const FlatParams& f = p.f;
+  const int which = blockIdx.x >= f.ctas0 ? 1 : 0;
+  const unsigned cta = which ? blockIdx.x - f.ctas0 : blockIdx.x, ctas = which ? gridDim.x - f.ctas0 : f.ctas0;
+  const std::int64_t first = static_cast<std::int64_t>(cta) * kThreads + threadIdx.x, n = f.items[which];
+  const std::int64_t stride = static_cast<std::int64_t>(ctas) * kThreads;
+  const int count = p.per_thread[which];
+  const uint4* src = f.src[which];
+  uint4 raw[kFusedItems];
+#pragma unroll
+  for (int k = 0; k < kFusedItems; ++k) {
+    const std::int64_t i = first + k * stride;
+    raw[k] = k < count && i < n ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u);  // zeros leave the max alone
+  }
+  const In type = f.type[which];
+  float m = 0.0f;
+  if (type == In::f16) {
+    Packed<In::f16> acc;
+#pragma unroll
+    for (int k = 0; k < kFusedItems; ++k) acc.fold(raw[k].x), acc.fold(raw[k].y), acc.fold(raw[k].z), acc.fold(raw[k].w);
+    m = acc.value();
+  } else {
+    Packed<In::bf16> acc;
+#pragma unroll
+    for (int k = 0; k < kFusedItems; ++k) acc.fold(raw[k].x), acc.fold(raw[k].y), acc.fold(raw[k].z), acc.fold(raw[k].w);
+    m = acc.value();
+  }
+  __shared__ float red[kThreads / 32];
+  auto block_max = [&](float v) {  // to every thread
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < kThreads / 32; ++w) v = fmaxf(v, red[w]);
+    __syncthreads();  // red is free again
+    return v;
+  };
+  m = block_max(m);
+  if (threadIdx.x == 0) p.slots[blockIdx.x] = m;
+  ::cooperative_groups::this_grid().sync();  // every CTA's slot is written and visible
+  sel::pdl_launch_dependents();
+  const unsigned lo = which ? f.ctas0 : 0u, hi = which ? gridDim.x : f.ctas0;
+  float t = 0.0f;
+  for (unsigned c = lo + threadIdx.x; c < hi; c += kThreads) t = fmaxf(t, __ldcg(p.slots + c));
+  t = block_max(t);
+  if (cta == 0 && threadIdx.x == 0) p.amax[which] = __float_as_uint(t);
+  const TensorScale sc = tensor_constants_of<P>(__float_as_uint(t), f.bf16_down);
+  flat_items<P>(type, raw, sc, f.dst[which], first, stride, count, n);
+}
+
+/// Whether `p` (token_max's rows) is the flat kernels' case ("flat codes" above).
 template <Prec P>
 bool flat_case(const CodesParams<RowLayout>& p) {
   if (P == Prec::fp4) return false;
@@ -419,6 +538,22 @@ bool flat_case(const CodesParams<RowLayout>& p) {
   return true;
 }
 
+// The flat kernels' parameters for `p` (flat_case<P>(p) holds), without the CTA split.
+template <Prec P>
+FlatParams flat_params(const CodesParams<RowLayout>& p) {
+  FlatParams f{};
+  for (int w = 0; w < 2; ++w) {
+    f.src[w] = static_cast<const uint4*>(p.src[w].x);
+    f.dst[w] = p.dst[w];
+    f.type[w] = p.type[w];
+  }
+  f.items[0] = p.rows0 * p.lanes;
+  f.items[1] = p.items() - f.items[0];
+  f.amax = p.amax;
+  f.bf16_down = p.bf16_down;
+  return f;
+}
+
 /// Launches codes_kernel<P> for `p` on `stream` (flat_codes_kernel<P> where flat_case holds), as a programmatic
 /// dependent of the previous kernel when `dependent` (the amax), else plainly.
 template <Prec P, class Layout>
@@ -426,19 +561,10 @@ void launch_codes(const std::string& op, const CodesParams<Layout>& p, bool depe
   if (p.items() <= 0) return;
   if constexpr (std::is_same_v<Layout, RowLayout> && P != Prec::fp4) {
     if (flat_case<P>(p)) {
-      FlatParams f{};
-      for (int w = 0; w < 2; ++w) {
-        f.src[w] = static_cast<const uint4*>(p.src[w].x);
-        f.dst[w] = p.dst[w];
-        f.type[w] = p.type[w];
-      }
-      f.items[0] = p.rows0 * p.lanes;
-      f.items[1] = p.items() - f.items[0];
+      FlatParams f = flat_params<P>(p);
       constexpr std::int64_t kPerCta = kFlatItems * kThreads;
       const std::int64_t ctas0 = (f.items[0] + kPerCta - 1) / kPerCta, ctas1 = (f.items[1] + kPerCta - 1) / kPerCta;
       f.ctas0 = static_cast<unsigned>(ctas0);
-      f.amax = p.amax;
-      f.bf16_down = p.bf16_down;
       sel::launch_kernel(op, "codes launch", flat_codes_kernel<P>, dim3(static_cast<unsigned>(ctas0 + ctas1)), dim3(kThreads),
                          0, stream, dependent, f);
       return;
@@ -448,6 +574,50 @@ void launch_codes(const std::string& op, const CodesParams<Layout>& p, bool depe
   const std::int64_t rounds = (p.items() + kRound * kThreads - 1) / (kRound * kThreads);
   const auto grid = static_cast<unsigned>(imin<std::int64_t>(rounds, static_cast<std::int64_t>(sms) * kCodesCtasPerSm));
   sel::launch_kernel(op, "codes launch", codes_kernel<P, Layout>, dim3(grid), dim3(kThreads), 0, stream, dependent, p);
+}
+
+/// The amax and the codes of `p` in one cooperative launch of fused_codes_kernel<P> on `stream`, where
+/// flat_case<P>(p) holds, both tensors have items and every item fits in the resident wave (kFusedItems a
+/// thread, at most kFusedMaxCtas CTAs): amax[0] and [1] become the amax words (as launch_amax's; they need
+/// not be zeroed; p.amax is not read), `slots` (fused_slot_bytes() of scratch) holds the CTAs' maxima.
+/// Returns false and launches nothing otherwise (the caller then zeroes the amax words and launches
+/// launch_amax and launch_codes).
+template <Prec P>
+bool launch_fused(const std::string& op, const CodesParams<RowLayout>& p, unsigned* amax, float* slots,
+                  cudaStream_t stream) {
+  if constexpr (P == Prec::fp4) {
+    return false;
+  } else {
+    if (!flat_case<P>(p)) return false;
+    FusedParams fp{};
+    fp.f = flat_params<P>(p);
+    const std::int64_t items[2] = {fp.f.items[0], fp.f.items[1]};
+    if (items[0] <= 0 || items[1] <= 0) return false;
+    int per_sm = 0;
+    sel::check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_codes_kernel<P>, kThreads, 0), op,
+                    "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    const std::int64_t resident =
+        imin<std::int64_t>(kFusedMaxCtas, static_cast<std::int64_t>(per_sm) * sel::current_sm_count(op));
+    // CTAs in proportion to the items (at least one each), no more than a thread per item.
+    const std::int64_t total = items[0] + items[1];
+    std::int64_t ctas[2];
+    ctas[0] = imax<std::int64_t>(1, imin(resident - 1, (resident * items[0] + total / 2) / total));
+    ctas[1] = resident - ctas[0];
+    for (int w = 0; w < 2; ++w) {
+      ctas[w] = imin(ctas[w], (items[w] + kThreads - 1) / kThreads);
+      if (ctas[w] < 1) return false;
+      const std::int64_t per = (items[w] + ctas[w] * kThreads - 1) / (ctas[w] * kThreads);
+      if (per > kFusedItems) return false;
+      fp.per_thread[w] = static_cast<int>(per);
+    }
+    fp.f.ctas0 = static_cast<unsigned>(ctas[0]);
+    fp.slots = slots;
+    fp.amax = amax;
+    sel::check_cuda(cuda_kernels::launch_cooperative(fused_codes_kernel<P>, dim3(static_cast<unsigned>(ctas[0] + ctas[1])),
+                                                     dim3(kThreads), 0, stream, fp),
+                    op, "amax and codes launch");
+    return true;
+  }
 }
 
 }  // namespace sparse_attn::cuda_backend::prep

@@ -1,9 +1,11 @@
 // MSA-style token_max selector on the GPU (docs/design.md §5.7): block scores on the tensor cores with
-// float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Four
-// launches on the caller's stream after a memset of two words:
+// float32 accumulation, each list a top-k of the exact scores within the bound eps derived below. Three or
+// four launches on the caller's stream (after a memset of the two amax words where 1 and 2 are separate):
 //  1. amax (prep.cuh, shared with lightning): the largest |x| of qidx and of kidx (float bits, atomicMax);
 //  2. codes (prep.cuh's codes_kernel with RowLayout, a programmatic dependent of 1: its first loads are
-//     issued before it waits): every index row rounded through the precision exactly as the CPU's
+//     issued before it waits; 1 and 2 are one cooperative launch, prep::launch_fused, where both inputs are
+//     contiguous 16-bit rows that fit in one resident wave, read once and held in registers across the grid
+//     barrier): every index row rounded through the precision exactly as the CPU's
 //     load_quantized (tc_index.cuh; QuantisationEqualsCpu, Fp8CodesEqualCpu), stored as codes, value = code x
 //     per-tensor scale up to one or two float32 roundings: fp8 as e4m3 bytes (scale amax / 448), fp4 as bf16
 //     (an NVFP4 value, e2m1 x its e4m3 block scale, has up to 6 significant bits: exact in bf16, not in
@@ -14,7 +16,7 @@
 //     loaded once for two Q tiles (one at Dc > 192 bf16 codes); per (Q tile, KV block) the 128 x 128 code
 //     dots on wgmma (fp8: m64n128k32 e4m3 x e4m3; bf16, fp4: m64n128k16 bf16; the k-steps chained on one
 //     float32 accumulator), keeping per query the max over
-//     the block's visible keys (QueryLists) or one partial max per consumer warp (TileLists);
+//     the block's visible keys (QueryLists) or one partial max per consumer warp as an order key (TileLists);
 //  4. rank (rank_kernel, a programmatic dependent of 3): per list, the forced blocks (reserved local
 //     blocks, block 0 with force_block0) first, among themselves by id as the CPU's +inf scores, then the
 //     screened maxima, ties to the lower id; top_k ids ascending, -1 padded, and the count.
@@ -160,7 +162,7 @@ struct ScreenLayout {
 
 struct ScreenParams {
   CUtensorMap qmap, kmap;  // codes [B, Lq, Hkv, Dc] and [B, Lk, Hk, Dc] as 16-bit columns
-  float* out;              // QueryLists [B, Hkv, Lq, Tk]; TileLists kScreenParts x [B, Hkv, Tq, Tk]
+  float* out;              // QueryLists [B, Hkv, Lq, Tk] maxima; TileLists kScreenParts x [B, Hkv, Tq, Tk] order keys
   std::int64_t part_stride;
   Shape s;
   std::int64_t per_cta;    // (group, block) units per CTA
@@ -254,7 +256,10 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     return;
   }
 
-  const int ctid = tid - 128, wg = ctid / 128, w = (ctid / 32) % 4, lane = tid % 32;
+  // The warpgroup and warp indices by a broadcast from lane 0: the compiler then knows them warp-uniform and
+  // builds the wgmma descriptors and the per-run limits in uniform registers, not per job in vector ones.
+  const int ctid = tid - 128, lane = tid % 32;
+  const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0), w = __shfl_sync(0xffffffffu, (ctid / 32) % 4, 0);
   const int mq = wg / 2, half = wg % 2;       // this warpgroup's Q tile in the group and its 64 rows
   const int part = half * 4 + w;              // TileLists: the warp's partial maximum
   constexpr int ksteps = kHalves * 4;
@@ -291,6 +296,8 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     const std::int64_t t = r.t0 + mq, i0 = t * kTileQ + half * 64 + 16 * w;  // the warp's first row
     const int jmax = mq < r.nt ? static_cast<int>(r.jmax[mq < kQTiles ? mq : 0]) : 0;
     const int j_end = static_cast<int>(r.j_end);
+    // Blocks below j_full are seen whole by all 16 of the warp's rows (key_end grows with the row): no mask.
+    const int j_full = i0 + 15 < s.Lq ? static_cast<int>(s.key_end(i0) / kBlockK) : 0;
     float* const out = kTiles ? p.out + part * p.part_stride + (r.bg * s.Tq + t) * s.Tk : p.out + r.bg * s.Lq * s.Tk;
     // Every warpgroup walks every block of the run (each releases every slot); it multiplies the blocks its
     // tile sees. One job at a time: issue, wait, maxima; the tensor cores take the other warpgroups' jobs
@@ -308,37 +315,62 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
       ck::fence_operands(acc);
       empty[st].arrive();  // the accumulators hold everything this thread needs from the slot
       const std::int64_t k0 = static_cast<std::int64_t>(j) * kBlockK;
-      // The warp's 16 rows see the whole block (key_end grows with the row): no mask, no per-row test.
-      const bool full_rows = i0 + 15 < s.Lq && s.key_end(i0) - k0 >= kBlockK;
-      float m[2];
+      const bool full_rows = j < j_full;
+      // The row maxima by balanced float trees (masked where the warp's rows do not all see the block).
+      auto row_maxima = [&](float (&m)[2]) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // The row's 32 values by a balanced tree (depth 5): a chain of 32 maxima would wait on each one.
-        float a[16];
-        if (full_rows) {
+        for (int h = 0; h < 2; ++h) {
+          float a[16];
+          if (full_rows) {
 #pragma unroll
-          for (int c = 0; c < 16; ++c) a[c] = fmaxf(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
-        } else {
-          const std::int64_t i = i0 + lane / 4 + 8 * h;
-          const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
+            for (int c = 0; c < 16; ++c) a[c] = fmaxf(acc[4 * c + 2 * h], acc[4 * c + 2 * h + 1]);
+          } else {
+            const std::int64_t i = i0 + lane / 4 + 8 * h;
+            const std::int64_t lim = i < s.Lq ? s.key_end(i) - k0 : 0;
 #pragma unroll
-          for (int c = 0; c < 16; ++c) {
-            const int key = 8 * c + 2 * (lane % 4);
-            a[c] = fmaxf(key < lim ? acc[4 * c + 2 * h] : -INFINITY, key + 1 < lim ? acc[4 * c + 2 * h + 1] : -INFINITY);
+            for (int c = 0; c < 16; ++c) {
+              const int key = 8 * c + 2 * (lane % 4);
+              a[c] = fmaxf(key < lim ? acc[4 * c + 2 * h] : -INFINITY, key + 1 < lim ? acc[4 * c + 2 * h + 1] : -INFINITY);
+            }
           }
+#pragma unroll
+          for (int c = 0; c < 8; ++c) a[c] = fmaxf(a[c], a[c + 8]);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) a[c] = fmaxf(a[c], a[c + 4]);
+          m[h] = fmaxf(fmaxf(a[0], a[2]), fmaxf(a[1], a[3]));
         }
-#pragma unroll
-        for (int c = 0; c < 8; ++c) a[c] = fmaxf(a[c], a[c + 8]);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) a[c] = fmaxf(a[c], a[c + 4]);
-        m[h] = fmaxf(fmaxf(a[0], a[2]), fmaxf(a[1], a[3]));
-      }
+      };
       if constexpr (kTiles) {
-        float v = fmaxf(m[0], m[1]);
+        // Where the warp sees the whole block: the max of the 64 values' bits as signed integers by 3-input
+        // VIMNMX3 (32 instructions for 64 values): the float max whenever that is +0 or more and not NaN;
+        // otherwise (every value negative, or a NaN) the float trees.
+        int r = -1;
+        if (full_rows) {
+          int x[64];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (lane == 0) out[j] = v;
+          for (int c = 0; c < 64; ++c) x[c] = __float_as_int(acc[c]);
+          int a1[22], b1[8];
+#pragma unroll
+          for (int c = 0; c < 21; ++c) a1[c] = __vimax3_s32(x[3 * c], x[3 * c + 1], x[3 * c + 2]);
+          a1[21] = x[63];
+#pragma unroll
+          for (int c = 0; c < 7; ++c) b1[c] = __vimax3_s32(a1[3 * c], a1[3 * c + 1], a1[3 * c + 2]);
+          b1[7] = a1[21];
+          r = __vimax3_s32(__vimax3_s32(b1[0], b1[1], b1[2]), __vimax3_s32(b1[3], b1[4], b1[5]), max(b1[6], b1[7]));
+        }
+        float v;
+        if (r >= 0 && r <= 0x7f800000) {
+          v = __int_as_float(r) + 0.0f;
+        } else {
+          float m[2];
+          row_maxima(m);
+          v = fmaxf(fmaxf(m[0], m[1]), -INFINITY) + 0.0f;
+        }
+        const unsigned key = __reduce_max_sync(0xffffffffu, order_key(v));
+        if (lane == 0) reinterpret_cast<unsigned*>(out)[j] = key;
       } else {
+        float m[2];
+        row_maxima(m);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float v = ck::quad_max(m[h]);
@@ -354,8 +386,7 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
 // ---- 4. ranking -----------------------------------------------------------------------------------------
 
 struct RankParams {
-  const float* m;            // screened maxima [parts][R, Tk]
-  int parts;
+  const float* m;            // screened maxima: QueryLists [R, Tk] floats; TileLists kScreenParts x [R, Tk] order keys
   std::int64_t part_stride;  // R * Tk
   std::int32_t* idx;
   std::int64_t is0, is1, is2, is3, width;
@@ -458,14 +489,18 @@ __global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constan
   const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
   const float* mrow = p.m + row * s.Tk;
   for (int j = tid; j < n; j += kRankThreads) {
-    // Unrolled over the largest part count so the partials' loads are in flight together (a loop of
-    // run-time length waits for each load in turn: 8 memory latencies per candidate).
-    float m[kScreenParts];
+    float v = -INFINITY;
+    if constexpr (kTiles) {  // the warps' order keys, their 8 loads in flight together
+      unsigned m[kScreenParts];
 #pragma unroll
-    for (int q = 0; q < kScreenParts; ++q) m[q] = q < p.parts ? mrow[q * p.part_stride + j] : -INFINITY;
-    float v = m[0];
+      for (int q = 0; q < kScreenParts; ++q) m[q] = reinterpret_cast<const unsigned*>(mrow)[q * p.part_stride + j];
+      unsigned k = m[0];
 #pragma unroll
-    for (int q = 1; q < kScreenParts; ++q) v = fmaxf(v, m[q]);
+      for (int q = 1; q < kScreenParts; ++q) k = max(k, m[q]);
+      v = sel::order_value(k);
+    } else {
+      v = mrow[j];
+    }
     key[j] = rank_key((j >= L.r_lo && j <= L.r_hi) || (p.force_block0 && j == 0), v);
   }
   __syncthreads();
@@ -492,7 +527,7 @@ __global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constan
 
 /// Offsets of the one scratch allocation of a call.
 struct Scratch {
-  std::size_t amax, qc, kc, m, bytes;
+  std::size_t amax, slots, qc, kc, m, bytes;
 };
 
 Scratch scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::int64_t Hkv, std::int64_t Hk,
@@ -506,7 +541,8 @@ Scratch scratch_layout(std::int64_t B, std::int64_t Lq, std::int64_t Lk, std::in
     off += sel::align_up(bytes);
     return at;
   };
-  sc.amax = take(2 * sizeof(unsigned int));  // amax of qidx, kidx (zeroed per call)
+  sc.amax = take(2 * sizeof(unsigned int));  // amax of qidx, kidx
+  sc.slots = take(prep::fused_slot_bytes());  // the fused prep's per-CTA maxima
   sc.qc = take(static_cast<std::size_t>(B * Lq * Hkv * Dc * code_bytes(p)));
   sc.kc = take(static_cast<std::size_t>(B * Lk * Hk * Dc * code_bytes(p)));
   sc.m = take(static_cast<std::size_t>(R * Tk * (tiles ? kScreenParts : 1)) * sizeof(float));
@@ -579,8 +615,6 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   const Scratch lay = scratch_layout(s.B, s.Lq, s.Lk, s.Hkv, s.Hk, s.Di, prec, kTiles);
   sel::Scratch scratch(op, o.workspace, lay.bytes, qidx.device_index, stream);
   auto* amax = scratch.as<unsigned int>(lay.amax);
-  check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
-  prep::launch_amax(op, qidx, &kidx, amax, stream);
   prep::CodesParams<prep::RowLayout> pp{};
   pp.src[0] = tc::index_src(qidx), pp.src[1] = tc::index_src(kidx);
   pp.type[0] = sel::in_type(qidx.dtype), pp.type[1] = sel::in_type(kidx.dtype);
@@ -591,9 +625,16 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
   pp.rows = pp.rows0 + s.B * s.Lk * s.Hk;
   pp.amax = amax;
   pp.bf16_down = true;
-  if (prec == IndexPrecision::bf16) prep::launch_codes<Prec::bf16>(op, pp, true, stream);
-  else if (fp8) prep::launch_codes<Prec::fp8>(op, pp, true, stream);
-  else prep::launch_codes<Prec::fp4>(op, pp, true, stream);
+  // One launch where the inputs fit in a resident wave (prep::launch_fused), else the amax and then the codes.
+  auto codes = [&]<Prec P>() {
+    if (prep::launch_fused<P>(op, pp, amax, scratch.as<float>(lay.slots), stream)) return;
+    check_cuda(cudaMemsetAsync(amax, 0, 2 * sizeof(unsigned int), stream), op, "cudaMemsetAsync");
+    prep::launch_amax(op, qidx, &kidx, amax, stream);
+    prep::launch_codes<P>(op, pp, true, stream);
+  };
+  if (prec == IndexPrecision::bf16) codes.template operator()<Prec::bf16>();
+  else if (fp8) codes.template operator()<Prec::fp8>();
+  else codes.template operator()<Prec::fp4>();
   const int sms = sel::current_sm_count(op);
 
   // The code rows as 16-bit columns (e4m3 bytes in pairs): TMA moves bits, and a box of 64 columns is the
@@ -616,7 +657,6 @@ void run_token_max(const TensorView& qidx, const TensorView& kidx, const TensorV
 
   RankParams rp{};
   rp.m = scratch.as<float>(lay.m);
-  rp.parts = kTiles ? kScreenParts : 1;
   rp.part_stride = R * s.Tk;
   rp.idx = idx.ptr<std::int32_t>();
   rp.is0 = idx.stride[0], rp.is1 = idx.stride[1], rp.is2 = idx.stride[2], rp.is3 = idx.stride[3];
