@@ -10,23 +10,30 @@
 
 namespace sparse_attn::cuda_kernels {
 
+/// Launches `kernel` on `stream` with the launch attribute `attr` when `with_attr`. Returns the launch's error.
+template <class... Params, class... Args>
+cudaError_t launch_with(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                        cudaLaunchAttribute attr, bool with_attr, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = with_attr ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 /// Launches `kernel` on `stream`; with `programmatic`, as a programmatic dependent of the previous
 /// kernel there (the kernel must call pdl_wait() before it touches memory that earlier work on the
 /// stream writes, or reads and it overwrites). Returns the launch's error.
 template <class... Params, class... Args>
 cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem,
                                 cudaStream_t stream, bool programmatic, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return launch_with(kernel, grid, block, smem, stream, attr, programmatic, std::forward<Args>(args)...);
 }
 
 /// Launches `kernel` on `stream` as a cooperative grid: every CTA is resident at once (the launch fails
@@ -35,17 +42,10 @@ cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block
 template <class... Params, class... Args>
 cudaError_t launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
                                Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeCooperative;
   attr.val.cooperative = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return launch_with(kernel, grid, block, smem, stream, attr, true, std::forward<Args>(args)...);
 }
 
 #if defined(__CUDACC__)
