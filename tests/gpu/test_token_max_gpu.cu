@@ -588,6 +588,38 @@ TEST(TokenMaxGpu, NonFiniteRowsGiveWellFormedLists) {
     }
 }
 
+// Every score negative (keys along -u, queries along u): the block maxima are the least negative scores, which
+// the screen's integer maximum of the values' bits does not give (it is valid only for maxima >= +0), so this
+// takes the float trees. Within a block the keys spread over 2 |u|^2, far beyond eps: a block score taken
+// from the wrong end of the block would break the contract.
+TEST(TokenMaxGpu, NegativeScoresKeepTheBlockMaxima) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  TokenMaxCase c{"negative scores", 1, 256, 12 * sa::kBlockK, 1, 1, 64, 4, 4, false};
+  c.reserve_local = false;
+  std::mt19937_64 rng(9100);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> u(static_cast<std::size_t>(c.Di));
+  for (float& e : u) e = 1.0f + 0.25f * nd(rng);
+  sa::HostTensor q(sa::DType::f32, {c.B, c.Lq, c.Hkv, c.Di}), k(sa::DType::f32, {c.B, c.Lk, c.Hk, c.Di});
+  for (std::int64_t i = 0; i < c.Lq; ++i) {
+    float* r = row_f32(q, 0, i, 0);
+    for (std::int64_t d = 0; d < c.Di; ++d) r[d] = sa::round_bf16(u[static_cast<std::size_t>(d)] + 0.05f * nd(rng));
+  }
+  for (std::int64_t t = 0; t < c.Lk; ++t) {
+    const std::int64_t j = t / sa::kBlockK;
+    const float a = 0.25f + 0.5f * static_cast<float>((j * 5) % 12) + 2.0f * static_cast<float>(t % sa::kBlockK) / sa::kBlockK;
+    float* r = row_f32(k, 0, t, 0);
+    for (std::int64_t d = 0; d < c.Di; ++d) r[d] = sa::round_bf16(-a * u[static_cast<std::size_t>(d)]);
+  }
+  for (auto prec : kPrecisions)
+    for (bool tiles : {true, false}) {
+      // The block maxima are 0.5 |u|^2 apart: every list is the exact top-k.
+      const st::ContractReport rep = check_token_max_gpu(c, prec, tiles, q, k);
+      EXPECT_GT(rep.rows_checked, 0);
+      EXPECT_EQ(rep.rows_differing, 0) << sa::precision_name(prec) << (tiles ? " TileLists" : " QueryLists");
+    }
+}
+
 // Every kernel once (amax, codes, screen, rank) per precision and output on a small input, for
 // compute-sanitizer.
 TEST(TokenMaxGpu, SanitizerSmall) {
