@@ -49,7 +49,7 @@ __device__ float flat_max(const IndexSrc& s, unsigned block, unsigned blocks) {
       w[u] = j < units ? __ldg(v + j) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
-    for (int u = 0; u < kAmaxLoads; ++u) acc.fold(w[u].x), acc.fold(w[u].y), acc.fold(w[u].z), acc.fold(w[u].w);
+    for (int u = 0; u < kAmaxLoads; ++u) fold_unit(acc, w[u]);
   }
   float m = acc.value();
   for (std::int64_t e = units * (16 / es) + first; e < n; e += stride) m = fmaxf(m, fabsf(sel::load_elem<T>(s.x, e)));

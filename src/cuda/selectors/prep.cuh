@@ -68,6 +68,12 @@ struct Packed<In::f32> {
   __device__ float value() const { return m; }
 };
 
+/// Folds the four words of a 16-byte unit into acc.
+template <In T>
+__device__ __forceinline__ void fold_unit(Packed<T>& acc, const uint4& u) {
+  acc.fold(u.x), acc.fold(u.y), acc.fold(u.z), acc.fold(u.w);
+}
+
 // ---- codes ----------------------------------------------------------------------------------------------
 //
 // Work items of 8 consecutive elements of a code row (rows padded with zero codes past Di); a CTA takes
@@ -492,18 +498,12 @@ __global__ void __launch_bounds__(kThreads, kFusedCtasPerSm) fused_codes_kernel(
     raw[k] = k < count && i < n ? __ldg(src + i) : make_uint4(0u, 0u, 0u, 0u);  // zeros leave the max alone
   }
   const In type = f.type[which];
-  float m = 0.0f;
-  if (type == In::f16) {
-    Packed<In::f16> acc;
+  auto units_max = [&](auto acc) {
 #pragma unroll
-    for (int k = 0; k < kFusedItems; ++k) acc.fold(raw[k].x), acc.fold(raw[k].y), acc.fold(raw[k].z), acc.fold(raw[k].w);
-    m = acc.value();
-  } else {
-    Packed<In::bf16> acc;
-#pragma unroll
-    for (int k = 0; k < kFusedItems; ++k) acc.fold(raw[k].x), acc.fold(raw[k].y), acc.fold(raw[k].z), acc.fold(raw[k].w);
-    m = acc.value();
-  }
+    for (int k = 0; k < kFusedItems; ++k) fold_unit(acc, raw[k]);
+    return acc.value();
+  };
+  float m = type == In::f16 ? units_max(Packed<In::f16>{}) : units_max(Packed<In::bf16>{});
   __shared__ float red[kThreads / 32];
   auto block_max = [&](float v) {  // to every thread
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -593,11 +593,10 @@ bool launch_fused(const std::string& op, const CodesParams<RowLayout>& p, unsign
     fp.f = flat_params<P>(p);
     const std::int64_t items[2] = {fp.f.items[0], fp.f.items[1]};
     if (items[0] <= 0 || items[1] <= 0) return false;
-    int per_sm = 0;
-    sel::check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fused_codes_kernel<P>, kThreads, 0), op,
-                    "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    // kFusedCtasPerSm CTAs of an SM are resident together: the launch bounds hold the registers to it, and
+    // 1024 threads and 32 bytes of shared memory fit any sm_90 SM (a cooperative launch checks it again).
     const std::int64_t resident =
-        imin<std::int64_t>(kFusedMaxCtas, static_cast<std::int64_t>(per_sm) * sel::current_sm_count(op));
+        imin<std::int64_t>(kFusedMaxCtas, std::int64_t{kFusedCtasPerSm} * sel::current_sm_count(op));
     // CTAs in proportion to the items (at least one each), no more than a thread per item.
     const std::int64_t total = items[0] + items[1];
     std::int64_t ctas[2];

@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
         // Where the warp sees the whole block: the max of the 64 values' bits as signed integers by 3-input
         // VIMNMX3 (32 instructions for 64 values): the float max whenever that is +0 or more and not NaN;
         // otherwise (every value negative, or a NaN) the float trees.
-        int r = -1;
+        int bits = -1;
         if (full_rows) {
           int x[64];
 #pragma unroll
@@ -356,11 +356,11 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
 #pragma unroll
           for (int c = 0; c < 7; ++c) b1[c] = __vimax3_s32(a1[3 * c], a1[3 * c + 1], a1[3 * c + 2]);
           b1[7] = a1[21];
-          r = __vimax3_s32(__vimax3_s32(b1[0], b1[1], b1[2]), __vimax3_s32(b1[3], b1[4], b1[5]), max(b1[6], b1[7]));
+          bits = __vimax3_s32(__vimax3_s32(b1[0], b1[1], b1[2]), __vimax3_s32(b1[3], b1[4], b1[5]), max(b1[6], b1[7]));
         }
         float v;
-        if (r >= 0 && r <= 0x7f800000) {
-          v = __int_as_float(r) + 0.0f;
+        if (bits >= 0 && bits <= 0x7f800000) {
+          v = __int_as_float(bits) + 0.0f;
         } else {
           float m[2];
           row_maxima(m);
