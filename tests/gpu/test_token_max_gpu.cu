@@ -406,6 +406,44 @@ TEST(TokenMaxGpu, RandomWithinEps) {
       for (const auto& c : shapes()) run_random(c, prec, tiles, seed += 10);
 }
 
+// More candidate blocks (547, 2,344) than rank_kernel has threads (128): select.cuh's radix selection. Random
+// inputs keep the contract; all-equal inputs (every score ties) give the CPU's lists exactly: the forced blocks,
+// then the lowest ids.
+TEST(TokenMaxGpu, LongContextRadixSelection) {
+  SPARSE_ATTN_SKIP_WITHOUT_GPU();
+  const TokenMaxCase cases[] = {{"Lk=70000 causal (547 candidate blocks)", 1, 300, 70000, 2, 1, 16, 24, 24, true},
+                                {"Lk=300000 non-causal (2344 blocks)", 1, 100, 300000, 1, 1, 16, 40, 40, false}};
+  std::uint64_t seed = 7700;
+  for (const TokenMaxCase& c : cases) {
+    const bool big = c.Lk > 100000;  // one precision there (the host's exact scores and CPU lists take longest)
+    for (auto prec : kPrecisions)
+      for (bool tiles : {false, true})
+        if (!big || prec == sa::IndexPrecision::fp8_e4m3) run_random(c, prec, tiles, seed += 10);
+    sa::HostTensor q(sa::DType::f32, {c.B, c.Lq, c.Hkv, c.Di}), k(sa::DType::f32, {c.B, c.Lk, c.Hk, c.Di});
+    std::fill(q.data<float>(), q.data<float>() + q.numel(), 0.5f);
+    std::fill(k.data<float>(), k.data<float>() + k.numel(), 0.25f);
+    Dev dq(q), dk(k);
+    const std::int64_t Tq = sa::ceil_div(c.Lq, sa::kTileQ);
+    for (auto prec : kPrecisions)
+      for (bool tiles : {false, true}) {
+        if (big && prec != sa::IndexPrecision::fp8_e4m3) continue;
+        SCOPED_TRACE(c.name + " " + sa::precision_name(prec) + (tiles ? " TileLists" : " QueryLists"));
+        sa::HostTensor idx(sa::DType::i32, {c.B, c.Hkv, tiles ? Tq : c.Lq, c.kmax}), cnt(sa::DType::i32, {c.B, c.Hkv, Tq});
+        const sa::TokenMaxOptions o = st::token_max_options(c, prec);
+        if (tiles) sa::token_max_select(q.view(), k.view(), sa::TileLists{idx.view(), cnt.view()}, o);
+        else sa::token_max_select(q.view(), k.view(), sa::QueryLists{idx.view()}, o);
+        const st::TokenMaxGpuLists got = st::token_max_gpu(c, prec, tiles, dq.view, dk.view);
+        int bad = 0;
+        for (std::int64_t i = 0; i < idx.numel(); ++i)
+          if (got.idx.data<std::int32_t>()[i] != idx.data<std::int32_t>()[i] && bad++ < 5)
+            ADD_FAILURE() << "entry " << i << ": gpu " << got.idx.data<std::int32_t>()[i] << ", cpu " << idx.data<std::int32_t>()[i];
+        EXPECT_EQ(bad, 0);
+        if (tiles)
+          for (std::int64_t i = 0; i < cnt.numel(); ++i) EXPECT_EQ(got.cnt.data<std::int32_t>()[i], cnt.data<std::int32_t>()[i]) << i;
+      }
+  }
+}
+
 TEST(TokenMaxGpu, InputDtypesWithinEps) {
   SPARSE_ATTN_SKIP_WITHOUT_GPU();
   const TokenMaxCase c{"f32 / f16 inputs", 2, 257, 777, 2, 1, 64, 4, 4, true};

@@ -56,6 +56,7 @@
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/prep.cuh"
 #include "cuda/selectors/scratch.hpp"
+#include "cuda/selectors/select.cuh"
 #include "cuda/selectors/tc_index.cuh"
 
 namespace sparse_attn::cuda_backend {
@@ -77,7 +78,7 @@ constexpr int kKStepBytes = 32;               // bytes of a row per wgmma k-step
 constexpr int kConsumerWGs = 2;               // each takes one query tile, against every key tile
 constexpr int kThreads = 128 * (kConsumerWGs + 1);  // + a producer warpgroup (one thread issues the copies; the
                                                     // kernel fits 168 registers a thread without spills)
-constexpr int kHist = 256;                    // radix digit of the exact selection
+using sel::kHist;                             // radix digit of the exact selection
 constexpr int kGroupScratch = 32;             // words after a selecting group's histogram (see Group)
 constexpr int kSmemLimit = 227 * 1024;        // Hopper's opt-in dynamic shared memory per block
 constexpr int kMaxStages = 4;
@@ -190,107 +191,13 @@ struct SelectParams {
   }
 };
 
-using u64 = unsigned long long;
-
-// The rank order as one unsigned key: a larger key ranks first (higher score, then lower id). Scores are
-// sanitised first: NaN -> -inf, -0 -> +0 (the CPU compares them equal, so they must tie on the id).
-__device__ __forceinline__ float sanitize(float s) { return isnan(s) ? -INFINITY : (s == 0.0f ? 0.0f : s); }
-__device__ __forceinline__ u64 rank_key(float s, std::int64_t id) {
-  return (static_cast<u64>(order_key(s)) << 32) | (0xffffffffu - static_cast<unsigned>(id));
-}
-__device__ __forceinline__ int key_id(u64 k) { return static_cast<int>(0xffffffffu - static_cast<unsigned>(k)); }
-
-// A consumer warpgroup selecting among its candidates, with its named barrier and its scratch: a 256-word radix
-// histogram, then kGroupScratch words (the chosen digit, a found key, per-warp counts, per-warp extremes).
-struct Group {
-  static constexpr int kThreads = 128;
-  static constexpr int kWarps = kThreads / 32;
-  int tid;  // 0 .. 127
-  ck::NamedBarrier bar;
-  unsigned* hist;
-  __device__ void sync() const { ck::named_barrier_sync(bar, kThreads); }
-  __device__ unsigned* digit() const { return hist + kHist; }                         // [3]
-  __device__ u64* found() const { return reinterpret_cast<u64*>(hist + kHist + 4); }  // 8-byte aligned
-  __device__ int* warp_counts() const { return reinterpret_cast<int*>(hist + kHist + 8); }  // [2][kWarps]
-  __device__ u64* warp_extremes() const { return reinterpret_cast<u64*>(hist + kHist + 16); }  // [2][kWarps]
-};
-static_assert(kGroupScratch >= 16 + 4 * Group::kWarps, "the group scratch holds the per-warp extremes");
-
-// The k-th largest of the (distinct) keys a[0, n) (1 <= k <= n), by the whole group: radix select, 8 bits a
-// pass from the highest bit in which the largest and the smallest key differ (the bits above are every key's:
-// the sign and exponent of scores of a few binades), ending as soon as the prefix holds one key. Each warp
-// adds to the shared histogram once per distinct digit among its lanes (__match_any_sync), so that keys
-// crowding one digit do not serialise on one shared-memory word.
-__device__ u64 group_kth_key(const Group& gr, const u64* a, int n, int k) {
-  const int lane = gr.tid % 32, w = gr.tid / 32, wbase = gr.tid - lane;
-  u64 hi = 0ull, lo = ~0ull;
-  for (int i = gr.tid; i < n; i += Group::kThreads) hi = a[i] > hi ? a[i] : hi, lo = a[i] < lo ? a[i] : lo;
-  for (int o = 16; o > 0; o >>= 1) {
-    const u64 h = __shfl_xor_sync(0xffffffffu, hi, o), l = __shfl_xor_sync(0xffffffffu, lo, o);
-    hi = h > hi ? h : hi, lo = l < lo ? l : lo;
-  }
-  if (lane == 0) gr.warp_extremes()[w] = hi, gr.warp_extremes()[Group::kWarps + w] = lo;
-  gr.sync();
-  for (int u = 0; u < Group::kWarps; ++u) {
-    const u64 h = gr.warp_extremes()[u], l = gr.warp_extremes()[Group::kWarps + u];
-    hi = h > hi ? h : hi, lo = l < lo ? l : lo;
-  }
-  if (hi == lo) return hi;  // n = 1
-  const int top = 64 - __clzll(static_cast<long long>(hi ^ lo));  // bits [top, 64) are every key's
-  u64 mask = top == 64 ? 0ull : ~0ull << top, prefix = hi & mask;
-  int kk = k;
-  for (int bits_left = top; bits_left > 0;) {
-    const int width = bits_left < 8 ? bits_left : 8, shift = bits_left - width;
-    bits_left = shift;
-    for (int i = gr.tid; i < kHist; i += Group::kThreads) gr.hist[i] = 0u;
-    gr.sync();
-    for (int base = wbase; base < n; base += Group::kThreads) {  // whole warps, so the match covers its lanes
-      const int i = base + lane;
-      const u64 v = i < n ? a[i] : 0ull;
-      const bool in = i < n && (v & mask) == prefix;
-      const unsigned active = __ballot_sync(0xffffffffu, in);
-      if (in) {
-        const unsigned dig = static_cast<unsigned>(v >> shift) & ((1u << width) - 1u);
-        const unsigned peers = __match_any_sync(active, dig);
-        if (lane == __ffs(peers) - 1) atomicAdd(&gr.hist[dig], static_cast<unsigned>(__popc(peers)));
-      }
-    }
-    gr.sync();
-    if (gr.tid < 32) {
-      // Lane l owns digits [8 l, 8 l + 8); suffix sums over lanes find the digit holding the kk-th largest.
-      unsigned c[8], local = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) local += (c[i] = gr.hist[8 * lane + i]);
-      unsigned suffix = local;
-      for (int o = 1; o < 32; o <<= 1) {
-        const unsigned y = __shfl_down_sync(0xffffffffu, suffix, o);
-        if (lane + o < 32) suffix += y;
-      }
-      const unsigned above = suffix - local;
-      if (above < static_cast<unsigned>(kk) && static_cast<unsigned>(kk) <= suffix) {
-        unsigned acc = above;
-        for (int i = 7; i >= 0; --i) {
-          if (acc + c[i] >= static_cast<unsigned>(kk)) {
-            gr.digit()[0] = 8 * lane + i, gr.digit()[1] = kk - acc, gr.digit()[2] = c[i];
-            break;
-          }
-          acc += c[i];
-        }
-      }
-    }
-    gr.sync();
-    prefix |= static_cast<u64>(gr.digit()[0]) << shift;
-    mask |= ((1ull << width) - 1ull) << shift;
-    kk = static_cast<int>(gr.digit()[1]);
-    if (gr.digit()[2] == 1u) break;  // uniform: every thread read the same words
-  }
-  if (mask == ~0ull) return prefix;
-  // One key carries the prefix; its holder publishes it.
-  for (int i = gr.tid; i < n; i += Group::kThreads)
-    if ((a[i] & mask) == prefix) *gr.found() = a[i];
-  gr.sync();
-  return *gr.found();
-}
+using sel::group_kth_key;
+using sel::key_id;
+using sel::rank_key;
+using sel::sanitize;
+using sel::u64;
+using Group = sel::Group<128>;  // a consumer warpgroup selecting among its candidates
+static_assert(kHist + kGroupScratch == Group::kScratchWords, "a group's scratch words");
 
 // Keeps the keys >= v of a[0, n) in place, in order, by the whole group, and returns how many: a chunk of 128
 // keys is read, the warps' counts meet in shared memory (double-buffered by chunk parity), then each kept key

@@ -20,10 +20,8 @@
 //     per key row in shared memory (atomicMax on order-preserving keys), then over the r key rows of a
 //     block: the block scores. With C = 1 they stay in shared memory and the CTA ranks; otherwise they go
 //     to the scratch and the chunk that finishes last (a fence and a counter per job) ranks: forced blocks
-//     set to +inf, then the top-k, ties to the lower id, ids written ascending: by counting, per candidate,
-//     the candidates ranked above it (up to 256 candidates), else by a radix select (four 8-bit passes over
-//     order-preserving keys). Every reduction has a fixed order or is a maximum, so two runs give the same
-//     bits.
+//     set to +inf, then the top-k of select.cuh (group_top_k: ties to the lower id, ids written ascending).
+//     Every reduction has a fixed order or is a maximum, so two runs give the same bits.
 //
 // Why the tensor cores: R4 at the tile16 shape is 268 M multiply-adds per call, 8 us at the H200's
 // float32 FMA peak on the CUDA cores, against a 25 us target that the reads alone take 13-15 us of. The
@@ -85,6 +83,7 @@
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/scratch.hpp"
+#include "cuda/selectors/select.cuh"
 
 namespace sparse_attn::cuda_backend {
 
@@ -329,7 +328,7 @@ struct ScoreParams {
 // its last visible key position, then the staged planes: q [2][qcap][Dp + 8], k [2][kcap][Dp + 8] bf16
 // (rows of an odd number of 16-byte units: conflict-free ldmatrix).
 struct ScoreSmem {
-  std::size_t scores, hist, ranks, warp_sums, pick, kmax, qlim, q, k, total;
+  std::size_t scores, group, kmax, qlim, q, k, total;
 };
 
 __host__ __device__ inline ScoreSmem score_smem(int Tk, int Dp, int qcap, int kcap) {
@@ -338,10 +337,7 @@ __host__ __device__ inline ScoreSmem score_smem(int Tk, int Dp, int qcap, int kc
   ScoreSmem s{};
   std::size_t o = 0;
   s.scores = o, o = up(o + static_cast<std::size_t>(Tk) * sizeof(float));
-  s.hist = o, o = up(o + 256 * sizeof(int));
-  s.ranks = o, o = up(o + 256 * sizeof(int));
-  s.warp_sums = o, o = up(o + 32 * sizeof(int));
-  s.pick = o, o = up(o + 4 * sizeof(int));
+  s.group = o, o = up(o + Group<kScoreThreads>::kScratchWords * sizeof(unsigned));
   s.kmax = o, o = up(o + static_cast<std::size_t>(kcap) * sizeof(unsigned));
   s.qlim = o, o = up(o + static_cast<std::size_t>(qcap) * sizeof(int));
   s.q = o, o = up(o + 2 * static_cast<std::size_t>(qcap) * row);
@@ -516,131 +512,6 @@ __device__ void score_chunk(const ScoreParams& p, unsigned char* smem, const Sco
   }
 }
 
-// Exclusive scan of v over the CTA in thread order; `total` gets the sum (every thread). Every thread calls it.
-__device__ __forceinline__ int cta_exclusive_scan(int v, int* warp_sums, int& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int t = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += t;
-  }
-  if (lane == 31) warp_sums[warp] = incl;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-  for (int w = 0; w < kScoreThreads / 32; ++w) {
-    const int c = warp_sums[w];
-    before += w < warp ? c : 0;
-    total += c;
-  }
-  __syncthreads();  // warp_sums is free again
-  return before + incl - v;
-}
-// Top-k of scores[0, n) (candidate id = index), higher score first, ties to the lower id: writes the
-// min(k, n) ids ascending to row[s * stride], pads to `width` with -1 and returns the count. Up to one
-// candidate per thread (n <= kScoreThreads: R1 and R4 up to Lk = 32K), candidate j's count of the
-// candidates ranked above it is split over kScoreThreads / n threads (integer sums: the same bits in any
-// order) and j is kept if fewer than k are: one pass over the order keys, one scan. Otherwise a radix
-// select finds the key T of the k-th largest score (four passes of 8 bits); the ids with a larger key
-// and the lowest `take` ids with key T are kept. Each thread owns a contiguous range of ids, so two
-// scans in thread order place the ties and the output in id order.
-__device__ int top_k_blocks(const float* scores, int n, int k, int* hist, int* ranks, int* warp_sums, int* pick,
-                            std::int32_t* row, std::int64_t stride, std::int64_t width) {
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const bool all = k >= n;  // CTA-uniform
-  if (!all && n <= kScoreThreads) {
-    // Order keys once (hist), then every thread counts, for candidate c = tid % n, the candidates ranked
-    // above c in its share of the ids (kScoreThreads / n shares; counts added in ranks[]).
-    unsigned* keys = reinterpret_cast<unsigned*>(hist);
-    for (int j = tid; j < n; j += kScoreThreads) keys[j] = order_key(scores[j]), ranks[j] = 0;
-    __syncthreads();
-    const int shares = kScoreThreads / n, c = tid % n, share = tid / n;
-    if (share < shares) {
-      const unsigned mine = keys[c];
-      const int lo = share * n / shares, hi = (share + 1) * n / shares;
-      int above = 0;
-#pragma unroll 8
-      for (int i = lo; i < hi; ++i) {
-        const unsigned other = keys[i];
-        above += other > mine || (other == mine && i < c) ? 1 : 0;
-      }
-      atomicAdd(ranks + c, above);
-    }
-    __syncthreads();
-    const bool keep = tid < n && ranks[tid] < k;
-    int total = 0;
-    const int pos = cta_exclusive_scan(keep ? 1 : 0, warp_sums, total);
-    if (keep) row[static_cast<std::int64_t>(pos) * stride] = tid;
-    for (std::int64_t s = total + tid; s < width; s += kScoreThreads) row[s * stride] = -1;
-    return total;
-  }
-  unsigned thr = 0u;
-  int take = 0;
-  if (!all) {
-    unsigned prefix = 0u, mask = 0u;
-    int remaining = k;  // of the candidates matching prefix under mask, this many are still to be taken
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = tid; i < 256; i += kScoreThreads) hist[i] = 0;
-      __syncthreads();
-      for (int j = tid; j < n; j += kScoreThreads) {
-        const unsigned key = order_key(scores[j]);
-        if ((key & mask) == prefix) atomicAdd(hist + ((key >> shift) & 255u), 1);
-      }
-      __syncthreads();
-      if (warp == 0) {
-        // Lane l holds the digits 255 - 8 l - i, i < 8 (lane 0 the highest).
-        int c[8], s = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s += c[i] = hist[255 - 8 * lane - i];
-        int incl = s;
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-          const int t = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += t;
-        }
-        int above = incl - s;  // candidates with a higher digit than this lane's
-        if (above < remaining && remaining <= incl) {  // exactly one lane
-          for (int i = 0; i < 8; ++i) {
-            if (above + c[i] >= remaining) {
-              pick[0] = 255 - 8 * lane - i;
-              pick[1] = remaining - above;
-              break;
-            }
-            above += c[i];
-          }
-        }
-      }
-      __syncthreads();
-      prefix |= static_cast<unsigned>(pick[0]) << shift;
-      mask |= 255u << shift;
-      remaining = pick[1];
-      // (pick is rewritten only after the next pass's first barrier)
-    }
-    thr = prefix;
-    take = remaining;
-  }
-  const int chunk = (n + kScoreThreads - 1) / kScoreThreads;
-  const int lo = imin(n, tid * chunk), hi = imin(n, lo + chunk);
-  int ties = 0, total = 0;
-  if (!all)
-    for (int j = lo; j < hi; ++j) ties += order_key(scores[j]) == thr ? 1 : 0;
-  const int ties_before = all ? 0 : cta_exclusive_scan(ties, warp_sums, total);
-  auto keep = [&](int j, int& tie) {
-    if (all) return true;
-    const unsigned key = order_key(scores[j]);
-    return key > thr || (key == thr && tie++ < take);
-  };
-  int kept = 0, tie = ties_before;
-  for (int j = lo; j < hi; ++j) kept += keep(j, tie) ? 1 : 0;
-  int pos = cta_exclusive_scan(kept, warp_sums, total);
-  tie = ties_before;
-  for (int j = lo; j < hi; ++j)
-    if (keep(j, tie)) row[static_cast<std::int64_t>(pos++) * stride] = j;
-  for (std::int64_t s = total + tid; s < width; s += kScoreThreads) row[s * stride] = -1;
-  return total;
-}
-
 // The job's list from its block scores (every chunk's are stored and visible): forced blocks rank above
 // every scored one, as on the CPU (only among the candidates), then the top-k.
 __device__ void rank_job(const ScoreParams& p, unsigned char* smem, const ScoreSmem& L, int job) {
@@ -668,9 +539,14 @@ __device__ void rank_job(const ScoreParams& p, unsigned char* smem, const ScoreS
   __syncthreads();
   const int b = jt.bg / p.Hkv, g = jt.bg - b * p.Hkv;
   std::int32_t* out = p.idx + b * p.is0 + g * p.is1 + jt.t * p.is2;
-  const int c = top_k_blocks(scores, jt.n_cand, p.top_k, reinterpret_cast<int*>(smem + L.hist),
-                             reinterpret_cast<int*>(smem + L.ranks), reinterpret_cast<int*>(smem + L.warp_sums), reinterpret_cast<int*>(smem + L.pick), out,
-                             p.is3, p.kmax);
+  // The scores' order keys in place (each thread its own entries), then the top-k on (key, id).
+  auto* keys = reinterpret_cast<unsigned*>(scores);
+  for (int j = threadIdx.x; j < jt.n_cand; j += kScoreThreads) keys[j] = order_key(sanitize(scores[j]));
+  __syncthreads();
+  const Group<kScoreThreads> gr{static_cast<int>(threadIdx.x), cuda_kernels::NamedBarrier::kSync,
+                                 reinterpret_cast<unsigned*>(smem + L.group)};
+  const int c = group_top_k(gr, [keys](int j) { return rank_key_of(keys[j], j); }, jt.n_cand, p.top_k, out, p.is3,
+                            p.kmax);
   if (threadIdx.x == 0) p.cnt[b * p.cs0 + g * p.cs1 + jt.t * p.cs2] = c;
 }
 

@@ -19,7 +19,8 @@
 //     the block's visible keys (QueryLists) or one partial max per consumer warp as an order key (TileLists);
 //  4. rank (rank_kernel, a programmatic dependent of 3): per list, the forced blocks (reserved local
 //     blocks, block 0 with force_block0) first, among themselves by id as the CPU's +inf scores, then the
-//     screened maxima, ties to the lower id; top_k ids ascending, -1 padded, and the count.
+//     screened maxima, ties to the lower id (select.cuh's group_top_k); top_k ids ascending, -1 padded, and
+//     the count.
 // No atomics on scores and a fixed reduction order, so two runs give the same bits.
 //
 // Bytes that reach HBM per call (tile16 TileLists at Lk = 16K, fp8, bf16 inputs: B = 2, Lq = 4096,
@@ -89,6 +90,7 @@
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/prep.cuh"
 #include "cuda/selectors/scratch.hpp"
+#include "cuda/selectors/select.cuh"
 #include "cuda/selectors/tc_index.cuh"
 
 namespace sparse_attn::cuda_backend {
@@ -431,96 +433,51 @@ __device__ ListRow list_row(const RankParams& p, std::int64_t row) {
   return L;
 }
 
-// Writes the flagged ids of [0, n) ascending to out[s * stride], pads to `width` with -1, returns the
-// count (to every thread). `part`: blockDim.x / 32 ints of shared memory.
-__device__ int write_ascending(const unsigned char* flags, int n, int* part, std::int32_t* out, std::int64_t stride,
-                               std::int64_t width) {
-  const int tid = threadIdx.x, nt = blockDim.x;
-  const int chunk = (n + nt - 1) / nt;
-  const int lo = imin(n, tid * chunk), hi = imin(n, lo + chunk);
-  int mine = 0;
-  for (int j = lo; j < hi; ++j) mine += flags[j];
-  // Exclusive scan of the per-thread counts: inclusive scan within each warp, then the warp totals.
-  const int lane = tid % 32, warp = tid / 32, warps = nt / 32;
-  int incl = mine;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) part[warp] = incl;
-  __syncthreads();
-  int pos = incl - mine, cnt = 0;
-  for (int w = 0; w < warps; ++w) {
-    pos += w < warp ? part[w] : 0;
-    cnt += part[w];
-  }
-  for (int j = lo; j < hi; ++j)
-    if (flags[j]) out[static_cast<std::int64_t>(pos++) * stride] = j;
-  for (std::int64_t q = cnt + tid; q < width; q += nt) out[q * stride] = -1;
-  return cnt;
+// rank_kernel's shared memory: the order keys (16-byte aligned), then the selecting group's scratch.
+__host__ __device__ constexpr std::size_t rank_keys_bytes(std::int64_t Tk) {
+  return (static_cast<std::size_t>(Tk) * sizeof(unsigned) + 15) / 16 * 16;
 }
-
-// Ranking key of a candidate: the score's order (floats to unsigned integers of the same order; -0 is +0
-// first, so equal scores give equal keys), or for a forced block one key above every score, whatever its
-// score: forced blocks tie among themselves and go to the lower id, as the CPU's +inf scores do (with
-// top_k below the forced count, block 0 before the local block).
-__device__ __forceinline__ unsigned long long rank_key(bool forced, float v) {
-  const unsigned ordered = order_key(v + 0.0f);
-  return forced ? 1ull << 32 : ordered;
-}
-
 std::size_t rank_smem(std::int64_t Tk) {
-  return static_cast<std::size_t>(Tk) * (sizeof(unsigned long long) + 1) + 16 + kRankThreads / 32 * sizeof(int);
+  return rank_keys_bytes(Tk) + sel::Group<kRankThreads>::kScratchWords * sizeof(unsigned);
 }
 
-// grid: R lists. A candidate is kept iff fewer than top_k candidates rank before it (key descending, id
-// ascending): a total order, so exactly min(top_k, n) are kept.
+// grid: R lists, one CTA each. Per candidate its order key in shared memory: a forced block's above every
+// score (sel::kForcedKey: forced blocks tie and go by id, as the CPU's +inf scores), else the screened
+// maximum's (QueryLists: sanitised here; TileLists: the max of the kScreenParts warps' keys, sanitised by the
+// screen); then group_top_k on (key, id): exactly min(top_k, n) kept, ids ascending.
 template <bool kTiles>
 __global__ void __launch_bounds__(kRankThreads) rank_kernel(const __grid_constant__ RankParams p) {
   sel::pdl_wait();
   sel::pdl_launch_dependents();
   extern __shared__ __align__(16) unsigned char smem[];
   const Shape& s = p.s;
-  auto* key = reinterpret_cast<unsigned long long*>(smem);
-  unsigned char* flags = smem + static_cast<std::size_t>(s.Tk) * sizeof(unsigned long long);
-  int* part = reinterpret_cast<int*>(smem + (static_cast<std::size_t>(s.Tk) * 9 + 15) / 16 * 16);
+  auto* keys = reinterpret_cast<unsigned*>(smem);
+  const sel::Group<kRankThreads> gr{static_cast<int>(threadIdx.x), cuda_kernels::NamedBarrier::kSync,
+                                    reinterpret_cast<unsigned*>(smem + rank_keys_bytes(s.Tk))};
   const std::int64_t row = blockIdx.x;
   const ListRow L = list_row<kTiles>(p, row);
-  const int n = static_cast<int>(L.n), k = p.top_k, tid = threadIdx.x;
+  const int n = static_cast<int>(L.n);
   const float* mrow = p.m + row * s.Tk;
-  for (int j = tid; j < n; j += kRankThreads) {
-    float v = -INFINITY;
+  for (int j = gr.tid; j < n; j += kRankThreads) {
+    unsigned key;
     if constexpr (kTiles) {  // the warps' order keys, their 8 loads in flight together
       unsigned m[kScreenParts];
 #pragma unroll
       for (int q = 0; q < kScreenParts; ++q) m[q] = reinterpret_cast<const unsigned*>(mrow)[q * p.part_stride + j];
-      unsigned k = m[0];
+      key = m[0];
 #pragma unroll
-      for (int q = 1; q < kScreenParts; ++q) k = max(k, m[q]);
-      v = sel::order_value(k);
+      for (int q = 1; q < kScreenParts; ++q) key = max(key, m[q]);
     } else {
-      v = mrow[j];
+      key = sel::order_key(sel::sanitize(mrow[j]));
     }
-    key[j] = rank_key((j >= L.r_lo && j <= L.r_hi) || (p.force_block0 && j == 0), v);
+    const bool forced = (j >= L.r_lo && j <= L.r_hi) || (p.force_block0 && j == 0);
+    keys[j] = forced ? sel::kForcedKey : key;
   }
   __syncthreads();
-  for (int j = tid; j < n; j += kRankThreads) {
-    int before = 0;
-    if (n > k) {
-      const unsigned long long kj = key[j];
-      // Branch-free and unrolled: the loads of several i are in flight at once.
-#pragma unroll 8
-      for (int i = 0; i < n; ++i) {
-        const unsigned long long ki = key[i];
-        before += (ki > kj) | ((ki == kj) & (i < j));
-      }
-    }
-    flags[j] = before < k ? 1 : 0;
-  }
-  __syncthreads();
-  const int c = write_ascending(flags, n, part, L.out, p.is3, p.width);
+  const int c =
+      sel::group_top_k(gr, [keys](int i) { return sel::rank_key_of(keys[i], i); }, n, p.top_k, L.out, p.is3, p.width);
   if constexpr (kTiles)
-    if (tid == 0) p.cnt[L.b * p.cs0 + L.g * p.cs1 + L.pos * p.cs2] = c;
+    if (gr.tid == 0) p.cnt[L.b * p.cs0 + L.g * p.cs1 + L.pos * p.cs2] = c;
 }
 
 // ---- host ------------------------------------------------------------------------------------------------
