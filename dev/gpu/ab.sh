@@ -7,7 +7,7 @@
 # Here:   dev/gpu/stage_deps.sh && git archive HEAD -o .gpu/base.tar   (then apply the change to the tree)
 # There:  OUT=... dev/gpu/ab.sh   (run with carry [".gpu"])
 # Knobs: FILTER (gtest filter), SAN (sanitised tests), ROUNDS (benchmark rounds), BENCH (script and
-# arguments), NCU=0 to skip ncu. Logs go to $OUT; the figures to stdout.
+# arguments), SHOW (the benchmark lines printed, grep -E), NCU=0 to skip ncu. Logs go to $OUT; the figures to stdout.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$ROOT/gpu-out}"
@@ -15,6 +15,7 @@ FILTER="${FILTER:-TokenMax*:Pooled*:Lightning*:SelectorPrep*:SelectorsGpu*}"
 SAN="${SAN:-TokenMaxGpu.SanitizerSmall:PooledGpu.SanitizerSmall}"
 ROUNDS="${ROUNDS:-1 2 3}"
 BENCH="${BENCH:-bench/gpu/bench_selectors.py}"
+SHOW="${SHOW:-^selector|us}"  # benchmark output lines printed (grep -E)
 mkdir -p "$OUT"
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
@@ -46,7 +47,7 @@ for r in $ROUNDS; do
     P="$ROOT/build-ab/py"; [ "$v" = base ] && P="$BASE/build/py"
     PYTHONPATH="$P" timeout 200 python3 $BENCH --json "$OUT/bench_${v}_$r.json" > "$OUT/bench_${v}_$r.log" 2>&1
     el "bench $v round $r rc=$?"
-    grep -E "^selector|us" "$OUT/bench_${v}_$r.log" | sed -E 's/ lists equal.*//' | head -12
+    grep -E "$SHOW" "$OUT/bench_${v}_$r.log" | sed -E 's/ lists equal.*//' | head -12
   done
 done
 if [ "${NCU:-1}" = 1 ]; then

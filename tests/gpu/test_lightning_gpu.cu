@@ -100,6 +100,7 @@ const Case kCases[] = {
     {"HI=80 (128 head slots), Di=160", 1, 30, 400, 80, 160, 1, 50, true},
     {"HI=128, Di=256", 1, 9, 300, 128, 256, 1, 20, false},
     {"HI=16 (8 queries a tile), Lk % 128 = 1", 1, 100, 1153, 16, 32, 1, 24, true},
+    {"HI=24 (4 queries a tile), Lq % 4 = 1", 1, 77, 900, 24, 48, 1, 30, true},
 };
 
 TEST(LightningGpu, ContractRandom) {
@@ -241,6 +242,8 @@ TEST(LightningGpu, ContractSinkKeys) {
       {"sink 4", 1, 200, 700, 4, 32, 1, 16, true, sa::DType::bf16, 0, 4},
       {"sink 40 > top_k", 2, 60, 500, 4, 32, 2, 16, true, sa::DType::bf16, 0, 40},
       {"sink 300 non-causal (3 blocks)", 1, 30, 900, 8, 64, 1, 5, false, sa::DType::bf16, 0, 300},
+      {"sink 7, HI=20 (4 queries a tile), non-causal", 1, 41, 400, 20, 32, 1, 10, false, sa::DType::bf16, 0, 7},
+      {"sink 130 (into block 1) < top_k, 64 heads (2 queries a tile)", 1, 50, 600, 64, 64, 1, 140, true, sa::DType::bf16, 0, 130},
   };
   std::uint64_t seed = 5400;
   for (auto prec : {sa::IndexPrecision::bf16, sa::IndexPrecision::fp8_e4m3})

@@ -47,11 +47,13 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/common/smem_limit.hpp"
 #include "cuda/common/sync.cuh"
 #include "cuda/common/wgmma.cuh"
+#include "cuda/common/wgmma_fp8.cuh"
 #include "cuda/selectors/backend.hpp"
 #include "cuda/selectors/common.cuh"
 #include "cuda/selectors/prep.cuh"
@@ -228,7 +230,6 @@ __device__ int group_keep(const Group& gr, u64* a, int n, u64 v) {
 // No sort: the bitmap is the order.
 __device__ void group_write_ascending(const Group& gr, const u64* a, int n, u64 v, std::int64_t nid, unsigned* bitmap,
                                       int words, const OutRows& out, std::int64_t batch, std::int64_t t) {
-  const int lane = gr.tid % 32, w = gr.tid / 32;
   int written = 0;
   for (std::int64_t w0 = 0; w0 < nid; w0 += 32LL * words) {
     const int nw = static_cast<int>(imin<std::int64_t>(words, (nid - w0 + 31) / 32));
@@ -244,16 +245,8 @@ __device__ void group_write_ascending(const Group& gr, const u64* a, int n, u64 
     const int lo = imin(gr.tid * per, nw), hi = imin(lo + per, nw);
     int mine = 0;
     for (int i = lo; i < hi; ++i) mine += __popc(bitmap[i]);
-    int incl = mine;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
-    int* wsum = gr.warp_counts();
-    if (lane == 31) wsum[w] = incl;
-    gr.sync();
-    int pos = written + incl - mine, total = 0;
-    for (int u = 0; u < Group::kWarps; ++u) pos += u < w ? wsum[u] : 0, total += wsum[u];
+    int total = 0;
+    int pos = written + sel::group_exclusive_scan(gr, mine, total);
     for (int i = lo; i < hi; ++i)
       for (unsigned bits = bitmap[i]; bits != 0u; bits &= bits - 1u, ++pos) {
         const auto id = static_cast<std::int32_t>(w0 + 32 * i + __ffs(bits) - 1);
@@ -266,20 +259,6 @@ __device__ void group_write_ascending(const Group& gr, const u64* a, int n, u64 
     for (std::int64_t g = 0; g < out.G; ++g) out.row(batch, g, t)[s * out.s3] = -1;
 }
 
-#define LT_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                 "+f"(d[i + 6]), "+f"(d[i + 7])
-// d = A(64 x 32, smem, K-major) * B(32 x 64, smem, K-major), e4m3 inputs, float32 accumulator (scale-d = 0).
-__device__ __forceinline__ void wgmma_fp8_first(float (&d)[32], u64 desc_a, u64 desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
-      : LT_D8(0), LT_D8(8), LT_D8(16), LT_D8(24)
-      : "l"(desc_a), "l"(desc_b));
-}
-#undef LT_D8
-
 // The fp8 scores of a 64-key half against the two n64 column pieces, kSteps k32 steps (desc_a(kk), desc_lo(kk),
 // desc_hi(kk) the operands of step kk). Every step from a zero accumulator, the steps added in float32 in d order
 // (the bound's item a). One commit group per (step, piece), issued in that order; after issuing one, waiting
@@ -289,14 +268,14 @@ __device__ __forceinline__ void fp8_scores(float (&acc_lo)[32], float (&acc_hi)[
                                            float (&part_hi)[32], const DA& desc_a, const DLo& desc_lo,
                                            const DHi& desc_hi) {
   ck::wgmma_fence();
-  wgmma_fp8_first(acc_lo, desc_a(0), desc_lo(0));
+  ck::wgmma_ss_e4m3(acc_lo, desc_a(0), desc_lo(0), 0);
   ck::wgmma_commit();
-  wgmma_fp8_first(acc_hi, desc_a(0), desc_hi(0));
+  ck::wgmma_ss_e4m3(acc_hi, desc_a(0), desc_hi(0), 0);
   ck::wgmma_commit();
 #pragma unroll
   for (int kk = 1; kk < kSteps; ++kk) {
     ck::wgmma_fence();
-    wgmma_fp8_first(part_lo, desc_a(kk), desc_lo(kk));
+    ck::wgmma_ss_e4m3(part_lo, desc_a(kk), desc_lo(kk), 0);
     ck::wgmma_commit();
     ck::wgmma_wait<1>();  // step kk - 1 of the high piece (and every group before) done
     ck::fence_operands(acc_lo);
@@ -307,7 +286,7 @@ __device__ __forceinline__ void fp8_scores(float (&acc_lo)[32], float (&acc_hi)[
       for (int i = 0; i < 32; ++i) acc_hi[i] += part_hi[i];
     }
     ck::wgmma_fence();
-    wgmma_fp8_first(part_hi, desc_a(kk), desc_hi(kk));
+    ck::wgmma_ss_e4m3(part_hi, desc_a(kk), desc_hi(kk), 0);
     ck::wgmma_commit();
     ck::wgmma_wait<1>();  // step kk of the low piece done
     ck::fence_operands(part_lo);
@@ -419,6 +398,69 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc_lo[i] = 0.0f, acc_hi[i] = 0.0f, part_lo[i] = 0.0f, part_hi[i] = 0.0f;
 
+  // The scores of a half's 64 keys for each query of the warpgroup's tile, kHp head slots a query: acc_lo holds
+  // columns [0, 64), acc_hi [64, 128); thread (warp wl, lane 4 g + q4) holds keys 16 wl + g (+ 8) and columns
+  // 8 i + 2 q4 (+ 1), i < 16, so a query's weighted ReLU sum over its heads is an fma chain over the thread's
+  // columns (i, then the pair, in order) and two quad shuffles. kHp a constant: the query boundaries, the
+  // weights' offsets and the query indices are fixed at compile time. Token form: each visible key's score
+  // enters the query's candidate buffer if it ranks before the buffer's threshold (the k-th best key at the
+  // last compaction); block form: the half's maximum over the query's visible keys, per warp, to `wred`.
+  auto score_half = [&](auto hp_c, int j, int half) {
+    constexpr int kHp = decltype(hp_c)::value;
+    float2 wv[16];  // the weights of the thread's columns, loaded together
+#pragma unroll
+    for (int i = 0; i < 16; ++i) wv[i] = *reinterpret_cast<const float2*>(ww + 8 * i + 2 * q4);
+    const int kt0 = 64 * half + 16 * wl + g;  // the thread's first key in the tile
+    // The tile's keys as the queries see them, relative to its first key, in 32 bits: query qi sees keys
+    // [0, end_rel(qi)) of the tile (none past Lq), keys [0, sink_rel) are forced. e0 is clamped so that
+    // e0 + qi cannot overflow; every value outside [0, 128] acts as its bound.
+    const std::int64_t k_tile = static_cast<std::int64_t>(j) * kStageKeys;
+    const int lk_rel = static_cast<int>(imin<std::int64_t>(p.Lk - k_tile, kStageKeys));
+    const int e0 = static_cast<int>(imax<std::int64_t>(-256, imin<std::int64_t>(256, t0 + (p.Lk - p.Lq) + 1 - k_tile)));
+    const int sink_rel = static_cast<int>(imax<std::int64_t>(0, imin<std::int64_t>(kStageKeys, p.sink - k_tile)));
+    const int nvalid = static_cast<int>(imax<std::int64_t>(0, imin<std::int64_t>(128 / kHp, p.Lq - t0)));
+    auto end_rel = [&](int qi) {
+      const int e = p.causal ? imin(imax(e0 + qi, 0), lk_rel) : lk_rel;
+      return qi < nvalid ? e : 0;
+    };
+    float slo = 0.0f, shi = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float* sc = i < 8 ? acc_lo + 4 * i : acc_hi + 4 * (i - 8);  // i is a constant after unrolling
+      slo = fmaf(wv[i].x, fmaxf(sc[0], 0.0f), slo);
+      slo = fmaf(wv[i].y, fmaxf(sc[1], 0.0f), slo);
+      shi = fmaf(wv[i].x, fmaxf(sc[2], 0.0f), shi);
+      shi = fmaf(wv[i].y, fmaxf(sc[3], 0.0f), shi);
+      if (((8 * (i + 1)) % kHp) != 0) continue;  // the query's columns continue (a constant)
+      const int qi = 8 * i / kHp;
+      slo += __shfl_xor_sync(0xffffffffu, slo, 1);
+      shi += __shfl_xor_sync(0xffffffffu, shi, 1);
+      slo += __shfl_xor_sync(0xffffffffu, slo, 2);
+      shi += __shfl_xor_sync(0xffffffffu, shi, 2);
+      const int er = end_rel(qi);
+      if constexpr (kBlocks) {
+        float m = fmaxf(kt0 < er ? sanitize(slo) : -INFINITY, kt0 + 8 < er ? sanitize(shi) : -INFINITY);
+        for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) wred[(half * 4 + wl) * (128 / kHp) + qi] = m;
+      } else {
+        // Lane q4 = 0 offers key kt0, q4 = 1 key kt0 + 8 (the quad holds both sums).
+        const int kt = kt0 + 8 * q4;
+        const float s = kt < sink_rel ? INFINITY : sanitize(q4 == 0 ? slo : shi);
+        const u64 rk = rank_key(s, k_tile + kt);
+        const bool offer = q4 < 2 && kt < er && rk > wthr[qi];
+        const unsigned m = __ballot_sync(0xffffffffu, offer);
+        if (m != 0u) {
+          const int leader = __ffs(m) - 1;
+          int base = 0;
+          if (lane == leader) base = atomicAdd(&wcnt[qi], __popc(m));
+          base = __shfl_sync(0xffffffffu, base, leader);
+          if (offer) wbuf[static_cast<std::int64_t>(qi) * cap + base + __popc(m & ((1u << lane) - 1u))] = rk;
+        }
+      }
+      slo = 0.0f, shi = 0.0f;
+    }
+  };
+
   if (ntiles > 0) qbar->wait(0);
   for (int j = 0; j < ntiles; ++j) {
     const int slot = j % pl.stages;
@@ -446,9 +488,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
         }
       } else {
         ck::wgmma_fence();
-        ck::wgmma_ss<ck::Bf16Tag>(acc_lo, desc(a0, 0), desc(q_base, 0), 0);
+        ck::wgmma_ss_first<ck::Bf16Tag>(acc_lo, desc(a0, 0), desc(q_base, 0));
         for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc_lo, desc(a0, kk), desc(q_base, kk), 1);
-        ck::wgmma_ss<ck::Bf16Tag>(acc_hi, desc(a0, 0), desc(b_hi, 0), 0);
+        ck::wgmma_ss_first<ck::Bf16Tag>(acc_hi, desc(a0, 0), desc(b_hi, 0));
         for (int kk = 1; kk < pl.ksteps; ++kk) ck::wgmma_ss<ck::Bf16Tag>(acc_hi, desc(a0, kk), desc(b_hi, kk), 1);
         ck::wgmma_commit();
         ck::wgmma_wait<0>();
@@ -457,45 +499,13 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
       }
       if (half == 1 && lane == 0) empty[slot].arrive();  // this warp's reads of the tile are done
 
-      const std::int64_t key0 = static_cast<std::int64_t>(j) * kStageKeys + 64 * half + 16 * wl + g;
-      float slo = 0.0f, shi = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float2 wi = *reinterpret_cast<const float2*>(ww + 8 * i + 2 * q4);
-        const float* sc = i < 8 ? acc_lo + 4 * i : acc_hi + 4 * (i - 8);  // i is a constant after unrolling
-        slo = fmaf(wi.x, fmaxf(sc[0], 0.0f), slo);
-        slo = fmaf(wi.y, fmaxf(sc[1], 0.0f), slo);
-        shi = fmaf(wi.x, fmaxf(sc[2], 0.0f), shi);
-        shi = fmaf(wi.y, fmaxf(sc[3], 0.0f), shi);
-        if (((8 * (i + 1)) & (hp - 1)) != 0) continue;  // the query's columns continue (uniform)
-        const int qi = 8 * i / hp;
-        slo += __shfl_xor_sync(0xffffffffu, slo, 1);
-        shi += __shfl_xor_sync(0xffffffffu, shi, 1);
-        slo += __shfl_xor_sync(0xffffffffu, slo, 2);
-        shi += __shfl_xor_sync(0xffffffffu, shi, 2);
-        const std::int64_t t = t0 + qi;
-        const std::int64_t end = t < p.Lq ? p.key_end(t) : 0;
-        if constexpr (kBlocks) {
-          float m = fmaxf(key0 < end ? sanitize(slo) : -INFINITY, key0 + 8 < end ? sanitize(shi) : -INFINITY);
-          for (int o = 4; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-          if (lane == 0) wred[(half * 4 + wl) * nq + qi] = m;
-        } else {
-          const std::int64_t sink_end = imin(p.sink, end);
-          // Lane q4 = 0 offers key0, q4 = 1 key0 + 8 (the quad holds both sums).
-          const std::int64_t key = q4 == 0 ? key0 : key0 + 8;
-          const float sc = key < sink_end ? INFINITY : sanitize(q4 == 0 ? slo : shi);
-          const u64 rk = rank_key(sc, key);
-          const bool offer = q4 < 2 && key < end && rk > wthr[qi];
-          const unsigned m = __ballot_sync(0xffffffffu, offer);
-          if (m != 0u) {
-            const int leader = __ffs(m) - 1;
-            int base = 0;
-            if (lane == leader) base = atomicAdd(&wcnt[qi], __popc(m));
-            base = __shfl_sync(0xffffffffu, base, leader);
-            if (offer) wbuf[static_cast<std::int64_t>(qi) * cap + base + __popc(m & ((1u << lane) - 1u))] = rk;
-          }
-        }
-        slo = 0.0f, shi = 0.0f;
+      // The head sums and the candidates (score_half), with hp (head slots per query) as a constant.
+      switch (hp) {
+        case 8: score_half(std::integral_constant<int, 8>{}, j, half); break;
+        case 16: score_half(std::integral_constant<int, 16>{}, j, half); break;
+        case 32: score_half(std::integral_constant<int, 32>{}, j, half); break;
+        case 64: score_half(std::integral_constant<int, 64>{}, j, half); break;
+        default: score_half(std::integral_constant<int, 128>{}, j, half); break;
       }
     }
     ck::named_barrier_sync(wg_barrier(wg), 128);
