@@ -42,7 +42,10 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
   // The swizzle pattern is applied to absolute address bits: tiles must start 1024-aligned.
   Storage& sm = *reinterpret_cast<Storage*>(smem_raw + ((1024u - (raw & 1023u)) & 1023u));
-  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  // By a broadcast from lane 0: the compiler then knows the warpgroup (and the consumer index) warp-uniform,
+  // so values derived from it (the Q tile's wgmma descriptors, the gate's geometry and its branches) can live in
+  // uniform registers and the branches on them do not make the ring state divergent.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   const int thread = static_cast<int>(threadIdx.x) % 128;
 
   if (threadIdx.x == 0) {
