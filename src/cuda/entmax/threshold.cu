@@ -586,7 +586,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_barrier_init();
   }
   __syncthreads();
-  const int warpgroup = static_cast<int>(threadIdx.x) / 128, thread = static_cast<int>(threadIdx.x) % 128;
+  // The warpgroup by a broadcast from lane 0, so the compiler knows it (and the consumer index) warp-uniform
+  // and keeps the wgmma descriptors and the ring state in uniform registers (as the attention kernel does).
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  const int thread = static_cast<int>(threadIdx.x) % 128;
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();
     if (thread != 0 || nblk == 0) return;

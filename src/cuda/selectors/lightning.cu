@@ -330,7 +330,11 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
   const Plan& pl = p.plan;
   const int nq = pl.nq, hp = pl.hp, cap = pl.cap, k = p.top_k;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  // fp8: the warp index by a broadcast from lane 0, so that the compiler knows it (and the warpgroup's)
+  // warp-uniform and keeps the wgmma descriptors in uniform registers. Not for bf16: there ptxas then serialises
+  // the wgmmas of the run-time k-step loop (C7520).
+  const int tid = threadIdx.x, warp = kFp8 ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32, lane = tid % 32,
+            wg = warp / 4;
   const int tile_bytes = pl.chunks * kChunkBytes;
   const std::int64_t b = blockIdx.y, gq0 = (gridDim.x - 1 - blockIdx.x) * static_cast<std::int64_t>(kConsumerWGs);
   const std::int64_t t_last = imin(p.Lq, (gq0 + kConsumerWGs) * nq) - 1;
