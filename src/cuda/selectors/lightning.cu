@@ -15,7 +15,7 @@
 // codes (fp8: e4m3 values without the per-tensor scales sq, sk; bf16: the values, sq = sk = 1). The GPU score
 // of key s is Ic = fl-sum_j w_j ReLU(T^_j) in code units, T^_j the tensor-core dot of cq_j and ck. The exact
 // score (the CPU's) is X = sum_j w_j ReLU(D_j), D_j the float64 dot of the dequantised values.
-//  a. Tensor cores, fp8 (m64n128k32, products of two e4m3 values exact). Assumed, conservatively: within
+//  a. Tensor cores, fp8 (m64n64k32 pieces, products of two e4m3 values exact). Assumed, conservatively: within
 //     one wgmma k32 instruction the 32 products and the incoming accumulator are aligned to the largest
 //     exponent among them and each is truncated to 13 significant bits relative to it (error below 2^-12 x
 //     the largest magnitude, per addend), the sum is formed without further loss and rounded once to float32.
@@ -24,7 +24,7 @@
 //     most 32 * 2^-12 M = 2^-7 M plus 2^-24 of the result; the n = ceil(Di / 32) step results and their n - 1
 //     float32 additions add at most n 2^-23 sum_d |cq_d ck_d|. With M <= |cq_j|inf |ck|inf per step:
 //       |T^_j - T_j| <= 2^-7 n |cq_j|inf |ck|inf + n 2^-23 |cq_j|2 |ck|2.
-//     bf16 (m64n128k16, products exact in float32): float32 accumulation keeps at least 24 bits after the
+//     bf16 (m64n64k16 pieces, products exact in float32): float32 accumulation keeps at least 24 bits after the
 //     alignment, so each k16 step errs by at most 2^-18 (|acc| + sum |products|) (tc_index.cuh, item 1):
 //       |T^_j - T_j| <= 2^-18 n |cq_j|2 |ck|2 with n = ceil(Di / 16) (the accumulator chain is not reset).
 //  b. ReLU is 1-Lipschitz; the head sum is an fma chain over the thread's heads (at most 32) then two quad
