@@ -42,10 +42,8 @@ __global__ void __launch_bounds__(kKernelThreads, 1)
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
   // The swizzle pattern is applied to absolute address bits: tiles must start 1024-aligned.
   Storage& sm = *reinterpret_cast<Storage*>(smem_raw + ((1024u - (raw & 1023u)) & 1023u));
-  // By a broadcast from lane 0: the compiler then knows the warpgroup (and the consumer index) warp-uniform,
-  // so values derived from it (the Q tile's wgmma descriptors, the gate's geometry and its branches) can live in
-  // uniform registers and the branches on them do not make the ring state divergent.
-  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  // warp_uniform: the Q tile's descriptors and the gate's geometry derived from it stay in uniform registers.
+  const int warpgroup = warp_uniform(static_cast<int>(threadIdx.x) / 128);
   const int thread = static_cast<int>(threadIdx.x) % 128;
 
   if (threadIdx.x == 0) {

@@ -401,9 +401,9 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
           OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
         float mx[2];
         OnlineSoftmax::row_maxima<kGated>(acc_s, mx);
-        // The verdict is the warpgroup's (a barrier vote); taken through a warp vote as well, so that the
-        // compiler knows it warp-uniform and the ring state and the wgmma descriptors stay in uniform registers.
-        if (kGated && !__all_sync(0xffffffffu, gate.keep(gp, p, mx, j, consumer))) return false;
+        // The verdict is the warpgroup's (a barrier vote); warp_uniform keeps the ring state merged after the
+        // branch on it, and the wgmma descriptors built from that, in uniform registers.
+        if (kGated && !warp_uniform(gate.keep(gp, p, mx, j, consumer))) return false;
         softmax.update(acc_s, mx, p.scale_log2, factor, exp_begin, exp_end);
         return true;
       };
@@ -486,8 +486,8 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       }
     };
     if constexpr (Gate::kEnabled) {
-      // open() is the same in both warpgroups; the warp vote tells the compiler so (see softmax_block).
-      if (__all_sync(0xffffffffu, gate.open())) {  // the counts are known before the walk
+      // open() is the same in both warpgroups (warp_uniform: see softmax_block).
+      if (warp_uniform(gate.open())) {  // the counts are known before the walk
         gate.finish(gp, p, w, consumer, thread, true);
         walk_item(std::false_type{});
       } else {

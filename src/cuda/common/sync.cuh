@@ -28,6 +28,13 @@ enum class NamedBarrier : std::uint32_t {
   kLightningMerge = 12,  // both consumer warpgroups are done with their key tiles
 };
 
+/// A value the same in every lane of the warp, made visible as such to the compiler (a broadcast from lane 0;
+/// for a predicate, a warp vote). Derived from threadIdx or read from shared memory, such a value looks
+/// per-lane to ptxas: the wgmma descriptors built from it, and ring state merged after branches on it, then
+/// live in vector registers and are moved to uniform ones before every wgmma. Through this they stay uniform.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+__device__ __forceinline__ bool warp_uniform(bool b) { return __all_sync(0xffffffffu, b); }
+
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, std::uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<std::uint32_t>(id)), "r"(threads) : "memory");
 }

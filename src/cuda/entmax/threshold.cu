@@ -586,9 +586,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_barrier_init();
   }
   __syncthreads();
-  // The warpgroup by a broadcast from lane 0, so the compiler knows it (and the consumer index) warp-uniform
-  // and keeps the wgmma descriptors and the ring state in uniform registers (as the attention kernel does).
-  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  // warp_uniform: the wgmma descriptors derived from the consumer index stay in uniform registers.
+  const int warpgroup = warp_uniform(static_cast<int>(threadIdx.x) / 128);
   const int thread = static_cast<int>(threadIdx.x) % 128;
   if (warpgroup == 0) {
     warpgroup_reg_dealloc<kProducerRegs>();

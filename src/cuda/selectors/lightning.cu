@@ -330,11 +330,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
   unsigned char* smem = smem_raw + ((1024 - (ck::smem_addr(smem_raw) & 1023)) & 1023);
   const Plan& pl = p.plan;
   const int nq = pl.nq, hp = pl.hp, cap = pl.cap, k = p.top_k;
-  // fp8: the warp index by a broadcast from lane 0, so that the compiler knows it (and the warpgroup's)
-  // warp-uniform and keeps the wgmma descriptors in uniform registers. Not for bf16: there ptxas then serialises
-  // the wgmmas of the run-time k-step loop (C7520).
-  const int tid = threadIdx.x, warp = kFp8 ? __shfl_sync(0xffffffffu, tid / 32, 0) : tid / 32, lane = tid % 32,
-            wg = warp / 4;
+  // fp8: the warp index warp_uniform, so the wgmma descriptors derived from it stay in uniform registers. Not
+  // for bf16: there ptxas then serialises the wgmmas of the run-time k-step loop (C7520).
+  const int tid = threadIdx.x, warp = kFp8 ? ck::warp_uniform(tid / 32) : tid / 32, lane = tid % 32, wg = warp / 4;
   const int tile_bytes = pl.chunks * kChunkBytes;
   const std::int64_t b = blockIdx.y, gq0 = (gridDim.x - 1 - blockIdx.x) * static_cast<std::int64_t>(kConsumerWGs);
   const std::int64_t t_last = imin(p.Lq, (gq0 + kConsumerWGs) * nq) - 1;
@@ -417,7 +415,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const __grid_consta
     const int kt0 = 64 * half + 16 * wl + g;  // the thread's first key in the tile
     // The tile's keys as the queries see them, relative to its first key, in 32 bits: query qi sees keys
     // [0, end_rel(qi)) of the tile (none past Lq), keys [0, sink_rel) are forced. e0 is clamped so that
-    // e0 + qi cannot overflow; every value outside [0, 128] acts as its bound.
+    // e0 + qi cannot overflow; every value outside [0, 128] acts as its bound. Computed per half rather than
+    // kept per tile: four more live registers made ptxas spill the block form.
     const std::int64_t k_tile = static_cast<std::int64_t>(j) * kStageKeys;
     const int lk_rel = static_cast<int>(imin<std::int64_t>(p.Lk - k_tile, kStageKeys));
     const int e0 = static_cast<int>(imax<std::int64_t>(-256, imin<std::int64_t>(256, t0 + (p.Lk - p.Lq) + 1 - k_tile)));

@@ -258,10 +258,10 @@ __global__ void __launch_bounds__(kScreenThreads, 1) screen_kernel(const __grid_
     return;
   }
 
-  // The warpgroup and warp indices by a broadcast from lane 0: the compiler then knows them warp-uniform and
-  // builds the wgmma descriptors and the per-run limits in uniform registers, not per job in vector ones.
+  // The warpgroup and warp indices warp_uniform: the wgmma descriptors and the per-run limits are built in
+  // uniform registers, not per job in vector ones.
   const int ctid = tid - 128, lane = tid % 32;
-  const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0), w = __shfl_sync(0xffffffffu, (ctid / 32) % 4, 0);
+  const int wg = ck::warp_uniform(ctid / 128), w = ck::warp_uniform((ctid / 32) % 4);
   const int mq = wg / 2, half = wg % 2;       // this warpgroup's Q tile in the group and its 64 rows
   const int part = half * 4 + w;              // TileLists: the warp's partial maximum
   constexpr int ksteps = kHalves * 4;
