@@ -5,12 +5,13 @@
 // The gate tile is a consumer warpgroup's 64 rows (kGateRows): after QK, the maximum of the block's
 // raw scores over the warpgroup's rows below Lq, times the softmax scale, is compared with the
 // threshold of (head, gate tile). Below it the block leaves no trace: no exponentials, no P V, no update
-// of m or l. Each thread tests its two rows' maxima (scaled; the scaling is monotone, so all rows below
-// is the tile maximum below) and one named barrier of the warpgroup ANDs the 128 votes (barrier.red):
-// no shuffles or shared memory. Blocks straddling the gate tile's causal diagonal and the first
-// sink_blocks blocks are always kept; blocks no row of the gate tile sees are skipped without being
-// counted (they would add nothing). Deciding per warpgroup costs one barrier of 128 threads per block; a
-// 128-row gate would have to exchange maxima between the two warpgroups.
+// of m or l. Each thread tests its share of its two rows' maxima (the maximum over the scores it holds,
+// scaled; the scaling is monotone, so every share below is the tile maximum below) and one named barrier
+// of the warpgroup ANDs the 128 votes (barrier.red): no shuffles or shared memory. Blocks straddling the
+// gate tile's causal diagonal and the first sink_blocks blocks are always kept; blocks no row of the
+// gate tile sees are skipped without being counted (they would add nothing). Deciding per warpgroup costs
+// one barrier of 128 threads per block; a 128-row gate would have to exchange maxima between the two
+// warpgroups.
 //
 // V of a skipped block is loaded anyway (the producer does not wait for the gate): the consumer waits
 // for it and releases the slot, which keeps the rings in step without any signal back to the producer.
@@ -121,8 +122,9 @@ struct BlockMaxGate {
   /// find the same answer, so they take the same walk.
   __device__ __forceinline__ bool open() const { return item_open; }
 
-  /// Whether block j, whose raw row maxima (row_maxima<true>) are mx, is kept. Uniform across the
-  /// warpgroup (every thread of it calls this for every block of the gated walk: the vote is a barrier).
+  /// Whether block j is kept; mx: the thread's share of its two rows' raw maxima over the block
+  /// (OnlineSoftmax::thread_maxima<true>). Uniform across the warpgroup (every thread of it calls this
+  /// for every block of the gated walk: the vote is a barrier).
   __device__ __forceinline__ bool keep(const Params& g, const TileAttentionParams& p, const float (&mx)[2], int j,
                                        int consumer) {
     if (!exists) return true;  // no row below Lq: nothing to skip or count
@@ -132,8 +134,9 @@ struct BlockMaxGate {
       ++passed;
       return true;
     }
-    // Skipped iff every row's maximum, scaled as the CPU scales each score, is below the threshold (the
-    // scaling is monotone, so this is the tile maximum's test); a NaN maximum (a NaN score) keeps it.
+    // Skipped iff every thread's share of every row's maximum, scaled as the CPU scales each score, is
+    // below the threshold (the scaling is monotone, so this is the tile maximum's test); a NaN share (a
+    // NaN score) keeps it.
     const bool below = (!row_in[0] || mx[0] * g.scale < threshold) && (!row_in[1] || mx[1] * g.scale < threshold);
     const bool pass = !named_barrier_and(consumer == 0 ? NamedBarrier::kGateWG0 : NamedBarrier::kGateWG1, 128, below);
     passed += pass;

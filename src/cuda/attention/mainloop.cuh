@@ -400,10 +400,17 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         if (BlockPolicy::needs_mask<kCausal>(p, j, first_row))
           OnlineSoftmax::apply_mask(acc_s, thread, first_row, j * kBlockKeys, p.Lk, kCausal, p.Lk - p.Lq);
         float mx[2];
-        OnlineSoftmax::row_maxima<kGated>(acc_s, mx);
-        // The verdict is the warpgroup's (a barrier vote); warp_uniform keeps the ring state merged after the
-        // branch on it, and the wgmma descriptors built from that, in uniform registers.
-        if (kGated && !warp_uniform(gate.keep(gp, p, mx, j, consumer))) return false;
+        if constexpr (kGated) {
+          // The vote needs only each thread's share of its rows' maxima (the warpgroup's AND covers the
+          // quad), so a skipped block pays no shuffle; a kept one completes the maxima after the vote.
+          // The verdict is the warpgroup's (a barrier vote); warp_uniform keeps the ring state merged
+          // after the branch on it, and the wgmma descriptors built from that, in uniform registers.
+          OnlineSoftmax::thread_maxima<true>(acc_s, mx);
+          if (!warp_uniform(gate.keep(gp, p, mx, j, consumer))) return false;
+          OnlineSoftmax::quad_maxima<true>(mx);
+        } else {
+          OnlineSoftmax::row_maxima<false>(acc_s, mx);
+        }
         softmax.update(acc_s, mx, p.scale_log2, factor, exp_begin, exp_end);
         return true;
       };
@@ -418,16 +425,19 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
       // The QK of block j alone, in a turn of its own: the item's first block with nothing pending, or
       // where the block before it was skipped by the gate (its V slot is waited for and released all
       // the same).
-      const auto qk_alone = [&](int j) {
+      // `meanwhile` runs while the QK is in flight (after a skipped block: the release of its V slot).
+      const auto qk_alone = [&](int j, auto meanwhile) {
         turn_begin();
         wgmma_fence();
         issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
         turn_end();
         release_staged_q();
         settle_arrival();
+        meanwhile();
         wgmma_wait<0>();
         return softmax_block(j);
       };
+      const auto nothing = [] {};
       if (pending && (!Gate::kEnabled || pending_kept)) {
         sm.v_full[vs.stage()].wait(vs.phase());
         turn_begin();
@@ -443,10 +453,10 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         retire_pending();
       } else if (pending) {
         sm.v_full[vs.stage()].wait(vs.phase());
-        kept = qk_alone(first.j);
+        kept = qk_alone(first.j, nothing);
         retire_pending();
       } else {
-        kept = qk_alone(first.j);
+        kept = qk_alone(first.j, nothing);
       }
 #pragma unroll
       for (int i = 0; i < kHeadDim / 2; ++i) acc_o[i] = 0.0f;
@@ -458,9 +468,9 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
         sm.k_full[ks.stage()].wait(ks.phase());
         const SlotBlock nb = sm.k_block[ks.stage()];
         last = nb.last != 0;
-        sm.v_full[vs.stage()].wait(vs.phase());
         bool next_kept;
         if (!kGated || kept) {
+          sm.v_full[vs.stage()].wait(vs.phase());
           turn_begin();
           wgmma_fence();
           issue_qk<Tag, kHeadDim>(acc_s, s_q, k_addr(ks.stage()));
@@ -473,11 +483,17 @@ __device__ __forceinline__ void consumer_loop(const TileAttentionParams& p, cons
           wgmma_wait<0>();
           fence_operands(acc_o);
           keep_live(pa);
+          release(sm.v_empty[vs.stage()]);
+          vs.advance();
         } else {
-          next_kept = qk_alone(nb.j);
+          // The skipped block's V slot: waited for and released while the next QK runs, so the producer
+          // may refill it before the vote.
+          next_kept = qk_alone(nb.j, [&] {
+            sm.v_full[vs.stage()].wait(vs.phase());
+            release(sm.v_empty[vs.stage()]);
+            vs.advance();
+          });
         }
-        release(sm.v_empty[vs.stage()]);
-        vs.advance();
         kept = next_kept;
         if (!kGated || kept) {
           Transform::rescale(acc_o, factor);

@@ -58,8 +58,17 @@ struct OnlineSoftmax {
   /// alone and the NaN p makes l NaN, as with the NaN passed over.
   template <bool kKeepNan>
   __device__ __forceinline__ static void row_maxima(const float (&s)[64], float (&mx)[2]) {
+    thread_maxima<kKeepNan>(s, mx);
+    quad_maxima<kKeepNan>(mx);
+  }
+  /// row_maxima in two steps: the thread's share of each row (no shuffle), then the quad's.
+  template <bool kKeepNan>
+  __device__ __forceinline__ static void thread_maxima(const float (&s)[64], float (&mx)[2]) {
     mx[0] = mx[1] = -INFINITY;
     row_max<kKeepNan>(s, mx);
+  }
+  template <bool kKeepNan>
+  __device__ __forceinline__ static void quad_maxima(float (&mx)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) mx[r] = quad_max<kKeepNan>(mx[r]);
   }
